@@ -1,0 +1,36 @@
+// CUDA kernels of the metadata layer (Spin §5.2 Retrieve lookup path).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "sparsekv/core/error_code.hpp"
+#include "sparsekv/metadata/partition_lookup_cuda.hpp"
+
+namespace sparsekv::cuda {
+namespace {
+
+__global__ void resolve_partition_pages_kernel(PartitionLookup lookup, std::size_t instance,
+                                               const PartitionId* partitions, const std::uint32_t* out_offsets,
+                                               std::uint32_t count, PageId* out) {
+  for (std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+    lookup.copy_pages(instance, partitions[i], out + out_offsets[i]);
+  }
+}
+
+}  // namespace
+
+void resolve_partition_pages(const PartitionLookup& lookup, std::size_t instance, const PartitionId* partitions,
+                             const std::uint32_t* out_offsets, std::uint32_t count, PageId* out, void* stream) {
+  if (count == 0) return;
+  constexpr std::uint32_t kThreads = 256;
+  const std::uint32_t blocks = (count + kThreads - 1) / kThreads;
+  resolve_partition_pages_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      lookup, instance, partitions, out_offsets, count, out);
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    throw Error(ErrorCode::cuda_error, std::string("resolve_partition_pages launch failed: ") +
+                                           cudaGetErrorString(status));
+  }
+}
+
+}  // namespace sparsekv::cuda

@@ -1,0 +1,46 @@
+#pragma once
+// Library-wide settings. Defaults follow the papers (docs/configuration.md):
+//  - page_tokens = 8: Spin Table 3 (ShadowKV and RetroInfer page size).
+//  - timestamp_buckets = 64: Spin §5.3 bucketed LRU timestamp range.
+//  - min_buffer_ratio = 5: Spin §5.3, minimum buffering pages per mandatory page.
+//  - working_set_window = 12: SparseServe §3.3, steps in the working-set estimate.
+#include <cstddef>
+#include <cstdint>
+
+#include "sparsekv/core/model_shape.hpp"
+
+namespace sparsekv {
+
+struct Config {
+  // Tokens per head-wise page. A power of two so that token -> page is a shift.
+  std::uint32_t page_tokens = 8;
+  // Capacity of the CPU tier (the source of truth) and of the GPU working set.
+  std::size_t cpu_tier_bytes = std::size_t{16} << 30;
+  std::size_t gpu_tier_bytes = std::size_t{4} << 30;
+  // Upper bounds the static metadata directories are sized for.
+  std::uint32_t max_requests = 64;
+  std::uint32_t max_context_tokens = 128 * 1024;
+  // Bucketed LRU (Spin §5.3): timestamps live in [0, timestamp_buckets).
+  std::uint32_t timestamp_buckets = 64;
+  // Buffering pages a request keeps at least, as a multiple of its mandatory pages.
+  double min_buffer_ratio = 5.0;
+  // Decode steps whose selections form the working-set estimate.
+  std::uint32_t working_set_window = 12;
+  // Entries per second-level metadata segment (Spin §5.4). A power of two.
+  std::uint32_t metadata_segment_entries = 256;
+  // Host memory of the CPU tier is reserved (and pinned) in chunks of this size.
+  std::size_t host_chunk_bytes = std::size_t{64} << 20;
+
+  // Throws ErrorCode::invalid_argument naming the first bad field; checks the
+  // shape too, and that each tier holds at least one page of that shape.
+  void validate(const ModelShape& shape) const;
+
+  std::size_t page_bytes(const ModelShape& shape) const noexcept {
+    return std::size_t{page_tokens} * shape.head_token_bytes();
+  }
+  std::uint32_t max_pages_per_head() const noexcept {
+    return (max_context_tokens + page_tokens - 1) / page_tokens;
+  }
+};
+
+}  // namespace sparsekv

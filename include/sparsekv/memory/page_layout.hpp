@@ -1,0 +1,35 @@
+#pragma once
+// Byte layout of one head-wise page (Spin §5.2): `page_tokens` tokens of one
+// (layer, kv head). The K block comes first, then the V block; each block is
+// row-major [page_tokens][head_dim] in the model's dtype, so token `s` of a
+// page has its K row at k_offset(s) and its V row at v_offset(s). Slots past a
+// partially filled page's token count are zero and never read by attention.
+#include <cstddef>
+#include <cstdint>
+
+#include "sparsekv/core/dtype.hpp"
+#include "sparsekv/core/host_device.hpp"
+
+namespace sparsekv {
+
+struct PageLayout {
+  std::uint32_t page_tokens = 8;
+  std::uint32_t head_dim = 128;
+  DType dtype = DType::bf16;
+
+  SPARSEKV_HOST_DEVICE constexpr std::size_t row_bytes() const noexcept {
+    return std::size_t{head_dim} * dtype_size(dtype);
+  }
+  SPARSEKV_HOST_DEVICE constexpr std::size_t block_bytes() const noexcept {
+    return std::size_t{page_tokens} * row_bytes();
+  }
+  SPARSEKV_HOST_DEVICE constexpr std::size_t page_bytes() const noexcept { return 2 * block_bytes(); }
+  SPARSEKV_HOST_DEVICE constexpr std::size_t k_offset(std::uint32_t slot) const noexcept {
+    return std::size_t{slot} * row_bytes();
+  }
+  SPARSEKV_HOST_DEVICE constexpr std::size_t v_offset(std::uint32_t slot) const noexcept {
+    return block_bytes() + std::size_t{slot} * row_bytes();
+  }
+};
+
+}  // namespace sparsekv

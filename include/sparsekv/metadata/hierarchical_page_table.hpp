@@ -1,0 +1,140 @@
+#pragma once
+// HierarchicalPageTable: the four metadata tables of Spin §5.2 with the
+// two-level indexing of Spin §5.4.
+//
+//   table                  tier  indexed by             entry
+//   meta-partition         GPU   partition id           token count, residency
+//   GPU page table         GPU   GPU buffer slot        partition, GPU page, timestamp
+//   partition offset       CPU   partition id           first index in the CPU page table
+//   CPU page table         CPU   flat page index        CPU page id
+//
+// Each table keeps, per (request, layer, kv head), a logical array behind a
+// static directory; segments come from a per-table SegmentPool on demand and
+// return when the request is removed. The host backend keeps all four tables
+// in host memory and accounts each to its tier; the CUDA backend reads the
+// CPU-tier tables from pinned memory through the same TwoLevelView.
+//
+// Not thread-safe. Every call that throws changes nothing.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "sparsekv/core/config.hpp"
+#include "sparsekv/core/ids.hpp"
+#include "sparsekv/core/model_shape.hpp"
+#include "sparsekv/metadata/page_table_entries.hpp"
+#include "sparsekv/metadata/partition_lookup.hpp"
+#include "sparsekv/metadata/two_level_table.hpp"
+
+namespace sparsekv {
+
+// Sizes the directories and segment pools are built for.
+struct PageTableGeometry {
+  std::uint32_t max_requests = 0;
+  std::uint32_t layers = 0;
+  std::uint32_t kv_heads = 0;
+  std::uint32_t page_tokens = 8;
+  std::uint32_t max_partitions_per_head = 0;  // directory length of the partition tables
+  std::uint32_t max_cpu_pages_per_head = 0;   // directory length of the CPU page table
+  std::uint32_t max_gpu_pages_per_head = 0;   // directory length of the GPU page table
+  std::uint32_t segment_entries = 256;
+  // Segment pool capacity of each table, shared by all requests and heads.
+  std::uint32_t meta_segments = 0;
+  std::uint32_t gpu_page_segments = 0;
+  std::uint32_t offset_segments = 0;
+  std::uint32_t cpu_page_segments = 0;
+
+  // Directories sized for Config's max_requests and max_context_tokens; pools
+  // sized for the pages the two tiers can hold, plus one partly filled segment
+  // per head and table.
+  static PageTableGeometry for_config(const Config& config, const ModelShape& shape);
+  void validate() const;
+  std::size_t instances() const noexcept { return std::size_t{max_requests} * layers * kv_heads; }
+};
+
+// Bytes per tier. `reserved` counts directories plus whole pre-allocated pools;
+// `mapped` counts directories plus the segments in use.
+struct MetadataBytes {
+  std::size_t gpu_reserved = 0;
+  std::size_t cpu_reserved = 0;
+  std::size_t gpu_mapped = 0;
+  std::size_t cpu_mapped = 0;
+};
+
+class HierarchicalPageTable {
+ public:
+  // `gpu_tier` backs the meta-partition and GPU page tables, `cpu_tier` the
+  // partition offset and CPU page tables. Both must outlive the table.
+  HierarchicalPageTable(const PageTableGeometry& geometry, MemoryResource& gpu_tier,
+                        MemoryResource& cpu_tier);
+
+  // Requests. add_request throws already_exists / resource_exhausted (no slot);
+  // remove_request returns every segment of the request (its CPU pages are the
+  // caller's to release first: cpu_pages() lists them).
+  void add_request(RequestId request);
+  void remove_request(RequestId request);
+  bool has_request(RequestId request) const noexcept { return slots_.contains(request); }
+  std::size_t request_count() const noexcept { return slots_.size(); }
+
+  // Partitions: appends partitions with the given token counts whose pages are
+  // `cpu_pages` in order (sum of ceil(tokens / page_tokens) ids). All three
+  // partition-side tables grow together or not at all.
+  void append_partitions(RequestId request, std::uint32_t layer, std::uint32_t head,
+                         std::span<const std::uint32_t> token_counts, std::span<const PageId> cpu_pages);
+  // Drops every partition of one head (all must be non-resident).
+  void clear_partitions(RequestId request, std::uint32_t layer, std::uint32_t head);
+  std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const;
+  std::uint32_t cpu_page_count(RequestId request, std::uint32_t layer, std::uint32_t head) const;
+  MetaPartitionEntry meta(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const;
+  void set_resident(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition,
+                    bool resident);
+  std::uint32_t page_count(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const;
+  // Appends the partition's CPU page ids to `out`, in page order.
+  void cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition,
+                 std::vector<PageId>& out) const;
+  // Every CPU page id of one head, in page order.
+  void all_cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head, std::vector<PageId>& out) const;
+
+  // GPU page table: `gpu_slots` entries per head, the head's GPU buffer.
+  // Shrinking drops slots from the tail; dropped slots must be unoccupied.
+  std::uint32_t gpu_slots(RequestId request, std::uint32_t layer, std::uint32_t head) const;
+  void resize_gpu_slots(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t slots);
+  GpuPageEntry gpu_entry(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t slot) const;
+  // Writes a slot; an occupied entry must name an existing partition and page.
+  void set_gpu_entry(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t slot,
+                     const GpuPageEntry& entry);
+
+  // Checks every cross-table invariant (docs/metadata.md); throws
+  // ErrorCode::failed_precondition describing the first violation.
+  void validate() const;
+
+  MetadataBytes bytes() const noexcept;
+  const PageTableGeometry& geometry() const noexcept { return geometry_; }
+
+  // The plain-data views kernels index through, and a request's instance base:
+  // instance(request, layer, head) = instance_base(request) + layer * kv_heads + head.
+  TwoLevelView<MetaPartitionEntry> meta_view() const noexcept { return meta_.view(); }
+  TwoLevelView<GpuPageEntry> gpu_page_view() const noexcept { return gpu_pages_.view(); }
+  TwoLevelView<PartitionOffset> offset_view() const noexcept { return offsets_.view(); }
+  TwoLevelView<CpuPageEntry> cpu_page_view() const noexcept { return cpu_pages_.view(); }
+  PartitionLookup lookup() const noexcept {
+    return {meta_.view(), offsets_.view(), cpu_pages_.view(), geometry_.page_tokens};
+  }
+  std::size_t instance(RequestId request, std::uint32_t layer, std::uint32_t head) const;
+
+ private:
+  std::uint32_t slot_of(RequestId request) const;
+  void validate_instance(std::size_t instance) const;
+
+  PageTableGeometry geometry_;
+  TwoLevelTable<MetaPartitionEntry> meta_;
+  TwoLevelTable<GpuPageEntry> gpu_pages_;
+  TwoLevelTable<PartitionOffset> offsets_;
+  TwoLevelTable<CpuPageEntry> cpu_pages_;
+  std::unordered_map<RequestId, std::uint32_t> slots_;
+  std::vector<std::uint32_t> free_slots_;
+};
+
+}  // namespace sparsekv

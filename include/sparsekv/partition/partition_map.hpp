@@ -1,0 +1,65 @@
+#pragma once
+// PartitionMap: partition -> page list and token count, per request, layer and
+// kv head (Spin §5.2). It turns a PartitionSpec into CPU-tier pages: it takes
+// the pages from the CPU PagePool, records them in the HierarchicalPageTable's
+// partition-side tables (meta-partition, partition offset, CPU page table) and
+// tells the caller where each token's K/V row goes. Tokens of a partition are
+// packed into its pages in spec order, `page_tokens` per page.
+//
+// Shared prefixes reuse another request's pages by reference count
+// (PagedAttention+FlexAttention, Alg. 1); pages are never written after they
+// are mapped, so sharing needs no copy-on-write.
+#include <cstdint>
+#include <vector>
+
+#include "sparsekv/core/ids.hpp"
+#include "sparsekv/memory/page_pool.hpp"
+#include "sparsekv/metadata/hierarchical_page_table.hpp"
+#include "sparsekv/partition/partition_spec.hpp"
+
+namespace sparsekv {
+
+// Where one token's row lands: page `cpu_page`, row `slot` of its K and V blocks.
+struct TokenPlacement {
+  PageId cpu_page = kInvalidPage;
+  std::uint32_t slot = 0;
+};
+
+struct MappedPartitions {
+  PartitionId first_partition = 0;         // id of the spec's partition 0 in this head
+  std::vector<TokenPlacement> placements;  // indexed by the spec's token index
+};
+
+class PartitionMap {
+ public:
+  // Both must outlive the map; the CPU pool's page size must match the table's.
+  PartitionMap(HierarchicalPageTable& table, PagePool& cpu_pool);
+
+  // Appends the spec's partitions to one head, taking fresh CPU pages. All or
+  // nothing: on any error no page is taken and no table changes.
+  MappedPartitions map(RequestId request, std::uint32_t layer, std::uint32_t head, const PartitionSpec& spec);
+  // Appends the first `partitions` partitions of `source`'s head to the same
+  // head of `request`, sharing their pages (reference count + 1 each).
+  void map_shared_prefix(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t head,
+                         std::uint32_t partitions);
+  // Releases every CPU page of every head of the request and drops its
+  // partitions (none may be resident). The request stays registered.
+  void unmap(RequestId request);
+
+  std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const {
+    return table_->partition_count(request, layer, head);
+  }
+  std::uint32_t token_count(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const {
+    return table_->meta(request, layer, head, partition).token_count();
+  }
+  std::vector<PageId> pages(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const;
+
+  const HierarchicalPageTable& table() const noexcept { return *table_; }
+  const PagePool& cpu_pool() const noexcept { return *cpu_pool_; }
+
+ private:
+  HierarchicalPageTable* table_;
+  PagePool* cpu_pool_;
+};
+
+}  // namespace sparsekv

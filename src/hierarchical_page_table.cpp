@@ -1,0 +1,374 @@
+#include "sparsekv/metadata/hierarchical_page_table.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <unordered_set>
+
+#include "sparsekv/core/error.hpp"
+
+namespace sparsekv {
+namespace {
+
+std::uint32_t pool_segments(std::uint64_t entries, std::size_t instances, std::uint32_t segment_entries) {
+  const std::uint64_t segments = (entries + segment_entries - 1) / segment_entries + instances;
+  return static_cast<std::uint32_t>(std::min<std::uint64_t>(segments, std::numeric_limits<std::uint32_t>::max() - 1));
+}
+
+}  // namespace
+
+PageTableGeometry PageTableGeometry::for_config(const Config& config, const ModelShape& shape) {
+  config.validate(shape);
+  PageTableGeometry g;
+  g.max_requests = config.max_requests;
+  g.layers = shape.layers;
+  g.kv_heads = shape.kv_heads;
+  g.page_tokens = config.page_tokens;
+  g.segment_entries = config.metadata_segment_entries;
+  const std::uint32_t pages = config.max_pages_per_head();
+  // A partition starts on a page boundary, so a head has at most one partition
+  // per page; variable-size partitions pad their last page, which at most
+  // doubles the page count while partitions average at least a page of tokens.
+  g.max_partitions_per_head = pages;
+  g.max_cpu_pages_per_head = 2 * pages;
+  g.max_gpu_pages_per_head = 2 * pages;
+  const std::size_t page = config.page_bytes(shape);
+  const std::uint64_t cpu_pages = config.cpu_tier_bytes / page;
+  const std::uint64_t gpu_pages = config.gpu_tier_bytes / page;
+  const std::size_t instances = g.instances();
+  g.meta_segments = pool_segments(cpu_pages, instances, g.segment_entries);
+  g.offset_segments = g.meta_segments;
+  g.cpu_page_segments = pool_segments(cpu_pages, instances, g.segment_entries);
+  g.gpu_page_segments = pool_segments(gpu_pages, instances, g.segment_entries);
+  return g;
+}
+
+void PageTableGeometry::validate() const {
+  if (max_requests == 0 || layers == 0 || kv_heads == 0) {
+    fail(ErrorCode::invalid_argument, "PageTableGeometry: max_requests ({}), layers ({}) and kv_heads ({}) must be > 0",
+         max_requests, layers, kv_heads);
+  }
+  if (page_tokens == 0 || !std::has_single_bit(page_tokens)) {
+    fail(ErrorCode::invalid_argument, "PageTableGeometry: page_tokens ({}) must be a power of two", page_tokens);
+  }
+  if (max_partitions_per_head == 0 || max_cpu_pages_per_head == 0 || max_gpu_pages_per_head == 0) {
+    fail(ErrorCode::invalid_argument, "PageTableGeometry: per-head maxima must be > 0");
+  }
+  if (segment_entries < 32 || !std::has_single_bit(segment_entries)) {
+    fail(ErrorCode::invalid_argument, "PageTableGeometry: segment_entries ({}) must be a power of two >= 32",
+         segment_entries);
+  }
+  if (meta_segments == 0 || gpu_page_segments == 0 || offset_segments == 0 || cpu_page_segments == 0) {
+    fail(ErrorCode::invalid_argument, "PageTableGeometry: every segment pool needs at least one segment");
+  }
+}
+
+namespace {
+const PageTableGeometry& validated(const PageTableGeometry& g) {
+  g.validate();
+  return g;
+}
+}  // namespace
+
+HierarchicalPageTable::HierarchicalPageTable(const PageTableGeometry& geometry, MemoryResource& gpu_tier,
+                                             MemoryResource& cpu_tier)
+    : geometry_(validated(geometry)),
+      meta_("meta-partition table", geometry.instances(), geometry.max_partitions_per_head, geometry.segment_entries,
+            geometry.meta_segments, gpu_tier),
+      gpu_pages_("GPU page table", geometry.instances(), geometry.max_gpu_pages_per_head, geometry.segment_entries,
+                 geometry.gpu_page_segments, gpu_tier),
+      offsets_("partition offset table", geometry.instances(), geometry.max_partitions_per_head,
+               geometry.segment_entries, geometry.offset_segments, cpu_tier),
+      cpu_pages_("CPU page table", geometry.instances(), geometry.max_cpu_pages_per_head, geometry.segment_entries,
+                 geometry.cpu_page_segments, cpu_tier) {
+  free_slots_.resize(geometry.max_requests);
+  // Highest first, so that slot 0 is taken first.
+  std::iota(free_slots_.rbegin(), free_slots_.rend(), 0u);
+}
+
+void HierarchicalPageTable::add_request(RequestId request) {
+  if (slots_.contains(request)) fail(ErrorCode::already_exists, "request {} is already registered", request);
+  if (free_slots_.empty()) {
+    fail(ErrorCode::resource_exhausted, "no request slot left ({} requests, max_requests = {})", slots_.size(),
+         geometry_.max_requests);
+  }
+  slots_.emplace(request, free_slots_.back());
+  free_slots_.pop_back();
+}
+
+void HierarchicalPageTable::remove_request(RequestId request) {
+  const std::uint32_t slot = slot_of(request);
+  const std::size_t heads = std::size_t{geometry_.layers} * geometry_.kv_heads;
+  for (std::size_t i = 0; i < heads; ++i) {
+    const std::size_t inst = slot * heads + i;
+    meta_.resize(inst, 0);
+    gpu_pages_.resize(inst, 0);
+    offsets_.resize(inst, 0);
+    cpu_pages_.resize(inst, 0);
+  }
+  slots_.erase(request);
+  free_slots_.push_back(slot);
+}
+
+std::uint32_t HierarchicalPageTable::slot_of(RequestId request) const {
+  const auto it = slots_.find(request);
+  if (it == slots_.end()) fail(ErrorCode::not_found, "unknown request {}", request);
+  return it->second;
+}
+
+std::size_t HierarchicalPageTable::instance(RequestId request, std::uint32_t layer, std::uint32_t head) const {
+  const std::uint32_t slot = slot_of(request);
+  check_index("layer", layer, geometry_.layers);
+  check_index("kv head", head, geometry_.kv_heads);
+  return (std::size_t{slot} * geometry_.layers + layer) * geometry_.kv_heads + head;
+}
+
+void HierarchicalPageTable::append_partitions(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                              std::span<const std::uint32_t> token_counts,
+                                              std::span<const PageId> cpu_pages) {
+  const std::size_t inst = instance(request, layer, head);
+  std::uint64_t pages = 0;
+  for (std::size_t i = 0; i < token_counts.size(); ++i) {
+    // GpuPageEntry numbers a partition's pages with 16 bits.
+    const std::uint64_t max_tokens = std::uint64_t{kMaxPagesPerPartition} * geometry_.page_tokens;
+    if (token_counts[i] == 0 || token_counts[i] > max_tokens || token_counts[i] > MetaPartitionEntry::kMaxTokens) {
+      fail(ErrorCode::invalid_argument, "partition {} of the batch has {} tokens (must be in [1, {}])", i,
+           token_counts[i], std::min<std::uint64_t>(max_tokens, MetaPartitionEntry::kMaxTokens));
+    }
+    pages += pages_for_tokens(token_counts[i], geometry_.page_tokens);
+  }
+  if (pages != cpu_pages.size()) {
+    fail(ErrorCode::invalid_argument, "{} partitions need {} CPU pages, {} given", token_counts.size(), pages,
+         cpu_pages.size());
+  }
+  for (std::size_t i = 0; i < cpu_pages.size(); ++i) {
+    if (cpu_pages[i] == kInvalidPage) fail(ErrorCode::invalid_argument, "CPU page {} of the batch is invalid", i);
+  }
+  const std::uint32_t old_partitions = meta_.length(inst);
+  const std::uint32_t old_pages = cpu_pages_.length(inst);
+  const std::uint64_t new_partitions = old_partitions + token_counts.size();
+  const std::uint64_t new_pages = old_pages + pages;
+  if (new_partitions > geometry_.max_partitions_per_head || new_pages > geometry_.max_cpu_pages_per_head) {
+    fail(ErrorCode::resource_exhausted,
+         "head ({}, {}) of request {} would hold {} partitions / {} CPU pages (max {} / {})", layer, head,
+         request, new_partitions, new_pages, geometry_.max_partitions_per_head, geometry_.max_cpu_pages_per_head);
+  }
+  // All three tables are checked before any grows: all or nothing.
+  meta_.check_resize(inst, static_cast<std::uint32_t>(new_partitions));
+  offsets_.check_resize(inst, static_cast<std::uint32_t>(new_partitions));
+  cpu_pages_.check_resize(inst, static_cast<std::uint32_t>(new_pages));
+  meta_.resize(inst, static_cast<std::uint32_t>(new_partitions));
+  offsets_.resize(inst, static_cast<std::uint32_t>(new_partitions));
+  cpu_pages_.resize(inst, static_cast<std::uint32_t>(new_pages));
+  std::uint32_t offset = old_pages;
+  for (std::size_t i = 0; i < token_counts.size(); ++i) {
+    const auto p = static_cast<std::uint32_t>(old_partitions + i);
+    meta_.at(inst, p) = MetaPartitionEntry::make(token_counts[i], false);
+    offsets_.at(inst, p) = offset;
+    offset += pages_for_tokens(token_counts[i], geometry_.page_tokens);
+  }
+  for (std::size_t i = 0; i < cpu_pages.size(); ++i) {
+    cpu_pages_.at(inst, static_cast<std::uint32_t>(old_pages + i)) = cpu_pages[i];
+  }
+}
+
+void HierarchicalPageTable::clear_partitions(RequestId request, std::uint32_t layer, std::uint32_t head) {
+  const std::size_t inst = instance(request, layer, head);
+  for (std::uint32_t p = 0; p < meta_.length(inst); ++p) {
+    if (meta_.at(inst, p).resident()) {
+      fail(ErrorCode::failed_precondition, "partition {} of head ({}, {}) of request {} is still resident", p,
+           layer, head, request);
+    }
+  }
+  meta_.resize(inst, 0);
+  offsets_.resize(inst, 0);
+  cpu_pages_.resize(inst, 0);
+}
+
+std::uint32_t HierarchicalPageTable::partition_count(RequestId request, std::uint32_t layer,
+                                                     std::uint32_t head) const {
+  return meta_.length(instance(request, layer, head));
+}
+
+std::uint32_t HierarchicalPageTable::cpu_page_count(RequestId request, std::uint32_t layer,
+                                                    std::uint32_t head) const {
+  return cpu_pages_.length(instance(request, layer, head));
+}
+
+MetaPartitionEntry HierarchicalPageTable::meta(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                               PartitionId partition) const {
+  const std::size_t inst = instance(request, layer, head);
+  check_index("partition", partition, meta_.length(inst));
+  return meta_.at(inst, partition);
+}
+
+void HierarchicalPageTable::set_resident(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                         PartitionId partition, bool resident) {
+  const std::size_t inst = instance(request, layer, head);
+  check_index("partition", partition, meta_.length(inst));
+  MetaPartitionEntry& entry = meta_.at(inst, partition);
+  entry = MetaPartitionEntry::make(entry.token_count(), resident);
+}
+
+std::uint32_t HierarchicalPageTable::page_count(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                                PartitionId partition) const {
+  return pages_for_tokens(meta(request, layer, head, partition).token_count(), geometry_.page_tokens);
+}
+
+void HierarchicalPageTable::cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                      PartitionId partition, std::vector<PageId>& out) const {
+  const std::size_t inst = instance(request, layer, head);
+  check_index("partition", partition, meta_.length(inst));
+  const PartitionLookup paths = lookup();
+  const std::size_t old_size = out.size();
+  out.resize(old_size + paths.page_count(inst, partition));
+  paths.copy_pages(inst, partition, out.data() + old_size);
+}
+
+void HierarchicalPageTable::all_cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                          std::vector<PageId>& out) const {
+  const std::size_t inst = instance(request, layer, head);
+  for (std::uint32_t i = 0; i < cpu_pages_.length(inst); ++i) out.push_back(cpu_pages_.at(inst, i));
+}
+
+std::uint32_t HierarchicalPageTable::gpu_slots(RequestId request, std::uint32_t layer, std::uint32_t head) const {
+  return gpu_pages_.length(instance(request, layer, head));
+}
+
+void HierarchicalPageTable::resize_gpu_slots(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                             std::uint32_t slots) {
+  const std::size_t inst = instance(request, layer, head);
+  for (std::uint32_t s = slots; s < gpu_pages_.length(inst); ++s) {
+    if (gpu_pages_.at(inst, s).occupied()) {
+      fail(ErrorCode::failed_precondition, "GPU slot {} of head ({}, {}) of request {} still holds partition {}", s,
+           layer, head, request, gpu_pages_.at(inst, s).partition);
+    }
+  }
+  gpu_pages_.resize(inst, slots);
+}
+
+GpuPageEntry HierarchicalPageTable::gpu_entry(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                              std::uint32_t slot) const {
+  const std::size_t inst = instance(request, layer, head);
+  check_index("GPU slot", slot, gpu_pages_.length(inst));
+  return gpu_pages_.at(inst, slot);
+}
+
+void HierarchicalPageTable::set_gpu_entry(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                          std::uint32_t slot, const GpuPageEntry& entry) {
+  const std::size_t inst = instance(request, layer, head);
+  check_index("GPU slot", slot, gpu_pages_.length(inst));
+  if (entry.occupied()) {
+    check_index("partition", entry.partition, meta_.length(inst));
+    const std::uint32_t pages = pages_for_tokens(meta_.at(inst, entry.partition).token_count(), geometry_.page_tokens);
+    check_index("page of partition", entry.page_in_partition, pages);
+    if (entry.gpu_page == kInvalidPage) fail(ErrorCode::invalid_argument, "an occupied GPU slot needs a GPU page");
+  }
+  gpu_pages_.at(inst, slot) = entry;
+}
+
+MetadataBytes HierarchicalPageTable::bytes() const noexcept {
+  MetadataBytes b;
+  b.gpu_reserved = meta_.directory_bytes() + meta_.pool_bytes() + gpu_pages_.directory_bytes() + gpu_pages_.pool_bytes();
+  b.cpu_reserved = offsets_.directory_bytes() + offsets_.pool_bytes() + cpu_pages_.directory_bytes() + cpu_pages_.pool_bytes();
+  b.gpu_mapped = meta_.directory_bytes() + meta_.used_segment_bytes() + gpu_pages_.directory_bytes() +
+                 gpu_pages_.used_segment_bytes();
+  b.cpu_mapped = offsets_.directory_bytes() + offsets_.used_segment_bytes() + cpu_pages_.directory_bytes() +
+                 cpu_pages_.used_segment_bytes();
+  return b;
+}
+
+namespace {
+
+[[noreturn]] void broken(std::size_t inst, const std::string& what) {
+  fail(ErrorCode::failed_precondition, "page table invariant broken at instance {}: {}", inst, what);
+}
+
+// Directory slots below the length's segment count are mapped, each to a
+// distinct allocated segment; the rest are unmapped.
+template <class Entry>
+std::uint32_t check_directory(const TwoLevelTable<Entry>& table, std::size_t inst,
+                              std::unordered_set<std::uint32_t>& seen) {
+  const std::uint32_t need = table.segments_for(table.length(inst));
+  if (table.length(inst) > table.max_entries()) broken(inst, "length above the per-head maximum");
+  for (std::uint32_t s = 0; s < table.directory_length(); ++s) {
+    const std::uint32_t seg = table.directory_segment(inst, s);
+    if (s < need) {
+      if (seg == kNoSegment || !table.pool().is_allocated(seg)) broken(inst, "mapped entry without a live segment");
+      if (!seen.insert(seg).second) broken(inst, fmt::format("segment {} mapped twice", seg));
+    } else if (seg != kNoSegment) {
+      broken(inst, "segment mapped past the length");
+    }
+  }
+  return need;
+}
+
+}  // namespace
+
+void HierarchicalPageTable::validate_instance(std::size_t inst) const {
+  const std::uint32_t partitions = meta_.length(inst);
+  if (offsets_.length(inst) != partitions) broken(inst, "meta-partition and offset tables disagree on length");
+  std::uint32_t offset = 0;
+  std::vector<std::uint32_t> pages_of(partitions);
+  for (std::uint32_t p = 0; p < partitions; ++p) {
+    const MetaPartitionEntry m = meta_.at(inst, p);
+    if (m.token_count() == 0) broken(inst, fmt::format("partition {} has no tokens", p));
+    if (offsets_.at(inst, p) != offset) broken(inst, fmt::format("partition {} offset is not the running page sum", p));
+    pages_of[p] = pages_for_tokens(m.token_count(), geometry_.page_tokens);
+    offset += pages_of[p];
+  }
+  if (cpu_pages_.length(inst) != offset) broken(inst, "CPU page table length is not the partitions' page total");
+  std::vector<std::uint32_t> cached(partitions, 0);
+  std::unordered_set<std::uint64_t> keys;
+  for (std::uint32_t s = 0; s < gpu_pages_.length(inst); ++s) {
+    const GpuPageEntry e = gpu_pages_.at(inst, s);
+    if (!e.occupied()) continue;
+    if (e.partition >= partitions) broken(inst, fmt::format("GPU slot {} names missing partition {}", s, e.partition));
+    if (e.page_in_partition >= pages_of[e.partition]) broken(inst, fmt::format("GPU slot {} names a missing page", s));
+    if (e.gpu_page == kInvalidPage) broken(inst, fmt::format("occupied GPU slot {} has no GPU page", s));
+    if (!keys.insert((std::uint64_t{e.partition} << 16) | e.page_in_partition).second) {
+      broken(inst, fmt::format("page {} of partition {} cached twice", e.page_in_partition, e.partition));
+    }
+    ++cached[e.partition];
+  }
+  for (std::uint32_t p = 0; p < partitions; ++p) {
+    const bool resident = meta_.at(inst, p).resident();
+    if (resident && cached[p] != pages_of[p]) broken(inst, fmt::format("resident partition {} is missing pages", p));
+    if (!resident && cached[p] != 0) broken(inst, fmt::format("non-resident partition {} has cached pages", p));
+  }
+}
+
+void HierarchicalPageTable::validate() const {
+  std::unordered_set<std::uint32_t> seen_meta, seen_gpu, seen_offsets, seen_cpu;
+  std::uint64_t used_meta = 0, used_gpu = 0, used_offsets = 0, used_cpu = 0;
+  std::unordered_set<PageId> gpu_pages;
+  std::vector<bool> active(geometry_.max_requests, false);
+  for (const auto& [request, slot] : slots_) active[slot] = true;
+  const std::size_t heads = std::size_t{geometry_.layers} * geometry_.kv_heads;
+  for (std::size_t inst = 0; inst < geometry_.instances(); ++inst) {
+    if (!active[inst / heads] && (meta_.length(inst) | gpu_pages_.length(inst) | offsets_.length(inst) |
+                                  cpu_pages_.length(inst)) != 0) {
+      broken(inst, "a free request slot holds entries");
+    }
+    used_meta += check_directory(meta_, inst, seen_meta);
+    used_gpu += check_directory(gpu_pages_, inst, seen_gpu);
+    used_offsets += check_directory(offsets_, inst, seen_offsets);
+    used_cpu += check_directory(cpu_pages_, inst, seen_cpu);
+    validate_instance(inst);
+    for (std::uint32_t s = 0; s < gpu_pages_.length(inst); ++s) {
+      const PageId page = gpu_pages_.at(inst, s).gpu_page;
+      if (page != kInvalidPage && !gpu_pages.insert(page).second) {
+        broken(inst, fmt::format("GPU page {} owned by two slots", page));
+      }
+    }
+  }
+  if (used_meta != meta_.pool().used() || used_gpu != gpu_pages_.pool().used() ||
+      used_offsets != offsets_.pool().used() || used_cpu != cpu_pages_.pool().used()) {
+    fail(ErrorCode::failed_precondition, "page table invariant broken: segment pools hold unmapped segments");
+  }
+  if (slots_.size() + free_slots_.size() != geometry_.max_requests) {
+    fail(ErrorCode::failed_precondition, "page table invariant broken: request slots leaked");
+  }
+}
+
+}  // namespace sparsekv

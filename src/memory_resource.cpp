@@ -1,0 +1,93 @@
+#include "sparsekv/memory/memory_resource.hpp"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "sparsekv/core/device.hpp"
+#include "sparsekv/core/error.hpp"
+
+#if SPARSEKV_WITH_CUDA_RUNTIME
+#include <cuda_runtime_api.h>
+#endif
+
+namespace sparsekv {
+namespace {
+
+constexpr std::size_t kAlignment = 256;
+
+std::size_t round_up(std::size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+}  // namespace
+
+HostMemoryResource::HostMemoryResource(bool prefer_pinned)
+    : pinned_(prefer_pinned && cuda_device_count() > 0) {}
+
+void* HostMemoryResource::allocate(std::size_t bytes) {
+  if (bytes == 0) return nullptr;
+#if SPARSEKV_WITH_CUDA_RUNTIME
+  if (pinned_) {
+    void* pointer = nullptr;
+    // Mapped + portable: kernels on any device read it through UVA (Spin §5.2
+    // keeps the CPU-side tables and the CPU tier where GPU kernels reach them).
+    const cudaError_t status =
+        cudaHostAlloc(&pointer, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      fail(ErrorCode::resource_exhausted, "cudaHostAlloc of {} bytes failed: {}", bytes,
+           cudaGetErrorString(status));
+    }
+    std::memset(pointer, 0, bytes);
+    return pointer;
+  }
+#endif
+  void* pointer = std::aligned_alloc(kAlignment, round_up(bytes));
+  if (pointer == nullptr) fail(ErrorCode::resource_exhausted, "host allocation of {} bytes failed", bytes);
+  std::memset(pointer, 0, bytes);
+  return pointer;
+}
+
+void HostMemoryResource::deallocate(void* pointer, std::size_t) noexcept {
+  if (pointer == nullptr) return;
+#if SPARSEKV_WITH_CUDA_RUNTIME
+  if (pinned_) {
+    cudaFreeHost(pointer);
+    return;
+  }
+#endif
+  std::free(pointer);
+}
+
+DeviceMemoryResource::DeviceMemoryResource() {
+  if (cuda_device_count() == 0) {
+    fail(ErrorCode::unavailable, "{}",
+         built_with_cuda() ? "no CUDA device is available for device memory"
+                           : "sparsekv was built without CUDA; device memory is unavailable");
+  }
+}
+
+void* DeviceMemoryResource::allocate(std::size_t bytes) {
+  if (bytes == 0) return nullptr;
+#if SPARSEKV_WITH_CUDA_RUNTIME
+  void* pointer = nullptr;
+  cudaError_t status = cudaMalloc(&pointer, bytes);
+  if (status == cudaSuccess) status = cudaMemset(pointer, 0, bytes);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    if (pointer != nullptr) cudaFree(pointer);
+    fail(ErrorCode::cuda_error, "cudaMalloc of {} bytes failed: {}", bytes, cudaGetErrorString(status));
+  }
+  return pointer;
+#else
+  fail(ErrorCode::unavailable, "sparsekv was built without CUDA; cannot allocate {} device bytes", bytes);
+#endif
+}
+
+void DeviceMemoryResource::deallocate(void* pointer, std::size_t) noexcept {
+#if SPARSEKV_WITH_CUDA_RUNTIME
+  if (pointer != nullptr) cudaFree(pointer);
+#else
+  (void)pointer;
+#endif
+}
+
+}  // namespace sparsekv

@@ -1,0 +1,154 @@
+#include <algorithm>
+
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/partition/partition_map.hpp"
+#include "sparsekv/partition/partition_spec.hpp"
+
+namespace sparsekv {
+
+PartitionSpec PartitionSpec::uniform(std::uint32_t tokens, std::uint32_t partition_tokens) {
+  if (tokens == 0) fail(ErrorCode::invalid_argument, "PartitionSpec: a spec needs at least one token");
+  if (partition_tokens == 0) fail(ErrorCode::invalid_argument, "PartitionSpec: partition_tokens must be > 0");
+  PartitionSpec spec;
+  spec.tokens_ = tokens;
+  spec.partition_tokens_ = partition_tokens;
+  spec.partitions_ = (tokens + partition_tokens - 1) / partition_tokens;
+  return spec;
+}
+
+PartitionSpec PartitionSpec::variable(std::uint32_t tokens, std::vector<std::uint32_t> offsets,
+                                      std::vector<std::uint32_t> token_ids) {
+  if (tokens == 0) fail(ErrorCode::invalid_argument, "PartitionSpec: a spec needs at least one token");
+  if (offsets.size() < 2 || offsets.front() != 0 || offsets.back() != token_ids.size()) {
+    fail(ErrorCode::invalid_argument,
+         "PartitionSpec: offsets must start at 0, end at the token list size ({}) and name at least one partition",
+         token_ids.size());
+  }
+  if (token_ids.size() != tokens) {
+    fail(ErrorCode::invalid_argument, "PartitionSpec: {} token ids listed for {} tokens; each token exactly once",
+         token_ids.size(), tokens);
+  }
+  for (std::size_t p = 0; p + 1 < offsets.size(); ++p) {
+    if (offsets[p + 1] <= offsets[p]) fail(ErrorCode::invalid_argument, "PartitionSpec: partition {} is empty", p);
+  }
+  std::vector<bool> seen(tokens, false);
+  for (std::uint32_t t : token_ids) {
+    check_index("PartitionSpec: token", t, tokens);
+    if (seen[t]) fail(ErrorCode::invalid_argument, "PartitionSpec: token {} is in two partitions", t);
+    seen[t] = true;
+  }
+  PartitionSpec spec;
+  spec.tokens_ = tokens;
+  spec.partitions_ = static_cast<std::uint32_t>(offsets.size() - 1);
+  spec.offsets_ = std::move(offsets);
+  spec.token_ids_ = std::move(token_ids);
+  return spec;
+}
+
+PartitionSpec PartitionSpec::variable(std::uint32_t tokens, const std::vector<std::vector<std::uint32_t>>& partitions) {
+  std::vector<std::uint32_t> offsets{0};
+  std::vector<std::uint32_t> ids;
+  for (const auto& p : partitions) {
+    ids.insert(ids.end(), p.begin(), p.end());
+    offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+  }
+  return variable(tokens, std::move(offsets), std::move(ids));
+}
+
+std::uint32_t PartitionSpec::size(std::uint32_t partition) const {
+  check_index("PartitionSpec: partition", partition, partitions_);
+  if (is_uniform()) return std::min(partition_tokens_, tokens_ - partition * partition_tokens_);
+  return offsets_[partition + 1] - offsets_[partition];
+}
+
+std::uint32_t PartitionSpec::token(std::uint32_t partition, std::uint32_t i) const {
+  check_index("PartitionSpec: token of partition", i, size(partition));
+  if (is_uniform()) return partition * partition_tokens_ + i;
+  return token_ids_[offsets_[partition] + i];
+}
+
+PartitionMap::PartitionMap(HierarchicalPageTable& table, PagePool& cpu_pool) : table_(&table), cpu_pool_(&cpu_pool) {
+  if (cpu_pool.layout().page_tokens != table.geometry().page_tokens) {
+    fail(ErrorCode::invalid_argument, "PartitionMap: CPU pool pages hold {} tokens, the page table expects {}",
+         cpu_pool.layout().page_tokens, table.geometry().page_tokens);
+  }
+}
+
+MappedPartitions PartitionMap::map(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                   const PartitionSpec& spec) {
+  const std::uint32_t page_tokens = table_->geometry().page_tokens;
+  MappedPartitions out;
+  out.first_partition = table_->partition_count(request, layer, head);  // also checks request, layer, head
+  std::vector<std::uint32_t> token_counts(spec.partition_count());
+  std::size_t pages = 0;
+  for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
+    token_counts[p] = spec.size(p);
+    pages += pages_for_tokens(token_counts[p], page_tokens);
+  }
+  std::vector<PageId> cpu_pages(pages);
+  cpu_pool_->allocate(cpu_pages);
+  try {
+    table_->append_partitions(request, layer, head, token_counts, cpu_pages);
+  } catch (...) {
+    cpu_pool_->release(cpu_pages);
+    throw;
+  }
+  out.placements.resize(spec.token_count());
+  std::size_t first_page = 0;
+  for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
+    for (std::uint32_t i = 0; i < token_counts[p]; ++i) {
+      out.placements[spec.token(p, i)] = {cpu_pages[first_page + i / page_tokens], i % page_tokens};
+    }
+    first_page += pages_for_tokens(token_counts[p], page_tokens);
+  }
+  return out;
+}
+
+void PartitionMap::map_shared_prefix(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t head,
+                                     std::uint32_t partitions) {
+  const std::uint32_t available = table_->partition_count(source, layer, head);
+  if (partitions > available) {
+    fail(ErrorCode::out_of_range, "request {} has {} partitions in head ({}, {}); cannot share {}", source, available,
+         layer, head, partitions);
+  }
+  table_->partition_count(request, layer, head);  // checks that the target exists
+  std::vector<std::uint32_t> token_counts(partitions);
+  std::vector<PageId> pages;
+  for (std::uint32_t p = 0; p < partitions; ++p) {
+    token_counts[p] = table_->meta(source, layer, head, p).token_count();
+    table_->cpu_pages(source, layer, head, p, pages);
+  }
+  table_->append_partitions(request, layer, head, token_counts, pages);
+  // Counts only grow here and cannot overflow in practice; append came first so
+  // that a full table leaves every count unchanged.
+  for (PageId page : pages) cpu_pool_->share(page);
+}
+
+void PartitionMap::unmap(RequestId request) {
+  const auto& g = table_->geometry();
+  std::vector<PageId> pages;
+  for (std::uint32_t layer = 0; layer < g.layers; ++layer) {
+    for (std::uint32_t head = 0; head < g.kv_heads; ++head) {
+      for (PartitionId p = 0; p < table_->partition_count(request, layer, head); ++p) {
+        if (table_->meta(request, layer, head, p).resident()) {
+          fail(ErrorCode::failed_precondition, "request {}: partition {} of head ({}, {}) is still resident", request,
+               p, layer, head);
+        }
+      }
+      table_->all_cpu_pages(request, layer, head, pages);
+    }
+  }
+  cpu_pool_->release(pages);
+  for (std::uint32_t layer = 0; layer < g.layers; ++layer) {
+    for (std::uint32_t head = 0; head < g.kv_heads; ++head) table_->clear_partitions(request, layer, head);
+  }
+}
+
+std::vector<PageId> PartitionMap::pages(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                        PartitionId partition) const {
+  std::vector<PageId> out;
+  table_->cpu_pages(request, layer, head, partition, out);
+  return out;
+}
+
+}  // namespace sparsekv

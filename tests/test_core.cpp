@@ -1,0 +1,90 @@
+#include <string>
+
+#include "sparsekv/core/config.hpp"
+#include "sparsekv/core/device.hpp"
+#include "sparsekv/core/dtype.hpp"
+#include "test_support.hpp"
+
+using namespace sparsekv;
+
+namespace {
+ModelShape small_shape() { return {2, 4, 2, 64, DType::bf16}; }
+}  // namespace
+
+TEST_CASE("ModelShape validates each field", "[core]") {
+  REQUIRE_NOTHROW(small_shape().validate());
+  REQUIRE(small_shape().group_size() == 2);
+  REQUIRE(small_shape().head_token_bytes() == 2 * 64 * 2);
+  REQUIRE(small_shape().token_bytes() == 2 * 64 * 2 * 2 * 2);
+  auto bad = small_shape();
+  bad.layers = 0;
+  REQUIRE_SPARSEKV_ERROR(bad.validate(), ErrorCode::invalid_argument);
+  bad = small_shape();
+  bad.q_heads = 5;  // not a multiple of kv_heads
+  REQUIRE_SPARSEKV_ERROR(bad.validate(), ErrorCode::invalid_argument);
+  bad = small_shape();
+  bad.head_dim = 12;
+  REQUIRE_SPARSEKV_ERROR(bad.validate(), ErrorCode::invalid_argument);
+  bad = small_shape();
+  bad.kv_heads = 0;
+  REQUIRE_SPARSEKV_ERROR(bad.validate(), ErrorCode::invalid_argument);
+}
+
+TEST_CASE("Config defaults follow the papers and validate", "[core]") {
+  const Config config;
+  REQUIRE(config.page_tokens == 8);
+  REQUIRE(config.timestamp_buckets == 64);
+  REQUIRE(config.min_buffer_ratio == 5.0);
+  REQUIRE(config.working_set_window == 12);
+  REQUIRE_NOTHROW(config.validate(small_shape()));
+  REQUIRE(config.page_bytes(small_shape()) == 8 * 2 * 64 * 2);
+  REQUIRE(config.max_pages_per_head() == 128 * 1024 / 8);
+}
+
+TEST_CASE("Config rejects each bad field with a message naming it", "[core]") {
+  const auto rejects = [](auto mutate, const char* field) {
+    Config config;
+    mutate(config);
+    try {
+      config.validate(small_shape());
+      FAIL("no error for " << field);
+    } catch (const Error& e) {
+      REQUIRE(e.code() == ErrorCode::invalid_argument);
+      REQUIRE(std::string(e.what()).find(field) != std::string::npos);
+    }
+  };
+  rejects([](Config& c) { c.page_tokens = 0; }, "page_tokens");
+  rejects([](Config& c) { c.page_tokens = 12; }, "page_tokens");
+  rejects([](Config& c) { c.page_tokens = 2048; }, "page_tokens");
+  rejects([](Config& c) { c.max_requests = 0; }, "max_requests");
+  rejects([](Config& c) { c.max_context_tokens = 0; }, "max_context_tokens");
+  rejects([](Config& c) { c.timestamp_buckets = 1; }, "timestamp_buckets");
+  rejects([](Config& c) { c.timestamp_buckets = 257; }, "timestamp_buckets");
+  rejects([](Config& c) { c.min_buffer_ratio = -1.0; }, "min_buffer_ratio");
+  rejects([](Config& c) { c.working_set_window = 0; }, "working_set_window");
+  rejects([](Config& c) { c.metadata_segment_entries = 100; }, "metadata_segment_entries");
+  rejects([](Config& c) { c.cpu_tier_bytes = 10; }, "cpu_tier_bytes");
+  rejects([](Config& c) { c.gpu_tier_bytes = 10; }, "gpu_tier_bytes");
+  rejects([](Config& c) { c.host_chunk_bytes = 10; }, "host_chunk_bytes");
+}
+
+TEST_CASE("dtype names parse and unknown names are rejected", "[core]") {
+  REQUIRE(parse_dtype("bf16") == DType::bf16);
+  REQUIRE(parse_dtype("fp16") == DType::f16);
+  REQUIRE(parse_dtype("float32") == DType::f32);
+  REQUIRE(dtype_size(DType::f32) == 4);
+  REQUIRE(dtype_size(DType::bf16) == 2);
+  REQUIRE_SPARSEKV_ERROR(parse_dtype("int8"), ErrorCode::invalid_argument);
+}
+
+TEST_CASE("Error carries its code and a prefixed message", "[core]") {
+  const Error e(ErrorCode::not_found, "unknown request 7");
+  REQUIRE(e.code() == ErrorCode::not_found);
+  REQUIRE(std::string(e.what()) == "sparsekv not_found: unknown request 7");
+}
+
+TEST_CASE("device query never fails, with or without a driver", "[core]") {
+  const int devices = cuda_device_count();
+  REQUIRE(devices >= 0);
+  if (!built_with_cuda()) REQUIRE(devices == 0);
+}
