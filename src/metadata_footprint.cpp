@@ -50,9 +50,10 @@ MetadataFootprint estimate_metadata_footprint(const PageTableGeometry& g, std::u
                           live_heads * segs(c.cpu_pages) * seg * sizeof(CpuPageEntry);
 
   MetadataFootprint f;
-  const std::size_t flat_pages = pages_for_tokens(max_context_tokens, g.page_tokens);
-  f.flat_bytes = instances * flat_pages *
-                 (sizeof(MetaPartitionEntry) + sizeof(GpuPageEntry) + sizeof(PartitionOffset) + sizeof(CpuPageEntry));
+  constexpr std::size_t kFlatEntryBytes =
+      sizeof(MetaPartitionEntry) + sizeof(GpuPageEntry) + sizeof(PartitionOffset) + sizeof(CpuPageEntry);
+  f.flat_bytes = instances * pages_for_tokens(max_context_tokens, g.page_tokens) * kFlatEntryBytes;
+  f.flat_token_granular_bytes = instances * std::size_t{max_context_tokens} * kFlatEntryBytes;
   f.two_level_gpu_bytes = meta + gpu;
   f.two_level_cpu_bytes = offsets + cpu;
   f.two_level_bytes = f.two_level_gpu_bytes + f.two_level_cpu_bytes;

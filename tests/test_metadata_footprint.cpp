@@ -61,6 +61,7 @@ TEST_CASE("Flat layout scales with the worst case and two-level with the working
   const auto f = estimate_metadata_footprint(g, config.max_context_tokens, full);
   // 32 x 80 x 8 heads x 16384 pages x 24 bytes (4 + 12 + 4 + 4).
   REQUIRE(f.flat_bytes == std::size_t{32} * 80 * 8 * 16384 * 24);
+  REQUIRE(f.flat_token_granular_bytes == f.flat_bytes * 8);
   REQUIRE(f.two_level_gpu_bytes < f.two_level_bytes);
   REQUIRE(f.two_level_bytes < f.flat_bytes);
   // A shorter working set shrinks the two-level layout but not the flat one.

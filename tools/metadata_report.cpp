@@ -67,11 +67,12 @@ int main(int argc, char** argv) {
     if (!json) {
       out += fmt::format(
           "Metadata of the four Spin §5.2 tables: batch {}, context {} (live {}), page {} tokens, GPU buffer {:.0f}% "
-          "of pages, {}-entry segments\n\n",
+          "of pages, {}-entry segments.\nflat: worst case, one-page partitions; flat/tok: worst case, one-token "
+          "partitions (Spin §4.1); x: flat / two-level, x GPU: flat / two-level GPU share after the tier split\n\n",
           ws.requests, config.max_context_tokens, ws.context_tokens, config.page_tokens, 100 * ws.gpu_fraction,
           config.metadata_segment_entries);
-      out += fmt::format("{:<14} {:>12} {:>14} {:>14} {:>10} {:>12} {:>12}\n", "model", "flat GiB", "two-level GiB",
-                         "2-lvl GPU GiB", "x (2-lvl)", "x (GPU)", "KV TiB");
+      out += fmt::format("{:<14} {:>9} {:>12} {:>10} {:>9} {:>10} {:>10} {:>10} {:>8}\n", "model", "flat GiB",
+                         "flat/tok GiB", "2-lvl GiB", "GPU GiB", "x 2-lvl", "x GPU", "x GPU/tok", "KV TiB");
     }
     for (std::size_t i = 0; i < kModels.size(); ++i) {
       const Model& m = kModels[i];
@@ -81,13 +82,16 @@ int main(int argc, char** argv) {
       if (json) {
         out += fmt::format(
             "  {{\"model\": \"{}\", \"flat_bytes\": {}, \"two_level_bytes\": {}, \"two_level_gpu_bytes\": {}, "
-            "\"two_level_reduction\": {:.3f}, \"gpu_reduction\": {:.3f}, \"kv_bytes\": {:.0f}}}{}\n",
+            "\"two_level_reduction\": {:.3f}, \"gpu_reduction\": {:.3f}, \"flat_token_granular_bytes\": {}, "
+            "\"kv_bytes\": {:.0f}}}{}\n",
             m.name, f.flat_bytes, f.two_level_bytes, f.two_level_gpu_bytes, f.two_level_reduction(),
-            f.gpu_reduction(), kv_bytes, i + 1 < kModels.size() ? "," : "");
+            f.gpu_reduction(), f.flat_token_granular_bytes, kv_bytes, i + 1 < kModels.size() ? "," : "");
       } else {
-        out += fmt::format("{:<14} {:>12.2f} {:>14.2f} {:>14.2f} {:>10.2f} {:>12.2f} {:>12.2f}\n", m.name,
-                           gib(f.flat_bytes), gib(f.two_level_bytes), gib(f.two_level_gpu_bytes),
-                           f.two_level_reduction(), f.gpu_reduction(), kv_bytes / double(1ull << 40));
+        out += fmt::format("{:<14} {:>9.2f} {:>12.2f} {:>10.2f} {:>9.2f} {:>10.2f} {:>10.2f} {:>10.1f} {:>8.2f}\n",
+                           m.name, gib(f.flat_bytes), gib(f.flat_token_granular_bytes), gib(f.two_level_bytes),
+                           gib(f.two_level_gpu_bytes), f.two_level_reduction(), f.gpu_reduction(),
+                           double(f.flat_token_granular_bytes) / double(f.two_level_gpu_bytes),
+                           kv_bytes / double(1ull << 40));
       }
     }
     out += json ? "]\n" : "";

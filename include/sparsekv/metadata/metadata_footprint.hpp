@@ -7,6 +7,8 @@
 //    a vLLM-style serving system would: max_requests x layers x kv_heads x
 //    ceil(max_context / page_tokens) entries per table, one partition per page
 //    (the coarsest partitioning a page-based layout must still allow).
+//  - flat, token-granular: the same when partitions may be single tokens
+//    (Spin §4.1), each on its own page: every table sized per token.
 //  - two-level: static directories plus segments for the working set only,
 //    segment pools sized to it exactly.
 //  - two-level + tier split: the GPU share of the above (meta-partition and
@@ -30,6 +32,7 @@ struct MetadataWorkingSet {
 
 struct MetadataFootprint {
   std::size_t flat_bytes = 0;
+  std::size_t flat_token_granular_bytes = 0;
   std::size_t two_level_bytes = 0;
   std::size_t two_level_gpu_bytes = 0;
   std::size_t two_level_cpu_bytes = 0;
