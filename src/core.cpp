@@ -56,8 +56,9 @@ void Config::validate(const ModelShape& shape) const {
          page_tokens);
   }
   if (max_requests == 0) fail(ErrorCode::invalid_argument, "Config.max_requests must be > 0");
-  if (max_context_tokens == 0) {
-    fail(ErrorCode::invalid_argument, "Config.max_context_tokens must be > 0");
+  if (max_context_tokens == 0 || max_context_tokens > (1u << 30)) {
+    // Per-head page counts are doubled for padding and must stay 32-bit.
+    fail(ErrorCode::invalid_argument, "Config.max_context_tokens ({}) must be in [1, 2^30]", max_context_tokens);
   }
   if (timestamp_buckets < 2 || timestamp_buckets > 256) {
     // Timestamps are stored in one byte and histogrammed in shared memory.
@@ -84,6 +85,10 @@ void Config::validate(const ModelShape& shape) const {
   if (gpu_tier_bytes < page) {
     fail(ErrorCode::invalid_argument, "Config.gpu_tier_bytes ({}) is smaller than one page ({} B)",
          gpu_tier_bytes, page);
+  }
+  if (cpu_tier_bytes / page >= 0xffffffffull || gpu_tier_bytes / page >= 0xffffffffull) {
+    fail(ErrorCode::invalid_argument, "Config: a tier of {} / {} bytes holds more than 2^32 - 2 pages of {} B",
+         cpu_tier_bytes, gpu_tier_bytes, page);
   }
   if (host_chunk_bytes < page) {
     fail(ErrorCode::invalid_argument,

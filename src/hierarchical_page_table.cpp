@@ -99,12 +99,14 @@ void HierarchicalPageTable::add_request(RequestId request) {
 void HierarchicalPageTable::remove_request(RequestId request) {
   const std::uint32_t slot = slot_of(request);
   const std::size_t heads = std::size_t{geometry_.layers} * geometry_.kv_heads;
+  // The table never forgets a page it names: the caller releases them first.
   for (std::size_t i = 0; i < heads; ++i) {
     const std::size_t inst = slot * heads + i;
-    meta_.resize(inst, 0);
-    gpu_pages_.resize(inst, 0);
-    offsets_.resize(inst, 0);
-    cpu_pages_.resize(inst, 0);
+    if (cpu_pages_.length(inst) != 0 || gpu_pages_.length(inst) != 0) {
+      fail(ErrorCode::failed_precondition,
+           "request {} still maps {} CPU pages / {} GPU slots in head ({}, {}); unmap and shrink first", request,
+           cpu_pages_.length(inst), gpu_pages_.length(inst), i / geometry_.kv_heads, i % geometry_.kv_heads);
+    }
   }
   slots_.erase(request);
   free_slots_.push_back(slot);
@@ -174,10 +176,11 @@ void HierarchicalPageTable::append_partitions(RequestId request, std::uint32_t l
 
 void HierarchicalPageTable::clear_partitions(RequestId request, std::uint32_t layer, std::uint32_t head) {
   const std::size_t inst = instance(request, layer, head);
-  for (std::uint32_t p = 0; p < meta_.length(inst); ++p) {
-    if (meta_.at(inst, p).resident()) {
-      fail(ErrorCode::failed_precondition, "partition {} of head ({}, {}) of request {} is still resident", p,
-           layer, head, request);
+  // An occupied slot would otherwise name a partition id that a later append reuses.
+  for (std::uint32_t s = 0; s < gpu_pages_.length(inst); ++s) {
+    if (gpu_pages_.at(inst, s).occupied()) {
+      fail(ErrorCode::failed_precondition, "GPU slot {} of head ({}, {}) of request {} still caches partition {}", s,
+           layer, head, request, gpu_pages_.at(inst, s).partition);
     }
   }
   meta_.resize(inst, 0);
@@ -239,9 +242,10 @@ void HierarchicalPageTable::resize_gpu_slots(RequestId request, std::uint32_t la
                                              std::uint32_t slots) {
   const std::size_t inst = instance(request, layer, head);
   for (std::uint32_t s = slots; s < gpu_pages_.length(inst); ++s) {
-    if (gpu_pages_.at(inst, s).occupied()) {
-      fail(ErrorCode::failed_precondition, "GPU slot {} of head ({}, {}) of request {} still holds partition {}", s,
-           layer, head, request, gpu_pages_.at(inst, s).partition);
+    const GpuPageEntry& e = gpu_pages_.at(inst, s);
+    if (e.occupied() || e.gpu_page != kInvalidPage) {
+      fail(ErrorCode::failed_precondition, "GPU slot {} of head ({}, {}) of request {} still owns GPU page {}", s,
+           layer, head, request, e.gpu_page);
     }
   }
   gpu_pages_.resize(inst, slots);

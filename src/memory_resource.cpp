@@ -70,7 +70,9 @@ void* DeviceMemoryResource::allocate(std::size_t bytes) {
 #if SPARSEKV_WITH_CUDA_RUNTIME
   void* pointer = nullptr;
   cudaError_t status = cudaMalloc(&pointer, bytes);
+  // Synchronous, so no stream can see the memory before it is zero.
   if (status == cudaSuccess) status = cudaMemset(pointer, 0, bytes);
+  if (status == cudaSuccess) status = cudaDeviceSynchronize();
   if (status != cudaSuccess) {
     cudaGetLastError();
     if (pointer != nullptr) cudaFree(pointer);

@@ -23,6 +23,7 @@ PagePool::PagePool(PageLayout layout, std::uint32_t capacity_pages, MemoryResour
          capacity_pages);
   }
   ref_counts_.assign(capacity_, 0);
+  chunks_.reserve((std::size_t{capacity_} + pages_per_chunk_ - 1) / pages_per_chunk_);  // push_back never throws
   free_list_.reserve(capacity_);
 }
 

@@ -12,7 +12,7 @@ PartitionSpec PartitionSpec::uniform(std::uint32_t tokens, std::uint32_t partiti
   PartitionSpec spec;
   spec.tokens_ = tokens;
   spec.partition_tokens_ = partition_tokens;
-  spec.partitions_ = (tokens + partition_tokens - 1) / partition_tokens;
+  spec.partitions_ = static_cast<std::uint32_t>((std::uint64_t{tokens} + partition_tokens - 1) / partition_tokens);
   return spec;
 }
 
@@ -33,7 +33,7 @@ PartitionSpec PartitionSpec::variable(std::uint32_t tokens, std::vector<std::uin
   }
   std::vector<bool> seen(tokens, false);
   for (std::uint32_t t : token_ids) {
-    check_index("PartitionSpec: token", t, tokens);
+    if (t >= tokens) fail(ErrorCode::invalid_argument, "PartitionSpec: token id {} is not below {}", t, tokens);
     if (seen[t]) fail(ErrorCode::invalid_argument, "PartitionSpec: token {} is in two partitions", t);
     seen[t] = true;
   }
@@ -85,6 +85,7 @@ MappedPartitions PartitionMap::map(RequestId request, std::uint32_t layer, std::
     token_counts[p] = spec.size(p);
     pages += pages_for_tokens(token_counts[p], page_tokens);
   }
+  out.placements.resize(spec.token_count());  // before any state changes
   std::vector<PageId> cpu_pages(pages);
   cpu_pool_->allocate(cpu_pages);
   try {
@@ -93,7 +94,6 @@ MappedPartitions PartitionMap::map(RequestId request, std::uint32_t layer, std::
     cpu_pool_->release(cpu_pages);
     throw;
   }
-  out.placements.resize(spec.token_count());
   std::size_t first_page = 0;
   for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
     for (std::uint32_t i = 0; i < token_counts[p]; ++i) {
@@ -112,16 +112,21 @@ void PartitionMap::map_shared_prefix(RequestId request, RequestId source, std::u
          layer, head, partitions);
   }
   table_->partition_count(request, layer, head);  // checks that the target exists
+  if (request == source) fail(ErrorCode::invalid_argument, "request {} cannot share a prefix with itself", request);
   std::vector<std::uint32_t> token_counts(partitions);
   std::vector<PageId> pages;
   for (std::uint32_t p = 0; p < partitions; ++p) {
     token_counts[p] = table_->meta(source, layer, head, p).token_count();
     table_->cpu_pages(source, layer, head, p, pages);
   }
-  table_->append_partitions(request, layer, head, token_counts, pages);
-  // Counts only grow here and cannot overflow in practice; append came first so
-  // that a full table leaves every count unchanged.
-  for (PageId page : pages) cpu_pool_->share(page);
+  std::size_t shared = 0;
+  try {
+    for (; shared < pages.size(); ++shared) cpu_pool_->share(pages[shared]);
+    table_->append_partitions(request, layer, head, token_counts, pages);
+  } catch (...) {
+    for (std::size_t i = 0; i < shared; ++i) cpu_pool_->release(pages[i]);
+    throw;
+  }
 }
 
 void PartitionMap::unmap(RequestId request) {
@@ -129,10 +134,10 @@ void PartitionMap::unmap(RequestId request) {
   std::vector<PageId> pages;
   for (std::uint32_t layer = 0; layer < g.layers; ++layer) {
     for (std::uint32_t head = 0; head < g.kv_heads; ++head) {
-      for (PartitionId p = 0; p < table_->partition_count(request, layer, head); ++p) {
-        if (table_->meta(request, layer, head, p).resident()) {
-          fail(ErrorCode::failed_precondition, "request {}: partition {} of head ({}, {}) is still resident", request,
-               p, layer, head);
+      for (std::uint32_t s = 0; s < table_->gpu_slots(request, layer, head); ++s) {
+        if (table_->gpu_entry(request, layer, head, s).occupied()) {
+          fail(ErrorCode::failed_precondition, "request {}: GPU slot {} of head ({}, {}) still caches a partition",
+               request, s, layer, head);
         }
       }
       table_->all_cpu_pages(request, layer, head, pages);

@@ -58,6 +58,8 @@ TEST_CASE("Config rejects each bad field with a message naming it", "[core]") {
   rejects([](Config& c) { c.page_tokens = 2048; }, "page_tokens");
   rejects([](Config& c) { c.max_requests = 0; }, "max_requests");
   rejects([](Config& c) { c.max_context_tokens = 0; }, "max_context_tokens");
+  rejects([](Config& c) { c.max_context_tokens = 0xffffffffu; }, "max_context_tokens");
+  rejects([](Config& c) { c.cpu_tier_bytes = std::size_t{1} << 50; }, "tier");
   rejects([](Config& c) { c.timestamp_buckets = 1; }, "timestamp_buckets");
   rejects([](Config& c) { c.timestamp_buckets = 257; }, "timestamp_buckets");
   rejects([](Config& c) { c.min_buffer_ratio = -1.0; }, "min_buffer_ratio");

@@ -106,6 +106,18 @@ TEST_CASE("HierarchicalPageTable random map/unmap matches a std::map reference",
     PageId next_gpu_page = 0;
     std::uint64_t exhausted = 0, admitted = 0;
     const auto pick = [&](std::size_t n) { return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng); };
+    // What a finishing request does before it leaves the table: evict, shrink, unmap.
+    const auto drain = [&](RequestId r) {
+      for (std::uint32_t l = 0; l < g.layers; ++l) {
+        for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
+          HeadRef& head = ref[{r, l, h}];
+          for (std::uint32_t s = 0; s < head.slots.size(); ++s) table.set_gpu_entry(r, l, h, s, GpuPageEntry{});
+          for (PartitionId p = 0; p < head.partitions.size(); ++p) table.set_resident(r, l, h, p, false);
+          table.resize_gpu_slots(r, l, h, 0);
+          table.clear_partitions(r, l, h);
+        }
+      }
+    };
     const auto page_count = [&](std::uint32_t tokens) { return (tokens + g.page_tokens - 1) / g.page_tokens; };
 
     for (int op = 0; op < 30000; ++op) {
@@ -128,6 +140,14 @@ TEST_CASE("HierarchicalPageTable random map/unmap matches a std::map reference",
         }
       } else if (kind == 1 && pick(4) == 0) {
         const std::size_t i = pick(requests.size());
+        const bool mapped = std::any_of(ref.begin(), ref.end(), [&](const auto& kv) {
+          return std::get<0>(kv.first) == requests[i] && (!kv.second.partitions.empty() || !kv.second.slots.empty());
+        });
+        if (mapped) {  // refused while pages are mapped; nothing changes
+          REQUIRE_SPARSEKV_ERROR(table.remove_request(requests[i]), ErrorCode::failed_precondition);
+          REQUIRE(snapshot(table, requests) == before);
+          drain(requests[i]);
+        }
         table.remove_request(requests[i]);
         for (std::uint32_t l = 0; l < g.layers; ++l)
           for (std::uint32_t h = 0; h < g.kv_heads; ++h) ref.erase({requests[i], l, h});
@@ -160,7 +180,10 @@ TEST_CASE("HierarchicalPageTable random map/unmap matches a std::map reference",
         } else if (kind == 7) {  // unmap one head
           const bool any_resident = std::any_of(head.partitions.begin(), head.partitions.end(),
                                                 [](const PartitionRef& p) { return p.resident; });
-          if (any_resident) {
+          const bool any_cached = std::any_of(head.slots.begin(), head.slots.end(),
+                                              [](const GpuPageEntry& e) { return e.occupied(); });
+          REQUIRE(any_cached == any_resident);
+          if (any_cached) {
             REQUIRE_SPARSEKV_ERROR(table.clear_partitions(r, l, h), ErrorCode::failed_precondition);
             must_be_unchanged = true;
           } else {
@@ -265,7 +288,10 @@ TEST_CASE("HierarchicalPageTable random map/unmap matches a std::map reference",
     // The walk must have exercised exhaustion and admission, or it proved little.
     REQUIRE(exhausted > 0);
     REQUIRE(admitted > 100);
-    for (RequestId r : requests) table.remove_request(r);
+    for (RequestId r : requests) {
+      drain(r);
+      table.remove_request(r);
+    }
     table.validate();
     const MetadataBytes empty = table.bytes();
     REQUIRE(empty.gpu_mapped < empty.gpu_reserved);
@@ -295,6 +321,21 @@ TEST_CASE("HierarchicalPageTable segments follow the mapped entries", "[metadata
   REQUIRE(table.bytes().gpu_mapped - mapped.gpu_mapped == 2 * seg * sizeof(GpuPageEntry));
   table.resize_gpu_slots(1, 1, 0, 10);
   REQUIRE(table.bytes().gpu_mapped - mapped.gpu_mapped == seg * sizeof(GpuPageEntry));
+  // A slot that owns a GPU page is never dropped silently.
+  table.set_gpu_entry(1, 1, 0, 9, GpuPageEntry{kInvalidPartition, 5, 0, 0, 0});
+  REQUIRE_SPARSEKV_ERROR(table.resize_gpu_slots(1, 1, 0, 9), ErrorCode::failed_precondition);
+  REQUIRE(table.gpu_slots(1, 1, 0) == 10);
+  REQUIRE_SPARSEKV_ERROR(table.remove_request(1), ErrorCode::failed_precondition);
+  table.set_gpu_entry(1, 1, 0, 9, GpuPageEntry{});
+  table.resize_gpu_slots(1, 1, 0, 0);
+  // An occupied slot keeps its head's partitions from being cleared.
+  table.resize_gpu_slots(1, 1, 0, 1);
+  table.set_gpu_entry(1, 1, 0, 0, GpuPageEntry{3, 8, 0, 0, 0});
+  REQUIRE_SPARSEKV_ERROR(table.clear_partitions(1, 1, 0), ErrorCode::failed_precondition);
+  REQUIRE(table.partition_count(1, 1, 0) == 33);
+  table.set_gpu_entry(1, 1, 0, 0, GpuPageEntry{});
+  table.resize_gpu_slots(1, 1, 0, 0);
+  table.clear_partitions(1, 1, 0);
   table.remove_request(1);
   REQUIRE(table.bytes().gpu_mapped == empty.gpu_mapped);
   REQUIRE(table.bytes().cpu_mapped == empty.cpu_mapped);

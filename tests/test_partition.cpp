@@ -56,7 +56,7 @@ TEST_CASE("PartitionSpec rejects specs that lose or duplicate tokens", "[partiti
   REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(4, {{0, 1}, {2}}), ErrorCode::invalid_argument);      // token 3 lost
   REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(3, {{0, 1}, {1, 2}}), ErrorCode::invalid_argument);   // duplicate
   REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(3, {{0, 1, 2}, {}}), ErrorCode::invalid_argument);    // empty
-  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(2, {{0, 7}}), ErrorCode::out_of_range);               // range
+  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(2, {{0, 7}}), ErrorCode::invalid_argument);           // range
   REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(2, {1, 2}, {0, 1}), ErrorCode::invalid_argument);     // offsets
 }
 
@@ -133,6 +133,8 @@ TEST_CASE("PartitionMap shares a prefix by reference count and frees it with its
   }
   REQUIRE(f.pool.used() == 5);
   REQUIRE_SPARSEKV_ERROR(f.map.map_shared_prefix(2, 1, 0, 1, 6), ErrorCode::out_of_range);
+  REQUIRE_SPARSEKV_ERROR(f.map.map_shared_prefix(1, 1, 0, 1, 1), ErrorCode::invalid_argument);
+  REQUIRE(f.pool.ref_count(f.map.pages(1, 0, 1, 0)[0]) == 2);
   f.map.unmap(1);
   REQUIRE(f.pool.used() == 3);  // the shared prefix lives on
   const PageId shared = f.map.pages(2, 0, 1, 0)[0];

@@ -36,7 +36,8 @@ void usage() {
       "  --context        per-request capacity the flat layout is sized for (default 131072)\n"
       "  --used-context   tokens each live request holds in the working set (default: --context)\n"
       "  --batch          requests (default 32); --page-tokens (default 8)\n"
-      "  --gpu-fraction   GPU buffer per head as a fraction of its pages (default 0.1)\n",
+      "  --gpu-fraction   GPU buffer per head as a fraction of its pages (default 0.1)\n"
+      "  --segment-entries entries per second-level metadata segment (default 256)\n",
       stderr);
 }
 

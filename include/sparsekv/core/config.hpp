@@ -39,7 +39,7 @@ struct Config {
     return std::size_t{page_tokens} * shape.head_token_bytes();
   }
   std::uint32_t max_pages_per_head() const noexcept {
-    return (max_context_tokens + page_tokens - 1) / page_tokens;
+    return static_cast<std::uint32_t>((std::uint64_t{max_context_tokens} + page_tokens - 1) / page_tokens);
   }
 };
 

@@ -2,8 +2,9 @@
 // Byte layout of one head-wise page (Spin §5.2): `page_tokens` tokens of one
 // (layer, kv head). The K block comes first, then the V block; each block is
 // row-major [page_tokens][head_dim] in the model's dtype, so token `s` of a
-// page has its K row at k_offset(s) and its V row at v_offset(s). Slots past a
-// partially filled page's token count are zero and never read by attention.
+// page has its K row at k_offset(s) and its V row at v_offset(s). Rows past a
+// partially filled page's token count are unspecified (a reused page keeps old
+// bytes) and never read: the partition's token count bounds every reader.
 #include <cstddef>
 #include <cstdint>
 

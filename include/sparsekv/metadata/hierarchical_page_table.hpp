@@ -70,9 +70,10 @@ class HierarchicalPageTable {
   HierarchicalPageTable(const PageTableGeometry& geometry, MemoryResource& gpu_tier,
                         MemoryResource& cpu_tier);
 
-  // Requests. add_request throws already_exists / resource_exhausted (no slot);
-  // remove_request returns every segment of the request (its CPU pages are the
-  // caller's to release first: cpu_pages() lists them).
+  // Requests. add_request throws already_exists / resource_exhausted (no slot).
+  // remove_request returns every segment of the request; it refuses
+  // (failed_precondition) while any head still maps CPU pages or GPU slots:
+  // the pages are the caller's to release first (all_cpu_pages() lists them).
   void add_request(RequestId request);
   void remove_request(RequestId request);
   bool has_request(RequestId request) const noexcept { return slots_.contains(request); }
@@ -83,7 +84,7 @@ class HierarchicalPageTable {
   // partition-side tables grow together or not at all.
   void append_partitions(RequestId request, std::uint32_t layer, std::uint32_t head,
                          std::span<const std::uint32_t> token_counts, std::span<const PageId> cpu_pages);
-  // Drops every partition of one head (all must be non-resident).
+  // Drops every partition of one head; refuses while a GPU slot caches any.
   void clear_partitions(RequestId request, std::uint32_t layer, std::uint32_t head);
   std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const;
   std::uint32_t cpu_page_count(RequestId request, std::uint32_t layer, std::uint32_t head) const;
@@ -97,8 +98,9 @@ class HierarchicalPageTable {
   // Every CPU page id of one head, in page order.
   void all_cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head, std::vector<PageId>& out) const;
 
-  // GPU page table: `gpu_slots` entries per head, the head's GPU buffer.
-  // Shrinking drops slots from the tail; dropped slots must be unoccupied.
+  // GPU page table: `gpu_slots` entries per head, the head's GPU buffer. Each
+  // slot may own a page of the GPU-tier pool. Shrinking drops slots from the
+  // tail; dropped slots must be empty and own no GPU page (release it first).
   std::uint32_t gpu_slots(RequestId request, std::uint32_t layer, std::uint32_t head) const;
   void resize_gpu_slots(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t slots);
   GpuPageEntry gpu_entry(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t slot) const;
@@ -113,8 +115,8 @@ class HierarchicalPageTable {
   MetadataBytes bytes() const noexcept;
   const PageTableGeometry& geometry() const noexcept { return geometry_; }
 
-  // The plain-data views kernels index through, and a request's instance base:
-  // instance(request, layer, head) = instance_base(request) + layer * kv_heads + head.
+  // The plain-data views kernels index through; instance() numbers a head as
+  // (request slot * layers + layer) * kv_heads + head.
   TwoLevelView<MetaPartitionEntry> meta_view() const noexcept { return meta_.view(); }
   TwoLevelView<GpuPageEntry> gpu_page_view() const noexcept { return gpu_pages_.view(); }
   TwoLevelView<PartitionOffset> offset_view() const noexcept { return offsets_.view(); }

@@ -9,9 +9,10 @@
 namespace sparsekv::cuda {
 
 // One thread per partition: partition partitions[i] writes its pages to
-// out + out_offsets[i]. All pointers are device-accessible (device or mapped
-// pinned memory); the tables behind `lookup` must be host-pinned or device
-// memory. Enqueued on `stream` (a cudaStream_t; nullptr = default stream);
+// out + out_offsets[i]. `partitions`, `out_offsets` and `out` are
+// device-accessible (device or mapped pinned memory); the tables behind
+// `lookup` are those of a HierarchicalPageTable built on pinned host memory
+// (HostMemoryResource with a device present), read through UVA. Enqueued on `stream` (a cudaStream_t; nullptr = default stream);
 // throws ErrorCode::cuda_error if the launch fails.
 void resolve_partition_pages(const PartitionLookup& lookup, std::size_t instance, const PartitionId* partitions,
                              const std::uint32_t* out_offsets, std::uint32_t count, PageId* out, void* stream);

@@ -33,17 +33,14 @@ class TwoLevelTable {
         instances_(instances),
         max_entries_(max_entries_per_instance),
         segment_entries_(segment_entries),
-        segment_shift_(static_cast<std::uint32_t>(std::countr_zero(segment_entries))),
-        directory_length_((max_entries_per_instance + segment_entries - 1) / segment_entries),
+        segment_shift_(static_cast<std::uint32_t>(std::countr_zero(checked_segment_entries(name, segment_entries)))),
+        directory_length_(static_cast<std::uint32_t>((std::uint64_t{max_entries_per_instance} + segment_entries - 1) >>
+                                                     segment_shift_)),
         memory_(&memory),
         pool_(sizeof(Entry) * segment_entries, pool_segments, memory),
         empty_(empty) {
     if (!memory.host_accessible()) {
       fail(ErrorCode::invalid_argument, "{}: the host backend needs host-accessible memory", name_);
-    }
-    if (segment_entries == 0 || (segment_entries & (segment_entries - 1)) != 0) {
-      fail(ErrorCode::invalid_argument, "{}: segment_entries ({}) must be a power of two", name_,
-           segment_entries);
     }
     directory_ = static_cast<std::uint32_t*>(memory.allocate(directory_bytes_exact()));
     lengths_ = directory_ + instances_ * directory_length_;
@@ -118,6 +115,13 @@ class TwoLevelTable {
   }
 
  private:
+  static std::uint32_t checked_segment_entries(std::string_view name, std::uint32_t segment_entries) {
+    if (!std::has_single_bit(segment_entries)) {
+      fail(ErrorCode::invalid_argument, "{}: segment_entries ({}) must be a power of two", name, segment_entries);
+    }
+    return segment_entries;
+  }
+
   std::size_t directory_bytes_exact() const noexcept {
     return sizeof(std::uint32_t) * instances_ * (std::size_t{directory_length_} + 1);
   }

@@ -43,7 +43,7 @@ class PartitionMap {
   void map_shared_prefix(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t head,
                          std::uint32_t partitions);
   // Releases every CPU page of every head of the request and drops its
-  // partitions (none may be resident). The request stays registered.
+  // partitions (no GPU slot may cache one). The request stays registered.
   void unmap(RequestId request);
 
   std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const {
