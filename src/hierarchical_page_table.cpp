@@ -125,6 +125,48 @@ std::size_t HierarchicalPageTable::instance(RequestId request, std::uint32_t lay
   return (std::size_t{slot} * geometry_.layers + layer) * geometry_.kv_heads + head;
 }
 
+SegmentDemand HierarchicalPageTable::append_demand(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                                  std::uint64_t partitions, std::uint64_t pages) const {
+  const std::size_t inst = instance(request, layer, head);
+  const std::uint64_t new_partitions = meta_.length(inst) + partitions;
+  const std::uint64_t new_pages = cpu_pages_.length(inst) + pages;
+  if (new_partitions > geometry_.max_partitions_per_head || new_pages > geometry_.max_cpu_pages_per_head) {
+    fail(ErrorCode::resource_exhausted,
+         "head ({}, {}) of request {} would hold {} partitions / {} CPU pages (max {} / {})", layer, head, request,
+         new_partitions, new_pages, geometry_.max_partitions_per_head, geometry_.max_cpu_pages_per_head);
+  }
+  SegmentDemand d;
+  d.meta = meta_.segments_to_grow(inst, static_cast<std::uint32_t>(new_partitions));
+  d.offsets = offsets_.segments_to_grow(inst, static_cast<std::uint32_t>(new_partitions));
+  d.cpu_pages = cpu_pages_.segments_to_grow(inst, static_cast<std::uint32_t>(new_pages));
+  return d;
+}
+
+SegmentDemand HierarchicalPageTable::gpu_slots_demand(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                                      std::uint32_t slots) const {
+  const std::size_t inst = instance(request, layer, head);
+  if (slots > geometry_.max_gpu_pages_per_head) {
+    fail(ErrorCode::resource_exhausted, "head ({}, {}) of request {}: {} GPU slots exceed the maximum of {}", layer,
+         head, request, slots, geometry_.max_gpu_pages_per_head);
+  }
+  SegmentDemand d;
+  d.gpu_pages = gpu_pages_.segments_to_grow(inst, slots);
+  return d;
+}
+
+void HierarchicalPageTable::check_segments(const SegmentDemand& d) const {
+  const auto check = [](const char* table, std::uint64_t need, const SegmentPool& pool) {
+    if (need > pool.available()) {
+      fail(ErrorCode::resource_exhausted, "{}: {} more segments needed, {} of {} free", table, need, pool.available(),
+           pool.capacity());
+    }
+  };
+  check("meta-partition table", d.meta, meta_.pool());
+  check("GPU page table", d.gpu_pages, gpu_pages_.pool());
+  check("partition offset table", d.offsets, offsets_.pool());
+  check("CPU page table", d.cpu_pages, cpu_pages_.pool());
+}
+
 void HierarchicalPageTable::append_partitions(RequestId request, std::uint32_t layer, std::uint32_t head,
                                               std::span<const std::uint32_t> token_counts,
                                               std::span<const PageId> cpu_pages) {
@@ -148,17 +190,10 @@ void HierarchicalPageTable::append_partitions(RequestId request, std::uint32_t l
   }
   const std::uint32_t old_partitions = meta_.length(inst);
   const std::uint32_t old_pages = cpu_pages_.length(inst);
+  // All three tables are checked before any grows: all or nothing.
+  check_segments(append_demand(request, layer, head, token_counts.size(), pages));
   const std::uint64_t new_partitions = old_partitions + token_counts.size();
   const std::uint64_t new_pages = old_pages + pages;
-  if (new_partitions > geometry_.max_partitions_per_head || new_pages > geometry_.max_cpu_pages_per_head) {
-    fail(ErrorCode::resource_exhausted,
-         "head ({}, {}) of request {} would hold {} partitions / {} CPU pages (max {} / {})", layer, head,
-         request, new_partitions, new_pages, geometry_.max_partitions_per_head, geometry_.max_cpu_pages_per_head);
-  }
-  // All three tables are checked before any grows: all or nothing.
-  meta_.check_resize(inst, static_cast<std::uint32_t>(new_partitions));
-  offsets_.check_resize(inst, static_cast<std::uint32_t>(new_partitions));
-  cpu_pages_.check_resize(inst, static_cast<std::uint32_t>(new_pages));
   meta_.resize(inst, static_cast<std::uint32_t>(new_partitions));
   offsets_.resize(inst, static_cast<std::uint32_t>(new_partitions));
   cpu_pages_.resize(inst, static_cast<std::uint32_t>(new_pages));

@@ -63,6 +63,22 @@ struct MetadataBytes {
   std::size_t cpu_mapped = 0;
 };
 
+// Segments an operation would take from each pool. Callers that change many
+// heads at once sum the demands and check them before changing any head.
+struct SegmentDemand {
+  std::uint64_t meta = 0;
+  std::uint64_t gpu_pages = 0;
+  std::uint64_t offsets = 0;
+  std::uint64_t cpu_pages = 0;
+  SegmentDemand& operator+=(const SegmentDemand& o) {
+    meta += o.meta;
+    gpu_pages += o.gpu_pages;
+    offsets += o.offsets;
+    cpu_pages += o.cpu_pages;
+    return *this;
+  }
+};
+
 class HierarchicalPageTable {
  public:
   // `gpu_tier` backs the meta-partition and GPU page tables, `cpu_tier` the
@@ -84,6 +100,15 @@ class HierarchicalPageTable {
   // partition-side tables grow together or not at all.
   void append_partitions(RequestId request, std::uint32_t layer, std::uint32_t head,
                          std::span<const std::uint32_t> token_counts, std::span<const PageId> cpu_pages);
+  // Segments appending `partitions` partitions of `pages` CPU pages to one head
+  // would take; throws resource_exhausted past the per-head maxima.
+  SegmentDemand append_demand(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint64_t partitions,
+                              std::uint64_t pages) const;
+  // Segments growing one head's GPU page table to `slots` would take.
+  SegmentDemand gpu_slots_demand(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                 std::uint32_t slots) const;
+  // Throws resource_exhausted naming the first pool that cannot supply `demand`.
+  void check_segments(const SegmentDemand& demand) const;
   // Drops every partition of one head; refuses while a GPU slot caches any.
   void clear_partitions(RequestId request, std::uint32_t layer, std::uint32_t head);
   std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const;

@@ -22,6 +22,24 @@ struct TwoLevelView {
 
   SPARSEKV_HOST_DEVICE std::uint32_t length(std::size_t instance) const { return lengths[instance]; }
 
+  SPARSEKV_HOST_DEVICE std::uint32_t segment_entries() const { return 1u << segment_shift; }
+
+  // First entry of the instance's `slot`-th segment (entries slot * segment_entries() onwards).
+  SPARSEKV_HOST_DEVICE Entry* segment(std::size_t instance, std::uint32_t slot) const {
+    return segments + (static_cast<std::size_t>(directory[instance * directory_length + slot]) << segment_shift);
+  }
+
+  // Calls fn(entry, index) for every entry of an instance, a segment at a time.
+  template <class Fn>
+  SPARSEKV_HOST_DEVICE void for_each(std::size_t instance, Fn&& fn) const {
+    const std::uint32_t n = lengths[instance];
+    for (std::uint32_t first = 0, slot = 0; first < n; first += segment_entries(), ++slot) {
+      Entry* base = segment(instance, slot);
+      const std::uint32_t count = n - first < segment_entries() ? n - first : segment_entries();
+      for (std::uint32_t i = 0; i < count; ++i) fn(base[i], first + i);
+    }
+  }
+
   // The entry, or nullptr when `index` is past the instance's length.
   SPARSEKV_HOST_DEVICE Entry* find(std::size_t instance, std::uint32_t index) const {
     if (index >= lengths[instance]) return nullptr;

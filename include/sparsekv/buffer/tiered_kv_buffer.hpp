@@ -1,0 +1,173 @@
+#pragma once
+// TieredKVBuffer: the library-owned operations Offload and Retrieve (Spin
+// §4.1) over a CPU tier that is the source of truth and a GPU tier that caches
+// what recent steps selected (Spin §5.3).
+//
+//  - Offload: a request's prefill K/V of one layer, in the engine's layout
+//    (below), becomes head-wise CPU pages grouped by the policy's
+//    PartitionSpec; tokens of a variable-size partition are packed into
+//    contiguous pages.
+//  - Append: each decode token goes to a GPU-resident tail page per (layer, kv
+//    head); when the tail is full it is saved to a new CPU page as a new
+//    one-page partition (SparseServe §3.2.2). The tail always takes part in
+//    attention.
+//  - Retrieve: per kv head, the selected partitions' GPU pages (hits and
+//    misses) from a BucketedLru step, and the copies of the misses, which the
+//    buffer runs before returning.
+//  - Elasticity: each request owns `slots` GPU pages per (layer, kv head):
+//    its mandatory pages (the most one step selects) plus buffering pages, at
+//    least min_buffer_ratio x mandatory (Spin's 5x). resize() changes it;
+//    reclaim() takes buffering pages back from the tail of every request's GPU
+//    page table in proportion to its sequence length, never below its minimum.
+//  - Admission advice (the engine queues, never the library): can_admit()
+//    and the SparseServe §3.3 working set.
+//
+// Engine layout of K/V: `k` and `v` are separate row-major arrays
+// [tokens][kv_heads][head_dim] of the model's dtype (f32 / f16 / bf16, bytes
+// copied unchanged; no conversion).
+//
+// The host backend keeps the GPU tier in host memory standing in for HBM and
+// runs the copies with memcpy; the CUDA backend drives the same metadata with
+// kernels. Not thread-safe; every call that throws changes nothing.
+#include <cstdint>
+#include <map>
+#include <span>
+#include <vector>
+
+#include "sparsekv/buffer/working_set_window.hpp"
+#include "sparsekv/cache/bucketed_lru.hpp"
+#include "sparsekv/core/config.hpp"
+#include "sparsekv/core/model_shape.hpp"
+#include "sparsekv/memory/page_pool.hpp"
+#include "sparsekv/metadata/hierarchical_page_table.hpp"
+#include "sparsekv/partition/partition_map.hpp"
+#include "sparsekv/partition/partition_spec.hpp"
+
+namespace sparsekv {
+
+// K/V of `tokens` tokens of one layer, engine layout [tokens][kv_heads][head_dim].
+struct KvChunk {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  std::uint32_t tokens = 0;
+  DType dtype = DType::bf16;
+};
+
+struct RequestBudget {
+  // Most pages one step selects in any (layer, kv head): the policy's budget.
+  std::uint32_t mandatory_pages = 0;
+  // GPU pages per (layer, kv head); 0 = the minimum, mandatory x (1 + min_buffer_ratio).
+  std::uint32_t buffer_pages = 0;
+};
+
+struct AdmissionAdvice {
+  bool admit = false;
+  bool request_slot_free = false;
+  std::uint64_t gpu_pages_needed = 0;  // slots + one tail page per (layer, kv head)
+  std::uint64_t gpu_pages_free = 0;
+  std::uint64_t gpu_pages_reclaimable = 0;  // buffering pages above the other requests' minimum
+  std::uint64_t cpu_pages_needed = 0;       // the prompt in one-page partitions
+  std::uint64_t cpu_pages_free = 0;
+};
+
+// What one retrieve() of one layer returns, for all kv heads.
+struct Retrieval {
+  // Selected partitions of head h: partitions[head_offsets[h] .. head_offsets[h + 1]).
+  std::vector<std::uint32_t> head_offsets;
+  std::vector<PartitionId> partitions;
+  std::vector<std::uint32_t> token_counts;  // per selected partition
+  // Pages of selected partition i: plan.gpu_pages[plan.partition_offsets[i] ..
+  // plan.partition_offsets[i + 1]); plan.copies were run before return.
+  RetrievePlan plan;
+  // The resident tail of each head: page and token count (0 = empty).
+  std::vector<PageId> tail_pages;
+  std::vector<std::uint32_t> tail_tokens;
+  CacheStepStats stats;
+};
+
+struct BufferStats {
+  CacheStepStats cache;
+  std::uint64_t retrieve_steps = 0;  // (request, layer, kv head) steps
+  std::uint64_t bytes_loaded = 0;    // CPU -> GPU by retrieve
+  std::uint64_t pages_saved = 0;     // GPU tail -> CPU by append
+  std::uint64_t bytes_offloaded = 0; // prefill K/V written to the CPU tier
+};
+
+class TieredKVBuffer {
+ public:
+  // `cpu_tier` backs the CPU pages and CPU-side tables, `gpu_tier` the GPU
+  // pages and GPU-side tables; the host backend needs both host-accessible.
+  TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier, MemoryResource& gpu_tier);
+
+  // Registers a request and gives it its GPU pages, reclaiming buffering
+  // pages from other requests when the GPU tier is short.
+  void add_request(RequestId request, const RequestBudget& budget);
+  // Releases every page of the request and forgets it.
+  void finish(RequestId request);
+
+  void offload(RequestId request, std::uint32_t layer, const KvChunk& kv, std::span<const PartitionSpec> specs);
+  void append(RequestId request, std::uint32_t layer, const KvChunk& token);
+  // `selections[h]`: distinct partition ids of kv head h. Fills `out`.
+  void retrieve(RequestId request, std::uint32_t layer, std::span<const std::vector<PartitionId>> selections,
+                Retrieval& out);
+
+  void resize(RequestId request, std::uint32_t slots_per_head);
+  // Frees at least `gpu_pages` GPU pages if the requests' buffering allows;
+  // returns how many it freed (a multiple of layers x kv_heads).
+  std::uint64_t reclaim(std::uint64_t gpu_pages);
+
+  AdmissionAdvice can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget) const;
+  // Pages of the partitions selected over the last working_set_window steps, summed over heads.
+  std::uint64_t working_set_pages(RequestId request) const;
+
+  bool has_request(RequestId request) const noexcept { return requests_.contains(request); }
+  std::uint32_t slots_per_head(RequestId request) const;
+  std::uint32_t min_slots_per_head(const RequestBudget& budget) const;
+  std::uint32_t sequence_length(RequestId request, std::uint32_t layer) const;
+  PageId tail_page(RequestId request, std::uint32_t layer, std::uint32_t head) const;
+  std::uint32_t tail_tokens(RequestId request, std::uint32_t layer) const;
+
+  // Checks the page table and the buffer's own bookkeeping; throws
+  // failed_precondition naming the first violation.
+  void validate() const;
+
+  const BufferStats& stats() const noexcept { return stats_; }
+  const ModelShape& shape() const noexcept { return shape_; }
+  const Config& config() const noexcept { return config_; }
+  const PagePool& cpu_pool() const noexcept { return cpu_pool_; }
+  const PagePool& gpu_pool() const noexcept { return gpu_pool_; }
+  const HierarchicalPageTable& table() const noexcept { return table_; }
+  const PartitionMap& partitions() const noexcept { return partitions_; }
+
+ private:
+  struct RequestState {
+    RequestBudget budget;
+    std::uint32_t slots = 0;
+    std::vector<std::uint32_t> tokens;       // per layer
+    std::vector<std::uint32_t> tail_tokens;  // per layer
+    std::vector<PageId> tail_pages;          // per (layer, kv head)
+    std::vector<WorkingSetWindow> windows;   // per (layer, kv head)
+  };
+
+  RequestState& state(RequestId request);
+  const RequestState& state(RequestId request) const;
+  std::uint64_t heads() const noexcept { return std::uint64_t{shape_.layers} * shape_.kv_heads; }
+  std::uint64_t reclaimable_slots(const RequestState& s) const;
+  void check_chunk(const KvChunk& kv, std::uint32_t layer) const;
+  void grow_slots(RequestId request, RequestState& s, std::uint32_t slots);
+  void shrink_slots(RequestId request, RequestState& s, std::uint32_t slots);
+  void evict_partition(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
+
+  ModelShape shape_;
+  Config config_;
+  PageLayout layout_;
+  PagePool cpu_pool_;
+  PagePool gpu_pool_;
+  HierarchicalPageTable table_;
+  PartitionMap partitions_;
+  BucketedLru lru_;
+  std::map<RequestId, RequestState> requests_;  // ordered: reclaim walks requests deterministically
+  BufferStats stats_;
+};
+
+}  // namespace sparsekv

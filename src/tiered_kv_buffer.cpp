@@ -1,0 +1,471 @@
+#include "sparsekv/buffer/tiered_kv_buffer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <unordered_set>
+
+#include "sparsekv/core/error.hpp"
+
+namespace sparsekv {
+
+std::vector<PartitionId> WorkingSetWindow::partitions() const {
+  std::vector<PartitionId> all;
+  for (const auto& step : steps_) all.insert(all.end(), step.begin(), step.end());
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  return all;
+}
+
+namespace {
+
+const Config& validated(const Config& config, const ModelShape& shape) {
+  config.validate(shape);
+  return config;
+}
+
+std::uint32_t tier_pages(std::size_t bytes, std::size_t page_bytes) {
+  return static_cast<std::uint32_t>(bytes / page_bytes);
+}
+
+}  // namespace
+
+TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier,
+                               MemoryResource& gpu_tier)
+    : shape_(shape),
+      config_(validated(config, shape)),
+      layout_{config.page_tokens, shape.head_dim, shape.dtype},
+      cpu_pool_(layout_, tier_pages(config.cpu_tier_bytes, layout_.page_bytes()), cpu_tier,
+                tier_pages(config.host_chunk_bytes, layout_.page_bytes())),
+      gpu_pool_(layout_, tier_pages(config.gpu_tier_bytes, layout_.page_bytes()), gpu_tier),
+      table_(PageTableGeometry::for_config(config, shape), gpu_tier, cpu_tier),
+      partitions_(table_, cpu_pool_),
+      lru_(config.timestamp_buckets) {
+  if (!gpu_tier.host_accessible()) {
+    fail(ErrorCode::invalid_argument, "TieredKVBuffer: the host backend keeps the GPU tier in host-accessible memory");
+  }
+}
+
+TieredKVBuffer::RequestState& TieredKVBuffer::state(RequestId request) {
+  const auto it = requests_.find(request);
+  if (it == requests_.end()) fail(ErrorCode::not_found, "unknown request {}", request);
+  return it->second;
+}
+
+const TieredKVBuffer::RequestState& TieredKVBuffer::state(RequestId request) const {
+  return const_cast<TieredKVBuffer*>(this)->state(request);
+}
+
+std::uint32_t TieredKVBuffer::min_slots_per_head(const RequestBudget& budget) const {
+  return budget.mandatory_pages +
+         static_cast<std::uint32_t>(std::ceil(config_.min_buffer_ratio * budget.mandatory_pages));
+}
+
+std::uint64_t TieredKVBuffer::reclaimable_slots(const RequestState& s) const {
+  return s.slots - min_slots_per_head(s.budget);
+}
+
+AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget) const {
+  AdmissionAdvice a;
+  const std::uint64_t slots = std::max(budget.buffer_pages, min_slots_per_head(budget));
+  a.request_slot_free = table_.request_count() < table_.geometry().max_requests;
+  a.gpu_pages_needed = heads() * (slots + 1);
+  a.gpu_pages_free = gpu_pool_.available();
+  for (const auto& [id, s] : requests_) a.gpu_pages_reclaimable += heads() * reclaimable_slots(s);
+  a.cpu_pages_needed = heads() * pages_for_tokens(prompt_tokens, config_.page_tokens);
+  a.cpu_pages_free = cpu_pool_.available();
+  a.admit = a.request_slot_free && budget.mandatory_pages > 0 &&
+            a.gpu_pages_needed <= a.gpu_pages_free + a.gpu_pages_reclaimable && a.cpu_pages_needed <= a.cpu_pages_free;
+  return a;
+}
+
+void TieredKVBuffer::add_request(RequestId request, const RequestBudget& budget) {
+  if (requests_.contains(request)) fail(ErrorCode::already_exists, "request {} is already registered", request);
+  if (budget.mandatory_pages == 0) {
+    fail(ErrorCode::invalid_argument, "request {}: mandatory_pages must be > 0", request);
+  }
+  const std::uint32_t min_slots = min_slots_per_head(budget);
+  if (budget.buffer_pages != 0 && budget.buffer_pages < min_slots) {
+    fail(ErrorCode::invalid_argument,
+         "request {}: buffer_pages {} is below the minimum {} (mandatory {} x (1 + min_buffer_ratio {}))", request,
+         budget.buffer_pages, min_slots, budget.mandatory_pages, config_.min_buffer_ratio);
+  }
+  const std::uint32_t slots = std::max(budget.buffer_pages, min_slots);
+  if (slots > table_.geometry().max_gpu_pages_per_head) {
+    fail(ErrorCode::resource_exhausted, "request {}: {} GPU pages per head exceed the maximum of {}", request, slots,
+         table_.geometry().max_gpu_pages_per_head);
+  }
+  if (table_.request_count() >= table_.geometry().max_requests) {
+    fail(ErrorCode::resource_exhausted, "request {}: all {} request slots are in use", request,
+         table_.geometry().max_requests);
+  }
+  const std::uint64_t needed = heads() * (std::uint64_t{slots} + 1);
+  const AdmissionAdvice advice = can_admit(0, budget);
+  if (needed > advice.gpu_pages_free + advice.gpu_pages_reclaimable) {
+    fail(ErrorCode::resource_exhausted, "request {}: needs {} GPU pages, {} free and {} reclaimable", request, needed,
+         advice.gpu_pages_free, advice.gpu_pages_reclaimable);
+  }
+  // Registered first so the segment demand can be asked per head; every check
+  // passes before reclaim() shrinks anyone else.
+  table_.add_request(request);
+  RequestState s;
+  s.budget = budget;
+  s.tokens.assign(shape_.layers, 0);
+  s.tail_tokens.assign(shape_.layers, 0);
+  s.windows.assign(heads(), WorkingSetWindow(config_.working_set_window));
+  s.tail_pages.resize(heads());
+  try {
+    SegmentDemand demand;
+    for (std::uint32_t l = 0; l < shape_.layers; ++l)
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) demand += table_.gpu_slots_demand(request, l, h, slots);
+    table_.check_segments(demand);
+  } catch (...) {
+    table_.remove_request(request);
+    throw;
+  }
+  if (needed > gpu_pool_.available()) reclaim(needed - gpu_pool_.available());
+  gpu_pool_.allocate(s.tail_pages);
+  auto& stored = requests_.emplace(request, std::move(s)).first->second;
+  grow_slots(request, stored, slots);
+}
+
+void TieredKVBuffer::grow_slots(RequestId request, RequestState& s, std::uint32_t slots) {
+  const std::uint32_t old = s.slots;
+  std::vector<PageId> pages(heads() * (slots - old));
+  gpu_pool_.allocate(pages);  // checked by the callers, like the segments
+  std::size_t next = 0;
+  for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+      table_.resize_gpu_slots(request, l, h, slots);
+      for (std::uint32_t slot = old; slot < slots; ++slot) {
+        table_.set_gpu_entry(request, l, h, slot, GpuPageEntry{kInvalidPartition, pages[next++], 0, 0, 0});
+      }
+    }
+  }
+  s.slots = slots;
+}
+
+void TieredKVBuffer::evict_partition(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                     PartitionId partition) {
+  for (std::uint32_t slot = 0; slot < table_.gpu_slots(request, layer, head); ++slot) {
+    GpuPageEntry e = table_.gpu_entry(request, layer, head, slot);
+    if (e.partition == partition) {
+      e.partition = kInvalidPartition;
+      table_.set_gpu_entry(request, layer, head, slot, e);
+    }
+  }
+  table_.set_resident(request, layer, head, partition, false);
+}
+
+void TieredKVBuffer::shrink_slots(RequestId request, RequestState& s, std::uint32_t slots) {
+  // Reclaim from the tail of each GPU page table (Spin §5.3): a partition with
+  // any page there is evicted whole, so the remaining table stays consistent.
+  for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+      for (std::uint32_t slot = slots; slot < s.slots; ++slot) {
+        const GpuPageEntry e = table_.gpu_entry(request, l, h, slot);
+        if (e.occupied()) evict_partition(request, l, h, e.partition);
+        gpu_pool_.release(e.gpu_page);
+        table_.set_gpu_entry(request, l, h, slot, GpuPageEntry{});
+      }
+      table_.resize_gpu_slots(request, l, h, slots);
+    }
+  }
+  s.slots = slots;
+}
+
+void TieredKVBuffer::resize(RequestId request, std::uint32_t slots_per_head) {
+  RequestState& s = state(request);
+  if (slots_per_head < min_slots_per_head(s.budget)) {
+    fail(ErrorCode::invalid_argument,
+         "request {}: {} GPU pages per head are below its minimum of {} (mandatory {} plus the minimum buffer)",
+         request, slots_per_head, min_slots_per_head(s.budget), s.budget.mandatory_pages);
+  }
+  if (slots_per_head < s.slots) {
+    shrink_slots(request, s, slots_per_head);
+    return;
+  }
+  if (slots_per_head == s.slots) return;
+  SegmentDemand demand;
+  for (std::uint32_t l = 0; l < shape_.layers; ++l)
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) demand += table_.gpu_slots_demand(request, l, h, slots_per_head);
+  table_.check_segments(demand);
+  const std::uint64_t needed = heads() * (slots_per_head - s.slots);
+  if (needed > gpu_pool_.available()) {
+    fail(ErrorCode::resource_exhausted, "request {}: growing to {} pages per head needs {} GPU pages, {} free",
+         request, slots_per_head, needed, gpu_pool_.available());
+  }
+  grow_slots(request, s, slots_per_head);
+}
+
+std::uint64_t TieredKVBuffer::reclaim(std::uint64_t gpu_pages) {
+  // Slots per head to take, spread in proportion to sequence length and capped
+  // by each request's buffering above its minimum (water-filling; remainders
+  // go to the longest requests first, ties by request id).
+  std::uint64_t wanted = (gpu_pages + heads() - 1) / heads();
+  std::map<RequestId, std::uint64_t> take;
+  while (wanted > 0) {
+    std::uint64_t total_weight = 0;
+    std::vector<std::pair<RequestId, std::uint64_t>> open;  // request, weight
+    for (const auto& [id, s] : requests_) {
+      if (reclaimable_slots(s) > take[id]) {
+        const std::uint64_t weight = std::max<std::uint64_t>(1, *std::max_element(s.tokens.begin(), s.tokens.end()));
+        open.emplace_back(id, weight);
+        total_weight += weight;
+      }
+    }
+    if (open.empty()) break;
+    std::uint64_t given = 0;
+    for (const auto& [id, weight] : open) {
+      const std::uint64_t room = reclaimable_slots(requests_.at(id)) - take[id];
+      const std::uint64_t share = std::min(room, wanted * weight / total_weight);
+      take[id] += share;
+      given += share;
+    }
+    if (given == 0) {
+      std::stable_sort(open.begin(), open.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+      for (const auto& [id, weight] : open) {
+        if (given == wanted) break;
+        ++take[id];
+        ++given;
+      }
+    }
+    wanted -= given;
+  }
+  std::uint64_t freed = 0;
+  for (const auto& [id, slots] : take) {
+    if (slots == 0) continue;
+    RequestState& s = requests_.at(id);
+    shrink_slots(id, s, static_cast<std::uint32_t>(s.slots - slots));
+    freed += slots * heads();
+  }
+  return freed;
+}
+
+void TieredKVBuffer::finish(RequestId request) {
+  RequestState& s = state(request);
+  for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+      for (std::uint32_t slot = 0; slot < s.slots; ++slot) {
+        const GpuPageEntry e = table_.gpu_entry(request, l, h, slot);
+        if (e.occupied()) table_.set_resident(request, l, h, e.partition, false);
+        gpu_pool_.release(e.gpu_page);
+        table_.set_gpu_entry(request, l, h, slot, GpuPageEntry{});
+      }
+      table_.resize_gpu_slots(request, l, h, 0);
+    }
+  }
+  gpu_pool_.release(s.tail_pages);
+  partitions_.unmap(request);
+  table_.remove_request(request);
+  requests_.erase(request);
+}
+
+void TieredKVBuffer::check_chunk(const KvChunk& kv, std::uint32_t layer) const {
+  check_index("layer", layer, shape_.layers);
+  if (kv.k == nullptr || kv.v == nullptr) fail(ErrorCode::invalid_argument, "K/V pointers must not be null");
+  if (kv.tokens == 0) fail(ErrorCode::invalid_argument, "a K/V chunk needs at least one token");
+  if (kv.dtype != shape_.dtype) {
+    fail(ErrorCode::invalid_argument, "K/V dtype {} does not match the model's {}", to_string(kv.dtype),
+         to_string(shape_.dtype));
+  }
+}
+
+void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChunk& kv,
+                             std::span<const PartitionSpec> specs) {
+  RequestState& s = state(request);
+  check_chunk(kv, layer);
+  if (specs.size() != 1 && specs.size() != shape_.kv_heads) {
+    fail(ErrorCode::invalid_argument, "{} partition specs given; expected 1 (shared) or {} (one per kv head)",
+         specs.size(), shape_.kv_heads);
+  }
+  // Arguments first, then state, then resources.
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
+    if (spec.token_count() != kv.tokens) {
+      fail(ErrorCode::invalid_argument, "the spec of kv head {} covers {} tokens, the chunk has {}", h,
+           spec.token_count(), kv.tokens);
+    }
+  }
+  if (s.tail_tokens[layer] != 0) {
+    fail(ErrorCode::failed_precondition, "request {} layer {}: offload after decode appends began", request, layer);
+  }
+  std::uint64_t pages = 0;
+  SegmentDemand demand;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
+    std::uint64_t head_pages = 0;
+    for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
+      if (pages_for_tokens(spec.size(p), config_.page_tokens) > kMaxPagesPerPartition) {
+        fail(ErrorCode::invalid_argument, "partition {} of kv head {} spans more than {} pages", p, h,
+             kMaxPagesPerPartition);
+      }
+      head_pages += pages_for_tokens(spec.size(p), config_.page_tokens);
+    }
+    demand += table_.append_demand(request, layer, h, spec.partition_count(), head_pages);
+    pages += head_pages;
+  }
+  if (pages > cpu_pool_.available()) {
+    fail(ErrorCode::resource_exhausted, "request {} layer {}: offload needs {} CPU pages, {} free", request, layer,
+         pages, cpu_pool_.available());
+  }
+  table_.check_segments(demand);
+
+  const std::size_t row = layout_.row_bytes();
+  const auto* k = static_cast<const std::byte*>(kv.k);
+  const auto* v = static_cast<const std::byte*>(kv.v);
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const MappedPartitions mapped = partitions_.map(request, layer, h, specs[specs.size() == 1 ? 0 : h]);
+    for (std::uint32_t t = 0; t < kv.tokens; ++t) {
+      const TokenPlacement where = mapped.placements[t];
+      std::byte* page = cpu_pool_.data(where.cpu_page);
+      const std::size_t source = (std::size_t{t} * shape_.kv_heads + h) * row;
+      std::memcpy(page + layout_.k_offset(where.slot), k + source, row);
+      std::memcpy(page + layout_.v_offset(where.slot), v + source, row);
+    }
+  }
+  s.tokens[layer] += kv.tokens;
+  stats_.bytes_offloaded += 2 * std::uint64_t{kv.tokens} * shape_.kv_heads * row;
+}
+
+void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChunk& token) {
+  RequestState& s = state(request);
+  check_chunk(token, layer);
+  if (token.tokens != 1) fail(ErrorCode::invalid_argument, "append takes one token, got {}", token.tokens);
+  const std::uint32_t slot = s.tail_tokens[layer];
+  const bool fills_tail = slot + 1 == config_.page_tokens;
+  if (fills_tail) {
+    // The full tail becomes a one-page partition per head: check all heads first.
+    SegmentDemand demand;
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) demand += table_.append_demand(request, layer, h, 1, 1);
+    if (shape_.kv_heads > cpu_pool_.available()) {
+      fail(ErrorCode::resource_exhausted, "request {} layer {}: saving the full tail needs {} CPU pages, {} free",
+           request, layer, shape_.kv_heads, cpu_pool_.available());
+    }
+    table_.check_segments(demand);
+  }
+  const std::size_t row = layout_.row_bytes();
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    std::byte* tail = gpu_pool_.data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
+    std::memcpy(tail + layout_.k_offset(slot), static_cast<const std::byte*>(token.k) + h * row, row);
+    std::memcpy(tail + layout_.v_offset(slot), static_cast<const std::byte*>(token.v) + h * row, row);
+  }
+  s.tokens[layer] += 1;
+  s.tail_tokens[layer] = slot + 1;
+  if (!fills_tail) return;
+  // Save (SparseServe §3.2.2): the page moves whole; its layout is the CPU page's.
+  const PartitionSpec full = PartitionSpec::uniform(config_.page_tokens, config_.page_tokens);
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const MappedPartitions mapped = partitions_.map(request, layer, h, full);
+    std::memcpy(cpu_pool_.data(mapped.placements[0].cpu_page),
+                gpu_pool_.data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]), layout_.page_bytes());
+  }
+  s.tail_tokens[layer] = 0;
+  stats_.pages_saved += shape_.kv_heads;
+}
+
+void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
+                              std::span<const std::vector<PartitionId>> selections, Retrieval& out) {
+  RequestState& s = state(request);
+  check_index("layer", layer, shape_.layers);
+  if (selections.size() != shape_.kv_heads) {
+    fail(ErrorCode::invalid_argument, "{} selections given for {} kv heads", selections.size(), shape_.kv_heads);
+  }
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    lru_.check(table_, request, layer, h, selections[h], s.budget.mandatory_pages);
+  }
+  out.head_offsets.assign(1, 0);
+  out.partitions.clear();
+  out.token_counts.clear();
+  out.plan.clear();
+  out.tail_pages.clear();
+  out.tail_tokens.clear();
+  out.stats = {};
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const auto& selected = selections[h];
+    out.stats += lru_.step(table_, request, layer, h, selected, out.plan);
+    for (PartitionId p : selected) {
+      out.partitions.push_back(p);
+      out.token_counts.push_back(table_.meta(request, layer, h, p).token_count());
+    }
+    out.head_offsets.push_back(static_cast<std::uint32_t>(out.partitions.size()));
+    out.tail_pages.push_back(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
+    out.tail_tokens.push_back(s.tail_tokens[layer]);
+    s.windows[std::size_t{layer} * shape_.kv_heads + h].record(selected);
+  }
+  for (const PageCopy& copy : out.plan.copies) {
+    std::memcpy(gpu_pool_.data(copy.gpu_page), cpu_pool_.data(copy.cpu_page), layout_.page_bytes());
+  }
+  stats_.cache += out.stats;
+  stats_.retrieve_steps += shape_.kv_heads;
+  stats_.bytes_loaded += out.plan.copies.size() * layout_.page_bytes();
+}
+
+std::uint64_t TieredKVBuffer::working_set_pages(RequestId request) const {
+  const RequestState& s = state(request);
+  std::uint64_t pages = 0;
+  for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+      for (PartitionId p : s.windows[std::size_t{l} * shape_.kv_heads + h].partitions()) {
+        pages += table_.page_count(request, l, h, p);
+      }
+    }
+  }
+  return pages;
+}
+
+std::uint32_t TieredKVBuffer::slots_per_head(RequestId request) const { return state(request).slots; }
+
+std::uint32_t TieredKVBuffer::sequence_length(RequestId request, std::uint32_t layer) const {
+  check_index("layer", layer, shape_.layers);
+  return state(request).tokens[layer];
+}
+
+PageId TieredKVBuffer::tail_page(RequestId request, std::uint32_t layer, std::uint32_t head) const {
+  check_index("layer", layer, shape_.layers);
+  check_index("kv head", head, shape_.kv_heads);
+  return state(request).tail_pages[std::size_t{layer} * shape_.kv_heads + head];
+}
+
+std::uint32_t TieredKVBuffer::tail_tokens(RequestId request, std::uint32_t layer) const {
+  check_index("layer", layer, shape_.layers);
+  return state(request).tail_tokens[layer];
+}
+
+void TieredKVBuffer::validate() const {
+  table_.validate();
+  const auto broken = [](const std::string& what) {
+    fail(ErrorCode::failed_precondition, "buffer invariant broken: {}", what);
+  };
+  std::uint64_t gpu_pages = 0, cpu_pages = 0;
+  std::unordered_set<PageId> owned;
+  for (const auto& [id, s] : requests_) {
+    if (s.slots < min_slots_per_head(s.budget)) broken(fmt::format("request {} is below its minimum buffer", id));
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      if (s.tail_tokens[l] >= config_.page_tokens) broken(fmt::format("request {} layer {} tail overflows", id, l));
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        if (table_.gpu_slots(id, l, h) != s.slots) broken(fmt::format("request {} head ({}, {}) has the wrong slot count", id, l, h));
+        for (std::uint32_t slot = 0; slot < s.slots; ++slot) {
+          const PageId page = table_.gpu_entry(id, l, h, slot).gpu_page;
+          if (!gpu_pool_.is_allocated(page) || !owned.insert(page).second) {
+            broken(fmt::format("GPU slot {} of request {} head ({}, {}) does not own a page of its own", slot, id, l, h));
+          }
+        }
+        const PageId tail = s.tail_pages[std::size_t{l} * shape_.kv_heads + h];
+        if (!gpu_pool_.is_allocated(tail) || !owned.insert(tail).second) broken("a tail page is shared or free");
+        std::uint64_t tokens = 0;
+        for (PartitionId p = 0; p < table_.partition_count(id, l, h); ++p) tokens += table_.meta(id, l, h, p).token_count();
+        if (tokens + s.tail_tokens[l] != s.tokens[l]) {
+          broken(fmt::format("request {} head ({}, {}): {} tokens mapped + {} in the tail != {}", id, l, h, tokens,
+                             s.tail_tokens[l], s.tokens[l]));
+        }
+        cpu_pages += table_.cpu_page_count(id, l, h);
+      }
+    }
+    gpu_pages += heads() * (std::uint64_t{s.slots} + 1);
+  }
+  if (gpu_pages != gpu_pool_.used()) broken(fmt::format("{} GPU pages owned, the pool has {} in use", gpu_pages, gpu_pool_.used()));
+  if (cpu_pages != cpu_pool_.used()) broken(fmt::format("{} CPU pages mapped, the pool has {} in use", cpu_pages, cpu_pool_.used()));
+}
+
+}  // namespace sparsekv
