@@ -209,6 +209,27 @@ void HierarchicalPageTable::append_partitions(RequestId request, std::uint32_t l
   }
 }
 
+void HierarchicalPageTable::truncate_partitions(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                                std::uint32_t partitions) {
+  const std::size_t inst = instance(request, layer, head);
+  const std::uint32_t count = meta_.length(inst);
+  if (partitions > count) {
+    fail(ErrorCode::out_of_range, "head ({}, {}) of request {} has {} partitions; cannot keep {}", layer, head, request,
+         count, partitions);
+  }
+  for (std::uint32_t s = 0; s < gpu_pages_.length(inst); ++s) {
+    const GpuPageEntry& e = gpu_pages_.at(inst, s);
+    if (e.occupied() && e.partition >= partitions) {
+      fail(ErrorCode::failed_precondition, "GPU slot {} of head ({}, {}) of request {} still caches partition {}", s,
+           layer, head, request, e.partition);
+    }
+  }
+  const std::uint32_t pages = partitions == count ? cpu_pages_.length(inst) : offsets_.at(inst, partitions);
+  meta_.resize(inst, partitions);
+  offsets_.resize(inst, partitions);
+  cpu_pages_.resize(inst, pages);
+}
+
 void HierarchicalPageTable::clear_partitions(RequestId request, std::uint32_t layer, std::uint32_t head) {
   const std::size_t inst = instance(request, layer, head);
   // An occupied slot would otherwise name a partition id that a later append reuses.

@@ -129,6 +129,18 @@ void PartitionMap::map_shared_prefix(RequestId request, RequestId source, std::u
   }
 }
 
+void PartitionMap::truncate(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t partitions) {
+  const std::uint32_t count = table_->partition_count(request, layer, head);
+  if (partitions > count) {
+    fail(ErrorCode::out_of_range, "head ({}, {}) of request {} has {} partitions; cannot keep {}", layer, head, request,
+         count, partitions);
+  }
+  std::vector<PageId> dropped;
+  for (PartitionId p = partitions; p < count; ++p) table_->cpu_pages(request, layer, head, p, dropped);
+  table_->truncate_partitions(request, layer, head, partitions);  // checks the GPU slots first
+  cpu_pool_->release(dropped);
+}
+
 void PartitionMap::unmap(RequestId request) {
   const auto& g = table_->geometry();
   std::vector<PageId> pages;

@@ -401,6 +401,70 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
   stats_.bytes_loaded += out.plan.copies.size() * layout_.page_bytes();
 }
 
+void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions,
+                                 std::span<const PartitionSpec> specs) {
+  state(request);
+  check_index("layer", layer, shape_.layers);
+  if (first_partitions.size() != shape_.kv_heads || specs.size() != shape_.kv_heads) {
+    fail(ErrorCode::invalid_argument, "repartition needs one first partition and one spec per kv head ({}), got {} / {}",
+         shape_.kv_heads, first_partitions.size(), specs.size());
+  }
+  std::uint64_t new_pages = 0;
+  SegmentDemand demand;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const std::uint32_t count = table_.partition_count(request, layer, h);
+    if (first_partitions[h] > count) {
+      fail(ErrorCode::out_of_range, "repartition: kv head {} has {} partitions, first is {}", h, count,
+           first_partitions[h]);
+    }
+    std::uint64_t tokens = 0;
+    for (PartitionId p = first_partitions[h]; p < count; ++p) tokens += table_.meta(request, layer, h, p).token_count();
+    if (tokens != specs[h].token_count()) {
+      fail(ErrorCode::invalid_argument, "repartition: kv head {} regroups {} tokens, its spec covers {}", h, tokens,
+           specs[h].token_count());
+    }
+    std::uint64_t head_pages = 0;
+    for (std::uint32_t p = 0; p < specs[h].partition_count(); ++p) {
+      head_pages += pages_for_tokens(specs[h].size(p), config_.page_tokens);
+    }
+    // Counted as if nothing were dropped first: conservative near a table's limits.
+    demand += table_.append_demand(request, layer, h, specs[h].partition_count(), head_pages);
+    new_pages += head_pages;
+  }
+  if (new_pages > cpu_pool_.available()) {
+    fail(ErrorCode::resource_exhausted, "repartition needs {} new CPU pages, {} free", new_pages, cpu_pool_.available());
+  }
+  table_.check_segments(demand);
+
+  const std::size_t row = layout_.row_bytes();
+  std::vector<std::byte> rows;
+  std::vector<PageId> pages;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const std::uint32_t count = table_.partition_count(request, layer, h);
+    // Gather the run's K/V rows in page order: [token][K row, V row].
+    rows.clear();
+    for (PartitionId p = first_partitions[h]; p < count; ++p) {
+      if (table_.meta(request, layer, h, p).resident()) evict_partition(request, layer, h, p);
+      pages.clear();
+      table_.cpu_pages(request, layer, h, p, pages);
+      for (std::uint32_t i = 0; i < table_.meta(request, layer, h, p).token_count(); ++i) {
+        const std::byte* page = cpu_pool_.data(pages[i / config_.page_tokens]);
+        const std::uint32_t slot = i % config_.page_tokens;
+        rows.insert(rows.end(), page + layout_.k_offset(slot), page + layout_.k_offset(slot) + row);
+        rows.insert(rows.end(), page + layout_.v_offset(slot), page + layout_.v_offset(slot) + row);
+      }
+    }
+    partitions_.truncate(request, layer, h, first_partitions[h]);
+    state(request).windows[std::size_t{layer} * shape_.kv_heads + h].forget_from(first_partitions[h]);
+    const MappedPartitions mapped = partitions_.map(request, layer, h, specs[h]);
+    for (std::uint32_t t = 0; t < specs[h].token_count(); ++t) {
+      std::byte* page = cpu_pool_.data(mapped.placements[t].cpu_page);
+      std::memcpy(page + layout_.k_offset(mapped.placements[t].slot), rows.data() + 2 * t * row, row);
+      std::memcpy(page + layout_.v_offset(mapped.placements[t].slot), rows.data() + (2 * t + 1) * row, row);
+    }
+  }
+}
+
 std::uint64_t TieredKVBuffer::working_set_pages(RequestId request) const {
   const RequestState& s = state(request);
   std::uint64_t pages = 0;

@@ -284,9 +284,51 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
           REQUIRE(e.code() == ErrorCode::resource_exhausted);
           must_be_unchanged = true;
         }
-      } else if (kind < 92) {
+      } else if (kind < 90) {
         const std::uint64_t freed = buffer.reclaim(1 + pick(40));
         if (freed > 0) ++done["reclaim"];
+      } else if (kind < 92) {  // regroup the newest partitions of every head (a policy re-indexing)
+        const RequestId id = any_request();
+        RequestRef& r = ref[id];
+        const auto layer = static_cast<std::uint32_t>(pick(kShape.layers));
+        std::vector<PartitionId> first(kShape.kv_heads);
+        std::vector<PartitionSpec> specs;
+        std::vector<std::vector<std::vector<std::uint32_t>>> regrouped(kShape.kv_heads);
+        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+          auto& parts = r.heads[layer * kShape.kv_heads + h].partitions;
+          first[h] = parts.empty() ? 0 : static_cast<PartitionId>(parts.size() - 1 - pick(std::min<std::size_t>(parts.size(), 6)));
+          std::vector<std::uint32_t> run;  // the run's tokens in page order
+          for (std::size_t p = first[h]; p < parts.size(); ++p) run.insert(run.end(), parts[p].begin(), parts[p].end());
+          if (run.empty()) break;  // the walk regroups only when every head has tokens
+          std::vector<std::uint32_t> order(run.size());
+          std::iota(order.begin(), order.end(), 0u);
+          std::shuffle(order.begin(), order.end(), rng);
+          std::vector<std::vector<std::uint32_t>> clusters;
+          for (std::size_t i = 0; i < order.size();) {
+            const std::size_t n = std::min<std::size_t>(1 + pick(7), order.size() - i);
+            clusters.emplace_back(order.begin() + i, order.begin() + i + n);
+            i += n;
+          }
+          specs.push_back(PartitionSpec::variable(static_cast<std::uint32_t>(run.size()), clusters));
+          for (const auto& c : clusters) {
+            regrouped[h].emplace_back();
+            for (std::uint32_t i : c) regrouped[h].back().push_back(run[i]);
+          }
+        }
+        if (specs.size() == kShape.kv_heads) try {
+          buffer.repartition(id, layer, first, specs);
+          for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+            auto& parts = r.heads[layer * kShape.kv_heads + h].partitions;
+            parts.resize(first[h]);
+            parts.insert(parts.end(), regrouped[h].begin(), regrouped[h].end());
+            auto& last = r.last[layer * kShape.kv_heads + h];
+            std::erase_if(last, [&](PartitionId p) { return p >= first[h]; });
+          }
+          ++done["repartition"];
+        } catch (const Error& e) {
+          REQUIRE(e.code() == ErrorCode::resource_exhausted);
+          must_be_unchanged = true;
+        }
       } else {  // bad input: a clear error, nothing changes
         must_be_unchanged = true;
         const RequestId id = any_request();
@@ -338,7 +380,7 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
     check_all_bytes(buffer, ref);
     // Every kind of operation happened, including the hard paths.
     for (const char* kind : {"add", "finish", "offload", "append", "retrieve", "retrieve-hit", "retrieve-evict",
-                             "resize", "reclaim"}) {
+                             "resize", "reclaim", "repartition"}) {
       INFO(kind);
       REQUIRE(done[kind] > 10);
     }

@@ -111,6 +111,15 @@ class TieredKVBuffer {
   void retrieve(RequestId request, std::uint32_t layer, std::span<const std::vector<PartitionId>> selections,
                 Retrieval& out);
 
+  // Regroups, in every kv head h, the tokens of partitions
+  // [first_partitions[h], end) -- in their page order, token i of the run is
+  // specs[h]'s token i -- into specs[h]'s partitions, which take ids
+  // first_partitions[h] onwards (a policy re-indexing decode tokens, e.g.
+  // RetroInfer's per-segment clustering). Cached copies of the regrouped
+  // partitions are evicted first; the CPU tier keeps every byte.
+  void repartition(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions,
+                   std::span<const PartitionSpec> specs);
+
   void resize(RequestId request, std::uint32_t slots_per_head);
   // Frees at least `gpu_pages` GPU pages if the requests' buffering allows;
   // returns how many it freed (a multiple of layers x kv_heads).

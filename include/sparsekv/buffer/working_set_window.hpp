@@ -21,6 +21,10 @@ class WorkingSetWindow {
     steps_.emplace_back(selected.begin(), selected.end());
     if (steps_.size() > window_) steps_.pop_front();
   }
+  // Drops ids >= first: those partitions were regrouped and the ids reused.
+  void forget_from(PartitionId first) {
+    for (auto& step : steps_) std::erase_if(step, [first](PartitionId p) { return p >= first; });
+  }
   // Distinct partitions selected over the window, ascending.
   std::vector<PartitionId> partitions() const;
   std::uint32_t steps() const noexcept { return static_cast<std::uint32_t>(steps_.size()); }

@@ -109,6 +109,10 @@ class HierarchicalPageTable {
                                  std::uint32_t slots) const;
   // Throws resource_exhausted naming the first pool that cannot supply `demand`.
   void check_segments(const SegmentDemand& demand) const;
+  // Keeps the first `partitions` partitions of one head and drops the rest
+  // (their CPU pages are the caller's to release first); refuses while a GPU
+  // slot caches a dropped one.
+  void truncate_partitions(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t partitions);
   // Drops every partition of one head; refuses while a GPU slot caches any.
   void clear_partitions(RequestId request, std::uint32_t layer, std::uint32_t head);
   std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const;

@@ -42,6 +42,9 @@ class PartitionMap {
   // head of `request`, sharing their pages (reference count + 1 each).
   void map_shared_prefix(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t head,
                          std::uint32_t partitions);
+  // Keeps the first `partitions` partitions of one head, releasing the CPU
+  // pages of the rest (none may be cached in a GPU slot).
+  void truncate(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t partitions);
   // Releases every CPU page of every head of the request and drops its
   // partitions (no GPU slot may cache one). The request stays registered.
   void unmap(RequestId request);

@@ -1,0 +1,45 @@
+#pragma once
+// Dense: every partition, every step, through the same offload / retrieve /
+// attend pipeline as the sparse policies -- the baseline every policy is
+// measured against. One page per partition.
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "sparsekv/policy/sparse_attention.hpp"
+
+namespace sparsekv {
+
+class DensePolicy {
+ public:
+  struct Options {};
+  struct LayerState {
+    std::vector<std::uint32_t> partitions;  // per kv head
+  };
+  static constexpr std::string_view kName = "dense";
+  static constexpr RopeStage kRope = RopeStage::post_rope;
+
+  DensePolicy() = default;
+  explicit DensePolicy(const Options&) {}
+
+  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
+    state.partitions.assign(ctx.kv_heads, PartitionSpec::uniform(kv.tokens, ctx.page_tokens).partition_count());
+    return {PartitionSpec::uniform(kv.tokens, ctx.page_tokens)};
+  }
+  std::optional<Repartition> append(const LayerContext&, const AppendedPage&, LayerState& state) const {
+    for (auto& count : state.partitions) ++count;
+    return std::nullopt;
+  }
+  void select(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, Selection& out) const {
+    out.reset(ctx.kv_heads);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      for (PartitionId p = 0; p < state.partitions[h]; ++p) out.partitions[h].push_back(p);
+    }
+  }
+  // Prefill's last page may be partial: one page more than the tokens fill.
+  std::uint32_t mandatory_pages(const LayerContext& ctx) const {
+    return (ctx.tokens + ctx.page_tokens - 1) / ctx.page_tokens + 1;
+  }
+};
+
+}  // namespace sparsekv

@@ -1,0 +1,132 @@
+#pragma once
+// The SparseAttention policy interface (Spin §4.1, §4.2): the algorithm-
+// specific operations Index, Select and (optionally) Attend. The library owns
+// Offload and Retrieve (TieredKVBuffer); a policy only decides how tokens are
+// grouped into partitions, what it remembers about them (summaries), which
+// partitions each kv head needs for a query, and any extra attention term.
+//
+// A policy is a type P with
+//   P::Options                  its knobs, defaulted to its paper's settings
+//   P::LayerState               what it keeps per (request, layer): summaries
+//   P::kName, P::kRope          a name, and whether it reads pre- or post-RoPE q/k
+//   p.index(ctx, kv, state)     prefill: one PartitionSpec per kv head
+//   p.append(ctx, page, state)  decode: a full page of new tokens became a
+//                               one-page partition in every kv head; update
+//                               summaries, optionally ask for a repartition
+//   p.select(ctx, q, state, s)  the partitions each kv head needs for query q
+//   p.mandatory_pages(ctx)      the most pages one select may return per kv head
+//                               while the request holds at most ctx.tokens tokens
+// and optionally (CustomAttend)
+//   p.attend(ctx, q, state, s, extra)  one AttentionPartial per q head, merged
+//                               by log-sum-exp with the exact attention over
+//                               the selected pages (RetroInfer's estimation zone)
+//
+// Policies see fp32 copies of q/k/v; the facade converts the engine's dtype.
+// Adding an algorithm is one header: examples/custom_policy.cpp.
+#include <concepts>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "sparsekv/attention/attention_partial.hpp"
+#include "sparsekv/core/ids.hpp"
+#include "sparsekv/partition/partition_spec.hpp"
+
+namespace sparsekv {
+
+// Where in the layer a policy's inputs are taken (Spin §4.2: ShadowKV and
+// RetroInfer register after RoPE, SeerAttention-R before).
+enum class RopeStage { pre_rope, post_rope };
+
+// One (request, layer) as a policy sees it.
+struct LayerContext {
+  std::uint32_t layer = 0;
+  std::uint32_t layers = 1;
+  std::uint32_t q_heads = 0;
+  std::uint32_t kv_heads = 0;
+  std::uint32_t head_dim = 0;
+  std::uint32_t page_tokens = 8;
+  std::uint32_t tokens = 0;  // tokens in partitions (the decode tail excluded)
+
+  std::uint32_t group_size() const noexcept { return q_heads / kv_heads; }
+};
+
+// K and V of `tokens` consecutive tokens of one layer, fp32, [token][kv_head][dim].
+struct KvView {
+  std::span<const float> keys;
+  std::span<const float> values;
+  std::uint32_t tokens = 0;
+  std::uint32_t kv_heads = 0;
+  std::uint32_t head_dim = 0;
+  std::uint32_t first_position = 0;  // sequence position of token 0
+
+  const float* key(std::uint32_t token, std::uint32_t head) const {
+    return keys.data() + (std::size_t{token} * kv_heads + head) * head_dim;
+  }
+  const float* value(std::uint32_t token, std::uint32_t head) const {
+    return values.data() + (std::size_t{token} * kv_heads + head) * head_dim;
+  }
+};
+
+// A full decode page (`page.tokens == page_tokens`) that became a one-page
+// partition in every kv head: partitions[h] is its id in kv head h.
+struct AppendedPage {
+  KvView page;
+  std::vector<PartitionId> partitions;
+};
+
+// Ask the library to regroup, in every kv head h, the tokens of partitions
+// [first_partitions[h], end) (in their page order: token i of that run is
+// spec token i) into specs[h]'s partitions, which take ids first_partitions[h]
+// onwards; e.g. RetroInfer clustering each new 1024-token decode segment (§4.2).
+struct Repartition {
+  std::vector<PartitionId> first_partitions;  // one per kv head
+  std::vector<PartitionSpec> specs;           // one per kv head
+};
+
+// The query of one decode step: [q_heads][head_dim] fp32 at sequence `position`.
+struct DecodeQuery {
+  std::span<const float> q;
+  std::uint32_t position = 0;
+
+  const float* head(std::uint32_t h, std::uint32_t head_dim) const { return q.data() + std::size_t{h} * head_dim; }
+};
+
+struct Selection {
+  std::vector<std::vector<PartitionId>> partitions;  // [kv_head] distinct ids
+
+  void reset(std::uint32_t kv_heads) {
+    partitions.resize(kv_heads);
+    for (auto& p : partitions) p.clear();
+  }
+};
+
+template <class P>
+concept SparseAttention =
+    requires(const P& policy, typename P::LayerState& state, const typename P::LayerState& cstate,
+             const LayerContext& ctx, const KvView& kv, const AppendedPage& page, const DecodeQuery& q,
+             Selection& selection) {
+      typename P::Options;
+      typename P::LayerState;
+      { P::kName } -> std::convertible_to<std::string_view>;
+      { P::kRope } -> std::convertible_to<RopeStage>;
+      { policy.index(ctx, kv, state) } -> std::same_as<std::vector<PartitionSpec>>;
+      { policy.append(ctx, page, state) } -> std::same_as<std::optional<Repartition>>;
+      { policy.select(ctx, q, cstate, selection) } -> std::same_as<void>;
+      { policy.mandatory_pages(ctx) } -> std::same_as<std::uint32_t>;
+    };
+
+template <class P>
+concept CustomAttend = SparseAttention<P> &&
+    requires(const P& policy, const typename P::LayerState& state, const LayerContext& ctx, const DecodeQuery& q,
+             const Selection& selection, std::span<AttentionPartial> extra) {
+      { policy.attend(ctx, q, state, selection, extra) } -> std::same_as<void>;
+    };
+
+// Top-k helper the policies share: indices of the k largest scores, ties to
+// the lower index, returned in descending score order.
+std::vector<std::uint32_t> top_k(std::span<const float> scores, std::uint32_t k);
+
+}  // namespace sparsekv
