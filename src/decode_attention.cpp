@@ -5,18 +5,23 @@
 
 namespace sparsekv {
 
-void attend_pages(const PageLayout& layout, const float* q, float scale, const HeadKv& kv, AttentionPartial& state) {
+void attend_pages(const PageLayout& layout, const float* q, float scale, const HeadKv& kv,
+                  std::span<AttentionPartial> states) {
   const std::uint32_t d = layout.head_dim;
-  std::vector<float> v(d);
+  std::vector<float> k(d), v(d);
   for (std::size_t p = 0; p < kv.pages.size(); ++p) {
     const std::byte* page = kv.pages[p];
     for (std::uint32_t t = 0; t < kv.tokens[p]; ++t) {
       const void* k_row = page + layout.k_offset(t);
       const void* v_row = page + layout.v_offset(t);
-      float score = 0.0f;
-      for (std::uint32_t i = 0; i < d; ++i) score += q[i] * load_element(k_row, i, layout.dtype);
+      for (std::uint32_t i = 0; i < d; ++i) k[i] = load_element(k_row, i, layout.dtype);
       for (std::uint32_t i = 0; i < d; ++i) v[i] = load_element(v_row, i, layout.dtype);
-      state.add(score * scale, 1.0f, v.data());
+      for (std::size_t g = 0; g < states.size(); ++g) {
+        const float* qg = q + g * d;
+        float score = 0.0f;
+        for (std::uint32_t i = 0; i < d; ++i) score += qg[i] * k[i];
+        states[g].add(score * scale, 1.0f, v.data());
+      }
     }
   }
 }
@@ -51,12 +56,16 @@ void decode_attention(const PageLayout& layout, std::uint32_t q_heads, float sca
            extra[h].acc.size(), d);
     }
   }
-  for (std::uint32_t h = 0; h < q_heads; ++h) {
-    AttentionPartial state(d);
-    attend_pages(layout, q + std::size_t{h} * d, scale, kv[h / group], state);
-    if (!extra.empty()) state.merge(extra[h]);
-    state.write_output(out + std::size_t{h} * d);
-    if (lse != nullptr) lse[h] = state.empty() ? -std::numeric_limits<float>::infinity() : state.log_sum_exp();
+  std::vector<AttentionPartial> states;
+  for (std::size_t g = 0; g < kv_heads; ++g) {
+    states.assign(group, AttentionPartial(d));
+    attend_pages(layout, q + g * group * d, scale, kv[g], states);
+    for (std::size_t j = 0; j < group; ++j) {
+      const std::size_t h = g * group + j;
+      if (!extra.empty()) states[j].merge(extra[h]);
+      states[j].write_output(out + h * d);
+      if (lse != nullptr) lse[h] = states[j].empty() ? -std::numeric_limits<float>::infinity() : states[j].log_sum_exp();
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <numeric>
 #include <unordered_set>
@@ -31,7 +32,11 @@ PageTableGeometry PageTableGeometry::for_config(const Config& config, const Mode
   // doubles the page count while partitions average at least a page of tokens.
   g.max_partitions_per_head = pages;
   g.max_cpu_pages_per_head = 2 * pages;
-  g.max_gpu_pages_per_head = 2 * pages;
+  // A request's buffer is its mandatory pages (at most every page of the
+  // head) plus min_buffer_ratio times that; directory slots cost 4 bytes per
+  // segment, so the bound is generous rather than tight.
+  const auto buffer = static_cast<std::uint64_t>(std::ceil(2.0 * pages * (1.0 + config.min_buffer_ratio)));
+  g.max_gpu_pages_per_head = static_cast<std::uint32_t>(std::min<std::uint64_t>(buffer, 0xfffffffeull));
   const std::size_t page = config.page_bytes(shape);
   const std::uint64_t cpu_pages = config.cpu_tier_bytes / page;
   const std::uint64_t gpu_pages = config.gpu_tier_bytes / page;

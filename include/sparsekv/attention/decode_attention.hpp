@@ -30,8 +30,11 @@ struct HeadKv {
   }
 };
 
-// Folds one query head over one kv head's pages into `state` (scores = q.k * scale).
-void attend_pages(const PageLayout& layout, const float* q, float scale, const HeadKv& kv, AttentionPartial& state);
+// Folds the q heads of one GQA group (`states.size()` heads, q: [group][head_dim])
+// over one kv head's pages into `states` (scores = q.k * scale). Each K/V row
+// is loaded once for the whole group.
+void attend_pages(const PageLayout& layout, const float* q, float scale, const HeadKv& kv,
+                  std::span<AttentionPartial> states);
 
 // q: [q_heads][head_dim] fp32; kv: one HeadKv per kv head; extra: empty or one
 // partial per q head; out: [q_heads][head_dim]; lse (optional): [q_heads],

@@ -47,6 +47,13 @@ class PagePool {
   std::byte* data(PageId page);
   const std::byte* data(PageId page) const;
 
+  // Page 0's address when the pool is one chunk (pages_per_chunk == capacity)
+  // and reserved: then page p lives at base() + p * page_bytes(), the
+  // base-plus-index addressing paged attention kernels use. nullptr otherwise.
+  const std::byte* base() const noexcept {
+    return chunks_.size() == 1 && pages_per_chunk_ == capacity_ ? chunks_[0] : nullptr;
+  }
+
   const PageLayout& layout() const noexcept { return layout_; }
   std::size_t page_bytes() const noexcept { return page_bytes_; }
   std::uint32_t capacity() const noexcept { return capacity_; }

@@ -1,0 +1,377 @@
+#pragma once
+// sparsekv::Manager: the engine-facing facade (ARCHITECTURE.md, "Engine-facing
+// contract"). An engine with its own scheduler calls, per request:
+//
+//   can_admit(prompt, max_tokens)   advice only: the library never queues
+//   add_request(id, max_tokens)
+//   prefill(id, layer, k, v, tokens)          per layer: Index + Offload
+//   decode(batch, layer, q, k_new, v_new, out) per step and layer: append,
+//        Select, Retrieve, Attend -- or plan(...) instead, which stops after
+//        Retrieve and returns an AttendPlan for the engine's own kernel
+//   finish(id)
+//
+// Tensors are row-major in the model's dtype (ModelShape::dtype):
+//   prefill k, v: [tokens][kv_heads][head_dim]
+//   decode  q: [batch][q_heads][head_dim], k_new / v_new: [batch][kv_heads][head_dim]
+//   out: [batch][q_heads][head_dim] fp32
+// The caller keeps ownership of every pointer; nothing is retained after a call.
+//
+// Threads and streams: one Manager is driven by one thread at a time (calls
+// must not overlap). The host backend completes every call before returning:
+// nothing is left in flight, so the engine may reuse its buffers at once.
+// An AttendPlan stays valid until the next call on the same Manager.
+//
+// Errors: every call validates its arguments and the requests' state first
+// (unknown or finished request, decode before prefill, shape or dtype
+// mismatch, a batch naming a request twice) and throws sparsekv::Error,
+// changing nothing. Manager<P> is templated on the policy; RuntimeManager
+// (Manager<AnyPolicy>) picks it by name at run time.
+#include <algorithm>
+#include <any>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <span>
+#include <vector>
+
+#include "sparsekv/attention/decode_attention.hpp"
+#include "sparsekv/buffer/tiered_kv_buffer.hpp"
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/attend_plan.hpp"
+#include "sparsekv/policy/any_policy.hpp"
+
+namespace sparsekv {
+
+struct ManagerStats {
+  CacheStepStats cache;            // hits + misses = selected pages
+  std::uint64_t pages_moved = 0;   // CPU -> GPU by Retrieve
+  std::uint64_t bytes_moved = 0;
+  std::uint64_t pages_saved = 0;   // GPU tail -> CPU by decode appends
+  std::uint64_t decode_steps = 0;  // (request, layer) decode steps
+  // Wall time per operation, seconds.
+  double index_s = 0, offload_s = 0, append_s = 0, select_s = 0, retrieve_s = 0, attend_s = 0;
+
+  double hit_ratio() const { return cache.hit_ratio(); }
+};
+
+namespace detail {
+
+// Uniform access to a static policy P and to AnyPolicy, so Manager<P> keeps
+// P's calls static and RuntimeManager dispatches at this one edge.
+template <class P>
+struct PolicyOps {
+  using State = typename P::LayerState;
+  static State make_state(const P&) { return State{}; }
+  static constexpr bool has_attend(const P&) { return CustomAttend<P>; }
+  static void attend(const P& p, const LayerContext& c, const DecodeQuery& q, const State& s, const Selection& sel,
+                     std::span<AttentionPartial> extra) {
+    if constexpr (CustomAttend<P>) p.attend(c, q, s, sel, extra);
+  }
+};
+template <>
+struct PolicyOps<AnyPolicy> {
+  using State = std::any;
+  static State make_state(const AnyPolicy& p) { return p.make_state(); }
+  static bool has_attend(const AnyPolicy& p) { return p.has_attend(); }
+  static void attend(const AnyPolicy& p, const LayerContext& c, const DecodeQuery& q, const State& s,
+                     const Selection& sel, std::span<AttentionPartial> extra) {
+    p.attend(c, q, s, sel, extra);
+  }
+};
+
+// Splits one (request, kv head)'s pages into runs whose pages are all full
+// but the last, appending them to the plan; returns the runs added.
+std::int64_t append_runs(AttendPlan& plan, std::span<const PageId> pages, std::span<const std::uint32_t> tokens,
+                         std::uint32_t page_tokens);
+
+}  // namespace detail
+
+template <class Policy>
+class Manager {
+  using Ops = detail::PolicyOps<Policy>;
+
+ public:
+  // `config` sizes the tiers (cpu_tier_bytes, gpu_tier_bytes) and everything
+  // else (Config's defaults follow the papers). Host backend.
+  Manager(const ModelShape& shape, const Config& config, Policy policy)
+      : shape_(shape), config_(config), policy_(std::move(policy)) {
+    buffer_ = std::make_unique<TieredKVBuffer>(shape, config, cpu_memory_, gpu_memory_);
+  }
+
+  // The per-(layer, kv head) mandatory pages the policy needs for a request of
+  // up to `max_tokens` tokens, taken over all layers.
+  RequestBudget budget(std::uint32_t max_tokens) const {
+    std::uint32_t mandatory = 1;
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      mandatory = std::max(mandatory, policy_.mandatory_pages(context(l, max_tokens)));
+    }
+    return RequestBudget{mandatory, 0};
+  }
+
+  AdmissionAdvice can_admit(std::uint32_t prompt_tokens, std::uint32_t max_tokens) const {
+    return buffer_->can_admit(prompt_tokens, budget(max_tokens));
+  }
+
+  void add_request(RequestId request, std::uint32_t max_tokens) {
+    if (max_tokens == 0 || max_tokens > config_.max_context_tokens) {
+      fail(ErrorCode::invalid_argument, "request {}: max_tokens {} must be in [1, max_context_tokens = {}]", request,
+           max_tokens, config_.max_context_tokens);
+    }
+    buffer_->add_request(request, budget(max_tokens));
+    RequestState& s = requests_[request];
+    s.max_tokens = max_tokens;
+    s.layers.resize(shape_.layers);
+    for (auto& layer : s.layers) layer.policy = Ops::make_state(policy_);
+  }
+
+  void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens) {
+    RequestState& s = state(request);
+    check_index("layer", layer, shape_.layers);
+    if (k == nullptr || v == nullptr || tokens == 0) {
+      fail(ErrorCode::invalid_argument, "prefill of request {}: K/V must be non-null with tokens > 0", request);
+    }
+    LayerState& ls = s.layers[layer];
+    if (ls.prefilled) fail(ErrorCode::failed_precondition, "request {} layer {} is already prefilled", request, layer);
+    if (tokens > s.max_tokens) {
+      fail(ErrorCode::invalid_argument, "request {}: a {}-token prompt exceeds its max_tokens {}", request, tokens,
+           s.max_tokens);
+    }
+    const std::size_t n = std::size_t{tokens} * shape_.kv_heads * shape_.head_dim;
+    to_float(k, n, keys_);
+    to_float(v, n, values_);
+    const auto t0 = Clock::now();
+    const KvView view{keys_, values_, tokens, shape_.kv_heads, shape_.head_dim, 0};
+    std::vector<PartitionSpec> specs = policy_.index(context(layer, tokens), view, ls.policy);
+    const auto t1 = Clock::now();
+    buffer_->offload(request, layer, KvChunk{k, v, tokens, shape_.dtype}, specs);
+    stats_.index_s += seconds(t1 - t0);
+    stats_.offload_s += seconds(Clock::now() - t1);
+    ls.prefilled = true;
+  }
+
+  // Built-in Attend: out[b] = attention of q[b] over request b's selected pages and tail.
+  void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
+              const void* v_new, float* out) {
+    if (out == nullptr) fail(ErrorCode::invalid_argument, "decode: out must not be null");
+    step(batch, layer, q, k_new, v_new);
+    const auto t0 = Clock::now();
+    const std::size_t qd = std::size_t{shape_.q_heads} * shape_.head_dim;
+    const PageLayout layout{config_.page_tokens, shape_.head_dim, shape_.dtype};
+    const PagePool& gpu = buffer_->gpu_pool();
+    std::vector<HeadKv> kv(shape_.kv_heads);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const Retrieval& r = retrievals_[b];
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        kv[h].clear();
+        for (std::uint32_t i = r.head_offsets[h]; i < r.head_offsets[h + 1]; ++i) {
+          std::uint32_t left = r.token_counts[i];
+          for (std::uint32_t p = r.plan.partition_offsets[i]; p < r.plan.partition_offsets[i + 1]; ++p) {
+            kv[h].add(gpu.data(r.plan.gpu_pages[p]), std::min(left, config_.page_tokens));
+            left -= std::min(left, config_.page_tokens);
+          }
+        }
+        if (r.tail_tokens[h] > 0) kv[h].add(gpu.data(r.tail_pages[h]), r.tail_tokens[h]);
+      }
+      const std::span<const AttentionPartial> extra =
+          extra_.empty() ? std::span<const AttentionPartial>{} : std::span(extra_).subspan(b * shape_.q_heads, shape_.q_heads);
+      decode_attention(layout, shape_.q_heads, scale(), queries_.data() + b * qd, kv, extra, out + b * qd);
+    }
+    stats_.attend_s += seconds(Clock::now() - t0);
+  }
+
+  // Retrieve without Attend: the engine runs its own paged kernel over the plan.
+  const AttendPlan& plan(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
+                         const void* v_new) {
+    step(batch, layer, q, k_new, v_new);
+    plan_.clear();
+    plan_.gpu_tier_base = buffer_->gpu_pool().base();
+    plan_.page_bytes = buffer_->gpu_pool().page_bytes();
+    std::vector<PageId> pages;
+    std::vector<std::uint32_t> tokens;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const Retrieval& r = retrievals_[b];
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        pages.clear();
+        tokens.clear();
+        for (std::uint32_t i = r.head_offsets[h]; i < r.head_offsets[h + 1]; ++i) {
+          std::uint32_t left = r.token_counts[i];
+          for (std::uint32_t p = r.plan.partition_offsets[i]; p < r.plan.partition_offsets[i + 1]; ++p) {
+            pages.push_back(r.plan.gpu_pages[p]);
+            tokens.push_back(std::min(left, config_.page_tokens));
+            left -= tokens.back();
+          }
+        }
+        if (r.tail_tokens[h] > 0) {
+          pages.push_back(r.tail_pages[h]);
+          tokens.push_back(r.tail_tokens[h]);
+        }
+        plan_.head_entries.push_back(plan_.head_entries.back() +
+                                     detail::append_runs(plan_, pages, tokens, config_.page_tokens));
+      }
+    }
+    plan_.extra = extra_;
+    return plan_;
+  }
+
+  void finish(RequestId request) {
+    state(request);
+    buffer_->finish(request);
+    requests_.erase(request);
+  }
+
+  std::uint64_t working_set(RequestId request) const {
+    state(request);
+    return buffer_->working_set_pages(request);
+  }
+  bool has_request(RequestId request) const { return requests_.contains(request); }
+  // What the last decode()/plan() retrieved for batch entry b (selected
+  // partitions, their GPU pages and token counts, the tails, hit/miss stats).
+  const Retrieval& retrieval(std::size_t b) const {
+    check_index("batch entry", b, retrievals_.size());
+    return retrievals_[b];
+  }
+  const ManagerStats& stats() const noexcept { return stats_; }
+  const TieredKVBuffer& buffer() const noexcept { return *buffer_; }
+  const Policy& policy() const noexcept { return policy_; }
+  // Bytes of host memory the CPU tier has reserved (pinned when a GPU is present).
+  std::size_t cpu_tier_reserved_bytes() const noexcept { return buffer_->cpu_pool().reserved_bytes(); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct LayerState {
+    typename Ops::State policy;
+    bool prefilled = false;
+    std::vector<float> recent_k, recent_v;  // decode tokens since the last saved page, fp32
+  };
+  struct RequestState {
+    std::uint32_t max_tokens = 0;
+    std::vector<LayerState> layers;
+  };
+
+  static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+  float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape_.head_dim)); }
+
+  LayerContext context(std::uint32_t layer, std::uint32_t tokens) const {
+    return {layer, shape_.layers, shape_.q_heads, shape_.kv_heads, shape_.head_dim, config_.page_tokens, tokens};
+  }
+  RequestState& state(RequestId request) {
+    const auto it = requests_.find(request);
+    if (it == requests_.end()) fail(ErrorCode::not_found, "unknown or finished request {}", request);
+    return it->second;
+  }
+  const RequestState& state(RequestId request) const { return const_cast<Manager*>(this)->state(request); }
+
+  void to_float(const void* data, std::size_t n, std::vector<float>& out) const {
+    out.resize(n);
+    for (std::size_t i = 0; i < n; ++i) out[i] = load_element(data, static_cast<std::uint32_t>(i), shape_.dtype);
+  }
+
+  // Append + Select + Retrieve for every request of the batch.
+  void step(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
+            const void* v_new) {
+    // Validate everything first: a refused batch changes nothing.
+    check_index("layer", layer, shape_.layers);
+    if (batch.empty()) fail(ErrorCode::invalid_argument, "decode: empty batch");
+    if (q == nullptr || k_new == nullptr || v_new == nullptr) {
+      fail(ErrorCode::invalid_argument, "decode: q, k_new and v_new must not be null");
+    }
+    std::uint32_t saving = 0;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestState& s = state(batch[b]);
+      if (std::find(batch.begin(), batch.begin() + b, batch[b]) != batch.begin() + b) {
+        fail(ErrorCode::invalid_argument, "decode: request {} appears twice in the batch", batch[b]);
+      }
+      if (!s.layers[layer].prefilled) {
+        fail(ErrorCode::failed_precondition, "decode of request {} layer {} before its prefill", batch[b], layer);
+      }
+      if (buffer_->sequence_length(batch[b], layer) >= s.max_tokens) {
+        fail(ErrorCode::resource_exhausted, "request {} reached its max_tokens {}", batch[b], s.max_tokens);
+      }
+      if (buffer_->tail_tokens(batch[b], layer) + 1 == config_.page_tokens) ++saving;
+    }
+    if (std::uint64_t{saving} * shape_.kv_heads > buffer_->cpu_pool().available()) {
+      fail(ErrorCode::resource_exhausted, "decode: saving full tail pages needs {} CPU pages, {} free",
+           std::uint64_t{saving} * shape_.kv_heads, buffer_->cpu_pool().available());
+    }
+    const std::size_t row = std::size_t{shape_.kv_heads} * shape_.head_dim;
+    const std::size_t qd = std::size_t{shape_.q_heads} * shape_.head_dim;
+    const std::size_t elem = dtype_size(shape_.dtype);
+    to_float(q, batch.size() * qd, queries_);
+    retrievals_.resize(batch.size());
+    selections_.resize(batch.size());
+    extra_.clear();
+    const bool custom = Ops::has_attend(policy_);
+    if (custom) extra_.assign(batch.size() * shape_.q_heads, AttentionPartial(shape_.head_dim));
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestId id = batch[b];
+      LayerState& ls = state(id).layers[layer];
+      const auto t0 = Clock::now();
+      append(id, layer, ls, static_cast<const std::byte*>(k_new) + b * row * elem,
+             static_cast<const std::byte*>(v_new) + b * row * elem);
+      const auto t1 = Clock::now();
+      const LayerContext ctx = context(layer, buffer_->sequence_length(id, layer) - buffer_->tail_tokens(id, layer));
+      const DecodeQuery query{std::span(queries_).subspan(b * qd, qd), buffer_->sequence_length(id, layer) - 1};
+      policy_.select(ctx, query, ls.policy, selections_[b]);
+      if (custom) {
+        Ops::attend(policy_, ctx, query, ls.policy, selections_[b],
+                    std::span(extra_).subspan(b * shape_.q_heads, shape_.q_heads));
+      }
+      const auto t2 = Clock::now();
+      buffer_->retrieve(id, layer, selections_[b].partitions, retrievals_[b]);
+      const auto t3 = Clock::now();
+      stats_.append_s += seconds(t1 - t0);
+      stats_.select_s += seconds(t2 - t1);
+      stats_.retrieve_s += seconds(t3 - t2);
+      stats_.cache += retrievals_[b].stats;
+      stats_.pages_moved += retrievals_[b].plan.copies.size();
+      stats_.bytes_moved += retrievals_[b].plan.copies.size() * buffer_->cpu_pool().page_bytes();
+      ++stats_.decode_steps;
+    }
+  }
+
+  // One decode token into the tail; a saved page goes to the policy (which may regroup).
+  void append(RequestId id, std::uint32_t layer, LayerState& ls, const std::byte* k, const std::byte* v) {
+    const std::size_t row = std::size_t{shape_.kv_heads} * shape_.head_dim;
+    buffer_->append(id, layer, KvChunk{k, v, 1, shape_.dtype});
+    for (std::size_t i = 0; i < row; ++i) {
+      ls.recent_k.push_back(load_element(k, static_cast<std::uint32_t>(i), shape_.dtype));
+      ls.recent_v.push_back(load_element(v, static_cast<std::uint32_t>(i), shape_.dtype));
+    }
+    if (buffer_->tail_tokens(id, layer) != 0) return;
+    ++stats_.pages_saved;
+    AppendedPage page;
+    page.page = KvView{ls.recent_k, ls.recent_v, config_.page_tokens, shape_.kv_heads, shape_.head_dim,
+                       buffer_->sequence_length(id, layer) - config_.page_tokens};
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+      page.partitions.push_back(buffer_->table().partition_count(id, layer, h) - 1);
+    }
+    const std::uint32_t tokens = buffer_->sequence_length(id, layer);
+    if (const auto regroup = policy_.append(context(layer, tokens), page, ls.policy)) {
+      buffer_->repartition(id, layer, regroup->first_partitions, regroup->specs);
+    }
+    ls.recent_k.clear();
+    ls.recent_v.clear();
+  }
+
+  ModelShape shape_;
+  Config config_;
+  Policy policy_;
+  HostMemoryResource cpu_memory_{true};    // pinned when a CUDA device is present
+  HostMemoryResource gpu_memory_{false};   // host backend: stands in for HBM
+  std::unique_ptr<TieredKVBuffer> buffer_;
+  std::map<RequestId, RequestState> requests_;
+  ManagerStats stats_;
+  // Scratch reused across calls.
+  std::vector<float> keys_, values_, queries_;
+  std::vector<Selection> selections_;
+  std::vector<Retrieval> retrievals_;
+  std::vector<AttentionPartial> extra_;
+  AttendPlan plan_;
+};
+
+using RuntimeManager = Manager<AnyPolicy>;
+
+}  // namespace sparsekv

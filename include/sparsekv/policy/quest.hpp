@@ -1,0 +1,212 @@
+#pragma once
+// Quest (Tang et al., ICML 2024; a block-summary policy in Spin §2.2 / §4.1):
+// Index keeps, per partition and kv head, the element-wise min and max of the
+// partition's post-RoPE keys. Select bounds the largest logit q.k any key of
+// a partition can reach by sum_d max(q_d * min_d, q_d * max_d) and keeps the
+// partitions with the highest bounds, the newest one always.
+//
+// Choices (docs/policies/quest.md):
+//  - A partition is one Quest page of `page_tokens_per_partition` tokens
+//    (paper: 16), a whole number of KV pages; the last prefill partition may be
+//    short. The library appends each full decode page as its own one-page
+//    partition, so decode pages get their own min/max instead of widening the
+//    bounds of a 16-token Quest page.
+//  - GQA: one selection serves a kv head's whole group, so a partition's score
+//    is the SUM over the group's q heads of their bounds. The sum still bounds
+//    the group's summed logit for any key of the partition, keeps every head's
+//    vote (a partition several heads need outranks one only one head needs),
+//    and costs one pass; a max would let a single head decide.
+//  - budget_tokens counts every selected token, the newest partition included.
+//    The newest is taken first, then partitions in descending bound while they
+//    fit: with equal-size partitions that is k = budget / partition tokens
+//    (at least 1: a budget below one partition still gets the newest); the
+//    smaller decode partitions let more fit.
+//  - Layers below `dense_layers` (paper: 2) select everything, so their
+//    mandatory_pages is the whole context: those layers need the whole
+//    context in the GPU buffer.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <vector>
+
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/core/host_device.hpp"
+#include "sparsekv/policy/sparse_attention.hpp"
+
+namespace sparsekv {
+
+// Quest's bound on q.k over the keys inside [min, max] (element-wise).
+SPARSEKV_HOST_DEVICE inline float quest_bound(const float* q, const float* min, const float* max,
+                                              std::uint32_t head_dim) {
+  float bound = 0.0f;
+  for (std::uint32_t d = 0; d < head_dim; ++d) {
+    const float a = q[d] * min[d];
+    const float b = q[d] * max[d];
+    bound += a > b ? a : b;
+  }
+  return bound;
+}
+
+class QuestPolicy {
+ public:
+  struct Options {
+    std::uint32_t budget_tokens = 2048;            // per kv head per step, newest partition included
+    std::uint32_t page_tokens_per_partition = 16;  // Quest's page; a multiple of ctx.page_tokens
+    std::uint32_t dense_layers = 2;                // Quest keeps the first two layers dense
+  };
+  struct LayerState {
+    std::uint32_t head_dim = 0;
+    std::vector<std::uint32_t> tokens;         // per partition, the same in every kv head
+    std::vector<std::vector<PartitionId>> ids;  // [kv head][partition]
+    std::vector<std::vector<float>> min, max;  // [kv head][partition * head_dim + d]
+  };
+  static constexpr std::string_view kName = "quest";
+  static constexpr RopeStage kRope = RopeStage::post_rope;
+
+  QuestPolicy() : QuestPolicy(Options{}) {}  // not `= {}`: GCC rejects nested defaults there
+  explicit QuestPolicy(const Options& options) : options_(options) {
+    if (options.budget_tokens == 0) fail(ErrorCode::invalid_argument, "quest: budget_tokens must be > 0");
+    if (options.page_tokens_per_partition == 0) {
+      fail(ErrorCode::invalid_argument, "quest: page_tokens_per_partition must be > 0");
+    }
+  }
+
+  const Options& options() const noexcept { return options_; }
+
+  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
+    check_kv(ctx, kv);
+    const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, options_.page_tokens_per_partition);
+    LayerState next;  // built aside: a failure leaves `state` as it was
+    next.head_dim = ctx.head_dim;
+    next.ids.resize(ctx.kv_heads);
+    next.min.resize(ctx.kv_heads);
+    next.max.resize(ctx.kv_heads);
+    for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
+      next.tokens.push_back(spec.size(p));
+      for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+        next.ids[h].push_back(p);
+        add_bounds(next, h, kv, spec.token(p, 0), spec.size(p));
+      }
+    }
+    state = std::move(next);
+    return {spec};
+  }
+
+  std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
+    check_kv(ctx, page.page);
+    check_state(ctx, state);
+    if (page.page.tokens != ctx.page_tokens || page.partitions.size() != ctx.kv_heads) {
+      fail(ErrorCode::invalid_argument, "quest: an appended page needs {} tokens and {} partition ids, got {} and {}",
+           ctx.page_tokens, ctx.kv_heads, page.page.tokens, page.partitions.size());
+    }
+    state.tokens.push_back(page.page.tokens);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      state.ids[h].push_back(page.partitions[h]);
+      add_bounds(state, h, page.page, 0, page.page.tokens);
+    }
+    return std::nullopt;
+  }
+
+  void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
+    check_state(ctx, state);
+    if (q.q.size() != std::size_t{ctx.q_heads} * ctx.head_dim) {
+      fail(ErrorCode::invalid_argument, "quest: query has {} values, expected {} q heads x {} dims", q.q.size(),
+           ctx.q_heads, ctx.head_dim);
+    }
+    out.reset(ctx.kv_heads);
+    const auto n = static_cast<std::uint32_t>(state.tokens.size());
+    const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
+    const std::uint32_t group = ctx.group_size();
+    const std::uint32_t newest = n - 1;
+    std::vector<float> scores(n);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      auto& chosen = out.partitions[h];
+      if (ctx.layer < options_.dense_layers || total <= options_.budget_tokens) {
+        chosen = state.ids[h];
+        continue;
+      }
+      for (std::uint32_t i = 0; i < n; ++i) {
+        const float* lo = state.min[h].data() + std::size_t{i} * ctx.head_dim;
+        const float* hi = state.max[h].data() + std::size_t{i} * ctx.head_dim;
+        scores[i] = 0.0f;
+        for (std::uint32_t g = 0; g < group; ++g) {
+          scores[i] += quest_bound(q.head(h * group + g, ctx.head_dim), lo, hi, ctx.head_dim);
+        }
+      }
+      scores[newest] = std::numeric_limits<float>::infinity();  // always first
+      std::int64_t left = options_.budget_tokens;
+      for (std::uint32_t i : top_k(scores, n)) {
+        if (left <= 0) break;
+        if (i != newest && state.tokens[i] > left) continue;
+        chosen.push_back(state.ids[h][i]);
+        left -= state.tokens[i];
+      }
+      std::sort(chosen.begin(), chosen.end());
+    }
+  }
+
+  // A selection covers at most max(budget, one partition) tokens, and since
+  // only one partition (the last prefill one) can end in a partial page, that
+  // is at most ceil(tokens / page_tokens) pages; never more than the context
+  // (one page more than its tokens fill, as Dense). Dense layers: the context.
+  std::uint32_t mandatory_pages(const LayerContext& ctx) const {
+    check_context(ctx);
+    const std::uint64_t pt = ctx.page_tokens;
+    const std::uint64_t context = (std::uint64_t{ctx.tokens} + pt - 1) / pt + 1;
+    if (ctx.layer < options_.dense_layers) return static_cast<std::uint32_t>(context);
+    const std::uint64_t most = std::max(options_.budget_tokens, options_.page_tokens_per_partition);
+    return static_cast<std::uint32_t>(std::min(context, (most + pt - 1) / pt));
+  }
+
+ private:
+  void check_context(const LayerContext& ctx) const {
+    if (ctx.kv_heads == 0 || ctx.q_heads % ctx.kv_heads != 0 || ctx.q_heads == 0 || ctx.head_dim == 0 ||
+        ctx.page_tokens == 0) {
+      fail(ErrorCode::invalid_argument,
+           "quest: bad layer context ({} q heads, {} kv heads, head dim {}, page tokens {})", ctx.q_heads,
+           ctx.kv_heads, ctx.head_dim, ctx.page_tokens);
+    }
+    if (options_.page_tokens_per_partition % ctx.page_tokens != 0) {
+      fail(ErrorCode::invalid_argument, "quest: page_tokens_per_partition {} is not a multiple of the {}-token page",
+           options_.page_tokens_per_partition, ctx.page_tokens);
+    }
+  }
+  void check_kv(const LayerContext& ctx, const KvView& kv) const {
+    check_context(ctx);
+    if (kv.kv_heads != ctx.kv_heads || kv.head_dim != ctx.head_dim ||
+        kv.keys.size() != std::size_t{kv.tokens} * kv.kv_heads * kv.head_dim) {
+      fail(ErrorCode::invalid_argument,
+           "quest: keys are {} values for {} tokens x {} kv heads x {} dims; the layer has {} kv heads x {} dims",
+           kv.keys.size(), kv.tokens, kv.kv_heads, kv.head_dim, ctx.kv_heads, ctx.head_dim);
+    }
+  }
+  void check_state(const LayerContext& ctx, const LayerState& state) const {
+    check_context(ctx);
+    if (state.tokens.empty() || state.ids.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
+      fail(ErrorCode::invalid_argument, "quest: layer state was not indexed for {} kv heads x {} dims", ctx.kv_heads,
+           ctx.head_dim);
+    }
+  }
+  static void add_bounds(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first,
+                         std::uint32_t count) {
+    const std::uint32_t dim = kv.head_dim;
+    const float* k = kv.key(first, h);
+    state.min[h].insert(state.min[h].end(), k, k + dim);
+    state.max[h].insert(state.max[h].end(), k, k + dim);
+    float* lo = state.min[h].data() + state.min[h].size() - dim;
+    float* hi = state.max[h].data() + state.max[h].size() - dim;
+    for (std::uint32_t t = first + 1; t < first + count; ++t) {
+      k = kv.key(t, h);
+      for (std::uint32_t d = 0; d < dim; ++d) {
+        lo[d] = std::min(lo[d], k[d]);
+        hi[d] = std::max(hi[d], k[d]);
+      }
+    }
+  }
+
+  Options options_;
+};
+
+}  // namespace sparsekv

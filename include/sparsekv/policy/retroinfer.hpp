@@ -1,0 +1,123 @@
+#pragma once
+// RetroInfer's wave index (Chen et al. 2025, §4.2), as a SparseAttention
+// policy with its own Attend term.
+//
+// Index: per (layer, kv head), segmented spherical k-means on the mean-centred
+// post-RoPE keys (segments of `segment_tokens`, one cluster per
+// `tokens_per_cluster` tokens, `kmeans_iterations` Lloyd rounds, k-means++
+// seeding from `seed`). The meta index keeps, per cluster, the centroid (the
+// mean of the cluster's raw keys, eq. 3), the value sum VS and the size.
+// Each cluster is one variable-size partition.
+//
+// Tripartite attention, per kv head and step:
+//  - steady zone: the first `sink_tokens` tokens and the newest tokens
+//    (`window_tokens`), exact, always selected;
+//  - retrieval zone: the top `retrieval_fraction` of the clusters, ranked for
+//    the whole GQA group by the sum over its q heads of softmax(q.C / sqrt(d)),
+//    exact (selected partitions), capped so that the selection covers at most
+//    `budget_tokens` tokens;
+//  - estimation zone: the clusters ranked within the next
+//    `estimation_fraction`: attend() adds, per q head, each one's centroid
+//    score with weight = size and value = VS (eqs. 2-4) to an AttentionPartial
+//    that the library merges by log-sum-exp with the exact attention;
+//  - everything ranked below is dropped.
+// A budget that covers a head's whole context selects every partition
+// (exactly Dense, no estimation).
+//
+// Decode: each appended page is a one-page exact partition; the newest ones
+// form the steady window, older ones that wait for the next update are ranked
+// like clusters (their summary is their page's mean key and value sum). Every
+// `update_tokens` generated tokens the waiting tokens are clustered (the new
+// segment) and a Repartition regroups them into the new clusters, keeping the
+// window's pages as they are. See docs/policies/retroinfer.md.
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "sparsekv/core/ids.hpp"
+#include "sparsekv/policy/sparse_attention.hpp"
+
+namespace sparsekv {
+
+// Spherical k-means on mean-centred vectors (RetroInfer §4.2): the `n` rows of
+// `vectors` ([n][dim]) minus their mean, normalised to unit length, k-means++
+// seeding (deterministic in `seed`), then at most `iterations` rounds of
+// assign-to-the-most-similar-centroid / renormalised-mean update, stopping
+// early once no assignment changes. Returns each row's cluster in [0, c),
+// where c <= k is the number of non-empty clusters, numbered in order of their
+// first row. Throws invalid_argument when n == 0, dim == 0, k == 0 or k > n, or
+// `vectors` has the wrong size.
+std::vector<std::uint32_t> spherical_kmeans(std::span<const float> vectors, std::uint32_t n, std::uint32_t dim,
+                                            std::uint32_t k, std::uint32_t iterations, std::uint64_t seed);
+
+class RetroInferPolicy {
+ public:
+  struct Options {
+    std::uint32_t budget_tokens = 2048;      // most tokens one selection covers per kv head (steady + retrieval)
+    std::uint32_t segment_tokens = 8192;     // segmented clustering: tokens per k-means segment
+    std::uint32_t tokens_per_cluster = 16;   // 1/16 of the tokens become centroids
+    std::uint32_t kmeans_iterations = 10;
+    std::uint32_t sink_tokens = 4;           // steady zone: 4 initial tokens ...
+    std::uint32_t window_tokens = 64;        // ... and the 64 newest
+    float retrieval_fraction = 0.018f;       // of the clusters, exact
+    float estimation_fraction = 0.232f;      // of the clusters, estimated from centroids
+    std::uint32_t update_tokens = 1024;      // decode tokens between incremental index updates
+    bool estimation = true;                  // false: retroinfer_no_estimation (retrieval only)
+    std::uint64_t seed = 0x5eedULL;          // k-means++ seeding
+  };
+
+  // An exact partition: its id and token count.
+  struct Group {
+    PartitionId id = kInvalidPartition;
+    std::uint32_t tokens = 0;
+  };
+  // One kv head's wave index.
+  struct HeadState {
+    Group sink;                        // the sink tokens (tokens == 0: none)
+    std::vector<Group> clusters;       // meta index, in id order
+    std::vector<float> centroids;      // [cluster][head_dim]: mean post-RoPE key (eq. 3)
+    std::vector<float> value_sums;     // [cluster][head_dim]: VS (eq. 4)
+    // Partitions not clustered yet (the prefill's window, decode pages), oldest
+    // first, each at most one page; summarised like clusters.
+    std::vector<Group> recent;
+    std::vector<float> recent_centroids;   // [recent][head_dim]
+    std::vector<float> recent_value_sums;  // [recent][head_dim]
+    std::vector<float> recent_keys;        // [token][head_dim]: kept for the next update
+    std::vector<float> recent_values;      // [token][head_dim]
+    std::uint32_t partitions = 0;          // ids in use: [0, partitions)
+    std::uint32_t tokens = 0;              // tokens in partitions
+  };
+  struct LayerState {
+    std::vector<HeadState> heads;  // per kv head; empty before index()
+    std::uint32_t head_dim = 0;
+    std::uint32_t window = 0;      // steady window in tokens (a short prefill's whole tail until the first update)
+    std::uint32_t generated = 0;   // tokens appended since the last index update
+  };
+
+  static constexpr std::string_view kName = "retroinfer";
+  static constexpr RopeStage kRope = RopeStage::post_rope;
+
+  // Throws invalid_argument for a zero budget, segment, cluster size, update
+  // interval or iteration count, a cluster larger than a segment, or fractions
+  // outside [0, 1] / summing above 1.
+  RetroInferPolicy() : RetroInferPolicy(Options{}) {}
+  explicit RetroInferPolicy(const Options& options);
+
+  const Options& options() const noexcept { return options_; }
+
+  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const;
+  std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const;
+  void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const;
+  // extra: one partial per q head; each is reset, then gets the estimation
+  // zone of its kv head (nothing without `estimation` or with a full budget).
+  void attend(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, const Selection& selection,
+              std::span<AttentionPartial> extra) const;
+  std::uint32_t mandatory_pages(const LayerContext& ctx) const;
+
+ private:
+  Options options_;
+};
+
+}  // namespace sparsekv

@@ -1,0 +1,233 @@
+#pragma once
+// ShadowKV-style selection (Sun et al., 2024; Spin §4.2, Fig. 4, Table 3):
+// one 8-token page per partition. Index mean-pools each page's post-RoPE keys
+// into a landmark and scores how well the landmark stands for its keys (the
+// lowest cosine similarity between a key and the landmark). Select keeps the
+// static pages resident -- the recent window and the outlier pages, whose
+// landmark represents them worst -- and spends the rest of the budget on the
+// top-k pages by softmax(q . landmark / sqrt(head_dim)), max over the q heads
+// of each GQA group.
+//
+// Choices (docs/policies/shadowkv.md):
+//  - budget_tokens counts every selected token: recent window first (always
+//    the newest page, even over a tiny budget), then outliers, then top-k,
+//    each taking pages while they fit.
+//  - The paper keeps 48 outlier pages at a 2048-token budget; we scale that to
+//    round(outlier_pages * budget_tokens / 2048) so the static share of the
+//    budget stays the same at every budget.
+//  - Outliers are the lowest-scoring pages outside the current recent window,
+//    decode pages included (each gets its landmark and score on append), so a
+//    page that leaves the window competes like any other.
+//  - The softmax runs over the non-static pages, per q head; taking the max over
+//    the group lets each q head bring in the pages it needs, on a common scale.
+//  - Out of scope: ShadowKV's low-rank (SVD) pre-RoPE key cache and its value
+//    offload; here K and V both live in pages and the landmarks are exact means.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <vector>
+
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/sparse_attention.hpp"
+
+namespace sparsekv {
+
+class ShadowKVPolicy {
+ public:
+  struct Options {
+    std::uint32_t budget_tokens = 2048;  // recent window + outliers + top-k, per kv head per step
+    std::uint32_t recent_tokens = 32;    // ShadowKV's local window
+    std::uint32_t outlier_pages = 48;    // at a 2048-token budget; scaled with the budget (outlier_count())
+  };
+  struct LayerState {
+    std::uint32_t head_dim = 0;
+    std::vector<std::uint32_t> tokens;              // per partition (one page), the same in every kv head
+    std::vector<std::vector<PartitionId>> ids;      // [kv head][partition]
+    std::vector<std::vector<float>> landmarks;      // [kv head][partition * head_dim + d]: mean key
+    std::vector<std::vector<float>> outlier_score;  // [kv head][partition]: min over keys of cos(key, landmark)
+  };
+  static constexpr std::string_view kName = "shadowkv";
+  static constexpr RopeStage kRope = RopeStage::post_rope;
+
+  ShadowKVPolicy() : ShadowKVPolicy(Options{}) {}  // not `= {}`: GCC rejects nested defaults there
+  explicit ShadowKVPolicy(const Options& options) : options_(options) {
+    if (options.budget_tokens == 0) fail(ErrorCode::invalid_argument, "shadowkv: budget_tokens must be > 0");
+    outliers_ =
+        static_cast<std::uint32_t>((std::uint64_t{options.outlier_pages} * options.budget_tokens + 1024) / 2048);
+  }
+
+  const Options& options() const noexcept { return options_; }
+  // Outlier pages per step: round(outlier_pages * budget_tokens / 2048).
+  std::uint32_t outlier_count() const noexcept { return outliers_; }
+
+  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
+    check_kv(ctx, kv);
+    const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, ctx.page_tokens);
+    LayerState next;  // built aside: a failure leaves `state` as it was
+    next.head_dim = ctx.head_dim;
+    next.ids.resize(ctx.kv_heads);
+    next.landmarks.resize(ctx.kv_heads);
+    next.outlier_score.resize(ctx.kv_heads);
+    for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
+      next.tokens.push_back(spec.size(p));
+      for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+        next.ids[h].push_back(p);
+        summarize(next, h, kv, spec.token(p, 0), spec.size(p));
+      }
+    }
+    state = std::move(next);
+    return {spec};
+  }
+
+  std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
+    check_kv(ctx, page.page);
+    check_state(ctx, state);
+    if (page.page.tokens != ctx.page_tokens || page.partitions.size() != ctx.kv_heads) {
+      fail(ErrorCode::invalid_argument,
+           "shadowkv: an appended page needs {} tokens and {} partition ids, got {} and {}", ctx.page_tokens,
+           ctx.kv_heads, page.page.tokens, page.partitions.size());
+    }
+    state.tokens.push_back(page.page.tokens);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      state.ids[h].push_back(page.partitions[h]);
+      summarize(state, h, page.page, 0, page.page.tokens);
+    }
+    return std::nullopt;
+  }
+
+  void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
+    check_state(ctx, state);
+    if (q.q.size() != std::size_t{ctx.q_heads} * ctx.head_dim) {
+      fail(ErrorCode::invalid_argument, "shadowkv: query has {} values, expected {} q heads x {} dims", q.q.size(),
+           ctx.q_heads, ctx.head_dim);
+    }
+    out.reset(ctx.kv_heads);
+    const auto n = static_cast<std::uint32_t>(state.tokens.size());
+    const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
+    const std::uint32_t group = ctx.group_size();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(ctx.head_dim));
+    constexpr float kTaken = -std::numeric_limits<float>::infinity();
+    std::vector<char> taken(n);
+    std::vector<float> scores(n), logits(n);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      auto& chosen = out.partitions[h];
+      if (total <= options_.budget_tokens) {
+        chosen = state.ids[h];
+        continue;
+      }
+      std::fill(taken.begin(), taken.end(), 0);
+      std::int64_t left = options_.budget_tokens;
+      const auto take = [&](std::uint32_t i) {
+        taken[i] = 1;
+        left -= state.tokens[i];
+        chosen.push_back(state.ids[h][i]);
+      };
+      // Takes up to `limit` untaken pages in descending score while they fit.
+      const auto fill = [&](std::uint32_t limit) {
+        for (std::uint32_t i : top_k(scores, n)) {
+          if (limit == 0 || left <= 0) break;
+          if (taken[i] || state.tokens[i] > left) continue;
+          take(i);
+          --limit;
+        }
+      };
+      // 1. The recent window: the newest pages covering recent_tokens tokens.
+      std::uint64_t covered = 0;
+      for (std::uint32_t i = n; i-- > 0 && covered < options_.recent_tokens;) {
+        if (i != n - 1 && state.tokens[i] > left) break;
+        take(i);
+        covered += state.tokens[i];
+      }
+      // 2. Outliers: the lowest min-cosine among the rest.
+      for (std::uint32_t i = 0; i < n; ++i) scores[i] = taken[i] ? kTaken : -state.outlier_score[h][i];
+      fill(outliers_);
+      // 3. Top-k: per q head, softmax over the non-static pages; max over the group.
+      std::fill(scores.begin(), scores.end(), kTaken);
+      for (std::uint32_t g = 0; g < group; ++g) {
+        const float* qh = q.head(h * group + g, ctx.head_dim);
+        float top = kTaken;
+        for (std::uint32_t i = 0; i < n; ++i) {
+          if (taken[i]) continue;
+          const float* l = state.landmarks[h].data() + std::size_t{i} * ctx.head_dim;
+          logits[i] = scale * std::inner_product(qh, qh + ctx.head_dim, l, 0.0f);
+          top = std::max(top, logits[i]);
+        }
+        float sum = 0.0f;
+        for (std::uint32_t i = 0; i < n; ++i) {
+          if (!taken[i]) sum += logits[i] = std::exp(logits[i] - top);
+        }
+        for (std::uint32_t i = 0; i < n; ++i) {
+          if (!taken[i]) scores[i] = std::max(scores[i], logits[i] / sum);
+        }
+      }
+      fill(n);
+      std::sort(chosen.begin(), chosen.end());
+    }
+  }
+
+  // A selection covers at most max(budget, one page) tokens and only the last
+  // prefill page can be partial, so at most ceil(tokens / page_tokens) pages;
+  // never more than the context (one page more than its tokens fill, as Dense).
+  std::uint32_t mandatory_pages(const LayerContext& ctx) const {
+    check_context(ctx);
+    const std::uint64_t pt = ctx.page_tokens;
+    const std::uint64_t context = (std::uint64_t{ctx.tokens} + pt - 1) / pt + 1;
+    const std::uint64_t most = std::max(options_.budget_tokens, ctx.page_tokens);
+    return static_cast<std::uint32_t>(std::min(context, (most + pt - 1) / pt));
+  }
+
+ private:
+  static void check_context(const LayerContext& ctx) {
+    if (ctx.kv_heads == 0 || ctx.q_heads % ctx.kv_heads != 0 || ctx.q_heads == 0 || ctx.head_dim == 0 ||
+        ctx.page_tokens == 0) {
+      fail(ErrorCode::invalid_argument,
+           "shadowkv: bad layer context ({} q heads, {} kv heads, head dim {}, page tokens {})", ctx.q_heads,
+           ctx.kv_heads, ctx.head_dim, ctx.page_tokens);
+    }
+  }
+  static void check_kv(const LayerContext& ctx, const KvView& kv) {
+    check_context(ctx);
+    if (kv.kv_heads != ctx.kv_heads || kv.head_dim != ctx.head_dim ||
+        kv.keys.size() != std::size_t{kv.tokens} * kv.kv_heads * kv.head_dim) {
+      fail(ErrorCode::invalid_argument,
+           "shadowkv: keys are {} values for {} tokens x {} kv heads x {} dims; the layer has {} kv heads x {} dims",
+           kv.keys.size(), kv.tokens, kv.kv_heads, kv.head_dim, ctx.kv_heads, ctx.head_dim);
+    }
+  }
+  static void check_state(const LayerContext& ctx, const LayerState& state) {
+    check_context(ctx);
+    if (state.tokens.empty() || state.ids.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
+      fail(ErrorCode::invalid_argument, "shadowkv: layer state was not indexed for {} kv heads x {} dims",
+           ctx.kv_heads, ctx.head_dim);
+    }
+  }
+  // Appends the landmark and outlier score of tokens [first, first + count) of kv head h.
+  static void summarize(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first,
+                        std::uint32_t count) {
+    const std::uint32_t dim = kv.head_dim;
+    auto& landmarks = state.landmarks[h];
+    landmarks.resize(landmarks.size() + dim, 0.0f);
+    float* mean = landmarks.data() + landmarks.size() - dim;
+    for (std::uint32_t t = first; t < first + count; ++t) {
+      for (std::uint32_t d = 0; d < dim; ++d) mean[d] += kv.key(t, h)[d];
+    }
+    for (std::uint32_t d = 0; d < dim; ++d) mean[d] /= static_cast<float>(count);
+    const float mean_norm = std::sqrt(std::inner_product(mean, mean + dim, mean, 0.0f));
+    float lowest = 1.0f;
+    for (std::uint32_t t = first; t < first + count; ++t) {
+      const float* k = kv.key(t, h);
+      const float norm = std::sqrt(std::inner_product(k, k + dim, k, 0.0f)) * mean_norm;
+      // A zero key or landmark has no direction to agree with: count it as orthogonal.
+      lowest = std::min(lowest, norm > 0.0f ? std::inner_product(k, k + dim, mean, 0.0f) / norm : 0.0f);
+    }
+    state.outlier_score[h].push_back(lowest);
+  }
+
+  Options options_;
+  std::uint32_t outliers_ = 0;
+};
+
+}  // namespace sparsekv

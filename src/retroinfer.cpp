@@ -1,0 +1,738 @@
+#include "sparsekv/policy/retroinfer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <utility>
+
+#include "sparsekv/core/error.hpp"
+
+namespace sparsekv {
+namespace {
+
+using Group = RetroInferPolicy::Group;
+using HeadState = RetroInferPolicy::HeadState;
+using LayerState = RetroInferPolicy::LayerState;
+
+// ---- deterministic randomness (portable: no std distributions) -----------
+std::uint64_t splitmix64(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+std::uint64_t mix(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t s = a ^ (b * 0xd1b54a32d192ed03ULL);
+  return splitmix64(s);
+}
+double uniform01(std::uint64_t& state) { return static_cast<double>(splitmix64(state) >> 11) * 0x1.0p-53; }
+
+// Four-float SIMD lanes through the GCC / Clang vector extension (SSE, NEON,
+// ...); plain loops elsewhere. The auto-vectoriser alone is fragile here: the
+// tiles below ran 3x slower when head_dim was only known at run time.
+#if defined(__GNUC__) || defined(__clang__)
+#define SPARSEKV_RETRO_SIMD 1
+typedef float Lanes __attribute__((vector_size(16)));
+inline Lanes load_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline float lane_sum(Lanes v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+#endif
+
+float dot(const float* a, const float* b, std::uint32_t d) {
+  std::uint32_t i = 0;
+  float sum = 0.0f;
+#ifdef SPARSEKV_RETRO_SIMD
+  Lanes l0 = {}, l1 = {};
+  for (; i + 8 <= d; i += 8) {
+    l0 += load_lanes(a + i) * load_lanes(b + i);
+    l1 += load_lanes(a + i + 4) * load_lanes(b + i + 4);
+  }
+  sum = lane_sum(l0 + l1);
+#endif
+  for (; i < d; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Assigns each of the n rows of x ([n rounded up to 4][d], unit or zero rows)
+// to the centroid with the largest inner product; ct is the centroids
+// transposed, [d][kpad], kpad a multiple of 8 with zero padding. A register
+// tile of 4 rows x 8 centroids. Ties go to the lower centroid. Returns whether
+// any label changed.
+bool assign(const float* x, std::uint32_t n, std::uint32_t d, const float* ct, std::uint32_t k, std::uint32_t kpad,
+            std::uint32_t* labels) {
+  constexpr std::uint32_t kRows = 4, kCols = 8;
+  bool changed = false;
+  for (std::uint32_t t0 = 0; t0 < n; t0 += kRows) {
+    float best[kRows];
+    std::uint32_t arg[kRows] = {};
+    std::fill(best, best + kRows, -std::numeric_limits<float>::infinity());
+    for (std::uint32_t j0 = 0; j0 < kpad; j0 += kCols) {
+      float out[kRows][kCols];
+#ifdef SPARSEKV_RETRO_SIMD
+      Lanes acc[kRows][2] = {};
+      for (std::uint32_t i = 0; i < d; ++i) {
+        const float* c = ct + std::size_t{i} * kpad + j0;
+        const Lanes c0 = load_lanes(c);
+        const Lanes c1 = load_lanes(c + 4);
+        for (std::uint32_t b = 0; b < kRows; ++b) {
+          const float s = x[std::size_t{t0 + b} * d + i];
+          const Lanes v = {s, s, s, s};
+          acc[b][0] += v * c0;
+          acc[b][1] += v * c1;
+        }
+      }
+      std::memcpy(out, acc, sizeof out);
+#else
+      for (auto& row : out) std::fill(row, row + kCols, 0.0f);
+      for (std::uint32_t i = 0; i < d; ++i) {
+        const float* c = ct + std::size_t{i} * kpad + j0;
+        for (std::uint32_t b = 0; b < kRows; ++b) {
+          const float v = x[std::size_t{t0 + b} * d + i];
+          for (std::uint32_t j = 0; j < kCols; ++j) out[b][j] += v * c[j];
+        }
+      }
+#endif
+      const std::uint32_t valid = std::min(kCols, k - j0);
+      for (std::uint32_t b = 0; b < kRows; ++b) {
+        for (std::uint32_t j = 0; j < valid; ++j) {
+          if (out[b][j] > best[b]) {
+            best[b] = out[b][j];
+            arg[b] = j0 + j;
+          }
+        }
+      }
+    }
+    for (std::uint32_t b = 0; b < kRows && t0 + b < n; ++b) {
+      if (labels[t0 + b] != arg[b]) {
+        labels[t0 + b] = arg[b];
+        changed = true;
+      }
+    }
+  }
+  return changed;
+}
+
+// ceil(fraction * m), clamped to [0, m]; the epsilon absorbs fp32 fractions
+// (0.018f is a hair off 0.018).
+std::uint32_t fraction_count(double fraction, std::uint64_t m) {
+  const double x = std::ceil(fraction * static_cast<double>(m) - 1e-6);
+  if (x <= 0.0) return 0;
+  return static_cast<std::uint32_t>(std::min<double>(x, static_cast<double>(m)));
+}
+
+// Balanced segments over `len` tokens: ceil(len / segment_tokens) of them, but
+// none shorter than one cluster (unless the whole run is).
+std::vector<std::pair<std::uint32_t, std::uint32_t>> segments(std::uint32_t len, std::uint32_t segment_tokens,
+                                                              std::uint32_t tokens_per_cluster) {
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> out;  // (begin, length)
+  if (len == 0) return out;
+  std::uint32_t s = (len + segment_tokens - 1) / segment_tokens;
+  s = std::max(1u, std::min(s, len / tokens_per_cluster));
+  for (std::uint32_t i = 0; i < s; ++i) {
+    const auto b = static_cast<std::uint32_t>(std::uint64_t{len} * i / s);
+    const auto e = static_cast<std::uint32_t>(std::uint64_t{len} * (i + 1) / s);
+    out.emplace_back(b, e - b);
+  }
+  return out;
+}
+
+// Appends a summary (mean key, value sum) of `count` rows to the meta arrays.
+template <class KeyAt, class ValueAt>
+void add_summary(std::vector<float>& centroids, std::vector<float>& value_sums, std::uint32_t d,
+                 std::uint32_t count, KeyAt key_at, ValueAt value_at) {
+  const std::size_t base = centroids.size();
+  centroids.resize(base + d, 0.0f);
+  value_sums.resize(base + d, 0.0f);
+  float* c = centroids.data() + base;
+  float* vs = value_sums.data() + base;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    const float* k = key_at(i);
+    const float* v = value_at(i);
+    for (std::uint32_t j = 0; j < d; ++j) {
+      c[j] += k[j];
+      vs[j] += v[j];
+    }
+  }
+  const float inv = 1.0f / static_cast<float>(count);
+  for (std::uint32_t j = 0; j < d; ++j) c[j] *= inv;
+}
+
+void check_context(const LayerContext& ctx) {
+  if (ctx.kv_heads == 0 || ctx.q_heads == 0 || ctx.q_heads % ctx.kv_heads != 0 || ctx.head_dim == 0 ||
+      ctx.page_tokens == 0) {
+    fail(ErrorCode::invalid_argument,
+         "retroinfer: bad layer context ({} q heads, {} kv heads, head_dim {}, page_tokens {})", ctx.q_heads,
+         ctx.kv_heads, ctx.head_dim, ctx.page_tokens);
+  }
+}
+
+void check_kv(const LayerContext& ctx, const KvView& kv) {
+  check_context(ctx);
+  const std::size_t expected = std::size_t{kv.tokens} * ctx.kv_heads * ctx.head_dim;
+  if (kv.kv_heads != ctx.kv_heads || kv.head_dim != ctx.head_dim || kv.keys.size() != expected ||
+      kv.values.size() != expected) {
+    fail(ErrorCode::invalid_argument,
+         "retroinfer: K/V of {} tokens x {} kv heads x {} dims ({} / {} values) does not match the layer's {} kv heads "
+         "x {} dims",
+         kv.tokens, kv.kv_heads, kv.head_dim, kv.keys.size(), kv.values.size(), ctx.kv_heads, ctx.head_dim);
+  }
+  if (kv.tokens == 0) fail(ErrorCode::invalid_argument, "retroinfer: no tokens to index");
+}
+
+void check_state(const LayerContext& ctx, const LayerState& state) {
+  check_context(ctx);
+  if (state.heads.empty()) fail(ErrorCode::failed_precondition, "retroinfer: the layer has no index yet (index() first)");
+  if (state.heads.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
+    fail(ErrorCode::invalid_argument, "retroinfer: index built for {} kv heads x {} dims, context has {} x {}",
+         state.heads.size(), state.head_dim, ctx.kv_heads, ctx.head_dim);
+  }
+}
+
+void check_query(const LayerContext& ctx, const DecodeQuery& q) {
+  if (q.q.size() != std::size_t{ctx.q_heads} * ctx.head_dim) {
+    fail(ErrorCode::invalid_argument, "retroinfer: query has {} values, expected {} q heads x {} dims", q.q.size(),
+         ctx.q_heads, ctx.head_dim);
+  }
+}
+
+// The steady zone of one head: the sink partition and the newest `window_parts`
+// recent partitions (newest first while fewer than `window` tokens are covered),
+// all within the budget.
+struct Steady {
+  bool sink = false;
+  std::uint32_t window_parts = 0;
+  std::uint32_t tokens = 0;
+};
+
+Steady steady_zone(const HeadState& head, std::uint32_t window, std::uint32_t budget) {
+  Steady s;
+  if (head.sink.tokens > 0 && head.sink.tokens <= budget) {
+    s.sink = true;
+    s.tokens = head.sink.tokens;
+  }
+  std::uint32_t covered = 0;
+  for (std::size_t i = head.recent.size(); i-- > 0 && covered < window;) {
+    const std::uint32_t size = head.recent[i].tokens;
+    if (s.tokens + size > budget) break;
+    covered += size;
+    s.tokens += size;
+    ++s.window_parts;
+  }
+  return s;
+}
+
+// What a head ranks: its clusters, then its recent partitions outside the
+// steady window (recent[0, older)).
+struct Candidates {
+  const HeadState* head;
+  std::uint32_t clusters;
+  std::uint32_t older;
+
+  std::uint32_t size() const { return clusters + older; }
+  const Group& group(std::uint32_t i) const { return i < clusters ? head->clusters[i] : head->recent[i - clusters]; }
+  const float* centroid(std::uint32_t i, std::uint32_t d) const {
+    return i < clusters ? head->centroids.data() + std::size_t{i} * d
+                        : head->recent_centroids.data() + std::size_t{i - clusters} * d;
+  }
+  const float* value_sum(std::uint32_t i, std::uint32_t d) const {
+    return i < clusters ? head->value_sums.data() + std::size_t{i} * d
+                        : head->recent_value_sums.data() + std::size_t{i - clusters} * d;
+  }
+};
+
+// scores[g * m + i] = q_g . C_i / sqrt(d) for the group's q heads g; rank[i] =
+// the group sum of softmax_i(scores[g]) (RetroInfer's GQA ranking).
+void score(const LayerContext& ctx, const DecodeQuery& q, std::uint32_t kv_head, const Candidates& c,
+           std::vector<float>& scores, std::vector<float>& rank) {
+  const std::uint32_t m = c.size();
+  const std::uint32_t group = ctx.group_size();
+  const std::uint32_t d = ctx.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  scores.assign(std::size_t{group} * m, 0.0f);
+  rank.assign(m, 0.0f);
+  for (std::uint32_t g = 0; g < group; ++g) {
+    const float* qh = q.head(kv_head * group + g, d);
+    float* s = scores.data() + std::size_t{g} * m;
+    float max = -std::numeric_limits<float>::infinity();
+    for (std::uint32_t i = 0; i < m; ++i) {
+      s[i] = dot(qh, c.centroid(i, d), d) * scale;
+      max = std::max(max, s[i]);
+    }
+    double sum = 0.0;
+    for (std::uint32_t i = 0; i < m; ++i) sum += std::exp(s[i] - max);
+    const float inv = static_cast<float>(1.0 / sum);
+    for (std::uint32_t i = 0; i < m; ++i) rank[i] += std::exp(s[i] - max) * inv;
+  }
+}
+
+// Eqs. 2-4: `size` keys that share the centroid's score, their values summing
+// to VS, as a partial (mass size * e^score, accumulator e^score * VS) merged by
+// log-sum-exp. Built by hand: AttentionPartial::add scales value_sum by the
+// weight as well, which counts a cluster's values `size` times.
+void add_cluster(AttentionPartial& partial, AttentionPartial& scratch, float score, std::uint32_t size,
+                 const float* value_sum) {
+  scratch.max = score;
+  scratch.sum = static_cast<float>(size);
+  std::copy_n(value_sum, scratch.acc.size(), scratch.acc.begin());
+  partial.merge(scratch);
+}
+
+}  // namespace
+
+// ---- spherical k-means ------------------------------------------------------
+
+std::vector<std::uint32_t> spherical_kmeans(std::span<const float> vectors, std::uint32_t n, std::uint32_t dim,
+                                            std::uint32_t k, std::uint32_t iterations, std::uint64_t seed) {
+  if (n == 0 || dim == 0 || k == 0 || k > n || vectors.size() != std::size_t{n} * dim) {
+    fail(ErrorCode::invalid_argument, "spherical_kmeans: {} clusters of {} vectors x {} dims ({} values)", k, n, dim,
+         vectors.size());
+  }
+  // Centre on the mean, normalise (zero rows stay zero); rows padded to a multiple of 4.
+  const std::uint32_t rows = (n + 3) / 4 * 4;
+  std::vector<float> x(std::size_t{rows} * dim, 0.0f);
+  std::vector<double> mean(dim, 0.0);
+  for (std::uint32_t t = 0; t < n; ++t) {
+    for (std::uint32_t i = 0; i < dim; ++i) mean[i] += vectors[std::size_t{t} * dim + i];
+  }
+  for (double& v : mean) v /= n;
+  for (std::uint32_t t = 0; t < n; ++t) {
+    float* row = x.data() + std::size_t{t} * dim;
+    double norm = 0.0;
+    for (std::uint32_t i = 0; i < dim; ++i) {
+      row[i] = static_cast<float>(vectors[std::size_t{t} * dim + i] - mean[i]);
+      norm += double{row[i]} * row[i];
+    }
+    if (norm > 0.0) {
+      const auto inv = static_cast<float>(1.0 / std::sqrt(norm));
+      for (std::uint32_t i = 0; i < dim; ++i) row[i] *= inv;
+    }
+  }
+
+  // k-means++ seeding on the cosine distance 1 - x.c (proportional to the
+  // squared Euclidean distance between unit vectors).
+  std::vector<float> centroids(std::size_t{k} * dim);
+  std::vector<float> dist(n, std::numeric_limits<float>::infinity());
+  std::vector<bool> chosen(n, false);
+  std::uint64_t rng = seed;
+  for (std::uint32_t c = 0; c < k; ++c) {
+    std::uint32_t pick = 0;
+    if (c == 0) {
+      pick = std::min(n - 1, static_cast<std::uint32_t>(uniform01(rng) * n));
+    } else {
+      double total = 0.0;
+      for (std::uint32_t t = 0; t < n; ++t) total += dist[t];
+      if (total > 0.0) {
+        const double r = uniform01(rng) * total;
+        double acc = 0.0;
+        pick = n;
+        std::uint32_t last_positive = 0;
+        for (std::uint32_t t = 0; t < n; ++t) {
+          if (dist[t] <= 0.0f) continue;
+          last_positive = t;
+          acc += dist[t];
+          if (acc > r) {
+            pick = t;
+            break;
+          }
+        }
+        if (pick == n) pick = last_positive;
+      } else {  // every row coincides with a centroid: duplicates end up empty
+        pick = static_cast<std::uint32_t>(std::find(chosen.begin(), chosen.end(), false) - chosen.begin());
+        if (pick == n) pick = 0;
+      }
+    }
+    chosen[pick] = true;
+    std::copy_n(x.data() + std::size_t{pick} * dim, dim, centroids.data() + std::size_t{c} * dim);
+    const float* cen = centroids.data() + std::size_t{c} * dim;
+    for (std::uint32_t t = 0; t < n; ++t) {
+      dist[t] = std::min(dist[t], std::max(0.0f, 1.0f - dot(x.data() + std::size_t{t} * dim, cen, dim)));
+    }
+  }
+
+  // Lloyd rounds: assign, then each centroid = its members' normalised sum.
+  const std::uint32_t kpad = (k + 7) / 8 * 8;
+  std::vector<float> ct(std::size_t{dim} * kpad, 0.0f);
+  std::vector<std::uint32_t> labels(n, std::numeric_limits<std::uint32_t>::max());
+  std::vector<float> sums(std::size_t{k} * dim);
+  std::vector<std::uint32_t> counts(k);
+  const std::uint32_t rounds = std::max(1u, iterations);
+  for (std::uint32_t round = 0; round < rounds; ++round) {
+    for (std::uint32_t c = 0; c < k; ++c) {
+      for (std::uint32_t i = 0; i < dim; ++i) ct[std::size_t{i} * kpad + c] = centroids[std::size_t{c} * dim + i];
+    }
+    if (!assign(x.data(), n, dim, ct.data(), k, kpad, labels.data())) break;
+    if (round + 1 == rounds) break;
+    std::fill(sums.begin(), sums.end(), 0.0f);
+    std::fill(counts.begin(), counts.end(), 0u);
+    for (std::uint32_t t = 0; t < n; ++t) {
+      float* s = sums.data() + std::size_t{labels[t]} * dim;
+      const float* row = x.data() + std::size_t{t} * dim;
+      for (std::uint32_t i = 0; i < dim; ++i) s[i] += row[i];
+      ++counts[labels[t]];
+    }
+    for (std::uint32_t c = 0; c < k; ++c) {
+      const float* s = sums.data() + std::size_t{c} * dim;
+      double norm = 0.0;
+      for (std::uint32_t i = 0; i < dim; ++i) norm += double{s[i]} * s[i];
+      if (counts[c] == 0 || norm <= 0.0) continue;  // an empty cluster keeps its centroid
+      const auto inv = static_cast<float>(1.0 / std::sqrt(norm));
+      for (std::uint32_t i = 0; i < dim; ++i) centroids[std::size_t{c} * dim + i] = s[i] * inv;
+    }
+  }
+
+  // Compact: non-empty clusters numbered by their first row.
+  std::vector<std::uint32_t> rename(k, std::numeric_limits<std::uint32_t>::max());
+  std::uint32_t next = 0;
+  for (std::uint32_t& label : labels) {
+    if (rename[label] == std::numeric_limits<std::uint32_t>::max()) rename[label] = next++;
+    label = rename[label];
+  }
+  return labels;
+}
+
+// ---- the policy -------------------------------------------------------------
+
+RetroInferPolicy::RetroInferPolicy(const Options& options) : options_(options) {
+  const Options& o = options;
+  if (o.budget_tokens == 0) fail(ErrorCode::invalid_argument, "retroinfer: budget_tokens must be > 0");
+  if (o.segment_tokens == 0 || o.tokens_per_cluster == 0 || o.kmeans_iterations == 0 || o.update_tokens == 0) {
+    fail(ErrorCode::invalid_argument,
+         "retroinfer: segment_tokens ({}), tokens_per_cluster ({}), kmeans_iterations ({}) and update_tokens ({}) "
+         "must be > 0",
+         o.segment_tokens, o.tokens_per_cluster, o.kmeans_iterations, o.update_tokens);
+  }
+  if (o.tokens_per_cluster > o.segment_tokens) {
+    fail(ErrorCode::invalid_argument, "retroinfer: a cluster of {} tokens does not fit a segment of {}",
+         o.tokens_per_cluster, o.segment_tokens);
+  }
+  const bool fractions_ok = o.retrieval_fraction >= 0.0f && o.estimation_fraction >= 0.0f &&
+                            double{o.retrieval_fraction} + o.estimation_fraction <= 1.0 + 1e-6;
+  if (!fractions_ok) {
+    fail(ErrorCode::invalid_argument,
+         "retroinfer: retrieval_fraction {} and estimation_fraction {} must be >= 0 and sum to at most 1",
+         o.retrieval_fraction, o.estimation_fraction);
+  }
+}
+
+std::vector<PartitionSpec> RetroInferPolicy::index(const LayerContext& ctx, const KvView& kv,
+                                                   LayerState& state) const {
+  check_kv(ctx, kv);
+  const std::uint32_t n = kv.tokens;
+  const std::uint32_t d = ctx.head_dim;
+  const std::uint32_t page = ctx.page_tokens;
+  const std::uint32_t sinks = std::min(options_.sink_tokens, n);
+  const std::uint32_t rest = n - sinks;
+  // Fewer than window + one cluster tokens after the sinks: all steady.
+  const std::uint32_t middle =
+      std::uint64_t{rest} >= std::uint64_t{options_.window_tokens} + options_.tokens_per_cluster
+          ? rest - options_.window_tokens
+          : 0;
+  const std::uint32_t tail = rest - middle;
+  const auto segs = segments(middle, options_.segment_tokens, options_.tokens_per_cluster);
+
+  LayerState next;  // built aside: a failure leaves `state` as it was
+  next.head_dim = d;
+  next.window = std::max(options_.window_tokens, tail);
+  next.heads.resize(ctx.kv_heads);
+  std::vector<PartitionSpec> specs;
+  specs.reserve(ctx.kv_heads);
+  std::vector<float> buffer;
+  std::vector<std::uint32_t> members, member_offsets;
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    HeadState& head = next.heads[h];
+    std::vector<std::uint32_t> offsets{0};
+    std::vector<std::uint32_t> ids;
+    ids.reserve(n);
+    PartitionId id = 0;
+    if (sinks > 0) {
+      head.sink = Group{id++, sinks};
+      for (std::uint32_t t = 0; t < sinks; ++t) ids.push_back(t);
+      offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+    }
+    for (const auto& [seg_begin, len] : segs) {
+      const std::uint32_t begin = sinks + seg_begin;
+      buffer.resize(std::size_t{len} * d);
+      for (std::uint32_t t = 0; t < len; ++t) std::copy_n(kv.key(begin + t, h), d, buffer.data() + std::size_t{t} * d);
+      const std::uint64_t seed =
+          mix(mix(mix(options_.seed, ctx.layer), h), std::uint64_t{kv.first_position} + begin);
+      const std::uint32_t k = std::max(1u, len / options_.tokens_per_cluster);
+      const auto labels = spherical_kmeans(buffer, len, d, k, options_.kmeans_iterations, seed);
+      const std::uint32_t c = labels.empty() ? 0 : *std::max_element(labels.begin(), labels.end()) + 1;
+      // Members of each cluster in token order (counting sort).
+      member_offsets.assign(c + 1, 0);
+      for (std::uint32_t label : labels) ++member_offsets[label + 1];
+      std::partial_sum(member_offsets.begin(), member_offsets.end(), member_offsets.begin());
+      members.resize(len);
+      {
+        std::vector<std::uint32_t> fill(member_offsets.begin(), member_offsets.end() - 1);
+        for (std::uint32_t t = 0; t < len; ++t) members[fill[labels[t]]++] = begin + t;
+      }
+      for (std::uint32_t j = 0; j < c; ++j) {
+        const std::uint32_t* m = members.data() + member_offsets[j];
+        const std::uint32_t size = member_offsets[j + 1] - member_offsets[j];
+        head.clusters.push_back(Group{id++, size});
+        add_summary(
+            head.centroids, head.value_sums, d, size, [&](std::uint32_t i) { return kv.key(m[i], h); },
+            [&](std::uint32_t i) { return kv.value(m[i], h); });
+        ids.insert(ids.end(), m, m + size);
+        offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+      }
+    }
+    for (std::uint32_t t = sinks + middle; t < n; t += page) {
+      const std::uint32_t size = std::min(page, n - t);
+      head.recent.push_back(Group{id++, size});
+      add_summary(
+          head.recent_centroids, head.recent_value_sums, d, size, [&](std::uint32_t i) { return kv.key(t + i, h); },
+          [&](std::uint32_t i) { return kv.value(t + i, h); });
+      for (std::uint32_t i = 0; i < size; ++i) {
+        head.recent_keys.insert(head.recent_keys.end(), kv.key(t + i, h), kv.key(t + i, h) + d);
+        head.recent_values.insert(head.recent_values.end(), kv.value(t + i, h), kv.value(t + i, h) + d);
+        ids.push_back(t + i);
+      }
+      offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+    }
+    head.partitions = id;
+    head.tokens = n;
+    specs.push_back(PartitionSpec::variable(n, std::move(offsets), std::move(ids)));
+  }
+  state = std::move(next);
+  return specs;
+}
+
+std::optional<Repartition> RetroInferPolicy::append(const LayerContext& ctx, const AppendedPage& page,
+                                                    LayerState& state) const {
+  check_state(ctx, state);
+  check_kv(ctx, page.page);
+  const std::uint32_t d = ctx.head_dim;
+  const std::uint32_t tokens = page.page.tokens;
+  if (tokens != ctx.page_tokens || page.partitions.size() != ctx.kv_heads) {
+    fail(ErrorCode::invalid_argument, "retroinfer: an appended page needs {} tokens and {} partition ids, got {} and {}",
+         ctx.page_tokens, ctx.kv_heads, tokens, page.partitions.size());
+  }
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    if (page.partitions[h] != state.heads[h].partitions) {
+      fail(ErrorCode::invalid_argument, "retroinfer: kv head {} appends partition {}, expected the next id {}", h,
+           page.partitions[h], state.heads[h].partitions);
+    }
+  }
+
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    HeadState& head = state.heads[h];
+    head.recent.push_back(Group{page.partitions[h], tokens});
+    add_summary(
+        head.recent_centroids, head.recent_value_sums, d, tokens,
+        [&](std::uint32_t i) { return page.page.key(i, h); }, [&](std::uint32_t i) { return page.page.value(i, h); });
+    for (std::uint32_t i = 0; i < tokens; ++i) {
+      head.recent_keys.insert(head.recent_keys.end(), page.page.key(i, h), page.page.key(i, h) + d);
+      head.recent_values.insert(head.recent_values.end(), page.page.value(i, h), page.page.value(i, h) + d);
+    }
+    ++head.partitions;
+    head.tokens += tokens;
+  }
+  state.generated += tokens;
+  if (state.generated < options_.update_tokens) return std::nullopt;
+
+  // Incremental index update (§4.2): cluster the recent tokens that left the
+  // steady window -- the new segment -- and keep the window's pages as they
+  // are. Recent partitions have the same sizes in every kv head.
+  const HeadState& first_head = state.heads.front();
+  std::uint32_t keep = 0;
+  std::uint32_t kept_tokens = 0;
+  while (keep < first_head.recent.size() && kept_tokens < options_.window_tokens) {
+    kept_tokens += first_head.recent[first_head.recent.size() - 1 - keep].tokens;
+    ++keep;
+  }
+  const auto older = static_cast<std::uint32_t>(first_head.recent.size()) - keep;
+  std::uint32_t segment = 0;
+  for (std::uint32_t i = 0; i < older; ++i) segment += first_head.recent[i].tokens;
+  if (segment == 0) {  // the window holds everything: nothing to cluster yet
+    state.generated = 0;
+    return std::nullopt;
+  }
+  const std::uint32_t run = segment + kept_tokens;
+  const auto segs = segments(segment, options_.segment_tokens, options_.tokens_per_cluster);
+
+  struct Update {
+    std::vector<Group> clusters;
+    std::vector<float> centroids, value_sums;
+  };
+  std::vector<Update> updates(ctx.kv_heads);
+  Repartition out;
+  out.first_partitions.resize(ctx.kv_heads);
+  out.specs.reserve(ctx.kv_heads);
+  std::vector<std::uint32_t> members, member_offsets;
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    const HeadState& head = state.heads[h];
+    Update& up = updates[h];
+    const PartitionId first = head.recent.front().id;
+    out.first_partitions[h] = first;
+    PartitionId id = first;
+    std::vector<std::uint32_t> offsets{0};
+    std::vector<std::uint32_t> ids;
+    ids.reserve(run);
+    for (const auto& [begin, len] : segs) {
+      const float* keys = head.recent_keys.data() + std::size_t{begin} * d;
+      const std::uint64_t seed = mix(mix(mix(options_.seed, ctx.layer), h), std::uint64_t{head.tokens} - run + begin);
+      const std::uint32_t k = std::max(1u, len / options_.tokens_per_cluster);
+      const auto labels =
+          spherical_kmeans(std::span<const float>(keys, std::size_t{len} * d), len, d, k, options_.kmeans_iterations,
+                           seed);
+      const std::uint32_t c = *std::max_element(labels.begin(), labels.end()) + 1;
+      member_offsets.assign(c + 1, 0);
+      for (std::uint32_t label : labels) ++member_offsets[label + 1];
+      std::partial_sum(member_offsets.begin(), member_offsets.end(), member_offsets.begin());
+      members.resize(len);
+      {
+        std::vector<std::uint32_t> fill(member_offsets.begin(), member_offsets.end() - 1);
+        for (std::uint32_t t = 0; t < len; ++t) members[fill[labels[t]]++] = begin + t;
+      }
+      for (std::uint32_t j = 0; j < c; ++j) {
+        const std::uint32_t* m = members.data() + member_offsets[j];
+        const std::uint32_t size = member_offsets[j + 1] - member_offsets[j];
+        up.clusters.push_back(Group{id++, size});
+        add_summary(
+            up.centroids, up.value_sums, d, size,
+            [&](std::uint32_t i) { return head.recent_keys.data() + std::size_t{m[i]} * d; },
+            [&](std::uint32_t i) { return head.recent_values.data() + std::size_t{m[i]} * d; });
+        ids.insert(ids.end(), m, m + size);
+        offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+      }
+    }
+    std::uint32_t t = segment;
+    for (std::uint32_t i = older; i < head.recent.size(); ++i) {
+      for (std::uint32_t j = 0; j < head.recent[i].tokens; ++j) ids.push_back(t++);
+      offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+    }
+    out.specs.push_back(PartitionSpec::variable(run, std::move(offsets), std::move(ids)));
+  }
+
+  // Commit (only moves and erases from here on).
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    HeadState& head = state.heads[h];
+    Update& up = updates[h];
+    PartitionId id = up.clusters.empty() ? head.recent.front().id : up.clusters.back().id + 1;
+    head.clusters.insert(head.clusters.end(), up.clusters.begin(), up.clusters.end());
+    head.centroids.insert(head.centroids.end(), up.centroids.begin(), up.centroids.end());
+    head.value_sums.insert(head.value_sums.end(), up.value_sums.begin(), up.value_sums.end());
+    head.recent.erase(head.recent.begin(), head.recent.begin() + older);
+    for (Group& g : head.recent) g.id = id++;
+    head.recent_centroids.erase(head.recent_centroids.begin(), head.recent_centroids.begin() + std::size_t{older} * d);
+    head.recent_value_sums.erase(head.recent_value_sums.begin(),
+                                 head.recent_value_sums.begin() + std::size_t{older} * d);
+    head.recent_keys.erase(head.recent_keys.begin(), head.recent_keys.begin() + std::size_t{segment} * d);
+    head.recent_values.erase(head.recent_values.begin(), head.recent_values.begin() + std::size_t{segment} * d);
+    head.partitions = id;
+  }
+  state.window = options_.window_tokens;
+  state.generated = 0;
+  return out;
+}
+
+void RetroInferPolicy::select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state,
+                              Selection& out) const {
+  check_state(ctx, state);
+  check_query(ctx, q);
+  out.reset(ctx.kv_heads);
+  const std::uint32_t budget = options_.budget_tokens;
+  std::vector<float> scores, rank;
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    const HeadState& head = state.heads[h];
+    std::vector<PartitionId>& ids = out.partitions[h];
+    if (budget >= head.tokens) {  // the budget covers the whole context: Dense
+      ids.resize(head.partitions);
+      std::iota(ids.begin(), ids.end(), PartitionId{0});
+      continue;
+    }
+    const Steady steady = steady_zone(head, state.window, budget);
+    if (steady.sink) ids.push_back(head.sink.id);
+    const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
+                       static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
+    for (std::uint32_t i = c.older; i < head.recent.size(); ++i) ids.push_back(head.recent[i].id);
+    if (c.size() > 0) {
+      score(ctx, q, h, c, scores, rank);
+      std::uint32_t used = steady.tokens;
+      for (std::uint32_t i : top_k(rank, fraction_count(options_.retrieval_fraction, c.size()))) {
+        const Group& g = c.group(i);
+        if (used + g.tokens > budget) continue;  // capped by the budget; it falls to the estimation zone
+        ids.push_back(g.id);
+        used += g.tokens;
+      }
+    }
+    std::sort(ids.begin(), ids.end());
+  }
+}
+
+void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state,
+                              const Selection& selection, std::span<AttentionPartial> extra) const {
+  check_state(ctx, state);
+  check_query(ctx, q);
+  if (extra.size() != ctx.q_heads || selection.partitions.size() != ctx.kv_heads) {
+    fail(ErrorCode::invalid_argument, "retroinfer: attend needs {} partials and {} selections, got {} and {}",
+         ctx.q_heads, ctx.kv_heads, extra.size(), selection.partitions.size());
+  }
+  const std::uint32_t d = ctx.head_dim;
+  for (AttentionPartial& partial : extra) partial = AttentionPartial(d);
+  if (!options_.estimation) return;
+  const std::uint32_t budget = options_.budget_tokens;
+  const std::uint32_t group = ctx.group_size();
+  std::vector<float> scores, rank;
+  std::vector<PartitionId> selected;
+  AttentionPartial cluster(d);
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    const HeadState& head = state.heads[h];
+    if (budget >= head.tokens) continue;  // everything is exact
+    const Steady steady = steady_zone(head, state.window, budget);
+    const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
+                       static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
+    const std::uint32_t m = c.size();
+    if (m == 0) continue;
+    score(ctx, q, h, c, scores, rank);
+    selected = selection.partitions[h];
+    std::sort(selected.begin(), selected.end());
+    const double zones = double{options_.retrieval_fraction} + options_.estimation_fraction;
+    for (std::uint32_t i : top_k(rank, fraction_count(zones, m))) {
+      const Group& g = c.group(i);
+      if (std::binary_search(selected.begin(), selected.end(), g.id)) continue;  // retrieved: exact
+      const float* vs = c.value_sum(i, d);
+      for (std::uint32_t j = 0; j < group; ++j) {
+        add_cluster(extra[h * group + j], cluster, scores[std::size_t{j} * m + i], g.tokens, vs);
+      }
+    }
+  }
+}
+
+std::uint32_t RetroInferPolicy::mandatory_pages(const LayerContext& ctx) const {
+  if (ctx.page_tokens == 0) fail(ErrorCode::invalid_argument, "retroinfer: page_tokens must be > 0");
+  const std::uint64_t page = ctx.page_tokens;
+  const std::uint64_t budget = options_.budget_tokens;
+  const std::uint64_t tokens = ctx.tokens;
+  const std::uint64_t tpc = options_.tokens_per_cluster;
+  const std::uint64_t update = options_.update_tokens;
+  // The steady window spans at most window + one cluster - 1 tokens (a short
+  // prefill's tail), in partitions of at most one page (one of them short).
+  const std::uint64_t window = std::uint64_t{options_.window_tokens} + tpc;
+  const std::uint64_t window_parts = window / page + 2;
+  // Partitions of a head holding x tokens, the sink excluded: clusters (every
+  // segment holds at least one cluster's tokens, except one per update) and
+  // recent partitions (the window plus the pages since the last update).
+  const auto ranked = [&](std::uint64_t x) { return x / tpc + x / update + 1 + window_parts + update / page + 1; };
+  // Pages of partitions covering at most t tokens, n of them, padding their last pages.
+  const auto pages = [&](std::uint64_t t, std::uint64_t n) { return (t + std::min(n, t) * (page - 1)) / page; };
+
+  // A budget covering the head: every partition of at most min(budget, tokens) tokens.
+  const std::uint64_t whole = std::min(budget, tokens);
+  std::uint64_t bound = pages(whole, 1 + ranked(whole));
+  if (budget < tokens) {
+    // Otherwise: at most `budget` tokens in the sink, the window and the retrieval zone.
+    const std::uint64_t selected = 1 + window_parts + fraction_count(options_.retrieval_fraction, ranked(tokens));
+    bound = std::max(bound, pages(budget, selected));
+  }
+  return static_cast<std::uint32_t>(std::clamp<std::uint64_t>(bound, 1, std::numeric_limits<std::uint32_t>::max()));
+}
+
+}  // namespace sparsekv

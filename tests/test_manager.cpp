@@ -1,0 +1,234 @@
+// The engine-facing facade: many concurrent requests of mixed lengths arriving
+// and finishing at random steps, every built-in policy, checked against dense
+// attention computed directly on the full K/V.
+#include <cmath>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/sparsekv.hpp"
+#include "test_support.hpp"
+
+using namespace sparsekv;
+
+namespace {
+
+// Three layers: Quest keeps its first two dense (its paper's default), the third is sparse.
+constexpr ModelShape kShape{3, 8, 2, 16, DType::bf16};
+constexpr std::uint32_t kD = kShape.head_dim;
+constexpr std::uint32_t kRow = kShape.kv_heads * kD;
+
+Config facade_config() {
+  Config c;
+  c.page_tokens = 8;
+  c.max_requests = 24;
+  c.max_context_tokens = 1024;
+  c.min_buffer_ratio = 1.0;
+  const std::size_t page = c.page_bytes(kShape);
+  const std::size_t heads = std::size_t{24} * kShape.layers * kShape.kv_heads;
+  c.cpu_tier_bytes = heads * 200 * page;
+  c.gpu_tier_bytes = heads * 260 * page;
+  c.host_chunk_bytes = 256 * page;
+  return c;
+}
+
+// A request's tokens as bf16 (what the engine hands over) and as the floats they round to.
+struct Tokens {
+  std::vector<std::uint16_t> k, v;  // [token][kv_head][d]
+  void add(std::mt19937& rng, std::uint32_t n) {
+    std::normal_distribution<float> normal;
+    for (std::uint32_t i = 0; i < n * kRow; ++i) {
+      k.push_back(float_to_bf16(normal(rng)));
+      v.push_back(float_to_bf16(normal(rng)));
+    }
+  }
+  std::uint32_t count() const { return static_cast<std::uint32_t>(k.size() / kRow); }
+};
+
+// Dense attention of one q head (bf16 query) over every token, in fp64.
+std::vector<double> dense(const std::uint16_t* q, const Tokens& t, std::uint32_t kv_head) {
+  std::vector<double> scores(t.count());
+  double max = -1e300;
+  for (std::uint32_t i = 0; i < t.count(); ++i) {
+    double s = 0;
+    for (std::uint32_t d = 0; d < kD; ++d) s += double(bf16_to_float(q[d])) * bf16_to_float(t.k[(i * kShape.kv_heads + kv_head) * kD + d]);
+    scores[i] = s / std::sqrt(double(kD));
+    max = std::max(max, scores[i]);
+  }
+  std::vector<double> out(kD, 0.0);
+  double sum = 0;
+  for (std::uint32_t i = 0; i < t.count(); ++i) {
+    const double p = std::exp(scores[i] - max);
+    sum += p;
+    for (std::uint32_t d = 0; d < kD; ++d) out[d] += p * bf16_to_float(t.v[(i * kShape.kv_heads + kv_head) * kD + d]);
+  }
+  for (double& x : out) x /= sum;
+  return out;
+}
+
+struct RunResult {
+  double worst_error = 0;
+  std::uint64_t selected_pages = 0;
+  std::size_t peak_concurrent = 0;
+  std::size_t finished = 0;
+};
+
+// 16 requests from the start, more arriving, each decoding a random number of
+// steps; every step of every layer is compared with dense attention.
+RunResult run(RuntimeManager& manager, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::map<RequestId, std::vector<Tokens>> live;   // per layer
+  std::map<RequestId, std::uint32_t> steps_left;
+  RunResult result;
+  RequestId next = 100;
+  const auto arrive = [&] {
+    const RequestId id = next++;
+    const std::uint32_t prompt = 9 + rng() % 300;
+    const std::uint32_t decode = 5 + rng() % 40;
+    REQUIRE(manager.can_admit(prompt, prompt + decode).admit);
+    manager.add_request(id, prompt + decode);
+    auto& layers = live[id];
+    layers.resize(kShape.layers);
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      layers[l].add(rng, prompt);
+      manager.prefill(id, l, layers[l].k.data(), layers[l].v.data(), prompt);
+    }
+    steps_left[id] = decode;
+  };
+  for (int i = 0; i < 16; ++i) arrive();
+  for (int step = 0; !live.empty(); ++step) {
+    if (step < 30 && rng() % 3 == 0) arrive();
+    result.peak_concurrent = std::max(result.peak_concurrent, live.size());
+    std::vector<RequestId> batch;
+    for (const auto& [id, layers] : live) batch.push_back(id);
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      std::vector<std::uint16_t> q(batch.size() * kShape.q_heads * kD), k_new, v_new;
+      std::normal_distribution<float> normal;
+      for (auto& x : q) x = float_to_bf16(normal(rng));
+      for (RequestId id : batch) {
+        Tokens& t = live[id][l];
+        t.add(rng, 1);
+        k_new.insert(k_new.end(), t.k.end() - kRow, t.k.end());
+        v_new.insert(v_new.end(), t.v.end() - kRow, t.v.end());
+      }
+      std::vector<float> out(q.size());
+      manager.decode(batch, l, q.data(), k_new.data(), v_new.data(), out.data());
+      for (std::size_t b = 0; b < batch.size(); ++b) {
+        const Retrieval& r = manager.retrieval(b);
+        result.selected_pages += r.plan.gpu_pages.size();
+        for (std::uint32_t h = 0; h < kShape.q_heads; ++h) {
+          const auto want = dense(q.data() + (b * kShape.q_heads + h) * kD, live[batch[b]][l], h / kShape.group_size());
+          double num = 0, den = 0;
+          for (std::uint32_t d = 0; d < kD; ++d) {
+            num += std::pow(out[(b * kShape.q_heads + h) * kD + d] - want[d], 2);
+            den += want[d] * want[d];
+          }
+          result.worst_error = std::max(result.worst_error, std::sqrt(num / den));
+        }
+      }
+    }
+    for (RequestId id : batch) {
+      if (--steps_left[id] == 0) {
+        manager.finish(id);
+        live.erase(id);
+        steps_left.erase(id);
+        ++result.finished;
+      }
+    }
+  }
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("Manager: concurrent requests, every policy, against dense attention", "[facade]") {
+  for (const std::string& name : policy_names()) {
+    INFO(name);
+    // A budget covering every request's context: each policy equals Dense.
+    RuntimeManager full(kShape, facade_config(), make_policy(name, 1024));
+    const RunResult exact = run(full, 7);
+    REQUIRE(exact.peak_concurrent >= 16);
+    REQUIRE(exact.worst_error < 1e-5);
+    REQUIRE(full.stats().cache.hit_pages + full.stats().cache.miss_pages == exact.selected_pages);
+    REQUIRE(full.buffer().cpu_pool().used() == 0);  // nothing leaks
+    REQUIRE(full.buffer().gpu_pool().used() == 0);
+    // A sparse budget: no crash, no leak, consistent stats, approximate outputs.
+    RuntimeManager sparse(kShape, facade_config(), make_policy(name, 64));
+    const RunResult approx = run(sparse, 8);
+    REQUIRE(approx.finished >= 16);
+    REQUIRE(sparse.stats().cache.hit_pages + sparse.stats().cache.miss_pages == approx.selected_pages);
+    REQUIRE(sparse.stats().pages_moved == sparse.stats().cache.miss_pages);
+    REQUIRE(sparse.buffer().cpu_pool().used() == 0);
+    REQUIRE(sparse.buffer().gpu_pool().used() == 0);
+    sparse.buffer().validate();
+    if (name != "dense") REQUIRE(approx.worst_error > 1e-4);  // sparse budgets really are sparse
+  }
+}
+
+TEST_CASE("Manager: AttendPlan runs are FlashInfer-shaped and cover exactly the retrieved pages", "[facade]") {
+  Manager<DensePolicy> manager(kShape, facade_config(), DensePolicy{});
+  std::mt19937 rng(3);
+  Tokens t;
+  t.add(rng, 21);  // two full pages and a partial one
+  manager.add_request(1, 64);
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) manager.prefill(1, l, t.k.data(), t.v.data(), 21);
+  std::vector<std::uint16_t> q(kShape.q_heads * kD, float_to_bf16(0.5f));
+  const std::vector<RequestId> batch{1};
+  const std::uint16_t* k_new = t.k.data();
+  const AttendPlan& plan = manager.plan(batch, 0, q.data(), k_new, t.v.data());
+  // Per kv head: [p0 p1 p2(5 tokens)] then the tail (1 token): two runs.
+  REQUIRE(plan.head_entries == std::vector<std::int64_t>{0, 2, 4});
+  REQUIRE(plan.entries() == 4);
+  REQUIRE(plan.last_page_len == std::vector<std::int32_t>{5, 1, 5, 1});
+  REQUIRE(plan.indptr == std::vector<std::int64_t>{0, 3, 4, 7, 8});
+  REQUIRE(plan.gpu_tier_base != nullptr);
+  const Retrieval& r = manager.retrieval(0);
+  REQUIRE(plan.indices[0] == r.plan.gpu_pages[0]);
+  REQUIRE(plan.indices[3] == r.tail_pages[0]);
+  REQUIRE(plan.gpu_tier_base + plan.indices[1] * plan.page_bytes == manager.buffer().gpu_pool().data(r.plan.gpu_pages[1]));
+}
+
+TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]") {
+  Manager<DensePolicy> manager(kShape, facade_config(), DensePolicy{});
+  std::mt19937 rng(4);
+  Tokens t;
+  t.add(rng, 40);
+  std::vector<std::uint16_t> q(2 * kShape.q_heads * kD, 0);
+  std::vector<float> out(q.size());
+  manager.add_request(1, 100);
+  manager.add_request(2, 100);
+  const std::vector<RequestId> one{1}, both{1, 2}, twice{1, 1}, unknown{1, 9};
+  // Decode before prefill.
+  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data()),
+                         ErrorCode::failed_precondition);
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) manager.prefill(1, l, t.k.data(), t.v.data(), 40);
+  manager.prefill(2, 0, t.k.data(), t.v.data(), 40);
+  REQUIRE_SPARSEKV_ERROR(manager.prefill(1, 0, t.k.data(), t.v.data(), 40), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, t.k.data(), t.v.data(), 0), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, nullptr, t.v.data(), 4), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.prefill(2, kShape.layers, t.k.data(), t.v.data(), 4), ErrorCode::out_of_range);
+  REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, t.k.data(), t.v.data(), 101), ErrorCode::invalid_argument);
+  const std::uint32_t seq = manager.buffer().sequence_length(1, 1);
+  // Layer 1 of request 2 is not prefilled: the whole batch is refused, request 1 untouched.
+  REQUIRE_SPARSEKV_ERROR(manager.decode(both, 1, q.data(), t.k.data(), t.v.data(), out.data()),
+                         ErrorCode::failed_precondition);
+  REQUIRE(manager.buffer().sequence_length(1, 1) == seq);
+  REQUIRE_SPARSEKV_ERROR(manager.decode(twice, 0, q.data(), t.k.data(), t.v.data(), out.data()),
+                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.decode(unknown, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::not_found);
+  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, nullptr, t.k.data(), t.v.data(), out.data()), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), nullptr), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.decode({}, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::invalid_argument);
+  REQUIRE(manager.buffer().sequence_length(1, 0) == 40);
+  manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data());
+  REQUIRE(manager.buffer().sequence_length(1, 0) == 41);
+  // A finished request is gone.
+  manager.finish(1);
+  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::not_found);
+  REQUIRE_SPARSEKV_ERROR(manager.finish(1), ErrorCode::not_found);
+  REQUIRE_SPARSEKV_ERROR(manager.working_set(1), ErrorCode::not_found);
+  REQUIRE_SPARSEKV_ERROR(manager.add_request(3, 0), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(make_policy("nope", 64), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(make_policy("quest", 0), ErrorCode::invalid_argument);
+}

@@ -1,0 +1,470 @@
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/shadowkv.hpp"
+#include "test_support.hpp"
+
+using namespace sparsekv;
+
+static_assert(SparseAttention<QuestPolicy>);
+static_assert(SparseAttention<ShadowKVPolicy>);
+
+namespace {
+
+// GQA with two q heads per kv head, 8-token pages.
+LayerContext context(std::uint32_t layer = 2, std::uint32_t q_heads = 4, std::uint32_t kv_heads = 2) {
+  LayerContext ctx;
+  ctx.layer = layer;
+  ctx.layers = 4;
+  ctx.q_heads = q_heads;
+  ctx.kv_heads = kv_heads;
+  ctx.head_dim = 16;
+  ctx.page_tokens = 8;
+  return ctx;
+}
+
+using Vec = std::vector<float>;
+
+Vec normalized(Vec v) {
+  const float norm = std::sqrt(std::inner_product(v.begin(), v.end(), v.begin(), 0.0f));
+  for (float& x : v) x /= norm;
+  return v;
+}
+
+// K/V of consecutive tokens, [token][kv head][dim].
+struct Chunk {
+  std::uint32_t tokens, kv_heads, dim;
+  Vec keys, values;
+
+  // Independent noise keys, or (coherent) per-page base directions plus a
+  // little noise, the way neighbouring keys of real models look alike.
+  Chunk(const LayerContext& ctx, std::uint32_t n, std::uint32_t seed, bool coherent = false)
+      : tokens(n), kv_heads(ctx.kv_heads), dim(ctx.head_dim), keys(std::size_t{n} * kv_heads * dim), values(keys.size()) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::uint32_t t = 0; t < n; ++t) {
+      for (std::uint32_t h = 0; h < kv_heads; ++h) {
+        for (std::uint32_t d = 0; d < dim; ++d) key(t, h)[d] = (coherent ? 0.05f : 0.1f) * normal(rng);
+      }
+    }
+    if (!coherent) return;
+    for (std::uint32_t first = 0; first < n; first += ctx.page_tokens) {
+      for (std::uint32_t h = 0; h < kv_heads; ++h) {
+        Vec base(dim);
+        for (float& x : base) x = normal(rng);
+        set_page(first, std::min(n, first + ctx.page_tokens), h, normalized(base), 1.0f);
+      }
+    }
+  }
+  float* key(std::uint32_t t, std::uint32_t h) { return keys.data() + (std::size_t{t} * kv_heads + h) * dim; }
+  // key(t) = scale * dir, plus its noise when `add`.
+  void set(std::uint32_t t, std::uint32_t h, const Vec& dir, float scale, bool add = false) {
+    for (std::uint32_t d = 0; d < dim; ++d) key(t, h)[d] = scale * dir[d] + (add ? key(t, h)[d] : 0.0f);
+  }
+  // Tokens [first, end) of head h get the base direction scale * dir (keeping their noise).
+  void set_page(std::uint32_t first, std::uint32_t end, std::uint32_t h, const Vec& dir, float scale) {
+    for (std::uint32_t t = first; t < end; ++t) set(t, h, dir, scale, true);
+  }
+  KvView view() const { return KvView{keys, values, tokens, kv_heads, dim, 0}; }
+};
+
+Vec random_query(const LayerContext& ctx, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Vec q(std::size_t{ctx.q_heads} * ctx.head_dim);
+  for (float& x : q) x = normal(rng);
+  return q;
+}
+
+// The direction kv head h's q heads look at together: their normalised sum.
+Vec group_direction(const LayerContext& ctx, const Vec& q, std::uint32_t h) {
+  Vec dir(ctx.head_dim, 0.0f);
+  for (std::uint32_t g = 0; g < ctx.group_size(); ++g) {
+    for (std::uint32_t d = 0; d < ctx.head_dim; ++d) dir[d] += q[(std::size_t{h} * ctx.group_size() + g) * ctx.head_dim + d];
+  }
+  return normalized(dir);
+}
+
+// The library's side of a request in one layer: token counts per partition id
+// (ids are dense in these tests) and the policy's state.
+template <class P>
+struct Run {
+  const P& policy;
+  LayerContext ctx;
+  typename P::LayerState state;
+  std::vector<std::uint32_t> sizes;
+
+  Run(const P& p, LayerContext c, const Chunk& prefill) : policy(p), ctx(c) {
+    const auto specs = policy.index(ctx, prefill.view(), state);
+    REQUIRE(specs.size() == 1);
+    for (std::uint32_t i = 0; i < specs[0].partition_count(); ++i) sizes.push_back(specs[0].size(i));
+    ctx.tokens = prefill.tokens;
+  }
+  PartitionId append(const Chunk& page) {
+    const auto id = static_cast<PartitionId>(sizes.size());
+    const AppendedPage appended{page.view(), std::vector<PartitionId>(ctx.kv_heads, id)};
+    REQUIRE_FALSE(policy.append(ctx, appended, state).has_value());
+    sizes.push_back(page.tokens);
+    ctx.tokens += page.tokens;
+    return id;
+  }
+  Selection select(const Vec& q) const {
+    Selection s;
+    policy.select(ctx, DecodeQuery{q, ctx.tokens}, state, s);
+    return s;
+  }
+  // Every head's selection: distinct known ids, at most `most_tokens` tokens
+  // and at most mandatory_pages pages.
+  void check(const Selection& s, std::uint64_t most_tokens) const {
+    REQUIRE(s.partitions.size() == ctx.kv_heads);
+    for (const auto& chosen : s.partitions) {
+      REQUIRE(std::is_sorted(chosen.begin(), chosen.end()));
+      REQUIRE(std::adjacent_find(chosen.begin(), chosen.end()) == chosen.end());
+      std::uint64_t tokens = 0, pages = 0;
+      for (PartitionId p : chosen) {
+        REQUIRE(p < sizes.size());
+        tokens += sizes[p];
+        pages += (sizes[p] + ctx.page_tokens - 1) / ctx.page_tokens;
+      }
+      REQUIRE(tokens <= most_tokens);
+      REQUIRE(pages <= policy.mandatory_pages(ctx));
+    }
+  }
+  std::vector<PartitionId> all() const {
+    std::vector<PartitionId> ids(sizes.size());
+    std::iota(ids.begin(), ids.end(), 0u);
+    return ids;
+  }
+};
+
+bool has(const std::vector<PartitionId>& ids, PartitionId p) { return std::find(ids.begin(), ids.end(), p) != ids.end(); }
+
+}  // namespace
+
+// ---- Quest ----------------------------------------------------------------
+
+TEST_CASE("Quest finds planted critical tokens", "[policy][quest]") {
+  const LayerContext ctx = context();
+  const Vec q = random_query(ctx, 7);
+  Chunk kv(ctx, 512, 1);  // 32 Quest partitions of 16 tokens
+  const std::vector<std::vector<std::uint32_t>> planted = {{37, 200, 411}, {90, 300, 470}};
+  for (std::uint32_t h = 0; h < 2; ++h) {
+    for (std::uint32_t t : planted[h]) kv.set(t, h, group_direction(ctx, q, h), 4.0f);
+  }
+  const QuestPolicy quest({.budget_tokens = 64});  // k = 4: the newest and the three planted
+  Run run(quest, ctx, kv);
+  const Selection s = run.select(q);
+  run.check(s, 64);
+  for (std::uint32_t h = 0; h < 2; ++h) {
+    std::vector<PartitionId> expected{31};
+    for (std::uint32_t t : planted[h]) expected.push_back(t / 16);
+    std::sort(expected.begin(), expected.end());
+    CHECK(s.partitions[h] == expected);
+  }
+}
+
+TEST_CASE("Quest always keeps the newest partition and handles decode pages", "[policy][quest]") {
+  const LayerContext ctx = context();
+  const Vec q = random_query(ctx, 3);
+  Chunk kv(ctx, 256, 2);
+  for (std::uint32_t h = 0; h < 2; ++h) kv.set(100, h, group_direction(ctx, q, h), 4.0f);
+  // The newest partition scores lowest of all: its keys point away from q.
+  for (std::uint32_t t = 240; t < 256; ++t) {
+    for (std::uint32_t h = 0; h < 2; ++h) kv.set(t, h, group_direction(ctx, q, h), -4.0f);
+  }
+  const QuestPolicy quest({.budget_tokens = 32});
+  Run run(quest, ctx, kv);
+  Selection s = run.select(q);
+  run.check(s, 32);
+  for (const auto& chosen : s.partitions) CHECK(chosen == std::vector<PartitionId>{6, 15});
+
+  // A decode page with a critical token, then two that point away: the newest
+  // (8 tokens), the critical page (8) and partition 6 (16) fill the budget.
+  Chunk critical(ctx, 8, 10), away(ctx, 8, 11);
+  for (std::uint32_t h = 0; h < 2; ++h) {
+    critical.set(5, h, group_direction(ctx, q, h), 8.0f);
+    for (std::uint32_t t = 0; t < 8; ++t) away.set(t, h, group_direction(ctx, q, h), -4.0f);
+  }
+  const PartitionId c = run.append(critical);
+  run.append(away);
+  const PartitionId newest = run.append(away);
+  s = run.select(q);
+  run.check(s, 32);
+  for (const auto& chosen : s.partitions) CHECK(chosen == std::vector<PartitionId>{6, c, newest});
+}
+
+TEST_CASE("Quest sums the bounds of a group's q heads", "[policy][quest]") {
+  // One kv head, q heads e0 and e1. Partition 3 holds a key both heads like
+  // (3 e0 + 3 e1: sum 6), partition 8 one that only q head 0 likes more (5 e0:
+  // sum ~5). The sum picks partition 3; a max over the group would pick 8.
+  const LayerContext ctx = context(2, 2, 1);
+  Vec q(2 * 16, 0.0f);
+  q[0] = 1.0f;
+  q[16 + 1] = 1.0f;
+  Vec both(16, 0.0f), first(16, 0.0f);
+  both[0] = both[1] = 3.0f;
+  first[0] = 5.0f;
+  Chunk kv(ctx, 256, 5);
+  kv.set(3 * 16 + 2, 0, both, 1.0f);
+  kv.set(8 * 16 + 9, 0, first, 1.0f);
+  const QuestPolicy quest({.budget_tokens = 32});
+  Run run(quest, ctx, kv);
+  CHECK(run.select(q).partitions[0] == std::vector<PartitionId>{3, 15});
+}
+
+TEST_CASE("Quest keeps the first layers dense", "[policy][quest]") {
+  const Vec q = random_query(context(), 5);
+  const Chunk kv(context(), 512, 4);
+  const QuestPolicy quest({.budget_tokens = 32});
+  for (std::uint32_t layer : {0u, 1u}) {
+    Run run(quest, context(layer), kv);
+    const Selection s = run.select(q);
+    for (const auto& chosen : s.partitions) CHECK(chosen == run.all());
+    CHECK(quest.mandatory_pages(run.ctx) == 512 / 8 + 1);  // the whole context
+    run.check(s, 512);
+  }
+  Run sparse(quest, context(2), kv);
+  CHECK(quest.mandatory_pages(sparse.ctx) == 32 / 8);
+  for (const auto& chosen : sparse.select(q).partitions) CHECK(chosen.size() == 2);
+
+  const QuestPolicy all_sparse({.budget_tokens = 32, .dense_layers = 0});
+  Run layer0(all_sparse, context(0), kv);
+  for (const auto& chosen : layer0.select(q).partitions) CHECK(chosen.size() == 2);
+}
+
+TEST_CASE("Quest respects its budget", "[policy][quest]") {
+  const LayerContext ctx = context();
+  const std::uint32_t budget = GENERATE(8u, 16u, 24u, 40u, 64u, 100u, 200u);
+  const QuestPolicy quest({.budget_tokens = budget});
+  Chunk kv(ctx, 100, 6);  // six 16-token partitions and a 4-token one
+  const Vec q0 = random_query(ctx, 1);
+  for (std::uint32_t h = 0; h < 2; ++h) kv.set(98, h, group_direction(ctx, q0, h), 4.0f);  // the short one scores high
+  Run run(quest, ctx, kv);
+  for (std::uint32_t step = 0; step < 6; ++step) {
+    for (std::uint32_t seed = 0; seed < 8; ++seed) {
+      const Vec q = seed == 0 ? q0 : random_query(ctx, 100 * step + seed);
+      const Selection s = run.select(q);
+      run.check(s, std::max(budget, 16u));
+      const std::uint64_t total = std::accumulate(run.sizes.begin(), run.sizes.end(), std::uint64_t{0});
+      for (const auto& chosen : s.partitions) {
+        CHECK(has(chosen, static_cast<PartitionId>(run.sizes.size() - 1)));
+        if (budget >= total) CHECK(chosen == run.all());
+      }
+    }
+    run.append(Chunk(ctx, 8, 50 + step));
+  }
+}
+
+TEST_CASE("Quest rejects bad input", "[policy][quest]") {
+  REQUIRE_SPARSEKV_ERROR(QuestPolicy({.budget_tokens = 0}), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(QuestPolicy({.page_tokens_per_partition = 0}), ErrorCode::invalid_argument);
+  const LayerContext ctx = context();
+  const QuestPolicy quest;
+  const Chunk kv(ctx, 64, 1);
+  QuestPolicy::LayerState state;
+  // A Quest page that is not a whole number of KV pages.
+  REQUIRE_SPARSEKV_ERROR(QuestPolicy({.page_tokens_per_partition = 12}).index(ctx, kv.view(), state),
+                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(quest.mandatory_pages(context(2, 3, 2)), ErrorCode::invalid_argument);  // 3 q on 2 kv heads
+  KvView bad = kv.view();
+  bad.kv_heads = 1;
+  REQUIRE_SPARSEKV_ERROR(quest.index(ctx, bad, state), ErrorCode::invalid_argument);
+  bad = kv.view();
+  bad.head_dim = 8;
+  REQUIRE_SPARSEKV_ERROR(quest.index(ctx, bad, state), ErrorCode::invalid_argument);
+  bad = kv.view();
+  bad.keys = bad.keys.first(bad.keys.size() - 1);
+  REQUIRE_SPARSEKV_ERROR(quest.index(ctx, bad, state), ErrorCode::invalid_argument);
+  bad = kv.view();
+  bad.tokens = 0;
+  bad.keys = {};
+  REQUIRE_SPARSEKV_ERROR(quest.index(ctx, bad, state), ErrorCode::invalid_argument);
+
+  const Vec q = random_query(ctx, 1);
+  Selection s;
+  REQUIRE_SPARSEKV_ERROR(quest.select(ctx, DecodeQuery{q, 64}, state, s), ErrorCode::invalid_argument);  // not indexed
+  quest.index(ctx, kv.view(), state);
+  REQUIRE_SPARSEKV_ERROR(quest.select(ctx, DecodeQuery{std::span(q).first(q.size() - 16), 64}, state, s),
+                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(quest.select(context(2, 4, 4), DecodeQuery{q, 64}, state, s), ErrorCode::invalid_argument);
+
+  const Chunk half(ctx, 4, 2), page(ctx, 8, 3);
+  REQUIRE_SPARSEKV_ERROR(quest.append(ctx, AppendedPage{half.view(), {4, 4}}, state), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(quest.append(ctx, AppendedPage{page.view(), {4}}, state), ErrorCode::invalid_argument);
+  CHECK(state.tokens.size() == 4);  // unchanged
+  CHECK(state.min[0].size() == 4 * 16);
+}
+
+// ---- ShadowKV ---------------------------------------------------------------
+
+TEST_CASE("ShadowKV finds planted critical tokens", "[policy][shadowkv]") {
+  const LayerContext ctx = context();
+  const Vec q = random_query(ctx, 9);
+  Chunk kv(ctx, 1024, 1, /*coherent=*/true);  // 128 pages
+  // Head 0: whole pages that agree with q; head 1: one critical token per page.
+  const std::vector<std::vector<std::uint32_t>> planted = {{10, 50, 90}, {20, 60, 100}};
+  for (std::uint32_t p : planted[0]) kv.set_page(p * 8, p * 8 + 8, 0, group_direction(ctx, q, 0), 3.0f);
+  for (std::uint32_t p : planted[1]) kv.set(p * 8 + 3, 1, group_direction(ctx, q, 1), 12.0f);
+  // With and without outliers: a lone critical token also makes its page an
+  // outlier, so without them the landmarks alone must find it.
+  const std::uint32_t outliers = GENERATE(0u, 48u);
+  const ShadowKVPolicy shadow({.budget_tokens = 256, .outlier_pages = outliers});
+  Run run(shadow, ctx, kv);
+  const Selection s = run.select(q);
+  run.check(s, 256);
+  for (std::uint32_t h = 0; h < 2; ++h) {
+    CHECK(s.partitions[h].size() == 256 / 8);  // full pages: the budget is used exactly
+    for (std::uint32_t p : planted[h]) CHECK(has(s.partitions[h], p));
+  }
+}
+
+TEST_CASE("ShadowKV keeps the recent window and the outlier pages", "[policy][shadowkv]") {
+  const LayerContext ctx = context();
+  const Vec q = random_query(ctx, 4);
+  Chunk kv(ctx, 1004, 2, true);  // 125 full pages and a 4-token one
+  const std::vector<std::uint32_t> outliers = {5, 33, 77};
+  for (std::uint32_t h = 0; h < 2; ++h) {
+    const Vec away = group_direction(ctx, q, h);
+    // Static pages point away from q: only the static rules can select them.
+    for (std::uint32_t p = 121; p < 126; ++p) kv.set_page(p * 8, std::min(1004u, p * 8 + 8), h, away, -2.0f);
+    for (std::uint32_t p : outliers) {
+      kv.set_page(p * 8, p * 8 + 8, h, away, -2.0f);
+      kv.set(p * 8 + 3, h, away, 4.0f);  // one key against its landmark: cos < 0
+    }
+  }
+  const ShadowKVPolicy shadow({.budget_tokens = 128});
+  REQUIRE(shadow.outlier_count() == 3);  // 48 * 128 / 2048
+  Run run(shadow, ctx, kv);
+  Selection s = run.select(q);
+  run.check(s, 128);
+  for (const auto& chosen : s.partitions) {
+    // 5 recent pages (4 + 3 x 8 tokens fall short of 32), 3 outliers, 8 by landmark.
+    CHECK(chosen.size() == 16);
+    for (std::uint32_t p = 121; p < 126; ++p) CHECK(has(chosen, p));
+    for (std::uint32_t p : outliers) CHECK(has(chosen, p));
+  }
+
+  // Four decode pages (pointing away too) now make the whole window; the old
+  // window pages compete by landmark and lose.
+  Chunk page(ctx, 8, 20, true);
+  for (std::uint32_t h = 0; h < 2; ++h) page.set_page(0, 8, h, group_direction(ctx, q, h), -2.0f);
+  for (int i = 0; i < 4; ++i) run.append(page);
+  s = run.select(q);
+  run.check(s, 128);
+  for (const auto& chosen : s.partitions) {
+    CHECK(chosen.size() == 16);  // 4 recent + 3 outliers + 9 by landmark
+    for (std::uint32_t p = 126; p < 130; ++p) CHECK(has(chosen, p));
+    for (std::uint32_t p = 121; p < 126; ++p) CHECK_FALSE(has(chosen, p));
+    for (std::uint32_t p : outliers) CHECK(has(chosen, p));
+  }
+}
+
+TEST_CASE("ShadowKV scales its outlier pages with the budget", "[policy][shadowkv]") {
+  CHECK(ShadowKVPolicy().outlier_count() == 48);
+  CHECK(ShadowKVPolicy({.budget_tokens = 1024}).outlier_count() == 24);
+  CHECK(ShadowKVPolicy({.budget_tokens = 4096}).outlier_count() == 96);
+  CHECK(ShadowKVPolicy({.budget_tokens = 100}).outlier_count() == 2);  // 2.34
+  CHECK(ShadowKVPolicy({.budget_tokens = 64}).outlier_count() == 2);   // 1.5, half up
+  CHECK(ShadowKVPolicy({.budget_tokens = 8}).outlier_count() == 0);
+}
+
+TEST_CASE("ShadowKV takes the max of each q head's softmax", "[policy][shadowkv]") {
+  // One kv head, two q heads: q0 = 10 e0 sharply prefers page A, q1 = e1
+  // mildly prefers page B. Raw logits would fill both slots from q0's
+  // runners-up; per-head softmax puts B above all of them.
+  const LayerContext ctx = context(2, 2, 1);
+  Vec q(2 * 16, 0.0f);
+  q[0] = 10.0f;
+  q[16 + 1] = 1.0f;
+  Chunk kv(ctx, 1024, 3, true);
+  Vec e0(16, 0.0f), e1(16, 0.0f);
+  e0[0] = 1.0f;
+  e1[1] = 1.0f;
+  kv.set_page(10 * 8, 11 * 8, 0, e0, 3.0f);
+  kv.set_page(20 * 8, 21 * 8, 0, e1, 3.0f);
+  const ShadowKVPolicy shadow({.budget_tokens = 48, .outlier_pages = 0});  // 4 recent pages + 2 by landmark
+  Run run(shadow, ctx, kv);
+  const Selection s = run.select(q);
+  run.check(s, 48);
+  CHECK(s.partitions[0] == std::vector<PartitionId>{10, 20, 124, 125, 126, 127});
+}
+
+TEST_CASE("ShadowKV respects its budget", "[policy][shadowkv]") {
+  const LayerContext ctx = context();
+  const std::uint32_t budget = GENERATE(4u, 8u, 16u, 40u, 100u, 256u, 1100u);
+  const ShadowKVPolicy shadow({.budget_tokens = budget});
+  Run run(shadow, ctx, Chunk(ctx, 1004, 8, true));
+  for (std::uint32_t step = 0; step < 6; ++step) {
+    for (std::uint32_t seed = 0; seed < 4; ++seed) {
+      const Selection s = run.select(random_query(ctx, 100 * step + seed));
+      run.check(s, std::max(budget, 8u));
+      for (const auto& chosen : s.partitions) CHECK(has(chosen, static_cast<PartitionId>(run.sizes.size() - 1)));
+    }
+    run.append(Chunk(ctx, 8, 50 + step, true));
+  }
+}
+
+TEST_CASE("ShadowKV rejects bad input", "[policy][shadowkv]") {
+  REQUIRE_SPARSEKV_ERROR(ShadowKVPolicy({.budget_tokens = 0}), ErrorCode::invalid_argument);
+  const LayerContext ctx = context();
+  const ShadowKVPolicy shadow;
+  const Chunk kv(ctx, 64, 1);
+  ShadowKVPolicy::LayerState state;
+  KvView bad = kv.view();
+  bad.kv_heads = 1;
+  REQUIRE_SPARSEKV_ERROR(shadow.index(ctx, bad, state), ErrorCode::invalid_argument);
+  bad = kv.view();
+  bad.head_dim = 8;
+  REQUIRE_SPARSEKV_ERROR(shadow.index(ctx, bad, state), ErrorCode::invalid_argument);
+  bad = kv.view();
+  bad.keys = bad.keys.first(bad.keys.size() - 1);
+  REQUIRE_SPARSEKV_ERROR(shadow.index(ctx, bad, state), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(shadow.mandatory_pages(context(2, 3, 2)), ErrorCode::invalid_argument);
+
+  const Vec q = random_query(ctx, 1);
+  Selection s;
+  REQUIRE_SPARSEKV_ERROR(shadow.select(ctx, DecodeQuery{q, 64}, state, s), ErrorCode::invalid_argument);
+  shadow.index(ctx, kv.view(), state);
+  REQUIRE_SPARSEKV_ERROR(shadow.select(ctx, DecodeQuery{std::span(q).first(16), 64}, state, s),
+                         ErrorCode::invalid_argument);
+  const Chunk half(ctx, 4, 2), page(ctx, 8, 3);
+  REQUIRE_SPARSEKV_ERROR(shadow.append(ctx, AppendedPage{half.view(), {8, 8}}, state), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(shadow.append(ctx, AppendedPage{page.view(), {8, 8, 8}}, state),
+                         ErrorCode::invalid_argument);
+  CHECK(state.tokens.size() == 8);  // unchanged
+  CHECK(state.landmarks[1].size() == 8 * 16);
+}
+
+// ---- Both -------------------------------------------------------------------
+
+TEST_CASE("A budget covering the context makes Quest and ShadowKV select what Dense selects", "[policy]") {
+  const LayerContext ctx = context();
+  const Chunk kv(ctx, 300, 12, true);
+  const DensePolicy dense;
+  const QuestPolicy quest({.budget_tokens = 300 + 3 * 8});
+  const ShadowKVPolicy shadow({.budget_tokens = 300 + 3 * 8});
+  Run d(dense, ctx, kv);
+  Run qr(quest, ctx, kv);
+  Run sr(shadow, ctx, kv);
+  for (int step = 0; step < 4; ++step) {
+    const Vec q = random_query(ctx, 40 + step);
+    const Selection ds = d.select(q), qs = qr.select(q), ss = sr.select(q);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      CHECK(ds.partitions[h] == d.all());
+      CHECK(ss.partitions[h] == ds.partitions[h]);  // same pages, same partitions
+      CHECK(qs.partitions[h] == qr.all());          // every 16-token partition
+    }
+    if (step < 3) {
+      const Chunk page(ctx, 8, 60 + step, true);
+      d.append(page);
+      qr.append(page);
+      sr.append(page);
+    }
+  }
+}

@@ -1,0 +1,348 @@
+// sparsekv-accuracy: runs a Q/K/V trace (qkv_trace.hpp; recorded from a model
+// or synthetic) through every built-in policy at several token budgets, with
+// the library's own pipeline (tools/sparse_pipeline.hpp: Index, Offload,
+// Select, Retrieve, Attend), and compares each decode step's attention output
+// with exact dense attention over the whole context. docs/accuracy.md
+// describes the trace format, the generator's knobs and the metrics.
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "command_line.hpp"
+#include "sparse_pipeline.hpp"
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/any_policy.hpp"
+#include "sparsekv/policy/qkv_trace.hpp"
+
+namespace {
+
+using sparsekv::QkvTrace;
+
+void usage() {
+  std::fputs(
+      "usage: sparsekv-accuracy --trace DIR [options]\n"
+      "       sparsekv-accuracy --synthetic [knobs] [--write-trace DIR] [options]\n"
+      "  --trace DIR          a Q/K/V dump (format: docs/accuracy.md)\n"
+      "  --synthetic          generate one; knobs (defaults):\n"
+      "    geometry: --seed 1 --layers 2 --q-heads 8 --kv-heads 2 --head-dim 64 --prompt 4096 --steps 32\n"
+      "    topics:   --topics 16 --segment-tokens 512 --segment-topics 3 --run-tokens 16 --key-noise 0.5\n"
+      "              --topic-logit 4 --topic-dwell 8 --blend-steps 4 --query-noise 0.3 --head-noise 0.3\n"
+      "    planted:  --heavy-hitters 8 --heavy-logit 7 --sink-tokens 4 --sink-logit 5\n"
+      "              --recency-logit 3 --recency-tokens 64 --value-topic 0.5\n"
+      "  --write-trace DIR    also save the trace that was evaluated\n"
+      "  --budgets LIST       token budgets per kv head and step (default 256,512,1024,2048)\n"
+      "  --policies LIST      default: all built-in (dense, streaming, quest, shadowkv, retroinfer,\n"
+      "                       retroinfer_no_estimation)\n"
+      "  --page-tokens N      KV page size in tokens (default 8)\n"
+      "  --threads N          runs in parallel (default: the hardware threads)\n"
+      "  --json               print [{policy, budget_tokens, rel_error, mass_recall, pages_selected}, ...]\n",
+      stderr);
+}
+
+std::vector<std::string> split_list(const std::string& text, const std::string& flag) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t end = text.find(',', start);
+    out.push_back(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (out.back().empty()) throw std::invalid_argument(fmt::format("{}: empty entry in '{}'", flag, text));
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  return out;
+}
+
+std::vector<std::uint32_t> parse_budgets(const std::string& text) {
+  std::vector<std::uint32_t> out;
+  for (const std::string& item : split_list(text, "--budgets")) {
+    std::uint32_t value = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
+    if (ec != std::errc{} || end != item.data() + item.size() || value == 0) {
+      throw std::invalid_argument(fmt::format("--budgets expects positive token counts, got '{}'", item));
+    }
+    if (std::find(out.begin(), out.end(), value) == out.end()) out.push_back(value);
+  }
+  return out;
+}
+
+// Dense attention of every (step, layer), computed once.
+struct Reference {
+  std::vector<float> out;   // [step][layer][q_heads][head_dim]
+  std::vector<double> lse;  // [step][layer][q_heads]
+};
+
+Reference reference(const QkvTrace& trace, unsigned threads) {
+  const auto& h = trace.header;
+  Reference ref;
+  ref.out.resize(std::size_t{h.decode_steps} * h.layers * h.q_heads * h.head_dim);
+  ref.lse.resize(std::size_t{h.decode_steps} * h.layers * h.q_heads);
+  const std::uint32_t jobs = h.decode_steps * h.layers;
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (std::uint32_t j = t; j < jobs; j += threads) {
+        sparsekv::reference_attention(trace, j % h.layers, j / h.layers,
+                                      ref.out.data() + std::size_t{j} * h.q_heads * h.head_dim,
+                                      ref.lse.data() + std::size_t{j} * h.q_heads);
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  return ref;
+}
+
+struct Result {
+  std::string policy;
+  std::uint32_t budget = 0;
+  double rel_error = 0;        // mean over (step, layer, q head)
+  double mass_recall = 0;      // mean over (step, layer, q head)
+  double pages_selected = 0;   // mean over (step, layer, kv head), the decode tail excluded
+  double tokens_attended = 0;  // mean over (step, layer, kv head), the decode tail included
+};
+
+// One policy at one budget through the pipeline, every decode step and layer.
+Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& policy, std::uint32_t budget,
+                std::uint32_t page_tokens) {
+  const auto& h = trace.header;
+  const std::uint32_t d = h.head_dim, group = h.q_heads / h.kv_heads;
+  const double scale = 1.0 / std::sqrt(double(d));
+  sparsekv::tools::SparsePipeline pipeline(h.shape(), sparsekv::make_policy(policy, budget), h.tokens(), page_tokens);
+  for (std::uint32_t l = 0; l < h.layers; ++l) pipeline.prefill(l, trace.prompt(l));
+
+  Result r{policy, budget};
+  std::vector<float> out(std::size_t{h.q_heads} * d);
+  std::vector<double> mass(h.q_heads);
+  const sparsekv::PageLayout& layout = pipeline.buffer().gpu_pool().layout();
+  for (std::uint32_t s = 0; s < h.decode_steps; ++s) {
+    for (std::uint32_t l = 0; l < h.layers; ++l) {
+      const std::uint32_t token = h.prompt_tokens + s;
+      pipeline.append(l, trace.key(l, token), trace.value(l, token));
+      const sparsekv::DecodeQuery q = trace.query(l, s);
+      pipeline.attend(l, q, out.data());
+      const std::size_t j = std::size_t{s} * h.layers + l;
+      const float* want = ref.out.data() + j * h.q_heads * d;
+      const double* lse = ref.lse.data() + j * h.q_heads;
+      for (std::uint32_t qh = 0; qh < h.q_heads; ++qh) {
+        double num = 0, den = 0;
+        for (std::uint32_t i = 0; i < d; ++i) {
+          const double e = double(out[qh * d + i]) - want[qh * d + i];
+          num += e * e;
+          den += double(want[qh * d + i]) * want[qh * d + i];
+        }
+        r.rel_error += den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      }
+      // Dense softmax mass on the tokens the policy attended: the keys of the
+      // retrieved pages (selected partitions) and of the resident tail.
+      std::fill(mass.begin(), mass.end(), 0.0);
+      const sparsekv::Retrieval& got = pipeline.retrieval();
+      const sparsekv::PagePool& gpu = pipeline.buffer().gpu_pool();
+      const auto add_page = [&](std::uint32_t kv, sparsekv::PageId page, std::uint32_t tokens) {
+        const std::byte* base = gpu.data(page);
+        for (std::uint32_t slot = 0; slot < tokens; ++slot) {
+          const auto* key = reinterpret_cast<const float*>(base + layout.k_offset(slot));
+          for (std::uint32_t qh = kv * group; qh < (kv + 1) * group; ++qh) {
+            const float* qv = q.head(qh, d);
+            double dot = 0;
+            for (std::uint32_t i = 0; i < d; ++i) dot += double(qv[i]) * key[i];
+            mass[qh] += std::exp(dot * scale - lse[qh]);
+          }
+        }
+        r.tokens_attended += tokens;
+      };
+      for (std::uint32_t kv = 0; kv < h.kv_heads; ++kv) {
+        for (std::uint32_t i = got.head_offsets[kv]; i < got.head_offsets[kv + 1]; ++i) {
+          std::uint32_t left = got.token_counts[i];
+          for (std::uint32_t p = got.plan.partition_offsets[i]; p < got.plan.partition_offsets[i + 1]; ++p) {
+            add_page(kv, got.plan.gpu_pages[p], std::min(left, page_tokens));
+            left -= std::min(left, page_tokens);
+            r.pages_selected += 1;
+          }
+        }
+        if (got.tail_tokens[kv] > 0) add_page(kv, got.tail_pages[kv], got.tail_tokens[kv]);
+      }
+      for (double m : mass) r.mass_recall += std::min(m, 1.0);  // rounding can pass 1 by an ulp
+    }
+  }
+  const double qn = double(h.decode_steps) * h.layers * h.q_heads, kn = double(h.decode_steps) * h.layers * h.kv_heads;
+  r.rel_error /= qn;
+  r.mass_recall /= qn;
+  r.pages_selected /= kn;
+  r.tokens_attended /= kn;
+  return r;
+}
+
+sparsekv::SyntheticQkvOptions synthetic_options(const sparsekv::tools::CommandLine& args) {
+  sparsekv::SyntheticQkvOptions o;
+  o.seed = args.number<std::uint64_t>("--seed", o.seed);
+  o.layers = args.number<std::uint32_t>("--layers", o.layers);
+  o.q_heads = args.number<std::uint32_t>("--q-heads", o.q_heads);
+  o.kv_heads = args.number<std::uint32_t>("--kv-heads", o.kv_heads);
+  o.head_dim = args.number<std::uint32_t>("--head-dim", o.head_dim);
+  o.prompt_tokens = args.number<std::uint32_t>("--prompt", o.prompt_tokens);
+  o.decode_steps = args.number<std::uint32_t>("--steps", o.decode_steps);
+  o.topics = args.number<std::uint32_t>("--topics", o.topics);
+  o.segment_tokens = args.number<std::uint32_t>("--segment-tokens", o.segment_tokens);
+  o.segment_topics = args.number<std::uint32_t>("--segment-topics", o.segment_topics);
+  o.run_tokens = args.number<double>("--run-tokens", o.run_tokens);
+  o.key_noise = args.number<double>("--key-noise", o.key_noise);
+  o.topic_logit = args.number<double>("--topic-logit", o.topic_logit);
+  o.topic_dwell = args.number<double>("--topic-dwell", o.topic_dwell);
+  o.blend_steps = args.number<std::uint32_t>("--blend-steps", o.blend_steps);
+  o.query_noise = args.number<double>("--query-noise", o.query_noise);
+  o.head_noise = args.number<double>("--head-noise", o.head_noise);
+  o.heavy_hitters = args.number<std::uint32_t>("--heavy-hitters", o.heavy_hitters);
+  o.heavy_logit = args.number<double>("--heavy-logit", o.heavy_logit);
+  o.sink_tokens = args.number<std::uint32_t>("--sink-tokens", o.sink_tokens);
+  o.sink_logit = args.number<double>("--sink-logit", o.sink_logit);
+  o.recency_logit = args.number<double>("--recency-logit", o.recency_logit);
+  o.recency_tokens = args.number<double>("--recency-tokens", o.recency_tokens);
+  o.value_topic = args.number<double>("--value-topic", o.value_topic);
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const std::set<std::string> knobs = {
+        "--seed",         "--layers",        "--q-heads",      "--kv-heads",      "--head-dim",    "--prompt",
+        "--steps",        "--topics",        "--segment-tokens", "--segment-topics", "--run-tokens", "--key-noise",
+        "--topic-logit",  "--topic-dwell",   "--blend-steps",  "--query-noise",   "--head-noise",  "--heavy-hitters",
+        "--heavy-logit",  "--sink-tokens",   "--sink-logit",   "--recency-logit", "--recency-tokens", "--value-topic"};
+    std::set<std::string> flags = knobs;
+    flags.insert({"--trace", "--write-trace", "--budgets", "--policies", "--page-tokens", "--threads"});
+    const sparsekv::tools::CommandLine args(argc, argv, flags, {"--synthetic", "--json", "--help"});
+    if (args.has("--help")) {
+      usage();
+      return 0;
+    }
+    if (args.has("--trace") == args.has("--synthetic")) {
+      throw std::invalid_argument("give exactly one of --trace DIR and --synthetic");
+    }
+    for (const auto& knob : knobs) {
+      if (args.has(knob) && !args.has("--synthetic")) throw std::invalid_argument(knob + " needs --synthetic");
+    }
+    const std::vector<std::uint32_t> budgets = parse_budgets(args.text("--budgets", "256,512,1024,2048"));
+    const std::vector<std::string> known = sparsekv::policy_names();
+    std::vector<std::string> policies = known;
+    if (args.has("--policies")) {
+      policies.clear();
+      for (const std::string& p : split_list(args.text("--policies", ""), "--policies")) {
+        if (std::find(known.begin(), known.end(), p) == known.end()) {
+          throw std::invalid_argument(fmt::format("--policies: unknown policy '{}'", p));
+        }
+        if (std::find(policies.begin(), policies.end(), p) == policies.end()) policies.push_back(p);
+      }
+    }
+    const auto page_tokens = args.number<std::uint32_t>("--page-tokens", 8);
+    const unsigned threads =
+        std::max(1u, args.number<unsigned>("--threads", std::max(1u, std::thread::hardware_concurrency())));
+
+    QkvTrace trace;
+    if (args.has("--trace")) {
+      trace = sparsekv::read_qkv_trace(args.text("--trace", ""));
+    } else {
+      trace = sparsekv::synthetic_qkv_trace(synthetic_options(args));
+    }
+    trace.validate();
+    if (args.has("--write-trace")) sparsekv::write_qkv_trace(args.text("--write-trace", ""), trace);
+
+    // Jobs: dense ignores the budget, so it runs once and fills every budget's row.
+    struct Job {
+      std::string policy;
+      std::uint32_t budget;
+    };
+    std::vector<Job> jobs;
+    for (const auto& p : policies) {
+      if (p == "dense") jobs.push_back({p, 0});
+      else for (std::uint32_t b : budgets) jobs.push_back({p, b});
+    }
+    const Reference ref = reference(trace, threads);
+    std::vector<Result> done(jobs.size());
+    std::vector<std::exception_ptr> errors(jobs.size());
+    {
+      std::mutex mutex;
+      std::size_t next = 0;
+      std::vector<std::thread> pool;
+      for (unsigned t = 0; t < std::min<std::size_t>(threads, jobs.size()); ++t) {
+        pool.emplace_back([&] {
+          while (true) {
+            std::size_t i;
+            {
+              std::lock_guard lock(mutex);
+              if (next == jobs.size()) return;
+              i = next++;
+            }
+            try {
+              done[i] = evaluate(trace, ref, jobs[i].policy, jobs[i].budget, page_tokens);
+            } catch (...) {
+              errors[i] = std::current_exception();
+            }
+          }
+        });
+      }
+      for (auto& t : pool) t.join();
+    }
+    for (const auto& e : errors)
+      if (e) std::rethrow_exception(e);
+
+    // Rows by budget, then in policy order.
+    std::vector<Result> rows;
+    for (std::uint32_t b : budgets) {
+      for (const auto& p : policies) {
+        for (const Result& r : done) {
+          if (r.policy == p && (r.budget == b || p == "dense")) {
+            rows.push_back(r);
+            rows.back().budget = b;
+          }
+        }
+      }
+    }
+
+    std::string out;
+    if (args.has("--json")) {
+      out = "[\n";
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        const Result& r = rows[i];
+        out += fmt::format(
+            "  {{\"policy\": \"{}\", \"budget_tokens\": {}, \"rel_error\": {:.6g}, \"mass_recall\": {:.6f}, "
+            "\"pages_selected\": {:.2f}}}{}\n",
+            r.policy, r.budget, r.rel_error, r.mass_recall, r.pages_selected, i + 1 < rows.size() ? "," : "");
+      }
+      out += "]\n";
+    } else {
+      const auto& h = trace.header;
+      out = fmt::format(
+          "trace: {}: {} layers, {} q heads / {} kv heads, head_dim {}, {} prompt tokens + {} decode steps ({})\n"
+          "page {} tokens; budget = tokens per kv head and step; rel error = ||o - o_dense|| / ||o_dense||, mass "
+          "recall = dense softmax mass on the attended tokens (selected pages + decode tail), both means over "
+          "(step, layer, q head); pages and tokens per (step, layer, kv head)\n",
+          args.has("--trace") ? args.text("--trace", "") : "synthetic", h.layers, h.q_heads, h.kv_heads, h.head_dim,
+          h.prompt_tokens, h.decode_steps, h.model.empty() ? "unnamed" : h.model, page_tokens);
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        if (i == 0 || rows[i].budget != rows[i - 1].budget) {
+          out += fmt::format("\n{:<7} {:<25} {:>10} {:>12} {:>8} {:>8}\n", "budget", "policy", "rel error",
+                             "mass recall", "pages", "tokens");
+        }
+        const Result& r = rows[i];
+        out += fmt::format("{:<7} {:<25} {:>10.4f} {:>11.2f}% {:>8.1f} {:>8.1f}\n", r.budget, r.policy, r.rel_error,
+                           100 * r.mass_recall, r.pages_selected, r.tokens_attended);
+      }
+    }
+    std::fputs(out.c_str(), stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sparsekv-accuracy: %s\n", e.what());
+    usage();
+    return 2;
+  }
+}
