@@ -1,9 +1,37 @@
 #include <algorithm>
 #include <numeric>
 
+#include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
 namespace sparsekv {
+
+void check_layer_context(std::string_view policy, const LayerContext& ctx) {
+  if (ctx.kv_heads == 0 || ctx.q_heads == 0 || ctx.q_heads % ctx.kv_heads != 0 || ctx.head_dim == 0 ||
+      ctx.page_tokens == 0) {
+    fail(ErrorCode::invalid_argument, "{}: bad layer context ({} q heads, {} kv heads, head dim {}, page tokens {})",
+         policy, ctx.q_heads, ctx.kv_heads, ctx.head_dim, ctx.page_tokens);
+  }
+}
+
+void check_kv_view(std::string_view policy, const LayerContext& ctx, const KvView& kv, bool needs_values) {
+  check_layer_context(policy, ctx);
+  const std::size_t expected = std::size_t{kv.tokens} * ctx.kv_heads * ctx.head_dim;
+  const bool values_ok = kv.values.size() == expected || (!needs_values && kv.values.empty());
+  if (kv.kv_heads != ctx.kv_heads || kv.head_dim != ctx.head_dim || kv.keys.size() != expected || !values_ok) {
+    fail(ErrorCode::invalid_argument,
+         "{}: K/V of {} tokens x {} kv heads x {} dims ({} / {} values) does not match the layer's {} kv heads x {} "
+         "dims",
+         policy, kv.tokens, kv.kv_heads, kv.head_dim, kv.keys.size(), kv.values.size(), ctx.kv_heads, ctx.head_dim);
+  }
+}
+
+void check_decode_query(std::string_view policy, const LayerContext& ctx, const DecodeQuery& q) {
+  if (q.q.size() != std::size_t{ctx.q_heads} * ctx.head_dim) {
+    fail(ErrorCode::invalid_argument, "{}: query has {} values, expected {} q heads x {} dims", policy, q.q.size(),
+         ctx.q_heads, ctx.head_dim);
+  }
+}
 
 std::vector<std::uint32_t> top_k(std::span<const float> scores, std::uint32_t k) {
   std::vector<std::uint32_t> order(scores.size());

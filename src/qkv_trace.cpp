@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "sparsekv/core/error.hpp"
+#include "text_fields.hpp"
 
 namespace sparsekv {
 
@@ -74,24 +75,6 @@ std::vector<float> read_floats(const fs::path& path, std::size_t floats) {
 
 // ---- manifest ----------------------------------------------------------------
 
-std::vector<std::string_view> split(std::string_view text) {
-  std::vector<std::string_view> tokens;
-  constexpr std::string_view kSpace = " \t\r\v\f";
-  for (std::size_t pos = text.find_first_not_of(kSpace); pos != std::string_view::npos;) {
-    const std::size_t end = std::min(text.find_first_of(kSpace, pos), text.size());
-    tokens.push_back(text.substr(pos, end - pos));
-    pos = text.find_first_not_of(kSpace, end);
-  }
-  return tokens;
-}
-
-std::string_view trim(std::string_view s) {
-  constexpr std::string_view kSpace = " \t\r\v\f";
-  const std::size_t a = s.find_first_not_of(kSpace);
-  if (a == std::string_view::npos) return {};
-  return s.substr(a, s.find_last_not_of(kSpace) - a + 1);
-}
-
 // ---- generator ---------------------------------------------------------------
 
 std::uint64_t splitmix64(std::uint64_t x) {
@@ -128,7 +111,7 @@ class Random {
   std::uint32_t geometric(double mean) {
     if (mean <= 1.0) return 1;
     const double p = 1.0 / mean;
-    return 1 + std::uint32_t(std::floor(std::log(1.0 - unit()) / std::log(1.0 - p)));
+    return 1 + std::uint32_t(std::min(0x1p31, std::floor(std::log(1.0 - unit()) / std::log1p(-p))));
   }
 
  private:
@@ -251,15 +234,19 @@ void generate_head(const SyntheticQkvOptions& o, const Document& doc, std::uint3
   const double vt = std::sqrt(o.value_topic), vn = std::sqrt(1.0 - o.value_topic);
   for (std::uint32_t t = 0; t < tokens; ++t) {
     const std::uint32_t topic = doc.topic[t];
+    // Sinks sit exactly on their direction (like a BOS token, the same every
+    // time); heavy hitters and topic keys scatter around theirs.
     Vec key = kind[t] == 1 ? sink : kind[t] == 2 ? heavy : centre(topic);
     const Vec noise = gaussian(rng, dc, o.key_noise / std::sqrt(double(dc)));
-    for (std::uint32_t i = 0; i < dc; ++i) key[i] += noise[i];
-    normalize(key);
+    if (kind[t] != 1) {
+      for (std::uint32_t i = 0; i < dc; ++i) key[i] += noise[i];
+      normalize(key);
+    }
     float* k = out.keys.data() + (std::size_t{t} * kvh + head) * d;
     float* v = out.values.data() + (std::size_t{t} * kvh + head) * d;
     for (std::uint32_t i = 0; i < dc; ++i) k[i] = float(scale * key[i]);
-    for (std::uint32_t j = 0; j < pairs; ++j) {
-      const double r = scale * kKeyPosition / std::sqrt(double(pairs));
+    for (std::uint32_t j = 0; j < pairs; ++j) {  // sinks: none, they score sink_logit at any distance
+      const double r = kind[t] == 1 ? 0.0 : scale * kKeyPosition / std::sqrt(double(pairs));
       k[dc + 2 * j] = float(r * std::cos(theta[j] * t));
       k[dc + 2 * j + 1] = float(r * std::sin(theta[j] * t));
     }
@@ -427,9 +414,9 @@ QkvTraceHeader read_qkv_trace_header(const fs::path& dir) {
   while (std::getline(in, text)) {
     ++line;
     std::string_view content = text;
-    content = trim(content.substr(0, content.find('#')));
+    content = detail::trim_blank(content.substr(0, content.find('#')));
     if (content.empty()) continue;
-    const std::vector<std::string_view> tokens = split(content);
+    const std::vector<std::string_view> tokens = detail::split_fields(content);
     const std::string key(tokens[0]);
     if (!magic) {
       if (key != kMagic) bad(line, fmt::format("expected '{} {}' first, got '{}'", kMagic, kQkvTraceVersion, content));
@@ -443,7 +430,7 @@ QkvTraceHeader read_qkv_trace_header(const fs::path& dir) {
     if (seen.contains(key)) bad(line, fmt::format("'{}' given twice (first on line {})", key, seen[key]));
     seen[key] = line;
     if (key == "model") {
-      header.model = std::string(trim(content.substr(tokens[0].size())));
+      header.model = std::string(detail::trim_blank(content.substr(tokens[0].size())));
       continue;
     }
     if (tokens.size() != 2) bad(line, fmt::format("expected '{} <value>', got '{}'", key, content));
@@ -610,7 +597,8 @@ void validate(const SyntheticQkvOptions& o) {
   const auto bad = [](std::string_view knob, auto value, std::string_view rule) {
     fail(ErrorCode::invalid_argument, "synthetic qkv trace: {} = {}: {}", knob, value, rule);
   };
-  QkvTraceHeader{o.layers, o.q_heads, o.kv_heads, o.head_dim, o.prompt_tokens, o.decode_steps}.validate();
+  QkvTraceHeader{o.layers, o.q_heads, o.kv_heads, o.head_dim, o.prompt_tokens, o.decode_steps, RopeStage::post_rope, {}}
+      .validate();
   if (o.head_dim < 16) bad("head_dim", o.head_dim, "must be >= 16");
   if (o.topics == 0 || o.topics > 65536) bad("topics", o.topics, "must be in [1, 65536]");
   if (o.segment_tokens == 0) bad("segment_tokens", o.segment_tokens, "must be > 0");

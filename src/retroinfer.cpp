@@ -162,43 +162,65 @@ void add_summary(std::vector<float>& centroids, std::vector<float>& value_sums, 
   for (std::uint32_t j = 0; j < d; ++j) c[j] *= inv;
 }
 
-void check_context(const LayerContext& ctx) {
-  if (ctx.kv_heads == 0 || ctx.q_heads == 0 || ctx.q_heads % ctx.kv_heads != 0 || ctx.head_dim == 0 ||
-      ctx.page_tokens == 0) {
-    fail(ErrorCode::invalid_argument,
-         "retroinfer: bad layer context ({} q heads, {} kv heads, head_dim {}, page_tokens {})", ctx.q_heads,
-         ctx.kv_heads, ctx.head_dim, ctx.page_tokens);
+// What clustering adds to a head: clusters, their summaries, and the spec's
+// partitions (token lists in CSR form).
+struct Clustered {
+  std::vector<Group> clusters;
+  std::vector<float> centroids, value_sums;
+  std::vector<std::uint32_t> offsets{0}, ids;
+
+  void add_partition(std::span<const std::uint32_t> tokens) {
+    ids.insert(ids.end(), tokens.begin(), tokens.end());
+    offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+  }
+};
+
+// Clusters tokens [begin, begin + len) of one head (spherical k-means on
+// their keys, one cluster per `tokens_per_cluster`), numbering the clusters
+// from `id`. key_at(t) / value_at(t) give token t's rows; tokens are listed
+// in order inside each cluster.
+template <class KeyAt, class ValueAt>
+void cluster_segment(const RetroInferPolicy::Options& options, std::uint32_t begin, std::uint32_t len,
+                     std::uint32_t d, std::uint64_t seed, KeyAt key_at, ValueAt value_at, PartitionId& id,
+                     Clustered& out) {
+  std::vector<float> keys(std::size_t{len} * d);
+  for (std::uint32_t t = 0; t < len; ++t) std::copy_n(key_at(begin + t), d, keys.data() + std::size_t{t} * d);
+  const std::uint32_t k = std::max(1u, len / options.tokens_per_cluster);
+  const auto labels = spherical_kmeans(keys, len, d, k, options.kmeans_iterations, seed);
+  const std::uint32_t c = *std::max_element(labels.begin(), labels.end()) + 1;
+  // Members of each cluster in token order (counting sort).
+  std::vector<std::uint32_t> offsets(c + 1, 0);
+  for (std::uint32_t label : labels) ++offsets[label + 1];
+  std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
+  std::vector<std::uint32_t> members(len);
+  std::vector<std::uint32_t> fill(offsets.begin(), offsets.end() - 1);
+  for (std::uint32_t t = 0; t < len; ++t) members[fill[labels[t]]++] = begin + t;
+  for (std::uint32_t j = 0; j < c; ++j) {
+    const std::span<const std::uint32_t> m(members.data() + offsets[j], offsets[j + 1] - offsets[j]);
+    out.clusters.push_back(Group{id++, static_cast<std::uint32_t>(m.size())});
+    add_summary(
+        out.centroids, out.value_sums, d, static_cast<std::uint32_t>(m.size()),
+        [&](std::uint32_t i) { return key_at(m[i]); }, [&](std::uint32_t i) { return value_at(m[i]); });
+    out.add_partition(m);
   }
 }
 
 void check_kv(const LayerContext& ctx, const KvView& kv) {
-  check_context(ctx);
-  const std::size_t expected = std::size_t{kv.tokens} * ctx.kv_heads * ctx.head_dim;
-  if (kv.kv_heads != ctx.kv_heads || kv.head_dim != ctx.head_dim || kv.keys.size() != expected ||
-      kv.values.size() != expected) {
-    fail(ErrorCode::invalid_argument,
-         "retroinfer: K/V of {} tokens x {} kv heads x {} dims ({} / {} values) does not match the layer's {} kv heads "
-         "x {} dims",
-         kv.tokens, kv.kv_heads, kv.head_dim, kv.keys.size(), kv.values.size(), ctx.kv_heads, ctx.head_dim);
-  }
+  check_kv_view("retroinfer", ctx, kv, true);  // value sums need the values
   if (kv.tokens == 0) fail(ErrorCode::invalid_argument, "retroinfer: no tokens to index");
 }
 
 void check_state(const LayerContext& ctx, const LayerState& state) {
-  check_context(ctx);
-  if (state.heads.empty()) fail(ErrorCode::failed_precondition, "retroinfer: the layer has no index yet (index() first)");
+  check_layer_context("retroinfer", ctx);
+  if (state.heads.empty()) {
+    fail(ErrorCode::failed_precondition, "retroinfer: the layer has no index yet (index() first)");
+  }
   if (state.heads.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
     fail(ErrorCode::invalid_argument, "retroinfer: index built for {} kv heads x {} dims, context has {} x {}",
          state.heads.size(), state.head_dim, ctx.kv_heads, ctx.head_dim);
   }
 }
 
-void check_query(const LayerContext& ctx, const DecodeQuery& q) {
-  if (q.q.size() != std::size_t{ctx.q_heads} * ctx.head_dim) {
-    fail(ErrorCode::invalid_argument, "retroinfer: query has {} values, expected {} q heads x {} dims", q.q.size(),
-         ctx.q_heads, ctx.head_dim);
-  }
-}
 
 // The steady zone of one head: the sink partition and the newest `window_parts`
 // recent partitions (newest first while fewer than `window` tokens are covered),
@@ -441,64 +463,45 @@ std::vector<PartitionSpec> RetroInferPolicy::index(const LayerContext& ctx, cons
   next.heads.resize(ctx.kv_heads);
   std::vector<PartitionSpec> specs;
   specs.reserve(ctx.kv_heads);
-  std::vector<float> buffer;
-  std::vector<std::uint32_t> members, member_offsets;
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
     HeadState& head = next.heads[h];
-    std::vector<std::uint32_t> offsets{0};
-    std::vector<std::uint32_t> ids;
-    ids.reserve(n);
+    Clustered parts;  // the spec, in id order: sink, clusters, window pages
+    parts.ids.reserve(n);
     PartitionId id = 0;
     if (sinks > 0) {
       head.sink = Group{id++, sinks};
-      for (std::uint32_t t = 0; t < sinks; ++t) ids.push_back(t);
-      offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+      std::vector<std::uint32_t> sink_tokens(sinks);
+      std::iota(sink_tokens.begin(), sink_tokens.end(), 0u);
+      parts.add_partition(sink_tokens);
     }
     for (const auto& [seg_begin, len] : segs) {
       const std::uint32_t begin = sinks + seg_begin;
-      buffer.resize(std::size_t{len} * d);
-      for (std::uint32_t t = 0; t < len; ++t) std::copy_n(kv.key(begin + t, h), d, buffer.data() + std::size_t{t} * d);
-      const std::uint64_t seed =
-          mix(mix(mix(options_.seed, ctx.layer), h), std::uint64_t{kv.first_position} + begin);
-      const std::uint32_t k = std::max(1u, len / options_.tokens_per_cluster);
-      const auto labels = spherical_kmeans(buffer, len, d, k, options_.kmeans_iterations, seed);
-      const std::uint32_t c = labels.empty() ? 0 : *std::max_element(labels.begin(), labels.end()) + 1;
-      // Members of each cluster in token order (counting sort).
-      member_offsets.assign(c + 1, 0);
-      for (std::uint32_t label : labels) ++member_offsets[label + 1];
-      std::partial_sum(member_offsets.begin(), member_offsets.end(), member_offsets.begin());
-      members.resize(len);
-      {
-        std::vector<std::uint32_t> fill(member_offsets.begin(), member_offsets.end() - 1);
-        for (std::uint32_t t = 0; t < len; ++t) members[fill[labels[t]]++] = begin + t;
-      }
-      for (std::uint32_t j = 0; j < c; ++j) {
-        const std::uint32_t* m = members.data() + member_offsets[j];
-        const std::uint32_t size = member_offsets[j + 1] - member_offsets[j];
-        head.clusters.push_back(Group{id++, size});
-        add_summary(
-            head.centroids, head.value_sums, d, size, [&](std::uint32_t i) { return kv.key(m[i], h); },
-            [&](std::uint32_t i) { return kv.value(m[i], h); });
-        ids.insert(ids.end(), m, m + size);
-        offsets.push_back(static_cast<std::uint32_t>(ids.size()));
-      }
+      const std::uint64_t seed = mix(mix(mix(options_.seed, ctx.layer), h), std::uint64_t{kv.first_position} + begin);
+      cluster_segment(
+          options_, begin, len, d, seed, [&](std::uint32_t t) { return kv.key(t, h); },
+          [&](std::uint32_t t) { return kv.value(t, h); }, id, parts);
     }
+    head.clusters = std::move(parts.clusters);
+    head.centroids = std::move(parts.centroids);
+    head.value_sums = std::move(parts.value_sums);
+    std::vector<std::uint32_t> page_tokens;
     for (std::uint32_t t = sinks + middle; t < n; t += page) {
       const std::uint32_t size = std::min(page, n - t);
       head.recent.push_back(Group{id++, size});
       add_summary(
           head.recent_centroids, head.recent_value_sums, d, size, [&](std::uint32_t i) { return kv.key(t + i, h); },
           [&](std::uint32_t i) { return kv.value(t + i, h); });
+      page_tokens.clear();
       for (std::uint32_t i = 0; i < size; ++i) {
         head.recent_keys.insert(head.recent_keys.end(), kv.key(t + i, h), kv.key(t + i, h) + d);
         head.recent_values.insert(head.recent_values.end(), kv.value(t + i, h), kv.value(t + i, h) + d);
-        ids.push_back(t + i);
+        page_tokens.push_back(t + i);
       }
-      offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+      parts.add_partition(page_tokens);
     }
     head.partitions = id;
     head.tokens = n;
-    specs.push_back(PartitionSpec::variable(n, std::move(offsets), std::move(ids)));
+    specs.push_back(PartitionSpec::variable(n, std::move(parts.offsets), std::move(parts.ids)));
   }
   state = std::move(next);
   return specs;
@@ -511,7 +514,8 @@ std::optional<Repartition> RetroInferPolicy::append(const LayerContext& ctx, con
   const std::uint32_t d = ctx.head_dim;
   const std::uint32_t tokens = page.page.tokens;
   if (tokens != ctx.page_tokens || page.partitions.size() != ctx.kv_heads) {
-    fail(ErrorCode::invalid_argument, "retroinfer: an appended page needs {} tokens and {} partition ids, got {} and {}",
+    fail(ErrorCode::invalid_argument,
+         "retroinfer: an appended page needs {} tokens and {} partition ids, got {} and {}",
          ctx.page_tokens, ctx.kv_heads, tokens, page.partitions.size());
   }
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
@@ -521,6 +525,14 @@ std::optional<Repartition> RetroInferPolicy::append(const LayerContext& ctx, con
     }
   }
 
+  // Room first, so that adding the page cannot fail half-way.
+  for (HeadState& head : state.heads) {
+    head.recent.reserve(head.recent.size() + 1);
+    head.recent_centroids.reserve(head.recent_centroids.size() + d);
+    head.recent_value_sums.reserve(head.recent_value_sums.size() + d);
+    head.recent_keys.reserve(head.recent_keys.size() + std::size_t{tokens} * d);
+    head.recent_values.reserve(head.recent_values.size() + std::size_t{tokens} * d);
+  }
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
     HeadState& head = state.heads[h];
     head.recent.push_back(Group{page.partitions[h], tokens});
@@ -555,67 +567,54 @@ std::optional<Repartition> RetroInferPolicy::append(const LayerContext& ctx, con
     return std::nullopt;
   }
   const std::uint32_t run = segment + kept_tokens;
-  const auto segs = segments(segment, options_.segment_tokens, options_.tokens_per_cluster);
 
-  struct Update {
-    std::vector<Group> clusters;
-    std::vector<float> centroids, value_sums;
-  };
-  std::vector<Update> updates(ctx.kv_heads);
+  std::vector<Clustered> updates(ctx.kv_heads);
   Repartition out;
-  out.first_partitions.resize(ctx.kv_heads);
-  out.specs.reserve(ctx.kv_heads);
-  std::vector<std::uint32_t> members, member_offsets;
-  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-    const HeadState& head = state.heads[h];
-    Update& up = updates[h];
-    const PartitionId first = head.recent.front().id;
-    out.first_partitions[h] = first;
-    PartitionId id = first;
-    std::vector<std::uint32_t> offsets{0};
-    std::vector<std::uint32_t> ids;
-    ids.reserve(run);
-    for (const auto& [begin, len] : segs) {
-      const float* keys = head.recent_keys.data() + std::size_t{begin} * d;
-      const std::uint64_t seed = mix(mix(mix(options_.seed, ctx.layer), h), std::uint64_t{head.tokens} - run + begin);
-      const std::uint32_t k = std::max(1u, len / options_.tokens_per_cluster);
-      const auto labels =
-          spherical_kmeans(std::span<const float>(keys, std::size_t{len} * d), len, d, k, options_.kmeans_iterations,
-                           seed);
-      const std::uint32_t c = *std::max_element(labels.begin(), labels.end()) + 1;
-      member_offsets.assign(c + 1, 0);
-      for (std::uint32_t label : labels) ++member_offsets[label + 1];
-      std::partial_sum(member_offsets.begin(), member_offsets.end(), member_offsets.begin());
-      members.resize(len);
-      {
-        std::vector<std::uint32_t> fill(member_offsets.begin(), member_offsets.end() - 1);
-        for (std::uint32_t t = 0; t < len; ++t) members[fill[labels[t]]++] = begin + t;
+  try {  // clustering allocates: on failure, forget the page again
+    out.first_partitions.resize(ctx.kv_heads);
+    out.specs.reserve(ctx.kv_heads);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      HeadState& head = state.heads[h];
+      Clustered& up = updates[h];
+      out.first_partitions[h] = head.recent.front().id;
+      PartitionId id = head.recent.front().id;
+      for (const auto& [begin, len] : segments(segment, options_.segment_tokens, options_.tokens_per_cluster)) {
+        const std::uint64_t seed =
+            mix(mix(mix(options_.seed, ctx.layer), h), std::uint64_t{head.tokens} - run + begin);
+        cluster_segment(
+            options_, begin, len, d, seed,
+            [&](std::uint32_t t) { return head.recent_keys.data() + std::size_t{t} * d; },
+            [&](std::uint32_t t) { return head.recent_values.data() + std::size_t{t} * d; }, id, up);
       }
-      for (std::uint32_t j = 0; j < c; ++j) {
-        const std::uint32_t* m = members.data() + member_offsets[j];
-        const std::uint32_t size = member_offsets[j + 1] - member_offsets[j];
-        up.clusters.push_back(Group{id++, size});
-        add_summary(
-            up.centroids, up.value_sums, d, size,
-            [&](std::uint32_t i) { return head.recent_keys.data() + std::size_t{m[i]} * d; },
-            [&](std::uint32_t i) { return head.recent_values.data() + std::size_t{m[i]} * d; });
-        ids.insert(ids.end(), m, m + size);
-        offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+      std::uint32_t t = segment;  // the window's partitions, as they are
+      for (std::uint32_t i = older; i < head.recent.size(); ++i) {
+        for (std::uint32_t j = 0; j < head.recent[i].tokens; ++j) up.ids.push_back(t++);
+        up.offsets.push_back(static_cast<std::uint32_t>(up.ids.size()));
       }
+      out.specs.push_back(PartitionSpec::variable(run, up.offsets, up.ids));
+      head.clusters.reserve(head.clusters.size() + up.clusters.size());
+      head.centroids.reserve(head.centroids.size() + up.centroids.size());
+      head.value_sums.reserve(head.value_sums.size() + up.value_sums.size());
     }
-    std::uint32_t t = segment;
-    for (std::uint32_t i = older; i < head.recent.size(); ++i) {
-      for (std::uint32_t j = 0; j < head.recent[i].tokens; ++j) ids.push_back(t++);
-      offsets.push_back(static_cast<std::uint32_t>(ids.size()));
+  } catch (...) {
+    for (HeadState& head : state.heads) {
+      head.recent.pop_back();
+      head.recent_centroids.resize(head.recent_centroids.size() - d);
+      head.recent_value_sums.resize(head.recent_value_sums.size() - d);
+      head.recent_keys.resize(head.recent_keys.size() - std::size_t{tokens} * d);
+      head.recent_values.resize(head.recent_values.size() - std::size_t{tokens} * d);
+      --head.partitions;
+      head.tokens -= tokens;
     }
-    out.specs.push_back(PartitionSpec::variable(run, std::move(offsets), std::move(ids)));
+    state.generated -= tokens;
+    throw;
   }
 
-  // Commit (only moves and erases from here on).
+  // Commit: within reserved capacity, nothing here allocates.
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
     HeadState& head = state.heads[h];
-    Update& up = updates[h];
-    PartitionId id = up.clusters.empty() ? head.recent.front().id : up.clusters.back().id + 1;
+    const Clustered& up = updates[h];
+    PartitionId id = up.clusters.back().id + 1;
     head.clusters.insert(head.clusters.end(), up.clusters.begin(), up.clusters.end());
     head.centroids.insert(head.centroids.end(), up.centroids.begin(), up.centroids.end());
     head.value_sums.insert(head.value_sums.end(), up.value_sums.begin(), up.value_sums.end());
@@ -636,7 +635,7 @@ std::optional<Repartition> RetroInferPolicy::append(const LayerContext& ctx, con
 void RetroInferPolicy::select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state,
                               Selection& out) const {
   check_state(ctx, state);
-  check_query(ctx, q);
+  check_decode_query("retroinfer", ctx, q);
   out.reset(ctx.kv_heads);
   const std::uint32_t budget = options_.budget_tokens;
   std::vector<float> scores, rank;
@@ -670,7 +669,7 @@ void RetroInferPolicy::select(const LayerContext& ctx, const DecodeQuery& q, con
 void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state,
                               const Selection& selection, std::span<AttentionPartial> extra) const {
   check_state(ctx, state);
-  check_query(ctx, q);
+  check_decode_query("retroinfer", ctx, q);
   if (extra.size() != ctx.q_heads || selection.partitions.size() != ctx.kv_heads) {
     fail(ErrorCode::invalid_argument, "retroinfer: attend needs {} partials and {} selections, got {} and {}",
          ctx.q_heads, ctx.kv_heads, extra.size(), selection.partitions.size());

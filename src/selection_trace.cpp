@@ -12,6 +12,7 @@
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/metadata/page_table_entries.hpp"
+#include "text_fields.hpp"
 
 namespace sparsekv {
 
@@ -42,17 +43,6 @@ std::uint32_t parse_u32(std::string_view token, std::size_t line, std::string_vi
     line_error(line, "{} must be an unsigned 32-bit number, got '{}'", what, token);
   }
   return value;
-}
-
-std::vector<std::string_view> split(std::string_view text) {
-  std::vector<std::string_view> tokens;
-  constexpr std::string_view kSpace = " \t\r\v\f";
-  for (std::size_t pos = text.find_first_not_of(kSpace); pos != std::string_view::npos;) {
-    const std::size_t end = std::min(text.find_first_of(kSpace, pos), text.size());
-    tokens.push_back(text.substr(pos, end - pos));
-    pos = text.find_first_not_of(kSpace, end);
-  }
-  return tokens;
 }
 
 // ---- generator -------------------------------------------------------------
@@ -214,7 +204,7 @@ SelectionTrace read_selection_trace(std::istream& in) {
   std::size_t line = 0;
   while (std::getline(in, text)) {
     ++line;
-    const auto tokens = split(std::string_view(text).substr(0, text.find('#')));
+    const auto tokens = detail::split_fields(std::string_view(text).substr(0, text.find('#')));
     if (tokens.empty()) continue;
     if (!header) {
       if (tokens[0] != kMagic) line_error(line, "expected the header '{} 1 <layers> <kv_heads>'", kMagic);

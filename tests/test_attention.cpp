@@ -89,6 +89,19 @@ TEST_CASE("AttentionPartial merges disjoint key sets exactly", "[attention]") {
   a.write_output(y.data());
   REQUIRE(max_relative_error(y, x) < 1e-6f);
   REQUIRE(a.log_sum_exp() == Approx(whole.log_sum_exp()).epsilon(1e-6));
+  // A weighted add is `weight` keys of one score whose values sum to value_sum.
+  AttentionPartial cluster(d), keys(d);
+  const float v[d] = {1.0f, -2.0f, 0.5f, 3.0f};
+  const float three_v[d] = {3.0f, -6.0f, 1.5f, 9.0f};
+  cluster.add(0.7f, 3.0f, three_v);
+  for (int i = 0; i < 3; ++i) keys.add(0.7f, 1.0f, v);
+  keys.add(-1.0f, 1.0f, three_v);
+  cluster.add(-1.0f, 1.0f, three_v);
+  std::vector<float> c(d), k(d);
+  cluster.write_output(c.data());
+  keys.write_output(k.data());
+  REQUIRE(max_relative_error(c, k) < 1e-6f);
+  REQUIRE(cluster.log_sum_exp() == Approx(keys.log_sum_exp()).epsilon(1e-6));
   AttentionPartial empty(d);
   a.merge(empty);
   REQUIRE(a.log_sum_exp() == Approx(whole.log_sum_exp()).epsilon(1e-6));

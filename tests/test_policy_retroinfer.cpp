@@ -102,7 +102,9 @@ struct Layout {
       auto& head = parts[h];
       REQUIRE(r.first_partitions[h] <= head.size());
       std::vector<std::uint32_t> run;
-      for (std::size_t p = r.first_partitions[h]; p < head.size(); ++p) run.insert(run.end(), head[p].begin(), head[p].end());
+      for (std::size_t p = r.first_partitions[h]; p < head.size(); ++p) {
+        run.insert(run.end(), head[p].begin(), head[p].end());
+      }
       REQUIRE(run.size() == r.specs[h].token_count());
       head.resize(r.first_partitions[h]);
       for (std::uint32_t p = 0; p < r.specs[h].partition_count(); ++p) {
@@ -130,8 +132,9 @@ struct Layout {
       std::vector<std::uint32_t> all;
       for (const auto& p : head) all.insert(all.end(), p.begin(), p.end());
       std::sort(all.begin(), all.end());
-      REQUIRE(all.size() == tokens);
-      for (std::uint32_t t = 0; t < tokens; ++t) REQUIRE(all[t] == t);
+      std::vector<std::uint32_t> expected(tokens);
+      std::iota(expected.begin(), expected.end(), 0u);
+      REQUIRE(all == expected);
     }
   }
 };
@@ -526,6 +529,15 @@ TEST_CASE("retroinfer keeps a short prefill steady", "[retroinfer]") {
   policy.select(ctx, DecodeQuery{q, 80}, state, selection);
   // Everything is steady; the budget of 79 leaves out the oldest window page only.
   REQUIRE(layout.tokens(0, selection.partitions[0]).size() == 80 - 8);
+
+  // A prompt no longer than the sinks is one partition; decode pages follow it.
+  RetroInferPolicy::LayerState tiny;
+  const auto specs = policy.index(context(2, 1, 16, 8, 3), kv.view(0, 3), tiny);
+  REQUIRE(specs.size() == 1);
+  REQUIRE(specs[0].partition_count() == 1);
+  REQUIRE(tiny.heads[0].sink.tokens == 3);
+  REQUIRE_FALSE(policy.append(context(2, 1, 16, 8, 3), AppendedPage{kv.view(3, 8), {1}}, tiny));
+  REQUIRE(tiny.heads[0].partitions == 2);
 }
 
 TEST_CASE("retroinfer rejects bad input and leaves its state unchanged", "[retroinfer][errors]") {

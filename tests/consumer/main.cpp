@@ -1,40 +1,53 @@
-// Maps one request's prefill into the CPU tier and reads a token back.
+// A tiny engine built against the installed sparsekv package: one request
+// through the facade (prefill, a few decode steps, finish), checked against
+// attention computed by hand over the same tokens.
+#include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <vector>
 
-#include "sparsekv/core/config.hpp"
-#include "sparsekv/partition/partition_map.hpp"
+#include <sparsekv/sparsekv.hpp>
 
 int main() {
-  const sparsekv::ModelShape shape{2, 4, 2, 64, sparsekv::DType::f32};
+  const sparsekv::ModelShape shape{2, 4, 2, 8, sparsekv::DType::f32};
   sparsekv::Config config;
   config.max_requests = 2;
-  config.max_context_tokens = 1024;
-  config.cpu_tier_bytes = 1 << 22;
+  config.max_context_tokens = 256;
+  config.cpu_tier_bytes = 1 << 20;
   config.gpu_tier_bytes = 1 << 20;
-  config.validate(shape);
-  sparsekv::HostMemoryResource host;
-  sparsekv::HierarchicalPageTable table(sparsekv::PageTableGeometry::for_config(config, shape), host, host);
-  const sparsekv::PageLayout layout{config.page_tokens, shape.head_dim, shape.dtype};
-  sparsekv::PagePool cpu_tier(layout, static_cast<std::uint32_t>(config.cpu_tier_bytes / layout.page_bytes()), host);
-  sparsekv::PartitionMap map(table, cpu_tier);
-  table.add_request(42);
-  const auto mapped = map.map(42, 1, 0, sparsekv::PartitionSpec::uniform(100, config.page_tokens));
-  const float key = 3.5f;
-  const sparsekv::TokenPlacement where = mapped.placements[77];
-  std::memcpy(cpu_tier.data(where.cpu_page) + layout.k_offset(where.slot), &key, sizeof key);
-  float back = 0;
-  std::memcpy(&back, cpu_tier.data(map.pages(42, 1, 0, 77 / config.page_tokens)[0]) + layout.k_offset(77 % 8),
-              sizeof back);
+  sparsekv::RuntimeManager kv(shape, config, sparsekv::make_policy("dense", 0));
+  const std::uint32_t prompt = 20, d = shape.head_dim, row = shape.kv_heads * d;
+  std::vector<float> k, v;
+  for (std::uint32_t i = 0; i < (prompt + 3) * row; ++i) {
+    k.push_back(std::sin(0.37f * i));
+    v.push_back(std::cos(0.11f * i));
+  }
+  kv.add_request(42, prompt + 3);
+  for (std::uint32_t layer = 0; layer < shape.layers; ++layer) kv.prefill(42, layer, k.data(), v.data(), prompt);
+  std::vector<float> q(shape.q_heads * d, 0.25f), out(q.size());
+  const std::vector<sparsekv::RequestId> batch{42};
+  for (std::uint32_t t = prompt; t < prompt + 3; ++t) {
+    for (std::uint32_t layer = 0; layer < shape.layers; ++layer) {
+      kv.decode(batch, layer, q.data(), k.data() + t * row, v.data() + t * row, out.data());
+    }
+  }
+  // q head 0 reads kv head 0 over all 23 tokens.
+  double sum = 0, acc = 0;
+  for (std::uint32_t t = 0; t < prompt + 3; ++t) {
+    double s = 0;
+    for (std::uint32_t i = 0; i < d; ++i) s += 0.25 * k[t * row + i];
+    const double p = std::exp(s / std::sqrt(double(d)));
+    sum += p;
+    acc += p * v[t * row];
+  }
+  const double error = std::abs(out[0] - acc / sum);
   try {
-    table.add_request(42);
+    kv.add_request(42, 10);
     return 1;
   } catch (const sparsekv::Error& e) {
     std::printf("consumer: expected error: %s\n", e.what());
   }
-  map.unmap(42);
-  table.remove_request(42);
-  std::printf("consumer: token 77 key %.1f, pages in use %u\n", back, cpu_tier.used());
-  return back == key && cpu_tier.used() == 0 ? 0 : 1;
+  kv.finish(42);
+  std::printf("consumer: attention error %.2e, hit ratio %.2f, pages in use %u\n", error, kv.stats().hit_ratio(),
+              kv.buffer().cpu_pool().used());
+  return error < 1e-5 && kv.buffer().cpu_pool().used() == 0 ? 0 : 1;
 }

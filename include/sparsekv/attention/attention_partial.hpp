@@ -22,7 +22,9 @@ struct AttentionPartial {
   bool empty() const { return sum == 0.0f; }
 
   // Adds `weight` keys that share one score (weight 1 for a single key) and
-  // the sum of their values.
+  // the sum of their values: sum += weight * e^(score - max), acc += e^(score
+  // - max) * value_sum (RetroInfer eqs. 2-4: a cluster of size s estimated by
+  // its centroid score carries s times the mass and its summed values).
   void add(float score, float weight, const float* value_sum) {
     if (weight <= 0.0f) return;
     if (score > max) {
@@ -31,9 +33,9 @@ struct AttentionPartial {
       for (float& a : acc) a *= scale;
       max = score;
     }
-    const float p = weight * std::exp(score - max);
-    sum += p;
-    for (std::size_t d = 0; d < acc.size(); ++d) acc[d] += p * value_sum[d];
+    const float e = std::exp(score - max);
+    sum += weight * e;
+    for (std::size_t d = 0; d < acc.size(); ++d) acc[d] += e * value_sum[d];
   }
 
   void merge(const AttentionPartial& other) {

@@ -146,23 +146,27 @@ void write_qkv_trace(const std::filesystem::path& dir, const QkvTrace& trace);
 //    `segment_tokens`; each segment draws `segment_topics` of the topics and
 //    is written in runs of consecutive tokens of one topic (run length
 //    geometric, mean `run_tokens`). A key is its topic's centre plus noise of
-//    relative size `key_noise`, normalised.
-//  - Queries: each (layer, kv head) has a current topic; every step it moves
-//    on with probability 1 / topic_dwell to another topic present in the
-//    prompt, blending from the old one to the new over `blend_steps` steps, so
-//    consecutive steps attend to similar places. Content part:
-//    topic_logit * normalise(topic mix + query_noise * per-step noise +
-//    head_noise * a fixed per-q-head offset), so a key of the query's topic
-//    scores about topic_logit and other topics about 0.
+//    relative size `key_noise`, normalised. Which token has which topic is
+//    shared by all layers and heads (one document); the centres are per head.
+//  - Queries: the decode has a current topic (shared, like the document);
+//    every step it moves on with probability 1 / topic_dwell to another topic
+//    present in the prompt, blending from the old one to the new over
+//    `blend_steps` steps, so consecutive steps attend to similar places.
+//    Content part: topic_logit * normalise(topic mix + query_noise * per-step
+//    noise + head_noise * a fixed per-q-head offset), so a key of the query's
+//    topic scores about 0.9 topic_logit and other topics about 0.
 //  - Heavy hitters: `heavy_hitters` prompt tokens per (layer, kv head) at
-//    random positions (synthetic_heavy_hitters) whose keys lie on a direction
-//    every query of that kv head carries with weight heavy_logit.
-//  - Attention sinks: the first `sink_tokens` tokens, on another direction
-//    every query carries with weight sink_logit; their values are 10x smaller.
+//    random positions (synthetic_heavy_hitters) whose keys lie (with
+//    key_noise) on a direction every query of that kv head carries with
+//    weight heavy_logit.
+//  - Attention sinks: the first `sink_tokens` tokens, keyed exactly on another
+//    direction every query carries with weight sink_logit, without a position
+//    part (they score sink_logit at any distance); values 10x smaller.
 //  - Recency: head_dim / 8 RoPE-like rotation pairs (the last head_dim / 4
-//    dims) with frequencies from 1 / recency_tokens up 2^(1/2) per pair:
-//    adds recency_logit * mean_j cos(theta_j (position - t)), about
-//    recency_logit for the last ~recency_tokens / 2 tokens, about 0 further back.
+//    dims), theta_j = 0.3 * 1.3^j / recency_tokens: adds recency_logit *
+//    mean_j cos(theta_j (position - t)), about recency_logit for the last
+//    ~recency_tokens / 2 tokens, half at ~recency_tokens, then a ripple of
+//    about +-0.25 recency_logit.
 //  - Values: sqrt(value_topic) * the topic's value centre + sqrt(1 -
 //    value_topic) * noise, elementwise unit variance; heavy hitters get their
 //    own random values. Decode tokens belong to the query's current topic.
@@ -172,7 +176,7 @@ void write_qkv_trace(const std::filesystem::path& dir, const QkvTrace& trace);
 struct SyntheticQkvOptions {
   std::uint64_t seed = 1;
   // Geometry.
-  std::uint32_t layers = 2;
+  std::uint32_t layers = 4;  // Quest keeps layers 0-1 dense: 4 leaves it two sparse ones
   std::uint32_t q_heads = 8;
   std::uint32_t kv_heads = 2;
   std::uint32_t head_dim = 64;
@@ -184,18 +188,18 @@ struct SyntheticQkvOptions {
   std::uint32_t segment_topics = 3;    // topics per segment (<= topics)
   double run_tokens = 16;              // mean run of one topic inside a segment (>= 1)
   double key_noise = 0.5;              // key spread around its centre (relative)
-  double topic_logit = 4;              // logit of an on-topic key at the centre
+  double topic_logit = 6;              // logit of an on-topic key at the centre
   double topic_dwell = 8;              // mean decode steps on one topic (>= 1)
   std::uint32_t blend_steps = 4;       // steps to blend into the next topic (>= 1)
   double query_noise = 0.3;            // per-step query noise (relative)
   double head_noise = 0.3;             // fixed per-q-head offset within a GQA group (relative)
   // Heavy hitters and attention sinks.
   std::uint32_t heavy_hitters = 8;  // per (layer, kv head), in the prompt after the sinks
-  double heavy_logit = 7;
+  double heavy_logit = 8;
   std::uint32_t sink_tokens = 4;
   double sink_logit = 5;
   // Recency bias.
-  double recency_logit = 3;
+  double recency_logit = 2;
   double recency_tokens = 64;
   // Values.
   double value_topic = 0.5;  // share of a value's variance from its topic, in [0, 1]

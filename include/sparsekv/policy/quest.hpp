@@ -26,9 +26,9 @@
 //    context in the GPU buffer.
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
@@ -111,10 +111,7 @@ class QuestPolicy {
 
   void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
     check_state(ctx, state);
-    if (q.q.size() != std::size_t{ctx.q_heads} * ctx.head_dim) {
-      fail(ErrorCode::invalid_argument, "quest: query has {} values, expected {} q heads x {} dims", q.q.size(),
-           ctx.q_heads, ctx.head_dim);
-    }
+    check_decode_query(kName, ctx, q);
     out.reset(ctx.kv_heads);
     const auto n = static_cast<std::uint32_t>(state.tokens.size());
     const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
@@ -127,7 +124,7 @@ class QuestPolicy {
         chosen = state.ids[h];
         continue;
       }
-      for (std::uint32_t i = 0; i < n; ++i) {
+      for (std::uint32_t i = 0; i < newest; ++i) {
         const float* lo = state.min[h].data() + std::size_t{i} * ctx.head_dim;
         const float* hi = state.max[h].data() + std::size_t{i} * ctx.head_dim;
         scores[i] = 0.0f;
@@ -135,11 +132,11 @@ class QuestPolicy {
           scores[i] += quest_bound(q.head(h * group + g, ctx.head_dim), lo, hi, ctx.head_dim);
         }
       }
-      scores[newest] = std::numeric_limits<float>::infinity();  // always first
-      std::int64_t left = options_.budget_tokens;
-      for (std::uint32_t i : top_k(scores, n)) {
+      chosen.push_back(state.ids[h][newest]);
+      std::int64_t left = std::int64_t{options_.budget_tokens} - state.tokens[newest];
+      for (std::uint32_t i : top_k(std::span(scores).first(newest), newest)) {
         if (left <= 0) break;
-        if (i != newest && state.tokens[i] > left) continue;
+        if (state.tokens[i] > left) continue;
         chosen.push_back(state.ids[h][i]);
         left -= state.tokens[i];
       }
@@ -162,12 +159,7 @@ class QuestPolicy {
 
  private:
   void check_context(const LayerContext& ctx) const {
-    if (ctx.kv_heads == 0 || ctx.q_heads % ctx.kv_heads != 0 || ctx.q_heads == 0 || ctx.head_dim == 0 ||
-        ctx.page_tokens == 0) {
-      fail(ErrorCode::invalid_argument,
-           "quest: bad layer context ({} q heads, {} kv heads, head dim {}, page tokens {})", ctx.q_heads,
-           ctx.kv_heads, ctx.head_dim, ctx.page_tokens);
-    }
+    check_layer_context(kName, ctx);
     if (options_.page_tokens_per_partition % ctx.page_tokens != 0) {
       fail(ErrorCode::invalid_argument, "quest: page_tokens_per_partition {} is not a multiple of the {}-token page",
            options_.page_tokens_per_partition, ctx.page_tokens);
@@ -175,12 +167,7 @@ class QuestPolicy {
   }
   void check_kv(const LayerContext& ctx, const KvView& kv) const {
     check_context(ctx);
-    if (kv.kv_heads != ctx.kv_heads || kv.head_dim != ctx.head_dim ||
-        kv.keys.size() != std::size_t{kv.tokens} * kv.kv_heads * kv.head_dim) {
-      fail(ErrorCode::invalid_argument,
-           "quest: keys are {} values for {} tokens x {} kv heads x {} dims; the layer has {} kv heads x {} dims",
-           kv.keys.size(), kv.tokens, kv.kv_heads, kv.head_dim, ctx.kv_heads, ctx.head_dim);
-    }
+    check_kv_view(kName, ctx, kv, false);
   }
   void check_state(const LayerContext& ctx, const LayerState& state) const {
     check_context(ctx);

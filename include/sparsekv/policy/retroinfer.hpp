@@ -43,12 +43,13 @@ namespace sparsekv {
 
 // Spherical k-means on mean-centred vectors (RetroInfer §4.2): the `n` rows of
 // `vectors` ([n][dim]) minus their mean, normalised to unit length, k-means++
-// seeding (deterministic in `seed`), then at most `iterations` rounds of
-// assign-to-the-most-similar-centroid / renormalised-mean update, stopping
-// early once no assignment changes. Returns each row's cluster in [0, c),
-// where c <= k is the number of non-empty clusters, numbered in order of their
-// first row. Throws invalid_argument when n == 0, dim == 0, k == 0 or k > n, or
-// `vectors` has the wrong size.
+// seeding (deterministic in `seed`), then `iterations` passes assigning each
+// row to its most similar centroid, each centroid becoming its members'
+// renormalised mean between passes; stops early once no assignment changes.
+// Returns each row's cluster in [0, c), where c <= k is the number of
+// non-empty clusters, numbered in order of their first row. Throws
+// invalid_argument when n, dim or k is 0, k > n, or `vectors` has the wrong
+// size.
 std::vector<std::uint32_t> spherical_kmeans(std::span<const float> vectors, std::uint32_t n, std::uint32_t dim,
                                             std::uint32_t k, std::uint32_t iterations, std::uint64_t seed);
 

@@ -100,10 +100,7 @@ class ShadowKVPolicy {
 
   void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
     check_state(ctx, state);
-    if (q.q.size() != std::size_t{ctx.q_heads} * ctx.head_dim) {
-      fail(ErrorCode::invalid_argument, "shadowkv: query has {} values, expected {} q heads x {} dims", q.q.size(),
-           ctx.q_heads, ctx.head_dim);
-    }
+    check_decode_query(kName, ctx, q);
     out.reset(ctx.kv_heads);
     const auto n = static_cast<std::uint32_t>(state.tokens.size());
     const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
@@ -172,7 +169,7 @@ class ShadowKVPolicy {
   // prefill page can be partial, so at most ceil(tokens / page_tokens) pages;
   // never more than the context (one page more than its tokens fill, as Dense).
   std::uint32_t mandatory_pages(const LayerContext& ctx) const {
-    check_context(ctx);
+    check_layer_context(kName, ctx);
     const std::uint64_t pt = ctx.page_tokens;
     const std::uint64_t context = (std::uint64_t{ctx.tokens} + pt - 1) / pt + 1;
     const std::uint64_t most = std::max(options_.budget_tokens, ctx.page_tokens);
@@ -180,25 +177,9 @@ class ShadowKVPolicy {
   }
 
  private:
-  static void check_context(const LayerContext& ctx) {
-    if (ctx.kv_heads == 0 || ctx.q_heads % ctx.kv_heads != 0 || ctx.q_heads == 0 || ctx.head_dim == 0 ||
-        ctx.page_tokens == 0) {
-      fail(ErrorCode::invalid_argument,
-           "shadowkv: bad layer context ({} q heads, {} kv heads, head dim {}, page tokens {})", ctx.q_heads,
-           ctx.kv_heads, ctx.head_dim, ctx.page_tokens);
-    }
-  }
-  static void check_kv(const LayerContext& ctx, const KvView& kv) {
-    check_context(ctx);
-    if (kv.kv_heads != ctx.kv_heads || kv.head_dim != ctx.head_dim ||
-        kv.keys.size() != std::size_t{kv.tokens} * kv.kv_heads * kv.head_dim) {
-      fail(ErrorCode::invalid_argument,
-           "shadowkv: keys are {} values for {} tokens x {} kv heads x {} dims; the layer has {} kv heads x {} dims",
-           kv.keys.size(), kv.tokens, kv.kv_heads, kv.head_dim, ctx.kv_heads, ctx.head_dim);
-    }
-  }
+  static void check_kv(const LayerContext& ctx, const KvView& kv) { check_kv_view(kName, ctx, kv, false); }
   static void check_state(const LayerContext& ctx, const LayerState& state) {
-    check_context(ctx);
+    check_layer_context(kName, ctx);
     if (state.tokens.empty() || state.ids.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
       fail(ErrorCode::invalid_argument, "shadowkv: layer state was not indexed for {} kv heads x {} dims",
            ctx.kv_heads, ctx.head_dim);

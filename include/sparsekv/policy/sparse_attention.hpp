@@ -125,6 +125,13 @@ concept CustomAttend = SparseAttention<P> &&
       { policy.attend(ctx, q, state, selection, extra) } -> std::same_as<void>;
     };
 
+// Entry checks the policies share; `policy` names the policy in the message.
+// All throw invalid_argument. check_kv_view checks the context too; values
+// may be empty unless `needs_values`.
+void check_layer_context(std::string_view policy, const LayerContext& ctx);
+void check_kv_view(std::string_view policy, const LayerContext& ctx, const KvView& kv, bool needs_values);
+void check_decode_query(std::string_view policy, const LayerContext& ctx, const DecodeQuery& q);
+
 // Top-k helper the policies share: indices of the k largest scores, ties to
 // the lower index, returned in descending score order.
 std::vector<std::uint32_t> top_k(std::span<const float> scores, std::uint32_t k);
