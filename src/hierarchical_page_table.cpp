@@ -132,9 +132,21 @@ std::size_t HierarchicalPageTable::instance(RequestId request, std::uint32_t lay
 
 SegmentDemand HierarchicalPageTable::append_demand(RequestId request, std::uint32_t layer, std::uint32_t head,
                                                   std::uint64_t partitions, std::uint64_t pages) const {
+  return replace_demand(request, layer, head, partition_count(request, layer, head), partitions, pages);
+}
+
+SegmentDemand HierarchicalPageTable::replace_demand(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                                   std::uint32_t keep, std::uint64_t partitions,
+                                                   std::uint64_t pages) const {
   const std::size_t inst = instance(request, layer, head);
-  const std::uint64_t new_partitions = meta_.length(inst) + partitions;
-  const std::uint64_t new_pages = cpu_pages_.length(inst) + pages;
+  const std::uint32_t count = meta_.length(inst);
+  if (keep > count) {
+    fail(ErrorCode::out_of_range, "head ({}, {}) of request {} has {} partitions; cannot keep {}", layer, head, request,
+         count, keep);
+  }
+  const std::uint64_t kept_pages = keep == count ? cpu_pages_.length(inst) : offsets_.at(inst, keep);
+  const std::uint64_t new_partitions = keep + partitions;
+  const std::uint64_t new_pages = kept_pages + pages;
   if (new_partitions > geometry_.max_partitions_per_head || new_pages > geometry_.max_cpu_pages_per_head) {
     fail(ErrorCode::resource_exhausted,
          "head ({}, {}) of request {} would hold {} partitions / {} CPU pages (max {} / {})", layer, head, request,

@@ -57,8 +57,9 @@ const TieredKVBuffer::RequestState& TieredKVBuffer::state(RequestId request) con
 }
 
 std::uint32_t TieredKVBuffer::min_slots_per_head(const RequestBudget& budget) const {
-  return budget.mandatory_pages +
-         static_cast<std::uint32_t>(std::ceil(config_.min_buffer_ratio * budget.mandatory_pages));
+  // In double, then saturated: a budget too large to hold is refused by its caller.
+  const double slots = budget.mandatory_pages + std::ceil(config_.min_buffer_ratio * budget.mandatory_pages);
+  return slots >= 4294967295.0 ? 0xffffffffu : static_cast<std::uint32_t>(slots);
 }
 
 std::uint64_t TieredKVBuffer::reclaimable_slots(const RequestState& s) const {
@@ -403,13 +404,15 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
 
 void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions,
                                  std::span<const PartitionSpec> specs) {
-  state(request);
+  RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
   if (first_partitions.size() != shape_.kv_heads || specs.size() != shape_.kv_heads) {
     fail(ErrorCode::invalid_argument, "repartition needs one first partition and one spec per kv head ({}), got {} / {}",
          shape_.kv_heads, first_partitions.size(), specs.size());
   }
-  std::uint64_t new_pages = 0;
+  // Everything is checked before anything changes: the run's rows live only
+  // in the CPU tier until the new partitions hold them.
+  std::uint64_t new_pages = 0, dropped_pages = 0;
   SegmentDemand demand;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const std::uint32_t count = table_.partition_count(request, layer, h);
@@ -418,31 +421,41 @@ void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::sp
            first_partitions[h]);
     }
     std::uint64_t tokens = 0;
-    for (PartitionId p = first_partitions[h]; p < count; ++p) tokens += table_.meta(request, layer, h, p).token_count();
+    for (PartitionId p = first_partitions[h]; p < count; ++p) {
+      tokens += table_.meta(request, layer, h, p).token_count();
+      dropped_pages += table_.page_count(request, layer, h, p);
+    }
     if (tokens != specs[h].token_count()) {
       fail(ErrorCode::invalid_argument, "repartition: kv head {} regroups {} tokens, its spec covers {}", h, tokens,
            specs[h].token_count());
     }
     std::uint64_t head_pages = 0;
     for (std::uint32_t p = 0; p < specs[h].partition_count(); ++p) {
-      head_pages += pages_for_tokens(specs[h].size(p), config_.page_tokens);
+      const std::uint32_t pages = pages_for_tokens(specs[h].size(p), config_.page_tokens);
+      if (pages > kMaxPagesPerPartition) {
+        fail(ErrorCode::invalid_argument, "repartition: partition {} of kv head {} spans more than {} pages", p, h,
+             kMaxPagesPerPartition);
+      }
+      head_pages += pages;
     }
-    // Counted as if nothing were dropped first: conservative near a table's limits.
-    demand += table_.append_demand(request, layer, h, specs[h].partition_count(), head_pages);
+    demand += table_.replace_demand(request, layer, h, first_partitions[h], specs[h].partition_count(), head_pages);
     new_pages += head_pages;
   }
-  if (new_pages > cpu_pool_.available()) {
-    fail(ErrorCode::resource_exhausted, "repartition needs {} new CPU pages, {} free", new_pages, cpu_pool_.available());
+  // The run's pages are freed before the new ones are taken.
+  if (new_pages > cpu_pool_.available() + dropped_pages) {
+    fail(ErrorCode::resource_exhausted, "repartition needs {} CPU pages; {} free plus {} freed by the run", new_pages,
+         cpu_pool_.available(), dropped_pages);
   }
   table_.check_segments(demand);
 
+  // Gather every head's run (rows in page order: [token][K row, V row]), drop
+  // the runs, then lay the rows out in the new partitions.
   const std::size_t row = layout_.row_bytes();
-  std::vector<std::byte> rows;
+  std::vector<std::vector<std::byte>> rows(shape_.kv_heads);
   std::vector<PageId> pages;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const std::uint32_t count = table_.partition_count(request, layer, h);
-    // Gather the run's K/V rows in page order: [token][K row, V row].
-    rows.clear();
+    rows[h].reserve(std::size_t{specs[h].token_count()} * 2 * row);
     for (PartitionId p = first_partitions[h]; p < count; ++p) {
       if (table_.meta(request, layer, h, p).resident()) evict_partition(request, layer, h, p);
       pages.clear();
@@ -450,17 +463,21 @@ void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::sp
       for (std::uint32_t i = 0; i < table_.meta(request, layer, h, p).token_count(); ++i) {
         const std::byte* page = cpu_pool_.data(pages[i / config_.page_tokens]);
         const std::uint32_t slot = i % config_.page_tokens;
-        rows.insert(rows.end(), page + layout_.k_offset(slot), page + layout_.k_offset(slot) + row);
-        rows.insert(rows.end(), page + layout_.v_offset(slot), page + layout_.v_offset(slot) + row);
+        rows[h].insert(rows[h].end(), page + layout_.k_offset(slot), page + layout_.k_offset(slot) + row);
+        rows[h].insert(rows[h].end(), page + layout_.v_offset(slot), page + layout_.v_offset(slot) + row);
       }
     }
+  }
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     partitions_.truncate(request, layer, h, first_partitions[h]);
-    state(request).windows[std::size_t{layer} * shape_.kv_heads + h].forget_from(first_partitions[h]);
+    s.windows[std::size_t{layer} * shape_.kv_heads + h].forget_from(first_partitions[h]);
+  }
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const MappedPartitions mapped = partitions_.map(request, layer, h, specs[h]);
     for (std::uint32_t t = 0; t < specs[h].token_count(); ++t) {
       std::byte* page = cpu_pool_.data(mapped.placements[t].cpu_page);
-      std::memcpy(page + layout_.k_offset(mapped.placements[t].slot), rows.data() + 2 * t * row, row);
-      std::memcpy(page + layout_.v_offset(mapped.placements[t].slot), rows.data() + (2 * t + 1) * row, row);
+      std::memcpy(page + layout_.k_offset(mapped.placements[t].slot), rows[h].data() + 2 * t * row, row);
+      std::memcpy(page + layout_.v_offset(mapped.placements[t].slot), rows[h].data() + (2 * t + 1) * row, row);
     }
   }
 }

@@ -3,10 +3,12 @@
 // attention computed directly on the full K/V.
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <random>
 #include <vector>
 
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "test_support.hpp"
 
@@ -231,4 +233,92 @@ TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]
   REQUIRE_SPARSEKV_ERROR(manager.add_request(3, 0), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(make_policy("nope", 64), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(make_policy("quest", 0), ErrorCode::invalid_argument);
+}
+
+TEST_CASE("Manager: a regroup that cannot fit refuses the whole step and the request recovers", "[facade][errors]") {
+  // RetroInfer re-clusters every 32 decode tokens here, so regroups are frequent.
+  constexpr ModelShape shape{1, 1, 1, 16, DType::f32};
+  RetroInferPolicy::Options o;
+  o.budget_tokens = 4096;
+  o.segment_tokens = 64;
+  o.tokens_per_cluster = 16;
+  o.window_tokens = 16;
+  o.update_tokens = 32;
+  o.estimation = false;
+  bool refused = false;
+  for (std::uint32_t cpu_pages = 20; cpu_pages < 60 && !refused; ++cpu_pages) {
+    Config c;
+    c.page_tokens = 8;
+    c.max_requests = 2;
+    c.max_context_tokens = 1024;
+    c.min_buffer_ratio = 1.0;
+    const std::size_t page = c.page_bytes(shape);
+    c.cpu_tier_bytes = cpu_pages * page;
+    c.gpu_tier_bytes = 4000 * page;
+    c.host_chunk_bytes = 8 * page;
+    Manager<RetroInferPolicy> m(shape, c, RetroInferPolicy(o));
+    std::mt19937 rng(1);
+    std::normal_distribution<float> normal;
+    std::vector<float> k(64 * 16), v(64 * 16), q(16), kn(16), vn(16), out(16);
+    for (auto& x : k) x = normal(rng);
+    for (auto& x : v) x = normal(rng);
+    m.add_request(1, 1000);
+    m.prefill(1, 0, k.data(), v.data(), 64);
+    const std::vector<RequestId> batch{1};
+    for (int step = 0; step < 300; ++step) {
+      for (auto* t : {&q, &kn, &vn})
+        for (auto& x : *t) x = normal(rng);
+      const std::uint32_t seq = m.buffer().sequence_length(1, 0);
+      const std::uint32_t used = m.buffer().cpu_pool().used();
+      try {
+        m.decode(batch, 0, q.data(), kn.data(), vn.data(), out.data());
+      } catch (const Error& e) {
+        REQUIRE(e.code() == ErrorCode::resource_exhausted);
+        REQUIRE(m.buffer().sequence_length(1, 0) == seq);  // nothing appended
+        REQUIRE(m.buffer().cpu_pool().used() == used);
+        m.buffer().validate();
+        refused = true;
+        break;
+      }
+      m.buffer().validate();
+    }
+  }
+  REQUIRE(refused);  // the walk did reach a refused regroup
+}
+
+TEST_CASE("TieredKVBuffer::repartition checks everything before it drops a run", "[buffer][errors]") {
+  constexpr ModelShape shape{1, 1, 1, 16, DType::f32};
+  Config c;
+  c.page_tokens = 1;
+  c.max_requests = 1;
+  c.max_context_tokens = 131072;
+  c.min_buffer_ratio = 1.0;
+  const std::size_t page = c.page_bytes(shape);
+  c.cpu_tier_bytes = (65537 + 100) * page;  // room for the run, not for a second copy of it
+  c.gpu_tier_bytes = 64 * page;
+  c.host_chunk_bytes = 4096 * page;
+  HostMemoryResource cpu(false), gpu(false);
+  TieredKVBuffer b(shape, c, cpu, gpu);
+  b.add_request(1, RequestBudget{4, 0});
+  const std::uint32_t n = 65537;  // one partition of these would span more than 2^16 pages
+  std::vector<float> k(std::size_t{n} * 16, 1.0f), v(std::size_t{n} * 16, 2.0f);
+  const PartitionSpec spec = PartitionSpec::uniform(n, 1);
+  b.offload(1, 0, KvChunk{k.data(), v.data(), n, DType::f32}, std::span(&spec, 1));
+  std::vector<std::uint32_t> ids(n);
+  std::iota(ids.begin(), ids.end(), 0u);
+  const PartitionSpec one = PartitionSpec::variable(n, {0, n}, ids);
+  const PartitionId first = 0;
+  REQUIRE_SPARSEKV_ERROR(b.repartition(1, 0, std::span(&first, 1), std::span(&one, 1)), ErrorCode::invalid_argument);
+  REQUIRE(b.table().partition_count(1, 0, 0) == n);
+  REQUIRE(b.cpu_pool().used() == n);
+  b.validate();
+  // A regroup needing more pages than are free is fine when the run frees them.
+  const PartitionSpec halves = PartitionSpec::uniform(n, n / 2 + 1);  // 2 partitions, the same n pages
+  REQUIRE(b.cpu_pool().available() < n);
+  b.repartition(1, 0, std::span(&first, 1), std::span(&halves, 1));
+  REQUIRE(b.table().partition_count(1, 0, 0) == 2);
+  b.validate();
+  // Budgets too large to hold are refused, not wrapped around.
+  REQUIRE(b.min_slots_per_head(RequestBudget{0x80000000u, 0}) == 0xffffffffu);
+  REQUIRE_SPARSEKV_ERROR(b.add_request(2, RequestBudget{0x80000000u, 0}), ErrorCode::resource_exhausted);
 }

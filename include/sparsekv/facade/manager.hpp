@@ -33,6 +33,8 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
+#include <type_traits>
 #include <span>
 #include <vector>
 
@@ -269,16 +271,17 @@ class Manager {
     for (std::size_t i = 0; i < n; ++i) out[i] = load_element(data, static_cast<std::uint32_t>(i), shape_.dtype);
   }
 
-  // Append + Select + Retrieve for every request of the batch.
+  // Append + Select + Retrieve for every request of the batch. Plans first:
+  // a request whose tail this token fills shows the full page to the policy on
+  // a copy of its state, and the page save plus any regroup the policy asks
+  // for are sized against the pools before any request changes. Then commits.
   void step(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
             const void* v_new) {
-    // Validate everything first: a refused batch changes nothing.
     check_index("layer", layer, shape_.layers);
     if (batch.empty()) fail(ErrorCode::invalid_argument, "decode: empty batch");
     if (q == nullptr || k_new == nullptr || v_new == nullptr) {
       fail(ErrorCode::invalid_argument, "decode: q, k_new and v_new must not be null");
     }
-    std::uint32_t saving = 0;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const RequestState& s = state(batch[b]);
       if (std::find(batch.begin(), batch.begin() + b, batch[b]) != batch.begin() + b) {
@@ -290,15 +293,60 @@ class Manager {
       if (buffer_->sequence_length(batch[b], layer) >= s.max_tokens) {
         fail(ErrorCode::resource_exhausted, "request {} reached its max_tokens {}", batch[b], s.max_tokens);
       }
-      if (buffer_->tail_tokens(batch[b], layer) + 1 == config_.page_tokens) ++saving;
-    }
-    if (std::uint64_t{saving} * shape_.kv_heads > buffer_->cpu_pool().available()) {
-      fail(ErrorCode::resource_exhausted, "decode: saving full tail pages needs {} CPU pages, {} free",
-           std::uint64_t{saving} * shape_.kv_heads, buffer_->cpu_pool().available());
     }
     const std::size_t row = std::size_t{shape_.kv_heads} * shape_.head_dim;
     const std::size_t qd = std::size_t{shape_.q_heads} * shape_.head_dim;
     const std::size_t elem = dtype_size(shape_.dtype);
+    const auto k_row = [&](std::size_t b) { return static_cast<const std::byte*>(k_new) + b * row * elem; };
+    const auto v_row = [&](std::size_t b) { return static_cast<const std::byte*>(v_new) + b * row * elem; };
+
+    const auto t0 = Clock::now();
+    pending_.resize(batch.size());
+    std::uint64_t cpu_pages = 0;
+    SegmentDemand segments;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestId id = batch[b];
+      LayerState& ls = state(id).layers[layer];
+      Pending& next = pending_[b];
+      next.saves = buffer_->tail_tokens(id, layer) + 1 == config_.page_tokens;
+      next.regroup.reset();
+      if (!next.saves) continue;
+      next.page_k = ls.recent_k;
+      next.page_v = ls.recent_v;
+      for (std::size_t i = 0; i < row; ++i) {
+        next.page_k.push_back(load_element(k_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
+        next.page_v.push_back(load_element(v_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
+      }
+      const std::uint32_t tokens = buffer_->sequence_length(id, layer) + 1;
+      AppendedPage page;
+      page.page = KvView{next.page_k, next.page_v, config_.page_tokens, shape_.kv_heads, shape_.head_dim,
+                         tokens - config_.page_tokens};
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        page.partitions.push_back(buffer_->table().partition_count(id, layer, h));
+      }
+      next.state = ls.policy;  // the policy commits to the page only if the step does
+      next.regroup = policy_.append(context(layer, tokens), page, next.state);
+      cpu_pages += shape_.kv_heads;
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        std::uint64_t partitions = 1, pages = 1;  // the saved tail page
+        if (next.regroup) {
+          check_regroup(id, layer, h, *next.regroup, page.partitions[h]);
+          const PartitionSpec& spec = next.regroup->specs[h];
+          partitions += spec.partition_count();
+          for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
+            pages += pages_for_tokens(spec.size(p), config_.page_tokens);
+          }
+          cpu_pages += pages - 1;  // counted without the pages the regroup frees: conservative
+        }
+        segments += buffer_->table().append_demand(id, layer, h, partitions, pages);
+      }
+    }
+    if (cpu_pages > buffer_->cpu_pool().available()) {
+      fail(ErrorCode::resource_exhausted, "decode: saving full tail pages (and regrouping) needs {} CPU pages, {} free",
+           cpu_pages, buffer_->cpu_pool().available());
+    }
+    buffer_->table().check_segments(segments);
+
     to_float(q, batch.size() * qd, queries_);
     retrievals_.resize(batch.size());
     selections_.resize(batch.size());
@@ -308,10 +356,28 @@ class Manager {
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const RequestId id = batch[b];
       LayerState& ls = state(id).layers[layer];
-      const auto t0 = Clock::now();
-      append(id, layer, ls, static_cast<const std::byte*>(k_new) + b * row * elem,
-             static_cast<const std::byte*>(v_new) + b * row * elem);
-      const auto t1 = Clock::now();
+      Pending& next = pending_[b];
+      buffer_->append(id, layer, KvChunk{k_row(b), v_row(b), 1, shape_.dtype});
+      if (next.saves) {
+        if (next.regroup) buffer_->repartition(id, layer, next.regroup->first_partitions, next.regroup->specs);
+        ls.policy = std::move(next.state);
+        ls.recent_k.clear();
+        ls.recent_v.clear();
+        ++stats_.pages_saved;
+      } else {
+        for (std::size_t i = 0; i < row; ++i) {
+          ls.recent_k.push_back(load_element(k_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
+          ls.recent_v.push_back(load_element(v_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
+        }
+      }
+    }
+    const auto t1 = Clock::now();
+    stats_.append_s += seconds(t1 - t0);
+
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestId id = batch[b];
+      LayerState& ls = state(id).layers[layer];
+      const auto s0 = Clock::now();
       const LayerContext ctx = context(layer, buffer_->sequence_length(id, layer) - buffer_->tail_tokens(id, layer));
       const DecodeQuery query{std::span(queries_).subspan(b * qd, qd), buffer_->sequence_length(id, layer) - 1};
       policy_.select(ctx, query, ls.policy, selections_[b]);
@@ -319,12 +385,10 @@ class Manager {
         Ops::attend(policy_, ctx, query, ls.policy, selections_[b],
                     std::span(extra_).subspan(b * shape_.q_heads, shape_.q_heads));
       }
-      const auto t2 = Clock::now();
+      const auto s1 = Clock::now();
       buffer_->retrieve(id, layer, selections_[b].partitions, retrievals_[b]);
-      const auto t3 = Clock::now();
-      stats_.append_s += seconds(t1 - t0);
-      stats_.select_s += seconds(t2 - t1);
-      stats_.retrieve_s += seconds(t3 - t2);
+      stats_.select_s += seconds(s1 - s0);
+      stats_.retrieve_s += seconds(Clock::now() - s1);
       stats_.cache += retrievals_[b].stats;
       stats_.pages_moved += retrievals_[b].plan.copies.size();
       stats_.bytes_moved += retrievals_[b].plan.copies.size() * buffer_->cpu_pool().page_bytes();
@@ -332,28 +396,31 @@ class Manager {
     }
   }
 
-  // One decode token into the tail; a saved page goes to the policy (which may regroup).
-  void append(RequestId id, std::uint32_t layer, LayerState& ls, const std::byte* k, const std::byte* v) {
-    const std::size_t row = std::size_t{shape_.kv_heads} * shape_.head_dim;
-    buffer_->append(id, layer, KvChunk{k, v, 1, shape_.dtype});
-    for (std::size_t i = 0; i < row; ++i) {
-      ls.recent_k.push_back(load_element(k, static_cast<std::uint32_t>(i), shape_.dtype));
-      ls.recent_v.push_back(load_element(v, static_cast<std::uint32_t>(i), shape_.dtype));
+  // A regroup the policy asks for must describe the head as it will be once
+  // the page is saved (checked before anything changes: a policy bug must not
+  // leave a request half-stepped).
+  void check_regroup(RequestId id, std::uint32_t layer, std::uint32_t head, const Repartition& r,
+                     std::uint32_t saved_partition) const {
+    if (r.first_partitions.size() != shape_.kv_heads || r.specs.size() != shape_.kv_heads ||
+        r.first_partitions[head] > saved_partition) {
+      fail(ErrorCode::failed_precondition, "policy {}: malformed regroup of request {} layer {}", policy_name(), id,
+           layer);
     }
-    if (buffer_->tail_tokens(id, layer) != 0) return;
-    ++stats_.pages_saved;
-    AppendedPage page;
-    page.page = KvView{ls.recent_k, ls.recent_v, config_.page_tokens, shape_.kv_heads, shape_.head_dim,
-                       buffer_->sequence_length(id, layer) - config_.page_tokens};
-    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-      page.partitions.push_back(buffer_->table().partition_count(id, layer, h) - 1);
+    std::uint64_t tokens = config_.page_tokens;  // the page being saved
+    for (PartitionId p = r.first_partitions[head]; p < saved_partition; ++p) {
+      tokens += buffer_->table().meta(id, layer, head, p).token_count();
     }
-    const std::uint32_t tokens = buffer_->sequence_length(id, layer);
-    if (const auto regroup = policy_.append(context(layer, tokens), page, ls.policy)) {
-      buffer_->repartition(id, layer, regroup->first_partitions, regroup->specs);
+    if (tokens != r.specs[head].token_count()) {
+      fail(ErrorCode::failed_precondition, "policy {}: regroup of kv head {} covers {} tokens, the run holds {}",
+           policy_name(), head, r.specs[head].token_count(), tokens);
     }
-    ls.recent_k.clear();
-    ls.recent_v.clear();
+  }
+  std::string_view policy_name() const {
+    if constexpr (std::is_same_v<Policy, AnyPolicy>) {
+      return policy_.name();
+    } else {
+      return Policy::kName;
+    }
   }
 
   ModelShape shape_;
@@ -370,6 +437,13 @@ class Manager {
   std::vector<Retrieval> retrievals_;
   std::vector<AttentionPartial> extra_;
   AttendPlan plan_;
+  struct Pending {
+    bool saves = false;
+    std::vector<float> page_k, page_v;
+    typename Ops::State state;
+    std::optional<Repartition> regroup;
+  };
+  std::vector<Pending> pending_;
 };
 
 using RuntimeManager = Manager<AnyPolicy>;

@@ -104,6 +104,11 @@ class HierarchicalPageTable {
   // would take; throws resource_exhausted past the per-head maxima.
   SegmentDemand append_demand(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint64_t partitions,
                               std::uint64_t pages) const;
+  // Net segments replacing partitions [keep, end) of one head by `partitions`
+  // partitions of `pages` CPU pages would take (the dropped entries' segments
+  // are reused); append_demand is the case keep == partition_count.
+  SegmentDemand replace_demand(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t keep,
+                               std::uint64_t partitions, std::uint64_t pages) const;
   // Segments growing one head's GPU page table to `slots` would take.
   SegmentDemand gpu_slots_demand(RequestId request, std::uint32_t layer, std::uint32_t head,
                                  std::uint32_t slots) const;
