@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "sparsekv/core/error.hpp"
+#include "portable_random.hpp"
 #include "text_fields.hpp"
 
 namespace sparsekv {
@@ -84,42 +85,6 @@ std::uint64_t splitmix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// The standard's distributions are implementation-defined; these are not.
-class Random {
- public:
-  explicit Random(std::uint64_t seed) : engine_(seed) {}
-  std::uint64_t below(std::uint64_t n) {
-    const std::uint64_t limit = ~std::uint64_t{0} - (~std::uint64_t{0} % n);
-    std::uint64_t x;
-    do x = engine_();
-    while (x >= limit);
-    return x % n;
-  }
-  double unit() { return double(engine_() >> 11) * 0x1.0p-53; }  // [0, 1)
-  double normal() {                                               // Box-Muller
-    if (has_spare_) {
-      has_spare_ = false;
-      return spare_;
-    }
-    const double r = std::sqrt(-2.0 * std::log(1.0 - unit()));
-    const double a = 6.283185307179586 * unit();
-    spare_ = r * std::sin(a);
-    has_spare_ = true;
-    return r * std::cos(a);
-  }
-  // Geometric with mean `mean` >= 1, at least 1.
-  std::uint32_t geometric(double mean) {
-    if (mean <= 1.0) return 1;
-    const double p = 1.0 / mean;
-    return 1 + std::uint32_t(std::min(0x1p31, std::floor(std::log(1.0 - unit()) / std::log1p(-p))));
-  }
-
- private:
-  std::mt19937_64 engine_;
-  double spare_ = 0.0;
-  bool has_spare_ = false;
-};
-
 enum Stream : std::uint64_t { kDocument = 1, kHead = 2, kHeavy = 3 };
 
 std::uint64_t stream_seed(std::uint64_t seed, Stream stream, std::uint32_t layer, std::uint32_t head) {
@@ -135,14 +100,14 @@ void normalize(Vec& v) {
   if (n > 0) for (double& x : v) x /= n;
 }
 
-Vec gaussian(Random& rng, std::size_t n, double scale = 1.0) {
+Vec gaussian(detail::PortableRandom& rng, std::size_t n, double scale = 1.0) {
   Vec v(n);
   for (double& x : v) x = rng.normal() * scale;
   return v;
 }
 
 // `count` unit vectors of dimension n, orthonormal as far as n allows.
-std::vector<Vec> directions(Random& rng, std::size_t count, std::size_t n) {
+std::vector<Vec> directions(detail::PortableRandom& rng, std::size_t count, std::size_t n) {
   std::vector<Vec> out;
   for (std::size_t i = 0; i < count; ++i) {
     Vec v = gaussian(rng, n);
@@ -168,7 +133,7 @@ struct Document {
 };
 
 Document make_document(const SyntheticQkvOptions& o) {
-  Random rng(stream_seed(o.seed, kDocument, 0, 0));
+  detail::PortableRandom rng(stream_seed(o.seed, kDocument, 0, 0));
   Document doc;
   doc.topic.resize(std::size_t{o.prompt_tokens} + o.decode_steps);
   std::vector<bool> present(o.topics, false);
@@ -207,7 +172,7 @@ Document make_document(const SyntheticQkvOptions& o) {
 
 void generate_head(const SyntheticQkvOptions& o, const Document& doc, std::uint32_t layer, std::uint32_t head,
                    QkvLayer& out) {
-  Random rng(stream_seed(o.seed, kHead, layer, head));
+  detail::PortableRandom rng(stream_seed(o.seed, kHead, layer, head));
   const std::uint32_t d = o.head_dim, pairs = std::max(1u, d / 8), dc = d - 2 * pairs;
   const std::uint32_t kvh = o.kv_heads, group = o.q_heads / o.kv_heads;
   const std::uint32_t tokens = o.prompt_tokens + o.decode_steps;
@@ -625,7 +590,7 @@ std::vector<std::uint32_t> synthetic_heavy_hitters(const SyntheticQkvOptions& o,
   validate(o);
   check_index("synthetic qkv trace: layer", layer, o.layers);
   check_index("synthetic qkv trace: kv head", kv_head, o.kv_heads);
-  Random rng(stream_seed(o.seed, kHeavy, layer, kv_head));
+  detail::PortableRandom rng(stream_seed(o.seed, kHeavy, layer, kv_head));
   const std::uint32_t first = std::min(o.sink_tokens, o.prompt_tokens), span = o.prompt_tokens - first;
   std::vector<std::uint32_t> out;
   std::vector<bool> taken(span, false);

@@ -12,6 +12,7 @@
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/metadata/page_table_entries.hpp"
+#include "portable_random.hpp"
 #include "text_fields.hpp"
 
 namespace sparsekv {
@@ -47,31 +48,6 @@ std::uint32_t parse_u32(std::string_view token, std::size_t line, std::string_vi
 
 // ---- generator -------------------------------------------------------------
 
-// The standard's distributions are implementation-defined; these are not, so
-// a seed gives the same trace with any standard library.
-class Random {
- public:
-  explicit Random(std::uint64_t seed) : engine_(seed) {}
-  // Uniform in [0, n), unbiased (rejection of the partial top range).
-  std::uint64_t below(std::uint64_t n) {
-    const std::uint64_t limit = ~std::uint64_t{0} - (~std::uint64_t{0} % n);
-    std::uint64_t x;
-    do x = engine_();
-    while (x >= limit);
-    return x % n;
-  }
-  // Uniform in [0, 1), 53 bits.
-  double unit() { return double(engine_() >> 11) * 0x1.0p-53; }
-  // Index i with probability (cdf[i] - cdf[i-1]) / cdf.back(), cdf increasing.
-  std::size_t pick(const std::vector<double>& cdf, std::size_t n) {
-    const double u = unit() * cdf[n - 1];
-    return std::min<std::size_t>(std::upper_bound(cdf.begin(), cdf.begin() + n, u) - cdf.begin(), n - 1);
-  }
-
- private:
-  std::mt19937_64 engine_;
-};
-
 std::uint64_t splitmix64(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -98,7 +74,7 @@ void check_options(const SyntheticTraceOptions& o) {
 // One head's steps; see SyntheticTraceOptions for the model.
 void generate_head(const SyntheticTraceOptions& o, std::uint32_t head, const std::vector<double>& zipf_cdf,
                    const std::vector<double>& distance_cdf, SelectionTrace& trace) {
-  Random rng(splitmix64(o.seed ^ splitmix64(head)));
+  detail::PortableRandom rng(splitmix64(o.seed ^ splitmix64(head)));
   std::vector<std::uint32_t>& pages = trace.partition_pages[head];
   pages.resize(o.partitions);
   for (auto& p : pages) p = o.max_pages == 1 ? 1 : 1 + std::uint32_t(rng.below(o.max_pages));

@@ -159,15 +159,8 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
         r.tokens_attended += tokens;
       };
       for (std::uint32_t kv = 0; kv < h.kv_heads; ++kv) {
-        for (std::uint32_t i = got.head_offsets[kv]; i < got.head_offsets[kv + 1]; ++i) {
-          std::uint32_t left = got.token_counts[i];
-          for (std::uint32_t p = got.plan.partition_offsets[i]; p < got.plan.partition_offsets[i + 1]; ++p) {
-            add_page(kv, got.plan.gpu_pages[p], std::min(left, page_tokens));
-            left -= std::min(left, page_tokens);
-            r.pages_selected += 1;
-          }
-        }
-        if (got.tail_tokens[kv] > 0) add_page(kv, got.tail_pages[kv], got.tail_tokens[kv]);
+        got.for_each_page(kv, page_tokens, [&](sparsekv::PageId page, std::uint32_t tokens) { add_page(kv, page, tokens); });
+        r.pages_selected += got.plan.partition_offsets[got.head_offsets[kv + 1]] - got.plan.partition_offsets[got.head_offsets[kv]];
       }
       for (double m : mass) r.mass_recall += std::min(m, 1.0);  // rounding can pass 1 by an ulp
     }

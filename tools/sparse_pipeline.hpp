@@ -82,14 +82,8 @@ class SparsePipeline {
     kv_.assign(shape_.kv_heads, HeadKv{});
     const PagePool& gpu = buffer_->gpu_pool();
     for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-      for (std::uint32_t i = retrieval_.head_offsets[h]; i < retrieval_.head_offsets[h + 1]; ++i) {
-        std::uint32_t left = retrieval_.token_counts[i];
-        for (std::uint32_t p = retrieval_.plan.partition_offsets[i]; p < retrieval_.plan.partition_offsets[i + 1]; ++p) {
-          kv_[h].add(gpu.data(retrieval_.plan.gpu_pages[p]), std::min(left, config_.page_tokens));
-          left -= std::min(left, config_.page_tokens);
-        }
-      }
-      if (retrieval_.tail_tokens[h] > 0) kv_[h].add(gpu.data(retrieval_.tail_pages[h]), retrieval_.tail_tokens[h]);
+      retrieval_.for_each_page(h, config_.page_tokens,
+                               [&](PageId page, std::uint32_t tokens) { kv_[h].add(gpu.data(page), tokens); });
     }
     extra_.clear();
     if (policy_.has_attend()) {

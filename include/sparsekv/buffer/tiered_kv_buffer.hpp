@@ -83,6 +83,22 @@ struct Retrieval {
   std::vector<PageId> tail_pages;
   std::vector<std::uint32_t> tail_tokens;
   CacheStepStats stats;
+
+  // Calls fn(gpu_page, tokens) for every page kv head h attends: the selected
+  // partitions' pages in order (a partition's last page may be partial), then
+  // the tail if it holds tokens.
+  template <class Fn>
+  void for_each_page(std::uint32_t head, std::uint32_t page_tokens, Fn&& fn) const {
+    for (std::uint32_t i = head_offsets[head]; i < head_offsets[head + 1]; ++i) {
+      std::uint32_t left = token_counts[i];
+      for (std::uint32_t p = plan.partition_offsets[i]; p < plan.partition_offsets[i + 1]; ++p) {
+        const std::uint32_t tokens = left < page_tokens ? left : page_tokens;
+        fn(plan.gpu_pages[p], tokens);
+        left -= tokens;
+      }
+    }
+    if (tail_tokens[head] > 0) fn(tail_pages[head], tail_tokens[head]);
+  }
 };
 
 struct BufferStats {

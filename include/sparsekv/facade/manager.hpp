@@ -168,14 +168,7 @@ class Manager {
       const Retrieval& r = retrievals_[b];
       for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
         kv[h].clear();
-        for (std::uint32_t i = r.head_offsets[h]; i < r.head_offsets[h + 1]; ++i) {
-          std::uint32_t left = r.token_counts[i];
-          for (std::uint32_t p = r.plan.partition_offsets[i]; p < r.plan.partition_offsets[i + 1]; ++p) {
-            kv[h].add(gpu.data(r.plan.gpu_pages[p]), std::min(left, config_.page_tokens));
-            left -= std::min(left, config_.page_tokens);
-          }
-        }
-        if (r.tail_tokens[h] > 0) kv[h].add(gpu.data(r.tail_pages[h]), r.tail_tokens[h]);
+        r.for_each_page(h, config_.page_tokens, [&](PageId page, std::uint32_t tokens) { kv[h].add(gpu.data(page), tokens); });
       }
       const std::span<const AttentionPartial> extra =
           extra_.empty() ? std::span<const AttentionPartial>{} : std::span(extra_).subspan(b * shape_.q_heads, shape_.q_heads);
@@ -198,18 +191,10 @@ class Manager {
       for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
         pages.clear();
         tokens.clear();
-        for (std::uint32_t i = r.head_offsets[h]; i < r.head_offsets[h + 1]; ++i) {
-          std::uint32_t left = r.token_counts[i];
-          for (std::uint32_t p = r.plan.partition_offsets[i]; p < r.plan.partition_offsets[i + 1]; ++p) {
-            pages.push_back(r.plan.gpu_pages[p]);
-            tokens.push_back(std::min(left, config_.page_tokens));
-            left -= tokens.back();
-          }
-        }
-        if (r.tail_tokens[h] > 0) {
-          pages.push_back(r.tail_pages[h]);
-          tokens.push_back(r.tail_tokens[h]);
-        }
+        r.for_each_page(h, config_.page_tokens, [&](PageId page, std::uint32_t n) {
+          pages.push_back(page);
+          tokens.push_back(n);
+        });
         plan_.head_entries.push_back(plan_.head_entries.back() +
                                      detail::append_runs(plan_, pages, tokens, config_.page_tokens));
       }
