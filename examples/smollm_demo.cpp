@@ -1,0 +1,243 @@
+// smollm-demo: a real model end to end through sparsekv on the CPU.
+// SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32) reads a long text
+// -- by default the GPL-3 every Debian system ships, cut to a few thousand
+// tokens -- and a question about it, then generates greedily with its decode
+// attention going through sparsekv's facade (host backend) with the chosen
+// policy and token budget. The prompt is prefilled densely once; its K/V go
+// both to sparsekv and to a plain dense KV cache, which afterwards replays
+// the generated tokens (teacher-forced) to measure how often Dense would have
+// picked the same next token.
+//
+//   smollm-demo [--model PATH] [--text FILE] [--prompt-tokens N] [--new-tokens N]
+//               [--policy NAME] [--budget TOKENS]
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "command_line.hpp"
+#include "model/bpe_tokenizer.hpp"
+#include "model/gguf.hpp"
+#include "model/llama.hpp"
+#include "sparsekv/sparsekv.hpp"
+
+namespace {
+
+using namespace sparsekv::model;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kProgram = "smollm-demo";
+
+void usage() {
+  std::fputs(
+      "usage: smollm-demo [--model PATH] [--text FILE] [--prompt-tokens 4096] [--new-tokens 32]\n"
+      "                   [--policy shadowkv] [--budget 512]\n"
+      "  --model PATH         default: ${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
+      "  --text FILE          the document to read (default /usr/share/common-licenses/GPL-3)\n"
+      "  --prompt-tokens N    tokens of the document kept (its start); a question is appended\n"
+      "  --new-tokens N       tokens to generate (greedy; stops early at end of turn)\n"
+      "  --policy NAME        dense, streaming, quest, shadowkv, retroinfer, retroinfer_no_estimation\n"
+      "  --budget TOKENS      tokens one decode step may select per kv head\n",
+      stderr);
+}
+
+// An error the user can fix: one line, exit 2.
+struct UserError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::filesystem::path default_model() {
+  const char* dir = std::getenv("SPARSEKV_MODEL_DIR");
+  const char* home = std::getenv("HOME");
+  const std::filesystem::path base =
+      dir && *dir ? std::filesystem::path(dir) : std::filesystem::path(home ? home : ".") / ".cache/sparsekv/models";
+  return base / "SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+std::string read_text(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw UserError(fmt::format("cannot read text file '{}': it is a directory", path));
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UserError(fmt::format("cannot read text file '{}'", path));
+  std::ostringstream s;
+  s << in.rdbuf();
+  if (in.bad()) throw UserError(fmt::format("cannot read text file '{}'", path));
+  std::string text = s.str();
+  if (text.find_first_not_of(" \t\r\n") == std::string::npos) throw UserError(fmt::format("text file '{}' is empty", path));
+  return text;
+}
+
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::unique_ptr<sparsekv::tools::CommandLine> parsed;
+    try {
+      parsed = std::make_unique<sparsekv::tools::CommandLine>(
+          argc, argv, std::set<std::string>{"--model", "--text", "--prompt-tokens", "--new-tokens", "--policy", "--budget"},
+          std::set<std::string>{"--help"});
+    } catch (const std::exception& e) {
+      throw UserError(fmt::format("{} (--help for usage)", e.what()));
+    }
+    const auto& args = *parsed;
+    if (args.has("--help")) {
+      usage();
+      return 0;
+    }
+    std::uint32_t prompt_tokens = 0, new_tokens = 0, budget = 0;
+    try {
+      prompt_tokens = args.number<std::uint32_t>("--prompt-tokens", 4096);
+      new_tokens = args.number<std::uint32_t>("--new-tokens", 32);
+      budget = args.number<std::uint32_t>("--budget", 512);
+    } catch (const std::exception& e) {
+      throw UserError(e.what());
+    }
+    if (prompt_tokens == 0 || new_tokens == 0 || budget == 0) {
+      throw UserError("--prompt-tokens, --new-tokens and --budget must be > 0");
+    }
+    const std::string policy_name = args.text("--policy", "shadowkv");
+    const std::string model_path = args.text("--model", default_model().string());
+    const std::string text_path = args.text("--text", "/usr/share/common-licenses/GPL-3");
+
+    // Everything the user can get wrong is checked before the model loads.
+    sparsekv::AnyPolicy policy = [&] {
+      try {
+        return sparsekv::make_policy(policy_name, budget);
+      } catch (const std::exception& e) {
+        throw UserError(e.what());
+      }
+    }();
+    {
+      std::error_code ec;
+      if (!std::filesystem::is_regular_file(model_path, ec)) {
+        throw UserError(fmt::format("model file '{}' not found (run scripts/setup, set SPARSEKV_MODEL_DIR, or pass --model)",
+                                    model_path));
+      }
+    }
+    const std::string text = read_text(text_path);
+
+    const auto t_load = Clock::now();
+    GgufFile file = [&] {
+      try {
+        return GgufFile::open(model_path);
+      } catch (const std::exception& e) {
+        throw UserError(fmt::format("cannot load model: {}", e.what()));
+      }
+    }();
+    const BpeTokenizer tokenizer(file);
+    const LlamaModel model(file);
+    const LlamaConfig& c = model.config();
+    const double load_s = since(t_load);
+
+    // Prompt: chat template around the document's first tokens and a question.
+    std::vector<std::int32_t> doc = tokenizer.encode(text, /*parse_special=*/false);
+    const std::size_t doc_total = doc.size();
+    if (doc.size() > prompt_tokens) doc.resize(prompt_tokens);
+    std::vector<std::int32_t> prompt = tokenizer.encode(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\n");
+    prompt.insert(prompt.end(), doc.begin(), doc.end());
+    const std::vector<std::int32_t> question = tokenizer.encode(
+        "\n\nWhat is the name of the document above, and who published it?<|im_end|>\n<|im_start|>assistant\n");
+    prompt.insert(prompt.end(), question.begin(), question.end());
+    const auto T = static_cast<std::uint32_t>(prompt.size());
+    if (c.context != 0 && T + new_tokens > c.context) {
+      throw UserError(fmt::format("{} prompt + {} new tokens exceed the model's {}-token context", T, new_tokens, c.context));
+    }
+    const std::int32_t im_end = tokenizer.token_id("<|im_end|>"), eot = tokenizer.token_id("<|endoftext|>");
+    const auto stops = [&](std::int32_t t) { return t == tokenizer.eos() || t == im_end || t == eot; };
+
+    fmt::print("{}: SmolLM2-135M-Instruct ({} layers, {} q / {} kv heads, head dim {}), fp32 on {} CPU threads\n", kProgram,
+               c.layers, c.q_heads, c.kv_heads, c.head_dim, model.threads());
+    fmt::print("  model {} loaded in {:.1f} s\n", model_path, load_s);
+    fmt::print("  prompt {} tokens: the first {} of {}'s {} tokens, a question, the chat template\n", T, doc.size(),
+               text_path, doc_total);
+    fmt::print("  decode attention: sparsekv {} with a budget of {} tokens per kv head (host backend)\n", policy_name,
+               budget);
+    std::fflush(stdout);
+
+    const std::uint32_t max_tokens = T + new_tokens + 1;
+    auto manager = make_manager(c, policy, max_tokens);
+    const sparsekv::RequestId request = 1;
+    manager->add_request(request, max_tokens);
+    SparseSession sparse(*manager, request);
+    DenseCache dense(c);
+
+    // Prefill once (dense, causal); K/V to sparsekv (Index + Offload) and to the dense cache.
+    std::vector<float> logits(c.vocab);
+    const auto t_prefill = Clock::now();
+    {
+      AttentionBackend* sinks[] = {&sparse, &dense};
+      model.prefill(prompt, sinks, logits.data());
+    }
+    const double prefill_s = since(t_prefill);
+
+    // Generate through sparsekv.
+    std::vector<std::int32_t> generated{static_cast<std::int32_t>(argmax(logits))};
+    const auto t_decode = Clock::now();
+    {
+      AttentionBackend* rows[] = {&sparse};
+      while (generated.size() < new_tokens && !stops(generated.back())) {
+        const std::int32_t token = generated.back();
+        model.decode(std::span(&token, 1), T + static_cast<std::uint32_t>(generated.size()) - 1, rows, logits.data());
+        generated.push_back(static_cast<std::int32_t>(argmax(logits)));
+      }
+    }
+    const double decode_s = since(t_decode);
+    const std::size_t decode_steps = generated.size() - 1;  // the first token came from the prefill
+
+    // Dense replays the same tokens: would it have picked the same next token?
+    std::size_t agree = 0;
+    const auto t_dense = Clock::now();
+    {
+      AttentionBackend* rows[] = {&dense};
+      for (std::size_t s = 0; s < decode_steps; ++s) {
+        model.decode(std::span(&generated[s], 1), T + static_cast<std::uint32_t>(s), rows, logits.data());
+        if (static_cast<std::int32_t>(argmax(logits)) == generated[s + 1]) ++agree;
+      }
+    }
+    const double dense_s = since(t_dense);
+
+    std::vector<std::int32_t> shown = generated;
+    if (!shown.empty() && stops(shown.back())) shown.pop_back();
+    fmt::print("\n--- generated ({} tokens) ---\n{}\n-----------------------------\n", generated.size(),
+               tokenizer.decode(shown));
+    const sparsekv::ManagerStats& st = manager->stats();
+    fmt::print("  prefill    {} tokens in {:.2f} s: {:.1f} tokens/s (dense causal attention; of which sparsekv index {:.2f} s, "
+               "offload {:.2f} s)\n",
+               T, prefill_s, T / prefill_s, st.index_s, st.offload_s);
+    if (decode_steps > 0) {
+      fmt::print("  decode     {} tokens in {:.2f} s: {:.1f} tokens/s through sparsekv {}\n", decode_steps, decode_s,
+                 decode_steps / decode_s, policy_name);
+      fmt::print("  dense      {} tokens in {:.2f} s: {:.1f} tokens/s (reference replay, no sparsekv)\n", decode_steps,
+                 dense_s, decode_steps / dense_s);
+      fmt::print("  hit ratio  {:.2f}% of {} selected pages resident in the GPU working set\n", 100 * st.hit_ratio(),
+                 st.cache.hit_pages + st.cache.miss_pages);
+      fmt::print("  pages moved {} CPU -> GPU ({:.1f} MiB), {} tail pages saved\n", st.pages_moved,
+                 st.bytes_moved / double(1 << 20), st.pages_saved);
+      fmt::print("  agreement with Dense: {}/{} decode steps ({:.1f}%) pick the same greedy next token\n", agree,
+                 decode_steps, 100.0 * agree / decode_steps);
+      fmt::print("  sparsekv time per (layer, step): append {:.1f} us, select {:.1f} us, retrieve {:.1f} us, attend {:.1f} us\n",
+                 1e6 * st.append_s / st.decode_steps, 1e6 * st.select_s / st.decode_steps,
+                 1e6 * st.retrieve_s / st.decode_steps, 1e6 * st.attend_s / st.decode_steps);
+    } else {
+      fmt::print("  the model ended its answer at once: no decode step ran\n");
+    }
+    return 0;
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "%s: %s\n", kProgram, e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", kProgram, e.what());
+    return 2;
+  }
+}
