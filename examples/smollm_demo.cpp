@@ -26,6 +26,7 @@
 #include "model/bpe_tokenizer.hpp"
 #include "model/gguf.hpp"
 #include "model/llama.hpp"
+#include "model/model_files.hpp"
 #include "sparsekv/sparsekv.hpp"
 
 namespace {
@@ -48,32 +49,6 @@ void usage() {
       stderr);
 }
 
-// An error the user can fix: one line, exit 2.
-struct UserError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-std::filesystem::path default_model() {
-  const char* dir = std::getenv("SPARSEKV_MODEL_DIR");
-  const char* home = std::getenv("HOME");
-  const std::filesystem::path base =
-      dir && *dir ? std::filesystem::path(dir) : std::filesystem::path(home ? home : ".") / ".cache/sparsekv/models";
-  return base / "SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
-std::string read_text(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) throw UserError(fmt::format("cannot read text file '{}': it is a directory", path));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UserError(fmt::format("cannot read text file '{}'", path));
-  std::ostringstream s;
-  s << in.rdbuf();
-  if (in.bad()) throw UserError(fmt::format("cannot read text file '{}'", path));
-  std::string text = s.str();
-  if (text.find_first_not_of(" \t\r\n") == std::string::npos) throw UserError(fmt::format("text file '{}' is empty", path));
-  return text;
-}
-
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 }  // namespace
@@ -86,7 +61,7 @@ int main(int argc, char** argv) {
           argc, argv, std::set<std::string>{"--model", "--text", "--prompt-tokens", "--new-tokens", "--policy", "--budget"},
           std::set<std::string>{"--help"});
     } catch (const std::exception& e) {
-      throw UserError(fmt::format("{} (--help for usage)", e.what()));
+      throw sparsekv::model::UserError(fmt::format("{} (--help for usage)", e.what()));
     }
     const auto& args = *parsed;
     if (args.has("--help")) {
@@ -99,13 +74,13 @@ int main(int argc, char** argv) {
       new_tokens = args.number<std::uint32_t>("--new-tokens", 32);
       budget = args.number<std::uint32_t>("--budget", 512);
     } catch (const std::exception& e) {
-      throw UserError(e.what());
+      throw sparsekv::model::UserError(e.what());
     }
     if (prompt_tokens == 0 || new_tokens == 0 || budget == 0) {
-      throw UserError("--prompt-tokens, --new-tokens and --budget must be > 0");
+      throw sparsekv::model::UserError("--prompt-tokens, --new-tokens and --budget must be > 0");
     }
     const std::string policy_name = args.text("--policy", "shadowkv");
-    const std::string model_path = args.text("--model", default_model().string());
+    const std::string model_path = args.text("--model", sparsekv::model::default_model_path().string());
     const std::string text_path = args.text("--text", "/usr/share/common-licenses/GPL-3");
 
     // Everything the user can get wrong is checked before the model loads.
@@ -113,24 +88,24 @@ int main(int argc, char** argv) {
       try {
         return sparsekv::make_policy(policy_name, budget);
       } catch (const std::exception& e) {
-        throw UserError(e.what());
+        throw sparsekv::model::UserError(e.what());
       }
     }();
     {
       std::error_code ec;
       if (!std::filesystem::is_regular_file(model_path, ec)) {
-        throw UserError(fmt::format("model file '{}' not found (run scripts/setup, set SPARSEKV_MODEL_DIR, or pass --model)",
+        throw sparsekv::model::UserError(fmt::format("model file '{}' not found (run scripts/setup, set SPARSEKV_MODEL_DIR, or pass --model)",
                                     model_path));
       }
     }
-    const std::string text = read_text(text_path);
+    const std::string text = sparsekv::model::read_text_file(text_path);
 
     const auto t_load = Clock::now();
     GgufFile file = [&] {
       try {
         return GgufFile::open(model_path);
       } catch (const std::exception& e) {
-        throw UserError(fmt::format("cannot load model: {}", e.what()));
+        throw sparsekv::model::UserError(fmt::format("cannot load model: {}", e.what()));
       }
     }();
     const BpeTokenizer tokenizer(file);
@@ -151,7 +126,7 @@ int main(int argc, char** argv) {
     prompt.insert(prompt.end(), question.begin(), question.end());
     const auto T = static_cast<std::uint32_t>(prompt.size());
     if (c.context != 0 && T + new_tokens > c.context) {
-      throw UserError(fmt::format("{} prompt + {} new tokens exceed the model's {}-token context", T, new_tokens, c.context));
+      throw sparsekv::model::UserError(fmt::format("{} prompt + {} new tokens exceed the model's {}-token context", T, new_tokens, c.context));
     }
     const std::int32_t im_end = tokenizer.token_id("<|im_end|>"), eot = tokenizer.token_id("<|endoftext|>");
     const auto stops = [&](std::int32_t t) { return t == tokenizer.eos() || t == im_end || t == eot; };
@@ -233,7 +208,7 @@ int main(int argc, char** argv) {
       fmt::print("  the model ended its answer at once: no decode step ran\n");
     }
     return 0;
-  } catch (const UserError& e) {
+  } catch (const sparsekv::model::UserError& e) {
     std::fprintf(stderr, "%s: %s\n", kProgram, e.what());
     return 2;
   } catch (const std::exception& e) {

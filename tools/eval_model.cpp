@@ -35,6 +35,7 @@
 #include "model/bpe_tokenizer.hpp"
 #include "model/gguf.hpp"
 #include "model/llama.hpp"
+#include "model/model_files.hpp"
 #include "sparsekv/cache/selection_trace.hpp"
 #include "sparsekv/policy/qkv_trace.hpp"
 #include "sparsekv/sparsekv.hpp"
@@ -63,17 +64,13 @@ void usage() {
       stderr);
 }
 
-struct UserError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 std::vector<std::string> split_list(const std::string& text, const std::string& flag) {
   std::vector<std::string> out;
   std::size_t start = 0;
   while (true) {
     const std::size_t end = text.find(',', start);
     out.push_back(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
-    if (out.back().empty()) throw UserError(fmt::format("{}: empty entry in '{}'", flag, text));
+    if (out.back().empty()) throw sparsekv::model::UserError(fmt::format("{}: empty entry in '{}'", flag, text));
     if (end == std::string::npos) break;
     start = end + 1;
   }
@@ -86,29 +83,11 @@ std::vector<std::uint32_t> parse_numbers(const std::string& text, const std::str
     std::uint32_t value = 0;
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
     if (ec != std::errc{} || end != item.data() + item.size() || (positive && value == 0)) {
-      throw UserError(fmt::format("{} expects {}numbers, got '{}'", flag, positive ? "positive " : "", item));
+      throw sparsekv::model::UserError(fmt::format("{} expects {}numbers, got '{}'", flag, positive ? "positive " : "", item));
     }
     if (std::find(out.begin(), out.end(), value) == out.end()) out.push_back(value);
   }
   return out;
-}
-
-std::filesystem::path default_model() {
-  const char* dir = std::getenv("SPARSEKV_MODEL_DIR");
-  const char* home = std::getenv("HOME");
-  const std::filesystem::path base =
-      dir && *dir ? std::filesystem::path(dir) : std::filesystem::path(home ? home : ".") / ".cache/sparsekv/models";
-  return base / "SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
-std::string read_text(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) throw UserError(fmt::format("cannot read text file '{}': a directory", path));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UserError(fmt::format("cannot read text file '{}'", path));
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -198,7 +177,7 @@ int main(int argc, char** argv) {
                                 "--dump-policy", "--dump-budget", "--dump-layers"},
           std::set<std::string>{"--json", "--help"});
     } catch (const std::exception& e) {
-      throw UserError(fmt::format("{} (--help for usage)", e.what()));
+      throw sparsekv::model::UserError(fmt::format("{} (--help for usage)", e.what()));
     }
     const auto& args = *parsed;
     if (args.has("--help")) {
@@ -211,9 +190,9 @@ int main(int argc, char** argv) {
       tokens = args.number<std::uint32_t>("--tokens", 256);
       dump_budget = args.number<std::uint32_t>("--dump-budget", 512);
     } catch (const std::exception& e) {
-      throw UserError(e.what());
+      throw sparsekv::model::UserError(e.what());
     }
-    if (prefill == 0 || tokens == 0 || dump_budget == 0) throw UserError("--prefill, --tokens and --dump-budget must be > 0");
+    if (prefill == 0 || tokens == 0 || dump_budget == 0) throw sparsekv::model::UserError("--prefill, --tokens and --dump-budget must be > 0");
     const std::vector<std::uint32_t> budgets = parse_numbers(args.text("--budgets", "256,512,1024"), "--budgets", true);
     std::vector<std::string> policies =
         args.has("--policies") ? split_list(args.text("--policies", ""), "--policies") : sparsekv::policy_names();
@@ -221,7 +200,7 @@ int main(int argc, char** argv) {
       try {
         sparsekv::make_policy(p, 1);
       } catch (const std::exception& e) {
-        throw UserError(e.what());
+        throw sparsekv::model::UserError(e.what());
       }
     }
     const bool json = args.has("--json");
@@ -231,19 +210,19 @@ int main(int argc, char** argv) {
       try {
         sparsekv::make_policy(dump_policy, dump_budget);
       } catch (const std::exception& e) {
-        throw UserError(e.what());
+        throw sparsekv::model::UserError(e.what());
       }
     }
-    const std::string model_path = args.text("--model", default_model().string());
+    const std::string model_path = args.text("--model", sparsekv::model::default_model_path().string());
     const std::string text_path = args.text("--text", "/usr/share/common-licenses/GPL-3");
     {
       std::error_code ec;
       if (!std::filesystem::is_regular_file(model_path, ec)) {
-        throw UserError(fmt::format("model file '{}' not found (run scripts/setup, set SPARSEKV_MODEL_DIR, or pass --model)",
+        throw sparsekv::model::UserError(fmt::format("model file '{}' not found (run scripts/setup, set SPARSEKV_MODEL_DIR, or pass --model)",
                                     model_path));
       }
     }
-    const std::string text = read_text(text_path);
+    const std::string text = sparsekv::model::read_text_file(text_path);
 
     const auto t_load = Clock::now();
     const GgufFile file = GgufFile::open(model_path);
@@ -254,11 +233,11 @@ int main(int argc, char** argv) {
 
     std::vector<std::int32_t> ids = tokenizer.encode(text, /*parse_special=*/false);
     if (ids.size() < std::size_t{prefill} + tokens + 1) {
-      throw UserError(fmt::format("'{}' has {} tokens; --prefill {} --tokens {} need {}", text_path, ids.size(), prefill,
+      throw sparsekv::model::UserError(fmt::format("'{}' has {} tokens; --prefill {} --tokens {} need {}", text_path, ids.size(), prefill,
                                   tokens, std::size_t{prefill} + tokens + 1));
     }
     if (c.context != 0 && prefill + tokens > c.context) {
-      throw UserError(fmt::format("--prefill + --tokens exceed the model's {}-token context", c.context));
+      throw sparsekv::model::UserError(fmt::format("--prefill + --tokens exceed the model's {}-token context", c.context));
     }
     const std::uint32_t max_tokens = prefill + tokens + 1;
 
@@ -274,7 +253,7 @@ int main(int argc, char** argv) {
         dump_layers = parse_numbers(spec, "--dump-layers", false);
       }
       for (std::size_t i = 0; i < dump_layers.size(); ++i) {
-        if (dump_layers[i] >= c.layers) throw UserError(fmt::format("--dump-layers: layer {} >= {}", dump_layers[i], c.layers));
+        if (dump_layers[i] >= c.layers) throw sparsekv::model::UserError(fmt::format("--dump-layers: layer {} >= {}", dump_layers[i], c.layers));
         trace_layer[dump_layers[i]] = static_cast<int>(i);
       }
       sparsekv::QkvTraceHeader header;
@@ -357,13 +336,13 @@ int main(int argc, char** argv) {
       const auto t = Clock::now();
       writer->finish();
       std::ofstream out(std::filesystem::path(dump_dir) / "selections.trace");
-      if (!out) throw UserError(fmt::format("cannot write '{}/selections.trace'", dump_dir));
+      if (!out) throw sparsekv::model::UserError(fmt::format("cannot write '{}/selections.trace'", dump_dir));
       out << "# SmolLM2-135M-Instruct, " << std::filesystem::path(text_path).filename().string() << ", policy "
           << dump_policy << " budget " << dump_budget << ", " << prefill << "-token prefill, " << tokens
           << " teacher-forced steps; page_tokens 8\n";
       sparsekv::write_selection_trace(out, recorder->trace());
       out.close();
-      if (!out) throw UserError(fmt::format("cannot write '{}/selections.trace'", dump_dir));
+      if (!out) throw sparsekv::model::UserError(fmt::format("cannot write '{}/selections.trace'", dump_dir));
       dump_s = since(t);
     }
 
@@ -409,7 +388,7 @@ int main(int argc, char** argv) {
       }
     }
     return 0;
-  } catch (const UserError& e) {
+  } catch (const sparsekv::model::UserError& e) {
     std::fprintf(stderr, "%s: %s\n", kProgram, e.what());
     return 2;
   } catch (const std::exception& e) {
