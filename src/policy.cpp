@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "sparsekv/core/error.hpp"
@@ -30,6 +31,12 @@ void check_decode_query(std::string_view policy, const LayerContext& ctx, const 
   if (q.q.size() != std::size_t{ctx.q_heads} * ctx.head_dim) {
     fail(ErrorCode::invalid_argument, "{}: query has {} values, expected {} q heads x {} dims", policy, q.q.size(),
          ctx.q_heads, ctx.head_dim);
+  }
+  // Scores of a non-finite query have no order: top-k would be undefined.
+  for (std::size_t i = 0; i < q.q.size(); ++i) {
+    if (!std::isfinite(q.q[i])) {
+      fail(ErrorCode::invalid_argument, "{}: query value {} is not finite", policy, i);
+    }
   }
 }
 

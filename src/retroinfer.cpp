@@ -293,15 +293,9 @@ void score(const LayerContext& ctx, const DecodeQuery& q, std::uint32_t kv_head,
 }
 
 // Eqs. 2-4: `size` keys that share the centroid's score, their values summing
-// to VS, as a partial (mass size * e^score, accumulator e^score * VS) merged by
-// log-sum-exp. Built by hand: AttentionPartial::add scales value_sum by the
-// weight as well, which counts a cluster's values `size` times.
-void add_cluster(AttentionPartial& partial, AttentionPartial& scratch, float score, std::uint32_t size,
-                 const float* value_sum) {
-  scratch.max = score;
-  scratch.sum = static_cast<float>(size);
-  std::copy_n(value_sum, scratch.acc.size(), scratch.acc.begin());
-  partial.merge(scratch);
+// to VS: mass size * e^score, accumulator e^score * VS.
+void add_cluster(AttentionPartial& partial, float score, std::uint32_t size, const float* value_sum) {
+  partial.add(score, static_cast<float>(size), value_sum);
 }
 
 }  // namespace
@@ -657,7 +651,9 @@ void RetroInferPolicy::select(const LayerContext& ctx, const DecodeQuery& q, con
       std::uint32_t used = steady.tokens;
       for (std::uint32_t i : top_k(rank, fraction_count(options_.retrieval_fraction, c.size()))) {
         const Group& g = c.group(i);
-        if (used + g.tokens > budget) continue;  // capped by the budget; it falls to the estimation zone
+        // Capped by the budget in rank order: this cluster and every lower-ranked one
+        // fall to the estimation zone.
+        if (used + g.tokens > budget) break;
         ids.push_back(g.id);
         used += g.tokens;
       }
@@ -681,7 +677,6 @@ void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, con
   const std::uint32_t group = ctx.group_size();
   std::vector<float> scores, rank;
   std::vector<PartitionId> selected;
-  AttentionPartial cluster(d);
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
     const HeadState& head = state.heads[h];
     if (budget >= head.tokens) continue;  // everything is exact
@@ -699,7 +694,7 @@ void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, con
       if (std::binary_search(selected.begin(), selected.end(), g.id)) continue;  // retrieved: exact
       const float* vs = c.value_sum(i, d);
       for (std::uint32_t j = 0; j < group; ++j) {
-        add_cluster(extra[h * group + j], cluster, scores[std::size_t{j} * m + i], g.tokens, vs);
+        add_cluster(extra[h * group + j], scores[std::size_t{j} * m + i], g.tokens, vs);
       }
     }
   }

@@ -222,6 +222,9 @@ TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]
   REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, nullptr, t.k.data(), t.v.data(), out.data()), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), nullptr), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(manager.decode({}, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::invalid_argument);
+  q[3] = float_to_bf16(std::nanf(""));
+  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::invalid_argument);
+  q[3] = 0;
   REQUIRE(manager.buffer().sequence_length(1, 0) == 40);
   manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data());
   REQUIRE(manager.buffer().sequence_length(1, 0) == 41);

@@ -284,6 +284,12 @@ class Manager {
     const std::size_t elem = dtype_size(shape_.dtype);
     const auto k_row = [&](std::size_t b) { return static_cast<const std::byte*>(k_new) + b * row * elem; };
     const auto v_row = [&](std::size_t b) { return static_cast<const std::byte*>(v_new) + b * row * elem; };
+    to_float(q, batch.size() * qd, queries_);
+    for (std::size_t i = 0; i < queries_.size(); ++i) {
+      if (!std::isfinite(queries_[i])) {
+        fail(ErrorCode::invalid_argument, "decode: q value {} of request {} is not finite", i % qd, batch[i / qd]);
+      }
+    }
 
     const auto t0 = Clock::now();
     pending_.resize(batch.size());
@@ -332,7 +338,6 @@ class Manager {
     }
     buffer_->table().check_segments(segments);
 
-    to_float(q, batch.size() * qd, queries_);
     retrievals_.resize(batch.size());
     selections_.resize(batch.size());
     extra_.clear();

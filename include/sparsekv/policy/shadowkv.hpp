@@ -9,9 +9,9 @@
 // of each GQA group.
 //
 // Choices (docs/policies/shadowkv.md):
-//  - budget_tokens counts every selected token: recent window first (always
-//    the newest page, even over a tiny budget), then outliers, then top-k,
-//    each taking pages while they fit.
+//  - budget_tokens counts every selected token: the recent window first (with
+//    recent_tokens > 0 it always includes the newest page, even over a tiny
+//    budget), then outliers, then top-k, each taking pages while they fit.
 //  - The paper keeps 48 outlier pages at a 2048-token budget; we scale that to
 //    round(outlier_pages * budget_tokens / 2048) so the static share of the
 //    budget stays the same at every budget.
