@@ -1,6 +1,7 @@
 # Runs sparsekv-cachesim on a synthetic trace, written to a file and replayed
 # with --trace, and checks the documented JSON: 3 policies x 4 buffer ratios
-# with keys policy, buffer_ratio, hit_ratio, pages_moved.
+# with keys policy, buffer_ratio, hit_ratio, pages_moved; and --overlap's 16
+# windows.
 set(trace ${WORK_DIR}/cachesim.trace)
 execute_process(COMMAND ${CACHESIM} --synthetic --steps 120 --partitions 512 --selected 32 --write-trace ${trace}
                 OUTPUT_QUIET RESULT_VARIABLE rc)
@@ -28,7 +29,30 @@ foreach(i RANGE ${last})
     message(FATAL_ERROR "row ${i} out of range: hit ${hit}, moved ${moved}")
   endif()
 endforeach()
-foreach(bad "--trace;${WORK_DIR}/missing.trace" "--synthetic;--selected;0" "--bogus")
+# --overlap: windows 1..16, both overlaps in [0, 1], the union one non-decreasing in w.
+execute_process(COMMAND ${CACHESIM} --trace ${trace} --overlap --json OUTPUT_VARIABLE json RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "sparsekv-cachesim --overlap exited with ${rc}")
+endif()
+string(JSON count LENGTH "${json}")
+if(NOT count EQUAL 16)
+  message(FATAL_ERROR "expected 16 overlap rows (windows 1..16), got ${count}")
+endif()
+set(previous 0)
+foreach(i RANGE 15)
+  string(JSON window GET "${json}" ${i} window)
+  string(JSON union GET "${json}" ${i} union_overlap)
+  string(JSON distance GET "${json}" ${i} distance_overlap)
+  math(EXPR expected "${i} + 1")
+  if(NOT window EQUAL expected OR union LESS 0 OR union GREATER 1 OR distance LESS 0 OR distance GREATER 1)
+    message(FATAL_ERROR "overlap row ${i} out of range: window ${window}, union ${union}, distance ${distance}")
+  endif()
+  if(union LESS previous)
+    message(FATAL_ERROR "union overlap falls from ${previous} to ${union} at window ${window}")
+  endif()
+  set(previous ${union})
+endforeach()
+foreach(bad "--trace;${WORK_DIR}/missing.trace" "--synthetic;--selected;0" "--bogus" "--synthetic;--overlap;--buckets;8")
   execute_process(COMMAND ${CACHESIM} ${bad} RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
   if(rc EQUAL 0 OR NOT err MATCHES "sparsekv-cachesim:")
     message(FATAL_ERROR "'${bad}' should fail with a message, got rc=${rc}: ${err}")

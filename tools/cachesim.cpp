@@ -3,7 +3,9 @@
 // and Belady's offline bound — at buffers of 1x, 2x, 5x and 10x each head's
 // mandatory pages (Spin §5.3 "Buffer Elasticity" sets the minimum at 5x), and
 // prints hit ratio, pages moved and the replacement time per (layer, head)
-// step. docs/cachesim.md describes the trace format, generator and columns.
+// step. With --overlap it prints instead the step-to-step selection overlap
+// (SparseServe §3.3, Fig. 8) for windows 1..16. docs/cachesim.md describes the
+// trace format, generator and columns.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -30,6 +32,7 @@ using sparsekv::SelectionTrace;
 
 constexpr std::uint32_t kRatios[] = {1, 2, 5, 10};
 constexpr const char* kPolicies[] = {"bucketed_lru", "exact_lru", "belady"};
+constexpr std::uint32_t kMaxOverlapWindow = 16;
 
 struct Result {
   const char* policy;
@@ -40,15 +43,18 @@ struct Result {
 
 void usage() {
   std::fputs(
-      "usage: sparsekv-cachesim --trace FILE [--json] [--buckets N]\n"
-      "       sparsekv-cachesim --synthetic [knobs] [--write-trace FILE] [--json] [--buckets N]\n"
+      "usage: sparsekv-cachesim --trace FILE [--json] [--buckets N | --overlap]\n"
+      "       sparsekv-cachesim --synthetic [knobs] [--write-trace FILE] [--json] [--buckets N | --overlap]\n"
       "  --trace FILE       replay a selection trace (format: docs/cachesim.md)\n"
       "  --synthetic        generate one; knobs (defaults):\n"
       "    --seed 1 --layers 2 --kv-heads 4 --steps 512 --partitions 2048 --selected 64 --max-pages 1\n"
       "    --reuse 0.85 --window 12 --recency-decay 0.3 --zipf 0.8 --drift 2\n"
       "  --write-trace FILE also save the trace that was replayed\n"
       "  --buckets N        bucketed-LRU timestamp buckets (default 64)\n"
-      "  --json             print [{policy, buffer_ratio, hit_ratio, pages_moved, ns_per_step}, ...]\n",
+      "  --overlap          instead of the replay, print the selection overlap (SparseServe Fig. 8) for\n"
+      "                     windows 1..16: with the union of the last w steps and with step t-w alone\n"
+      "  --json             print [{policy, buffer_ratio, hit_ratio, pages_moved, ns_per_step}, ...]\n"
+      "                     (with --overlap: [{window, union_overlap, distance_overlap}, ...])\n",
       stderr);
 }
 
@@ -126,6 +132,35 @@ std::string describe(const SelectionTrace& trace, const std::string& source) {
   return out;
 }
 
+// SparseServe Fig. 8's overlap for windows 1..kMaxOverlapWindow: the union of
+// the last w steps, and step t-w alone. Windows the trace is too short for
+// (steps <= w) are left out.
+std::string overlap_report(const SelectionTrace& trace, const std::string& source, bool json) {
+  const auto last = std::uint32_t(std::min<std::size_t>(kMaxOverlapWindow, trace.steps() == 0 ? 0 : trace.steps() - 1));
+  std::string out;
+  if (json) {
+    out = "[\n";
+  } else {
+    out = describe(trace, source);
+    out +=
+        "overlap = mean share of a step's selected partitions that the same head selected in the union of the last "
+        "w steps (union) or in step t-w alone (distance), over steps >= w and all heads (SparseServe Fig. 8)\n\n";
+    out += fmt::format("{:>6} {:>14} {:>17}\n", "window", "union overlap", "distance overlap");
+  }
+  for (std::uint32_t w = 1; w <= last; ++w) {
+    const double all = sparsekv::selection_overlap(trace, w);
+    const double only = sparsekv::selection_overlap(trace, w, true);
+    if (json) {
+      out += fmt::format("  {{\"window\": {}, \"union_overlap\": {:.6f}, \"distance_overlap\": {:.6f}}}{}\n", w,
+                         all, only, w < last ? "," : "");
+    } else {
+      out += fmt::format("{:>6} {:>13.1f}% {:>16.1f}%\n", w, 100 * all, 100 * only);
+    }
+  }
+  if (json) out += "]\n";
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -135,7 +170,7 @@ int main(int argc, char** argv) {
                                          "--zipf",   "--drift"};
     std::set<std::string> flags = knobs;
     flags.insert({"--trace", "--write-trace", "--buckets"});
-    const sparsekv::tools::CommandLine args(argc, argv, flags, {"--synthetic", "--json", "--help"});
+    const sparsekv::tools::CommandLine args(argc, argv, flags, {"--synthetic", "--json", "--overlap", "--help"});
     if (args.has("--help")) {
       usage();
       return 0;
@@ -145,6 +180,9 @@ int main(int argc, char** argv) {
     }
     for (const auto& knob : knobs) {
       if (args.has(knob) && !args.has("--synthetic")) throw std::invalid_argument(knob + " needs --synthetic");
+    }
+    if (args.has("--overlap") && args.has("--buckets")) {
+      throw std::invalid_argument("--buckets does not apply to --overlap");
     }
     const auto buckets = args.number<std::uint32_t>("--buckets", 64);
 
@@ -177,6 +215,11 @@ int main(int argc, char** argv) {
       sparsekv::write_selection_trace(out, trace);
       out.close();
       if (!out) sparsekv::fail(sparsekv::ErrorCode::invalid_argument, "cannot write trace '{}'", path);
+    }
+
+    if (args.has("--overlap")) {
+      std::fputs(overlap_report(trace, source, args.has("--json")).c_str(), stdout);
+      return 0;
     }
 
     std::vector<Result> results;
