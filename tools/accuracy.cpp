@@ -48,32 +48,6 @@ void usage() {
       stderr);
 }
 
-std::vector<std::string> split_list(const std::string& text, const std::string& flag) {
-  std::vector<std::string> out;
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t end = text.find(',', start);
-    out.push_back(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
-    if (out.back().empty()) throw std::invalid_argument(fmt::format("{}: empty entry in '{}'", flag, text));
-    if (end == std::string::npos) break;
-    start = end + 1;
-  }
-  return out;
-}
-
-std::vector<std::uint32_t> parse_budgets(const std::string& text) {
-  std::vector<std::uint32_t> out;
-  for (const std::string& item : split_list(text, "--budgets")) {
-    std::uint32_t value = 0;
-    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
-    if (ec != std::errc{} || end != item.data() + item.size() || value == 0) {
-      throw std::invalid_argument(fmt::format("--budgets expects positive token counts, got '{}'", item));
-    }
-    if (std::find(out.begin(), out.end(), value) == out.end()) out.push_back(value);
-  }
-  return out;
-}
-
 // Dense attention of every (step, layer), computed once.
 struct Reference {
   std::vector<float> out;   // [step][layer][q_heads][head_dim]
@@ -224,12 +198,12 @@ int main(int argc, char** argv) {
     for (const auto& knob : knobs) {
       if (args.has(knob) && !args.has("--synthetic")) throw std::invalid_argument(knob + " needs --synthetic");
     }
-    const std::vector<std::uint32_t> budgets = parse_budgets(args.text("--budgets", "256,512,1024,2048"));
+    const std::vector<std::uint32_t> budgets = args.number_list("--budgets", "256,512,1024,2048", 1);
     const std::vector<std::string> known = sparsekv::policy_names();
     std::vector<std::string> policies = known;
     if (args.has("--policies")) {
       policies.clear();
-      for (const std::string& p : split_list(args.text("--policies", ""), "--policies")) {
+      for (const std::string& p : args.list("--policies", "")) {
         if (std::find(known.begin(), known.end(), p) == known.end()) {
           throw std::invalid_argument(fmt::format("--policies: unknown policy '{}'", p));
         }

@@ -1,6 +1,7 @@
 #pragma once
 // Minimal `--flag value` parsing shared by the command-line tools: unknown
 // flags and malformed numbers are errors, never silently ignored.
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <map>
@@ -8,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -48,6 +50,34 @@ class CommandLine {
       throw std::invalid_argument(fmt::format("{} expects a number, got '{}'", name, s));
     }
     return value;
+  }
+
+  // A comma-separated value ("a,b,c"); an empty entry is an error.
+  std::vector<std::string> list(const std::string& name, const std::string& fallback) const {
+    const std::string text = this->text(name, fallback);
+    std::vector<std::string> out;
+    for (std::size_t start = 0;;) {
+      const std::size_t end = text.find(',', start);
+      out.push_back(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
+      if (out.back().empty()) throw std::invalid_argument(fmt::format("{}: empty entry in '{}'", name, text));
+      if (end == std::string::npos) return out;
+      start = end + 1;
+    }
+  }
+
+  // A comma-separated list of 32-bit numbers >= minimum, duplicates dropped, order kept.
+  std::vector<std::uint32_t> number_list(const std::string& name, const std::string& fallback,
+                                         std::uint32_t minimum = 0) const {
+    std::vector<std::uint32_t> out;
+    for (const std::string& item : list(name, fallback)) {
+      std::uint32_t value = 0;
+      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
+      if (ec != std::errc{} || end != item.data() + item.size() || value < minimum) {
+        throw std::invalid_argument(fmt::format("{} expects numbers >= {}, got '{}'", name, minimum, item));
+      }
+      if (std::find(out.begin(), out.end(), value) == out.end()) out.push_back(value);
+    }
+    return out;
   }
 
  private:

@@ -64,32 +64,6 @@ void usage() {
       stderr);
 }
 
-std::vector<std::string> split_list(const std::string& text, const std::string& flag) {
-  std::vector<std::string> out;
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t end = text.find(',', start);
-    out.push_back(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
-    if (out.back().empty()) throw sparsekv::model::UserError(fmt::format("{}: empty entry in '{}'", flag, text));
-    if (end == std::string::npos) break;
-    start = end + 1;
-  }
-  return out;
-}
-
-std::vector<std::uint32_t> parse_numbers(const std::string& text, const std::string& flag, bool positive) {
-  std::vector<std::uint32_t> out;
-  for (const std::string& item : split_list(text, flag)) {
-    std::uint32_t value = 0;
-    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
-    if (ec != std::errc{} || end != item.data() + item.size() || (positive && value == 0)) {
-      throw sparsekv::model::UserError(fmt::format("{} expects {}numbers, got '{}'", flag, positive ? "positive " : "", item));
-    }
-    if (std::find(out.begin(), out.end(), value) == out.end()) out.push_back(value);
-  }
-  return out;
-}
-
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // A SparseSession that also records its run: the selections of every layer
@@ -193,9 +167,14 @@ int main(int argc, char** argv) {
       throw sparsekv::model::UserError(e.what());
     }
     if (prefill == 0 || tokens == 0 || dump_budget == 0) throw sparsekv::model::UserError("--prefill, --tokens and --dump-budget must be > 0");
-    const std::vector<std::uint32_t> budgets = parse_numbers(args.text("--budgets", "256,512,1024"), "--budgets", true);
-    std::vector<std::string> policies =
-        args.has("--policies") ? split_list(args.text("--policies", ""), "--policies") : sparsekv::policy_names();
+    std::vector<std::uint32_t> budgets;
+    std::vector<std::string> policies = sparsekv::policy_names();
+    try {
+      budgets = args.number_list("--budgets", "256,512,1024", 1);
+      if (args.has("--policies")) policies = args.list("--policies", "");
+    } catch (const std::exception& e) {
+      throw sparsekv::model::UserError(e.what());
+    }
     for (const std::string& p : policies) {
       try {
         sparsekv::make_policy(p, 1);
@@ -250,7 +229,11 @@ int main(int argc, char** argv) {
       if (spec == "all") {
         for (std::uint32_t l = 0; l < c.layers; ++l) dump_layers.push_back(l);
       } else {
-        dump_layers = parse_numbers(spec, "--dump-layers", false);
+        try {
+          dump_layers = args.number_list("--dump-layers", spec);
+        } catch (const std::exception& e) {
+          throw sparsekv::model::UserError(e.what());
+        }
       }
       for (std::size_t i = 0; i < dump_layers.size(); ++i) {
         if (dump_layers[i] >= c.layers) throw sparsekv::model::UserError(fmt::format("--dump-layers: layer {} >= {}", dump_layers[i], c.layers));
