@@ -1,0 +1,220 @@
+// Gather H2D (Spin §5.5, SparseServe §3.2.1 FlashH2D): N = 4096 scattered
+// pages of 2/4/8/16/32 KB from a pinned host pool (256 MiB) into scattered
+// device pages, with all SMs and with an 8-SM cap. Each run prints the
+// kernel's GB/s and its ratio to three references measured in the same
+// process with cudaEvents on the same pages:
+//   over_contig   - one contiguous cudaMemcpyAsync of the same bytes (the PCIe limit)
+//   over_per_page - one cudaMemcpyAsync per page
+//   over_batch    - one cudaMemcpyBatchAsync over the same pages (CUDA 12.8+)
+// Without a CUDA device it prints "SKIPPED: no CUDA device" and exits 0.
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "sparsekv/core/device.hpp"
+#include "sparsekv/transfer/page_gather_cuda.hpp"
+
+namespace {
+
+using sparsekv::PageId;
+
+constexpr std::uint32_t kPages = 4096;
+constexpr std::size_t kPoolBytes = std::size_t{256} << 20;
+constexpr std::size_t kMaxPageBytes = 32 << 10;
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(status));
+    std::exit(1);
+  }
+}
+
+// Buffers shared by every run, allocated on first use.
+struct Buffers {
+  std::byte* pool = nullptr;        // pinned, mapped host pool (the CPU tier)
+  std::byte* dst = nullptr;         // device pages (the GPU tier)
+  std::byte* contiguous = nullptr;  // device buffer for the contiguous reference
+  PageId* d_src_pages = nullptr;
+  PageId* d_dst_pages = nullptr;
+  cudaStream_t stream = nullptr;  // non-blocking: cudaMemcpyBatchAsync rejects the legacy stream
+  cudaEvent_t start = nullptr, stop = nullptr;
+
+  Buffers() {
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, kPoolBytes, cudaHostAllocMapped), "cudaHostAlloc");
+    pool = static_cast<std::byte*>(p);
+    std::memset(pool, 0x5a, kPoolBytes);
+    check(cudaMalloc(&p, kPages * kMaxPageBytes), "cudaMalloc");
+    dst = static_cast<std::byte*>(p);
+    check(cudaMalloc(&p, kPages * kMaxPageBytes), "cudaMalloc");
+    contiguous = static_cast<std::byte*>(p);
+    check(cudaMalloc(&p, kPages * sizeof(PageId)), "cudaMalloc");
+    d_src_pages = static_cast<PageId*>(p);
+    check(cudaMalloc(&p, kPages * sizeof(PageId)), "cudaMalloc");
+    d_dst_pages = static_cast<PageId*>(p);
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+  }
+};
+
+Buffers& buffers() {
+  static Buffers b;
+  return b;
+}
+
+// The page lists of one page size: distinct random pool pages -> a random permutation of device pages.
+struct Lists {
+  std::vector<PageId> src, dst;
+};
+
+const Lists& lists(std::size_t page_bytes) {
+  static std::map<std::size_t, Lists> cache;
+  auto it = cache.find(page_bytes);
+  if (it != cache.end()) return it->second;
+  std::mt19937 rng(static_cast<unsigned>(page_bytes));
+  std::vector<PageId> all(kPoolBytes / page_bytes);
+  std::iota(all.begin(), all.end(), PageId{0});
+  std::shuffle(all.begin(), all.end(), rng);
+  Lists l;
+  l.src.assign(all.begin(), all.begin() + kPages);
+  l.dst.resize(kPages);
+  std::iota(l.dst.begin(), l.dst.end(), PageId{0});
+  std::shuffle(l.dst.begin(), l.dst.end(), rng);
+  return cache.emplace(page_bytes, std::move(l)).first->second;
+}
+
+void upload(const Lists& l) {
+  Buffers& b = buffers();
+  check(cudaMemcpy(b.d_src_pages, l.src.data(), kPages * sizeof(PageId), cudaMemcpyHostToDevice), "cudaMemcpy");
+  check(cudaMemcpy(b.d_dst_pages, l.dst.data(), kPages * sizeof(PageId), cudaMemcpyHostToDevice), "cudaMemcpy");
+}
+
+// Mean ms of `enqueue` on the benchmark stream over `reps` back-to-back runs, after one warm-up.
+template <class Enqueue>
+double mean_ms(int reps, Enqueue&& enqueue) {
+  Buffers& b = buffers();
+  enqueue();
+  check(cudaStreamSynchronize(b.stream), "warm-up");
+  check(cudaEventRecord(b.start, b.stream), "cudaEventRecord");
+  for (int r = 0; r < reps; ++r) enqueue();
+  check(cudaEventRecord(b.stop, b.stream), "cudaEventRecord");
+  check(cudaEventSynchronize(b.stop), "cudaEventSynchronize");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, b.start, b.stop), "cudaEventElapsedTime");
+  return double(ms) / reps;
+}
+
+struct References {
+  double contig_ms = 0, per_page_ms = 0, batch_ms = 0;  // batch_ms < 0: cudaMemcpyBatchAsync failed
+};
+
+const References& references(std::size_t page_bytes) {
+  static std::map<std::size_t, References> cache;
+  auto it = cache.find(page_bytes);
+  if (it != cache.end()) return it->second;
+  Buffers& b = buffers();
+  const Lists& l = lists(page_bytes);
+  References r;
+  r.contig_ms = mean_ms(20, [&] {
+    check(cudaMemcpyAsync(b.contiguous, b.pool, kPages * page_bytes, cudaMemcpyHostToDevice, b.stream), "memcpy");
+  });
+  r.per_page_ms = mean_ms(5, [&] {
+    for (std::uint32_t i = 0; i < kPages; ++i)
+      check(cudaMemcpyAsync(b.dst + l.dst[i] * page_bytes, b.pool + l.src[i] * page_bytes, page_bytes,
+                            cudaMemcpyHostToDevice, b.stream),
+            "memcpy");
+  });
+  std::vector<void*> dsts(kPages);
+  std::vector<const void*> srcs(kPages);
+  std::vector<std::size_t> sizes(kPages, page_bytes);
+  for (std::uint32_t i = 0; i < kPages; ++i) {
+    dsts[i] = b.dst + l.dst[i] * page_bytes;
+    srcs[i] = b.pool + l.src[i] * page_bytes;
+  }
+  cudaMemcpyAttributes attrs{};
+  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attrs.srcLocHint.type = cudaMemLocationTypeHost;
+  attrs.dstLocHint.type = cudaMemLocationTypeDevice;
+  std::size_t attrs_idx = 0;
+  const cudaError_t probe =
+      cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), kPages, &attrs, &attrs_idx, 1, b.stream);
+  if (probe == cudaSuccess) {
+    check(cudaStreamSynchronize(b.stream), "cudaMemcpyBatchAsync");
+    r.batch_ms = mean_ms(20, [&] {
+      check(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), kPages, &attrs, &attrs_idx, 1, b.stream),
+            "cudaMemcpyBatchAsync");
+    });
+  } else {
+    std::fprintf(stderr, "cudaMemcpyBatchAsync unavailable: %s\n", cudaGetErrorString(probe));
+    cudaGetLastError();
+    r.batch_ms = -1;
+  }
+  return cache.emplace(page_bytes, r).first->second;
+}
+
+// range(0): page KB; range(1): max_sms (0 = all).
+void BM_GatherH2D(benchmark::State& state) {
+  const std::size_t page_bytes = static_cast<std::size_t>(state.range(0)) << 10;
+  sparsekv::cuda::GatherConfig config;
+  config.max_sms = static_cast<std::uint32_t>(state.range(1));
+  Buffers& b = buffers();
+  const Lists& l = lists(page_bytes);
+  const References& ref = references(page_bytes);
+  upload(l);
+  auto enqueue = [&] {
+    sparsekv::cuda::gather_pages(b.d_src_pages, b.d_dst_pages, kPages, b.pool, page_bytes, b.dst, page_bytes,
+                                 page_bytes, config, b.stream);
+  };
+  enqueue();
+  check(cudaStreamSynchronize(b.stream), "warm-up");
+  double total_ms = 0;
+  for (auto _ : state) {
+    check(cudaEventRecord(b.start, b.stream), "cudaEventRecord");
+    enqueue();
+    check(cudaEventRecord(b.stop, b.stream), "cudaEventRecord");
+    check(cudaEventSynchronize(b.stop), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, b.start, b.stop), "cudaEventElapsedTime");
+    state.SetIterationTime(ms * 1e-3);
+    total_ms += ms;
+  }
+  const double bytes = double(kPages) * double(page_bytes);
+  const double ms = total_ms / double(state.iterations());
+  auto gbps = [&](double t_ms) { return bytes / (t_ms * 1e-3) / 1e9; };
+  state.counters["GBps"] = gbps(ms);
+  state.counters["contig_GBps"] = gbps(ref.contig_ms);
+  state.counters["per_page_GBps"] = gbps(ref.per_page_ms);
+  state.counters["batch_GBps"] = ref.batch_ms > 0 ? gbps(ref.batch_ms) : -1;
+  state.counters["over_contig"] = ref.contig_ms / ms;
+  state.counters["over_per_page"] = ref.per_page_ms / ms;
+  state.counters["over_batch"] = ref.batch_ms > 0 ? ref.batch_ms / ms : -1;
+}
+
+BENCHMARK(BM_GatherH2D)
+    ->ArgsProduct({{2, 4, 8, 16, 32}, {0, 8}})
+    ->ArgNames({"page_kb", "max_sms"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (sparsekv::cuda_device_count() == 0) {
+    std::puts("SKIPPED: no CUDA device");
+    return 0;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
