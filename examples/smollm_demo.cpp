@@ -68,14 +68,9 @@ int main(int argc, char** argv) {
       usage();
       return 0;
     }
-    std::uint32_t prompt_tokens = 0, new_tokens = 0, budget = 0;
-    try {
-      prompt_tokens = args.number<std::uint32_t>("--prompt-tokens", 4096);
-      new_tokens = args.number<std::uint32_t>("--new-tokens", 32);
-      budget = args.number<std::uint32_t>("--budget", 512);
-    } catch (const std::exception& e) {
-      throw sparsekv::model::UserError(e.what());
-    }
+    const auto prompt_tokens = args.number<std::uint32_t>("--prompt-tokens", 4096);
+    const auto new_tokens = args.number<std::uint32_t>("--new-tokens", 32);
+    const auto budget = args.number<std::uint32_t>("--budget", 512);
     if (prompt_tokens == 0 || new_tokens == 0 || budget == 0) {
       throw sparsekv::model::UserError("--prompt-tokens, --new-tokens and --budget must be > 0");
     }
@@ -84,13 +79,7 @@ int main(int argc, char** argv) {
     const std::string text_path = args.text("--text", "/usr/share/common-licenses/GPL-3");
 
     // Everything the user can get wrong is checked before the model loads.
-    sparsekv::AnyPolicy policy = [&] {
-      try {
-        return sparsekv::make_policy(policy_name, budget);
-      } catch (const std::exception& e) {
-        throw sparsekv::model::UserError(e.what());
-      }
-    }();
+    sparsekv::AnyPolicy policy = sparsekv::make_policy(policy_name, budget);
     {
       std::error_code ec;
       if (!std::filesystem::is_regular_file(model_path, ec)) {
@@ -208,10 +197,7 @@ int main(int argc, char** argv) {
       fmt::print("  the model ended its answer at once: no decode step ran\n");
     }
     return 0;
-  } catch (const sparsekv::model::UserError& e) {
-    std::fprintf(stderr, "%s: %s\n", kProgram, e.what());
-    return 2;
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // every failure is the user's to fix: one line, exit 2
     std::fprintf(stderr, "%s: %s\n", kProgram, e.what());
     return 2;
   }

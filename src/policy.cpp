@@ -40,6 +40,15 @@ void check_decode_query(std::string_view policy, const LayerContext& ctx, const 
   }
 }
 
+void check_appended_page(std::string_view policy, const LayerContext& ctx, const AppendedPage& page,
+                         bool needs_values) {
+  check_kv_view(policy, ctx, page.page, needs_values);
+  if (page.page.tokens != ctx.page_tokens || page.partitions.size() != ctx.kv_heads) {
+    fail(ErrorCode::invalid_argument, "{}: an appended page needs {} tokens and {} partition ids, got {} and {}",
+         policy, ctx.page_tokens, ctx.kv_heads, page.page.tokens, page.partitions.size());
+  }
+}
+
 std::vector<std::uint32_t> top_k(std::span<const float> scores, std::uint32_t k) {
   std::vector<std::uint32_t> order(scores.size());
   std::iota(order.begin(), order.end(), 0u);

@@ -504,14 +504,9 @@ std::vector<PartitionSpec> RetroInferPolicy::index(const LayerContext& ctx, cons
 std::optional<Repartition> RetroInferPolicy::append(const LayerContext& ctx, const AppendedPage& page,
                                                     LayerState& state) const {
   check_state(ctx, state);
-  check_kv(ctx, page.page);
+  check_appended_page("retroinfer", ctx, page, true);  // value sums need the values
   const std::uint32_t d = ctx.head_dim;
   const std::uint32_t tokens = page.page.tokens;
-  if (tokens != ctx.page_tokens || page.partitions.size() != ctx.kv_heads) {
-    fail(ErrorCode::invalid_argument,
-         "retroinfer: an appended page needs {} tokens and {} partition ids, got {} and {}",
-         ctx.page_tokens, ctx.kv_heads, tokens, page.partitions.size());
-  }
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
     if (page.partitions[h] != state.heads[h].partitions) {
       fail(ErrorCode::invalid_argument, "retroinfer: kv head {} appends partition {}, expected the next id {}", h,

@@ -158,39 +158,21 @@ int main(int argc, char** argv) {
       usage();
       return 0;
     }
-    std::uint32_t prefill = 0, tokens = 0, dump_budget = 0;
-    try {
-      prefill = args.number<std::uint32_t>("--prefill", 2048);
-      tokens = args.number<std::uint32_t>("--tokens", 256);
-      dump_budget = args.number<std::uint32_t>("--dump-budget", 512);
-    } catch (const std::exception& e) {
-      throw sparsekv::model::UserError(e.what());
-    }
+    const auto prefill = args.number<std::uint32_t>("--prefill", 2048);
+    const auto tokens = args.number<std::uint32_t>("--tokens", 256);
+    const auto dump_budget = args.number<std::uint32_t>("--dump-budget", 512);
     if (prefill == 0 || tokens == 0 || dump_budget == 0) throw sparsekv::model::UserError("--prefill, --tokens and --dump-budget must be > 0");
-    std::vector<std::uint32_t> budgets;
-    std::vector<std::string> policies = sparsekv::policy_names();
-    try {
-      budgets = args.number_list("--budgets", "256,512,1024", 1);
-      if (args.has("--policies")) policies = args.list("--policies", "");
-    } catch (const std::exception& e) {
-      throw sparsekv::model::UserError(e.what());
-    }
+    const std::vector<std::uint32_t> budgets = args.number_list("--budgets", "256,512,1024", 1);
+    const std::vector<std::string> policies =
+        args.has("--policies") ? args.list("--policies", "") : sparsekv::policy_names();
     for (const std::string& p : policies) {
-      try {
-        sparsekv::make_policy(p, 1);
-      } catch (const std::exception& e) {
-        throw sparsekv::model::UserError(e.what());
-      }
+      sparsekv::make_policy(p, 1);  // an unknown name fails here, before the model loads
     }
     const bool json = args.has("--json");
     const std::string dump_dir = args.text("--dump", "");
     const std::string dump_policy = args.text("--dump-policy", "shadowkv");
     if (!dump_dir.empty()) {
-      try {
-        sparsekv::make_policy(dump_policy, dump_budget);
-      } catch (const std::exception& e) {
-        throw sparsekv::model::UserError(e.what());
-      }
+      sparsekv::make_policy(dump_policy, dump_budget);
     }
     const std::string model_path = args.text("--model", sparsekv::model::default_model_path().string());
     const std::string text_path = args.text("--text", "/usr/share/common-licenses/GPL-3");
@@ -229,11 +211,7 @@ int main(int argc, char** argv) {
       if (spec == "all") {
         for (std::uint32_t l = 0; l < c.layers; ++l) dump_layers.push_back(l);
       } else {
-        try {
-          dump_layers = args.number_list("--dump-layers", spec);
-        } catch (const std::exception& e) {
-          throw sparsekv::model::UserError(e.what());
-        }
+        dump_layers = args.number_list("--dump-layers", spec);
       }
       for (std::size_t i = 0; i < dump_layers.size(); ++i) {
         if (dump_layers[i] >= c.layers) throw sparsekv::model::UserError(fmt::format("--dump-layers: layer {} >= {}", dump_layers[i], c.layers));
@@ -371,10 +349,7 @@ int main(int argc, char** argv) {
       }
     }
     return 0;
-  } catch (const sparsekv::model::UserError& e) {
-    std::fprintf(stderr, "%s: %s\n", kProgram, e.what());
-    return 2;
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // every failure is the user's to fix: one line, exit 2
     std::fprintf(stderr, "%s: %s\n", kProgram, e.what());
     return 2;
   }

@@ -95,12 +95,9 @@ class QuestPolicy {
   }
 
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
-    check_kv(ctx, page.page);
+    check_context(ctx);
+    check_appended_page(kName, ctx, page, false);
     check_state(ctx, state);
-    if (page.page.tokens != ctx.page_tokens || page.partitions.size() != ctx.kv_heads) {
-      fail(ErrorCode::invalid_argument, "quest: an appended page needs {} tokens and {} partition ids, got {} and {}",
-           ctx.page_tokens, ctx.kv_heads, page.page.tokens, page.partitions.size());
-    }
     state.tokens.push_back(page.page.tokens);
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
       state.ids[h].push_back(page.partitions[h]);

@@ -131,6 +131,9 @@ concept CustomAttend = SparseAttention<P> &&
 void check_layer_context(std::string_view policy, const LayerContext& ctx);
 void check_kv_view(std::string_view policy, const LayerContext& ctx, const KvView& kv, bool needs_values);
 void check_decode_query(std::string_view policy, const LayerContext& ctx, const DecodeQuery& q);
+// A full page (page_tokens tokens, K and V) with one partition id per kv head.
+void check_appended_page(std::string_view policy, const LayerContext& ctx, const AppendedPage& page,
+                         bool needs_values);
 
 // Top-k helper the policies share: indices of the k largest scores, ties to
 // the lower index, returned in descending score order.
