@@ -3,13 +3,15 @@
 #include <algorithm>
 #include <numeric>
 
+#include "sparsekv/cache/bucketed_lru_rules.hpp"
 #include "sparsekv/core/error.hpp"
 
 namespace sparsekv {
 
 BucketedLru::BucketedLru(std::uint32_t timestamp_buckets) : buckets_(timestamp_buckets), histogram_(timestamp_buckets) {
-  if (timestamp_buckets < 2 || timestamp_buckets > 256) {
-    fail(ErrorCode::invalid_argument, "BucketedLru: timestamp_buckets ({}) must be in [2, 256]", timestamp_buckets);
+  if (timestamp_buckets < kMinTimestampBuckets || timestamp_buckets > kMaxTimestampBuckets) {
+    fail(ErrorCode::invalid_argument, "BucketedLru: timestamp_buckets ({}) must be in [{}, {}]", timestamp_buckets,
+         kMinTimestampBuckets, kMaxTimestampBuckets);
   }
 }
 
@@ -57,7 +59,7 @@ CacheStepStats BucketedLru::step(HierarchicalPageTable& table, RequestId request
   const auto meta = table.meta_view();
   const auto slots = table.gpu_page_view();
   const PartitionLookup lookup = table.lookup();
-  const auto top = static_cast<std::uint8_t>(buckets_ - 1);
+  const std::uint8_t top = lru_top(buckets_);
   mark(selected, meta.length(inst));
 
   // 1. Hit/miss classification and the output layout.
@@ -83,31 +85,26 @@ CacheStepStats BucketedLru::step(HierarchicalPageTable& table, RequestId request
     return plan.gpu_pages[plan.partition_offsets[first_offset + selection_index] + page];
   };
 
+  // The selection index of an occupied slot's partition (selection_slot_ is 1-based, 0 = unselected).
+  const auto selection_of = [&](const GpuPageEntry& e) {
+    return e.occupied() && selection_slot_[e.partition] != 0 ? selection_slot_[e.partition] - 1 : kNotSelected;
+  };
+
   // 2. Timestamp update and histogram in one pass; hits report their pages.
   std::fill(histogram_.begin(), histogram_.end(), 0u);
   std::uint32_t free_slots = 0;
   slots.for_each(inst, [&](GpuPageEntry& e, std::uint32_t) {
-    if (!e.occupied()) {
-      ++free_slots;
-    } else if (const std::uint32_t sel = selection_slot_[e.partition]; sel != 0) {
-      e.timestamp = top;
-      out(sel - 1, e.page_in_partition) = e.gpu_page;
-    } else {
-      e.timestamp = e.timestamp == 0 ? 0 : static_cast<std::uint8_t>(e.timestamp - 1);
-      ++histogram_[e.timestamp];
+    const std::uint32_t sel = selection_of(e);
+    switch (lru_touch(e, sel, top)) {
+      case LruTouch::free: ++free_slots; break;
+      case LruTouch::hit: out(sel, e.page_in_partition) = e.gpu_page; break;
+      case LruTouch::aged: ++histogram_[e.timestamp]; break;
     }
   });
 
   if (demand > 0) {
     // 3. The smallest threshold whose cumulative count covers the shortfall.
-    int threshold = -1;
-    if (demand > free_slots) {
-      std::uint32_t covered = 0;
-      // check() guarantees the unselected pages cover the shortfall before bucket T-1.
-      while (covered < demand - free_slots && threshold + 2 < static_cast<int>(buckets_)) {
-        covered += histogram_[++threshold];
-      }
-    }
+    const int threshold = lru_threshold(histogram_.data(), buckets_, demand, free_slots);
     // 3+4. Evict at or below the threshold and admit the misses into free
     // slots, both in ascending slot order, in one pass.
     std::uint32_t miss = 0;  // selection index of the partition being admitted
@@ -117,23 +114,19 @@ CacheStepStats BucketedLru::step(HierarchicalPageTable& table, RequestId request
     };
     next_miss();
     slots.for_each(inst, [&](GpuPageEntry& e, std::uint32_t) {
-      if (e.occupied() && selection_slot_[e.partition] == 0 && static_cast<int>(e.timestamp) <= threshold) {
-        MetaPartitionEntry& m = *meta.find(inst, e.partition);
-        m = MetaPartitionEntry::make(m.token_count(), false);
-        e.partition = kInvalidPartition;
+      if (lru_evicts(e, selection_of(e), threshold)) {
+        lru_evict(e, *meta.find(inst, e.partition));
         ++stats.evicted_pages;
       }
       if (e.occupied() || miss >= selected.size()) return;
       const PartitionId p = selected[miss];
       MetaPartitionEntry& m = *meta.find(inst, p);
-      e.partition = p;
-      e.page_in_partition = static_cast<std::uint16_t>(page);
-      e.timestamp = top;
+      lru_admit(e, p, page, top);
       out(miss, page) = e.gpu_page;
       plan.copies.push_back({*lookup.cpu_pages.find(inst, *lookup.offsets.find(inst, p) + page), e.gpu_page});
       if (++page == pages_for_tokens(m.token_count(), lookup.page_tokens)) {
         // Marked resident only after its last page: the scan above still sees it as a miss.
-        m = MetaPartitionEntry::make(m.token_count(), true);
+        lru_set_resident(m);
         page = 0;
         ++miss;
         next_miss();

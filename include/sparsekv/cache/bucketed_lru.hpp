@@ -22,6 +22,10 @@
 // in page order, and the CPU -> GPU copies of the misses (the copies are the
 // caller's to run). The GPU page of a slot belongs to the slot: admission
 // only rewrites metadata, as in the paper.
+//
+// The per-slot rules live in bucketed_lru_rules.hpp, shared with the CUDA
+// backend (bucketed_lru_cuda.hpp), which runs the same step for a batch of
+// heads in one launch with identical results.
 #include <cstdint>
 #include <span>
 #include <vector>

@@ -1,0 +1,294 @@
+// CUDA kernels of the cache layer: the bucketed-LRU step (Spin §5.3), one
+// thread block per (request, layer, kv head) buffer. The host step is one
+// sequential pass with cursors; here each of its decisions is a per-element
+// rule (bucketed_lru_rules.hpp) plus an exclusive scan that recovers the
+// cursor: docs/buffer.md, "The CUDA step".
+#include <cuda_runtime.h>
+
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
+#include <string>
+
+#include "sparsekv/cache/bucketed_lru_cuda.hpp"
+#include "sparsekv/cache/bucketed_lru_rules.hpp"
+#include "sparsekv/core/error_code.hpp"
+
+namespace sparsekv::cuda {
+namespace {
+
+constexpr std::uint32_t kThreads = 256;
+constexpr std::uint32_t kSortItems = kLruSharedSelection / kThreads;
+static_assert(kSortItems * kThreads == kLruSharedSelection);
+// Independent GPU page entries each thread loads before processing them in
+// the timestamp pass: the pass is a bandwidth-bound stream over the table.
+constexpr std::uint32_t kUnroll = 4;
+// Resident blocks per SM the register budget is sized for (on an H100 4 x 43 KB
+// of shared memory fit too): independent heads hide each other's barriers.
+constexpr std::uint32_t kMinBlocksPerSm = 4;
+
+using Sort = cub::BlockRadixSort<PartitionId, kThreads, kSortItems, std::uint32_t>;
+using Scan = cub::BlockScan<std::uint32_t, kThreads>;
+
+struct SharedState {
+  union {
+    typename Sort::TempStorage sort;
+    typename Scan::TempStorage scan;
+  } temp;
+  // The head's selection sorted by partition id, with selection indices.
+  PartitionId sorted[kLruSharedSelection];
+  std::uint32_t indices[kLruSharedSelection];
+  // Per miss (in selection order): exclusive prefix of miss pages, selection index.
+  std::uint32_t miss_starts[kLruSharedSelection];
+  std::uint32_t miss_selection[kLruSharedSelection];
+  std::uint32_t histogram[kMaxTimestampBuckets];
+  std::uint32_t free_slots;
+  std::uint32_t evicted;
+  int threshold;
+};
+
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+    bucketed_lru_step_kernel(TwoLevelView<GpuPageEntry> slots, PartitionLookup lookup, LruStepBatch batch,
+                             LruStepOutput out, std::uint32_t buckets) {
+  __shared__ SharedState sh;
+  const std::uint32_t tid = threadIdx.x;
+  const std::uint32_t head = blockIdx.x;
+  const std::size_t inst = batch.instances[head];
+  const std::uint32_t first = batch.selection_offsets[head];
+  const std::uint32_t n = batch.selection_offsets[head + 1] - first;
+  const PartitionId* selected = batch.selected + first;
+  const std::uint32_t page_base = batch.page_offsets[head];
+  // offsets[i]: output index of selection i's first page. Written in pass 1,
+  // read back by this block after a barrier.
+  std::uint32_t* offsets = out.partition_offsets + first;
+  const std::uint8_t top = lru_top(buckets);
+  const auto& meta = lookup.meta;
+
+  if (head == 0 && tid == 0) {
+    out.partition_offsets[batch.selection_offsets[batch.heads]] = batch.page_offsets[batch.heads];
+  }
+  for (std::uint32_t b = tid; b < kMaxTimestampBuckets; b += kThreads) sh.histogram[b] = 0;
+  if (tid == 0) {
+    sh.free_slots = 0;
+    sh.evicted = 0;
+  }
+
+  // 0. Partition -> selection index: the selection sorted by partition id,
+  // searched by binary search (the host indexes a per-partition array).
+  const bool in_shared = n <= kLruSharedSelection;
+  PartitionId* sorted = sh.sorted;
+  std::uint32_t* indices = sh.indices;
+  std::uint32_t* miss_starts = sh.miss_starts;
+  std::uint32_t* miss_selection = sh.miss_selection;
+  if (in_shared) {
+    PartitionId keys[kSortItems];
+    std::uint32_t values[kSortItems];
+#pragma unroll
+    for (std::uint32_t k = 0; k < kSortItems; ++k) {
+      const std::uint32_t i = tid * kSortItems + k;
+      keys[k] = i < n ? selected[i] : kInvalidPartition;  // padding sorts last
+      values[k] = i;
+    }
+    Sort(sh.temp.sort).Sort(keys, values);
+#pragma unroll
+    for (std::uint32_t k = 0; k < kSortItems; ++k) {
+      const std::uint32_t i = tid * kSortItems + k;
+      if (i < n) {
+        sorted[i] = keys[k];
+        indices[i] = values[k];
+      }
+    }
+  } else {
+    // Rank sort into global scratch: partitions are distinct, so each one's
+    // rank is the count of smaller ones.
+    std::uint32_t* scratch = batch.scratch + 4 * static_cast<std::size_t>(first);
+    sorted = scratch;
+    indices = scratch + n;
+    miss_starts = scratch + 2 * static_cast<std::size_t>(n);
+    miss_selection = scratch + 3 * static_cast<std::size_t>(n);
+    for (std::uint32_t i = tid; i < n; i += kThreads) {
+      const PartitionId p = selected[i];
+      std::uint32_t rank = 0;
+      for (std::uint32_t j = 0; j < n; ++j) rank += selected[j] < p ? 1u : 0u;
+      sorted[rank] = p;
+      indices[rank] = i;
+    }
+  }
+  __syncthreads();  // also orders the sort's temp storage before the scans reuse it
+
+  // 1. Hit/miss and the output layout, in selection order: exclusive scans of
+  // the page counts (output offsets) and of the misses (admission order).
+  std::uint32_t total_pages = 0;
+  std::uint32_t misses = 0;
+  std::uint32_t demand = 0;
+  for (std::uint32_t base = 0; base < n; base += kThreads) {
+    const std::uint32_t i = base + tid;
+    std::uint32_t pages = 0;
+    bool miss = false;
+    if (i < n) {
+      const MetaPartitionEntry m = *meta.find(inst, selected[i]);
+      pages = pages_for_tokens(m.token_count(), lookup.page_tokens);
+      miss = !m.resident();
+    }
+    std::uint32_t at = 0, chunk_pages = 0;
+    Scan(sh.temp.scan).ExclusiveSum(pages, at, chunk_pages);
+    __syncthreads();
+    std::uint32_t rank = 0, chunk_misses = 0;
+    Scan(sh.temp.scan).ExclusiveSum(miss ? 1u : 0u, rank, chunk_misses);
+    __syncthreads();
+    std::uint32_t miss_at = 0, chunk_demand = 0;
+    Scan(sh.temp.scan).ExclusiveSum(miss ? pages : 0u, miss_at, chunk_demand);
+    __syncthreads();
+    if (i < n) {
+      offsets[i] = page_base + total_pages + at;
+      if (miss) {
+        miss_starts[misses + rank] = demand + miss_at;
+        miss_selection[misses + rank] = i;
+      }
+    }
+    total_pages += chunk_pages;
+    misses += chunk_misses;
+    demand += chunk_demand;
+  }
+  __syncthreads();  // offsets and the miss arrays are read by other threads below
+
+  const auto selection_of = [&](PartitionId p) { return lru_find_selection(sorted, indices, n, p); };
+
+  // 2. Timestamps and the histogram (shared-memory atomics); hits report their pages.
+  const std::uint32_t length = slots.length(inst);
+  std::uint32_t free_local = 0;
+  for (std::uint32_t base = 0; base < length; base += kThreads * kUnroll) {
+    GpuPageEntry* at[kUnroll];
+    GpuPageEntry e[kUnroll];
+#pragma unroll
+    for (std::uint32_t u = 0; u < kUnroll; ++u) {
+      const std::uint32_t s = base + u * kThreads + tid;
+      at[u] = s < length ? slots.find(inst, s) : nullptr;
+      if (at[u] != nullptr) e[u] = *at[u];
+    }
+#pragma unroll
+    for (std::uint32_t u = 0; u < kUnroll; ++u) {
+      if (at[u] == nullptr) continue;
+      const std::uint32_t sel = e[u].occupied() ? selection_of(e[u].partition) : kNotSelected;
+      switch (lru_touch(e[u], sel, top)) {
+        case LruTouch::free: ++free_local; break;
+        case LruTouch::hit:
+          at[u]->timestamp = e[u].timestamp;
+          out.gpu_pages[offsets[sel] + e[u].page_in_partition] = e[u].gpu_page;
+          break;
+        case LruTouch::aged:
+          at[u]->timestamp = e[u].timestamp;
+          atomicAdd(&sh.histogram[e[u].timestamp], 1u);
+          break;
+      }
+    }
+  }
+  if (free_local != 0) atomicAdd(&sh.free_slots, free_local);
+  __syncthreads();
+
+  // 3. The threshold, from the block's histogram (at most T steps).
+  if (tid == 0) sh.threshold = lru_threshold(sh.histogram, buckets, demand, sh.free_slots);
+  __syncthreads();
+
+  // 3+4. Eviction and admission in slot order, a tile of kThreads slots at a
+  // time. A slot's admission rank k (the host's cursor) is the exclusive scan
+  // of "free after eviction" over the slots before it; k < demand takes the
+  // page lru_admission maps k to. Once every miss page is placed the scans
+  // stop and the rest of the pass only evicts. Each thread owns its slots in
+  // this pass, so it loads kUnroll tiles' entries ahead.
+  std::uint32_t evicted_local = 0;
+  if (demand > 0) {
+    const int threshold = sh.threshold;
+    std::uint32_t admitted = 0;  // free slots before the current tile (block-uniform)
+    for (std::uint32_t base = 0; base < length; base += kThreads * kUnroll) {
+      GpuPageEntry* at[kUnroll];
+      GpuPageEntry e[kUnroll];
+#pragma unroll
+      for (std::uint32_t u = 0; u < kUnroll; ++u) {
+        const std::uint32_t s = base + u * kThreads + tid;
+        at[u] = s < length ? slots.find(inst, s) : nullptr;
+        if (at[u] != nullptr) e[u] = *at[u];
+      }
+#pragma unroll
+      for (std::uint32_t u = 0; u < kUnroll; ++u) {
+        if (at[u] != nullptr && lru_may_evict(e[u], threshold) &&
+            lru_evicts(e[u], selection_of(e[u].partition), threshold)) {
+          lru_evict(e[u], *meta.find(inst, e[u].partition));
+          at[u]->partition = e[u].partition;
+          ++evicted_local;
+        }
+        if (admitted >= demand) continue;
+        const bool free = at[u] != nullptr && !e[u].occupied();
+        std::uint32_t k = 0, tile_free = 0;
+        Scan(sh.temp.scan).ExclusiveSum(free ? 1u : 0u, k, tile_free);
+        __syncthreads();
+        k += admitted;
+        if (free && k < demand) {
+          const LruAdmission a = lru_admission(k, miss_starts, misses);
+          const std::uint32_t i = miss_selection[a.miss];
+          const PartitionId p = selected[i];
+          lru_admit(e[u], p, a.page, top);
+          *at[u] = e[u];
+          out.gpu_pages[offsets[i] + a.page] = e[u].gpu_page;
+          out.copy_cpu_pages[page_base + k] = *lookup.cpu_pages.find(inst, *lookup.offsets.find(inst, p) + a.page);
+          out.copy_gpu_pages[page_base + k] = e[u].gpu_page;
+          MetaPartitionEntry& m = *meta.find(inst, p);
+          if (a.page + 1 == pages_for_tokens(m.token_count(), lookup.page_tokens)) lru_set_resident(m);
+        }
+        admitted += tile_free;
+      }
+    }
+  }
+  if (evicted_local != 0) atomicAdd(&sh.evicted, evicted_local);
+  __syncthreads();
+
+  if (tid == 0) {
+    CacheStepStats stats;
+    stats.hit_partitions = n - misses;
+    stats.miss_partitions = misses;
+    stats.hit_pages = total_pages - demand;
+    stats.miss_pages = demand;
+    stats.evicted_pages = sh.evicted;
+    out.stats[head] = stats;
+  }
+}
+
+[[noreturn]] void throw_invalid(const std::string& message) {
+  throw Error(ErrorCode::invalid_argument, "bucketed_lru_step: " + message);
+}
+
+}  // namespace
+
+void bucketed_lru_step(const TwoLevelView<GpuPageEntry>& gpu_pages, const PartitionLookup& lookup,
+                       const LruStepBatch& batch, const LruStepOutput& out, std::uint32_t timestamp_buckets,
+                       void* stream) {
+  // Validation first: nothing is enqueued when an argument is wrong.
+  if (timestamp_buckets < kMinTimestampBuckets || timestamp_buckets > kMaxTimestampBuckets) {
+    throw_invalid("timestamp_buckets " + std::to_string(timestamp_buckets) + " is not in [2, 256]");
+  }
+  if (batch.heads > 0x7fffffffu) throw_invalid("heads " + std::to_string(batch.heads) + " exceeds 2^31 - 1");
+  if (batch.heads == 0) return;
+  if (batch.instances == nullptr || batch.selection_offsets == nullptr || batch.page_offsets == nullptr ||
+      out.partition_offsets == nullptr || out.stats == nullptr) {
+    throw_invalid("null instances, selection_offsets, page_offsets, partition_offsets or stats with " +
+                  std::to_string(batch.heads) + " heads");
+  }
+  if (batch.max_selection > 0 &&
+      (batch.selected == nullptr || out.gpu_pages == nullptr || out.copy_cpu_pages == nullptr ||
+       out.copy_gpu_pages == nullptr)) {
+    throw_invalid("null selected, gpu_pages or copy arrays with max_selection " +
+                  std::to_string(batch.max_selection));
+  }
+  if (batch.max_selection > kLruSharedSelection && batch.scratch == nullptr) {
+    throw_invalid("max_selection " + std::to_string(batch.max_selection) + " exceeds " +
+                  std::to_string(kLruSharedSelection) + " and no scratch was given");
+  }
+  bucketed_lru_step_kernel<<<batch.heads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      gpu_pages, lookup, batch, out, timestamp_buckets);
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    throw Error(ErrorCode::cuda_error,
+                std::string("bucketed_lru_step launch failed: ") + cudaGetErrorString(status));
+  }
+}
+
+}  // namespace sparsekv::cuda

@@ -1,0 +1,459 @@
+// The bucketed-LRU rules (Spin §5.3) shared by the host step and the CUDA
+// kernel, and a host emulation of the kernel's data-parallel decomposition
+// (sorted selection + binary search, exclusive scans, per-slot rules in an
+// arbitrary order, tiled admission scan) against BucketedLru::step: tables,
+// plans and stats must be identical. This is CI's coverage of the kernel logic.
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "sparsekv/cache/bucketed_lru.hpp"
+#include "sparsekv/cache/bucketed_lru_rules.hpp"
+#include "test_support.hpp"
+
+using namespace sparsekv;
+
+namespace {
+
+GpuPageEntry entry(PartitionId p, std::uint8_t timestamp) { return {p, 7, 2, timestamp, 0}; }
+
+}  // namespace
+
+TEST_CASE("lru rules: top, demotion and the per-slot touch", "[lru-rules]") {
+  REQUIRE(lru_top(2) == 1);
+  REQUIRE(lru_top(64) == 63);
+  REQUIRE(lru_top(256) == 255);
+  REQUIRE(lru_demote(0) == 0);
+  REQUIRE(lru_demote(1) == 0);
+  REQUIRE(lru_demote(255) == 254);
+
+  GpuPageEntry free_slot = entry(kInvalidPartition, 9);
+  REQUIRE(lru_touch(free_slot, kNotSelected, 63) == LruTouch::free);
+  REQUIRE(free_slot.timestamp == 9);  // an empty slot is left alone
+
+  GpuPageEntry hit = entry(4, 10);
+  REQUIRE(lru_touch(hit, 0, 63) == LruTouch::hit);
+  REQUIRE(hit.timestamp == 63);
+  REQUIRE(hit.partition == 4);
+
+  GpuPageEntry aged = entry(4, 10);
+  REQUIRE(lru_touch(aged, kNotSelected, 63) == LruTouch::aged);
+  REQUIRE(aged.timestamp == 9);
+  GpuPageEntry floor = entry(4, 0);
+  REQUIRE(lru_touch(floor, kNotSelected, 63) == LruTouch::aged);
+  REQUIRE(floor.timestamp == 0);
+}
+
+TEST_CASE("lru rules: threshold from the histogram and the shortfall", "[lru-rules]") {
+  const std::uint32_t histogram[4] = {2, 0, 3, 1};
+  REQUIRE(lru_threshold(histogram, 4, 0, 0) == -1);  // nothing to admit
+  REQUIRE(lru_threshold(histogram, 4, 5, 5) == -1);  // free slots cover the demand
+  REQUIRE(lru_threshold(histogram, 4, 6, 5) == 0);   // shortfall 1: bucket 0 has 2
+  REQUIRE(lru_threshold(histogram, 4, 2, 0) == 0);
+  REQUIRE(lru_threshold(histogram, 4, 3, 0) == 2);  // 2 + 0 < 3 <= 2 + 0 + 3: empty bucket 1 skipped
+  REQUIRE(lru_threshold(histogram, 4, 5, 0) == 2);
+  // Never past T-2: unselected pages were demoted below the top.
+  REQUIRE(lru_threshold(histogram, 4, 9, 0) == 2);
+  const std::uint32_t two[2] = {0, 5};
+  REQUIRE(lru_threshold(two, 2, 3, 0) == 0);
+}
+
+TEST_CASE("lru rules: eviction predicate, eviction, admission, residency", "[lru-rules]") {
+  REQUIRE(lru_may_evict(entry(3, 2), 2));
+  REQUIRE_FALSE(lru_may_evict(entry(3, 3), 2));
+  REQUIRE_FALSE(lru_may_evict(entry(kInvalidPartition, 0), 2));
+  REQUIRE_FALSE(lru_may_evict(entry(3, 0), -1));
+  REQUIRE(lru_evicts(entry(3, 1), kNotSelected, 2));
+  REQUIRE_FALSE(lru_evicts(entry(3, 1), 5, 2));  // selected pages stay
+  REQUIRE_FALSE(lru_evicts(entry(3, 3), kNotSelected, 2));
+
+  GpuPageEntry e = entry(3, 1);
+  MetaPartitionEntry m = MetaPartitionEntry::make(37, true);
+  lru_evict(e, m);
+  REQUIRE_FALSE(e.occupied());
+  REQUIRE(e.gpu_page == 7);  // the slot keeps its GPU page
+  REQUIRE_FALSE(m.resident());
+  REQUIRE(m.token_count() == 37);
+
+  lru_admit(e, 11, 300, 63);
+  REQUIRE(e.partition == 11);
+  REQUIRE(e.page_in_partition == 300);
+  REQUIRE(e.timestamp == 63);
+  REQUIRE(e.gpu_page == 7);
+  lru_set_resident(m);
+  REQUIRE(m.resident());
+  REQUIRE(m.token_count() == 37);
+}
+
+TEST_CASE("lru rules: the k-th free slot maps to the host's admission cursor", "[lru-rules]") {
+  const std::uint32_t starts[4] = {0, 3, 4, 9};  // misses of 3, 1, 5 and 2 pages
+  const std::pair<std::uint32_t, LruAdmission> expected[] = {
+      {0, {0, 0}}, {2, {0, 2}}, {3, {1, 0}}, {4, {2, 0}}, {8, {2, 4}}, {9, {3, 0}}, {10, {3, 1}}};
+  for (const auto& [k, want] : expected) {
+    const LruAdmission got = lru_admission(k, starts, 4);
+    REQUIRE(got.miss == want.miss);
+    REQUIRE(got.page == want.page);
+  }
+  std::mt19937 rng(17);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<std::uint32_t> pages(1 + rng() % 40);
+    for (auto& p : pages) p = 1 + rng() % 6;
+    std::vector<std::uint32_t> miss_starts(pages.size());
+    std::exclusive_scan(pages.begin(), pages.end(), miss_starts.begin(), 0u);
+    // The host's sequential cursor.
+    std::uint32_t k = 0;
+    for (std::uint32_t j = 0; j < pages.size(); ++j) {
+      for (std::uint32_t q = 0; q < pages[j]; ++q, ++k) {
+        const LruAdmission a = lru_admission(k, miss_starts.data(), static_cast<std::uint32_t>(pages.size()));
+        REQUIRE(a.miss == j);
+        REQUIRE(a.page == q);
+      }
+    }
+  }
+}
+
+TEST_CASE("lru rules: selection lookup in a sorted selection", "[lru-rules]") {
+  std::mt19937 rng(5);
+  for (int round = 0; round < 200; ++round) {
+    const std::uint32_t universe = 1 + rng() % 300;
+    std::vector<PartitionId> selection(universe);
+    std::iota(selection.begin(), selection.end(), PartitionId{0});
+    std::shuffle(selection.begin(), selection.end(), rng);
+    selection.resize(rng() % (universe + 1));
+    std::vector<std::pair<PartitionId, std::uint32_t>> pairs;
+    for (std::uint32_t i = 0; i < selection.size(); ++i) pairs.push_back({selection[i], i});
+    std::sort(pairs.begin(), pairs.end());
+    std::vector<PartitionId> sorted;
+    std::vector<std::uint32_t> indices;
+    for (auto [p, i] : pairs) {
+      sorted.push_back(p);
+      indices.push_back(i);
+    }
+    std::map<PartitionId, std::uint32_t> expected;
+    for (std::uint32_t i = 0; i < selection.size(); ++i) expected[selection[i]] = i;
+    for (PartitionId p = 0; p <= universe; ++p) {
+      const auto it = expected.find(p);
+      const std::uint32_t got =
+          lru_find_selection(sorted.data(), indices.data(), static_cast<std::uint32_t>(sorted.size()), p);
+      REQUIRE(got == (it == expected.end() ? kNotSelected : it->second));
+    }
+    REQUIRE(lru_find_selection(sorted.data(), indices.data(), static_cast<std::uint32_t>(sorted.size()),
+                               kInvalidPartition) == kNotSelected);
+  }
+}
+
+namespace {
+
+constexpr std::uint32_t kPageTokens = 4;
+
+PageTableGeometry emulation_geometry() {
+  PageTableGeometry g;
+  g.max_requests = 2;
+  g.layers = 2;
+  g.kv_heads = 3;
+  g.page_tokens = kPageTokens;
+  g.max_partitions_per_head = 160;
+  g.max_cpu_pages_per_head = 160 * 3;
+  g.max_gpu_pages_per_head = 96;
+  g.segment_entries = 32;  // several segments per head: the views' segment walk matters
+  const auto instances = static_cast<std::uint32_t>(g.instances());
+  g.meta_segments = g.offset_segments = instances * 5;
+  g.cpu_page_segments = instances * 15;
+  g.gpu_page_segments = instances * 3;
+  return g;
+}
+
+// Random requests, partitions of 1..3 pages, empty buffers of varied sizes;
+// the same seed builds the same table.
+void build(HierarchicalPageTable& table, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  const PageTableGeometry& g = table.geometry();
+  PageId next_cpu = 0;
+  PageId next_gpu = 0;
+  for (RequestId r = 0; r < g.max_requests; ++r) {
+    table.add_request(r * 10 + 3);
+    for (std::uint32_t l = 0; l < g.layers; ++l) {
+      for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
+        std::vector<std::uint32_t> tokens(20 + rng() % 140);
+        std::vector<PageId> pages;
+        for (auto& t : tokens) {
+          t = 1 + rng() % (3 * kPageTokens);
+          for (std::uint32_t i = 0; i < pages_for_tokens(t, kPageTokens); ++i) pages.push_back(next_cpu++ * 31 % 100003);
+        }
+        table.append_partitions(r * 10 + 3, l, h, tokens, pages);
+        const std::uint32_t slots = 4 + rng() % 93;
+        table.resize_gpu_slots(r * 10 + 3, l, h, slots);
+        for (std::uint32_t s = 0; s < slots; ++s) {
+          table.set_gpu_entry(r * 10 + 3, l, h, s, {kInvalidPartition, next_gpu++ * 7 % 65521, 0, 0, 0});
+        }
+      }
+    }
+  }
+}
+
+struct Head {
+  RequestId request;
+  std::uint32_t layer;
+  std::uint32_t head;
+};
+
+// A selection of distinct partitions whose pages fit the head's slots, biased
+// towards resident partitions (hit ratio around the given share).
+std::vector<PartitionId> random_selection(const HierarchicalPageTable& table, const Head& h, std::mt19937& rng,
+                                          double hit_share) {
+  const std::uint32_t count = table.partition_count(h.request, h.layer, h.head);
+  const std::uint32_t slots = table.gpu_slots(h.request, h.layer, h.head);
+  std::vector<PartitionId> resident, other;
+  for (PartitionId p = 0; p < count; ++p) {
+    (table.meta(h.request, h.layer, h.head, p).resident() ? resident : other).push_back(p);
+  }
+  std::shuffle(resident.begin(), resident.end(), rng);
+  std::shuffle(other.begin(), other.end(), rng);
+  const std::uint32_t limit = rng() % (slots + 1);
+  std::vector<PartitionId> selected;
+  std::uint32_t pages = 0;
+  std::size_t ri = 0, oi = 0;
+  std::bernoulli_distribution pick_resident(hit_share);
+  for (int tries = 0; tries < 400 && (ri < resident.size() || oi < other.size()); ++tries) {
+    const bool from_resident = oi == other.size() || (ri < resident.size() && pick_resident(rng));
+    const PartitionId p = from_resident ? resident[ri++] : other[oi++];
+    const std::uint32_t n = table.page_count(h.request, h.layer, h.head, p);
+    if (pages + n > limit) continue;
+    pages += n;
+    selected.push_back(p);
+  }
+  return selected;
+}
+
+// Outputs of one emulated launch, laid out as bucketed_lru_cuda.hpp documents.
+struct LaunchOutput {
+  std::vector<std::uint32_t> partition_offsets;
+  std::vector<PageId> gpu_pages, copy_cpu_pages, copy_gpu_pages;
+  std::vector<CacheStepStats> stats;
+};
+
+// The kernel's decomposition in plain C++: every head independently
+// (blocks), each phase's per-element work in a random order (threads run in
+// any order), cross-element order only through exclusive scans, eviction and
+// admission in tiles of `tile` slots.
+void emulate(HierarchicalPageTable& table, std::uint32_t buckets, const std::vector<std::size_t>& instances,
+             const std::vector<std::uint32_t>& selection_offsets, const std::vector<PartitionId>& selected_all,
+             const std::vector<std::uint32_t>& page_offsets, std::uint32_t tile, std::mt19937& rng,
+             LaunchOutput& out) {
+  const auto slots = table.gpu_page_view();
+  const PartitionLookup lookup = table.lookup();
+  const auto& meta = lookup.meta;
+  const std::uint8_t top = lru_top(buckets);
+  const std::size_t heads = instances.size();
+  out.partition_offsets.assign(selection_offsets.back() + 1, 0xdeadbeefu);
+  out.gpu_pages.assign(page_offsets.back(), kInvalidPage - 1);
+  out.copy_cpu_pages.assign(page_offsets.back(), kInvalidPage - 1);
+  out.copy_gpu_pages.assign(page_offsets.back(), kInvalidPage - 1);
+  out.stats.assign(heads, {});
+  out.partition_offsets[selection_offsets.back()] = page_offsets.back();
+  const auto shuffled = [&](std::uint32_t n) {
+    std::vector<std::uint32_t> order(n);
+    std::iota(order.begin(), order.end(), 0u);
+    std::shuffle(order.begin(), order.end(), rng);
+    return order;
+  };
+  for (std::size_t head = 0; head < heads; ++head) {
+    const std::size_t inst = instances[head];
+    const std::uint32_t first = selection_offsets[head];
+    const std::uint32_t n = selection_offsets[head + 1] - first;
+    const PartitionId* selected = selected_all.data() + first;
+    std::uint32_t* offsets = out.partition_offsets.data() + first;
+    const std::uint32_t page_base = page_offsets[head];
+
+    // 0. Sorted selection.
+    std::vector<std::pair<PartitionId, std::uint32_t>> pairs;
+    for (std::uint32_t i = 0; i < n; ++i) pairs.push_back({selected[i], i});
+    std::sort(pairs.begin(), pairs.end());
+    std::vector<PartitionId> sorted;
+    std::vector<std::uint32_t> indices;
+    for (auto [p, i] : pairs) {
+      sorted.push_back(p);
+      indices.push_back(i);
+    }
+    const auto selection_of = [&](PartitionId p) { return lru_find_selection(sorted.data(), indices.data(), n, p); };
+
+    // 1. Hit/miss, scans over page counts and misses.
+    std::vector<std::uint32_t> pages(n), is_miss(n), miss_pages(n);
+    for (std::uint32_t i : shuffled(n)) {
+      const MetaPartitionEntry m = *meta.find(inst, selected[i]);
+      pages[i] = pages_for_tokens(m.token_count(), lookup.page_tokens);
+      is_miss[i] = m.resident() ? 0 : 1;
+      miss_pages[i] = is_miss[i] ? pages[i] : 0;
+    }
+    std::vector<std::uint32_t> at(n), rank(n), miss_at(n);
+    std::exclusive_scan(pages.begin(), pages.end(), at.begin(), 0u);
+    std::exclusive_scan(is_miss.begin(), is_miss.end(), rank.begin(), 0u);
+    std::exclusive_scan(miss_pages.begin(), miss_pages.end(), miss_at.begin(), 0u);
+    const std::uint32_t total_pages = std::accumulate(pages.begin(), pages.end(), 0u);
+    const std::uint32_t misses = std::accumulate(is_miss.begin(), is_miss.end(), 0u);
+    const std::uint32_t demand = std::accumulate(miss_pages.begin(), miss_pages.end(), 0u);
+    std::vector<std::uint32_t> miss_starts(misses), miss_selection(misses);
+    for (std::uint32_t i : shuffled(n)) {
+      offsets[i] = page_base + at[i];
+      if (is_miss[i]) {
+        miss_starts[rank[i]] = miss_at[i];
+        miss_selection[rank[i]] = i;
+      }
+    }
+
+    // 2. Timestamps and histogram, slots in any order.
+    const std::uint32_t length = slots.length(inst);
+    std::vector<std::uint32_t> histogram(buckets, 0);
+    std::uint32_t free_slots = 0;
+    for (std::uint32_t s : shuffled(length)) {
+      GpuPageEntry* e = slots.find(inst, s);
+      const std::uint32_t sel = e->occupied() ? selection_of(e->partition) : kNotSelected;
+      switch (lru_touch(*e, sel, top)) {
+        case LruTouch::free: ++free_slots; break;
+        case LruTouch::hit: out.gpu_pages[offsets[sel] + e->page_in_partition] = e->gpu_page; break;
+        case LruTouch::aged: ++histogram[e->timestamp]; break;
+      }
+    }
+
+    // 3. Threshold; 3+4. eviction and tiled admission.
+    const int threshold = lru_threshold(histogram.data(), buckets, demand, free_slots);
+    std::uint32_t evicted = 0;
+    if (demand > 0) {
+      std::uint32_t admitted = 0;
+      for (std::uint32_t base = 0; base < length; base += tile) {
+        const std::uint32_t width = std::min(tile, length - base);
+        for (std::uint32_t t : shuffled(width)) {
+          GpuPageEntry* e = slots.find(inst, base + t);
+          if (lru_may_evict(*e, threshold) && lru_evicts(*e, selection_of(e->partition), threshold)) {
+            lru_evict(*e, *meta.find(inst, e->partition));
+            ++evicted;
+          }
+        }
+        if (admitted >= demand) continue;
+        std::vector<std::uint32_t> free_flag(width), k(width);
+        for (std::uint32_t t = 0; t < width; ++t) free_flag[t] = slots.find(inst, base + t)->occupied() ? 0 : 1;
+        std::exclusive_scan(free_flag.begin(), free_flag.end(), k.begin(), admitted);
+        for (std::uint32_t t : shuffled(width)) {
+          if (!free_flag[t] || k[t] >= demand) continue;
+          GpuPageEntry* e = slots.find(inst, base + t);
+          const LruAdmission a = lru_admission(k[t], miss_starts.data(), misses);
+          const std::uint32_t i = miss_selection[a.miss];
+          const PartitionId p = selected[i];
+          lru_admit(*e, p, a.page, top);
+          out.gpu_pages[offsets[i] + a.page] = e->gpu_page;
+          out.copy_cpu_pages[page_base + k[t]] = *lookup.cpu_pages.find(inst, *lookup.offsets.find(inst, p) + a.page);
+          out.copy_gpu_pages[page_base + k[t]] = e->gpu_page;
+          MetaPartitionEntry& m = *meta.find(inst, p);
+          if (a.page + 1 == pages_for_tokens(m.token_count(), lookup.page_tokens)) lru_set_resident(m);
+        }
+        admitted += std::accumulate(free_flag.begin(), free_flag.end(), 0u);
+      }
+    }
+    CacheStepStats& stats = out.stats[head];
+    stats.hit_partitions = n - misses;
+    stats.miss_partitions = misses;
+    stats.hit_pages = total_pages - demand;
+    stats.miss_pages = demand;
+    stats.evicted_pages = evicted;
+  }
+}
+
+void require_same_tables(const HierarchicalPageTable& a, const HierarchicalPageTable& b, const std::vector<Head>& heads) {
+  for (const Head& h : heads) {
+    const std::uint32_t slots = a.gpu_slots(h.request, h.layer, h.head);
+    REQUIRE(b.gpu_slots(h.request, h.layer, h.head) == slots);
+    for (std::uint32_t s = 0; s < slots; ++s) {
+      const GpuPageEntry x = a.gpu_entry(h.request, h.layer, h.head, s);
+      const GpuPageEntry y = b.gpu_entry(h.request, h.layer, h.head, s);
+      INFO("request " << h.request << " layer " << h.layer << " head " << h.head << " slot " << s);
+      REQUIRE(x.partition == y.partition);
+      REQUIRE(x.gpu_page == y.gpu_page);
+      REQUIRE(x.page_in_partition == y.page_in_partition);
+      REQUIRE(x.timestamp == y.timestamp);
+      REQUIRE(x.reserved == y.reserved);
+    }
+    const std::uint32_t partitions = a.partition_count(h.request, h.layer, h.head);
+    for (PartitionId p = 0; p < partitions; ++p) {
+      REQUIRE(a.meta(h.request, h.layer, h.head, p).bits == b.meta(h.request, h.layer, h.head, p).bits);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("lru emulation: the kernel's decomposition reproduces BucketedLru::step", "[lru-rules]") {
+  const std::uint32_t bucket_choices[] = {2, 3, 4, 8, 64, 256};
+  const std::uint32_t tile_choices[] = {1, 7, 32, 256};
+  std::uint64_t total_evicted = 0, total_hits = 0, total_misses = 0;
+  for (std::uint32_t seed = 1; seed <= 24; ++seed) {
+    HostMemoryResource memory(false);
+    HierarchicalPageTable host_table(emulation_geometry(), memory, memory);
+    HierarchicalPageTable emu_table(emulation_geometry(), memory, memory);
+    build(host_table, seed);
+    build(emu_table, seed);
+    std::mt19937 rng(seed * 7919);
+    const std::uint32_t buckets = bucket_choices[seed % 6];
+    BucketedLru lru(buckets);
+    std::vector<Head> all;
+    const PageTableGeometry& g = host_table.geometry();
+    for (RequestId r = 0; r < g.max_requests; ++r) {
+      for (std::uint32_t l = 0; l < g.layers; ++l) {
+        for (std::uint32_t h = 0; h < g.kv_heads; ++h) all.push_back({r * 10 + 3, l, h});
+      }
+    }
+    for (int step = 0; step < 40; ++step) {
+      // A random subset of the heads, in random order, one launch.
+      std::vector<Head> heads = all;
+      std::shuffle(heads.begin(), heads.end(), rng);
+      heads.resize(1 + rng() % heads.size());
+      const double hit_share = std::uniform_real_distribution<double>(0.2, 0.95)(rng);
+      std::vector<std::size_t> instances;
+      std::vector<std::uint32_t> selection_offsets{0}, page_offsets{0};
+      std::vector<PartitionId> selected_all;
+      RetrievePlan plan;
+      std::vector<CacheStepStats> host_stats;
+      for (const Head& h : heads) {
+        const std::vector<PartitionId> selected = random_selection(host_table, h, rng, hit_share);
+        const std::uint32_t slots = host_table.gpu_slots(h.request, h.layer, h.head);
+        const std::uint32_t pages = lru.check(host_table, h.request, h.layer, h.head, selected, slots);
+        host_stats.push_back(lru.step(host_table, h.request, h.layer, h.head, selected, plan));
+        instances.push_back(emu_table.instance(h.request, h.layer, h.head));
+        selected_all.insert(selected_all.end(), selected.begin(), selected.end());
+        selection_offsets.push_back(static_cast<std::uint32_t>(selected_all.size()));
+        page_offsets.push_back(page_offsets.back() + pages);
+      }
+      LaunchOutput out;
+      emulate(emu_table, buckets, instances, selection_offsets, selected_all, page_offsets,
+              tile_choices[rng() % 4], rng, out);
+
+      INFO("seed " << seed << " step " << step << " buckets " << buckets);
+      REQUIRE(out.partition_offsets == plan.partition_offsets);
+      REQUIRE(out.gpu_pages == plan.gpu_pages);
+      std::size_t copy = 0;
+      for (std::size_t h = 0; h < heads.size(); ++h) {
+        REQUIRE(out.stats[h].hit_partitions == host_stats[h].hit_partitions);
+        REQUIRE(out.stats[h].miss_partitions == host_stats[h].miss_partitions);
+        REQUIRE(out.stats[h].hit_pages == host_stats[h].hit_pages);
+        REQUIRE(out.stats[h].miss_pages == host_stats[h].miss_pages);
+        REQUIRE(out.stats[h].evicted_pages == host_stats[h].evicted_pages);
+        for (std::uint64_t c = 0; c < out.stats[h].miss_pages; ++c, ++copy) {
+          REQUIRE(copy < plan.copies.size());
+          REQUIRE(out.copy_cpu_pages[page_offsets[h] + c] == plan.copies[copy].cpu_page);
+          REQUIRE(out.copy_gpu_pages[page_offsets[h] + c] == plan.copies[copy].gpu_page);
+        }
+        total_evicted += host_stats[h].evicted_pages;
+        total_hits += host_stats[h].hit_partitions;
+        total_misses += host_stats[h].miss_partitions;
+      }
+      REQUIRE(copy == plan.copies.size());
+      require_same_tables(host_table, emu_table, all);
+      emu_table.validate();
+    }
+  }
+  // The random steps exercised every branch: hits, misses and evictions.
+  REQUIRE(total_evicted > 1000);
+  REQUIRE(total_hits > 1000);
+  REQUIRE(total_misses > 1000);
+}
