@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/page_summaries.hpp"
 
 namespace sparsekv {
 namespace {
@@ -61,16 +62,16 @@ float dot(const float* a, const float* b, std::uint32_t d) {
 // Assigns each of the n rows of x ([n rounded up to 4][d], unit or zero rows)
 // to the centroid with the largest inner product; ct is the centroids
 // transposed, [d][kpad], kpad a multiple of 8 with zero padding. A register
-// tile of 4 rows x 8 centroids. Ties go to the lower centroid. Returns whether
-// any label changed.
-bool assign(const float* x, std::uint32_t n, std::uint32_t d, const float* ct, std::uint32_t k, std::uint32_t kpad,
-            std::uint32_t* labels) {
+// tile of 4 rows x 8 centroids; each lane accumulates its dot product in
+// dimension order, one rounding per multiply and per add, so it equals
+// dot_in_order, and the choice is consider_centroid's (page_summaries.hpp):
+// the same bits as cuda::kmeans_assign. Returns how many labels changed.
+std::uint32_t assign(const float* x, std::uint32_t n, std::uint32_t d, const float* ct, std::uint32_t k,
+                     std::uint32_t kpad, std::uint32_t* labels) {
   constexpr std::uint32_t kRows = 4, kCols = 8;
-  bool changed = false;
+  std::uint32_t changed = 0;
   for (std::uint32_t t0 = 0; t0 < n; t0 += kRows) {
-    float best[kRows];
-    std::uint32_t arg[kRows] = {};
-    std::fill(best, best + kRows, -std::numeric_limits<float>::infinity());
+    CentroidChoice best[kRows];
     for (std::uint32_t j0 = 0; j0 < kpad; j0 += kCols) {
       float out[kRows][kCols];
 #ifdef SPARSEKV_RETRO_SIMD
@@ -99,22 +100,48 @@ bool assign(const float* x, std::uint32_t n, std::uint32_t d, const float* ct, s
 #endif
       const std::uint32_t valid = std::min(kCols, k - j0);
       for (std::uint32_t b = 0; b < kRows; ++b) {
-        for (std::uint32_t j = 0; j < valid; ++j) {
-          if (out[b][j] > best[b]) {
-            best[b] = out[b][j];
-            arg[b] = j0 + j;
-          }
-        }
+        for (std::uint32_t j = 0; j < valid; ++j) consider_centroid(best[b], out[b][j], j0 + j);
       }
     }
     for (std::uint32_t b = 0; b < kRows && t0 + b < n; ++b) {
-      if (labels[t0 + b] != arg[b]) {
-        labels[t0 + b] = arg[b];
-        changed = true;
+      const std::uint32_t label = chosen_label(best[b]);
+      if (labels[t0 + b] != label) {
+        labels[t0 + b] = label;
+        ++changed;
       }
     }
   }
   return changed;
+}
+
+// Transposes k centroids [k][d] into ct [d][kpad] (zero padding past k).
+void transpose_centroids(const float* centroids, std::uint32_t k, std::uint32_t d, std::uint32_t kpad, float* ct) {
+  for (std::uint32_t c = 0; c < k; ++c) {
+    for (std::uint32_t i = 0; i < d; ++i) ct[std::size_t{i} * kpad + c] = centroids[std::size_t{c} * d + i];
+  }
+}
+
+// The update step (page_summaries.hpp rules, as cuda::kmeans_update): sums in
+// row order, renormalise; empty or zero-sum clusters keep their centroid.
+// `sums` and `counts` are scratch of k * d and k elements.
+void update_centroids(const float* x, std::uint32_t n, std::uint32_t d, const std::uint32_t* labels,
+                      std::uint32_t k, float* centroids, float* sums, std::uint32_t* counts) {
+  std::fill(sums, sums + std::size_t{k} * d, 0.0f);
+  std::fill(counts, counts + k, 0u);
+  for (std::uint32_t t = 0; t < n; ++t) {
+    float* s = sums + std::size_t{labels[t]} * d;
+    const float* row = x + std::size_t{t} * d;
+    for (std::uint32_t i = 0; i < d; ++i) s[i] = add_rn(s[i], row[i]);
+    ++counts[labels[t]];
+  }
+  for (std::uint32_t c = 0; c < k; ++c) {
+    const float* s = sums + std::size_t{c} * d;
+    double norm = 0.0;
+    for (std::uint32_t i = 0; i < d; ++i) norm = norm_sq_step(norm, s[i]);
+    float inv = 0.0f;
+    if (!centroid_inverse_norm(norm, counts[c], inv)) continue;
+    for (std::uint32_t i = 0; i < d; ++i) centroids[std::size_t{c} * d + i] = mul_rn(s[i], inv);
+  }
 }
 
 // ceil(fraction * m), clamped to [0, m]; the epsilon absorbs fp32 fractions
@@ -378,27 +405,10 @@ std::vector<std::uint32_t> spherical_kmeans(std::span<const float> vectors, std:
   std::vector<std::uint32_t> counts(k);
   const std::uint32_t rounds = std::max(1u, iterations);
   for (std::uint32_t round = 0; round < rounds; ++round) {
-    for (std::uint32_t c = 0; c < k; ++c) {
-      for (std::uint32_t i = 0; i < dim; ++i) ct[std::size_t{i} * kpad + c] = centroids[std::size_t{c} * dim + i];
-    }
-    if (!assign(x.data(), n, dim, ct.data(), k, kpad, labels.data())) break;
+    transpose_centroids(centroids.data(), k, dim, kpad, ct.data());
+    if (assign(x.data(), n, dim, ct.data(), k, kpad, labels.data()) == 0) break;
     if (round + 1 == rounds) break;
-    std::fill(sums.begin(), sums.end(), 0.0f);
-    std::fill(counts.begin(), counts.end(), 0u);
-    for (std::uint32_t t = 0; t < n; ++t) {
-      float* s = sums.data() + std::size_t{labels[t]} * dim;
-      const float* row = x.data() + std::size_t{t} * dim;
-      for (std::uint32_t i = 0; i < dim; ++i) s[i] += row[i];
-      ++counts[labels[t]];
-    }
-    for (std::uint32_t c = 0; c < k; ++c) {
-      const float* s = sums.data() + std::size_t{c} * dim;
-      double norm = 0.0;
-      for (std::uint32_t i = 0; i < dim; ++i) norm += double{s[i]} * s[i];
-      if (counts[c] == 0 || norm <= 0.0) continue;  // an empty cluster keeps its centroid
-      const auto inv = static_cast<float>(1.0 / std::sqrt(norm));
-      for (std::uint32_t i = 0; i < dim; ++i) centroids[std::size_t{c} * dim + i] = s[i] * inv;
-    }
+    update_centroids(x.data(), n, dim, labels.data(), k, centroids.data(), sums.data(), counts.data());
   }
 
   // Compact: non-empty clusters numbered by their first row.
@@ -409,6 +419,41 @@ std::vector<std::uint32_t> spherical_kmeans(std::span<const float> vectors, std:
     label = rename[label];
   }
   return labels;
+}
+
+std::uint32_t kmeans_assign(std::span<const float> rows, std::uint32_t n, std::uint32_t dim,
+                            std::span<const float> centroids, std::uint32_t k, std::span<std::uint32_t> labels) {
+  if (n == 0 || dim == 0 || k == 0 || rows.size() != std::size_t{n} * dim ||
+      centroids.size() != std::size_t{k} * dim || labels.size() != n) {
+    fail(ErrorCode::invalid_argument,
+         "kmeans_assign: {} rows x {} dims ({} values), {} centroids ({} values), {} labels", n, dim, rows.size(), k,
+         centroids.size(), labels.size());
+  }
+  // The tile reads rows in fours and centroids in eights: padded copies.
+  std::vector<float> x(std::size_t{(n + 3) / 4 * 4} * dim, 0.0f);
+  std::copy(rows.begin(), rows.end(), x.begin());
+  const std::uint32_t kpad = (k + 7) / 8 * 8;
+  std::vector<float> ct(std::size_t{dim} * kpad, 0.0f);
+  transpose_centroids(centroids.data(), k, dim, kpad, ct.data());
+  return assign(x.data(), n, dim, ct.data(), k, kpad, labels.data());
+}
+
+void kmeans_update(std::span<const float> rows, std::uint32_t n, std::uint32_t dim,
+                   std::span<const std::uint32_t> labels, std::uint32_t k, std::span<float> centroids) {
+  if (n == 0 || dim == 0 || k == 0 || rows.size() != std::size_t{n} * dim ||
+      centroids.size() != std::size_t{k} * dim || labels.size() != n) {
+    fail(ErrorCode::invalid_argument,
+         "kmeans_update: {} rows x {} dims ({} values), {} centroids ({} values), {} labels", n, dim, rows.size(), k,
+         centroids.size(), labels.size());
+  }
+  const auto bad = std::find_if(labels.begin(), labels.end(), [k](std::uint32_t label) { return label >= k; });
+  if (bad != labels.end()) {
+    fail(ErrorCode::invalid_argument, "kmeans_update: row {} has label {}, not below {} centroids",
+         bad - labels.begin(), *bad, k);
+  }
+  std::vector<float> sums(std::size_t{k} * dim);
+  std::vector<std::uint32_t> counts(k);
+  update_centroids(rows.data(), n, dim, labels.data(), k, centroids.data(), sums.data(), counts.data());
 }
 
 // ---- the policy -------------------------------------------------------------

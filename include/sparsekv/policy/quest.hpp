@@ -3,7 +3,9 @@
 // Index keeps, per partition and kv head, the element-wise min and max of the
 // partition's post-RoPE keys. Select bounds the largest logit q.k any key of
 // a partition can reach by sum_d max(q_d * min_d, q_d * max_d) and keeps the
-// partitions with the highest bounds, the newest one always.
+// partitions with the highest bounds, the newest one always. The min / max
+// fold is the rule in page_summaries.hpp; sparsekv::cuda::page_min_max
+// (index_cuda.hpp) computes the same bounds on the GPU.
 //
 // Choices (docs/policies/quest.md):
 //  - A partition is one Quest page of `page_tokens_per_partition` tokens
@@ -33,6 +35,7 @@
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/core/host_device.hpp"
+#include "sparsekv/policy/page_summaries.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
 namespace sparsekv {
@@ -181,13 +184,8 @@ class QuestPolicy {
     state.max[h].insert(state.max[h].end(), k, k + dim);
     float* lo = state.min[h].data() + state.min[h].size() - dim;
     float* hi = state.max[h].data() + state.max[h].size() - dim;
-    for (std::uint32_t t = first + 1; t < first + count; ++t) {
-      k = kv.key(t, h);
-      for (std::uint32_t d = 0; d < dim; ++d) {
-        lo[d] = std::min(lo[d], k[d]);
-        hi[d] = std::max(hi[d], k[d]);
-      }
-    }
+    // The rule cuda::page_min_max shares (page_summaries.hpp).
+    for (std::uint32_t t = first + 1; t < first + count; ++t) fold_min_max(lo, hi, kv.key(t, h), dim);
   }
 
   Options options_;

@@ -53,6 +53,23 @@ namespace sparsekv {
 std::vector<std::uint32_t> spherical_kmeans(std::span<const float> vectors, std::uint32_t n, std::uint32_t dim,
                                             std::uint32_t k, std::uint32_t iterations, std::uint64_t seed);
 
+// The two Lloyd steps of spherical_kmeans, host backend (the CUDA backend is
+// sparsekv::cuda::kmeans_assign / kmeans_update in index_cuda.hpp; both follow
+// the rules of page_summaries.hpp and agree bit for bit). `rows` is [n][dim]
+// and `centroids` [k][dim], fp32.
+//
+// kmeans_assign: labels[t] = the centroid most similar to row t (ties to the
+// lowest index, NaN never wins); returns how many labels changed.
+// kmeans_update: each centroid with members becomes the renormalised sum of
+// its rows (summed in row order); an empty cluster, or one summing to zero,
+// keeps its centroid.
+// Both throw invalid_argument, changing nothing, when n, dim or k is 0, a
+// span has the wrong size, or (update) a label is >= k.
+std::uint32_t kmeans_assign(std::span<const float> rows, std::uint32_t n, std::uint32_t dim,
+                            std::span<const float> centroids, std::uint32_t k, std::span<std::uint32_t> labels);
+void kmeans_update(std::span<const float> rows, std::uint32_t n, std::uint32_t dim,
+                   std::span<const std::uint32_t> labels, std::uint32_t k, std::span<float> centroids);
+
 class RetroInferPolicy {
  public:
   struct Options {

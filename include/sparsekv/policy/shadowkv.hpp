@@ -20,6 +20,8 @@
 //    page that leaves the window competes like any other.
 //  - The softmax runs over the non-static pages, per q head; taking the max over
 //    the group lets each q head bring in the pages it needs, on a common scale.
+//  - The landmark and outlier score follow page_summaries.hpp;
+//    sparsekv::cuda::page_mean_outlier (index_cuda.hpp) computes them on the GPU.
 //  - Out of scope: ShadowKV's low-rank (SVD) pre-RoPE key cache and its value
 //    offload; here K and V both live in pages and the landmarks are exact means.
 #include <algorithm>
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/page_summaries.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
 namespace sparsekv {
@@ -180,7 +183,8 @@ class ShadowKVPolicy {
            ctx.kv_heads, ctx.head_dim);
     }
   }
-  // Appends the landmark and outlier score of tokens [first, first + count) of kv head h.
+  // Appends the landmark and outlier score of tokens [first, first + count) of
+  // kv head h, by the rules cuda::page_mean_outlier shares (page_summaries.hpp).
   static void summarize(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first,
                         std::uint32_t count) {
     const std::uint32_t dim = kv.head_dim;
@@ -188,16 +192,14 @@ class ShadowKVPolicy {
     landmarks.resize(landmarks.size() + dim, 0.0f);
     float* mean = landmarks.data() + landmarks.size() - dim;
     for (std::uint32_t t = first; t < first + count; ++t) {
-      for (std::uint32_t d = 0; d < dim; ++d) mean[d] += kv.key(t, h)[d];
+      for (std::uint32_t d = 0; d < dim; ++d) mean[d] = add_rn(mean[d], kv.key(t, h)[d]);
     }
-    for (std::uint32_t d = 0; d < dim; ++d) mean[d] /= static_cast<float>(count);
-    const float mean_norm = std::sqrt(std::inner_product(mean, mean + dim, mean, 0.0f));
-    float lowest = 1.0f;
+    for (std::uint32_t d = 0; d < dim; ++d) mean[d] = page_mean(mean[d], count);
+    const float mean_norm = sqrt_rn(dot_in_order(mean, mean, dim));
+    float lowest = kOutlierScoreStart;
     for (std::uint32_t t = first; t < first + count; ++t) {
       const float* k = kv.key(t, h);
-      const float norm = std::sqrt(std::inner_product(k, k + dim, k, 0.0f)) * mean_norm;
-      // A zero key or landmark has no direction to agree with: count it as orthogonal.
-      lowest = std::min(lowest, norm > 0.0f ? std::inner_product(k, k + dim, mean, 0.0f) / norm : 0.0f);
+      lowest = fold_min(lowest, landmark_cosine(dot_in_order(k, k, dim), dot_in_order(k, mean, dim), mean_norm));
     }
     state.outlier_score[h].push_back(lowest);
   }
