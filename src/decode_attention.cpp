@@ -64,7 +64,7 @@ void decode_attention(const PageLayout& layout, std::uint32_t q_heads, float sca
       const std::size_t h = g * group + j;
       if (!extra.empty()) states[j].merge(extra[h]);
       states[j].write_output(out + h * d);
-      if (lse != nullptr) lse[h] = states[j].empty() ? -std::numeric_limits<float>::infinity() : states[j].log_sum_exp();
+      if (lse != nullptr) lse[h] = softmax_lse(states[j].state());
     }
   }
 }

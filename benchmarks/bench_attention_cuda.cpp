@@ -1,0 +1,221 @@
+// Split-K sparse paged decode attention (Spin §4.1 Attend; issue 6 target:
+// >= 60% of the HBM bound). B in {1, 8, 32, 64} requests x 8 kv heads x
+// 2048-token selections (128 pages of 16 tokens, scattered over a 512 MiB
+// page pool), head_dim 128, bf16 pages, GQA 4 (32 q heads), fp32 q / o / lse.
+//
+// Each run times back-to-back launches with cudaEvents and reports
+//   GBps      - bytes the attention must move (K/V pages read + q read + o and
+//               lse written) / time per launch
+//   hbm_GBps  - the HBM bound measured in the same process: a 256 MiB
+//               device-to-device cudaMemcpyAsync, counted as 2 x 256 MiB
+//               (every byte is read and written once)
+//   over_hbm  - GBps / hbm_GBps (the issue's target is >= 0.6)
+//   chunks    - split-K chunks per (request, kv head) chosen for this batch
+// Launches rotate over disjoint page sets (>= 128 MiB together) so the
+// 50 MiB L2 cannot serve a launch from the previous one's reads.
+// Without a CUDA device it prints "SKIPPED: no CUDA device" and exits 0.
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
+#include "sparsekv/core/device.hpp"
+
+namespace {
+
+constexpr std::uint32_t kKvHeads = 8;
+constexpr std::uint32_t kQHeads = 32;
+constexpr std::uint32_t kHeadDim = 128;
+constexpr std::uint32_t kPageTokens = 16;
+constexpr std::uint32_t kRowPages = 2048 / kPageTokens;
+constexpr sparsekv::PageLayout kLayout{kPageTokens, kHeadDim, sparsekv::DType::bf16};
+constexpr std::size_t kPoolBytes = std::size_t{512} << 20;
+constexpr std::size_t kCopyBytes = std::size_t{256} << 20;
+constexpr std::size_t kRotationBytes = std::size_t{128} << 20;
+constexpr std::uint32_t kMaxBatch = 64;
+constexpr int kLaunchesPerIteration = 16;
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(status));
+    std::exit(1);
+  }
+}
+
+void* device_alloc(std::size_t bytes) {
+  void* p = nullptr;
+  check(cudaMalloc(&p, bytes), "cudaMalloc");
+  return p;
+}
+
+// Buffers shared by every run, allocated on first use.
+struct Buffers {
+  std::byte* pool = nullptr;
+  std::byte* copy_dst = nullptr;  // destination of the HBM reference copy
+  float* q = nullptr;
+  float* out = nullptr;
+  float* lse = nullptr;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  double hbm_gbps = 0;
+
+  Buffers() {
+    pool = static_cast<std::byte*>(device_alloc(kPoolBytes));
+    check(cudaMemset(pool, 0x3c, kPoolBytes), "cudaMemset");  // bf16 0x3c3c: small finite values
+    copy_dst = static_cast<std::byte*>(device_alloc(kCopyBytes));
+    const std::size_t q_elems = std::size_t{kMaxBatch} * kQHeads * kHeadDim;
+    q = static_cast<float*>(device_alloc(q_elems * sizeof(float)));
+    std::vector<float> host_q(q_elems);
+    std::mt19937 rng(1);
+    std::normal_distribution<float> normal;
+    for (float& x : host_q) x = normal(rng);
+    check(cudaMemcpy(q, host_q.data(), q_elems * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+    out = static_cast<float*>(device_alloc(q_elems * sizeof(float)));
+    lse = static_cast<float*>(device_alloc(std::size_t{kMaxBatch} * kQHeads * sizeof(float)));
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+    hbm_gbps = measure_hbm();
+  }
+
+  double measure_hbm() {
+    constexpr int kReps = 10;
+    check(cudaMemcpyAsync(copy_dst, pool, kCopyBytes, cudaMemcpyDeviceToDevice, stream), "memcpy");
+    check(cudaEventRecord(start, stream), "cudaEventRecord");
+    for (int r = 0; r < kReps; ++r)
+      check(cudaMemcpyAsync(copy_dst, pool, kCopyBytes, cudaMemcpyDeviceToDevice, stream), "memcpy");
+    check(cudaEventRecord(stop, stream), "cudaEventRecord");
+    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    return 2.0 * double(kCopyBytes) * kReps / (double(ms) * 1e-3) / 1e9;
+  }
+};
+
+Buffers& buffers() {
+  static Buffers b;
+  return b;
+}
+
+// One batch size's CSR page sets (disjoint, scattered) and workspace.
+struct Problem {
+  sparsekv::cuda::DecodeAttentionShape shape;
+  sparsekv::cuda::DecodeAttentionSplit split;
+  std::vector<std::int64_t*> indices;  // one device array per rotation set
+  std::int64_t* indptr = nullptr;
+  std::int32_t* last_page_len = nullptr;
+  void* workspace = nullptr;
+};
+
+Problem make_problem(std::uint32_t batch) {
+  Problem p;
+  p.shape = {batch, kQHeads, kKvHeads, kLayout, kRowPages, 0};
+  p.split = sparsekv::cuda::plan_sparse_decode_attention(p.shape);
+  const std::uint32_t rows = batch * kKvHeads;
+  const std::size_t pages_per_launch = std::size_t{rows} * kRowPages;
+  const std::size_t pool_pages = kPoolBytes / kLayout.page_bytes();
+  const std::size_t launch_bytes = pages_per_launch * kLayout.page_bytes();
+  const std::size_t sets_wanted = (kRotationBytes + launch_bytes - 1) / launch_bytes;
+  const std::size_t sets = std::max<std::size_t>(1, std::min(sets_wanted, pool_pages / pages_per_launch));
+  std::vector<std::int64_t> all(pool_pages);
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), std::mt19937(batch));
+  for (std::size_t s = 0; s < sets; ++s) {
+    auto* d = static_cast<std::int64_t*>(device_alloc(pages_per_launch * sizeof(std::int64_t)));
+    check(cudaMemcpy(d, all.data() + s * pages_per_launch, pages_per_launch * sizeof(std::int64_t),
+                     cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+    p.indices.push_back(d);
+  }
+  std::vector<std::int64_t> indptr(rows + 1);
+  for (std::uint32_t r = 0; r <= rows; ++r) indptr[r] = std::int64_t{r} * kRowPages;
+  const std::vector<std::int32_t> last(rows, static_cast<std::int32_t>(kPageTokens));
+  p.indptr = static_cast<std::int64_t*>(device_alloc(indptr.size() * sizeof(std::int64_t)));
+  check(cudaMemcpy(p.indptr, indptr.data(), indptr.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice),
+        "cudaMemcpy");
+  p.last_page_len = static_cast<std::int32_t*>(device_alloc(rows * sizeof(std::int32_t)));
+  check(cudaMemcpy(p.last_page_len, last.data(), rows * sizeof(std::int32_t), cudaMemcpyHostToDevice), "cudaMemcpy");
+  p.workspace = device_alloc(p.split.workspace_bytes);
+  return p;
+}
+
+void BM_SparseDecodeAttention(benchmark::State& state) {
+  const auto batch = static_cast<std::uint32_t>(state.range(0));
+  Buffers& b = buffers();
+  const Problem p = make_problem(batch);
+  sparsekv::cuda::DecodeAttentionArgs args;
+  args.q = b.q;
+  args.page_base = b.pool;
+  args.page_stride = kLayout.page_bytes();
+  args.indptr = p.indptr;
+  args.last_page_len = p.last_page_len;
+  args.scale = 1.0f / 11.3137085f;  // 1 / sqrt(128)
+  args.out = b.out;
+  args.lse = b.lse;
+  args.workspace = p.workspace;
+  args.workspace_bytes = p.split.workspace_bytes;
+  std::size_t next_set = 0;
+  auto launch = [&] {
+    args.indices = p.indices[next_set];
+    next_set = (next_set + 1) % p.indices.size();
+    sparsekv::cuda::sparse_decode_attention(p.shape, args, b.stream);
+  };
+  for (std::size_t s = 0; s < p.indices.size(); ++s) launch();  // warm-up: every set once
+  check(cudaStreamSynchronize(b.stream), "warm-up");
+  double total_ms = 0;
+  for (auto _ : state) {
+    check(cudaEventRecord(b.start, b.stream), "cudaEventRecord");
+    for (int r = 0; r < kLaunchesPerIteration; ++r) launch();
+    check(cudaEventRecord(b.stop, b.stream), "cudaEventRecord");
+    check(cudaEventSynchronize(b.stop), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, b.start, b.stop), "cudaEventElapsedTime");
+    const double per_launch_ms = double(ms) / kLaunchesPerIteration;
+    state.SetIterationTime(per_launch_ms * 1e-3);
+    total_ms += per_launch_ms;
+  }
+  const double heads = double(batch) * kQHeads;
+  const double bytes = double(batch) * kKvHeads * kRowPages * double(kLayout.page_bytes())  // K/V pages
+                       + heads * kHeadDim * sizeof(float)                                     // q
+                       + heads * (kHeadDim + 1) * sizeof(float);                              // o + lse
+  const double ms = total_ms / double(state.iterations());
+  const double gbps = bytes / (ms * 1e-3) / 1e9;
+  state.counters["GBps"] = gbps;
+  state.counters["hbm_GBps"] = b.hbm_gbps;
+  state.counters["over_hbm"] = gbps / b.hbm_gbps;
+  state.counters["chunks"] = p.split.chunks;
+  for (std::int64_t* d : p.indices) cudaFree(d);
+  cudaFree(p.indptr);
+  cudaFree(p.last_page_len);
+  cudaFree(p.workspace);
+}
+
+BENCHMARK(BM_SparseDecodeAttention)
+    ->ArgName("batch")
+    ->Arg(1)
+    ->Arg(8)
+    ->Arg(32)
+    ->Arg(kMaxBatch)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (sparsekv::cuda_device_count() == 0) {
+    std::puts("SKIPPED: no CUDA device");
+    return 0;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

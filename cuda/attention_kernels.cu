@@ -1,0 +1,471 @@
+// CUDA kernels of Attend: split-K sparse paged decode attention over
+// head-wise pages (Spin §4.1 Attend, §5.2 page layout), GQA, log-sum-exp
+// merge of the chunk partials and of a policy's extra term (RetroInfer §4.2).
+// The online-softmax fold and merge are the softmax_* functions of
+// attention_partial.hpp, shared with the host backend.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "sparsekv/attention/attention_partial.hpp"
+#include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
+#include "sparsekv/core/error_code.hpp"
+
+namespace sparsekv::cuda {
+namespace {
+
+constexpr std::uint32_t kWarp = 32;
+constexpr std::uint32_t kWarps = 4;
+constexpr std::uint32_t kThreads = kWarps * kWarp;
+// Tokens per subgroup whose K/V loads are issued before the first is used:
+// decode attention is bandwidth-bound, throughput follows the bytes in flight.
+constexpr std::uint32_t kUnroll = 4;
+constexpr std::uint32_t kMergeThreads = 256;
+constexpr std::size_t kVec = sizeof(uint4);  // 16 bytes
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr std::uint32_t kMaxGridYZ = 65535;
+
+// Unpacks one 16-byte vector of page elements to fp32 (exact for every dtype,
+// as the host's load_element).
+template <DType T>
+struct Elements;
+
+template <>
+struct Elements<DType::f32> {
+  static constexpr std::uint32_t kPerVec = 4;
+  __device__ static void unpack(const uint4& r, float* out) {
+    out[0] = __uint_as_float(r.x);
+    out[1] = __uint_as_float(r.y);
+    out[2] = __uint_as_float(r.z);
+    out[3] = __uint_as_float(r.w);
+  }
+};
+
+template <>
+struct Elements<DType::f16> {
+  static constexpr std::uint32_t kPerVec = 8;
+  __device__ static void unpack(const uint4& r, float* out) {
+    const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = __half2float(__ushort_as_half(static_cast<unsigned short>(words[w] & 0xffffu)));
+      out[2 * w + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(words[w] >> 16)));
+    }
+  }
+};
+
+template <>
+struct Elements<DType::bf16> {
+  static constexpr std::uint32_t kPerVec = 8;
+  __device__ static void unpack(const uint4& r, float* out) {
+    const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = __uint_as_float(words[w] << 16);
+      out[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
+    }
+  }
+};
+
+struct SplitParams {
+  const float* q;
+  const std::byte* page_base;
+  std::size_t page_stride;
+  const std::int64_t* indptr;
+  const std::int64_t* indices;
+  const std::int32_t* last_page_len;
+  float scale;
+  std::uint32_t group;        // q heads per kv head
+  std::uint32_t page_tokens;
+  std::uint32_t chunk_pages;
+  std::uint32_t chunks;
+  std::uint32_t batch_q;      // batch * q_heads: partials per chunk
+  float* ws_acc;              // [chunks][batch_q][D]
+  float* ws_max;              // [chunks][batch_q]
+  float* ws_sum;              // [chunks][batch_q]
+};
+
+// Phase 1: CTA (row, chunk, head slice) folds the chunk's tokens for up to G
+// q heads. A row of D elements is kLanesPerRow lanes x one 16-byte vector; a
+// warp holds kRowsPerWarp such subgroups, each running its own online softmax
+// over its tokens. Subgroups merge by shuffles, warps through shared memory;
+// the CTA writes one partial per q head.
+template <std::uint32_t D, DType T, std::uint32_t G>
+__global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParams p) {
+  using E = Elements<T>;
+  constexpr std::uint32_t kPerVec = E::kPerVec;
+  constexpr std::uint32_t kLanesPerRow = D / kPerVec;
+  static_assert(D % kPerVec == 0 && kLanesPerRow <= kWarp && kWarp % kLanesPerRow == 0);
+  constexpr std::uint32_t kRowsPerWarp = kWarp / kLanesPerRow;
+  constexpr std::uint32_t kSubgroups = kWarps * kRowsPerWarp;
+  constexpr std::uint32_t kStep = kSubgroups * kUnroll;  // tokens per CTA iteration
+  constexpr std::size_t kElemBytes = kVec / kPerVec;
+  constexpr std::size_t kRowBytes = D * kElemBytes;
+
+  __shared__ float s_acc[kWarps][G][D];
+  __shared__ float s_max[kWarps][G];
+  __shared__ float s_sum[kWarps][G];
+
+  const std::uint32_t warp = threadIdx.x / kWarp;
+  const std::uint32_t lane = threadIdx.x % kWarp;
+  const std::uint32_t sub = lane / kLanesPerRow;
+  const std::uint32_t dim0 = (lane % kLanesPerRow) * kPerVec;
+  const std::uint32_t row = blockIdx.x;
+  const std::uint32_t chunk = blockIdx.y;
+  const std::uint32_t head0 = blockIdx.z * G;
+  const std::uint32_t heads = p.group - head0 < G ? p.group - head0 : G;
+  const std::size_t q_head0 = std::size_t{row} * p.group + head0;  // first q head in [0, batch_q)
+
+  // Pages [first, last) of the row; the last chunk runs to the row's end so
+  // that no page is dropped whatever max_pages the plan assumed.
+  const std::int64_t begin = p.indptr[row];
+  const std::int64_t row_pages_signed = p.indptr[row + 1] - begin;
+  const std::uint64_t row_pages = row_pages_signed > 0 ? static_cast<std::uint64_t>(row_pages_signed) : 0;
+  const std::uint64_t first = std::uint64_t{chunk} * p.chunk_pages;
+  std::uint64_t last = first + p.chunk_pages;
+  if (chunk + 1 == p.chunks || last > row_pages) last = row_pages;
+  std::uint64_t tokens = 0;
+  if (first < last) {
+    tokens = (last - first) * p.page_tokens;
+    if (last == row_pages) {
+      const std::int32_t len = p.last_page_len[row];
+      const std::uint32_t last_len = len < 1 ? 1u : static_cast<std::uint32_t>(len);  // clamped into 1..page_tokens
+      tokens -= p.page_tokens - (last_len < p.page_tokens ? last_len : p.page_tokens);
+    }
+  }
+
+  float q[G][kPerVec];
+  float acc[G][kPerVec];
+  SoftmaxState state[G];
+#pragma unroll
+  for (std::uint32_t g = 0; g < G; ++g) {
+#pragma unroll
+    for (std::uint32_t i = 0; i < kPerVec; ++i) {
+      q[g][i] = g < heads ? p.q[(q_head0 + g) * D + dim0 + i] : 0.0f;
+      acc[g][i] = 0.0f;
+    }
+  }
+
+  const std::size_t block_bytes = std::size_t{p.page_tokens} * kRowBytes;
+  // Token base = page_index * page_tokens + slot_base, advanced without 64-bit division.
+  std::uint64_t page_index = 0;
+  std::uint32_t slot_base = 0;
+  for (std::uint64_t base = 0; base < tokens; base += kStep) {
+    uint4 k_raw[kUnroll], v_raw[kUnroll];
+    bool valid[kUnroll];
+#pragma unroll
+    for (std::uint32_t u = 0; u < kUnroll; ++u) {
+      const std::uint32_t offset = u * kSubgroups + warp * kRowsPerWarp + sub;
+      valid[u] = base + offset < tokens;
+      k_raw[u] = make_uint4(0, 0, 0, 0);
+      v_raw[u] = make_uint4(0, 0, 0, 0);
+      if (valid[u]) {
+        const std::uint32_t in_page = slot_base + offset;
+        const std::uint64_t page = first + page_index + in_page / p.page_tokens;
+        const std::uint32_t slot = in_page % p.page_tokens;
+        const std::byte* k_row = p.page_base + static_cast<std::size_t>(p.indices[begin + page]) * p.page_stride +
+                                 slot * kRowBytes + dim0 * kElemBytes;
+        k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_row));
+        v_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_row + block_bytes));
+      }
+    }
+#pragma unroll
+    for (std::uint32_t u = 0; u < kUnroll; ++u) {
+      float k[kPerVec];
+      E::unpack(k_raw[u], k);
+      float dot[G];
+#pragma unroll
+      for (std::uint32_t g = 0; g < G; ++g) {
+        dot[g] = 0.0f;
+#pragma unroll
+        for (std::uint32_t i = 0; i < kPerVec; ++i) dot[g] += q[g][i] * k[i];
+      }
+      // Every lane takes part in the shuffles; lanes of invalid tokens just skip the fold.
+#pragma unroll
+      for (std::uint32_t off = kLanesPerRow / 2; off > 0; off /= 2) {
+#pragma unroll
+        for (std::uint32_t g = 0; g < G; ++g) dot[g] += __shfl_xor_sync(kFullMask, dot[g], off);
+      }
+      if (valid[u]) {
+        float v[kPerVec];
+        E::unpack(v_raw[u], v);
+#pragma unroll
+        for (std::uint32_t g = 0; g < G; ++g) {
+          if (g < heads) {
+            const RescaleStep step = softmax_fold(state[g], dot[g] * p.scale, 1.0f);
+#pragma unroll
+            for (std::uint32_t i = 0; i < kPerVec; ++i) acc[g][i] = softmax_rescale_add(acc[g][i], step, v[i]);
+          }
+        }
+      }
+    }
+    const std::uint32_t advanced = slot_base + kStep;
+    page_index += advanced / p.page_tokens;
+    slot_base = advanced % p.page_tokens;
+  }
+
+  // Merge the warp's subgroups (lanes kLanesPerRow, 2 kLanesPerRow, ... apart).
+#pragma unroll
+  for (std::uint32_t off = kLanesPerRow; off < kWarp; off *= 2) {
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g) {
+      const SoftmaxState other{__shfl_xor_sync(kFullMask, state[g].max, off),
+                               __shfl_xor_sync(kFullMask, state[g].sum, off)};
+      float other_acc[kPerVec];
+#pragma unroll
+      for (std::uint32_t i = 0; i < kPerVec; ++i) other_acc[i] = __shfl_xor_sync(kFullMask, acc[g][i], off);
+      const RescaleStep step = softmax_merge(state[g], other);
+#pragma unroll
+      for (std::uint32_t i = 0; i < kPerVec; ++i) acc[g][i] = softmax_rescale_add(acc[g][i], step, other_acc[i]);
+    }
+  }
+  if (sub == 0) {
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g) {
+#pragma unroll
+      for (std::uint32_t i = 0; i < kPerVec; ++i) s_acc[warp][g][dim0 + i] = acc[g][i];
+      if (lane == 0) {
+        s_max[warp][g] = state[g].max;
+        s_sum[warp][g] = state[g].sum;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Merge the warps; one thread per (head, dim) writes the chunk's partial.
+  for (std::uint32_t idx = threadIdx.x; idx < heads * D; idx += kThreads) {
+    const std::uint32_t g = idx / D;
+    const std::uint32_t d = idx % D;
+    SoftmaxState s;
+    float a = 0.0f;
+#pragma unroll
+    for (std::uint32_t w = 0; w < kWarps; ++w) {
+      const RescaleStep step = softmax_merge(s, SoftmaxState{s_max[w][g], s_sum[w][g]});
+      a = softmax_rescale_add(a, step, s_acc[w][g][d]);
+    }
+    const std::size_t slot = std::size_t{chunk} * p.batch_q + q_head0 + g;
+    p.ws_acc[slot * D + d] = a;
+    if (d == 0) {
+      p.ws_max[slot] = s.max;
+      p.ws_sum[slot] = s.sum;
+    }
+  }
+}
+
+struct MergeParams {
+  const float* ws_acc;
+  const float* ws_max;
+  const float* ws_sum;
+  DecodeAttentionExtra extra;
+  float* out;
+  float* lse;
+  std::uint32_t chunks;
+  std::uint32_t batch_q;
+  std::uint32_t head_dim;
+};
+
+// Phase 2: one thread per (q head, dim) merges the head's chunk partials in
+// chunk order, then the extra term, and writes o (and lse).
+__global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const MergeParams p) {
+  const std::uint64_t idx = std::uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (idx >= std::uint64_t{p.batch_q} * p.head_dim) return;
+  const std::uint32_t head = static_cast<std::uint32_t>(idx / p.head_dim);
+  const std::uint32_t d = static_cast<std::uint32_t>(idx % p.head_dim);
+  SoftmaxState s;
+  float a = 0.0f;
+  for (std::uint32_t c = 0; c < p.chunks; ++c) {
+    const std::size_t slot = std::size_t{c} * p.batch_q + head;
+    const RescaleStep step = softmax_merge(s, SoftmaxState{p.ws_max[slot], p.ws_sum[slot]});
+    a = softmax_rescale_add(a, step, p.ws_acc[slot * p.head_dim + d]);
+  }
+  if (p.extra.sum != nullptr) {
+    const RescaleStep step = softmax_merge(s, SoftmaxState{p.extra.max[head], p.extra.sum[head]});
+    a = softmax_rescale_add(a, step, step.value_weight == 0.0f ? 0.0f : p.extra.acc[idx]);
+  }
+  p.out[idx] = softmax_output(a, s);
+  if (d == 0 && p.lse != nullptr) p.lse[head] = softmax_lse(s);
+}
+
+[[noreturn]] void throw_cuda(const char* what, cudaError_t status) {
+  throw Error(ErrorCode::cuda_error,
+              std::string("sparse_decode_attention: ") + what + " failed: " + cudaGetErrorString(status));
+}
+
+[[noreturn]] void throw_invalid(const std::string& message) {
+  throw Error(ErrorCode::invalid_argument, "sparse_decode_attention: " + message);
+}
+
+bool aligned(const void* p, std::size_t alignment) { return reinterpret_cast<std::uintptr_t>(p) % alignment == 0; }
+
+using SplitKernel = void (*)(SplitParams);
+
+// Kernel instantiations: head_dim {64, 128} x dtype {f32, f16, bf16} x group bucket {1, 2, 4, 8}.
+constexpr int kGroupBuckets = 4;
+constexpr int kKernels = 2 * 3 * kGroupBuckets;
+
+int group_bucket(std::uint32_t group) { return group <= 1 ? 0 : group <= 2 ? 1 : group <= 4 ? 2 : 3; }
+
+template <std::uint32_t D, DType T>
+SplitKernel pick_group(int bucket) {
+  switch (bucket) {
+    case 0: return decode_split_kernel<D, T, 1>;
+    case 1: return decode_split_kernel<D, T, 2>;
+    case 2: return decode_split_kernel<D, T, 4>;
+    default: return decode_split_kernel<D, T, kMaxGroupPerCta>;
+  }
+}
+
+template <std::uint32_t D>
+SplitKernel pick_dtype(DType dtype, int bucket) {
+  switch (dtype) {
+    case DType::f32: return pick_group<D, DType::f32>(bucket);
+    case DType::f16: return pick_group<D, DType::f16>(bucket);
+    case DType::bf16: return pick_group<D, DType::bf16>(bucket);
+  }
+  return pick_group<D, DType::bf16>(bucket);
+}
+
+struct Selected {
+  SplitKernel kernel;
+  int id;  // 0 .. kKernels - 1, for the occupancy cache
+};
+
+Selected select_kernel(const DecodeAttentionShape& shape) {
+  const std::uint32_t group = shape.q_heads / shape.kv_heads;
+  const int bucket = group_bucket(group);
+  const int dim_index = shape.layout.head_dim == 64 ? 0 : 1;
+  const SplitKernel kernel = dim_index == 0 ? pick_dtype<64>(shape.layout.dtype, bucket)
+                                            : pick_dtype<128>(shape.layout.dtype, bucket);
+  return {kernel, (dim_index * 3 + static_cast<int>(shape.layout.dtype)) * kGroupBuckets + bucket};
+}
+
+void check_shape(const DecodeAttentionShape& shape) {
+  if (shape.kv_heads == 0 || shape.q_heads == 0 || shape.q_heads % shape.kv_heads != 0)
+    throw_invalid(std::to_string(shape.q_heads) + " q heads cannot be grouped onto " +
+                  std::to_string(shape.kv_heads) + " kv heads");
+  if (shape.layout.head_dim != 64 && shape.layout.head_dim != 128)
+    throw_invalid("head_dim " + std::to_string(shape.layout.head_dim) + " is not 64 or 128");
+  if (shape.layout.page_tokens == 0) throw_invalid("page_tokens is 0");
+  if (shape.layout.dtype != DType::f32 && shape.layout.dtype != DType::f16 && shape.layout.dtype != DType::bf16)
+    throw_invalid("unknown page dtype");
+  const std::uint64_t rows = std::uint64_t{shape.batch} * shape.kv_heads;
+  if (rows > 0x7fffffffu) throw_invalid(std::to_string(rows) + " (request, kv head) rows exceed the grid");
+  if (std::uint64_t{shape.batch} * shape.q_heads * shape.layout.head_dim > 0xffffffffu)
+    throw_invalid("batch * q_heads * head_dim exceeds 2^32 elements");
+}
+
+// Per-device caches of the SM count and of each kernel's resident CTAs per
+// SM; 0 = not queried yet. Devices past the table are queried each call.
+constexpr int kCachedDevices = 64;
+std::atomic<int> g_sm_count[kCachedDevices];
+std::atomic<int> g_blocks_per_sm[kCachedDevices][kKernels];
+
+int sm_count(int device) {
+  if (device < kCachedDevices) {
+    const int cached = g_sm_count[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int sms = 0;
+  const cudaError_t status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (status != cudaSuccess) throw_cuda("cudaDeviceGetAttribute(MultiProcessorCount)", status);
+  if (device < kCachedDevices) g_sm_count[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+int blocks_per_sm(int device, const Selected& selected) {
+  if (device < kCachedDevices) {
+    const int cached = g_blocks_per_sm[device][selected.id].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int blocks = 0;
+  const cudaError_t status =
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, selected.kernel, static_cast<int>(kThreads), 0);
+  if (status != cudaSuccess) throw_cuda("cudaOccupancyMaxActiveBlocksPerMultiprocessor", status);
+  if (blocks < 1) blocks = 1;
+  if (device < kCachedDevices) g_blocks_per_sm[device][selected.id].store(blocks, std::memory_order_relaxed);
+  return blocks;
+}
+
+DecodeAttentionSplit plan(const DecodeAttentionShape& shape, const Selected& selected) {
+  int device = 0;
+  const cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) throw_cuda("cudaGetDevice", status);
+  const std::uint64_t target = std::uint64_t(sm_count(device)) * std::uint64_t(blocks_per_sm(device, selected));
+  const DecodeAttentionSplit split =
+      split_decode_attention(shape, target > 0xffffffffu ? 0xffffffffu : static_cast<std::uint32_t>(target));
+  if (split.chunks > kMaxGridYZ)
+    throw_invalid("chunk_pages " + std::to_string(split.chunk_pages) + " splits " + std::to_string(shape.max_pages) +
+                  " pages into " + std::to_string(split.chunks) + " chunks, at most 65535");
+  if (split.head_slices > kMaxGridYZ) throw_invalid("GQA group too large");
+  return split;
+}
+
+}  // namespace
+
+DecodeAttentionSplit plan_sparse_decode_attention(const DecodeAttentionShape& shape) {
+  check_shape(shape);
+  return plan(shape, select_kernel(shape));
+}
+
+void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAttentionArgs& args, void* stream) {
+  // Validation first: nothing is enqueued when an argument is wrong.
+  check_shape(shape);
+  if (shape.batch == 0) return;
+  const std::size_t page_bytes = shape.layout.page_bytes();
+  if (args.page_stride % kVec != 0 || args.page_stride < page_bytes)
+    throw_invalid("page_stride " + std::to_string(args.page_stride) + " is not a multiple of 16 >= page_bytes " +
+                  std::to_string(page_bytes));
+  if (!aligned(args.page_base, kVec)) throw_invalid("page_base is not 16-byte aligned");
+  const bool any_extra = args.extra.max != nullptr || args.extra.sum != nullptr || args.extra.acc != nullptr;
+  const bool all_extra = args.extra.max != nullptr && args.extra.sum != nullptr && args.extra.acc != nullptr;
+  if (any_extra && !all_extra) throw_invalid("extra term needs max, sum and acc (or none of them)");
+  if (args.q == nullptr || args.out == nullptr || args.page_base == nullptr)
+    throw_invalid("null q, out or page_base");
+  if (args.indptr == nullptr || args.indices == nullptr || args.last_page_len == nullptr)
+    throw_invalid("null indptr, indices or last_page_len");
+  if (args.workspace == nullptr || !aligned(args.workspace, kVec))
+    throw_invalid("workspace is null or not 16-byte aligned");
+  const Selected selected = select_kernel(shape);
+  const DecodeAttentionSplit split = plan(shape, selected);
+  if (args.workspace_bytes < split.workspace_bytes)
+    throw_invalid("workspace_bytes " + std::to_string(args.workspace_bytes) + " < " +
+                  std::to_string(split.workspace_bytes) + " needed");
+
+  const std::uint32_t batch_q = shape.batch * shape.q_heads;
+  float* ws_acc = static_cast<float*>(args.workspace);
+  float* ws_max = ws_acc + std::size_t{split.chunks} * batch_q * shape.layout.head_dim;
+  float* ws_sum = ws_max + std::size_t{split.chunks} * batch_q;
+  const SplitParams sp{args.q,
+                       args.page_base,
+                       args.page_stride,
+                       args.indptr,
+                       args.indices,
+                       args.last_page_len,
+                       args.scale,
+                       shape.q_heads / shape.kv_heads,
+                       shape.layout.page_tokens,
+                       split.chunk_pages,
+                       split.chunks,
+                       batch_q,
+                       ws_acc,
+                       ws_max,
+                       ws_sum};
+  const dim3 grid(shape.batch * shape.kv_heads, split.chunks, split.head_slices);
+  const auto s = static_cast<cudaStream_t>(stream);
+  selected.kernel<<<grid, kThreads, 0, s>>>(sp);
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) throw_cuda("split kernel launch", status);
+
+  const MergeParams mp{ws_acc, ws_max, ws_sum, args.extra, args.out, args.lse, split.chunks, batch_q,
+                       shape.layout.head_dim};
+  const std::uint64_t elements = std::uint64_t{batch_q} * shape.layout.head_dim;
+  const auto merge_blocks = static_cast<unsigned>((elements + kMergeThreads - 1) / kMergeThreads);
+  decode_merge_kernel<<<merge_blocks, kMergeThreads, 0, s>>>(mp);
+  status = cudaGetLastError();
+  if (status != cudaSuccess) throw_cuda("merge kernel launch", status);
+}
+
+}  // namespace sparsekv::cuda

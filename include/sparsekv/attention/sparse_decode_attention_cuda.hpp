@@ -1,0 +1,140 @@
+#pragma once
+// CUDA backend of Attend: sparse paged decode attention for a batch (Spin
+// §4.1 Attend over the GPU working set, §5.2 head-wise pages; split-K as in
+// FlashDecoding, log-sum-exp merge as in SparseServe §3 / FlashInfer
+// merge_states; RetroInfer §4.2 estimation term merged by log-sum-exp).
+//
+// One query token per request. q head j of request b reads kv head
+// j / group (group = q_heads / kv_heads). The pages of each (request, kv
+// head) row are split into chunks of `chunk_pages` pages; one CTA per
+// (chunk, row, head slice) loads each K/V row once with 16-byte vector loads
+// for all q heads of its slice (up to kMaxGroupPerCta heads: the whole GQA
+// group when group <= 8) and folds them in fp32 with the online-softmax rules
+// of attention_partial.hpp. Chunk partials go to a caller-allocated
+// workspace; a second kernel merges them per q head with the optional extra
+// term and writes o and lse. The host backend is decode_attention
+// (decode_attention.hpp); both call the same softmax_* functions.
+//
+// fmt-free: kernel translation units and their callers can include it. The
+// split planning below is plain inline C++ so host tests can emulate it.
+#include <cstddef>
+#include <cstdint>
+
+#include "sparsekv/memory/page_layout.hpp"
+
+namespace sparsekv::cuda {
+
+// q heads one CTA serves; a larger GQA group is split into head slices, each
+// reading the row's K/V once.
+inline constexpr std::uint32_t kMaxGroupPerCta = 8;
+// Smallest chunk (tokens) worth a CTA and a workspace partial.
+inline constexpr std::uint32_t kMinChunkTokens = 64;
+
+struct DecodeAttentionShape {
+  std::uint32_t batch = 0;     // requests
+  std::uint32_t q_heads = 0;   // per request
+  std::uint32_t kv_heads = 0;  // per request; q_heads % kv_heads == 0
+  PageLayout layout;           // page_tokens >= 1, head_dim 64 or 128, f32 / f16 / bf16
+  // The most pages any row holds (the host built the CSR, so it knows):
+  // sizes the split only. A row with more pages is still attended in full;
+  // its last chunk covers the excess.
+  std::uint32_t max_pages = 0;
+  // Pages per split-K chunk; 0 = chosen from the row count and the device's
+  // resident CTAs so the grid fills the GPU.
+  std::uint32_t chunk_pages = 0;
+};
+
+struct DecodeAttentionSplit {
+  std::uint32_t chunk_pages = 1;  // pages per chunk
+  std::uint32_t chunks = 1;       // chunks per row (grid x)
+  std::uint32_t head_slices = 1;  // ceil(group / kMaxGroupPerCta) (grid z)
+  std::size_t workspace_bytes = 0;
+};
+
+// Workspace of `chunks` partials per q head: fp32 acc [chunks][batch * q_heads][head_dim]
+// followed by fp32 max and sum [chunks][batch * q_heads] each.
+inline std::size_t decode_attention_workspace_bytes(std::uint32_t chunks, std::uint32_t batch,
+                                                    std::uint32_t q_heads, std::uint32_t head_dim) {
+  return std::size_t{chunks} * batch * q_heads * (std::size_t{head_dim} + 2) * sizeof(float);
+}
+
+// The split for `target_ctas` CTAs in flight (resident CTAs per SM x SMs):
+// enough chunks per row that rows x chunks x head slices reaches the target,
+// no chunk smaller than kMinChunkTokens (or one page), every page in some
+// chunk. Shapes are assumed valid (sparse_decode_attention checks them).
+inline DecodeAttentionSplit split_decode_attention(const DecodeAttentionShape& shape, std::uint32_t target_ctas) {
+  DecodeAttentionSplit split;
+  const std::uint32_t group = shape.kv_heads == 0 ? 1 : shape.q_heads / shape.kv_heads;
+  split.head_slices = group == 0 ? 1 : (group + kMaxGroupPerCta - 1) / kMaxGroupPerCta;
+  const std::uint32_t max_pages = shape.max_pages == 0 ? 1 : shape.max_pages;
+  if (shape.chunk_pages != 0) {
+    split.chunk_pages = shape.chunk_pages;
+  } else {
+    const std::uint64_t ctas_per_chunk = std::uint64_t{shape.batch} * shape.kv_heads * split.head_slices;
+    const std::uint64_t wanted =
+        ctas_per_chunk == 0 ? 1 : (std::uint64_t{target_ctas} + ctas_per_chunk - 1) / ctas_per_chunk;
+    const std::uint32_t chunks = wanted < max_pages ? static_cast<std::uint32_t>(wanted) : max_pages;
+    std::uint32_t pages = (max_pages + chunks - 1) / chunks;
+    const std::uint32_t tokens = shape.layout.page_tokens == 0 ? 1 : shape.layout.page_tokens;
+    const std::uint32_t min_pages = (kMinChunkTokens + tokens - 1) / tokens;
+    split.chunk_pages = pages > min_pages ? pages : min_pages;
+  }
+  split.chunks = (max_pages + split.chunk_pages - 1) / split.chunk_pages;
+  split.workspace_bytes =
+      decode_attention_workspace_bytes(split.chunks, shape.batch, shape.q_heads, shape.layout.head_dim);
+  return split;
+}
+
+// Optional per-(request, q head) term merged by log-sum-exp (an
+// AttentionPartial in device arrays): max, sum [batch * q_heads] and acc
+// [batch * q_heads][head_dim] (unnormalised, as AttentionPartial::acc). A head
+// with sum == 0 has no term. All three null = no extra term.
+struct DecodeAttentionExtra {
+  const float* max = nullptr;
+  const float* sum = nullptr;
+  const float* acc = nullptr;
+};
+
+// Device pointers of one launch.
+struct DecodeAttentionArgs {
+  // [batch][q_heads][head_dim] fp32 (engines keep the query in fp32; K/V pages stay in layout.dtype).
+  const float* q = nullptr;
+  // Page p of the pool starts at page_base + p * page_stride; its K block
+  // then V block follow PageLayout (k_offset / v_offset).
+  const std::byte* page_base = nullptr;
+  std::size_t page_stride = 0;
+  // CSR over rows r = b * kv_heads + h, FlashInfer / AttendPlan style:
+  // indptr [batch * kv_heads + 1], indices (page ids), last_page_len
+  // [batch * kv_heads] in 1..page_tokens (every page of a row full except the
+  // last). A row with indptr[r + 1] == indptr[r] attends to nothing.
+  const std::int64_t* indptr = nullptr;
+  const std::int64_t* indices = nullptr;
+  const std::int32_t* last_page_len = nullptr;
+  float scale = 1.0f;  // scores = q . k * scale
+  DecodeAttentionExtra extra;
+  float* out = nullptr;  // [batch][q_heads][head_dim] fp32; 0 for a head that attended to nothing
+  float* lse = nullptr;  // [batch][q_heads] fp32 log-sum-exp of the scores (-inf when empty); may be null
+  void* workspace = nullptr;  // device memory, 16-byte aligned, plan's workspace_bytes
+  std::size_t workspace_bytes = 0;
+};
+
+// The split sparse_decode_attention will use on the current device for
+// `shape` (its workspace_bytes is what the caller allocates). Throws
+// invalid_argument on a bad shape, cuda_error if a device query fails.
+DecodeAttentionSplit plan_sparse_decode_attention(const DecodeAttentionShape& shape);
+
+// Enqueues the attention on `stream` (a cudaStream_t; nullptr = default
+// stream). Checked on the host before launching (ErrorCode::invalid_argument):
+// the shape (kv_heads >= 1, q_heads a multiple of kv_heads, head_dim 64 or
+// 128, page_tokens >= 1); page_base and page_stride 16-byte aligned, stride
+// >= page_bytes; q, out, indptr, indices, last_page_len and workspace
+// non-null when batch > 0, workspace 16-byte aligned with workspace_bytes >=
+// the plan's; extra pointers all null or all set; the plan's chunks <= 65535
+// (a forced chunk_pages too small for max_pages is rejected). Device
+// data (indptr monotone, page ids inside the pool) is not checked; a
+// last_page_len outside 1..page_tokens is clamped into it so reads stay
+// inside the page. batch == 0 enqueues nothing (only the shape is checked).
+// Throws ErrorCode::cuda_error if a device query or a launch fails.
+void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAttentionArgs& args, void* stream);
+
+}  // namespace sparsekv::cuda

@@ -1,0 +1,395 @@
+// Split-K sparse paged decode attention kernel against the host backend
+// (decode_attention) on random batches: variable page counts per (request,
+// kv head) including 0 and 1 page, partial last pages, GQA groups 1 / 3 / 4 /
+// 8 / 12, head_dim 64 / 128, fp32 / fp16 / bf16 pages, page strides wider
+// than a page, forced and automatic chunk sizes, with and without the extra
+// term. Both backends read the same page bytes; they differ only in fp32
+// summation order.
+//
+// Relative error of an output head (request, q head): max_d |kernel - host|
+// / max_d |host| (the head's L-inf norm, so near-zero elements do not blow
+// it up); a head that attended to nothing must be exactly 0 in both. lse:
+// |kernel - host| / max(1, |host|), and -inf exactly where the host has -inf.
+// Bound: 2e-3 (the bf16 bound, applied to every dtype).
+#include <catch2/catch.hpp>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "sparsekv/attention/decode_attention.hpp"
+#include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
+#include "sparsekv/core/error_code.hpp"
+#include "sparsekv/core/numeric.hpp"
+
+using namespace sparsekv;
+
+namespace {
+
+constexpr float kTolerance = 2e-3f;
+
+void check(cudaError_t status) {
+  INFO(cudaGetErrorString(status));
+  REQUIRE(status == cudaSuccess);
+}
+
+struct DeviceBytes {
+  explicit DeviceBytes(std::size_t bytes) {
+    void* p = nullptr;
+    check(cudaMalloc(&p, bytes == 0 ? 16 : bytes));
+    data = static_cast<std::byte*>(p);
+  }
+  ~DeviceBytes() { cudaFree(data); }
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+  template <class T>
+  T* as() const {
+    return reinterpret_cast<T*>(data);
+  }
+  std::byte* data = nullptr;
+};
+
+template <class T>
+std::unique_ptr<DeviceBytes> upload(const std::vector<T>& values) {
+  auto buffer = std::make_unique<DeviceBytes>(values.size() * sizeof(T));
+  if (!values.empty())
+    check(cudaMemcpy(buffer->data, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return buffer;
+}
+
+template <class T>
+std::vector<T> download(const DeviceBytes& buffer, std::size_t count) {
+  std::vector<T> values(count);
+  check(cudaMemcpy(values.data(), buffer.data, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return values;
+}
+
+ErrorCode code_of(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  FAIL("no sparsekv::Error thrown");
+  return ErrorCode::cuda_error;
+}
+
+struct CaseSpec {
+  std::uint32_t batch, kv_heads, group;
+  PageLayout layout;
+  std::uint32_t max_row_pages;  // row page counts drawn from 0..max_row_pages
+  bool extra;
+  std::uint32_t chunk_pages;  // 0 = automatic
+  std::size_t stride_pad;     // bytes added to page_bytes for the pool stride (multiple of 16)
+  float scale_factor;         // scale = factor / sqrt(head_dim); 4 makes peaky softmaxes
+  std::uint32_t understate;   // pages subtracted from the true max_pages passed to the kernel
+};
+
+// A random batch in a host pool laid out exactly like the device pool.
+struct Batch {
+  CaseSpec spec;
+  std::uint32_t q_heads = 0;
+  std::size_t stride = 0;
+  float scale = 0;
+  std::vector<std::byte> pool;
+  std::vector<std::int64_t> indptr{0}, indices;
+  std::vector<std::int32_t> last_page_len;
+  std::vector<float> q;
+  std::vector<AttentionPartial> extra;
+  std::uint32_t max_pages = 0;
+};
+
+Batch make_batch(std::mt19937& rng, const CaseSpec& spec) {
+  std::normal_distribution<float> normal;
+  const PageLayout& layout = spec.layout;
+  Batch b;
+  b.spec = spec;
+  b.q_heads = spec.kv_heads * spec.group;
+  b.stride = layout.page_bytes() + spec.stride_pad;
+  b.scale = spec.scale_factor / std::sqrt(float(layout.head_dim));
+  const std::uint32_t rows = spec.batch * spec.kv_heads;
+  std::vector<std::uint32_t> counts(rows);
+  for (std::uint32_t r = 0; r < rows; ++r)
+    counts[r] = r % 5 == 1 ? 0 : r % 5 == 3 ? 1 : std::uint32_t(rng() % (spec.max_row_pages + 1));
+  if (rows > 0) counts[rows - 1] = spec.max_row_pages;  // one row at the maximum
+  const std::uint32_t total = std::accumulate(counts.begin(), counts.end(), 0u);
+  const std::uint32_t pool_pages = total + 3;
+  b.pool.assign(pool_pages * b.stride, std::byte{0xff});  // padding and unused rows hold NaN patterns
+  for (std::uint32_t p = 0; p < pool_pages; ++p)
+    for (std::uint32_t row = 0; row < 2 * layout.page_tokens; ++row)
+      for (std::uint32_t i = 0; i < layout.head_dim; ++i)
+        store_element(b.pool.data() + p * b.stride + row * layout.row_bytes(), i, layout.dtype, normal(rng));
+  std::vector<std::int64_t> ids(pool_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::size_t next = 0;
+  for (std::uint32_t r = 0; r < rows; ++r) {
+    for (std::uint32_t p = 0; p < counts[r]; ++p) b.indices.push_back(ids[next++]);
+    b.indptr.push_back(static_cast<std::int64_t>(b.indices.size()));
+    const std::uint32_t len = 1 + std::uint32_t(rng() % layout.page_tokens);
+    b.last_page_len.push_back(static_cast<std::int32_t>(len));
+    // Rows past a partial last page are never read: poison them with NaN.
+    if (counts[r] > 0) {
+      std::byte* last = b.pool.data() + b.indices.back() * b.stride;
+      for (std::uint32_t slot = len; slot < layout.page_tokens; ++slot) {
+        std::memset(last + layout.k_offset(slot), 0xff, layout.row_bytes());
+        std::memset(last + layout.v_offset(slot), 0xff, layout.row_bytes());
+      }
+    }
+    b.max_pages = std::max(b.max_pages, counts[r]);
+  }
+  b.q.resize(std::size_t{spec.batch} * b.q_heads * layout.head_dim);
+  for (float& x : b.q) x = normal(rng);
+  if (spec.extra) {
+    b.extra.assign(std::size_t{spec.batch} * b.q_heads, AttentionPartial(layout.head_dim));
+    std::vector<float> v(layout.head_dim);
+    for (std::size_t h = 0; h < b.extra.size(); ++h) {
+      if (h % 4 == 2) continue;  // this head has no term
+      for (int c = 0; c < 3; ++c) {
+        for (float& x : v) x = normal(rng);
+        b.extra[h].add(2.0f * normal(rng), float(1 + rng() % 16), v.data());
+      }
+    }
+  }
+  return b;
+}
+
+void host_reference(const Batch& b, std::vector<float>& out, std::vector<float>& lse) {
+  const PageLayout& layout = b.spec.layout;
+  const std::uint32_t d = layout.head_dim;
+  out.assign(std::size_t{b.spec.batch} * b.q_heads * d, 0.0f);
+  lse.assign(std::size_t{b.spec.batch} * b.q_heads, 0.0f);
+  std::vector<HeadKv> kv(b.spec.kv_heads);
+  for (std::uint32_t r = 0; r < b.spec.batch; ++r) {
+    for (std::uint32_t h = 0; h < b.spec.kv_heads; ++h) {
+      const std::uint32_t row = r * b.spec.kv_heads + h;
+      kv[h].clear();
+      for (std::int64_t i = b.indptr[row]; i < b.indptr[row + 1]; ++i)
+        kv[h].add(b.pool.data() + b.indices[i] * b.stride,
+                  i + 1 == b.indptr[row + 1] ? std::uint32_t(b.last_page_len[row]) : layout.page_tokens);
+    }
+    const std::span<const AttentionPartial> extra =
+        b.extra.empty() ? std::span<const AttentionPartial>{}
+                        : std::span<const AttentionPartial>(b.extra).subspan(std::size_t{r} * b.q_heads, b.q_heads);
+    decode_attention(layout, b.q_heads, b.scale, b.q.data() + std::size_t{r} * b.q_heads * d, kv, extra,
+                     out.data() + std::size_t{r} * b.q_heads * d, lse.data() + std::size_t{r} * b.q_heads);
+  }
+}
+
+struct Errors {
+  float out = 0, lse = 0;
+};
+
+Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
+  const Batch b = make_batch(rng, spec);
+  const std::uint32_t d = spec.layout.head_dim;
+  const std::size_t batch_q = std::size_t{spec.batch} * b.q_heads;
+  std::vector<float> want_out, want_lse;
+  host_reference(b, want_out, want_lse);
+
+  cuda::DecodeAttentionShape shape;
+  shape.batch = spec.batch;
+  shape.q_heads = b.q_heads;
+  shape.kv_heads = spec.kv_heads;
+  shape.layout = spec.layout;
+  shape.max_pages = b.max_pages > spec.understate ? b.max_pages - spec.understate : 0;
+  shape.chunk_pages = spec.chunk_pages;
+  const cuda::DecodeAttentionSplit split = cuda::plan_sparse_decode_attention(shape);
+
+  auto pool = upload(b.pool);
+  auto q = upload(b.q);
+  auto indptr = upload(b.indptr);
+  auto indices = upload(b.indices);
+  auto last = upload(b.last_page_len);
+  std::vector<float> extra_max, extra_sum, extra_acc;
+  for (const AttentionPartial& e : b.extra) {
+    extra_max.push_back(e.max);
+    extra_sum.push_back(e.sum);
+    extra_acc.insert(extra_acc.end(), e.acc.begin(), e.acc.end());
+  }
+  auto d_extra_max = upload(extra_max);
+  auto d_extra_sum = upload(extra_sum);
+  auto d_extra_acc = upload(extra_acc);
+  DeviceBytes out(batch_q * d * sizeof(float)), lse(batch_q * sizeof(float)), workspace(split.workspace_bytes);
+  // NaN everywhere first: an output the kernel does not write fails the comparison.
+  check(cudaMemset(out.data, 0xff, batch_q * d * sizeof(float)));
+  check(cudaMemset(lse.data, 0xff, batch_q * sizeof(float)));
+  check(cudaMemset(workspace.data, 0xff, split.workspace_bytes));
+
+  cuda::DecodeAttentionArgs args;
+  args.q = q->as<float>();
+  args.page_base = pool->data;
+  args.page_stride = b.stride;
+  args.indptr = indptr->as<std::int64_t>();
+  args.indices = indices->as<std::int64_t>();
+  args.last_page_len = last->as<std::int32_t>();
+  args.scale = b.scale;
+  if (spec.extra) args.extra = {d_extra_max->as<float>(), d_extra_sum->as<float>(), d_extra_acc->as<float>()};
+  args.out = out.as<float>();
+  args.lse = lse.as<float>();
+  args.workspace = workspace.data;
+  args.workspace_bytes = split.workspace_bytes;
+  cuda::sparse_decode_attention(shape, args, stream);
+  check(cudaStreamSynchronize(stream));
+  check(cudaGetLastError());
+
+  const std::vector<float> got_out = download<float>(out, batch_q * d);
+  const std::vector<float> got_lse = download<float>(lse, batch_q);
+  Errors worst;
+  for (std::size_t h = 0; h < batch_q; ++h) {
+    float num = 0, den = 0;
+    bool finite = true;
+    for (std::uint32_t i = 0; i < d; ++i) {
+      finite = finite && std::isfinite(got_out[h * d + i]);
+      num = std::max(num, std::abs(got_out[h * d + i] - want_out[h * d + i]));
+      den = std::max(den, std::abs(want_out[h * d + i]));
+    }
+    const float out_error = !finite ? INFINITY : den == 0 ? num : num / den;
+    float lse_error = 0;
+    if (std::isinf(want_lse[h]) || !std::isfinite(got_lse[h]))
+      lse_error = got_lse[h] == want_lse[h] ? 0.0f : INFINITY;
+    else
+      lse_error = std::abs(got_lse[h] - want_lse[h]) / std::max(1.0f, std::abs(want_lse[h]));
+    CAPTURE(h, want_lse[h], got_lse[h], out_error, lse_error);
+    REQUIRE(out_error <= kTolerance);
+    REQUIRE(lse_error <= kTolerance);
+    worst.out = std::max(worst.out, out_error);
+    worst.lse = std::max(worst.lse, lse_error);
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("sparse_decode_attention matches the host decode_attention", "[gpu][attention]") {
+  std::mt19937 rng(71);
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Errors worst;
+  int cases = 0;
+  for (const DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+    for (const std::uint32_t head_dim : {64u, 128u}) {
+      for (const std::uint32_t group : {1u, 3u, 4u, 8u, 12u}) {
+        for (const std::uint32_t page_tokens : {16u, 5u, 64u}) {
+          CaseSpec spec{};
+          spec.batch = 1 + std::uint32_t(rng() % 6);
+          spec.kv_heads = group == 12 ? 1 : 1 + std::uint32_t(rng() % 4);
+          spec.group = group;
+          spec.layout = PageLayout{page_tokens, head_dim, dtype};
+          spec.max_row_pages = page_tokens == 64 ? 6 : 20;
+          spec.extra = rng() % 2 == 0;
+          spec.chunk_pages = std::uint32_t(rng() % 3);  // 0 (auto), 1 or 2 pages per chunk
+          spec.stride_pad = rng() % 2 == 0 ? 0 : 16 * (1 + rng() % 3);
+          spec.scale_factor = rng() % 2 == 0 ? 1.0f : 4.0f;
+          spec.understate = rng() % 4 == 0 ? 3 : 0;
+          CAPTURE(to_string(dtype), head_dim, group, page_tokens, spec.batch, spec.kv_heads, spec.extra,
+                  spec.chunk_pages, spec.stride_pad, spec.scale_factor, spec.understate);
+          const Errors e = run_case(rng, spec, rng() % 2 == 0 ? stream : nullptr);
+          worst.out = std::max(worst.out, e.out);
+          worst.lse = std::max(worst.lse, e.lse);
+          ++cases;
+        }
+      }
+    }
+  }
+  check(cudaStreamDestroy(stream));
+  REQUIRE(cases == 3 * 2 * 5 * 3);
+  std::printf("sparse_decode_attention vs host: %d cases, max relative error out %.3g, lse %.3g\n", cases,
+              double(worst.out), double(worst.lse));
+}
+
+TEST_CASE("sparse_decode_attention splits long selections over many chunks", "[gpu][attention]") {
+  std::mt19937 rng(72);
+  // The benchmark's shape at small scale: 2048-token selections (128 pages of
+  // 16), bf16, GQA 4, head_dim 128, automatic split (many chunks per row).
+  for (const std::uint32_t batch : {1u, 4u}) {
+    for (const bool extra : {false, true}) {
+      CaseSpec spec{batch, 8, 4, PageLayout{16, 128, DType::bf16}, 128, extra, 0, 0, 1.0f, 0};
+      CAPTURE(batch, extra);
+      const Errors e = run_case(rng, spec, nullptr);
+      std::printf("2048-token rows, batch %u, extra %d: max relative error out %.3g, lse %.3g\n", batch, int(extra),
+                  double(e.out), double(e.lse));
+    }
+  }
+  cuda::DecodeAttentionShape shape{1, 32, 8, PageLayout{16, 128, DType::bf16}, 128, 0};
+  REQUIRE(cuda::plan_sparse_decode_attention(shape).chunks > 1);
+}
+
+TEST_CASE("sparse_decode_attention rejects bad arguments before launching", "[gpu][attention]") {
+  const PageLayout layout{16, 128, DType::bf16};
+  cuda::DecodeAttentionShape shape{2, 8, 2, layout, 4, 0};
+  const cuda::DecodeAttentionSplit split = cuda::plan_sparse_decode_attention(shape);
+  const std::size_t batch_q = 2 * 8;
+  DeviceBytes pool(8 * layout.page_bytes() + 16), q(batch_q * 128 * 4), out(batch_q * 128 * 4), lse(batch_q * 4),
+      indptr(5 * 8), indices(16 * 8), last(4 * 4), workspace(split.workspace_bytes + 16);
+  check(cudaMemset(indptr.data, 0, 5 * 8));  // all rows empty: a valid call is harmless
+  check(cudaMemset(out.data, 0x7f, batch_q * 128 * 4));
+  cuda::DecodeAttentionArgs ok;
+  ok.q = q.as<float>();
+  ok.page_base = pool.data;
+  ok.page_stride = layout.page_bytes();
+  ok.indptr = indptr.as<std::int64_t>();
+  ok.indices = indices.as<std::int64_t>();
+  ok.last_page_len = last.as<std::int32_t>();
+  ok.scale = 0.1f;
+  ok.out = out.as<float>();
+  ok.lse = lse.as<float>();
+  ok.workspace = workspace.data;
+  ok.workspace_bytes = split.workspace_bytes;
+  auto code = [&](cuda::DecodeAttentionShape s, cuda::DecodeAttentionArgs a) {
+    return code_of([&] { cuda::sparse_decode_attention(s, a, nullptr); });
+  };
+  auto with_shape = [&](auto change) {
+    cuda::DecodeAttentionShape s = shape;
+    change(s);
+    return code(s, ok);
+  };
+  auto with_args = [&](auto change) {
+    cuda::DecodeAttentionArgs a = ok;
+    change(a);
+    return code(shape, a);
+  };
+  const ErrorCode bad = ErrorCode::invalid_argument;
+  CHECK(with_shape([](auto& s) { s.kv_heads = 0; }) == bad);
+  CHECK(with_shape([](auto& s) { s.q_heads = 7; }) == bad);  // not a multiple of 2
+  CHECK(with_shape([](auto& s) { s.q_heads = 0; }) == bad);
+  CHECK(with_shape([](auto& s) { s.layout.head_dim = 96; }) == bad);
+  CHECK(with_shape([](auto& s) { s.layout.page_tokens = 0; }) == bad);
+  CHECK(with_shape([](auto& s) { s.max_pages = 200000, s.chunk_pages = 1; }) == bad);  // > 65535 chunks
+  CHECK(with_args([](auto& a) { a.page_stride += 8; }) == bad);
+  CHECK(with_args([&](auto& a) { a.page_stride = layout.page_bytes() - 16; }) == bad);
+  CHECK(with_args([](auto& a) { a.page_base += 8; }) == bad);
+  CHECK(with_args([](auto& a) { a.q = nullptr; }) == bad);
+  CHECK(with_args([](auto& a) { a.out = nullptr; }) == bad);
+  CHECK(with_args([](auto& a) { a.indptr = nullptr; }) == bad);
+  CHECK(with_args([](auto& a) { a.indices = nullptr; }) == bad);
+  CHECK(with_args([](auto& a) { a.last_page_len = nullptr; }) == bad);
+  CHECK(with_args([](auto& a) { a.workspace = nullptr; }) == bad);
+  CHECK(with_args([](auto& a) { a.workspace = static_cast<std::byte*>(a.workspace) + 4; }) == bad);
+  CHECK(with_args([](auto& a) { a.workspace_bytes -= 4; }) == bad);
+  CHECK(with_args([&](auto& a) { a.extra.max = q.as<float>(); }) == bad);  // partial extra term
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  // Nothing was launched: out keeps its fill pattern.
+  const std::vector<std::uint32_t> untouched = download<std::uint32_t>(out, batch_q * 128);
+  REQUIRE(std::all_of(untouched.begin(), untouched.end(), [](std::uint32_t x) { return x == 0x7f7f7f7fu; }));
+  // batch 0 enqueues nothing, even with null pointers.
+  cuda::DecodeAttentionShape empty = shape;
+  empty.batch = 0;
+  cuda::sparse_decode_attention(empty, cuda::DecodeAttentionArgs{}, nullptr);
+  // The valid call over empty rows writes zeros and -inf.
+  cuda::sparse_decode_attention(shape, ok, nullptr);
+  check(cudaDeviceSynchronize());
+  const std::vector<float> zeros = download<float>(out, batch_q * 128);
+  REQUIRE(std::all_of(zeros.begin(), zeros.end(), [](float x) { return x == 0.0f; }));
+  const std::vector<float> lses = download<float>(lse, batch_q);
+  REQUIRE(std::all_of(lses.begin(), lses.end(), [](float x) { return x == -INFINITY; }));
+}

@@ -1,0 +1,473 @@
+// The online-softmax rules shared by the host backend and the CUDA split-K
+// decode attention kernel (attention_partial.hpp: softmax_fold / _merge /
+// _rescale_add / _lse / _output), the kernel's split planning
+// (split_decode_attention), and a host emulation of the kernel's
+// decomposition (rows -> chunks -> token subgroups -> workspace partials ->
+// merge with the extra term) against the host decode_attention.
+//
+// Relative error of an output head: max_d |got - want| / max_d |want|; of an
+// lse: |got - want| / max(1, |want|).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "sparsekv/attention/attention_partial.hpp"
+#include "sparsekv/attention/decode_attention.hpp"
+#include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "test_support.hpp"
+
+using namespace sparsekv;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// One head's state with its accumulator, folded and merged only through the shared functions.
+struct Head {
+  SoftmaxState state;
+  std::vector<float> acc;
+  explicit Head(std::uint32_t d) : acc(d, 0.0f) {}
+
+  void fold(float score, float weight, const float* value) {
+    const RescaleStep step = softmax_fold(state, score, weight);
+    for (std::size_t i = 0; i < acc.size(); ++i) acc[i] = softmax_rescale_add(acc[i], step, value[i]);
+  }
+  void merge(const Head& other) {
+    const RescaleStep step = softmax_merge(state, other.state);
+    for (std::size_t i = 0; i < acc.size(); ++i) acc[i] = softmax_rescale_add(acc[i], step, other.acc[i]);
+  }
+  std::vector<float> output() const {
+    std::vector<float> out(acc.size());
+    for (std::size_t i = 0; i < acc.size(); ++i) out[i] = softmax_output(acc[i], state);
+    return out;
+  }
+};
+
+float head_relative_error(const float* got, const float* want, std::size_t n) {
+  float num = 0, den = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    num = std::max(num, std::abs(got[i] - want[i]));
+    den = std::max(den, std::abs(want[i]));
+  }
+  return den == 0 ? num : num / den;
+}
+
+float lse_relative_error(float got, float want) {
+  if (std::isinf(want) || std::isinf(got)) return got == want ? 0.0f : kInf;
+  return std::abs(got - want) / std::max(1.0f, std::abs(want));
+}
+
+struct Keys {
+  std::vector<float> scores, weights, values;  // values: [n][d]
+};
+
+Keys random_keys(std::mt19937& rng, std::size_t n, std::uint32_t d, float spread) {
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> cluster(1, 4);
+  Keys k;
+  for (std::size_t t = 0; t < n; ++t) {
+    k.scores.push_back(spread * normal(rng));
+    k.weights.push_back(t % 5 == 0 ? float(cluster(rng)) : 1.0f);  // some RetroInfer-style clusters
+    for (std::uint32_t i = 0; i < d; ++i) k.values.push_back(normal(rng));
+  }
+  return k;
+}
+
+// softmax-weighted mean in double: the exact answer both fp32 paths approximate.
+std::vector<double> exact_output(const Keys& k, std::uint32_t d, double* lse) {
+  double m = -1e300;
+  for (float s : k.scores) m = std::max(m, double(s));
+  double sum = 0;
+  std::vector<double> acc(d, 0.0);
+  for (std::size_t t = 0; t < k.scores.size(); ++t) {
+    const double e = std::exp(double(k.scores[t]) - m);
+    sum += k.weights[t] * e;
+    for (std::uint32_t i = 0; i < d; ++i) acc[i] += e * k.values[t * d + i];
+  }
+  for (double& a : acc) a /= sum;
+  *lse = m + std::log(sum);
+  return acc;
+}
+
+}  // namespace
+
+TEST_CASE("merging partials of any split of a key set equals the one-pass fold", "[attention-rules]") {
+  std::mt19937 rng(61);
+  const std::uint32_t d = 16;
+  for (const float spread : {0.5f, 3.0f, 30.0f}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      const std::size_t n = 1 + rng() % 48;
+      const Keys keys = random_keys(rng, n, d, spread);
+      Head whole(d);
+      for (std::size_t t = 0; t < n; ++t) whole.fold(keys.scores[t], keys.weights[t], &keys.values[t * d]);
+      const std::vector<float> want = whole.output();
+      const float want_lse = softmax_lse(whole.state);
+
+      double exact_lse = 0;
+      const std::vector<double> exact = exact_output(keys, d, &exact_lse);
+      for (std::uint32_t i = 0; i < d; ++i) REQUIRE(std::abs(want[i] - exact[i]) <= 1e-5 + 1e-5 * std::abs(exact[i]));
+      REQUIRE(std::abs(want_lse - exact_lse) <= 1e-5 * std::max(1.0, std::abs(exact_lse)));
+
+      // Any split: each key to a random part (some parts empty), parts merged in random order.
+      const std::size_t parts = 1 + rng() % 6;
+      std::vector<Head> part(parts, Head(d));
+      for (std::size_t t = 0; t < n; ++t)
+        part[rng() % parts].fold(keys.scores[t], keys.weights[t], &keys.values[t * d]);
+      std::vector<std::size_t> order(parts);
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      Head merged(d);
+      for (std::size_t p : order) merged.merge(part[p]);
+      CAPTURE(spread, n, parts);
+      const std::vector<float> got = merged.output();
+      REQUIRE(head_relative_error(got.data(), want.data(), d) <= 1e-6f);
+      REQUIRE(lse_relative_error(softmax_lse(merged.state), want_lse) <= 1e-6f);
+      REQUIRE(std::abs(merged.state.sum * std::exp(merged.state.max - whole.state.max) - whole.state.sum) <=
+              1e-6f * whole.state.sum);
+    }
+  }
+}
+
+TEST_CASE("empty and -inf partials change nothing", "[attention-rules]") {
+  const std::uint32_t d = 4;
+  const float v1[d] = {1, 2, 3, 4}, v2[d] = {-1, 0.5f, 2, 8};
+  Head a(d);
+  a.fold(0.25f, 1.0f, v1);
+  a.fold(1.5f, 2.0f, v2);
+  const Head before = a;
+
+  SECTION("an empty state is s == 0, m == -inf, lse -inf, output 0") {
+    const Head empty(d);
+    REQUIRE(softmax_empty(empty.state));
+    REQUIRE(empty.state.max == -kInf);
+    REQUIRE(softmax_lse(empty.state) == -kInf);
+    REQUIRE(softmax_output(5.0f, empty.state) == 0.0f);
+  }
+  SECTION("merging an empty state is bit-exact identity, both ways") {
+    Head empty(d);
+    // An empty side's accumulator is never read into the result, even when it holds inf / NaN.
+    empty.acc = {kInf, -kInf, std::nanf(""), 7.0f};
+    Head x = a;
+    x.merge(empty);
+    REQUIRE(std::memcmp(&x.state, &before.state, sizeof(SoftmaxState)) == 0);
+    REQUIRE(x.acc == before.acc);
+    Head y(d);
+    y.acc = {kInf, std::nanf(""), -kInf, 3.0f};
+    y.state = SoftmaxState{};
+    y.merge(a);
+    REQUIRE(y.state.max == before.state.max);
+    REQUIRE(y.state.sum == before.state.sum);
+    REQUIRE(y.acc == before.acc);
+    Head both(d);
+    both.merge(Head(d));
+    REQUIRE(softmax_empty(both.state));
+    REQUIRE(both.acc == std::vector<float>(d, 0.0f));
+  }
+  SECTION("a -inf score, a zero or negative weight, or a NaN weight folds nothing") {
+    Head x = a;
+    x.fold(-kInf, 1.0f, v1);
+    x.fold(3.0f, 0.0f, v1);
+    x.fold(3.0f, -1.0f, v1);
+    x.fold(3.0f, std::nanf(""), v1);
+    REQUIRE(x.state.max == before.state.max);
+    REQUIRE(x.state.sum == before.state.sum);
+    REQUIRE(x.acc == before.acc);
+    Head e(d);
+    e.fold(-kInf, 1.0f, v1);
+    REQUIRE(softmax_empty(e.state));
+  }
+  SECTION("very negative finite scores and a later huge max stay finite") {
+    Head x(d);
+    x.fold(-1e30f, 1.0f, v1);
+    REQUIRE(x.state.max == -1e30f);
+    REQUIRE(x.state.sum == 1.0f);
+    x.fold(1e30f, 1.0f, v2);  // the old mass underflows to exactly 0
+    const std::vector<float> out = x.output();
+    for (std::uint32_t i = 0; i < d; ++i) REQUIRE(out[i] == v2[i]);
+    REQUIRE(softmax_lse(x.state) == 1e30f);
+  }
+  SECTION("AttentionPartial runs the same rules") {
+    AttentionPartial p(d), q;  // q default-constructed: takes the other's size on merge
+    p.add(0.25f, 1.0f, v1);
+    p.add(1.5f, 2.0f, v2);
+    REQUIRE(p.max == before.state.max);
+    REQUIRE(p.sum == before.state.sum);
+    REQUIRE(p.acc == before.acc);
+    q.merge(p);
+    REQUIRE(q.acc == p.acc);
+    REQUIRE(q.log_sum_exp() == softmax_lse(before.state));
+    REQUIRE(AttentionPartial(d).log_sum_exp() == -kInf);
+  }
+}
+
+TEST_CASE("the extra term merges like any disjoint key set", "[attention-rules]") {
+  std::mt19937 rng(62);
+  const std::uint32_t d = 8;
+  for (int trial = 0; trial < 30; ++trial) {
+    const Keys pages = random_keys(rng, 1 + rng() % 30, d, 2.0f);
+    const Keys estimated = random_keys(rng, 1 + rng() % 10, d, 2.0f);
+    // One pass over everything vs pages, then the extra term merged (the kernel's order), vs extra first.
+    Head all(d), exact_part(d), extra(d);
+    for (std::size_t t = 0; t < pages.scores.size(); ++t) {
+      all.fold(pages.scores[t], pages.weights[t], &pages.values[t * d]);
+      exact_part.fold(pages.scores[t], pages.weights[t], &pages.values[t * d]);
+    }
+    for (std::size_t t = 0; t < estimated.scores.size(); ++t) {
+      all.fold(estimated.scores[t], estimated.weights[t], &estimated.values[t * d]);
+      extra.fold(estimated.scores[t], estimated.weights[t], &estimated.values[t * d]);
+    }
+    Head after = exact_part;
+    after.merge(extra);
+    Head before = extra;
+    before.merge(exact_part);
+    const std::vector<float> want = all.output();
+    REQUIRE(head_relative_error(after.output().data(), want.data(), d) <= 1e-6f);
+    REQUIRE(head_relative_error(before.output().data(), want.data(), d) <= 1e-6f);
+    REQUIRE(lse_relative_error(softmax_lse(after.state), softmax_lse(all.state)) <= 1e-6f);
+    // Only an extra term (no pages): the output is the term's own normalised value.
+    Head only(d);
+    only.merge(extra);
+    REQUIRE(only.output() == extra.output());
+  }
+}
+
+TEST_CASE("split_decode_attention covers every page with bounded chunks", "[attention-rules]") {
+  cuda::DecodeAttentionShape shape;
+  shape.q_heads = 32;
+  shape.kv_heads = 8;
+  shape.layout = PageLayout{16, 128, DType::bf16};
+  for (const std::uint32_t batch : {1u, 3u, 8u, 64u, 1000u}) {
+    for (const std::uint32_t max_pages : {0u, 1u, 2u, 5u, 128u, 1000u}) {
+      for (const std::uint32_t target : {1u, 132u, 1056u, 8448u}) {
+        shape.batch = batch;
+        shape.max_pages = max_pages;
+        const cuda::DecodeAttentionSplit s = cuda::split_decode_attention(shape, target);
+        CAPTURE(batch, max_pages, target, s.chunk_pages, s.chunks);
+        const std::uint32_t pages = std::max(max_pages, 1u);
+        REQUIRE(s.head_slices == 1);
+        REQUIRE(s.chunks >= 1);
+        REQUIRE(std::uint64_t{s.chunks} * s.chunk_pages >= pages);       // every page in a chunk
+        REQUIRE(std::uint64_t{s.chunks - 1} * s.chunk_pages < pages);    // no chunk past the last page
+        REQUIRE(std::uint64_t{s.chunk_pages} * 16 >= cuda::kMinChunkTokens);
+        // At least half of the CTAs the target and the chunk floor allow.
+        const std::uint64_t rows = std::uint64_t{batch} * 8;
+        const std::uint64_t floor_chunks = (pages + cuda::kMinChunkTokens / 16 - 1) / (cuda::kMinChunkTokens / 16);
+        REQUIRE(2 * rows * s.chunks >= std::min<std::uint64_t>(target, rows * floor_chunks));
+        REQUIRE(s.workspace_bytes == std::size_t{s.chunks} * batch * 32 * 130 * sizeof(float));
+      }
+    }
+  }
+  shape.batch = 2;
+  shape.max_pages = 10;
+  shape.chunk_pages = 3;
+  cuda::DecodeAttentionSplit forced = cuda::split_decode_attention(shape, 1000);
+  REQUIRE(forced.chunk_pages == 3);
+  REQUIRE(forced.chunks == 4);
+  shape.chunk_pages = 0;
+  shape.q_heads = 96;  // group 12: two head slices of 8 and 4
+  REQUIRE(cuda::split_decode_attention(shape, 1).head_slices == 2);
+  shape.layout.page_tokens = 1;  // tiny pages: the chunk floor is kMinChunkTokens pages
+  shape.max_pages = 1000;
+  REQUIRE(cuda::split_decode_attention(shape, 100000).chunk_pages == cuda::kMinChunkTokens);
+}
+
+namespace {
+
+// A random batch in a host page pool, as CSR rows over (request, kv head).
+struct Batch {
+  std::uint32_t batch = 0, q_heads = 0, kv_heads = 0;
+  PageLayout layout;
+  float scale = 0;
+  std::vector<std::byte> pool;
+  std::vector<std::int64_t> indptr{0}, indices;
+  std::vector<std::int32_t> last_page_len;
+  std::vector<float> q;
+  std::vector<AttentionPartial> extra;  // empty or [batch * q_heads]
+  std::uint32_t max_pages = 0;
+
+  const std::byte* page(std::int64_t id) const { return pool.data() + id * layout.page_bytes(); }
+  std::uint32_t group() const { return q_heads / kv_heads; }
+};
+
+Batch random_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads, std::uint32_t group,
+                   PageLayout layout, bool with_extra) {
+  std::normal_distribution<float> normal;
+  Batch b;
+  b.batch = batch;
+  b.kv_heads = kv_heads;
+  b.q_heads = kv_heads * group;
+  b.layout = layout;
+  b.scale = (rng() % 2 ? 4.0f : 1.0f) / std::sqrt(float(layout.head_dim));  // some rows peaky
+  const std::uint32_t rows = batch * kv_heads;
+  std::vector<std::uint32_t> counts(rows);
+  for (std::uint32_t r = 0; r < rows; ++r) counts[r] = r % 7 == 1 ? 0 : r % 7 == 2 ? 1 : rng() % 12;
+  const std::uint32_t total = std::accumulate(counts.begin(), counts.end(), 0u);
+  const std::uint32_t pool_pages = total + 5;
+  b.pool.resize(std::size_t{pool_pages} * layout.page_bytes());
+  for (std::uint32_t p = 0; p < pool_pages; ++p)
+    for (std::uint32_t row = 0; row < 2 * layout.page_tokens; ++row)
+      for (std::uint32_t i = 0; i < layout.head_dim; ++i)
+        store_element(b.pool.data() + std::size_t{p} * layout.page_bytes() + row * layout.row_bytes(), i,
+                      layout.dtype, normal(rng));
+  std::vector<std::int64_t> ids(pool_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::size_t next = 0;
+  for (std::uint32_t r = 0; r < rows; ++r) {
+    for (std::uint32_t p = 0; p < counts[r]; ++p) b.indices.push_back(ids[next++]);
+    b.indptr.push_back(static_cast<std::int64_t>(b.indices.size()));
+    b.last_page_len.push_back(static_cast<std::int32_t>(1 + rng() % layout.page_tokens));
+    b.max_pages = std::max(b.max_pages, counts[r]);
+  }
+  b.q.resize(std::size_t{batch} * b.q_heads * layout.head_dim);
+  for (float& x : b.q) x = normal(rng);
+  if (with_extra) {
+    b.extra.assign(std::size_t{batch} * b.q_heads, AttentionPartial(layout.head_dim));
+    std::vector<float> v(layout.head_dim);
+    for (std::size_t h = 0; h < b.extra.size(); ++h) {
+      if (h % 3 == 0) continue;  // no term for this head
+      for (int c = 0; c < 3; ++c) {
+        for (float& x : v) x = normal(rng);
+        b.extra[h].add(2.0f * normal(rng), float(1 + rng() % 8), v.data());
+      }
+    }
+  }
+  return b;
+}
+
+// Host decode_attention per request: the reference.
+void reference(const Batch& b, std::vector<float>& out, std::vector<float>& lse) {
+  const std::uint32_t d = b.layout.head_dim;
+  out.assign(std::size_t{b.batch} * b.q_heads * d, 0.0f);
+  lse.assign(std::size_t{b.batch} * b.q_heads, 0.0f);
+  std::vector<HeadKv> kv(b.kv_heads);
+  for (std::uint32_t r = 0; r < b.batch; ++r) {
+    for (std::uint32_t h = 0; h < b.kv_heads; ++h) {
+      const std::uint32_t row = r * b.kv_heads + h;
+      kv[h].clear();
+      for (std::int64_t i = b.indptr[row]; i < b.indptr[row + 1]; ++i)
+        kv[h].add(b.page(b.indices[i]), i + 1 == b.indptr[row + 1] ? std::uint32_t(b.last_page_len[row])
+                                                                    : b.layout.page_tokens);
+    }
+    const std::span<const AttentionPartial> extra =
+        b.extra.empty() ? std::span<const AttentionPartial>{}
+                        : std::span<const AttentionPartial>(b.extra).subspan(std::size_t{r} * b.q_heads, b.q_heads);
+    decode_attention(b.layout, b.q_heads, b.scale, b.q.data() + std::size_t{r} * b.q_heads * d, kv, extra,
+                     out.data() + std::size_t{r} * b.q_heads * d, lse.data() + std::size_t{r} * b.q_heads);
+  }
+}
+
+// The kernel's decomposition in plain C++: CTA (row, chunk, slice) walks the
+// chunk's tokens round-robin over `subgroups` online-softmax states, merges
+// them, writes partial [chunk][q head] to the workspace; the merge phase folds
+// the chunks in order, then the extra term.
+void emulate_split_k(const Batch& b, const cuda::DecodeAttentionSplit& split, std::uint32_t subgroups,
+                     std::vector<float>& out, std::vector<float>& lse) {
+  const std::uint32_t d = b.layout.head_dim;
+  const std::uint32_t group = b.group();
+  const std::size_t batch_q = std::size_t{b.batch} * b.q_heads;
+  std::vector<float> ws_acc(split.chunks * batch_q * d, std::nanf("")), ws_max(split.chunks * batch_q),
+      ws_sum(split.chunks * batch_q);
+  std::vector<float> k(d), v(d);
+  for (std::uint32_t row = 0; row < b.batch * b.kv_heads; ++row) {
+    const std::int64_t begin = b.indptr[row];
+    const std::uint64_t row_pages = std::uint64_t(b.indptr[row + 1] - begin);
+    for (std::uint32_t chunk = 0; chunk < split.chunks; ++chunk) {
+      const std::uint64_t first = std::uint64_t{chunk} * split.chunk_pages;
+      std::uint64_t last = first + split.chunk_pages;
+      if (chunk + 1 == split.chunks || last > row_pages) last = row_pages;
+      std::uint64_t tokens = 0;
+      if (first < last) {
+        tokens = (last - first) * b.layout.page_tokens;
+        if (last == row_pages) tokens -= b.layout.page_tokens - std::uint32_t(b.last_page_len[row]);
+      }
+      for (std::uint32_t g = 0; g < group; ++g) {
+        const std::size_t q_head = std::size_t{row} * group + g;
+        const float* qg = b.q.data() + q_head * d;
+        std::vector<Head> sub(subgroups, Head(d));
+        for (std::uint64_t t = 0; t < tokens; ++t) {
+          const std::uint64_t page = first + t / b.layout.page_tokens;
+          const std::uint32_t slot = std::uint32_t(t % b.layout.page_tokens);
+          const std::byte* p = b.page(b.indices[begin + page]);
+          for (std::uint32_t i = 0; i < d; ++i) k[i] = load_element(p + b.layout.k_offset(slot), i, b.layout.dtype);
+          for (std::uint32_t i = 0; i < d; ++i) v[i] = load_element(p + b.layout.v_offset(slot), i, b.layout.dtype);
+          float dot = 0;
+          for (std::uint32_t i = 0; i < d; ++i) dot += qg[i] * k[i];
+          sub[t % subgroups].fold(dot * b.scale, 1.0f, v.data());
+        }
+        Head cta(d);
+        for (const Head& s : sub) cta.merge(s);
+        const std::size_t slot = chunk * batch_q + q_head;
+        std::copy(cta.acc.begin(), cta.acc.end(), ws_acc.begin() + slot * d);
+        ws_max[slot] = cta.state.max;
+        ws_sum[slot] = cta.state.sum;
+      }
+    }
+  }
+  out.assign(batch_q * d, 0.0f);
+  lse.assign(batch_q, 0.0f);
+  for (std::size_t h = 0; h < batch_q; ++h) {
+    Head total(d);
+    for (std::uint32_t c = 0; c < split.chunks; ++c) {
+      Head part(d);
+      const std::size_t slot = c * batch_q + h;
+      part.state = SoftmaxState{ws_max[slot], ws_sum[slot]};
+      std::copy(ws_acc.begin() + slot * d, ws_acc.begin() + (slot + 1) * d, part.acc.begin());
+      total.merge(part);
+    }
+    if (!b.extra.empty()) {
+      Head extra(d);
+      extra.state = b.extra[h].state();
+      if (!b.extra[h].acc.empty()) extra.acc = b.extra[h].acc;
+      total.merge(extra);
+    }
+    const std::vector<float> o = total.output();
+    std::copy(o.begin(), o.end(), out.begin() + h * d);
+    lse[h] = softmax_lse(total.state);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("host emulation of the split-K kernel matches decode_attention", "[attention-rules]") {
+  std::mt19937 rng(63);
+  int cases = 0;
+  for (const DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+    for (const std::uint32_t head_dim : {64u, 128u}) {
+      for (const std::uint32_t group : {1u, 3u, 4u, 8u, 12u}) {
+        const PageLayout layout{rng() % 2 ? 16u : 5u, head_dim, dtype};
+        const std::uint32_t batch = 1 + rng() % 3;
+        const std::uint32_t kv_heads = 1 + rng() % 3;
+        const Batch b = random_batch(rng, batch, kv_heads, group, layout, rng() % 2 == 0);
+        std::vector<float> want_out, want_lse;
+        reference(b, want_out, want_lse);
+        cuda::DecodeAttentionShape shape{batch, b.q_heads, kv_heads, layout, b.max_pages, 0};
+        for (const std::uint32_t chunk_pages : {0u, 1u, 3u}) {
+          shape.chunk_pages = chunk_pages;
+          // Auto split with a large target (small chunks) and with max_pages understated:
+          // the last chunk must still run to each row's end.
+          for (const std::uint32_t understate : {0u, 4u}) {
+            shape.max_pages = b.max_pages > understate ? b.max_pages - understate : 0;
+            const cuda::DecodeAttentionSplit split = cuda::split_decode_attention(shape, 4096);
+            std::vector<float> got_out, got_lse;
+            emulate_split_k(b, split, 8, got_out, got_lse);
+            CAPTURE(to_string(dtype), head_dim, group, layout.page_tokens, batch, kv_heads, chunk_pages, understate,
+                    split.chunks, split.chunk_pages, b.extra.size());
+            for (std::size_t h = 0; h < want_lse.size(); ++h) {
+              CAPTURE(h);
+              REQUIRE(head_relative_error(&got_out[h * head_dim], &want_out[h * head_dim], head_dim) <= 1e-5f);
+              REQUIRE(lse_relative_error(got_lse[h], want_lse[h]) <= 1e-5f);
+            }
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  REQUIRE(cases == 3 * 2 * 5 * 3 * 2);
+}
