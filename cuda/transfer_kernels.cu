@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "sparsekv/core/error_code.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
@@ -18,18 +19,41 @@ constexpr std::uint32_t kWarp = 32;
 constexpr std::uint32_t kUnroll = 4;
 constexpr std::size_t kVec = sizeof(uint4);  // 16 bytes
 
+// Where page p comes from and goes to: page ids into two pools, or explicit
+// addresses (pools reserved in chunks have no single base).
+struct PoolAddressing {
+  const PageId* __restrict__ src_pages;
+  const PageId* __restrict__ dst_pages;  // nullptr: destination page p of a contiguous buffer
+  const uint4* __restrict__ src;
+  std::size_t src_stride_vec;
+  uint4* __restrict__ dst;
+  std::size_t dst_stride_vec;
+  __device__ const uint4* source(std::uint32_t p) const {
+    return src + static_cast<std::size_t>(src_pages[p]) * src_stride_vec;
+  }
+  __device__ uint4* destination(std::uint32_t p) const {
+    return dst + static_cast<std::size_t>(dst_pages != nullptr ? dst_pages[p] : p) * dst_stride_vec;
+  }
+};
+
+struct PointerAddressing {
+  const std::byte* const* __restrict__ src;
+  std::byte* const* __restrict__ dst;
+  __device__ const uint4* source(std::uint32_t p) const { return reinterpret_cast<const uint4*>(src[p]); }
+  __device__ uint4* destination(std::uint32_t p) const { return reinterpret_cast<uint4*>(dst[p]); }
+};
+
 // One warp per page, persistent: warp w copies pages w, w + total_warps, ...
 // Lane l moves vectors l, l + 32, ... of its page, kUnroll of them in flight.
+template <class Addressing>
 __global__ void __launch_bounds__(1024)
-    gather_pages_kernel(const PageId* __restrict__ src_pages, const PageId* __restrict__ dst_pages,
-                        std::uint32_t count, const uint4* __restrict__ src, std::size_t src_stride_vec,
-                        uint4* __restrict__ dst, std::size_t dst_stride_vec, std::uint32_t page_vec) {
+    gather_pages_kernel(Addressing where, std::uint32_t count, std::uint32_t page_vec) {
   const std::uint32_t lane = threadIdx.x % kWarp;
   const std::uint32_t warps_per_block = blockDim.x / kWarp;
   const std::uint32_t total_warps = gridDim.x * warps_per_block;
   for (std::uint32_t p = blockIdx.x * warps_per_block + threadIdx.x / kWarp; p < count; p += total_warps) {
-    const uint4* s = src + static_cast<std::size_t>(src_pages[p]) * src_stride_vec;
-    uint4* d = dst + static_cast<std::size_t>(dst_pages != nullptr ? dst_pages[p] : p) * dst_stride_vec;
+    const uint4* s = where.source(p);
+    uint4* d = where.destination(p);
     std::uint32_t v = lane;
     for (; v + (kUnroll - 1) * kWarp < page_vec; v += kUnroll * kWarp) {
       uint4 r[kUnroll];
@@ -63,7 +87,8 @@ bool aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % kVec 
 // (per warps_per_block); 0 = not queried yet. Devices past the table are queried each call.
 constexpr int kCachedDevices = 64;
 std::atomic<int> g_sm_count[kCachedDevices];
-std::atomic<int> g_blocks_per_sm[kCachedDevices][kWarp + 1];
+// [device][addressing: 0 pool, 1 pointers][warps_per_block]
+std::atomic<int> g_blocks_per_sm[kCachedDevices][2][kWarp + 1];
 
 int sm_count(int device) {
   if (device < kCachedDevices) {
@@ -77,18 +102,47 @@ int sm_count(int device) {
   return sms;
 }
 
+template <class Addressing>
 int blocks_per_sm(int device, std::uint32_t warps_per_block) {
+  constexpr int kind = std::is_same_v<Addressing, PointerAddressing> ? 1 : 0;
   if (device < kCachedDevices) {
-    const int cached = g_blocks_per_sm[device][warps_per_block].load(std::memory_order_relaxed);
+    const int cached = g_blocks_per_sm[device][kind][warps_per_block].load(std::memory_order_relaxed);
     if (cached > 0) return cached;
   }
   int blocks = 0;
   const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, gather_pages_kernel, static_cast<int>(warps_per_block * kWarp), 0);
+      &blocks, gather_pages_kernel<Addressing>, static_cast<int>(warps_per_block * kWarp), 0);
   if (status != cudaSuccess) throw_cuda("cudaOccupancyMaxActiveBlocksPerMultiprocessor", status);
   if (blocks < 1) blocks = 1;
-  if (device < kCachedDevices) g_blocks_per_sm[device][warps_per_block].store(blocks, std::memory_order_relaxed);
+  if (device < kCachedDevices) g_blocks_per_sm[device][kind][warps_per_block].store(blocks, std::memory_order_relaxed);
   return blocks;
+}
+
+void check_config(std::size_t page_bytes, const GatherConfig& config) {
+  if (page_bytes == 0 || page_bytes % kVec != 0)
+    throw_invalid("page_bytes " + std::to_string(page_bytes) + " is not a non-zero multiple of 16");
+  if (page_bytes / kVec > UINT32_MAX) throw_invalid("page_bytes " + std::to_string(page_bytes) + " is too large");
+  if (config.warps_per_block == 0 || config.warps_per_block > kWarp)
+    throw_invalid("warps_per_block " + std::to_string(config.warps_per_block) + " is not in 1..32");
+}
+
+// A persistent grid no larger than the SM cap's resident blocks.
+template <class Addressing>
+void launch(const Addressing& where, std::uint32_t count, std::size_t page_bytes, const GatherConfig& config,
+            void* stream) {
+  int device = 0;
+  const cudaError_t dev_status = cudaGetDevice(&device);
+  if (dev_status != cudaSuccess) throw_cuda("cudaGetDevice", dev_status);
+  const std::uint32_t sms_total = static_cast<std::uint32_t>(sm_count(device));
+  const std::uint32_t sms = config.max_sms == 0 || config.max_sms > sms_total ? sms_total : config.max_sms;
+  const std::uint32_t resident =
+      sms * static_cast<std::uint32_t>(blocks_per_sm<Addressing>(device, config.warps_per_block));
+  const std::uint32_t needed = (count + config.warps_per_block - 1) / config.warps_per_block;
+  const std::uint32_t blocks = needed < resident ? needed : resident;
+  gather_pages_kernel<Addressing><<<blocks, config.warps_per_block * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
+      where, count, static_cast<std::uint32_t>(page_bytes / kVec));
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) throw_cuda("launch", status);
 }
 
 }  // namespace
@@ -97,37 +151,28 @@ void gather_pages(const PageId* src_pages, const PageId* dst_pages, std::uint32_
                   std::size_t src_stride, std::byte* dst_base, std::size_t dst_stride, std::size_t page_bytes,
                   const GatherConfig& config, void* stream) {
   // Validation first: nothing is enqueued when an argument is wrong.
-  if (page_bytes == 0 || page_bytes % kVec != 0)
-    throw_invalid("page_bytes " + std::to_string(page_bytes) + " is not a non-zero multiple of 16");
-  if (page_bytes / kVec > UINT32_MAX) throw_invalid("page_bytes " + std::to_string(page_bytes) + " is too large");
+  check_config(page_bytes, config);
   if (src_stride % kVec != 0 || src_stride < page_bytes)
     throw_invalid("src_stride " + std::to_string(src_stride) + " is not a multiple of 16 >= page_bytes " +
                   std::to_string(page_bytes));
   if (dst_stride % kVec != 0 || dst_stride < page_bytes)
     throw_invalid("dst_stride " + std::to_string(dst_stride) + " is not a multiple of 16 >= page_bytes " +
                   std::to_string(page_bytes));
-  if (config.warps_per_block == 0 || config.warps_per_block > kWarp)
-    throw_invalid("warps_per_block " + std::to_string(config.warps_per_block) + " is not in 1..32");
   if (!aligned(src_base) || !aligned(dst_base)) throw_invalid("src_base or dst_base is not 16-byte aligned");
   if (count == 0) return;
   if (src_pages == nullptr || src_base == nullptr || dst_base == nullptr)
     throw_invalid("null src_pages, src_base or dst_base with count " + std::to_string(count));
+  const PoolAddressing where{src_pages,          dst_pages, reinterpret_cast<const uint4*>(src_base), src_stride / kVec,
+                             reinterpret_cast<uint4*>(dst_base), dst_stride / kVec};
+  launch(where, count, page_bytes, config, stream);
+}
 
-  int device = 0;
-  const cudaError_t dev_status = cudaGetDevice(&device);
-  if (dev_status != cudaSuccess) throw_cuda("cudaGetDevice", dev_status);
-  const std::uint32_t sms_total = static_cast<std::uint32_t>(sm_count(device));
-  const std::uint32_t sms =
-      config.max_sms == 0 || config.max_sms > sms_total ? sms_total : config.max_sms;
-  const std::uint32_t resident = sms * static_cast<std::uint32_t>(blocks_per_sm(device, config.warps_per_block));
-  const std::uint32_t needed = (count + config.warps_per_block - 1) / config.warps_per_block;
-  const std::uint32_t blocks = needed < resident ? needed : resident;
-
-  gather_pages_kernel<<<blocks, config.warps_per_block * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
-      src_pages, dst_pages, count, reinterpret_cast<const uint4*>(src_base), src_stride / kVec,
-      reinterpret_cast<uint4*>(dst_base), dst_stride / kVec, static_cast<std::uint32_t>(page_bytes / kVec));
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) throw_cuda("launch", status);
+void gather_page_addresses(const std::byte* const* src, std::byte* const* dst, std::uint32_t count,
+                           std::size_t page_bytes, const GatherConfig& config, void* stream) {
+  check_config(page_bytes, config);
+  if (count == 0) return;
+  if (src == nullptr || dst == nullptr) throw_invalid("null address arrays with count " + std::to_string(count));
+  launch(PointerAddressing{src, dst}, count, page_bytes, config, stream);
 }
 
 }  // namespace sparsekv::cuda

@@ -7,11 +7,15 @@
 #include <cstdio>
 #include <deque>
 #include <map>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/sparsekv.hpp"
+#if SPARSEKV_EXAMPLE_CUDA
+#include "sparsekv/facade/cuda_backend.hpp"
+#endif
 
 namespace {
 
@@ -30,6 +34,16 @@ std::vector<std::uint16_t> fake(std::mt19937& rng, std::size_t rows, std::size_t
   return t;
 }
 
+// The one runtime choice at the facade edge: the GPU tier in device memory
+// when sparsekv::cuda is linked and a GPU is present, else the host backend.
+std::unique_ptr<sparsekv::Backend> make_backend() {
+#if SPARSEKV_EXAMPLE_CUDA
+  return sparsekv::cuda::make_best_backend();
+#else
+  return std::make_unique<sparsekv::HostBackend>();
+#endif
+}
+
 }  // namespace
 
 int main() {
@@ -39,7 +53,8 @@ int main() {
   config.cpu_tier_bytes = std::size_t{512} << 20;
   config.gpu_tier_bytes = std::size_t{96} << 20;
   // One policy for the engine; RuntimeManager picks it by name (Manager<QuestPolicy> would fix it at compile time).
-  sparsekv::RuntimeManager kv(kModel, config, sparsekv::make_policy("quest", 512));
+  sparsekv::RuntimeManager kv(kModel, config, sparsekv::make_policy("quest", 512), make_backend());
+  std::printf("backend: %.*s\n", static_cast<int>(kv.backend().name().size()), kv.backend().name().data());
 
   std::mt19937 rng(7);
   std::deque<Pending> queue;  // the engine's own queue: sparsekv never queues

@@ -20,3 +20,30 @@ std::int64_t append_runs(AttendPlan& plan, std::span<const PageId> pages, std::s
 }
 
 }  // namespace sparsekv::detail
+
+namespace sparsekv {
+
+void HostBackend::attend(const AttendCall& call) {
+  const AttendPlan& plan = *call.plan;
+  const std::size_t qd = std::size_t{call.q_heads} * call.layout.head_dim;
+  std::vector<HeadKv> kv(call.kv_heads);
+  for (std::uint32_t b = 0; b < call.batch; ++b) {
+    for (std::uint32_t h = 0; h < call.kv_heads; ++h) {
+      kv[h].clear();
+      const std::size_t head = std::size_t{b} * call.kv_heads + h;
+      for (auto e = plan.head_entries[head]; e < plan.head_entries[head + 1]; ++e) {
+        for (auto i = plan.indptr[e]; i < plan.indptr[e + 1]; ++i) {
+          const std::uint32_t tokens =
+              i + 1 == plan.indptr[e + 1] ? static_cast<std::uint32_t>(plan.last_page_len[e]) : call.layout.page_tokens;
+          kv[h].add(plan.gpu_tier_base + static_cast<std::size_t>(plan.indices[i]) * plan.page_bytes, tokens);
+        }
+      }
+    }
+    const std::span<const AttentionPartial> extra =
+        plan.extra.empty() ? std::span<const AttentionPartial>{}
+                           : std::span(plan.extra).subspan(std::size_t{b} * call.q_heads, call.q_heads);
+    decode_attention(call.layout, call.q_heads, call.scale, call.q + b * qd, kv, extra, call.out + b * qd);
+  }
+}
+
+}  // namespace sparsekv

@@ -32,17 +32,27 @@ std::uint32_t tier_pages(std::size_t bytes, std::size_t page_bytes) {
 
 TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier,
                                MemoryResource& gpu_tier)
-    : shape_(shape),
+    : TieredKVBuffer(shape, config, cpu_tier, gpu_tier, gpu_tier, host_transfer_) {}
+
+TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier,
+                               MemoryResource& gpu_pages, MemoryResource& gpu_tables, PageTransfer& transfer)
+    : transfer_(&transfer),
+      shape_(shape),
       config_(validated(config, shape)),
       layout_{config.page_tokens, shape.head_dim, shape.dtype},
       cpu_pool_(layout_, tier_pages(config.cpu_tier_bytes, layout_.page_bytes()), cpu_tier,
                 tier_pages(config.host_chunk_bytes, layout_.page_bytes())),
-      gpu_pool_(layout_, tier_pages(config.gpu_tier_bytes, layout_.page_bytes()), gpu_tier),
-      table_(PageTableGeometry::for_config(config, shape), gpu_tier, cpu_tier),
+      gpu_pool_(layout_, tier_pages(config.gpu_tier_bytes, layout_.page_bytes()), gpu_pages),
+      table_(PageTableGeometry::for_config(config, shape), gpu_tables, cpu_tier),
       partitions_(table_, cpu_pool_),
       lru_(config.timestamp_buckets) {
-  if (!gpu_tier.host_accessible()) {
-    fail(ErrorCode::invalid_argument, "TieredKVBuffer: the host backend keeps the GPU tier in host-accessible memory");
+  if (!cpu_tier.host_accessible() || !gpu_tables.host_accessible()) {
+    fail(ErrorCode::invalid_argument,
+         "TieredKVBuffer: the CPU tier and the page tables must be host-accessible (got {} and {})",
+         to_string(cpu_tier.kind()), to_string(gpu_tables.kind()));
+  }
+  if (!gpu_pages.host_accessible() && !transfer.reaches_device_memory()) {
+    fail(ErrorCode::invalid_argument, "TieredKVBuffer: GPU-tier pages in device memory need a device transfer backend");
   }
 }
 
@@ -315,6 +325,7 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
   const std::size_t row = layout_.row_bytes();
   const auto* k = static_cast<const std::byte*>(kv.k);
   const auto* v = static_cast<const std::byte*>(kv.v);
+  transfer_->synchronize();  // a page freed by finish() may still be a save's target
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const MappedPartitions mapped = partitions_.map(request, layer, h, specs[specs.size() == 1 ? 0 : h]);
     for (std::uint32_t t = 0; t < kv.tokens; ++t) {
@@ -348,19 +359,21 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
   const std::size_t row = layout_.row_bytes();
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     std::byte* tail = gpu_pool_.data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
-    std::memcpy(tail + layout_.k_offset(slot), static_cast<const std::byte*>(token.k) + h * row, row);
-    std::memcpy(tail + layout_.v_offset(slot), static_cast<const std::byte*>(token.v) + h * row, row);
+    transfer_->write(tail + layout_.k_offset(slot), static_cast<const std::byte*>(token.k) + h * row, row);
+    transfer_->write(tail + layout_.v_offset(slot), static_cast<const std::byte*>(token.v) + h * row, row);
   }
   s.tokens[layer] += 1;
   s.tail_tokens[layer] = slot + 1;
   if (!fills_tail) return;
   // Save (SparseServe §3.2.2): the page moves whole; its layout is the CPU page's.
   const PartitionSpec full = PartitionSpec::uniform(config_.page_tokens, config_.page_tokens);
+  std::vector<PageMove> saves(shape_.kv_heads);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const MappedPartitions mapped = partitions_.map(request, layer, h, full);
-    std::memcpy(cpu_pool_.data(mapped.placements[0].cpu_page),
-                gpu_pool_.data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]), layout_.page_bytes());
+    saves[h] = {gpu_pool_.data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]),
+                cpu_pool_.data(mapped.placements[0].cpu_page)};
   }
+  transfer_->save(saves, layout_.page_bytes());
   s.tail_tokens[layer] = 0;
   stats_.pages_saved += shape_.kv_heads;
 }
@@ -394,9 +407,11 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
     out.tail_tokens.push_back(s.tail_tokens[layer]);
     s.windows[std::size_t{layer} * shape_.kv_heads + h].record(selected);
   }
-  for (const PageCopy& copy : out.plan.copies) {
-    std::memcpy(gpu_pool_.data(copy.gpu_page), cpu_pool_.data(copy.cpu_page), layout_.page_bytes());
+  loads_.resize(out.plan.copies.size());
+  for (std::size_t i = 0; i < loads_.size(); ++i) {
+    loads_[i] = {cpu_pool_.data(out.plan.copies[i].cpu_page), gpu_pool_.data(out.plan.copies[i].gpu_page)};
   }
+  transfer_->load(loads_, layout_.page_bytes());
   stats_.cache += out.stats;
   stats_.retrieve_steps += shape_.kv_heads;
   stats_.bytes_loaded += out.plan.copies.size() * layout_.page_bytes();
@@ -451,6 +466,7 @@ void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::sp
   // Gather every head's run (rows in page order: [token][K row, V row]), drop
   // the runs, then lay the rows out in the new partitions.
   const std::size_t row = layout_.row_bytes();
+  transfer_->synchronize();  // the run may end in a tail page still being saved
   std::vector<std::vector<std::byte>> rows(shape_.kv_heads);
   std::vector<PageId> pages;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {

@@ -2,6 +2,8 @@
 // and finishing at random steps, every built-in policy, checked against dense
 // attention computed directly on the full K/V.
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <random>
@@ -78,7 +80,7 @@ struct RunResult {
 
 // 16 requests from the start, more arriving, each decoding a random number of
 // steps; every step of every layer is compared with dense attention.
-RunResult run(RuntimeManager& manager, std::uint32_t seed) {
+RunResult run(RuntimeManager& manager, std::uint32_t seed, std::vector<float>* outputs = nullptr) {
   std::mt19937 rng(seed);
   std::map<RequestId, std::vector<Tokens>> live;   // per layer
   std::map<RequestId, std::uint32_t> steps_left;
@@ -116,6 +118,7 @@ RunResult run(RuntimeManager& manager, std::uint32_t seed) {
       }
       std::vector<float> out(q.size());
       manager.decode(batch, l, q.data(), k_new.data(), v_new.data(), out.data());
+      if (outputs != nullptr) outputs->insert(outputs->end(), out.begin(), out.end());
       for (std::size_t b = 0; b < batch.size(); ++b) {
         const Retrieval& r = manager.retrieval(b);
         result.selected_pages += r.plan.gpu_pages.size();
@@ -142,7 +145,95 @@ RunResult run(RuntimeManager& manager, std::uint32_t seed) {
   return result;
 }
 
+// A transfer that runs nothing until synchronize(), like a device stream the
+// host never waits on: a buffer that touches bytes before completing the
+// copies in flight (a regroup reading a tail still being saved, a freed page
+// reused while a save still targets it) computes from stale bytes.
+class DeferredTransfer final : public PageTransfer {
+ public:
+  void load(std::span<const PageMove> moves, std::size_t page_bytes) override { enqueue(moves, page_bytes); }
+  void save(std::span<const PageMove> moves, std::size_t page_bytes) override { enqueue(moves, page_bytes); }
+  void write(std::byte* gpu_dst, const void* host_src, std::size_t bytes) override {
+    const auto* src = static_cast<const std::byte*>(host_src);
+    queue_.push_back({gpu_dst, nullptr, std::vector<std::byte>(src, src + bytes), bytes});
+  }
+  void synchronize() override {
+    for (const Op& op : queue_) std::memcpy(op.dst, op.src != nullptr ? op.src : op.bytes.data(), op.size);
+    queue_.clear();
+    ++synchronizations;
+  }
+  bool reaches_device_memory() const noexcept override { return false; }
+  std::size_t in_flight() const { return queue_.size(); }
+  std::uint64_t synchronizations = 0;
+
+ private:
+  struct Op {
+    std::byte* dst;
+    const std::byte* src;  // nullptr: `bytes` holds the source (a write)
+    std::vector<std::byte> bytes;
+    std::size_t size;
+  };
+  void enqueue(std::span<const PageMove> moves, std::size_t page_bytes) {
+    for (const PageMove& m : moves) queue_.push_back({m.dst, m.src, {}, page_bytes});
+  }
+  std::vector<Op> queue_;
+};
+
+class DeferredBackend final : public Backend {
+ public:
+  std::string_view name() const noexcept override { return "deferred"; }
+  MemoryResource& cpu_tier() override { return cpu_; }
+  MemoryResource& gpu_pages() override { return gpu_; }
+  MemoryResource& gpu_tables() override { return gpu_; }
+  PageTransfer& transfer() override { return transfer_; }
+  void attend(const AttendCall& call) override {
+    transfer_.synchronize();  // the attention kernel runs after the copies on the same stream
+    host_.attend(call);
+  }
+  DeferredTransfer transfer_;
+
+ private:
+  HostMemoryResource cpu_{false}, gpu_{false};
+  HostBackend host_;
+};
+
 }  // namespace
+
+TEST_CASE("Manager: a backend that defers every copy gives the host backend's outputs bit for bit", "[facade]") {
+  // Every built-in policy, plus RetroInfer re-clustering every 16 decode
+  // tokens so that regroups read CPU pages saved in the same step.
+  RetroInferPolicy::Options o;
+  o.budget_tokens = 64;
+  o.segment_tokens = 32;
+  o.tokens_per_cluster = 8;
+  o.window_tokens = 8;
+  o.update_tokens = 16;
+  std::vector<std::pair<std::string, std::function<AnyPolicy()>>> policies;
+  for (const std::string& name : policy_names()) policies.emplace_back(name, [name] { return make_policy(name, 64); });
+  policies.emplace_back("retroinfer, frequent regroups", [o] { return AnyPolicy(RetroInferPolicy(o)); });
+  for (const auto& [name, make] : policies) {
+    INFO(name);
+    RuntimeManager host(kShape, facade_config(), make());
+    auto backend = std::make_unique<DeferredBackend>();
+    DeferredBackend& deferred = *backend;
+    RuntimeManager async(kShape, facade_config(), make(), std::move(backend));
+    REQUIRE(async.backend().name() == "deferred");
+    std::vector<float> want, got;
+    run(host, 8, &want);
+    run(async, 8, &got);
+    REQUIRE(got.size() == want.size());
+    REQUIRE(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+    REQUIRE(async.stats().pages_moved == host.stats().pages_moved);
+    REQUIRE(deferred.transfer_.synchronizations > 0);
+    REQUIRE(async.buffer().cpu_pool().used() == 0);
+    REQUIRE(async.buffer().gpu_pool().used() == 0);
+  }
+}
+
+TEST_CASE("Manager: a null backend is refused", "[facade][errors]") {
+  REQUIRE_SPARSEKV_ERROR(RuntimeManager(kShape, facade_config(), make_policy("dense", 64), nullptr),
+                         ErrorCode::invalid_argument);
+}
 
 TEST_CASE("Manager: concurrent requests, every policy, against dense attention", "[facade]") {
   for (const std::string& name : policy_names()) {

@@ -26,9 +26,17 @@
 // [tokens][kv_heads][head_dim] of the model's dtype (f32 / f16 / bf16, bytes
 // copied unchanged; no conversion).
 //
-// The host backend keeps the GPU tier in host memory standing in for HBM and
-// runs the copies with memcpy; the CUDA backend drives the same metadata with
-// kernels. Not thread-safe; every call that throws changes nothing.
+// Bytes move through a PageTransfer (transfer/page_transfer.hpp): the host
+// backend keeps the GPU tier in host memory standing in for HBM and copies
+// with memcpy; the CUDA backend keeps GPU-tier pages in device memory and
+// moves them with the gather kernel and asynchronous copies, leaving them in
+// flight on its stream. The metadata (all four tables) stays host-accessible
+// in both: the bucketed-LRU step runs on the host, the GPU-side tables living
+// in mapped pinned memory that kernels read through UVA. Transfers run in
+// order (one stream), so a page released and reused while a copy to it is in
+// flight is safe; before the buffer reads or rewrites CPU pages on the host
+// (offload, repartition) it completes the transfers in flight.
+// Not thread-safe; every call that throws changes nothing.
 #include <cstdint>
 #include <map>
 #include <span>
@@ -42,6 +50,7 @@
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
 #include "sparsekv/partition/partition_map.hpp"
 #include "sparsekv/partition/partition_spec.hpp"
+#include "sparsekv/transfer/page_transfer.hpp"
 
 namespace sparsekv {
 
@@ -114,6 +123,12 @@ class TieredKVBuffer {
   // `cpu_tier` backs the CPU pages and CPU-side tables, `gpu_tier` the GPU
   // pages and GPU-side tables; the host backend needs both host-accessible.
   TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier, MemoryResource& gpu_tier);
+  // A backend of its own: GPU-tier pages from `gpu_pages` (device memory when
+  // `transfer` reaches it), the meta-partition and GPU page tables in
+  // host-accessible `gpu_tables`, bytes moved by `transfer`. All three must
+  // outlive the buffer.
+  TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier, MemoryResource& gpu_pages,
+                 MemoryResource& gpu_tables, PageTransfer& transfer);
 
   // Registers a request and gives it its GPU pages, reclaiming buffering
   // pages from other requests when the GPU tier is short.
@@ -163,6 +178,7 @@ class TieredKVBuffer {
   const PagePool& gpu_pool() const noexcept { return gpu_pool_; }
   const HierarchicalPageTable& table() const noexcept { return table_; }
   const PartitionMap& partitions() const noexcept { return partitions_; }
+  PageTransfer& transfer() const noexcept { return *transfer_; }
 
  private:
   struct RequestState {
@@ -183,6 +199,8 @@ class TieredKVBuffer {
   void shrink_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void evict_partition(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
 
+  HostPageTransfer host_transfer_;  // used when no transfer is given
+  PageTransfer* transfer_;
   ModelShape shape_;
   Config config_;
   PageLayout layout_;
@@ -193,6 +211,7 @@ class TieredKVBuffer {
   BucketedLru lru_;
   std::map<RequestId, RequestState> requests_;  // ordered: reclaim walks requests deterministically
   BufferStats stats_;
+  std::vector<PageMove> loads_;  // scratch: Retrieve's copies as addresses
 };
 
 }  // namespace sparsekv

@@ -16,9 +16,15 @@
 //   out: [batch][q_heads][head_dim] fp32
 // The caller keeps ownership of every pointer; nothing is retained after a call.
 //
+// Backends (facade/backend.hpp): HostBackend by default; a CudaBackend
+// (facade/cuda_backend.hpp, sparsekv::cuda) keeps the GPU tier in device
+// memory. Tensors passed to the Manager are host memory with either backend.
+//
 // Threads and streams: one Manager is driven by one thread at a time (calls
-// must not overlap). The host backend completes every call before returning:
-// nothing is left in flight, so the engine may reuse its buffers at once.
+// must not overlap). Every call has finished with the engine's buffers when it
+// returns, so the engine may reuse them at once. decode() returns with `out`
+// complete. plan() may leave Retrieve's copies in flight on backend().stream()
+// (CUDA backend): the engine orders its attention kernel after that stream.
 // An AttendPlan stays valid until the next call on the same Manager.
 //
 // Errors: every call validates its arguments and the requests' state first
@@ -33,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <span>
@@ -43,6 +50,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/attend_plan.hpp"
+#include "sparsekv/facade/backend.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 
 namespace sparsekv {
@@ -97,10 +105,13 @@ class Manager {
 
  public:
   // `config` sizes the tiers (cpu_tier_bytes, gpu_tier_bytes) and everything
-  // else (Config's defaults follow the papers). Host backend.
-  Manager(const ModelShape& shape, const Config& config, Policy policy)
-      : shape_(shape), config_(config), policy_(std::move(policy)) {
-    buffer_ = std::make_unique<TieredKVBuffer>(shape, config, cpu_memory_, gpu_memory_);
+  // else (Config's defaults follow the papers).
+  Manager(const ModelShape& shape, const Config& config, Policy policy,
+          std::unique_ptr<Backend> backend = std::make_unique<HostBackend>())
+      : shape_(shape), config_(config), policy_(std::move(policy)), backend_(std::move(backend)) {
+    if (!backend_) fail(ErrorCode::invalid_argument, "Manager: backend must not be null");
+    buffer_ = std::make_unique<TieredKVBuffer>(shape, config, backend_->cpu_tier(), backend_->gpu_pages(),
+                                               backend_->gpu_tables(), backend_->transfer());
   }
 
   // The per-(layer, kv head) mandatory pages the policy needs for a request of
@@ -160,20 +171,17 @@ class Manager {
     if (out == nullptr) fail(ErrorCode::invalid_argument, "decode: out must not be null");
     step(batch, layer, q, k_new, v_new);
     const auto t0 = Clock::now();
-    const std::size_t qd = std::size_t{shape_.q_heads} * shape_.head_dim;
-    const PageLayout layout{config_.page_tokens, shape_.head_dim, shape_.dtype};
-    const PagePool& gpu = buffer_->gpu_pool();
-    std::vector<HeadKv> kv(shape_.kv_heads);
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const Retrieval& r = retrievals_[b];
-      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-        kv[h].clear();
-        r.for_each_page(h, config_.page_tokens, [&](PageId page, std::uint32_t tokens) { kv[h].add(gpu.data(page), tokens); });
-      }
-      const std::span<const AttentionPartial> extra =
-          extra_.empty() ? std::span<const AttentionPartial>{} : std::span(extra_).subspan(b * shape_.q_heads, shape_.q_heads);
-      decode_attention(layout, shape_.q_heads, scale(), queries_.data() + b * qd, kv, extra, out + b * qd);
-    }
+    build_plan(batch.size());
+    AttendCall call;
+    call.plan = &plan_;
+    call.layout = PageLayout{config_.page_tokens, shape_.head_dim, shape_.dtype};
+    call.batch = static_cast<std::uint32_t>(batch.size());
+    call.q_heads = shape_.q_heads;
+    call.kv_heads = shape_.kv_heads;
+    call.scale = scale();
+    call.q = queries_.data();
+    call.out = out;
+    backend_->attend(call);
     stats_.attend_s += seconds(Clock::now() - t0);
   }
 
@@ -181,27 +189,10 @@ class Manager {
   const AttendPlan& plan(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
                          const void* v_new) {
     step(batch, layer, q, k_new, v_new);
-    plan_.clear();
-    plan_.gpu_tier_base = buffer_->gpu_pool().base();
-    plan_.page_bytes = buffer_->gpu_pool().page_bytes();
-    std::vector<PageId> pages;
-    std::vector<std::uint32_t> tokens;
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const Retrieval& r = retrievals_[b];
-      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-        pages.clear();
-        tokens.clear();
-        r.for_each_page(h, config_.page_tokens, [&](PageId page, std::uint32_t n) {
-          pages.push_back(page);
-          tokens.push_back(n);
-        });
-        plan_.head_entries.push_back(plan_.head_entries.back() +
-                                     detail::append_runs(plan_, pages, tokens, config_.page_tokens));
-      }
-    }
-    plan_.extra = extra_;
+    build_plan(batch.size());
     return plan_;
   }
+
 
   void finish(RequestId request) {
     state(request);
@@ -223,6 +214,7 @@ class Manager {
   const ManagerStats& stats() const noexcept { return stats_; }
   const TieredKVBuffer& buffer() const noexcept { return *buffer_; }
   const Policy& policy() const noexcept { return policy_; }
+  const Backend& backend() const noexcept { return *backend_; }
   // Bytes of host memory the CPU tier has reserved (pinned when a GPU is present).
   std::size_t cpu_tier_reserved_bytes() const noexcept { return buffer_->cpu_pool().reserved_bytes(); }
 
@@ -237,6 +229,29 @@ class Manager {
     std::uint32_t max_tokens = 0;
     std::vector<LayerState> layers;
   };
+
+  // The AttendPlan of the last step's retrievals (batch entries 0 .. batch).
+  void build_plan(std::size_t batch) {
+    plan_.clear();
+    plan_.gpu_tier_base = buffer_->gpu_pool().base();
+    plan_.page_bytes = buffer_->gpu_pool().page_bytes();
+    std::vector<PageId> pages;
+    std::vector<std::uint32_t> tokens;
+    for (std::size_t b = 0; b < batch; ++b) {
+      const Retrieval& r = retrievals_[b];
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        pages.clear();
+        tokens.clear();
+        r.for_each_page(h, config_.page_tokens, [&](PageId page, std::uint32_t n) {
+          pages.push_back(page);
+          tokens.push_back(n);
+        });
+        plan_.head_entries.push_back(plan_.head_entries.back() +
+                                     detail::append_runs(plan_, pages, tokens, config_.page_tokens));
+      }
+    }
+    plan_.extra = extra_;
+  }
 
   static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape_.head_dim)); }
@@ -416,8 +431,7 @@ class Manager {
   ModelShape shape_;
   Config config_;
   Policy policy_;
-  HostMemoryResource cpu_memory_{true};    // pinned when a CUDA device is present
-  HostMemoryResource gpu_memory_{false};   // host backend: stands in for HBM
+  std::unique_ptr<Backend> backend_;
   std::unique_ptr<TieredKVBuffer> buffer_;
   std::map<RequestId, RequestState> requests_;
   ManagerStats stats_;

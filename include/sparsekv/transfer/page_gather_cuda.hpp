@@ -46,4 +46,12 @@ void gather_pages(const PageId* src_pages, const PageId* dst_pages, std::uint32_
                   std::size_t src_stride, std::byte* dst_base, std::size_t dst_stride, std::size_t page_bytes,
                   const GatherConfig& config, void* stream);
 
+// The same copy with one address per page: page i moves src[i] -> dst[i]
+// (page_bytes each), for pools reserved in chunks (a CPU-tier PagePool) that
+// have no single base. Both address arrays are device-accessible; every
+// address is 16-byte aligned (pages of a PagePool are). Checks and errors as
+// gather_pages.
+void gather_page_addresses(const std::byte* const* src, std::byte* const* dst, std::uint32_t count,
+                           std::size_t page_bytes, const GatherConfig& config, void* stream);
+
 }  // namespace sparsekv::cuda

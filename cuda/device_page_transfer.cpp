@@ -1,0 +1,119 @@
+#include "sparsekv/transfer/device_page_transfer.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "sparsekv/core/device.hpp"
+#include "sparsekv/core/error.hpp"
+
+namespace sparsekv::cuda {
+namespace {
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) fail(ErrorCode::cuda_error, "DevicePageTransfer: {} failed: {}", what, cudaGetErrorString(status));
+}
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
+
+}  // namespace
+
+DevicePageTransfer::DevicePageTransfer(GatherConfig gather, std::size_t write_staging_bytes) : gather_(gather) {
+  if (cuda_device_count() == 0) fail(ErrorCode::unavailable, "DevicePageTransfer: no usable CUDA device");
+  if (write_staging_bytes == 0) fail(ErrorCode::invalid_argument, "DevicePageTransfer: write staging must not be empty");
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  stream_ = stream;
+  try {
+    for (AddressBuffer& b : addresses_) {
+      cudaEvent_t event = nullptr;
+      check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      b.done = event;
+    }
+    void* staging = nullptr;
+    check(cudaHostAlloc(&staging, write_staging_bytes, cudaHostAllocDefault), "cudaHostAlloc");
+    write_staging_ = static_cast<std::byte*>(staging);
+    write_capacity_ = write_staging_bytes;
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+DevicePageTransfer::~DevicePageTransfer() { release(); }
+
+void DevicePageTransfer::release() noexcept {
+  if (stream_ != nullptr) cudaStreamSynchronize(as_stream(stream_));
+  for (AddressBuffer& b : addresses_) {
+    cudaFreeHost(b.src);
+    cudaFreeHost(b.dst);
+    if (b.done != nullptr) cudaEventDestroy(as_event(b.done));
+    b = {};
+  }
+  cudaFreeHost(write_staging_);
+  write_staging_ = nullptr;
+  if (stream_ != nullptr) cudaStreamDestroy(as_stream(stream_));
+  stream_ = nullptr;
+}
+
+void DevicePageTransfer::reserve(AddressBuffer& b, std::size_t pages) {
+  // The launch that last read this buffer must be done before it is rewritten.
+  check(cudaEventSynchronize(as_event(b.done)), "cudaEventSynchronize");
+  if (pages <= b.capacity) return;
+  std::size_t capacity = b.capacity == 0 ? 1024 : b.capacity;
+  while (capacity < pages) capacity *= 2;
+  void* src = nullptr;
+  void* dst = nullptr;
+  check(cudaHostAlloc(&src, capacity * sizeof(void*), cudaHostAllocMapped), "cudaHostAlloc");
+  if (const cudaError_t status = cudaHostAlloc(&dst, capacity * sizeof(void*), cudaHostAllocMapped);
+      status != cudaSuccess) {
+    cudaFreeHost(src);
+    check(status, "cudaHostAlloc");
+  }
+  cudaFreeHost(b.src);
+  cudaFreeHost(b.dst);
+  b.src = static_cast<const std::byte**>(src);
+  b.dst = static_cast<std::byte**>(dst);
+  b.capacity = capacity;
+}
+
+void DevicePageTransfer::load(std::span<const PageMove> moves, std::size_t page_bytes) {
+  if (moves.empty()) return;
+  AddressBuffer& b = addresses_[next_];
+  reserve(b, moves.size());
+  for (std::size_t i = 0; i < moves.size(); ++i) {
+    b.src[i] = moves[i].src;
+    b.dst[i] = moves[i].dst;
+  }
+  gather_page_addresses(b.src, b.dst, static_cast<std::uint32_t>(moves.size()), page_bytes, gather_, stream_);
+  check(cudaEventRecord(as_event(b.done), as_stream(stream_)), "cudaEventRecord");
+  next_ ^= 1u;
+}
+
+void DevicePageTransfer::save(std::span<const PageMove> moves, std::size_t page_bytes) {
+  for (const PageMove& m : moves) {
+    check(cudaMemcpyAsync(m.dst, m.src, page_bytes, cudaMemcpyDeviceToHost, as_stream(stream_)), "cudaMemcpyAsync D2H");
+  }
+}
+
+void DevicePageTransfer::write(std::byte* gpu_dst, const void* host_src, std::size_t bytes) {
+  if (bytes > write_capacity_) {
+    // Larger than the staging: copy directly and wait, so the source may be reused.
+    check(cudaMemcpyAsync(gpu_dst, host_src, bytes, cudaMemcpyHostToDevice, as_stream(stream_)), "cudaMemcpyAsync H2D");
+    synchronize();
+    return;
+  }
+  if (write_used_ + bytes > write_capacity_) synchronize();  // every staged write has landed
+  std::byte* staged = write_staging_ + write_used_;
+  std::memcpy(staged, host_src, bytes);
+  write_used_ += bytes;
+  check(cudaMemcpyAsync(gpu_dst, staged, bytes, cudaMemcpyHostToDevice, as_stream(stream_)), "cudaMemcpyAsync H2D");
+}
+
+void DevicePageTransfer::synchronize() {
+  check(cudaStreamSynchronize(as_stream(stream_)), "cudaStreamSynchronize");
+  write_used_ = 0;
+}
+
+}  // namespace sparsekv::cuda

@@ -1,0 +1,70 @@
+#pragma once
+// Backend: where the GPU tier lives, how bytes move between the tiers and how
+// the built-in Attend runs -- the one runtime choice at the facade edge
+// (everything below it is shared). Two exist:
+//
+//   HostBackend (here)            GPU tier in host memory standing in for HBM,
+//                                 memcpy transfers, host decode attention.
+//   sparsekv::cuda::CudaBackend   GPU-tier pages in device memory, the Gather
+//   (facade/cuda_backend.hpp,     H2D kernel and asynchronous saves on the
+//    library sparsekv::cuda)      backend's stream, the split-K decode kernel.
+//
+// In both, the CPU tier is host memory (pinned when a device exists) and the
+// metadata tables are host-accessible: the replacement step runs on the host.
+#include <cstdint>
+#include <string_view>
+
+#include "sparsekv/attention/decode_attention.hpp"
+#include "sparsekv/facade/attend_plan.hpp"
+#include "sparsekv/memory/memory_resource.hpp"
+#include "sparsekv/memory/page_layout.hpp"
+#include "sparsekv/transfer/page_transfer.hpp"
+
+namespace sparsekv {
+
+// What the built-in Attend computes for one decode step of one layer.
+struct AttendCall {
+  const AttendPlan* plan = nullptr;
+  PageLayout layout;
+  std::uint32_t batch = 0;
+  std::uint32_t q_heads = 0;
+  std::uint32_t kv_heads = 0;
+  float scale = 1.0f;
+  const float* q = nullptr;  // [batch][q_heads][head_dim], host memory
+  float* out = nullptr;      // [batch][q_heads][head_dim], host memory
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const noexcept = 0;
+  virtual MemoryResource& cpu_tier() = 0;    // CPU pages and CPU-side tables
+  virtual MemoryResource& gpu_pages() = 0;   // GPU-tier pages
+  virtual MemoryResource& gpu_tables() = 0;  // meta-partition and GPU page tables (host-accessible)
+  virtual PageTransfer& transfer() = 0;
+  // For batch entry b and q head h: attention of q[b][h] over the plan's runs
+  // of (b, h / group), merged with plan.extra[b * q_heads + h] when the plan
+  // has extra terms. Returns when `out` holds the result.
+  virtual void attend(const AttendCall& call) = 0;
+  // The cudaStream_t Retrieve's copies run on (nullptr: the host backend,
+  // nothing in flight). An engine running its own kernel over an AttendPlan
+  // orders it after this stream.
+  virtual void* stream() const noexcept { return nullptr; }
+};
+
+class HostBackend final : public Backend {
+ public:
+  std::string_view name() const noexcept override { return "host"; }
+  MemoryResource& cpu_tier() override { return cpu_memory_; }
+  MemoryResource& gpu_pages() override { return gpu_memory_; }
+  MemoryResource& gpu_tables() override { return gpu_memory_; }
+  PageTransfer& transfer() override { return transfer_; }
+  void attend(const AttendCall& call) override;
+
+ private:
+  HostMemoryResource cpu_memory_{true};   // pinned when a CUDA device is present
+  HostMemoryResource gpu_memory_{false};  // stands in for HBM
+  HostPageTransfer transfer_;
+};
+
+}  // namespace sparsekv

@@ -1,0 +1,62 @@
+#pragma once
+// CudaBackend (library sparsekv::cuda): the GPU tier in device memory.
+//  - CPU tier and all four metadata tables: pinned, mapped host memory (the
+//    replacement step runs on the host; kernels read the tables through UVA).
+//  - GPU-tier pages: one cudaMalloc'd region, so an AttendPlan's
+//    gpu_tier_base is a device pointer a FlashInfer-style kernel reads.
+//  - Transfers: DevicePageTransfer (gather kernel, async saves and writes) on
+//    the backend's stream; plan() leaves them in flight there (stream()).
+//  - Built-in Attend: the split-K sparse decode kernel
+//    (attention/sparse_decode_attention_cuda.hpp) over the plan's runs on the
+//    same stream, one launch per step. A (request, kv head) whose pages form
+//    several runs (a partial page mid-selection, the decode tail) gets one
+//    kernel row per run; the runs and the policy's extra term are merged by
+//    log-sum-exp on the host, where the output is due.
+//
+// Construction throws ErrorCode::unavailable without a usable CUDA device.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "sparsekv/facade/backend.hpp"
+#include "sparsekv/transfer/device_page_transfer.hpp"
+
+namespace sparsekv::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend();
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string_view name() const noexcept override { return "cuda"; }
+  MemoryResource& cpu_tier() override { return pinned_; }
+  MemoryResource& gpu_pages() override { return device_; }
+  MemoryResource& gpu_tables() override { return pinned_; }
+  PageTransfer& transfer() override { return *transfer_; }
+  void attend(const AttendCall& call) override;
+  void* stream() const noexcept override { return transfer_->stream(); }
+
+ private:
+  // A device buffer that only grows.
+  struct DeviceBuffer {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+  };
+  void* device_bytes(DeviceBuffer& buffer, std::size_t bytes);
+
+  HostMemoryResource pinned_{true};
+  DeviceMemoryResource device_;
+  std::unique_ptr<DevicePageTransfer> transfer_;
+  DeviceBuffer q_, indptr_, indices_, last_page_len_, out_, lse_, workspace_;
+  // Host staging of one launch: q of each run, the kernel's outputs.
+  std::vector<float> run_q_, run_out_, run_lse_;
+  std::vector<std::int64_t> run_indptr_;
+};
+
+// A CudaBackend when a CUDA device can be used, else a HostBackend.
+std::unique_ptr<Backend> make_best_backend();
+
+}  // namespace sparsekv::cuda

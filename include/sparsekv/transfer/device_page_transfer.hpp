@@ -1,0 +1,62 @@
+#pragma once
+// The CUDA backend's PageTransfer (library sparsekv::cuda). Everything runs in
+// order on one non-blocking stream the object owns:
+//  - load: Retrieve's misses, read straight from pinned CPU-tier pages through
+//    unified virtual addressing by the warp-per-page gather kernel (Spin §5.5,
+//    SparseServe §3.2.1 FlashH2D) -- one launch per call, whatever the heads;
+//  - save: a full decode tail, one cudaMemcpyAsync device -> pinned host per
+//    page (a few pages per step; batched prefill-size saves go through
+//    transfer/staged_save.hpp);
+//  - write: a decode token's rows, staged in pinned memory so the engine's
+//    buffer may be reused at once, then cudaMemcpyAsync host -> device.
+// The page-address arrays the kernel reads are double-buffered in mapped
+// pinned memory: a call waits only for the launch before the previous one.
+//
+// Needs a CUDA device (throws ErrorCode::unavailable otherwise); CUDA failures
+// throw ErrorCode::cuda_error. Not thread-safe, like the buffer that drives it.
+#include <cstddef>
+#include <span>
+
+#include "sparsekv/transfer/page_gather_cuda.hpp"
+#include "sparsekv/transfer/page_transfer.hpp"
+
+namespace sparsekv::cuda {
+
+class DevicePageTransfer final : public PageTransfer {
+ public:
+  // `write_staging_bytes`: pinned bytes for staged writes; when they run out
+  // the transfer completes what is in flight and starts over.
+  explicit DevicePageTransfer(GatherConfig gather = {}, std::size_t write_staging_bytes = std::size_t{1} << 20);
+  ~DevicePageTransfer() override;
+  DevicePageTransfer(const DevicePageTransfer&) = delete;
+  DevicePageTransfer& operator=(const DevicePageTransfer&) = delete;
+
+  void load(std::span<const PageMove> moves, std::size_t page_bytes) override;
+  void save(std::span<const PageMove> moves, std::size_t page_bytes) override;
+  void write(std::byte* gpu_dst, const void* host_src, std::size_t bytes) override;
+  void synchronize() override;
+  bool reaches_device_memory() const noexcept override { return true; }
+
+  // The cudaStream_t everything runs on.
+  void* stream() const noexcept { return stream_; }
+
+ private:
+  struct AddressBuffer {
+    const std::byte** src = nullptr;  // mapped pinned: the kernel reads them through UVA
+    std::byte** dst = nullptr;
+    std::size_t capacity = 0;
+    void* done = nullptr;  // cudaEvent_t recorded after the launch that reads them
+  };
+  void reserve(AddressBuffer& buffer, std::size_t pages);
+  void release() noexcept;
+
+  GatherConfig gather_;
+  void* stream_ = nullptr;
+  AddressBuffer addresses_[2];
+  unsigned next_ = 0;
+  std::byte* write_staging_ = nullptr;
+  std::size_t write_capacity_ = 0;
+  std::size_t write_used_ = 0;
+};
+
+}  // namespace sparsekv::cuda
