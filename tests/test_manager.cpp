@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/attend_runs.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "test_support.hpp"
@@ -280,6 +281,74 @@ TEST_CASE("Manager: AttendPlan runs are FlashInfer-shaped and cover exactly the 
   REQUIRE(plan.indices[0] == r.plan.gpu_pages[0]);
   REQUIRE(plan.indices[3] == r.tail_pages[0]);
   REQUIRE(plan.gpu_tier_base + plan.indices[1] * plan.page_bytes == manager.buffer().gpu_pool().data(r.plan.gpu_pages[1]));
+}
+
+TEST_CASE("Device-backend Attend: plan runs as kernel rows, merged by LSE, equal the host backend's Attend", "[facade]") {
+  // The CUDA backend's host-side steps around its kernel; decode_attention
+  // stands in for the kernel (each row: one kv head, the group's q heads).
+  bool several_runs = false, extra_terms = false;
+  for (const std::string& name : policy_names()) {
+    INFO(name);
+    RuntimeManager manager(kShape, facade_config(), make_policy(name, 64));
+    std::mt19937 rng(21);
+    std::vector<RequestId> batch;
+    std::vector<Tokens> tokens(3);
+    for (RequestId id = 1; id <= 3; ++id) {
+      const std::uint32_t prompt = 37 + 90 * static_cast<std::uint32_t>(id);
+      manager.add_request(id, prompt + 8);
+      tokens[id - 1].add(rng, prompt + 1);
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        manager.prefill(id, l, tokens[id - 1].k.data(), tokens[id - 1].v.data(), prompt);
+      }
+      batch.push_back(id);
+    }
+    const std::uint32_t layer = kShape.layers - 1;  // sparse in every policy
+    std::vector<std::uint16_t> q(batch.size() * kShape.q_heads * kD), k_new, v_new;
+    std::normal_distribution<float> normal;
+    for (auto& x : q) x = float_to_bf16(normal(rng));
+    for (const Tokens& t : tokens) {
+      k_new.insert(k_new.end(), t.k.end() - kRow, t.k.end());
+      v_new.insert(v_new.end(), t.v.end() - kRow, t.v.end());
+    }
+    const AttendPlan& plan = manager.plan(batch, layer, q.data(), k_new.data(), v_new.data());
+    std::vector<float> qf(q.size());
+    for (std::size_t i = 0; i < q.size(); ++i) qf[i] = bf16_to_float(q[i]);
+    AttendCall call;
+    call.plan = &plan;
+    call.layout = manager.buffer().gpu_pool().layout();
+    call.batch = static_cast<std::uint32_t>(batch.size());
+    call.q_heads = kShape.q_heads;
+    call.kv_heads = kShape.kv_heads;
+    call.scale = 1.0f / std::sqrt(float(kD));
+    call.q = qf.data();
+    std::vector<float> want(q.size()), got(q.size(), -1.0f);
+    call.out = want.data();
+    HostBackend().attend(call);
+
+    RunQueries rows;
+    gather_run_queries(call, rows);
+    REQUIRE(rows.group == kShape.group_size());
+    std::vector<float> run_out(rows.q.size()), run_lse(plan.entries() * rows.group);
+    for (std::size_t e = 0; e < plan.entries(); ++e) {
+      HeadKv kv;
+      for (auto i = plan.indptr[e]; i < plan.indptr[e + 1]; ++i) {
+        const std::uint32_t n = i + 1 == plan.indptr[e + 1] ? std::uint32_t(plan.last_page_len[e]) : call.layout.page_tokens;
+        kv.add(plan.gpu_tier_base + plan.indices[i] * plan.page_bytes, n);
+      }
+      decode_attention(call.layout, rows.group, call.scale, rows.q.data() + e * rows.group * kD, std::span(&kv, 1), {},
+                       run_out.data() + e * rows.group * kD, run_lse.data() + e * rows.group);
+    }
+    call.out = got.data();
+    merge_run_outputs(call, run_out, run_lse);
+    for (std::size_t i = 0; i < want.size(); ++i) REQUIRE(std::abs(got[i] - want[i]) <= 1e-5f * (1.0f + std::abs(want[i])));
+    for (std::size_t h = 0; h + 1 < plan.head_entries.size(); ++h) {
+      several_runs |= plan.head_entries[h + 1] - plan.head_entries[h] > 1;
+    }
+    extra_terms |= !plan.extra.empty();
+    REQUIRE_SPARSEKV_ERROR(merge_run_outputs(call, std::span(run_out).first(kD), run_lse), ErrorCode::invalid_argument);
+  }
+  REQUIRE(several_runs);  // heads with a partial page mid-selection or a separate tail run
+  REQUIRE(extra_terms);   // RetroInfer's estimation zone
 }
 
 TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]") {

@@ -19,6 +19,7 @@
 #include <memory>
 #include <vector>
 
+#include "sparsekv/facade/attend_runs.hpp"
 #include "sparsekv/facade/backend.hpp"
 #include "sparsekv/transfer/device_page_transfer.hpp"
 
@@ -52,8 +53,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<DevicePageTransfer> transfer_;
   DeviceBuffer q_, indptr_, indices_, last_page_len_, out_, lse_, workspace_;
   // Host staging of one launch: q of each run, the kernel's outputs.
-  std::vector<float> run_q_, run_out_, run_lse_;
-  std::vector<std::int64_t> run_indptr_;
+  RunQueries runs_;
+  std::vector<float> run_out_, run_lse_;
 };
 
 // A CudaBackend when a CUDA device can be used, else a HostBackend.
