@@ -92,10 +92,45 @@ const Lists& lists(std::size_t page_bytes) {
   return cache.emplace(page_bytes, std::move(l)).first->second;
 }
 
+// On the benchmark stream, then waited for: a cudaMemcpy from pageable memory
+// may return before its DMA lands, and the non-blocking stream the kernel runs
+// on would not wait for the legacy stream.
 void upload(const Lists& l) {
   Buffers& b = buffers();
-  check(cudaMemcpy(b.d_src_pages, l.src.data(), kPages * sizeof(PageId), cudaMemcpyHostToDevice), "cudaMemcpy");
-  check(cudaMemcpy(b.d_dst_pages, l.dst.data(), kPages * sizeof(PageId), cudaMemcpyHostToDevice), "cudaMemcpy");
+  check(cudaMemcpyAsync(b.d_src_pages, l.src.data(), kPages * sizeof(PageId), cudaMemcpyHostToDevice, b.stream),
+        "cudaMemcpyAsync");
+  check(cudaMemcpyAsync(b.d_dst_pages, l.dst.data(), kPages * sizeof(PageId), cudaMemcpyHostToDevice, b.stream),
+        "cudaMemcpyAsync");
+  check(cudaStreamSynchronize(b.stream), "cudaStreamSynchronize");
+}
+
+// cudaMemcpyBatchAsync: CUDA 12.8 and 12.9 take non-const sources and a
+// failure index, CUDA 13 neither; older toolkits lack it.
+cudaError_t memcpy_batch(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<std::size_t>& sizes,
+                         cudaStream_t stream) {
+#if CUDART_VERSION >= 12080
+  int device = 0;
+  if (const cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
+  cudaMemcpyAttributes attrs{};
+  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attrs.srcLocHint.type = cudaMemLocationTypeHost;
+  attrs.dstLocHint.type = cudaMemLocationTypeDevice;
+  attrs.dstLocHint.id = device;
+  std::size_t attrs_idx = 0;
+#if CUDART_VERSION >= 13000
+  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attrs, &attrs_idx, 1, stream);
+#else
+  std::size_t fail_idx = 0;
+  return cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(), dsts.size(), &attrs,
+                              &attrs_idx, 1, &fail_idx, stream);
+#endif
+#else
+  (void)dsts;
+  (void)srcs;
+  (void)sizes;
+  (void)stream;
+  return cudaErrorNotSupported;
+#endif
 }
 
 // Mean ms of `enqueue` on the benchmark stream over `reps` back-to-back runs, after one warm-up.
@@ -140,19 +175,10 @@ const References& references(std::size_t page_bytes) {
     dsts[i] = b.dst + l.dst[i] * page_bytes;
     srcs[i] = b.pool + l.src[i] * page_bytes;
   }
-  cudaMemcpyAttributes attrs{};
-  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attrs.srcLocHint.type = cudaMemLocationTypeHost;
-  attrs.dstLocHint.type = cudaMemLocationTypeDevice;
-  std::size_t attrs_idx = 0;
-  const cudaError_t probe =
-      cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), kPages, &attrs, &attrs_idx, 1, b.stream);
+  const cudaError_t probe = memcpy_batch(dsts, srcs, sizes, b.stream);
   if (probe == cudaSuccess) {
     check(cudaStreamSynchronize(b.stream), "cudaMemcpyBatchAsync");
-    r.batch_ms = mean_ms(20, [&] {
-      check(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), kPages, &attrs, &attrs_idx, 1, b.stream),
-            "cudaMemcpyBatchAsync");
-    });
+    r.batch_ms = mean_ms(20, [&] { check(memcpy_batch(dsts, srcs, sizes, b.stream), "cudaMemcpyBatchAsync"); });
   } else {
     std::fprintf(stderr, "cudaMemcpyBatchAsync unavailable: %s\n", cudaGetErrorString(probe));
     cudaGetLastError();

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "sparsekv/core/device.hpp"
@@ -22,6 +23,10 @@ cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
 DevicePageTransfer::DevicePageTransfer(GatherConfig gather, std::size_t write_staging_bytes) : gather_(gather) {
   if (cuda_device_count() == 0) fail(ErrorCode::unavailable, "DevicePageTransfer: no usable CUDA device");
   if (write_staging_bytes == 0) fail(ErrorCode::invalid_argument, "DevicePageTransfer: write staging must not be empty");
+  // Checked here, not at the first load(): a bad config would otherwise fail mid-step.
+  if (gather.warps_per_block == 0 || gather.warps_per_block > 32) {
+    fail(ErrorCode::invalid_argument, "DevicePageTransfer: warps_per_block {} is not in 1..32", gather.warps_per_block);
+  }
   cudaStream_t stream = nullptr;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   stream_ = stream;
@@ -65,8 +70,10 @@ void DevicePageTransfer::reserve(AddressBuffer& b, std::size_t pages) {
   while (capacity < pages) capacity *= 2;
   void* src = nullptr;
   void* dst = nullptr;
-  check(cudaHostAlloc(&src, capacity * sizeof(void*), cudaHostAllocMapped), "cudaHostAlloc");
-  if (const cudaError_t status = cudaHostAlloc(&dst, capacity * sizeof(void*), cudaHostAllocMapped);
+  // Mapped (the kernel reads them through UVA) and portable, like the CPU tier.
+  constexpr unsigned kFlags = cudaHostAllocMapped | cudaHostAllocPortable;
+  check(cudaHostAlloc(&src, capacity * sizeof(void*), kFlags), "cudaHostAlloc");
+  if (const cudaError_t status = cudaHostAlloc(&dst, capacity * sizeof(void*), kFlags);
       status != cudaSuccess) {
     cudaFreeHost(src);
     check(status, "cudaHostAlloc");
@@ -80,6 +87,19 @@ void DevicePageTransfer::reserve(AddressBuffer& b, std::size_t pages) {
 
 void DevicePageTransfer::load(std::span<const PageMove> moves, std::size_t page_bytes) {
   if (moves.empty()) return;
+  // The gather kernel moves 16-byte vectors: pages whose size or addresses are
+  // not multiples of 16 (tiny head_dim x page_tokens) go page by page instead.
+  std::uintptr_t address_bits = page_bytes;
+  for (const PageMove& m : moves) {
+    address_bits |= reinterpret_cast<std::uintptr_t>(m.src) | reinterpret_cast<std::uintptr_t>(m.dst);
+  }
+  if (address_bits % 16 != 0 || moves.size() > UINT32_MAX) {
+    for (const PageMove& m : moves) {
+      check(cudaMemcpyAsync(m.dst, m.src, page_bytes, cudaMemcpyHostToDevice, as_stream(stream_)),
+            "cudaMemcpyAsync H2D");
+    }
+    return;
+  }
   AddressBuffer& b = addresses_[next_];
   reserve(b, moves.size());
   for (std::size_t i = 0; i < moves.size(); ++i) {

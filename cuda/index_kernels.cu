@@ -42,7 +42,8 @@ __global__ void page_min_max_kernel(KeyBlock keys, std::uint32_t page_tokens, st
     const auto head = static_cast<std::uint32_t>(item / pages);
     const auto page = static_cast<std::uint32_t>(item % pages);
     const std::uint32_t first = page * page_tokens;
-    const std::uint32_t end = first + page_tokens < keys.tokens ? first + page_tokens : keys.tokens;
+    // first < tokens; compared as a distance so first + page_tokens never wraps.
+    const std::uint32_t end = page_tokens < keys.tokens - first ? first + page_tokens : keys.tokens;
     float* lo = min + item * keys.head_dim;
     float* hi = max + item * keys.head_dim;
     for (std::uint32_t d = threadIdx.x; d < keys.head_dim; d += blockDim.x) {
@@ -73,7 +74,8 @@ __global__ void page_mean_outlier_kernel(KeyBlock keys, std::uint32_t page_token
     const auto head = static_cast<std::uint32_t>(item / pages);
     const auto page = static_cast<std::uint32_t>(item % pages);
     const std::uint32_t first = page * page_tokens;
-    const std::uint32_t end = first + page_tokens < keys.tokens ? first + page_tokens : keys.tokens;
+    // first < tokens; compared as a distance so first + page_tokens never wraps.
+    const std::uint32_t end = page_tokens < keys.tokens - first ? first + page_tokens : keys.tokens;
     const std::uint32_t count = end - first;
     for (std::uint32_t d = threadIdx.x; d < keys.head_dim; d += blockDim.x) {
       float sum = 0.0f;
@@ -193,9 +195,10 @@ __global__ void __launch_bounds__(kUpdateThreads)
   for (std::uint32_t c = blockIdx.x; c < k; c += gridDim.x) {
     for (std::uint32_t d = threadIdx.x; d < dim; d += blockDim.x) sums[d] = 0.0f;
     std::uint32_t count = 0;
-    for (std::uint32_t base = 0; base < n; base += kUpdateThreads) {
-      const std::uint32_t t = base + threadIdx.x;
-      const bool member = t < n && labels[t] == c;
+    for (std::uint64_t base = 0; base < n; base += kUpdateThreads) {  // 64-bit: n near 2^32 must not wrap
+      const std::uint64_t row = base + threadIdx.x;
+      const bool member = row < n && labels[row] == c;
+      const auto t = static_cast<std::uint32_t>(row);
       const std::uint32_t ballot = __ballot_sync(0xffffffffu, member);
       if (lane == 0) warp_counts[warp] = __popc(ballot);
       __syncthreads();

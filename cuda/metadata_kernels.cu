@@ -1,6 +1,7 @@
 // CUDA kernels of the metadata layer (Spin §5.2 Retrieve lookup path).
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "sparsekv/core/error_code.hpp"
@@ -12,7 +13,9 @@ namespace {
 __global__ void resolve_partition_pages_kernel(PartitionLookup lookup, std::size_t instance,
                                                const PartitionId* partitions, const std::uint32_t* out_offsets,
                                                std::uint32_t count, PageId* out) {
-  for (std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+  // 64-bit index: i + stride must not wrap past 2^32 back below count.
+  for (std::uint64_t i = std::uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count;
+       i += std::uint64_t{gridDim.x} * blockDim.x) {
     lookup.copy_pages(instance, partitions[i], out + out_offsets[i]);
   }
 }

@@ -277,6 +277,9 @@ SaveTicket StagedSaver::save(const std::byte* source, std::size_t bytes, std::sp
     slot.staging = staging;
     slot.capacity = grown;
   }
+  // The free slot is ours: copy the targets (may throw bad_alloc) before a
+  // device copy into its staging is in flight.
+  slot.targets.assign(targets.begin(), targets.end());
   if (device_copy) {
 #if SPARSEKV_WITH_CUDA_RUNTIME
     const auto copy_stream = static_cast<cudaStream_t>(copy_stream_);
@@ -284,16 +287,20 @@ SaveTicket StagedSaver::save(const std::byte* source, std::size_t bytes, std::sp
     // Each wait captures the event as recorded now, so one input event serves every save.
     check_cuda("cudaEventRecord(compute stream)", cudaEventRecord(input, static_cast<cudaStream_t>(compute_stream)));
     check_cuda("cudaStreamWaitEvent", cudaStreamWaitEvent(copy_stream, input, 0));
-    check_cuda("cudaMemcpyAsync D2H",
-               cudaMemcpyAsync(slot.staging, source, bytes, cudaMemcpyDeviceToHost, copy_stream));
-    check_cuda("cudaEventRecord(copy stream)",
-               cudaEventRecord(static_cast<cudaEvent_t>(slot.copied_event), copy_stream));
+    // cudaMemcpyDefault: the source may be managed as well as device memory.
+    check_cuda("cudaMemcpyAsync D2H", cudaMemcpyAsync(slot.staging, source, bytes, cudaMemcpyDefault, copy_stream));
+    if (const cudaError_t status = cudaEventRecord(static_cast<cudaEvent_t>(slot.copied_event), copy_stream);
+        status != cudaSuccess) {
+      // The copy is in flight into a slot that stays free: let it land before
+      // a later save reuses (or regrows) the staging.
+      cudaStreamSynchronize(copy_stream);
+      fail_cuda("cudaEventRecord(copy stream)", status);
+    }
 #endif
   } else {
     std::memcpy(slot.staging, source, bytes);
   }
-  // Nothing below throws except the targets copy (bad_alloc), before the hand-over.
-  slot.targets.assign(targets.begin(), targets.end());
+  // Nothing below throws before the hand-over.
   slot.device_copy = device_copy;
   slot.bytes = bytes;
   slot.destination = destination_;

@@ -238,6 +238,10 @@ Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
   args.lse = lse.as<float>();
   args.workspace = workspace.data;
   args.workspace_bytes = split.workspace_bytes;
+  // The uploads and fills above ran on the legacy default stream, which a
+  // cudaStreamNonBlocking stream does not wait for (a pageable cudaMemcpy may
+  // even return before its DMA lands): finish them before launching.
+  check(cudaDeviceSynchronize());
   cuda::sparse_decode_attention(shape, args, stream);
   check(cudaStreamSynchronize(stream));
   check(cudaGetLastError());

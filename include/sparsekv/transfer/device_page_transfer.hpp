@@ -3,7 +3,9 @@
 // order on one non-blocking stream the object owns:
 //  - load: Retrieve's misses, read straight from pinned CPU-tier pages through
 //    unified virtual addressing by the warp-per-page gather kernel (Spin §5.5,
-//    SparseServe §3.2.1 FlashH2D) -- one launch per call, whatever the heads;
+//    SparseServe §3.2.1 FlashH2D) -- one launch per call, whatever the heads
+//    (pages whose size or addresses are not multiples of 16 bytes, which the
+//    kernel's vector accesses need, fall back to one cudaMemcpyAsync each);
 //  - save: a full decode tail, one cudaMemcpyAsync device -> pinned host per
 //    page (a few pages per step; batched prefill-size saves go through
 //    transfer/staged_save.hpp);
