@@ -37,7 +37,8 @@ DevicePageTransfer::DevicePageTransfer(GatherConfig gather, std::size_t write_st
       b.done = event;
     }
     void* staging = nullptr;
-    check(cudaHostAlloc(&staging, write_staging_bytes, cudaHostAllocDefault), "cudaHostAlloc");
+    // Mapped: the gather kernel reads the staged rows through UVA.
+    check(cudaHostAlloc(&staging, write_staging_bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
     write_staging_ = static_cast<std::byte*>(staging);
     write_capacity_ = write_staging_bytes;
   } catch (...) {
@@ -85,7 +86,9 @@ void DevicePageTransfer::reserve(AddressBuffer& b, std::size_t pages) {
   b.capacity = capacity;
 }
 
-void DevicePageTransfer::load(std::span<const PageMove> moves, std::size_t page_bytes) {
+void DevicePageTransfer::load(std::span<const PageMove> moves, std::size_t page_bytes) { gather(moves, page_bytes); }
+
+void DevicePageTransfer::gather(std::span<const PageMove> moves, std::size_t page_bytes) {
   if (moves.empty()) return;
   // The gather kernel moves 16-byte vectors: pages whose size or addresses are
   // not multiples of 16 (tiny head_dim x page_tokens) go page by page instead.
@@ -95,8 +98,7 @@ void DevicePageTransfer::load(std::span<const PageMove> moves, std::size_t page_
   }
   if (address_bits % 16 != 0 || moves.size() > UINT32_MAX) {
     for (const PageMove& m : moves) {
-      check(cudaMemcpyAsync(m.dst, m.src, page_bytes, cudaMemcpyHostToDevice, as_stream(stream_)),
-            "cudaMemcpyAsync H2D");
+      check(cudaMemcpyAsync(m.dst, m.src, page_bytes, cudaMemcpyDefault, as_stream(stream_)), "cudaMemcpyAsync");
     }
     return;
   }
@@ -117,18 +119,28 @@ void DevicePageTransfer::save(std::span<const PageMove> moves, std::size_t page_
   }
 }
 
-void DevicePageTransfer::write(std::byte* gpu_dst, const void* host_src, std::size_t bytes) {
+void DevicePageTransfer::write(std::span<const PageMove> rows, std::size_t row_bytes) {
+  if (rows.empty()) return;
+  constexpr std::size_t kAlign = 16;  // staged rows keep the gather kernel's alignment
+  const std::size_t bytes = (rows.size() * row_bytes + kAlign - 1) / kAlign * kAlign;
+  if (write_used_ + bytes > write_capacity_) synchronize();  // every staged row has landed
   if (bytes > write_capacity_) {
-    // Larger than the staging: copy directly and wait, so the source may be reused.
-    check(cudaMemcpyAsync(gpu_dst, host_src, bytes, cudaMemcpyHostToDevice, as_stream(stream_)), "cudaMemcpyAsync H2D");
-    synchronize();
-    return;
+    std::size_t capacity = write_capacity_;
+    while (capacity < bytes) capacity *= 2;
+    void* staging = nullptr;
+    check(cudaHostAlloc(&staging, capacity, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+    cudaFreeHost(write_staging_);
+    write_staging_ = static_cast<std::byte*>(staging);
+    write_capacity_ = capacity;
   }
-  if (write_used_ + bytes > write_capacity_) synchronize();  // every staged write has landed
+  staged_.resize(rows.size());
   std::byte* staged = write_staging_ + write_used_;
-  std::memcpy(staged, host_src, bytes);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    std::memcpy(staged + i * row_bytes, rows[i].src, row_bytes);
+    staged_[i] = {staged + i * row_bytes, rows[i].dst};
+  }
   write_used_ += bytes;
-  check(cudaMemcpyAsync(gpu_dst, staged, bytes, cudaMemcpyHostToDevice, as_stream(stream_)), "cudaMemcpyAsync H2D");
+  gather(staged_, row_bytes);
 }
 
 void DevicePageTransfer::synchronize() {

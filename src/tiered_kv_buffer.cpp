@@ -357,11 +357,13 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
     table_.check_segments(demand);
   }
   const std::size_t row = layout_.row_bytes();
+  std::vector<PageMove> rows(2 * std::size_t{shape_.kv_heads});
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     std::byte* tail = gpu_pool_.data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
-    transfer_->write(tail + layout_.k_offset(slot), static_cast<const std::byte*>(token.k) + h * row, row);
-    transfer_->write(tail + layout_.v_offset(slot), static_cast<const std::byte*>(token.v) + h * row, row);
+    rows[2 * h] = {static_cast<const std::byte*>(token.k) + h * row, tail + layout_.k_offset(slot)};
+    rows[2 * h + 1] = {static_cast<const std::byte*>(token.v) + h * row, tail + layout_.v_offset(slot)};
   }
+  transfer_->write(rows, row);
   s.tokens[layer] += 1;
   s.tail_tokens[layer] = slot + 1;
   if (!fills_tail) return;

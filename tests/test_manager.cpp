@@ -154,9 +154,8 @@ class DeferredTransfer final : public PageTransfer {
  public:
   void load(std::span<const PageMove> moves, std::size_t page_bytes) override { enqueue(moves, page_bytes); }
   void save(std::span<const PageMove> moves, std::size_t page_bytes) override { enqueue(moves, page_bytes); }
-  void write(std::byte* gpu_dst, const void* host_src, std::size_t bytes) override {
-    const auto* src = static_cast<const std::byte*>(host_src);
-    queue_.push_back({gpu_dst, nullptr, std::vector<std::byte>(src, src + bytes), bytes});
+  void write(std::span<const PageMove> rows, std::size_t row_bytes) override {
+    for (const PageMove& r : rows) queue_.push_back({r.dst, nullptr, std::vector<std::byte>(r.src, r.src + row_bytes), row_bytes});
   }
   void synchronize() override {
     for (const Op& op : queue_) std::memcpy(op.dst, op.src != nullptr ? op.src : op.bytes.data(), op.size);

@@ -9,8 +9,9 @@
 //  - save: a full decode tail, one cudaMemcpyAsync device -> pinned host per
 //    page (a few pages per step; batched prefill-size saves go through
 //    transfer/staged_save.hpp);
-//  - write: a decode token's rows, staged in pinned memory so the engine's
-//    buffer may be reused at once, then cudaMemcpyAsync host -> device.
+//  - write: a decode token's rows, staged in mapped pinned memory so the
+//    engine's buffer may be reused at once, then one gather launch scatters
+//    them into the tail pages.
 // The page-address arrays the kernel reads are double-buffered in mapped
 // pinned memory: a call waits only for the launch before the previous one.
 //
@@ -18,6 +19,7 @@
 // throw ErrorCode::cuda_error. Not thread-safe, like the buffer that drives it.
 #include <cstddef>
 #include <span>
+#include <vector>
 
 #include "sparsekv/transfer/page_gather_cuda.hpp"
 #include "sparsekv/transfer/page_transfer.hpp"
@@ -26,8 +28,9 @@ namespace sparsekv::cuda {
 
 class DevicePageTransfer final : public PageTransfer {
  public:
-  // `write_staging_bytes`: pinned bytes for staged writes; when they run out
-  // the transfer completes what is in flight and starts over.
+  // `write_staging_bytes`: pinned bytes for staged rows; when they run out
+  // the transfer completes what is in flight and starts over (growing it if
+  // one call needs more).
   explicit DevicePageTransfer(GatherConfig gather = {}, std::size_t write_staging_bytes = std::size_t{1} << 20);
   ~DevicePageTransfer() override;
   DevicePageTransfer(const DevicePageTransfer&) = delete;
@@ -35,7 +38,7 @@ class DevicePageTransfer final : public PageTransfer {
 
   void load(std::span<const PageMove> moves, std::size_t page_bytes) override;
   void save(std::span<const PageMove> moves, std::size_t page_bytes) override;
-  void write(std::byte* gpu_dst, const void* host_src, std::size_t bytes) override;
+  void write(std::span<const PageMove> rows, std::size_t row_bytes) override;
   void synchronize() override;
   bool reaches_device_memory() const noexcept override { return true; }
 
@@ -51,6 +54,9 @@ class DevicePageTransfer final : public PageTransfer {
   };
   void reserve(AddressBuffer& buffer, std::size_t pages);
   void release() noexcept;
+  // One gather launch (or one copy per page when sizes or addresses are not
+  // multiples of 16 bytes).
+  void gather(std::span<const PageMove> moves, std::size_t bytes);
 
   GatherConfig gather_;
   void* stream_ = nullptr;
@@ -59,6 +65,7 @@ class DevicePageTransfer final : public PageTransfer {
   std::byte* write_staging_ = nullptr;
   std::size_t write_capacity_ = 0;
   std::size_t write_used_ = 0;
+  std::vector<PageMove> staged_;  // scratch: staged rows -> destinations
 };
 
 }  // namespace sparsekv::cuda

@@ -29,8 +29,9 @@ class PageTransfer {
   virtual void load(std::span<const PageMove> moves, std::size_t page_bytes) = 0;
   // Whole pages GPU tier -> CPU tier (a full decode tail, SparseServe §3.2.2).
   virtual void save(std::span<const PageMove> moves, std::size_t page_bytes) = 0;
-  // `bytes` bytes from host memory into the GPU tier (a decode token's rows).
-  virtual void write(std::byte* gpu_dst, const void* host_src, std::size_t bytes) = 0;
+  // Rows of `row_bytes` from host memory into the GPU tier (a decode token's
+  // K and V rows of every kv head, in one call).
+  virtual void write(std::span<const PageMove> rows, std::size_t row_bytes) = 0;
   virtual void synchronize() = 0;
   // Whether the GPU tier's pages may live in device memory (else they must be
   // host-accessible).
@@ -42,9 +43,7 @@ class HostPageTransfer final : public PageTransfer {
  public:
   void load(std::span<const PageMove> moves, std::size_t page_bytes) override { copy(moves, page_bytes); }
   void save(std::span<const PageMove> moves, std::size_t page_bytes) override { copy(moves, page_bytes); }
-  void write(std::byte* gpu_dst, const void* host_src, std::size_t bytes) override {
-    std::memcpy(gpu_dst, host_src, bytes);
-  }
+  void write(std::span<const PageMove> rows, std::size_t row_bytes) override { copy(rows, row_bytes); }
   void synchronize() override {}
   bool reaches_device_memory() const noexcept override { return false; }
 
