@@ -6,16 +6,22 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "sparsekv/attention/attention_partial.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/core/error_code.hpp"
+#include "launch_support.cuh"
 
 namespace sparsekv::cuda {
 namespace {
+
+using detail::check_launch;
+using detail::current_device;
+using detail::multiprocessor_count;
+using detail::resident_blocks_per_sm;
+using detail::throw_invalid;
 
 constexpr std::uint32_t kWarp = 32;
 constexpr std::uint32_t kWarps = 4;
@@ -289,23 +295,13 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const Merge
   if (d == 0 && p.lse != nullptr) p.lse[head] = softmax_lse(s);
 }
 
-[[noreturn]] void throw_cuda(const char* what, cudaError_t status) {
-  throw Error(ErrorCode::cuda_error,
-              std::string("sparse_decode_attention: ") + what + " failed: " + cudaGetErrorString(status));
-}
-
-[[noreturn]] void throw_invalid(const std::string& message) {
-  throw Error(ErrorCode::invalid_argument, "sparse_decode_attention: " + message);
-}
+constexpr const char* kFunction = "sparse_decode_attention";
 
 bool aligned(const void* p, std::size_t alignment) { return reinterpret_cast<std::uintptr_t>(p) % alignment == 0; }
 
 using SplitKernel = void (*)(SplitParams);
 
 // Kernel instantiations: head_dim {64, 128} x dtype {f32, f16, bf16} x group bucket {1, 2, 4, 8}.
-constexpr int kGroupBuckets = 4;
-constexpr int kKernels = 2 * 3 * kGroupBuckets;
-
 int group_bucket(std::uint32_t group) { return group <= 1 ? 0 : group <= 2 ? 1 : group <= 4 ? 2 : 3; }
 
 template <std::uint32_t D, DType T>
@@ -328,78 +324,39 @@ SplitKernel pick_dtype(DType dtype, int bucket) {
   return pick_group<D, DType::bf16>(bucket);
 }
 
-struct Selected {
-  SplitKernel kernel;
-  int id;  // 0 .. kKernels - 1, for the occupancy cache
-};
-
-Selected select_kernel(const DecodeAttentionShape& shape) {
+SplitKernel select_kernel(const DecodeAttentionShape& shape) {
   const std::uint32_t group = shape.q_heads / shape.kv_heads;
   const int bucket = group_bucket(group);
-  const int dim_index = shape.layout.head_dim == 64 ? 0 : 1;
-  const SplitKernel kernel = dim_index == 0 ? pick_dtype<64>(shape.layout.dtype, bucket)
-                                            : pick_dtype<128>(shape.layout.dtype, bucket);
-  return {kernel, (dim_index * 3 + static_cast<int>(shape.layout.dtype)) * kGroupBuckets + bucket};
+  return shape.layout.head_dim == 64 ? pick_dtype<64>(shape.layout.dtype, bucket)
+                                     : pick_dtype<128>(shape.layout.dtype, bucket);
 }
 
 void check_shape(const DecodeAttentionShape& shape) {
   if (shape.kv_heads == 0 || shape.q_heads == 0 || shape.q_heads % shape.kv_heads != 0)
-    throw_invalid(std::to_string(shape.q_heads) + " q heads cannot be grouped onto " +
+    throw_invalid(kFunction, std::to_string(shape.q_heads) + " q heads cannot be grouped onto " +
                   std::to_string(shape.kv_heads) + " kv heads");
   if (shape.layout.head_dim != 64 && shape.layout.head_dim != 128)
-    throw_invalid("head_dim " + std::to_string(shape.layout.head_dim) + " is not 64 or 128");
-  if (shape.layout.page_tokens == 0) throw_invalid("page_tokens is 0");
+    throw_invalid(kFunction, "head_dim " + std::to_string(shape.layout.head_dim) + " is not 64 or 128");
+  if (shape.layout.page_tokens == 0) throw_invalid(kFunction, "page_tokens is 0");
   if (shape.layout.dtype != DType::f32 && shape.layout.dtype != DType::f16 && shape.layout.dtype != DType::bf16)
-    throw_invalid("unknown page dtype");
+    throw_invalid(kFunction, "unknown page dtype");
   const std::uint64_t rows = std::uint64_t{shape.batch} * shape.kv_heads;
-  if (rows > 0x7fffffffu) throw_invalid(std::to_string(rows) + " (request, kv head) rows exceed the grid");
+  if (rows > 0x7fffffffu) throw_invalid(kFunction, std::to_string(rows) + " (request, kv head) rows exceed the grid");
   if (std::uint64_t{shape.batch} * shape.q_heads * shape.layout.head_dim > 0xffffffffu)
-    throw_invalid("batch * q_heads * head_dim exceeds 2^32 elements");
+    throw_invalid(kFunction, "batch * q_heads * head_dim exceeds 2^32 elements");
 }
 
-// Per-device caches of the SM count and of each kernel's resident CTAs per
-// SM; 0 = not queried yet. Devices past the table are queried each call.
-constexpr int kCachedDevices = 64;
-std::atomic<int> g_sm_count[kCachedDevices];
-std::atomic<int> g_blocks_per_sm[kCachedDevices][kKernels];
-
-int sm_count(int device) {
-  if (device < kCachedDevices) {
-    const int cached = g_sm_count[device].load(std::memory_order_relaxed);
-    if (cached > 0) return cached;
-  }
-  int sms = 0;
-  const cudaError_t status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (status != cudaSuccess) throw_cuda("cudaDeviceGetAttribute(MultiProcessorCount)", status);
-  if (device < kCachedDevices) g_sm_count[device].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
-int blocks_per_sm(int device, const Selected& selected) {
-  if (device < kCachedDevices) {
-    const int cached = g_blocks_per_sm[device][selected.id].load(std::memory_order_relaxed);
-    if (cached > 0) return cached;
-  }
-  int blocks = 0;
-  const cudaError_t status =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, selected.kernel, static_cast<int>(kThreads), 0);
-  if (status != cudaSuccess) throw_cuda("cudaOccupancyMaxActiveBlocksPerMultiprocessor", status);
-  if (blocks < 1) blocks = 1;
-  if (device < kCachedDevices) g_blocks_per_sm[device][selected.id].store(blocks, std::memory_order_relaxed);
-  return blocks;
-}
-
-DecodeAttentionSplit plan(const DecodeAttentionShape& shape, const Selected& selected) {
-  int device = 0;
-  const cudaError_t status = cudaGetDevice(&device);
-  if (status != cudaSuccess) throw_cuda("cudaGetDevice", status);
-  const std::uint64_t target = std::uint64_t(sm_count(device)) * std::uint64_t(blocks_per_sm(device, selected));
+DecodeAttentionSplit plan(const DecodeAttentionShape& shape, SplitKernel kernel) {
+  const int device = current_device(kFunction);
+  const std::uint64_t target =
+      std::uint64_t(multiprocessor_count(device, kFunction)) *
+      std::uint64_t(resident_blocks_per_sm(kernel, device, static_cast<int>(kThreads), 0, kFunction));
   const DecodeAttentionSplit split =
       split_decode_attention(shape, target > 0xffffffffu ? 0xffffffffu : static_cast<std::uint32_t>(target));
   if (split.chunks > kMaxGridYZ)
-    throw_invalid("chunk_pages " + std::to_string(split.chunk_pages) + " splits " + std::to_string(shape.max_pages) +
+    throw_invalid(kFunction, "chunk_pages " + std::to_string(split.chunk_pages) + " splits " + std::to_string(shape.max_pages) +
                   " pages into " + std::to_string(split.chunks) + " chunks, at most 65535");
-  if (split.head_slices > kMaxGridYZ) throw_invalid("GQA group too large");
+  if (split.head_slices > kMaxGridYZ) throw_invalid(kFunction, "GQA group too large");
   return split;
 }
 
@@ -416,22 +373,22 @@ void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAtte
   if (shape.batch == 0) return;
   const std::size_t page_bytes = shape.layout.page_bytes();
   if (args.page_stride % kVec != 0 || args.page_stride < page_bytes)
-    throw_invalid("page_stride " + std::to_string(args.page_stride) + " is not a multiple of 16 >= page_bytes " +
+    throw_invalid(kFunction, "page_stride " + std::to_string(args.page_stride) + " is not a multiple of 16 >= page_bytes " +
                   std::to_string(page_bytes));
-  if (!aligned(args.page_base, kVec)) throw_invalid("page_base is not 16-byte aligned");
+  if (!aligned(args.page_base, kVec)) throw_invalid(kFunction, "page_base is not 16-byte aligned");
   const bool any_extra = args.extra.max != nullptr || args.extra.sum != nullptr || args.extra.acc != nullptr;
   const bool all_extra = args.extra.max != nullptr && args.extra.sum != nullptr && args.extra.acc != nullptr;
-  if (any_extra && !all_extra) throw_invalid("extra term needs max, sum and acc (or none of them)");
+  if (any_extra && !all_extra) throw_invalid(kFunction, "extra term needs max, sum and acc (or none of them)");
   if (args.q == nullptr || args.out == nullptr || args.page_base == nullptr)
-    throw_invalid("null q, out or page_base");
+    throw_invalid(kFunction, "null q, out or page_base");
   if (args.indptr == nullptr || args.indices == nullptr || args.last_page_len == nullptr)
-    throw_invalid("null indptr, indices or last_page_len");
+    throw_invalid(kFunction, "null indptr, indices or last_page_len");
   if (args.workspace == nullptr || !aligned(args.workspace, kVec))
-    throw_invalid("workspace is null or not 16-byte aligned");
-  const Selected selected = select_kernel(shape);
-  const DecodeAttentionSplit split = plan(shape, selected);
+    throw_invalid(kFunction, "workspace is null or not 16-byte aligned");
+  const SplitKernel kernel = select_kernel(shape);
+  const DecodeAttentionSplit split = plan(shape, kernel);
   if (args.workspace_bytes < split.workspace_bytes)
-    throw_invalid("workspace_bytes " + std::to_string(args.workspace_bytes) + " < " +
+    throw_invalid(kFunction, "workspace_bytes " + std::to_string(args.workspace_bytes) + " < " +
                   std::to_string(split.workspace_bytes) + " needed");
 
   const std::uint32_t batch_q = shape.batch * shape.q_heads;
@@ -455,17 +412,15 @@ void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAtte
                        ws_sum};
   const dim3 grid(shape.batch * shape.kv_heads, split.chunks, split.head_slices);
   const auto s = static_cast<cudaStream_t>(stream);
-  selected.kernel<<<grid, kThreads, 0, s>>>(sp);
-  cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) throw_cuda("split kernel launch", status);
+  kernel<<<grid, kThreads, 0, s>>>(sp);
+  check_launch(kFunction);
 
   const MergeParams mp{ws_acc, ws_max, ws_sum, args.extra, args.out, args.lse, split.chunks, batch_q,
                        shape.layout.head_dim};
   const std::uint64_t elements = std::uint64_t{batch_q} * shape.layout.head_dim;
   const auto merge_blocks = static_cast<unsigned>((elements + kMergeThreads - 1) / kMergeThreads);
   decode_merge_kernel<<<merge_blocks, kMergeThreads, 0, s>>>(mp);
-  status = cudaGetLastError();
-  if (status != cudaSuccess) throw_cuda("merge kernel launch", status);
+  check_launch(kFunction);
 }
 
 }  // namespace sparsekv::cuda

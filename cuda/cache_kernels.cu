@@ -11,10 +11,15 @@
 
 #include "sparsekv/cache/bucketed_lru_cuda.hpp"
 #include "sparsekv/cache/bucketed_lru_rules.hpp"
+#include "launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 
 namespace sparsekv::cuda {
 namespace {
+
+using detail::check_launch;
+using detail::throw_invalid;
+constexpr const char* kFunction = "bucketed_lru_step";
 
 constexpr std::uint32_t kThreads = 256;
 constexpr std::uint32_t kSortItems = kLruSharedSelection / kThreads;
@@ -252,9 +257,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   }
 }
 
-[[noreturn]] void throw_invalid(const std::string& message) {
-  throw Error(ErrorCode::invalid_argument, "bucketed_lru_step: " + message);
-}
 
 }  // namespace
 
@@ -263,32 +265,28 @@ void bucketed_lru_step(const TwoLevelView<GpuPageEntry>& gpu_pages, const Partit
                        void* stream) {
   // Validation first: nothing is enqueued when an argument is wrong.
   if (timestamp_buckets < kMinTimestampBuckets || timestamp_buckets > kMaxTimestampBuckets) {
-    throw_invalid("timestamp_buckets " + std::to_string(timestamp_buckets) + " is not in [2, 256]");
+    throw_invalid(kFunction, "timestamp_buckets " + std::to_string(timestamp_buckets) + " is not in [2, 256]");
   }
-  if (batch.heads > 0x7fffffffu) throw_invalid("heads " + std::to_string(batch.heads) + " exceeds 2^31 - 1");
+  if (batch.heads > 0x7fffffffu) throw_invalid(kFunction, "heads " + std::to_string(batch.heads) + " exceeds 2^31 - 1");
   if (batch.heads == 0) return;
   if (batch.instances == nullptr || batch.selection_offsets == nullptr || batch.page_offsets == nullptr ||
       out.partition_offsets == nullptr || out.stats == nullptr) {
-    throw_invalid("null instances, selection_offsets, page_offsets, partition_offsets or stats with " +
+    throw_invalid(kFunction, "null instances, selection_offsets, page_offsets, partition_offsets or stats with " +
                   std::to_string(batch.heads) + " heads");
   }
   if (batch.max_selection > 0 &&
       (batch.selected == nullptr || out.gpu_pages == nullptr || out.copy_cpu_pages == nullptr ||
        out.copy_gpu_pages == nullptr)) {
-    throw_invalid("null selected, gpu_pages or copy arrays with max_selection " +
+    throw_invalid(kFunction, "null selected, gpu_pages or copy arrays with max_selection " +
                   std::to_string(batch.max_selection));
   }
   if (batch.max_selection > kLruSharedSelection && batch.scratch == nullptr) {
-    throw_invalid("max_selection " + std::to_string(batch.max_selection) + " exceeds " +
+    throw_invalid(kFunction, "max_selection " + std::to_string(batch.max_selection) + " exceeds " +
                   std::to_string(kLruSharedSelection) + " and no scratch was given");
   }
   bucketed_lru_step_kernel<<<batch.heads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       gpu_pages, lookup, batch, out, timestamp_buckets);
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    throw Error(ErrorCode::cuda_error,
-                std::string("bucketed_lru_step launch failed: ") + cudaGetErrorString(status));
-  }
+  check_launch(kFunction);
 }
 
 }  // namespace sparsekv::cuda

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
@@ -16,6 +17,10 @@
 
 namespace sparsekv::cuda {
 namespace {
+
+using detail::check_launch;
+using detail::throw_cuda;
+using detail::throw_invalid;
 
 constexpr std::uint32_t kWarp = 32;
 constexpr std::uint32_t kMaxPageTokens = 4096;  // page_mean_outlier's cosine buffer
@@ -233,19 +238,6 @@ __global__ void __launch_bounds__(kUpdateThreads)
     }
     __syncthreads();  // the next cluster resets sums
   }
-}
-
-[[noreturn]] void throw_cuda(const char* function, const char* what, cudaError_t status) {
-  throw Error(ErrorCode::cuda_error, std::string(function) + ": " + what + " failed: " + cudaGetErrorString(status));
-}
-
-[[noreturn]] void throw_invalid(const char* function, const std::string& message) {
-  throw Error(ErrorCode::invalid_argument, std::string(function) + ": " + message);
-}
-
-void check_launch(const char* function) {
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) throw_cuda(function, "launch", status);
 }
 
 // Grids stride, so a grid capped at the hardware limit still covers every item.

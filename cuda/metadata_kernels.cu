@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 #include "sparsekv/metadata/partition_lookup_cuda.hpp"
 
@@ -29,11 +30,7 @@ void resolve_partition_pages(const PartitionLookup& lookup, std::size_t instance
   const std::uint32_t blocks = (count + kThreads - 1) / kThreads;
   resolve_partition_pages_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       lookup, instance, partitions, out_offsets, count, out);
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    throw Error(ErrorCode::cuda_error, std::string("resolve_partition_pages launch failed: ") +
-                                           cudaGetErrorString(status));
-  }
+  detail::check_launch("resolve_partition_pages");
 }
 
 }  // namespace sparsekv::cuda

@@ -2,16 +2,21 @@
 // kernel, SparseServe §3.2.1 FlashH2D GPU-direct loading through UVA).
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
+#include "launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
 
 namespace sparsekv::cuda {
 namespace {
+
+using detail::check_launch;
+using detail::current_device;
+using detail::multiprocessor_count;
+using detail::resident_blocks_per_sm;
+using detail::throw_invalid;
 
 constexpr std::uint32_t kWarp = 32;
 // Independent 16-byte loads per thread issued before the first store: PCIe
@@ -73,76 +78,32 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-[[noreturn]] void throw_cuda(const char* what, cudaError_t status) {
-  throw Error(ErrorCode::cuda_error, std::string("gather_pages: ") + what + " failed: " + cudaGetErrorString(status));
-}
-
-[[noreturn]] void throw_invalid(const std::string& message) {
-  throw Error(ErrorCode::invalid_argument, "gather_pages: " + message);
-}
-
 bool aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % kVec == 0; }
 
-// Per-device caches of the SM count and of the kernel's resident blocks per SM
-// (per warps_per_block); 0 = not queried yet. Devices past the table are queried each call.
-constexpr int kCachedDevices = 64;
-std::atomic<int> g_sm_count[kCachedDevices];
-// [device][addressing: 0 pool, 1 pointers][warps_per_block]
-std::atomic<int> g_blocks_per_sm[kCachedDevices][2][kWarp + 1];
-
-int sm_count(int device) {
-  if (device < kCachedDevices) {
-    const int cached = g_sm_count[device].load(std::memory_order_relaxed);
-    if (cached > 0) return cached;
-  }
-  int sms = 0;
-  const cudaError_t status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (status != cudaSuccess) throw_cuda("cudaDeviceGetAttribute(MultiProcessorCount)", status);
-  if (device < kCachedDevices) g_sm_count[device].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
-template <class Addressing>
-int blocks_per_sm(int device, std::uint32_t warps_per_block) {
-  constexpr int kind = std::is_same_v<Addressing, PointerAddressing> ? 1 : 0;
-  if (device < kCachedDevices) {
-    const int cached = g_blocks_per_sm[device][kind][warps_per_block].load(std::memory_order_relaxed);
-    if (cached > 0) return cached;
-  }
-  int blocks = 0;
-  const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, gather_pages_kernel<Addressing>, static_cast<int>(warps_per_block * kWarp), 0);
-  if (status != cudaSuccess) throw_cuda("cudaOccupancyMaxActiveBlocksPerMultiprocessor", status);
-  if (blocks < 1) blocks = 1;
-  if (device < kCachedDevices) g_blocks_per_sm[device][kind][warps_per_block].store(blocks, std::memory_order_relaxed);
-  return blocks;
-}
-
-void check_config(std::size_t page_bytes, const GatherConfig& config) {
+void check_config(const char* function, std::size_t page_bytes, const GatherConfig& config) {
   if (page_bytes == 0 || page_bytes % kVec != 0)
-    throw_invalid("page_bytes " + std::to_string(page_bytes) + " is not a non-zero multiple of 16");
-  if (page_bytes / kVec > UINT32_MAX) throw_invalid("page_bytes " + std::to_string(page_bytes) + " is too large");
+    throw_invalid(function, "page_bytes " + std::to_string(page_bytes) + " is not a non-zero multiple of 16");
+  if (page_bytes / kVec > UINT32_MAX) throw_invalid(function, "page_bytes " + std::to_string(page_bytes) + " is too large");
   if (config.warps_per_block == 0 || config.warps_per_block > kWarp)
-    throw_invalid("warps_per_block " + std::to_string(config.warps_per_block) + " is not in 1..32");
+    throw_invalid(function, "warps_per_block " + std::to_string(config.warps_per_block) + " is not in 1..32");
 }
 
 // A persistent grid no larger than the SM cap's resident blocks.
 template <class Addressing>
-void launch(const Addressing& where, std::uint32_t count, std::size_t page_bytes, const GatherConfig& config,
-            void* stream) {
-  int device = 0;
-  const cudaError_t dev_status = cudaGetDevice(&device);
-  if (dev_status != cudaSuccess) throw_cuda("cudaGetDevice", dev_status);
-  const std::uint32_t sms_total = static_cast<std::uint32_t>(sm_count(device));
+void launch(const char* function, const Addressing& where, std::uint32_t count, std::size_t page_bytes,
+            const GatherConfig& config, void* stream) {
+  const int device = current_device(function);
+  const auto sms_total = static_cast<std::uint32_t>(multiprocessor_count(device, function));
   const std::uint32_t sms = config.max_sms == 0 || config.max_sms > sms_total ? sms_total : config.max_sms;
+  const int threads = static_cast<int>(config.warps_per_block * kWarp);
   const std::uint32_t resident =
-      sms * static_cast<std::uint32_t>(blocks_per_sm<Addressing>(device, config.warps_per_block));
+      sms * static_cast<std::uint32_t>(
+                resident_blocks_per_sm(gather_pages_kernel<Addressing>, device, threads, 0, function));
   const std::uint32_t needed = (count + config.warps_per_block - 1) / config.warps_per_block;
   const std::uint32_t blocks = needed < resident ? needed : resident;
-  gather_pages_kernel<Addressing><<<blocks, config.warps_per_block * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
+  gather_pages_kernel<Addressing><<<blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(
       where, count, static_cast<std::uint32_t>(page_bytes / kVec));
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) throw_cuda("launch", status);
+  check_launch(function);
 }
 
 }  // namespace
@@ -151,28 +112,30 @@ void gather_pages(const PageId* src_pages, const PageId* dst_pages, std::uint32_
                   std::size_t src_stride, std::byte* dst_base, std::size_t dst_stride, std::size_t page_bytes,
                   const GatherConfig& config, void* stream) {
   // Validation first: nothing is enqueued when an argument is wrong.
-  check_config(page_bytes, config);
+  constexpr const char* kFunction = "gather_pages";
+  check_config(kFunction, page_bytes, config);
   if (src_stride % kVec != 0 || src_stride < page_bytes)
-    throw_invalid("src_stride " + std::to_string(src_stride) + " is not a multiple of 16 >= page_bytes " +
+    throw_invalid(kFunction, "src_stride " + std::to_string(src_stride) + " is not a multiple of 16 >= page_bytes " +
                   std::to_string(page_bytes));
   if (dst_stride % kVec != 0 || dst_stride < page_bytes)
-    throw_invalid("dst_stride " + std::to_string(dst_stride) + " is not a multiple of 16 >= page_bytes " +
+    throw_invalid(kFunction, "dst_stride " + std::to_string(dst_stride) + " is not a multiple of 16 >= page_bytes " +
                   std::to_string(page_bytes));
-  if (!aligned(src_base) || !aligned(dst_base)) throw_invalid("src_base or dst_base is not 16-byte aligned");
+  if (!aligned(src_base) || !aligned(dst_base)) throw_invalid(kFunction, "src_base or dst_base is not 16-byte aligned");
   if (count == 0) return;
   if (src_pages == nullptr || src_base == nullptr || dst_base == nullptr)
-    throw_invalid("null src_pages, src_base or dst_base with count " + std::to_string(count));
+    throw_invalid(kFunction, "null src_pages, src_base or dst_base with count " + std::to_string(count));
   const PoolAddressing where{src_pages,          dst_pages, reinterpret_cast<const uint4*>(src_base), src_stride / kVec,
                              reinterpret_cast<uint4*>(dst_base), dst_stride / kVec};
-  launch(where, count, page_bytes, config, stream);
+  launch(kFunction, where, count, page_bytes, config, stream);
 }
 
 void gather_page_addresses(const std::byte* const* src, std::byte* const* dst, std::uint32_t count,
                            std::size_t page_bytes, const GatherConfig& config, void* stream) {
-  check_config(page_bytes, config);
+  constexpr const char* kFunction = "gather_page_addresses";
+  check_config(kFunction, page_bytes, config);
   if (count == 0) return;
-  if (src == nullptr || dst == nullptr) throw_invalid("null address arrays with count " + std::to_string(count));
-  launch(PointerAddressing{src, dst}, count, page_bytes, config, stream);
+  if (src == nullptr || dst == nullptr) throw_invalid(kFunction, "null address arrays with count " + std::to_string(count));
+  launch(kFunction, PointerAddressing{src, dst}, count, page_bytes, config, stream);
 }
 
 }  // namespace sparsekv::cuda
