@@ -25,10 +25,12 @@
 #include <random>
 #include <vector>
 
+#include "cuda_bench_support.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
-#include "sparsekv/core/device.hpp"
 
 namespace {
+
+using namespace sparsekv::bench;
 
 constexpr std::uint32_t kKvHeads = 8;
 constexpr std::uint32_t kQHeads = 32;
@@ -42,19 +44,6 @@ constexpr std::size_t kRotationBytes = std::size_t{128} << 20;
 constexpr std::uint32_t kMaxBatch = 64;
 constexpr int kLaunchesPerIteration = 16;
 
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(status));
-    std::exit(1);
-  }
-}
-
-void* device_alloc(std::size_t bytes) {
-  void* p = nullptr;
-  check(cudaMalloc(&p, bytes), "cudaMalloc");
-  return p;
-}
-
 // Buffers shared by every run, allocated on first use.
 struct Buffers {
   std::byte* pool = nullptr;
@@ -63,42 +52,26 @@ struct Buffers {
   float* out = nullptr;
   float* lse = nullptr;
   cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
+  Events events;
   double hbm_gbps = 0;
 
   Buffers() {
-    pool = static_cast<std::byte*>(device_alloc(kPoolBytes));
+    pool = device_alloc<std::byte>(kPoolBytes);
     check(cudaMemset(pool, 0x3c, kPoolBytes), "cudaMemset");  // bf16 0x3c3c: small finite values
-    copy_dst = static_cast<std::byte*>(device_alloc(kCopyBytes));
+    copy_dst = device_alloc<std::byte>(kCopyBytes);
     const std::size_t q_elems = std::size_t{kMaxBatch} * kQHeads * kHeadDim;
-    q = static_cast<float*>(device_alloc(q_elems * sizeof(float)));
     std::vector<float> host_q(q_elems);
     std::mt19937 rng(1);
     std::normal_distribution<float> normal;
     for (float& x : host_q) x = normal(rng);
-    check(cudaMemcpy(q, host_q.data(), q_elems * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
-    out = static_cast<float*>(device_alloc(q_elems * sizeof(float)));
-    lse = static_cast<float*>(device_alloc(std::size_t{kMaxBatch} * kQHeads * sizeof(float)));
-    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
+    q = device_copy(host_q.data(), q_elems);
+    out = device_alloc<float>(q_elems);
+    lse = device_alloc<float>(std::size_t{kMaxBatch} * kQHeads);
+    stream = non_blocking_stream();
     // The fills and uploads above ran on the legacy default stream, which the
     // non-blocking `stream` does not wait for.
     check(cudaDeviceSynchronize(), "setup");
-    hbm_gbps = measure_hbm();
-  }
-
-  double measure_hbm() {
-    constexpr int kReps = 10;
-    check(cudaMemcpyAsync(copy_dst, pool, kCopyBytes, cudaMemcpyDeviceToDevice, stream), "memcpy");
-    check(cudaEventRecord(start, stream), "cudaEventRecord");
-    for (int r = 0; r < kReps; ++r)
-      check(cudaMemcpyAsync(copy_dst, pool, kCopyBytes, cudaMemcpyDeviceToDevice, stream), "memcpy");
-    check(cudaEventRecord(stop, stream), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    return 2.0 * double(kCopyBytes) * kReps / (double(ms) * 1e-3) / 1e9;
+    hbm_gbps = measure_d2d_gbps(copy_dst, pool, kCopyBytes, 10, stream, events);
   }
 };
 
@@ -131,21 +104,14 @@ Problem make_problem(std::uint32_t batch) {
   std::iota(all.begin(), all.end(), 0);
   std::shuffle(all.begin(), all.end(), std::mt19937(batch));
   for (std::size_t s = 0; s < sets; ++s) {
-    auto* d = static_cast<std::int64_t*>(device_alloc(pages_per_launch * sizeof(std::int64_t)));
-    check(cudaMemcpy(d, all.data() + s * pages_per_launch, pages_per_launch * sizeof(std::int64_t),
-                     cudaMemcpyHostToDevice),
-          "cudaMemcpy");
-    p.indices.push_back(d);
+    p.indices.push_back(device_copy(all.data() + s * pages_per_launch, pages_per_launch));
   }
   std::vector<std::int64_t> indptr(rows + 1);
   for (std::uint32_t r = 0; r <= rows; ++r) indptr[r] = std::int64_t{r} * kRowPages;
   const std::vector<std::int32_t> last(rows, static_cast<std::int32_t>(kPageTokens));
-  p.indptr = static_cast<std::int64_t*>(device_alloc(indptr.size() * sizeof(std::int64_t)));
-  check(cudaMemcpy(p.indptr, indptr.data(), indptr.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice),
-        "cudaMemcpy");
-  p.last_page_len = static_cast<std::int32_t*>(device_alloc(rows * sizeof(std::int32_t)));
-  check(cudaMemcpy(p.last_page_len, last.data(), rows * sizeof(std::int32_t), cudaMemcpyHostToDevice), "cudaMemcpy");
-  p.workspace = device_alloc(p.split.workspace_bytes);
+  p.indptr = device_copy(indptr.data(), indptr.size());
+  p.last_page_len = device_copy(last.data(), last.size());
+  p.workspace = device_alloc<std::byte>(p.split.workspace_bytes);
   // A pageable cudaMemcpy may return before its DMA lands, and the launches
   // run on a non-blocking stream that does not wait for the legacy stream.
   check(cudaDeviceSynchronize(), "setup");
@@ -182,13 +148,10 @@ void BM_SparseDecodeAttention(benchmark::State& state) {
     // and the events time the kernels, not the host's launch rate (one launch
     // at batch 1 moves 8 MiB, a few microseconds, about the host's cost of
     // validating and launching two kernels). The copy also flushes the L2.
-    check(cudaMemcpyAsync(b.copy_dst, b.pool, kCopyBytes, cudaMemcpyDeviceToDevice, b.stream), "pad");
-    check(cudaEventRecord(b.start, b.stream), "cudaEventRecord");
-    for (int r = 0; r < kLaunchesPerIteration; ++r) launch();
-    check(cudaEventRecord(b.stop, b.stream), "cudaEventRecord");
-    check(cudaEventSynchronize(b.stop), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, b.start, b.stop), "cudaEventElapsedTime");
+    pad_copy(b.copy_dst, b.pool, kCopyBytes, b.stream);
+    const float ms = elapsed_ms(b.events, b.stream, [&] {
+      for (int r = 0; r < kLaunchesPerIteration; ++r) launch();
+    });
     const double per_launch_ms = double(ms) / kLaunchesPerIteration;
     state.SetIterationTime(per_launch_ms * 1e-3);
     total_ms += per_launch_ms;
@@ -220,14 +183,4 @@ BENCHMARK(BM_SparseDecodeAttention)
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (sparsekv::cuda_device_count() == 0) {
-    std::puts("SKIPPED: no CUDA device");
-    return 0;
-  }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return sparsekv::bench::run_benchmarks(argc, argv); }

@@ -19,23 +19,17 @@
 #include <random>
 #include <vector>
 
-#include "sparsekv/core/device.hpp"
+#include "cuda_bench_support.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
 
 namespace {
 
+using namespace sparsekv::bench;
 using sparsekv::PageId;
 
 constexpr std::uint32_t kPages = 4096;
 constexpr std::size_t kPoolBytes = std::size_t{256} << 20;
 constexpr std::size_t kMaxPageBytes = 32 << 10;
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(status));
-    std::exit(1);
-  }
-}
 
 // Buffers shared by every run, allocated on first use.
 struct Buffers {
@@ -45,24 +39,18 @@ struct Buffers {
   PageId* d_src_pages = nullptr;
   PageId* d_dst_pages = nullptr;
   cudaStream_t stream = nullptr;  // non-blocking: cudaMemcpyBatchAsync rejects the legacy stream
-  cudaEvent_t start = nullptr, stop = nullptr;
+  Events events;
 
   Buffers() {
     void* p = nullptr;
     check(cudaHostAlloc(&p, kPoolBytes, cudaHostAllocMapped), "cudaHostAlloc");
     pool = static_cast<std::byte*>(p);
     std::memset(pool, 0x5a, kPoolBytes);
-    check(cudaMalloc(&p, kPages * kMaxPageBytes), "cudaMalloc");
-    dst = static_cast<std::byte*>(p);
-    check(cudaMalloc(&p, kPages * kMaxPageBytes), "cudaMalloc");
-    contiguous = static_cast<std::byte*>(p);
-    check(cudaMalloc(&p, kPages * sizeof(PageId)), "cudaMalloc");
-    d_src_pages = static_cast<PageId*>(p);
-    check(cudaMalloc(&p, kPages * sizeof(PageId)), "cudaMalloc");
-    d_dst_pages = static_cast<PageId*>(p);
-    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
+    dst = device_alloc<std::byte>(kPages * kMaxPageBytes);
+    contiguous = device_alloc<std::byte>(kPages * kMaxPageBytes);
+    d_src_pages = device_alloc<PageId>(kPages);
+    d_dst_pages = device_alloc<PageId>(kPages);
+    stream = non_blocking_stream();
   }
 };
 
@@ -139,12 +127,9 @@ double mean_ms(int reps, Enqueue&& enqueue) {
   Buffers& b = buffers();
   enqueue();
   check(cudaStreamSynchronize(b.stream), "warm-up");
-  check(cudaEventRecord(b.start, b.stream), "cudaEventRecord");
-  for (int r = 0; r < reps; ++r) enqueue();
-  check(cudaEventRecord(b.stop, b.stream), "cudaEventRecord");
-  check(cudaEventSynchronize(b.stop), "cudaEventSynchronize");
-  float ms = 0;
-  check(cudaEventElapsedTime(&ms, b.start, b.stop), "cudaEventElapsedTime");
+  const float ms = elapsed_ms(b.events, b.stream, [&] {
+    for (int r = 0; r < reps; ++r) enqueue();
+  });
   return double(ms) / reps;
 }
 
@@ -204,12 +189,7 @@ void BM_GatherH2D(benchmark::State& state) {
   check(cudaStreamSynchronize(b.stream), "warm-up");
   double total_ms = 0;
   for (auto _ : state) {
-    check(cudaEventRecord(b.start, b.stream), "cudaEventRecord");
-    enqueue();
-    check(cudaEventRecord(b.stop, b.stream), "cudaEventRecord");
-    check(cudaEventSynchronize(b.stop), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, b.start, b.stop), "cudaEventElapsedTime");
+    const float ms = elapsed_ms(b.events, b.stream, enqueue);
     state.SetIterationTime(ms * 1e-3);
     total_ms += ms;
   }
@@ -233,14 +213,4 @@ BENCHMARK(BM_GatherH2D)
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (sparsekv::cuda_device_count() == 0) {
-    std::puts("SKIPPED: no CUDA device");
-    return 0;
-  }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return sparsekv::bench::run_benchmarks(argc, argv); }

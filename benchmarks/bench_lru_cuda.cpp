@@ -32,47 +32,20 @@
 #include <random>
 #include <vector>
 
+#include "cuda_bench_support.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/cache/bucketed_lru_cuda.hpp"
-#include "sparsekv/core/device.hpp"
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
 
 namespace {
 
 using namespace sparsekv;
+using namespace sparsekv::bench;
 
 constexpr std::uint32_t kBuckets = 64;
 constexpr std::uint32_t kPageTokens = 16;
 constexpr std::uint32_t kKvHeads = 8;
 constexpr std::size_t kCopyBytes = std::size_t{256} << 20;
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(status));
-    std::exit(1);
-  }
-}
-
-template <class T>
-T* device_alloc(std::size_t count) {
-  void* p = nullptr;
-  check(cudaMalloc(&p, std::max<std::size_t>(count, 1) * sizeof(T)), "cudaMalloc");
-  return static_cast<T*>(p);
-}
-
-template <class T>
-T* device_copy(const T* host, std::size_t count) {
-  T* p = device_alloc<T>(count);
-  if (count > 0) check(cudaMemcpy(p, host, count * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
-  return p;
-}
-
-template <class T>
-std::vector<T> host_copy(const T* device, std::size_t count) {
-  std::vector<T> values(count);
-  if (count > 0) check(cudaMemcpy(values.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy");
-  return values;
-}
 
 // A table's view with directory, lengths and segment pool copied to device memory.
 template <class Entry>
@@ -215,35 +188,19 @@ std::unique_ptr<Setup> make_setup(std::uint32_t heads, std::uint32_t slots) {
 }
 
 struct Timing {
-  cudaEvent_t start = nullptr, stop = nullptr;
+  Events events;
   double d2d_gbps = 0;
   void* a = nullptr;  // the reference copy's buffers, kept for pad()
   void* b = nullptr;
   Timing() {
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
-    check(cudaMalloc(&a, kCopyBytes), "cudaMalloc");
-    check(cudaMalloc(&b, kCopyBytes), "cudaMalloc");
+    a = device_alloc<std::byte>(kCopyBytes);
+    b = device_alloc<std::byte>(kCopyBytes);
     check(cudaMemset(a, 1, kCopyBytes), "cudaMemset");
-    check(cudaMemcpyAsync(b, a, kCopyBytes, cudaMemcpyDeviceToDevice, nullptr), "warm-up");
-    constexpr int kReps = 20;
-    check(cudaEventRecord(start, nullptr), "cudaEventRecord");
-    for (int r = 0; r < kReps; ++r) {
-      check(cudaMemcpyAsync(b, a, kCopyBytes, cudaMemcpyDeviceToDevice, nullptr), "cudaMemcpyAsync");
-    }
-    check(cudaEventRecord(stop, nullptr), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    d2d_gbps = 2.0 * double(kCopyBytes) * kReps / (double(ms) * 1e-3) / 1e9;  // read + write
+    d2d_gbps = measure_d2d_gbps(b, a, kCopyBytes, 20, nullptr, events);
   }
-  // Keeps the stream busy (a 64 MiB copy, tens of microseconds) while the host
-  // records the start event and launches: otherwise the start event fires at
-  // once and the launch latency (validation + launch, microseconds) is timed
-  // as kernel time, which dominates the small sizes.
-  void pad() const {
-    check(cudaMemcpyAsync(b, a, kCopyBytes / 4, cudaMemcpyDeviceToDevice, nullptr), "pad");
-  }
+  // A 64 MiB pad copy (tens of microseconds): without it the launch latency
+  // would dominate the small sizes.
+  void pad() const { pad_copy(b, a, kCopyBytes / 4, nullptr); }
 };
 
 Timing& timing() {
@@ -269,12 +226,9 @@ void BM_LruStep(benchmark::State& state) {
     check(cudaMemcpyAsync(s.lookup.meta.segments, s.meta_pristine, s.meta_bytes, cudaMemcpyDeviceToDevice, nullptr),
           "restore");
     t.pad();
-    check(cudaEventRecord(t.start, nullptr), "cudaEventRecord");
-    cuda::bucketed_lru_step(s.gpu_pages, s.lookup, s.batch, s.out, kBuckets, nullptr);
-    check(cudaEventRecord(t.stop, nullptr), "cudaEventRecord");
-    check(cudaEventSynchronize(t.stop), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, t.start, t.stop), "cudaEventElapsedTime");
+    const float ms = elapsed_ms(t.events, nullptr, [&] {
+      cuda::bucketed_lru_step(s.gpu_pages, s.lookup, s.batch, s.out, kBuckets, nullptr);
+    });
     state.SetIterationTime(ms * 1e-3);
     total_ms += ms;
   }
@@ -300,14 +254,4 @@ BENCHMARK(BM_LruStep)
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (sparsekv::cuda_device_count() == 0) {
-    std::puts("SKIPPED: no CUDA device");
-    return 0;
-  }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return sparsekv::bench::run_benchmarks(argc, argv); }

@@ -15,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "attention_test_data.hpp"
 #include "sparsekv/attention/attention_partial.hpp"
 #include "sparsekv/attention/decode_attention.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
@@ -22,6 +23,7 @@
 #include "test_support.hpp"
 
 using namespace sparsekv;
+using namespace sparsekv::test;
 
 namespace {
 
@@ -278,22 +280,9 @@ TEST_CASE("split_decode_attention covers every page with bounded chunks", "[atte
 
 namespace {
 
-// A random batch in a host page pool, as CSR rows over (request, kv head).
-struct Batch {
-  std::uint32_t batch = 0, q_heads = 0, kv_heads = 0;
-  PageLayout layout;
-  float scale = 0;
-  std::vector<std::byte> pool;
-  std::vector<std::int64_t> indptr{0}, indices;
-  std::vector<std::int32_t> last_page_len;
-  std::vector<float> q;
-  std::vector<AttentionPartial> extra;  // empty or [batch * q_heads]
-  std::uint32_t max_pages = 0;
+using Batch = AttentionBatch;
 
-  const std::byte* page(std::int64_t id) const { return pool.data() + id * layout.page_bytes(); }
-  std::uint32_t group() const { return q_heads / kv_heads; }
-};
-
+// A random batch in a host page pool of page_bytes-strided pages.
 Batch random_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads, std::uint32_t group,
                    PageLayout layout, bool with_extra) {
   std::normal_distribution<float> normal;
@@ -302,6 +291,7 @@ Batch random_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_head
   b.kv_heads = kv_heads;
   b.q_heads = kv_heads * group;
   b.layout = layout;
+  b.stride = layout.page_bytes();
   b.scale = (rng() % 2 ? 4.0f : 1.0f) / std::sqrt(float(layout.head_dim));  // some rows peaky
   const std::uint32_t rows = batch * kv_heads;
   std::vector<std::uint32_t> counts(rows);
@@ -309,57 +299,11 @@ Batch random_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_head
   const std::uint32_t total = std::accumulate(counts.begin(), counts.end(), 0u);
   const std::uint32_t pool_pages = total + 5;
   b.pool.resize(std::size_t{pool_pages} * layout.page_bytes());
-  for (std::uint32_t p = 0; p < pool_pages; ++p)
-    for (std::uint32_t row = 0; row < 2 * layout.page_tokens; ++row)
-      for (std::uint32_t i = 0; i < layout.head_dim; ++i)
-        store_element(b.pool.data() + std::size_t{p} * layout.page_bytes() + row * layout.row_bytes(), i,
-                      layout.dtype, normal(rng));
-  std::vector<std::int64_t> ids(pool_pages);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  std::size_t next = 0;
-  for (std::uint32_t r = 0; r < rows; ++r) {
-    for (std::uint32_t p = 0; p < counts[r]; ++p) b.indices.push_back(ids[next++]);
-    b.indptr.push_back(static_cast<std::int64_t>(b.indices.size()));
-    b.last_page_len.push_back(static_cast<std::int32_t>(1 + rng() % layout.page_tokens));
-    b.max_pages = std::max(b.max_pages, counts[r]);
-  }
-  b.q.resize(std::size_t{batch} * b.q_heads * layout.head_dim);
-  for (float& x : b.q) x = normal(rng);
-  if (with_extra) {
-    b.extra.assign(std::size_t{batch} * b.q_heads, AttentionPartial(layout.head_dim));
-    std::vector<float> v(layout.head_dim);
-    for (std::size_t h = 0; h < b.extra.size(); ++h) {
-      if (h % 3 == 0) continue;  // no term for this head
-      for (int c = 0; c < 3; ++c) {
-        for (float& x : v) x = normal(rng);
-        b.extra[h].add(2.0f * normal(rng), float(1 + rng() % 8), v.data());
-      }
-    }
-  }
+  fill_pages(b, pool_pages, normal, rng);
+  random_rows(b, counts, pool_pages, rng, false);
+  random_queries(b, normal, rng);
+  if (with_extra) random_extra(b, normal, rng, 3, 0, 8);  // no term for heads 0, 3, 6, ...
   return b;
-}
-
-// Host decode_attention per request: the reference.
-void reference(const Batch& b, std::vector<float>& out, std::vector<float>& lse) {
-  const std::uint32_t d = b.layout.head_dim;
-  out.assign(std::size_t{b.batch} * b.q_heads * d, 0.0f);
-  lse.assign(std::size_t{b.batch} * b.q_heads, 0.0f);
-  std::vector<HeadKv> kv(b.kv_heads);
-  for (std::uint32_t r = 0; r < b.batch; ++r) {
-    for (std::uint32_t h = 0; h < b.kv_heads; ++h) {
-      const std::uint32_t row = r * b.kv_heads + h;
-      kv[h].clear();
-      for (std::int64_t i = b.indptr[row]; i < b.indptr[row + 1]; ++i)
-        kv[h].add(b.page(b.indices[i]), i + 1 == b.indptr[row + 1] ? std::uint32_t(b.last_page_len[row])
-                                                                    : b.layout.page_tokens);
-    }
-    const std::span<const AttentionPartial> extra =
-        b.extra.empty() ? std::span<const AttentionPartial>{}
-                        : std::span<const AttentionPartial>(b.extra).subspan(std::size_t{r} * b.q_heads, b.q_heads);
-    decode_attention(b.layout, b.q_heads, b.scale, b.q.data() + std::size_t{r} * b.q_heads * d, kv, extra,
-                     out.data() + std::size_t{r} * b.q_heads * d, lse.data() + std::size_t{r} * b.q_heads);
-  }
 }
 
 // The kernel's decomposition in plain C++: CTA (row, chunk, slice) walks the
@@ -445,7 +389,7 @@ TEST_CASE("host emulation of the split-K kernel matches decode_attention", "[att
         const std::uint32_t kv_heads = 1 + rng() % 3;
         const Batch b = random_batch(rng, batch, kv_heads, group, layout, rng() % 2 == 0);
         std::vector<float> want_out, want_lse;
-        reference(b, want_out, want_lse);
+        reference_attention(b, want_out, want_lse);
         cuda::DecodeAttentionShape shape{batch, b.q_heads, kv_heads, layout, b.max_pages, 0};
         for (const std::uint32_t chunk_pages : {0u, 1u, 3u}) {
           shape.chunk_pages = chunk_pages;

@@ -9,15 +9,36 @@
 #include <random>
 #include <vector>
 
+#include "bucketed_lru_test_data.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/cache/bucketed_lru_rules.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;
+using namespace sparsekv::test;
 
 namespace {
 
 GpuPageEntry entry(PartitionId p, std::uint8_t timestamp) { return {p, 7, 2, timestamp, 0}; }
+
+// A selection sorted by partition id, beside each entry's index in the
+// selection: what lru_find_selection searches.
+struct SortedSelection {
+  std::vector<PartitionId> sorted;
+  std::vector<std::uint32_t> indices;
+};
+
+SortedSelection sort_selection(const PartitionId* selected, std::uint32_t n) {
+  std::vector<std::pair<PartitionId, std::uint32_t>> pairs;
+  for (std::uint32_t i = 0; i < n; ++i) pairs.push_back({selected[i], i});
+  std::sort(pairs.begin(), pairs.end());
+  SortedSelection s;
+  for (auto [p, i] : pairs) {
+    s.sorted.push_back(p);
+    s.indices.push_back(i);
+  }
+  return s;
+}
 
 }  // namespace
 
@@ -122,15 +143,7 @@ TEST_CASE("lru rules: selection lookup in a sorted selection", "[lru-rules]") {
     std::iota(selection.begin(), selection.end(), PartitionId{0});
     std::shuffle(selection.begin(), selection.end(), rng);
     selection.resize(rng() % (universe + 1));
-    std::vector<std::pair<PartitionId, std::uint32_t>> pairs;
-    for (std::uint32_t i = 0; i < selection.size(); ++i) pairs.push_back({selection[i], i});
-    std::sort(pairs.begin(), pairs.end());
-    std::vector<PartitionId> sorted;
-    std::vector<std::uint32_t> indices;
-    for (auto [p, i] : pairs) {
-      sorted.push_back(p);
-      indices.push_back(i);
-    }
+    const auto [sorted, indices] = sort_selection(selection.data(), static_cast<std::uint32_t>(selection.size()));
     std::map<PartitionId, std::uint32_t> expected;
     for (std::uint32_t i = 0; i < selection.size(); ++i) expected[selection[i]] = i;
     for (PartitionId p = 0; p <= universe; ++p) {
@@ -193,46 +206,15 @@ void build(HierarchicalPageTable& table, std::uint32_t seed) {
   }
 }
 
-struct Head {
-  RequestId request;
-  std::uint32_t layer;
-  std::uint32_t head;
-};
-
 // A selection of distinct partitions whose pages fit the head's slots, biased
 // towards resident partitions (hit ratio around the given share).
 std::vector<PartitionId> random_selection(const HierarchicalPageTable& table, const Head& h, std::mt19937& rng,
                                           double hit_share) {
-  const std::uint32_t count = table.partition_count(h.request, h.layer, h.head);
   const std::uint32_t slots = table.gpu_slots(h.request, h.layer, h.head);
-  std::vector<PartitionId> resident, other;
-  for (PartitionId p = 0; p < count; ++p) {
-    (table.meta(h.request, h.layer, h.head, p).resident() ? resident : other).push_back(p);
-  }
-  std::shuffle(resident.begin(), resident.end(), rng);
-  std::shuffle(other.begin(), other.end(), rng);
+  const Candidates candidates = shuffled_candidates(table, h, rng);
   const std::uint32_t limit = rng() % (slots + 1);
-  std::vector<PartitionId> selected;
-  std::uint32_t pages = 0;
-  std::size_t ri = 0, oi = 0;
-  std::bernoulli_distribution pick_resident(hit_share);
-  for (int tries = 0; tries < 400 && (ri < resident.size() || oi < other.size()); ++tries) {
-    const bool from_resident = oi == other.size() || (ri < resident.size() && pick_resident(rng));
-    const PartitionId p = from_resident ? resident[ri++] : other[oi++];
-    const std::uint32_t n = table.page_count(h.request, h.layer, h.head, p);
-    if (pages + n > limit) continue;
-    pages += n;
-    selected.push_back(p);
-  }
-  return selected;
+  return pick_selection(table, h, candidates, limit, 400, rng, hit_share);
 }
-
-// Outputs of one emulated launch, laid out as bucketed_lru_cuda.hpp documents.
-struct LaunchOutput {
-  std::vector<std::uint32_t> partition_offsets;
-  std::vector<PageId> gpu_pages, copy_cpu_pages, copy_gpu_pages;
-  std::vector<CacheStepStats> stats;
-};
 
 // The kernel's decomposition in plain C++: every head independently
 // (blocks), each phase's per-element work in a random order (threads run in
@@ -268,16 +250,10 @@ void emulate(HierarchicalPageTable& table, std::uint32_t buckets, const std::vec
     const std::uint32_t page_base = page_offsets[head];
 
     // 0. Sorted selection.
-    std::vector<std::pair<PartitionId, std::uint32_t>> pairs;
-    for (std::uint32_t i = 0; i < n; ++i) pairs.push_back({selected[i], i});
-    std::sort(pairs.begin(), pairs.end());
-    std::vector<PartitionId> sorted;
-    std::vector<std::uint32_t> indices;
-    for (auto [p, i] : pairs) {
-      sorted.push_back(p);
-      indices.push_back(i);
-    }
-    const auto selection_of = [&](PartitionId p) { return lru_find_selection(sorted.data(), indices.data(), n, p); };
+    const SortedSelection by_id = sort_selection(selected, n);
+    const auto selection_of = [&](PartitionId p) {
+      return lru_find_selection(by_id.sorted.data(), by_id.indices.data(), n, p);
+    };
 
     // 1. Hit/miss, scans over page counts and misses.
     std::vector<std::uint32_t> pages(n), is_miss(n), miss_pages(n);
@@ -362,22 +338,8 @@ void emulate(HierarchicalPageTable& table, std::uint32_t buckets, const std::vec
 
 void require_same_tables(const HierarchicalPageTable& a, const HierarchicalPageTable& b, const std::vector<Head>& heads) {
   for (const Head& h : heads) {
-    const std::uint32_t slots = a.gpu_slots(h.request, h.layer, h.head);
-    REQUIRE(b.gpu_slots(h.request, h.layer, h.head) == slots);
-    for (std::uint32_t s = 0; s < slots; ++s) {
-      const GpuPageEntry x = a.gpu_entry(h.request, h.layer, h.head, s);
-      const GpuPageEntry y = b.gpu_entry(h.request, h.layer, h.head, s);
-      INFO("request " << h.request << " layer " << h.layer << " head " << h.head << " slot " << s);
-      REQUIRE(x.partition == y.partition);
-      REQUIRE(x.gpu_page == y.gpu_page);
-      REQUIRE(x.page_in_partition == y.page_in_partition);
-      REQUIRE(x.timestamp == y.timestamp);
-      REQUIRE(x.reserved == y.reserved);
-    }
-    const std::uint32_t partitions = a.partition_count(h.request, h.layer, h.head);
-    for (PartitionId p = 0; p < partitions; ++p) {
-      REQUIRE(a.meta(h.request, h.layer, h.head, p).bits == b.meta(h.request, h.layer, h.head, p).bits);
-    }
+    REQUIRE(b.gpu_slots(h.request, h.layer, h.head) == a.gpu_slots(h.request, h.layer, h.head));
+    require_same_head(a, b, h);
   }
 }
 
@@ -386,7 +348,7 @@ void require_same_tables(const HierarchicalPageTable& a, const HierarchicalPageT
 TEST_CASE("lru emulation: the kernel's decomposition reproduces BucketedLru::step", "[lru-rules]") {
   const std::uint32_t bucket_choices[] = {2, 3, 4, 8, 64, 256};
   const std::uint32_t tile_choices[] = {1, 7, 32, 256};
-  std::uint64_t total_evicted = 0, total_hits = 0, total_misses = 0;
+  LruTotals totals;
   for (std::uint32_t seed = 1; seed <= 24; ++seed) {
     HostMemoryResource memory(false);
     HierarchicalPageTable host_table(emulation_geometry(), memory, memory);
@@ -409,51 +371,22 @@ TEST_CASE("lru emulation: the kernel's decomposition reproduces BucketedLru::ste
       std::shuffle(heads.begin(), heads.end(), rng);
       heads.resize(1 + rng() % heads.size());
       const double hit_share = std::uniform_real_distribution<double>(0.2, 0.95)(rng);
-      std::vector<std::size_t> instances;
-      std::vector<std::uint32_t> selection_offsets{0}, page_offsets{0};
-      std::vector<PartitionId> selected_all;
-      RetrievePlan plan;
-      std::vector<CacheStepStats> host_stats;
+      HostStepBatch batch;
       for (const Head& h : heads) {
-        const std::vector<PartitionId> selected = random_selection(host_table, h, rng, hit_share);
-        const std::uint32_t slots = host_table.gpu_slots(h.request, h.layer, h.head);
-        const std::uint32_t pages = lru.check(host_table, h.request, h.layer, h.head, selected, slots);
-        host_stats.push_back(lru.step(host_table, h.request, h.layer, h.head, selected, plan));
-        instances.push_back(emu_table.instance(h.request, h.layer, h.head));
-        selected_all.insert(selected_all.end(), selected.begin(), selected.end());
-        selection_offsets.push_back(static_cast<std::uint32_t>(selected_all.size()));
-        page_offsets.push_back(page_offsets.back() + pages);
+        batch.add(lru, host_table, emu_table, h, random_selection(host_table, h, rng, hit_share));
       }
       LaunchOutput out;
-      emulate(emu_table, buckets, instances, selection_offsets, selected_all, page_offsets,
+      emulate(emu_table, buckets, batch.instances, batch.selection_offsets, batch.selected_all, batch.page_offsets,
               tile_choices[rng() % 4], rng, out);
 
       INFO("seed " << seed << " step " << step << " buckets " << buckets);
-      REQUIRE(out.partition_offsets == plan.partition_offsets);
-      REQUIRE(out.gpu_pages == plan.gpu_pages);
-      std::size_t copy = 0;
-      for (std::size_t h = 0; h < heads.size(); ++h) {
-        REQUIRE(out.stats[h].hit_partitions == host_stats[h].hit_partitions);
-        REQUIRE(out.stats[h].miss_partitions == host_stats[h].miss_partitions);
-        REQUIRE(out.stats[h].hit_pages == host_stats[h].hit_pages);
-        REQUIRE(out.stats[h].miss_pages == host_stats[h].miss_pages);
-        REQUIRE(out.stats[h].evicted_pages == host_stats[h].evicted_pages);
-        for (std::uint64_t c = 0; c < out.stats[h].miss_pages; ++c, ++copy) {
-          REQUIRE(copy < plan.copies.size());
-          REQUIRE(out.copy_cpu_pages[page_offsets[h] + c] == plan.copies[copy].cpu_page);
-          REQUIRE(out.copy_gpu_pages[page_offsets[h] + c] == plan.copies[copy].gpu_page);
-        }
-        total_evicted += host_stats[h].evicted_pages;
-        total_hits += host_stats[h].hit_partitions;
-        total_misses += host_stats[h].miss_partitions;
-      }
-      REQUIRE(copy == plan.copies.size());
+      require_same_launch(out, batch, totals);
       require_same_tables(host_table, emu_table, all);
       emu_table.validate();
     }
   }
   // The random steps exercised every branch: hits, misses and evictions.
-  REQUIRE(total_evicted > 1000);
-  REQUIRE(total_hits > 1000);
-  REQUIRE(total_misses > 1000);
+  REQUIRE(totals.evicted > 1000);
+  REQUIRE(totals.hits > 1000);
+  REQUIRE(totals.misses > 1000);
 }

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "index_test_data.hpp"
 #include "sparsekv/policy/page_summaries.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
@@ -18,52 +19,12 @@
 #include "test_support.hpp"
 
 using namespace sparsekv;
+using namespace sparsekv::test;
 
 namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-std::vector<float> random_values(std::size_t n, std::mt19937& rng, float scale = 1.0f) {
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
-
-// Unit rows, as spherical_kmeans prepares them (zero rows stay zero).
-std::vector<float> unit_rows(std::uint32_t n, std::uint32_t dim, std::mt19937& rng) {
-  std::vector<float> rows = random_values(std::size_t{n} * dim, rng);
-  for (std::uint32_t t = 0; t < n; ++t) {
-    float* row = rows.data() + std::size_t{t} * dim;
-    const float norm = std::sqrt(std::inner_product(row, row + dim, row, 0.0f));
-    for (std::uint32_t d = 0; d < dim; ++d) row[d] /= norm;
-  }
-  return rows;
-}
-
-LayerContext layer_context(std::uint32_t kv_heads, std::uint32_t head_dim, std::uint32_t page_tokens) {
-  LayerContext ctx;
-  ctx.q_heads = kv_heads * 2;
-  ctx.kv_heads = kv_heads;
-  ctx.head_dim = head_dim;
-  ctx.page_tokens = page_tokens;
-  return ctx;
-}
-
-KvView key_view(const std::vector<float>& keys, std::uint32_t tokens, const LayerContext& ctx) {
-  KvView kv;
-  kv.keys = keys;
-  kv.tokens = tokens;
-  kv.kv_heads = ctx.kv_heads;
-  kv.head_dim = ctx.head_dim;
-  return kv;
-}
 
 // The scalar form of the assignment rule: one dot_in_order per pair, centroids in order.
 std::vector<std::uint32_t> reference_assign(const std::vector<float>& rows, std::uint32_t n, std::uint32_t dim,
@@ -282,7 +243,7 @@ TEST_CASE("host k-means steps reject bad input and change nothing", "[index-rule
 TEST_CASE("Quest's bounds equal the shared fold on random keys", "[index-rules]") {
   std::mt19937 rng(5);
   for (const std::uint32_t tokens : {1u, 16u, 53u}) {
-    const LayerContext ctx = layer_context(2, 64, 8);
+    const LayerContext ctx = layer_context(2, 64, 8, 2);
     const auto keys = random_values(std::size_t{tokens} * ctx.kv_heads * ctx.head_dim, rng);
     QuestPolicy::Options options;
     options.page_tokens_per_partition = 16;
@@ -309,7 +270,7 @@ TEST_CASE("Quest's bounds equal the shared fold on random keys", "[index-rules]"
 TEST_CASE("ShadowKV's landmarks and outlier scores equal the plain formulas", "[index-rules]") {
   std::mt19937 rng(6);
   for (const std::uint32_t tokens : {1u, 8u, 45u}) {
-    const LayerContext ctx = layer_context(2, 128, 8);
+    const LayerContext ctx = layer_context(2, 128, 8, 2);
     auto keys = random_values(std::size_t{tokens} * ctx.kv_heads * ctx.head_dim, rng);
     // A zero key (token 2, head 1) takes the orthogonal path.
     if (tokens > 2) std::fill_n(keys.begin() + (2 * ctx.kv_heads + 1) * ctx.head_dim, ctx.head_dim, 0.0f);

@@ -18,69 +18,30 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
-#include <cstring>
-#include <functional>
-#include <memory>
 #include <numeric>
 #include <random>
 #include <span>
 #include <vector>
 
+#include "../attention_test_data.hpp"
+#include "gpu_support.hpp"
 #include "sparsekv/attention/decode_attention.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
-#include "sparsekv/core/error_code.hpp"
 #include "sparsekv/core/numeric.hpp"
 
 using namespace sparsekv;
+using namespace sparsekv::gpu_test;
+using namespace sparsekv::test;
 
 namespace {
 
 constexpr float kTolerance = 2e-3f;
-
-void check(cudaError_t status) {
-  INFO(cudaGetErrorString(status));
-  REQUIRE(status == cudaSuccess);
-}
-
-struct DeviceBytes {
-  explicit DeviceBytes(std::size_t bytes) {
-    void* p = nullptr;
-    check(cudaMalloc(&p, bytes == 0 ? 16 : bytes));
-    data = static_cast<std::byte*>(p);
-  }
-  ~DeviceBytes() { cudaFree(data); }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-  template <class T>
-  T* as() const {
-    return reinterpret_cast<T*>(data);
-  }
-  std::byte* data = nullptr;
-};
-
-template <class T>
-std::unique_ptr<DeviceBytes> upload(const std::vector<T>& values) {
-  auto buffer = std::make_unique<DeviceBytes>(values.size() * sizeof(T));
-  if (!values.empty())
-    check(cudaMemcpy(buffer->data, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return buffer;
-}
 
 template <class T>
 std::vector<T> download(const DeviceBytes& buffer, std::size_t count) {
   std::vector<T> values(count);
   check(cudaMemcpy(values.data(), buffer.data, count * sizeof(T), cudaMemcpyDeviceToHost));
   return values;
-}
-
-ErrorCode code_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  FAIL("no sparsekv::Error thrown");
-  return ErrorCode::cuda_error;
 }
 
 struct CaseSpec {
@@ -95,25 +56,14 @@ struct CaseSpec {
 };
 
 // A random batch in a host pool laid out exactly like the device pool.
-struct Batch {
-  CaseSpec spec;
-  std::uint32_t q_heads = 0;
-  std::size_t stride = 0;
-  float scale = 0;
-  std::vector<std::byte> pool;
-  std::vector<std::int64_t> indptr{0}, indices;
-  std::vector<std::int32_t> last_page_len;
-  std::vector<float> q;
-  std::vector<AttentionPartial> extra;
-  std::uint32_t max_pages = 0;
-};
-
-Batch make_batch(std::mt19937& rng, const CaseSpec& spec) {
+AttentionBatch make_batch(std::mt19937& rng, const CaseSpec& spec) {
   std::normal_distribution<float> normal;
   const PageLayout& layout = spec.layout;
-  Batch b;
-  b.spec = spec;
+  AttentionBatch b;
+  b.batch = spec.batch;
+  b.kv_heads = spec.kv_heads;
   b.q_heads = spec.kv_heads * spec.group;
+  b.layout = layout;
   b.stride = layout.page_bytes() + spec.stride_pad;
   b.scale = spec.scale_factor / std::sqrt(float(layout.head_dim));
   const std::uint32_t rows = spec.batch * spec.kv_heads;
@@ -124,65 +74,11 @@ Batch make_batch(std::mt19937& rng, const CaseSpec& spec) {
   const std::uint32_t total = std::accumulate(counts.begin(), counts.end(), 0u);
   const std::uint32_t pool_pages = total + 3;
   b.pool.assign(pool_pages * b.stride, std::byte{0xff});  // padding and unused rows hold NaN patterns
-  for (std::uint32_t p = 0; p < pool_pages; ++p)
-    for (std::uint32_t row = 0; row < 2 * layout.page_tokens; ++row)
-      for (std::uint32_t i = 0; i < layout.head_dim; ++i)
-        store_element(b.pool.data() + p * b.stride + row * layout.row_bytes(), i, layout.dtype, normal(rng));
-  std::vector<std::int64_t> ids(pool_pages);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  std::size_t next = 0;
-  for (std::uint32_t r = 0; r < rows; ++r) {
-    for (std::uint32_t p = 0; p < counts[r]; ++p) b.indices.push_back(ids[next++]);
-    b.indptr.push_back(static_cast<std::int64_t>(b.indices.size()));
-    const std::uint32_t len = 1 + std::uint32_t(rng() % layout.page_tokens);
-    b.last_page_len.push_back(static_cast<std::int32_t>(len));
-    // Rows past a partial last page are never read: poison them with NaN.
-    if (counts[r] > 0) {
-      std::byte* last = b.pool.data() + b.indices.back() * b.stride;
-      for (std::uint32_t slot = len; slot < layout.page_tokens; ++slot) {
-        std::memset(last + layout.k_offset(slot), 0xff, layout.row_bytes());
-        std::memset(last + layout.v_offset(slot), 0xff, layout.row_bytes());
-      }
-    }
-    b.max_pages = std::max(b.max_pages, counts[r]);
-  }
-  b.q.resize(std::size_t{spec.batch} * b.q_heads * layout.head_dim);
-  for (float& x : b.q) x = normal(rng);
-  if (spec.extra) {
-    b.extra.assign(std::size_t{spec.batch} * b.q_heads, AttentionPartial(layout.head_dim));
-    std::vector<float> v(layout.head_dim);
-    for (std::size_t h = 0; h < b.extra.size(); ++h) {
-      if (h % 4 == 2) continue;  // this head has no term
-      for (int c = 0; c < 3; ++c) {
-        for (float& x : v) x = normal(rng);
-        b.extra[h].add(2.0f * normal(rng), float(1 + rng() % 16), v.data());
-      }
-    }
-  }
+  fill_pages(b, pool_pages, normal, rng);
+  random_rows(b, counts, pool_pages, rng, true);  // rows past a partial last page are never read: NaN
+  random_queries(b, normal, rng);
+  if (spec.extra) random_extra(b, normal, rng, 4, 2, 16);  // no term for heads 2, 6, 10, ...
   return b;
-}
-
-void host_reference(const Batch& b, std::vector<float>& out, std::vector<float>& lse) {
-  const PageLayout& layout = b.spec.layout;
-  const std::uint32_t d = layout.head_dim;
-  out.assign(std::size_t{b.spec.batch} * b.q_heads * d, 0.0f);
-  lse.assign(std::size_t{b.spec.batch} * b.q_heads, 0.0f);
-  std::vector<HeadKv> kv(b.spec.kv_heads);
-  for (std::uint32_t r = 0; r < b.spec.batch; ++r) {
-    for (std::uint32_t h = 0; h < b.spec.kv_heads; ++h) {
-      const std::uint32_t row = r * b.spec.kv_heads + h;
-      kv[h].clear();
-      for (std::int64_t i = b.indptr[row]; i < b.indptr[row + 1]; ++i)
-        kv[h].add(b.pool.data() + b.indices[i] * b.stride,
-                  i + 1 == b.indptr[row + 1] ? std::uint32_t(b.last_page_len[row]) : layout.page_tokens);
-    }
-    const std::span<const AttentionPartial> extra =
-        b.extra.empty() ? std::span<const AttentionPartial>{}
-                        : std::span<const AttentionPartial>(b.extra).subspan(std::size_t{r} * b.q_heads, b.q_heads);
-    decode_attention(layout, b.q_heads, b.scale, b.q.data() + std::size_t{r} * b.q_heads * d, kv, extra,
-                     out.data() + std::size_t{r} * b.q_heads * d, lse.data() + std::size_t{r} * b.q_heads);
-  }
 }
 
 struct Errors {
@@ -190,11 +86,11 @@ struct Errors {
 };
 
 Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
-  const Batch b = make_batch(rng, spec);
+  const AttentionBatch b = make_batch(rng, spec);
   const std::uint32_t d = spec.layout.head_dim;
   const std::size_t batch_q = std::size_t{spec.batch} * b.q_heads;
   std::vector<float> want_out, want_lse;
-  host_reference(b, want_out, want_lse);
+  reference_attention(b, want_out, want_lse);
 
   cuda::DecodeAttentionShape shape;
   shape.batch = spec.batch;
@@ -205,20 +101,17 @@ Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
   shape.chunk_pages = spec.chunk_pages;
   const cuda::DecodeAttentionSplit split = cuda::plan_sparse_decode_attention(shape);
 
-  auto pool = upload(b.pool);
-  auto q = upload(b.q);
-  auto indptr = upload(b.indptr);
-  auto indices = upload(b.indices);
-  auto last = upload(b.last_page_len);
+  const DeviceArray<std::byte> pool(b.pool);
+  const DeviceArray<float> q(b.q);
+  const DeviceArray<std::int64_t> indptr(b.indptr), indices(b.indices);
+  const DeviceArray<std::int32_t> last(b.last_page_len);
   std::vector<float> extra_max, extra_sum, extra_acc;
   for (const AttentionPartial& e : b.extra) {
     extra_max.push_back(e.max);
     extra_sum.push_back(e.sum);
     extra_acc.insert(extra_acc.end(), e.acc.begin(), e.acc.end());
   }
-  auto d_extra_max = upload(extra_max);
-  auto d_extra_sum = upload(extra_sum);
-  auto d_extra_acc = upload(extra_acc);
+  const DeviceArray<float> d_extra_max(extra_max), d_extra_sum(extra_sum), d_extra_acc(extra_acc);
   DeviceBytes out(batch_q * d * sizeof(float)), lse(batch_q * sizeof(float)), workspace(split.workspace_bytes);
   // NaN everywhere first: an output the kernel does not write fails the comparison.
   check(cudaMemset(out.data, 0xff, batch_q * d * sizeof(float)));
@@ -226,14 +119,14 @@ Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
   check(cudaMemset(workspace.data, 0xff, split.workspace_bytes));
 
   cuda::DecodeAttentionArgs args;
-  args.q = q->as<float>();
-  args.page_base = pool->data;
+  args.q = q.data;
+  args.page_base = pool.data;
   args.page_stride = b.stride;
-  args.indptr = indptr->as<std::int64_t>();
-  args.indices = indices->as<std::int64_t>();
-  args.last_page_len = last->as<std::int32_t>();
+  args.indptr = indptr.data;
+  args.indices = indices.data;
+  args.last_page_len = last.data;
   args.scale = b.scale;
-  if (spec.extra) args.extra = {d_extra_max->as<float>(), d_extra_sum->as<float>(), d_extra_acc->as<float>()};
+  if (spec.extra) args.extra = {d_extra_max.data, d_extra_sum.data, d_extra_acc.data};
   args.out = out.as<float>();
   args.lse = lse.as<float>();
   args.workspace = workspace.data;
@@ -276,8 +169,7 @@ Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
 
 TEST_CASE("sparse_decode_attention matches the host decode_attention", "[gpu][attention]") {
   std::mt19937 rng(71);
-  cudaStream_t stream = nullptr;
-  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Stream stream;
   Errors worst;
   int cases = 0;
   for (const DType dtype : {DType::bf16, DType::f16, DType::f32}) {
@@ -297,7 +189,7 @@ TEST_CASE("sparse_decode_attention matches the host decode_attention", "[gpu][at
           spec.understate = rng() % 4 == 0 ? 3 : 0;
           CAPTURE(to_string(dtype), head_dim, group, page_tokens, spec.batch, spec.kv_heads, spec.extra,
                   spec.chunk_pages, spec.stride_pad, spec.scale_factor, spec.understate);
-          const Errors e = run_case(rng, spec, rng() % 2 == 0 ? stream : nullptr);
+          const Errors e = run_case(rng, spec, rng() % 2 == 0 ? stream.stream : nullptr);
           worst.out = std::max(worst.out, e.out);
           worst.lse = std::max(worst.lse, e.lse);
           ++cases;
@@ -305,7 +197,6 @@ TEST_CASE("sparse_decode_attention matches the host decode_attention", "[gpu][at
       }
     }
   }
-  check(cudaStreamDestroy(stream));
   REQUIRE(cases == 3 * 2 * 5 * 3);
   std::printf("sparse_decode_attention vs host: %d cases, max relative error out %.3g, lse %.3g\n", cases,
               double(worst.out), double(worst.lse));

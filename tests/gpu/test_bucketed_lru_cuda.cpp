@@ -8,56 +8,21 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "../bucketed_lru_test_data.hpp"
+#include "gpu_support.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/cache/bucketed_lru_cuda.hpp"
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
 
 using namespace sparsekv;
+using namespace sparsekv::gpu_test;
+using namespace sparsekv::test;
 
 namespace {
-
-void check(cudaError_t status) {
-  INFO(cudaGetErrorString(status));
-  REQUIRE(status == cudaSuccess);
-}
-
-// A device array that grows on demand (contents are not kept).
-template <class T>
-struct DeviceArray {
-  T* data = nullptr;
-  std::size_t capacity = 0;
-  DeviceArray() = default;
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() { cudaFree(data); }
-  T* reserve(std::size_t n) {
-    n = std::max<std::size_t>(n, 1);
-    if (n > capacity) {
-      check(cudaFree(data));
-      data = nullptr;
-      void* p = nullptr;
-      check(cudaMalloc(&p, n * sizeof(T)));
-      data = static_cast<T*>(p);
-      capacity = n;
-    }
-    return data;
-  }
-  T* upload(const std::vector<T>& values) {
-    reserve(values.size());
-    if (!values.empty()) check(cudaMemcpy(data, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return data;
-  }
-  std::vector<T> download(std::size_t n) const {
-    std::vector<T> values(n);
-    if (n > 0) check(cudaMemcpy(values.data(), data, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return values;
-  }
-};
 
 constexpr std::uint32_t kPageTokens = 8;
 constexpr RequestId kBigRequest = 100;  // its (layer 0, head 0) selects more than kLruSharedSelection
@@ -108,45 +73,12 @@ void build(HierarchicalPageTable& table, std::uint32_t seed) {
   }
 }
 
-struct Head {
-  RequestId request;
-  std::uint32_t layer;
-  std::uint32_t head;
-};
-
 // Distinct partitions that fit `limit` pages, about `hit_share` of them resident.
 std::vector<PartitionId> random_selection(const HierarchicalPageTable& table, const Head& h, std::uint32_t limit,
                                           std::mt19937& rng, double hit_share) {
   const std::uint32_t count = table.partition_count(h.request, h.layer, h.head);
-  std::vector<PartitionId> resident, other;
-  for (PartitionId p = 0; p < count; ++p) {
-    (table.meta(h.request, h.layer, h.head, p).resident() ? resident : other).push_back(p);
-  }
-  std::shuffle(resident.begin(), resident.end(), rng);
-  std::shuffle(other.begin(), other.end(), rng);
-  std::vector<PartitionId> selected;
-  std::uint32_t pages = 0;
-  std::size_t ri = 0, oi = 0;
-  std::bernoulli_distribution pick_resident(hit_share);
-  for (std::uint32_t tries = 0; tries < 2 * count && (ri < resident.size() || oi < other.size()); ++tries) {
-    const bool from_resident = oi == other.size() || (ri < resident.size() && pick_resident(rng));
-    const PartitionId p = from_resident ? resident[ri++] : other[oi++];
-    const std::uint32_t n = table.page_count(h.request, h.layer, h.head, p);
-    if (pages + n > limit) continue;
-    pages += n;
-    selected.push_back(p);
-  }
-  return selected;
-}
-
-ErrorCode code_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  FAIL("no sparsekv::Error thrown");
-  return ErrorCode::invalid_argument;
+  const Candidates candidates = shuffled_candidates(table, h, rng);
+  return pick_selection(table, h, candidates, limit, 2 * count, rng, hit_share);
 }
 
 }  // namespace
@@ -161,7 +93,8 @@ TEST_CASE("bucketed_lru_step matches BucketedLru::step bit for bit", "[gpu][lru]
   DeviceArray<PageId> d_gpu_pages, d_copy_cpu, d_copy_gpu;
   DeviceArray<CacheStepStats> d_stats;
 
-  std::uint64_t evicted = 0, hits = 0, misses = 0, big_steps = 0;
+  LruTotals totals;
+  std::uint64_t big_steps = 0;
   const std::uint32_t bucket_choices[] = {2, 3, 8, 64, 256};
   for (std::uint32_t seed = 1; seed <= 5; ++seed) {
     const std::uint32_t buckets = bucket_choices[seed - 1];
@@ -182,32 +115,23 @@ TEST_CASE("bucketed_lru_step matches BucketedLru::step bit for bit", "[gpu][lru]
       std::shuffle(heads.begin(), heads.end(), rng);
       heads.resize(1 + rng() % heads.size());
       const double hit_share = std::uniform_real_distribution<double>(0.3, 0.95)(rng);
-      std::vector<std::size_t> instances;
-      std::vector<std::uint32_t> selection_offsets{0}, page_offsets{0};
-      std::vector<PartitionId> selected_all;
-      std::uint32_t max_selection = 0;
-      RetrievePlan plan;
-      std::vector<CacheStepStats> host_stats;
+      HostStepBatch host;
       for (const Head& h : heads) {
         const std::uint32_t slots = host_table.gpu_slots(h.request, h.layer, h.head);
         const bool big = h.request == kBigRequest && h.layer == 0 && h.head == 0;
         // The big head alternates between the shared-memory and the scratch path.
         const std::uint32_t limit = big && step % 2 == 0 ? 2100 + rng() % (slots - 2099) : rng() % (slots + 1);
-        const std::vector<PartitionId> selected = random_selection(host_table, h, limit, rng, hit_share);
-        const std::uint32_t pages = lru.check(host_table, h.request, h.layer, h.head, selected, slots);
-        host_stats.push_back(lru.step(host_table, h.request, h.layer, h.head, selected, plan));
-        instances.push_back(gpu_table.instance(h.request, h.layer, h.head));
-        selected_all.insert(selected_all.end(), selected.begin(), selected.end());
-        selection_offsets.push_back(static_cast<std::uint32_t>(selected_all.size()));
-        page_offsets.push_back(page_offsets.back() + pages);
-        max_selection = std::max(max_selection, static_cast<std::uint32_t>(selected.size()));
+        host.add(lru, host_table, gpu_table, h, random_selection(host_table, h, limit, rng, hit_share));
       }
+      const std::uint32_t max_selection = host.max_selection;
+      const std::vector<PartitionId>& selected_all = host.selected_all;
+      const std::vector<std::uint32_t>& page_offsets = host.page_offsets;
       if (max_selection > cuda::kLruSharedSelection) ++big_steps;
 
       cuda::LruStepBatch batch;
       batch.heads = static_cast<std::uint32_t>(heads.size());
-      batch.instances = d_instances.upload(instances);
-      batch.selection_offsets = d_selection_offsets.upload(selection_offsets);
+      batch.instances = d_instances.upload(host.instances);
+      batch.selection_offsets = d_selection_offsets.upload(host.selection_offsets);
       batch.selected = d_selected.upload(selected_all);
       batch.page_offsets = d_page_offsets.upload(page_offsets);
       batch.max_selection = max_selection;
@@ -222,53 +146,20 @@ TEST_CASE("bucketed_lru_step matches BucketedLru::step bit for bit", "[gpu][lru]
       check(cudaDeviceSynchronize());
 
       INFO("seed " << seed << " step " << step << " buckets " << buckets << " heads " << heads.size());
-      REQUIRE(d_partition_offsets.download(selected_all.size() + 1) == plan.partition_offsets);
-      REQUIRE(d_gpu_pages.download(page_offsets.back()) == plan.gpu_pages);
-      const auto stats = d_stats.download(heads.size());
-      const auto copy_cpu = d_copy_cpu.download(page_offsets.back());
-      const auto copy_gpu = d_copy_gpu.download(page_offsets.back());
-      std::size_t copy = 0;
-      for (std::size_t h = 0; h < heads.size(); ++h) {
-        INFO("head " << h);
-        REQUIRE(stats[h].hit_partitions == host_stats[h].hit_partitions);
-        REQUIRE(stats[h].miss_partitions == host_stats[h].miss_partitions);
-        REQUIRE(stats[h].hit_pages == host_stats[h].hit_pages);
-        REQUIRE(stats[h].miss_pages == host_stats[h].miss_pages);
-        REQUIRE(stats[h].evicted_pages == host_stats[h].evicted_pages);
-        for (std::uint64_t c = 0; c < stats[h].miss_pages; ++c, ++copy) {
-          REQUIRE(copy < plan.copies.size());
-          REQUIRE(copy_cpu[page_offsets[h] + c] == plan.copies[copy].cpu_page);
-          REQUIRE(copy_gpu[page_offsets[h] + c] == plan.copies[copy].gpu_page);
-        }
-        evicted += host_stats[h].evicted_pages;
-        hits += host_stats[h].hit_partitions;
-        misses += host_stats[h].miss_partitions;
-      }
-      REQUIRE(copy == plan.copies.size());
-      for (const Head& h : all) {
-        const std::uint32_t slots = host_table.gpu_slots(h.request, h.layer, h.head);
-        for (std::uint32_t s = 0; s < slots; ++s) {
-          const GpuPageEntry x = host_table.gpu_entry(h.request, h.layer, h.head, s);
-          const GpuPageEntry y = gpu_table.gpu_entry(h.request, h.layer, h.head, s);
-          INFO("request " << h.request << " layer " << h.layer << " head " << h.head << " slot " << s);
-          REQUIRE(x.partition == y.partition);
-          REQUIRE(x.gpu_page == y.gpu_page);
-          REQUIRE(x.page_in_partition == y.page_in_partition);
-          REQUIRE(x.timestamp == y.timestamp);
-          REQUIRE(x.reserved == y.reserved);
-        }
-        const std::uint32_t partitions = host_table.partition_count(h.request, h.layer, h.head);
-        for (PartitionId p = 0; p < partitions; ++p) {
-          REQUIRE(host_table.meta(h.request, h.layer, h.head, p).bits ==
-                  gpu_table.meta(h.request, h.layer, h.head, p).bits);
-        }
-      }
+      LaunchOutput got;
+      got.partition_offsets = d_partition_offsets.download(selected_all.size() + 1);
+      got.gpu_pages = d_gpu_pages.download(page_offsets.back());
+      got.stats = d_stats.download(heads.size());
+      got.copy_cpu_pages = d_copy_cpu.download(page_offsets.back());
+      got.copy_gpu_pages = d_copy_gpu.download(page_offsets.back());
+      require_same_launch(got, host, totals);
+      for (const Head& h : all) require_same_head(host_table, gpu_table, h);
       gpu_table.validate();
     }
   }
-  REQUIRE(evicted > 1000);
-  REQUIRE(hits > 1000);
-  REQUIRE(misses > 1000);
+  REQUIRE(totals.evicted > 1000);
+  REQUIRE(totals.hits > 1000);
+  REQUIRE(totals.misses > 1000);
   REQUIRE(big_steps > 5);  // the scratch path ran
 }
 

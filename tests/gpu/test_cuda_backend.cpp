@@ -13,12 +13,14 @@
 #include <random>
 #include <vector>
 
+#include "gpu_support.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
 
 using namespace sparsekv;
+using namespace sparsekv::gpu_test;
 
 namespace {
 
@@ -121,38 +123,29 @@ TEST_CASE("gather_page_addresses copies each listed page", "[gpu][gather]") {
   constexpr std::size_t kPage = 4096;
   constexpr std::uint32_t kPages = 300;
   std::mt19937 rng(5);
-  void* host = nullptr;
-  void* device = nullptr;
-  void* src_list = nullptr;
-  void* dst_list = nullptr;
-  REQUIRE(cudaHostAlloc(&host, kPages * kPage, cudaHostAllocMapped) == cudaSuccess);
-  REQUIRE(cudaMalloc(&device, 2 * kPages * kPage) == cudaSuccess);
-  REQUIRE(cudaHostAlloc(&src_list, kPages * sizeof(void*), cudaHostAllocMapped) == cudaSuccess);
-  REQUIRE(cudaHostAlloc(&dst_list, kPages * sizeof(void*), cudaHostAllocMapped) == cudaSuccess);
-  auto* bytes = static_cast<std::uint8_t*>(host);
-  for (std::size_t i = 0; i < kPages * kPage; ++i) bytes[i] = static_cast<std::uint8_t>(rng());
-  REQUIRE(cudaMemset(device, 0, 2 * kPages * kPage) == cudaSuccess);
+  PinnedBytes host(kPages * kPage);
+  DeviceBytes device(2 * kPages * kPage);
+  PinnedBytes src_list(kPages * sizeof(void*)), dst_list(kPages * sizeof(void*));
+  fill_random(host.data, kPages * kPage, rng);
+  const auto* bytes = host.as<const std::uint8_t>();
+  check(cudaMemset(device.data, 0, 2 * kPages * kPage));
   std::vector<std::uint32_t> order(kPages);
   for (std::uint32_t i = 0; i < kPages; ++i) order[i] = i;
   std::shuffle(order.begin(), order.end(), rng);
-  auto** src = static_cast<const std::byte**>(src_list);
-  auto** dst = static_cast<std::byte**>(dst_list);
+  auto** src = src_list.as<const std::byte*>();
+  auto** dst = dst_list.as<std::byte*>();
   for (std::uint32_t i = 0; i < kPages; ++i) {
-    src[i] = static_cast<const std::byte*>(host) + std::size_t{order[i]} * kPage;
-    dst[i] = static_cast<std::byte*>(device) + std::size_t{2 * i + 1} * kPage;  // every other page
+    src[i] = host.data + std::size_t{order[i]} * kPage;
+    dst[i] = device.data + std::size_t{2 * i + 1} * kPage;  // every other page
   }
   cuda::gather_page_addresses(src, dst, kPages, kPage, {}, nullptr);
-  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  check(cudaDeviceSynchronize());
   std::vector<std::uint8_t> back(2 * kPages * kPage);
-  REQUIRE(cudaMemcpy(back.data(), device, back.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+  check(cudaMemcpy(back.data(), device.data, back.size(), cudaMemcpyDeviceToHost));
   for (std::uint32_t i = 0; i < kPages; ++i) {
     REQUIRE(std::equal(back.begin() + std::size_t{2 * i + 1} * kPage, back.begin() + std::size_t{2 * i + 2} * kPage,
                        bytes + std::size_t{order[i]} * kPage));
     REQUIRE(std::all_of(back.begin() + std::size_t{2 * i} * kPage, back.begin() + std::size_t{2 * i + 1} * kPage,
                         [](std::uint8_t x) { return x == 0; }));
   }
-  cudaFreeHost(host);
-  cudaFree(device);
-  cudaFreeHost(src_list);
-  cudaFreeHost(dst_list);
 }

@@ -6,62 +6,15 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
-#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
 
-#include "sparsekv/core/error_code.hpp"
+#include "gpu_support.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
 
 using namespace sparsekv;
-
-namespace {
-
-void check(cudaError_t status) { REQUIRE(status == cudaSuccess); }
-
-// Pinned, mapped host memory: the kernel reads it through UVA.
-struct PinnedBytes {
-  explicit PinnedBytes(std::size_t bytes) {
-    void* p = nullptr;
-    check(cudaHostAlloc(&p, bytes, cudaHostAllocMapped));
-    data = static_cast<std::byte*>(p);
-  }
-  ~PinnedBytes() { cudaFreeHost(data); }
-  PinnedBytes(const PinnedBytes&) = delete;
-  PinnedBytes& operator=(const PinnedBytes&) = delete;
-  std::byte* data = nullptr;
-};
-
-struct DeviceBytes {
-  explicit DeviceBytes(std::size_t bytes) {
-    void* p = nullptr;
-    check(cudaMalloc(&p, bytes == 0 ? 16 : bytes));
-    data = static_cast<std::byte*>(p);
-  }
-  ~DeviceBytes() { cudaFree(data); }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-  std::byte* data = nullptr;
-};
-
-template <class T>
-T* upload(DeviceBytes& buffer, const std::vector<T>& values) {
-  check(cudaMemcpy(buffer.data, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return reinterpret_cast<T*>(buffer.data);
-}
-
-ErrorCode code_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  FAIL("no sparsekv::Error thrown");
-  return ErrorCode::invalid_argument;
-}
-
-}  // namespace
+using namespace sparsekv::gpu_test;
 
 TEST_CASE("gather_pages copies scattered pages byte for byte", "[gpu][transfer]") {
   std::mt19937 rng(11);
@@ -74,7 +27,7 @@ TEST_CASE("gather_pages copies scattered pages byte for byte", "[gpu][transfer]"
     const std::size_t src_stride = page_bytes + 16 * (rng() % 2);
     const std::size_t dst_stride = page_bytes + 16 * (rng() % 2);
     PinnedBytes src(kSrcPages * src_stride);
-    for (std::size_t i = 0; i < kSrcPages * src_stride; ++i) src.data[i] = static_cast<std::byte>(rng());
+    fill_random(src.data, kSrcPages * src_stride, rng);
     DeviceBytes dev_src(kSrcPages * src_stride);  // the same pool in device memory (D2D)
     check(cudaMemcpy(dev_src.data, src.data, kSrcPages * src_stride, cudaMemcpyHostToDevice));
     DeviceBytes dst(kDstPages * dst_stride);
@@ -91,9 +44,9 @@ TEST_CASE("gather_pages copies scattered pages byte for byte", "[gpu][transfer]"
         std::iota(dst_pages.begin(), dst_pages.end(), PageId{0});
         std::shuffle(dst_pages.begin(), dst_pages.end(), rng);
         dst_pages.resize(count);
-        DeviceBytes d_src_pages(count * sizeof(PageId)), d_dst_pages(count * sizeof(PageId));
-        const PageId* d_src = upload(d_src_pages, src_pages);
-        const PageId* d_dst = upload(d_dst_pages, dst_pages);
+        const DeviceArray<PageId> d_src_pages(src_pages), d_dst_pages(dst_pages);
+        const PageId* d_src = d_src_pages.data;
+        const PageId* d_dst = d_dst_pages.data;
 
         // Reference: host memcpy page by page onto a pattern, the device buffer holds the same pattern.
         const std::byte fill = static_cast<std::byte>(rng());
@@ -132,11 +85,11 @@ TEST_CASE("gather_pages handles odd page sizes and many pages per warp", "[gpu][
     constexpr std::uint32_t kPages = 4096;
     CAPTURE(page_bytes);
     PinnedBytes src(kPages * page_bytes);
-    for (std::size_t i = 0; i < kPages * page_bytes; ++i) src.data[i] = static_cast<std::byte>(rng());
+    fill_random(src.data, kPages * page_bytes, rng);
     std::vector<PageId> src_pages(kPages);
     for (auto& p : src_pages) p = static_cast<PageId>(rng() % kPages);
-    DeviceBytes d_src_pages(kPages * sizeof(PageId));
-    const PageId* d_src = upload(d_src_pages, src_pages);
+    const DeviceArray<PageId> d_src_pages(src_pages);
+    const PageId* d_src = d_src_pages.data;
     DeviceBytes dst(kPages * page_bytes);
     cuda::gather_pages(d_src, nullptr, kPages, src.data, page_bytes, dst.data, page_bytes, page_bytes,
                        cuda::GatherConfig{1, 2}, nullptr);

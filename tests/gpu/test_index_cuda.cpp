@@ -16,7 +16,8 @@
 #include <random>
 #include <vector>
 
-#include "sparsekv/core/error_code.hpp"
+#include "../index_test_data.hpp"
+#include "gpu_support.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
 #include "sparsekv/policy/quest.hpp"
@@ -24,36 +25,10 @@
 #include "sparsekv/policy/shadowkv.hpp"
 
 using namespace sparsekv;
+using namespace sparsekv::gpu_test;
+using namespace sparsekv::test;
 
 namespace {
-
-void check(cudaError_t status) { REQUIRE(status == cudaSuccess); }
-
-template <class T>
-struct DeviceArray {
-  explicit DeviceArray(std::size_t n) : size(n) {
-    void* p = nullptr;
-    check(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
-    data = static_cast<T*>(p);
-  }
-  explicit DeviceArray(const std::vector<T>& values) : DeviceArray(values.size()) {
-    check(cudaMemcpy(data, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~DeviceArray() { cudaFree(data); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  std::vector<T> download() const {
-    std::vector<T> out(size);
-    check(cudaMemcpy(out.data(), data, size * sizeof(T), cudaMemcpyDeviceToHost));
-    return out;
-  }
-  T* data = nullptr;
-  std::size_t size = 0;
-};
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 // Index of the first differing element (for the failure message), or size.
 std::size_t first_difference(const std::vector<float>& a, const std::vector<float>& b) {
@@ -63,21 +38,17 @@ std::size_t first_difference(const std::vector<float>& a, const std::vector<floa
   return std::min(a.size(), b.size());
 }
 
-ErrorCode code_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  FAIL("no sparsekv::Error thrown");
-  return ErrorCode::invalid_argument;
-}
-
 // Random keys [tokens][kv_heads][dim] stored in `dtype`, and the fp32 view the
 // host policies see (load_element of the same bytes).
 struct Keys {
   Keys(DType type, std::uint32_t tokens, std::uint32_t kv_heads, std::uint32_t dim, std::mt19937& rng)
-      : dtype(type), count(std::size_t{tokens} * kv_heads * dim), bytes(count * dtype_size(type)), fp32(count) {
+      : dtype(type),
+        tokens(tokens),
+        kv_heads(kv_heads),
+        dim(dim),
+        count(std::size_t{tokens} * kv_heads * dim),
+        bytes(count * dtype_size(type)),
+        fp32(count) {
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (std::size_t i = 0; i < count; ++i) store_element(bytes.data(), static_cast<std::uint32_t>(i), dtype, normal(rng));
     // A zero key (token 1, head 0) and an exact repeat (token 3 = token 2) when there are enough tokens.
@@ -89,28 +60,11 @@ struct Keys {
     for (std::size_t i = 0; i < count; ++i) fp32[i] = load_element(bytes.data(), static_cast<std::uint32_t>(i), dtype);
   }
   DType dtype;
+  std::uint32_t tokens, kv_heads, dim;
   std::size_t count;
   std::vector<std::byte> bytes;
   std::vector<float> fp32;
 };
-
-LayerContext layer_context(std::uint32_t kv_heads, std::uint32_t head_dim, std::uint32_t page_tokens) {
-  LayerContext ctx;
-  ctx.q_heads = kv_heads;
-  ctx.kv_heads = kv_heads;
-  ctx.head_dim = head_dim;
-  ctx.page_tokens = page_tokens;
-  return ctx;
-}
-
-KvView key_view(const std::vector<float>& keys, std::uint32_t tokens, const LayerContext& ctx) {
-  KvView kv;
-  kv.keys = keys;
-  kv.tokens = tokens;
-  kv.kv_heads = ctx.kv_heads;
-  kv.head_dim = ctx.head_dim;
-  return kv;
-}
 
 // Per-head host vectors laid end to end: the kernels' [kv_head][page]... layout.
 std::vector<float> concat(const std::vector<std::vector<float>>& per_head) {
@@ -119,19 +73,38 @@ std::vector<float> concat(const std::vector<std::vector<float>>& per_head) {
   return out;
 }
 
-std::vector<float> unit_rows(std::uint32_t n, std::uint32_t dim, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> rows(std::size_t{n} * dim);
-  for (float& x : rows) x = normal(rng);
-  for (std::uint32_t t = 0; t < n; ++t) {
-    float* row = rows.data() + std::size_t{t} * dim;
-    const float norm = std::sqrt(std::inner_product(row, row + dim, row, 0.0f));
-    for (std::uint32_t d = 0; d < dim; ++d) row[d] /= norm;
-  }
-  return rows;
-}
-
 constexpr DType kDTypes[] = {DType::f32, DType::f16, DType::bf16};
+
+// page_min_max or page_mean_outlier.
+using SummaryKernel = void (*)(const cuda::KeyBlock&, std::uint32_t, float*, float*, void*);
+
+// One of a summary kernel's two outputs: its size in floats and the host
+// policy's per-head vectors it must equal.
+struct Summary {
+  const char* name;
+  std::size_t size;
+  const std::vector<std::vector<float>>& want;
+};
+
+// Runs `kernel` on `keys` into NaN-filled outputs; both must equal the host's bit for bit.
+void require_same_summaries(SummaryKernel kernel, const Keys& keys, std::uint32_t page_tokens, const Summary& first,
+                            const Summary& second) {
+  DeviceArray<std::byte> d_keys(keys.bytes);
+  DeviceArray<float> d_first(first.size), d_second(second.size);
+  check(cudaMemset(d_first.data, 0xff, d_first.size * sizeof(float)));
+  check(cudaMemset(d_second.data, 0xff, d_second.size * sizeof(float)));
+  kernel(cuda::KeyBlock{d_keys.data, keys.dtype, keys.tokens, keys.kv_heads, keys.dim}, page_tokens, d_first.data,
+         d_second.data, nullptr);
+  check(cudaDeviceSynchronize());
+  const auto got_first = d_first.download();
+  const auto got_second = d_second.download();
+  const auto want_first = concat(first.want);
+  const auto want_second = concat(second.want);
+  INFO("first difference: " << first.name << " " << first_difference(got_first, want_first) << ", " << second.name
+                            << " " << first_difference(got_second, want_second));
+  REQUIRE(same_bits(got_first, want_first));
+  REQUIRE(same_bits(got_second, want_second));
+}
 
 }  // namespace
 
@@ -150,7 +123,7 @@ TEST_CASE("page_min_max equals Quest's bounds bit for bit", "[gpu][index]") {
               store_element(keys.bytes.data(), at, dtype, std::numeric_limits<float>::quiet_NaN());
               keys.fp32[at] = load_element(keys.bytes.data(), at, dtype);
             }
-            const LayerContext ctx = layer_context(kv_heads, dim, 8);
+            const LayerContext ctx = layer_context(kv_heads, dim, 8, 1);
             QuestPolicy::Options options;
             options.page_tokens_per_partition = page_tokens;
             QuestPolicy::LayerState state;
@@ -158,21 +131,9 @@ TEST_CASE("page_min_max equals Quest's bounds bit for bit", "[gpu][index]") {
 
             const std::uint32_t pages = cuda::page_count(tokens, page_tokens);
             REQUIRE(pages == state.tokens.size());
-            DeviceArray<std::byte> d_keys(keys.bytes);
-            DeviceArray<float> d_min(std::size_t{kv_heads} * pages * dim), d_max(d_min.size);
-            check(cudaMemset(d_min.data, 0xff, d_min.size * sizeof(float)));
-            check(cudaMemset(d_max.data, 0xff, d_max.size * sizeof(float)));
-            cuda::page_min_max(cuda::KeyBlock{d_keys.data, dtype, tokens, kv_heads, dim}, page_tokens, d_min.data,
-                               d_max.data, nullptr);
-            check(cudaDeviceSynchronize());
-            const auto got_min = d_min.download();
-            const auto got_max = d_max.download();
-            const auto want_min = concat(state.min);
-            const auto want_max = concat(state.max);
-            INFO("first difference: min " << first_difference(got_min, want_min) << ", max "
-                                          << first_difference(got_max, want_max));
-            REQUIRE(same_bits(got_min, want_min));
-            REQUIRE(same_bits(got_max, want_max));
+            const std::size_t bounds = std::size_t{kv_heads} * pages * dim;
+            require_same_summaries(cuda::page_min_max, keys, page_tokens, {"min", bounds, state.min},
+                                   {"max", bounds, state.max});
           }
         }
       }
@@ -189,27 +150,15 @@ TEST_CASE("page_mean_outlier equals ShadowKV's landmarks and outlier scores bit 
           for (const std::uint32_t tokens : {1u, 37u, 256u, 1001u}) {
             CAPTURE(to_string(dtype), dim, kv_heads, page_tokens, tokens);
             const Keys keys(dtype, tokens, kv_heads, dim, rng);
-            const LayerContext ctx = layer_context(kv_heads, dim, page_tokens);
+            const LayerContext ctx = layer_context(kv_heads, dim, page_tokens, 1);
             ShadowKVPolicy::LayerState state;
             ShadowKVPolicy().index(ctx, key_view(keys.fp32, tokens, ctx), state);
 
             const std::uint32_t pages = cuda::page_count(tokens, page_tokens);
             REQUIRE(pages == state.tokens.size());
-            DeviceArray<std::byte> d_keys(keys.bytes);
-            DeviceArray<float> d_mean(std::size_t{kv_heads} * pages * dim), d_score(std::size_t{kv_heads} * pages);
-            check(cudaMemset(d_mean.data, 0xff, d_mean.size * sizeof(float)));
-            check(cudaMemset(d_score.data, 0xff, d_score.size * sizeof(float)));
-            cuda::page_mean_outlier(cuda::KeyBlock{d_keys.data, dtype, tokens, kv_heads, dim}, page_tokens,
-                                    d_mean.data, d_score.data, nullptr);
-            check(cudaDeviceSynchronize());
-            const auto got_mean = d_mean.download();
-            const auto got_score = d_score.download();
-            const auto want_mean = concat(state.landmarks);
-            const auto want_score = concat(state.outlier_score);
-            INFO("first difference: mean " << first_difference(got_mean, want_mean) << ", score "
-                                           << first_difference(got_score, want_score));
-            REQUIRE(same_bits(got_mean, want_mean));
-            REQUIRE(same_bits(got_score, want_score));
+            require_same_summaries(cuda::page_mean_outlier, keys, page_tokens,
+                                   {"mean", std::size_t{kv_heads} * pages * dim, state.landmarks},
+                                   {"score", std::size_t{kv_heads} * pages, state.outlier_score});
           }
         }
       }

@@ -5,14 +5,12 @@
 #include <random>
 #include <vector>
 
+#include "gpu_support.hpp"
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
 #include "sparsekv/metadata/partition_lookup_cuda.hpp"
 
 using namespace sparsekv;
-
-namespace {
-void check(cudaError_t status) { REQUIRE(status == cudaSuccess); }
-}  // namespace
+using namespace sparsekv::gpu_test;
 
 TEST_CASE("resolve_partition_pages matches the host lookup", "[gpu][metadata]") {
   PageTableGeometry g;
@@ -58,22 +56,12 @@ TEST_CASE("resolve_partition_pages matches the host lookup", "[gpu][metadata]") 
           offsets.push_back(static_cast<std::uint32_t>(expected.size()));
           table.cpu_pages(r, l, h, selected.back(), expected);
         }
-        PartitionId* d_selected = nullptr;
-        std::uint32_t* d_offsets = nullptr;
-        PageId* d_out = nullptr;
-        check(cudaMalloc(&d_selected, selected.size() * sizeof(PartitionId)));
-        check(cudaMalloc(&d_offsets, offsets.size() * sizeof(std::uint32_t)));
-        check(cudaMalloc(&d_out, expected.size() * sizeof(PageId)));
-        check(cudaMemcpy(d_selected, selected.data(), selected.size() * sizeof(PartitionId), cudaMemcpyHostToDevice));
-        check(cudaMemcpy(d_offsets, offsets.data(), offsets.size() * sizeof(std::uint32_t), cudaMemcpyHostToDevice));
-        cuda::resolve_partition_pages(table.lookup(), table.instance(r, l, h), d_selected, d_offsets,
-                                      static_cast<std::uint32_t>(selected.size()), d_out, nullptr);
-        std::vector<PageId> got(expected.size());
-        check(cudaMemcpy(got.data(), d_out, got.size() * sizeof(PageId), cudaMemcpyDeviceToHost));
-        REQUIRE(got == expected);
-        cudaFree(d_selected);
-        cudaFree(d_offsets);
-        cudaFree(d_out);
+        const DeviceArray<PartitionId> d_selected(selected);
+        const DeviceArray<std::uint32_t> d_offsets(offsets);
+        const DeviceArray<PageId> d_out(expected.size());
+        cuda::resolve_partition_pages(table.lookup(), table.instance(r, l, h), d_selected.data, d_offsets.data,
+                                      static_cast<std::uint32_t>(selected.size()), d_out.data, nullptr);
+        REQUIRE(d_out.download() == expected);
       }
     }
   }

@@ -16,45 +16,15 @@
 #include <thread>
 #include <vector>
 
+#include "gpu_support.hpp"
 #include "sparsekv/transfer/staged_save.hpp"
 
 using namespace sparsekv;
+using namespace sparsekv::gpu_test;
 
 namespace {
 
-void check(cudaError_t status) { REQUIRE(status == cudaSuccess); }
-
-struct PinnedBytes {
-  explicit PinnedBytes(std::size_t bytes) {
-    void* p = nullptr;
-    check(cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
-    data = static_cast<std::byte*>(p);
-  }
-  ~PinnedBytes() { cudaFreeHost(data); }
-  PinnedBytes(const PinnedBytes&) = delete;
-  PinnedBytes& operator=(const PinnedBytes&) = delete;
-  std::byte* data = nullptr;
-};
-
-struct DeviceBytes {
-  explicit DeviceBytes(std::size_t bytes) {
-    void* p = nullptr;
-    check(cudaMalloc(&p, bytes));
-    data = static_cast<std::byte*>(p);
-  }
-  ~DeviceBytes() { cudaFree(data); }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-  std::byte* data = nullptr;
-};
-
-struct Stream {
-  Stream() { check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(stream); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t stream = nullptr;
-};
+constexpr unsigned int kPinnedFlags = cudaHostAllocMapped | cudaHostAllocPortable;
 
 // Blocks the stream it is enqueued on for a while, on the host.
 void delay_stream(cudaStream_t stream, std::intptr_t milliseconds) {
@@ -75,8 +45,8 @@ constexpr std::uint32_t kPages = 3 * kPagesPerChunk - 5;  // last chunk partly u
 struct Tier {
   explicit Tier(std::mt19937& rng) {
     for (auto& chunk : chunks) {
-      chunk = std::make_unique<PinnedBytes>(kPagesPerChunk * kPageStride);
-      for (std::size_t i = 0; i < kPagesPerChunk * kPageStride; ++i) chunk->data[i] = static_cast<std::byte>(rng());
+      chunk = std::make_unique<PinnedBytes>(kPagesPerChunk * kPageStride, kPinnedFlags);
+      fill_random(chunk->data, kPagesPerChunk * kPageStride, rng);
       pointers.push_back(chunk->data);
       reference.emplace_back(chunk->data, chunk->data + kPagesPerChunk * kPageStride);
     }
@@ -121,12 +91,6 @@ std::vector<RowTarget> step_targets(std::uint32_t tokens, std::uint32_t heads, s
   return targets;
 }
 
-std::vector<std::byte> random_bytes(std::size_t n, std::mt19937& rng) {
-  std::vector<std::byte> bytes(n);
-  for (auto& b : bytes) b = static_cast<std::byte>(rng());
-  return bytes;
-}
-
 }  // namespace
 
 TEST_CASE("StagedSaver saves device rows behind the compute stream", "[gpu][save]") {
@@ -155,7 +119,7 @@ TEST_CASE("StagedSaver saves device rows behind the compute stream", "[gpu][save
       const std::vector<std::byte> rows = random_bytes(targets.size() * kRowBytes, rng);
       REQUIRE(rows.size() <= kMaxBytes);
       tier.scatter(rows, targets);
-      uploads.push_back(std::make_unique<PinnedBytes>(rows.size()));
+      uploads.push_back(std::make_unique<PinnedBytes>(rows.size(), kPinnedFlags));
       std::memcpy(uploads.back()->data, rows.data(), rows.size());
 
       std::byte* source = device_source[step % 2].data;
@@ -188,7 +152,7 @@ TEST_CASE("StagedSaver copies before the compute stream overwrites its source", 
   const std::vector<RowTarget> targets = step_targets(32, 8, 10, 0);
   const std::vector<std::byte> rows = random_bytes(targets.size() * kRowBytes, rng);
   tier.scatter(rows, targets);
-  PinnedBytes upload(rows.size());
+  PinnedBytes upload(rows.size(), kPinnedFlags);
   std::memcpy(upload.data, rows.data(), rows.size());
   DeviceBytes source(rows.size());
   check(cudaMemset(source.data, 0x5A, rows.size()));  // stale bytes a premature copy would see
