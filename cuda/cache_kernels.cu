@@ -34,6 +34,18 @@ constexpr std::uint32_t kMinBlocksPerSm = 4;
 using Sort = cub::BlockRadixSort<PartitionId, kThreads, kSortItems, std::uint32_t>;
 using Scan = cub::BlockScan<std::uint32_t, kThreads>;
 
+// This thread's entries of kUnroll tiles of kThreads slots from `base`, all
+// loaded before any is used (nullptr past the head's length).
+__device__ __forceinline__ void load_tile(const TwoLevelView<GpuPageEntry>& slots, std::size_t inst, std::uint32_t base,
+                          std::uint32_t length, GpuPageEntry* (&at)[kUnroll], GpuPageEntry (&e)[kUnroll]) {
+#pragma unroll
+  for (std::uint32_t u = 0; u < kUnroll; ++u) {
+    const std::uint32_t s = base + u * kThreads + threadIdx.x;
+    at[u] = s < length ? slots.find(inst, s) : nullptr;
+    if (at[u] != nullptr) e[u] = *at[u];
+  }
+}
+
 struct SharedState {
   union {
     typename Sort::TempStorage sort;
@@ -164,12 +176,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   for (std::uint32_t base = 0; base < length; base += kThreads * kUnroll) {
     GpuPageEntry* at[kUnroll];
     GpuPageEntry e[kUnroll];
-#pragma unroll
-    for (std::uint32_t u = 0; u < kUnroll; ++u) {
-      const std::uint32_t s = base + u * kThreads + tid;
-      at[u] = s < length ? slots.find(inst, s) : nullptr;
-      if (at[u] != nullptr) e[u] = *at[u];
-    }
+    load_tile(slots, inst, base, length, at, e);
 #pragma unroll
     for (std::uint32_t u = 0; u < kUnroll; ++u) {
       if (at[u] == nullptr) continue;
@@ -207,12 +214,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     for (std::uint32_t base = 0; base < length; base += kThreads * kUnroll) {
       GpuPageEntry* at[kUnroll];
       GpuPageEntry e[kUnroll];
-#pragma unroll
-      for (std::uint32_t u = 0; u < kUnroll; ++u) {
-        const std::uint32_t s = base + u * kThreads + tid;
-        at[u] = s < length ? slots.find(inst, s) : nullptr;
-        if (at[u] != nullptr) e[u] = *at[u];
-      }
+      load_tile(slots, inst, base, length, at, e);
 #pragma unroll
       for (std::uint32_t u = 0; u < kUnroll; ++u) {
         if (at[u] != nullptr && lru_may_evict(e[u], threshold) &&

@@ -38,17 +38,25 @@ __device__ const std::byte* key_row(const KeyBlock& keys, std::uint32_t token, s
   return static_cast<const std::byte*>(keys.keys) + element * dtype_size(keys.dtype);
 }
 
+// Item = head * pages + page: its kv head and token range [first, end).
+struct PageSpan {
+  std::uint32_t head, first, end;
+};
+__device__ PageSpan page_span(std::uint64_t item, std::uint32_t pages, std::uint32_t page_tokens,
+                              std::uint32_t tokens) {
+  const auto head = static_cast<std::uint32_t>(item / pages);
+  const std::uint32_t first = static_cast<std::uint32_t>(item % pages) * page_tokens;
+  // first < tokens; compared as a distance so first + page_tokens never wraps.
+  return {head, first, page_tokens < tokens - first ? first + page_tokens : tokens};
+}
+
 // One block per (page, kv head), blocks striding; threads over dimensions,
 // each folding its dimension over the page's tokens in order.
 __global__ void page_min_max_kernel(KeyBlock keys, std::uint32_t page_tokens, std::uint32_t pages, float* min,
                                     float* max) {
   const std::uint64_t total = std::uint64_t{pages} * keys.kv_heads;
   for (std::uint64_t item = blockIdx.x; item < total; item += gridDim.x) {
-    const auto head = static_cast<std::uint32_t>(item / pages);
-    const auto page = static_cast<std::uint32_t>(item % pages);
-    const std::uint32_t first = page * page_tokens;
-    // first < tokens; compared as a distance so first + page_tokens never wraps.
-    const std::uint32_t end = page_tokens < keys.tokens - first ? first + page_tokens : keys.tokens;
+    const auto [head, first, end] = page_span(item, pages, page_tokens, keys.tokens);
     float* lo = min + item * keys.head_dim;
     float* hi = max + item * keys.head_dim;
     for (std::uint32_t d = threadIdx.x; d < keys.head_dim; d += blockDim.x) {
@@ -76,11 +84,7 @@ __global__ void page_mean_outlier_kernel(KeyBlock keys, std::uint32_t page_token
   __shared__ float landmark_norm;
   const std::uint64_t total = std::uint64_t{pages} * keys.kv_heads;
   for (std::uint64_t item = blockIdx.x; item < total; item += gridDim.x) {
-    const auto head = static_cast<std::uint32_t>(item / pages);
-    const auto page = static_cast<std::uint32_t>(item % pages);
-    const std::uint32_t first = page * page_tokens;
-    // first < tokens; compared as a distance so first + page_tokens never wraps.
-    const std::uint32_t end = page_tokens < keys.tokens - first ? first + page_tokens : keys.tokens;
+    const auto [head, first, end] = page_span(item, pages, page_tokens, keys.tokens);
     const std::uint32_t count = end - first;
     for (std::uint32_t d = threadIdx.x; d < keys.head_dim; d += blockDim.x) {
       float sum = 0.0f;
