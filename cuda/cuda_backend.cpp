@@ -21,7 +21,8 @@ void check(cudaError_t status, const char* what) {
 CudaBackend::CudaBackend() : transfer_(std::make_unique<DevicePageTransfer>()) {}
 
 CudaBackend::~CudaBackend() {
-  transfer_->synchronize();
+  // A destructor cannot report a failed synchronisation; the buffers go either way.
+  cudaStreamSynchronize(static_cast<cudaStream_t>(transfer_->stream()));
   for (DeviceBuffer* b : {&q_, &indptr_, &indices_, &last_page_len_, &out_, &lse_, &workspace_}) cudaFree(b->data);
 }
 
@@ -33,6 +34,15 @@ void* CudaBackend::device_bytes(DeviceBuffer& buffer, std::size_t bytes) {
   check(cudaMalloc(&buffer.data, bytes), "cudaMalloc");
   buffer.bytes = bytes;
   return buffer.data;
+}
+
+void CudaBackend::check_attend(const PageLayout& layout, std::uint32_t q_heads, std::uint32_t kv_heads) const {
+  DecodeAttentionShape shape;
+  shape.batch = 1;
+  shape.q_heads = q_heads / kv_heads;
+  shape.kv_heads = 1;
+  shape.layout = layout;
+  plan_sparse_decode_attention(shape);  // throws invalid_argument on a shape the kernel lacks
 }
 
 void CudaBackend::attend(const AttendCall& call) {

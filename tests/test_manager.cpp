@@ -190,7 +190,11 @@ class DeferredBackend final : public Backend {
     transfer_.synchronize();  // the attention kernel runs after the copies on the same stream
     host_.attend(call);
   }
+  void check_attend(const PageLayout& layout, std::uint32_t, std::uint32_t) const override {
+    if (layout.head_dim == refused_head_dim) fail(ErrorCode::invalid_argument, "head_dim {} refused", layout.head_dim);
+  }
   DeferredTransfer transfer_;
+  std::uint32_t refused_head_dim = 0;
 
  private:
   HostMemoryResource cpu_{false}, gpu_{false};
@@ -228,6 +232,28 @@ TEST_CASE("Manager: a backend that defers every copy gives the host backend's ou
     REQUIRE(async.buffer().cpu_pool().used() == 0);
     REQUIRE(async.buffer().gpu_pool().used() == 0);
   }
+}
+
+TEST_CASE("Manager: a shape the backend's Attend cannot run is refused before the step changes anything",
+          "[facade][errors]") {
+  auto backend = std::make_unique<DeferredBackend>();
+  backend->refused_head_dim = kD;
+  RuntimeManager manager(kShape, facade_config(), make_policy("quest", 64), std::move(backend));
+  std::mt19937 rng(4);
+  Tokens t;
+  t.add(rng, 41);
+  manager.add_request(1, 64);
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) manager.prefill(1, l, t.k.data(), t.v.data(), 40);
+  std::vector<std::uint16_t> q(kShape.q_heads * kD, float_to_bf16(0.25f));
+  std::vector<float> out(q.size());
+  const std::vector<RequestId> one{1};
+  const std::uint16_t* k_new = t.k.data() + 40 * kRow;
+  const std::uint16_t* v_new = t.v.data() + 40 * kRow;
+  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), k_new, v_new, out.data()), ErrorCode::invalid_argument);
+  REQUIRE(manager.buffer().sequence_length(1, 0) == 40);
+  REQUIRE(manager.stats().decode_steps == 0);
+  manager.plan(one, 0, q.data(), k_new, v_new);  // the engine's own kernel serves any shape
+  REQUIRE(manager.buffer().sequence_length(1, 0) == 41);
 }
 
 TEST_CASE("Manager: a null backend is refused", "[facade][errors]") {

@@ -46,6 +46,10 @@ class Backend {
   // of (b, h / group), merged with plan.extra[b * q_heads + h] when the plan
   // has extra terms. Returns when `out` holds the result.
   virtual void attend(const AttendCall& call) = 0;
+  // Throws invalid_argument when attend() cannot run this shape; decode()
+  // asks before it changes anything.
+  virtual void check_attend(const PageLayout& /*layout*/, std::uint32_t /*q_heads*/,
+                            std::uint32_t /*kv_heads*/) const {}
   // The cudaStream_t Retrieve's copies run on (nullptr: the host backend,
   // nothing in flight). An engine running its own kernel over an AttendPlan
   // orders it after this stream.

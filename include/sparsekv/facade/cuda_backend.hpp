@@ -38,6 +38,8 @@ class CudaBackend final : public Backend {
   MemoryResource& gpu_tables() override { return pinned_; }
   PageTransfer& transfer() override { return *transfer_; }
   void attend(const AttendCall& call) override;
+  // The kernel's instantiations: head_dim 64 or 128 (plan() serves any shape).
+  void check_attend(const PageLayout& layout, std::uint32_t q_heads, std::uint32_t kv_heads) const override;
   void* stream() const noexcept override { return transfer_->stream(); }
 
  private:

@@ -169,6 +169,8 @@ class Manager {
   void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
               const void* v_new, float* out) {
     if (out == nullptr) fail(ErrorCode::invalid_argument, "decode: out must not be null");
+    backend_->check_attend(PageLayout{config_.page_tokens, shape_.head_dim, shape_.dtype}, shape_.q_heads,
+                           shape_.kv_heads);
     step(batch, layer, q, k_new, v_new);
     const auto t0 = Clock::now();
     build_plan(batch.size());
