@@ -357,13 +357,13 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
     table_.check_segments(demand);
   }
   const std::size_t row = layout_.row_bytes();
-  std::vector<PageMove> rows(2 * std::size_t{shape_.kv_heads});
+  moves_.resize(2 * std::size_t{shape_.kv_heads});
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     std::byte* tail = gpu_pool_.data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
-    rows[2 * h] = {static_cast<const std::byte*>(token.k) + h * row, tail + layout_.k_offset(slot)};
-    rows[2 * h + 1] = {static_cast<const std::byte*>(token.v) + h * row, tail + layout_.v_offset(slot)};
+    moves_[2 * h] = {static_cast<const std::byte*>(token.k) + h * row, tail + layout_.k_offset(slot)};
+    moves_[2 * h + 1] = {static_cast<const std::byte*>(token.v) + h * row, tail + layout_.v_offset(slot)};
   }
-  transfer_->write(rows, row);
+  transfer_->write(moves_, row);
   s.tokens[layer] += 1;
   s.tail_tokens[layer] = slot + 1;
   if (!fills_tail) return;
@@ -409,11 +409,11 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
     out.tail_tokens.push_back(s.tail_tokens[layer]);
     s.windows[std::size_t{layer} * shape_.kv_heads + h].record(selected);
   }
-  loads_.resize(out.plan.copies.size());
-  for (std::size_t i = 0; i < loads_.size(); ++i) {
-    loads_[i] = {cpu_pool_.data(out.plan.copies[i].cpu_page), gpu_pool_.data(out.plan.copies[i].gpu_page)};
+  moves_.resize(out.plan.copies.size());
+  for (std::size_t i = 0; i < moves_.size(); ++i) {
+    moves_[i] = {cpu_pool_.data(out.plan.copies[i].cpu_page), gpu_pool_.data(out.plan.copies[i].gpu_page)};
   }
-  transfer_->load(loads_, layout_.page_bytes());
+  transfer_->load(moves_, layout_.page_bytes());
   stats_.cache += out.stats;
   stats_.retrieve_steps += shape_.kv_heads;
   stats_.bytes_loaded += out.plan.copies.size() * layout_.page_bytes();

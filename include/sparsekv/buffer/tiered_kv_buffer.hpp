@@ -211,7 +211,7 @@ class TieredKVBuffer {
   BucketedLru lru_;
   std::map<RequestId, RequestState> requests_;  // ordered: reclaim walks requests deterministically
   BufferStats stats_;
-  std::vector<PageMove> loads_;  // scratch: Retrieve's copies as addresses
+  std::vector<PageMove> moves_;  // scratch: a decode token's rows, Retrieve's copies
 };
 
 }  // namespace sparsekv

@@ -237,8 +237,8 @@ class Manager {
     plan_.clear();
     plan_.gpu_tier_base = buffer_->gpu_pool().base();
     plan_.page_bytes = buffer_->gpu_pool().page_bytes();
-    std::vector<PageId> pages;
-    std::vector<std::uint32_t> tokens;
+    std::vector<PageId>& pages = plan_pages_;
+    std::vector<std::uint32_t>& tokens = plan_tokens_;
     for (std::size_t b = 0; b < batch; ++b) {
       const Retrieval& r = retrievals_[b];
       for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
@@ -443,6 +443,8 @@ class Manager {
   std::vector<Retrieval> retrievals_;
   std::vector<AttentionPartial> extra_;
   AttendPlan plan_;
+  std::vector<PageId> plan_pages_;           // one (request, kv head)'s pages while building plan_
+  std::vector<std::uint32_t> plan_tokens_;
   struct Pending {
     bool saves = false;
     std::vector<float> page_k, page_v;

@@ -80,21 +80,15 @@ class QuestPolicy {
 
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
     check_kv(ctx, kv);
-    const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, options_.page_tokens_per_partition);
-    LayerState next;  // built aside: a failure leaves `state` as it was
-    next.head_dim = ctx.head_dim;
-    next.ids.resize(ctx.kv_heads);
-    next.min.resize(ctx.kv_heads);
-    next.max.resize(ctx.kv_heads);
-    for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
-      next.tokens.push_back(spec.size(p));
-      for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-        next.ids[h].push_back(p);
-        add_bounds(next, h, kv, spec.token(p, 0), spec.size(p));
-      }
-    }
-    state = std::move(next);
-    return {spec};
+    return {index_uniform_partitions(
+        ctx, kv, options_.page_tokens_per_partition, state,
+        [&](LayerState& s) {
+          s.min.resize(ctx.kv_heads);
+          s.max.resize(ctx.kv_heads);
+        },
+        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
+          add_bounds(s, h, kv, first, count);
+        })};
   }
 
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {

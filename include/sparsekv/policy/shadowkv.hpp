@@ -68,21 +68,15 @@ class ShadowKVPolicy {
 
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
     check_kv(ctx, kv);
-    const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, ctx.page_tokens);
-    LayerState next;  // built aside: a failure leaves `state` as it was
-    next.head_dim = ctx.head_dim;
-    next.ids.resize(ctx.kv_heads);
-    next.landmarks.resize(ctx.kv_heads);
-    next.outlier_score.resize(ctx.kv_heads);
-    for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
-      next.tokens.push_back(spec.size(p));
-      for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-        next.ids[h].push_back(p);
-        summarize(next, h, kv, spec.token(p, 0), spec.size(p));
-      }
-    }
-    state = std::move(next);
-    return {spec};
+    return {index_uniform_partitions(
+        ctx, kv, ctx.page_tokens, state,
+        [&](LayerState& s) {
+          s.landmarks.resize(ctx.kv_heads);
+          s.outlier_score.resize(ctx.kv_heads);
+        },
+        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
+          summarize(s, h, kv, first, count);
+        })};
   }
 
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {

@@ -28,6 +28,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "sparsekv/attention/attention_partial.hpp"
@@ -134,6 +135,31 @@ void check_decode_query(std::string_view policy, const LayerContext& ctx, const 
 // A full page (page_tokens tokens, K and V) with one partition id per kv head.
 void check_appended_page(std::string_view policy, const LayerContext& ctx, const AppendedPage& page,
                          bool needs_values);
+
+// Index of the block-summary policies (Quest, ShadowKV): uniform partitions of
+// `partition_tokens` tokens, the same in every kv head, each summarised by
+// summarize(state, head, first_token, tokens). Built into a fresh State, so a
+// failure leaves the caller's as it was; State has head_dim, tokens
+// ([partition]) and ids ([kv head][partition]), its summary arrays sized by
+// the caller's `prepare(state)`.
+template <class State, class Prepare, class Summarize>
+PartitionSpec index_uniform_partitions(const LayerContext& ctx, const KvView& kv, std::uint32_t partition_tokens,
+                                       State& state, Prepare&& prepare, Summarize&& summarize) {
+  const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, partition_tokens);
+  State next;
+  next.head_dim = ctx.head_dim;
+  next.ids.resize(ctx.kv_heads);
+  prepare(next);
+  for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
+    next.tokens.push_back(spec.size(p));
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      next.ids[h].push_back(p);
+      summarize(next, h, spec.token(p, 0), spec.size(p));
+    }
+  }
+  state = std::move(next);
+  return spec;
+}
 
 // Top-k helper the policies share: indices of the k largest scores, ties to
 // the lower index, returned in descending score order.
