@@ -28,7 +28,7 @@ constexpr std::uint32_t kSummaryThreads = 128;
 // kmeans_assign: a block holds kAssignRows rows in shared memory; each thread
 // scores them against centroids tid, tid + blockDim, ...
 constexpr std::uint32_t kAssignThreads = 256;
-constexpr std::uint32_t kAssignRows = 16;
+constexpr std::uint32_t kAssignRows = kKmeansAssignRows;
 constexpr std::uint32_t kAssignWarps = kAssignThreads / kWarp;
 constexpr std::uint32_t kUpdateThreads = 128;
 constexpr std::uint32_t kUpdateWarps = kUpdateThreads / kWarp;
@@ -78,9 +78,9 @@ __global__ void page_min_max_kernel(KeyBlock keys, std::uint32_t page_tokens, st
 // cosine; thread 0 folds the cosines in token order.
 __global__ void page_mean_outlier_kernel(KeyBlock keys, std::uint32_t page_tokens, std::uint32_t pages, float* mean,
                                          float* outlier_score) {
-  extern __shared__ float shared[];
-  float* landmark = shared;                  // [head_dim]
-  float* cosine = shared + keys.head_dim;    // [page_tokens]
+  extern __shared__ float shared[];  // mean_outlier_shared_bytes
+  float* landmark = shared;                                            // [head_dim]
+  float* cosine = shared + mean_outlier_cosine_offset(keys.head_dim);  // [page_tokens]
   __shared__ float landmark_norm;
   const std::uint64_t total = std::uint64_t{pages} * keys.kv_heads;
   for (std::uint64_t item = blockIdx.x; item < total; item += gridDim.x) {
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kAssignThreads)
     kmeans_assign_kernel(const float* __restrict__ rows, std::uint32_t n, std::uint32_t dim,
                          const float* __restrict__ centroids, std::uint32_t k, std::uint32_t* __restrict__ labels,
                          std::uint32_t* changed) {
-  extern __shared__ float tile[];  // [kAssignRows][dim]
+  extern __shared__ float tile[];  // [kAssignRows][dim], kmeans_assign_shared_bytes
   // Plain arrays, not CentroidChoice: __shared__ variables take no constructor.
   __shared__ float warp_similarity[kAssignRows][kAssignWarps];
   __shared__ std::uint32_t warp_index[kAssignRows][kAssignWarps];
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kAssignThreads)
 __global__ void __launch_bounds__(kUpdateThreads)
     kmeans_update_kernel(const float* __restrict__ rows, std::uint32_t n, std::uint32_t dim,
                          const std::uint32_t* __restrict__ labels, std::uint32_t k, float* __restrict__ centroids) {
-  extern __shared__ float sums[];  // [dim]
+  extern __shared__ float sums[];  // [dim], kmeans_update_shared_bytes
   __shared__ std::uint32_t members[kUpdateThreads];
   __shared__ std::uint32_t warp_counts[kUpdateWarps];
   __shared__ float inverse;
@@ -303,8 +303,8 @@ void page_mean_outlier(const KeyBlock& keys, std::uint32_t page_tokens, float* m
                   "page_tokens " + std::to_string(page_tokens) + " exceeds " + std::to_string(kMaxPageTokens));
   }
   if (pages == 0) return;
-  const std::size_t shared = (std::size_t{keys.head_dim} + page_tokens) * sizeof(float);
-  page_mean_outlier_kernel<<<grid_for(std::uint64_t{pages} * keys.kv_heads), kSummaryThreads, shared,
+  page_mean_outlier_kernel<<<grid_for(std::uint64_t{pages} * keys.kv_heads), kSummaryThreads,
+                             mean_outlier_shared_bytes(keys.head_dim, page_tokens),
                              static_cast<cudaStream_t>(stream)>>>(keys, page_tokens, pages, mean, outlier_score);
   check_launch("page_mean_outlier");
 }
@@ -317,8 +317,8 @@ void kmeans_assign(const float* rows, std::uint32_t n, std::uint32_t dim, const 
     const cudaError_t status = cudaMemsetAsync(changed, 0, sizeof(std::uint32_t), s);
     if (status != cudaSuccess) throw_cuda("kmeans_assign", "cudaMemsetAsync", status);
   }
-  const std::size_t shared = std::size_t{kAssignRows} * dim * sizeof(float);
-  kmeans_assign_kernel<<<grid_for((std::uint64_t{n} + kAssignRows - 1) / kAssignRows), kAssignThreads, shared, s>>>(
+  kmeans_assign_kernel<<<grid_for((std::uint64_t{n} + kAssignRows - 1) / kAssignRows), kAssignThreads,
+                         kmeans_assign_shared_bytes(dim), s>>>(
       rows, n, dim, centroids, k, labels, changed);
   check_launch("kmeans_assign");
 }
@@ -326,7 +326,7 @@ void kmeans_assign(const float* rows, std::uint32_t n, std::uint32_t dim, const 
 void kmeans_update(const float* rows, std::uint32_t n, std::uint32_t dim, const std::uint32_t* labels,
                    std::uint32_t k, float* centroids, void* stream) {
   check_kmeans("kmeans_update", n, dim, k, rows, centroids, labels);
-  kmeans_update_kernel<<<grid_for(k), kUpdateThreads, std::size_t{dim} * sizeof(float),
+  kmeans_update_kernel<<<grid_for(k), kUpdateThreads, kmeans_update_shared_bytes(dim),
                          static_cast<cudaStream_t>(stream)>>>(rows, n, dim, labels, k, centroids);
   check_launch("kmeans_update");
 }

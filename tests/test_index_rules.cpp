@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "index_test_data.hpp"
+#include "sparsekv/policy/index_cuda.hpp"
 #include "sparsekv/policy/page_summaries.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
@@ -300,6 +301,44 @@ TEST_CASE("ShadowKV's landmarks and outlier scores equal the plain formulas", "[
       CAPTURE(tokens, h);
       CHECK(same_bits(state.landmarks[h], landmarks));
       CHECK(same_bits(state.outlier_score[h], scores));
+    }
+  }
+}
+
+// The index kernels' dynamic shared memory (policy/index_cuda.hpp) for every
+// shape their entry points accept: each array, widened to the 16-byte
+// granules nvcc's vector loads touch, lies inside the allocation and clear of
+// the next array. Sizing to the floats used (dim = 2 k-means sums in 8 bytes)
+// is what memcheck caught on the first GPU run.
+namespace {
+struct SharedArray {
+  std::size_t offset, floats;  // in floats
+};
+// Bytes [first granule, last granule end) a vectorised walk over `a` may read.
+std::pair<std::size_t, std::size_t> granule_span(SharedArray a) {
+  constexpr std::size_t kGranule = 16;
+  const std::size_t first = a.offset * sizeof(float) / kGranule * kGranule;
+  const std::size_t end = ((a.offset + a.floats) * sizeof(float) + kGranule - 1) / kGranule * kGranule;
+  return {first, end};
+}
+}  // namespace
+
+TEST_CASE("index kernels' shared arrays stay inside their allocation at 16-byte granules", "[index-rules]") {
+  constexpr std::uint32_t kMaxPageTokens = 4096;  // page_mean_outlier's limit
+  for (std::uint32_t dim = 1; dim <= cuda::kMaxIndexDim; ++dim) {
+    CAPTURE(dim);
+    REQUIRE(granule_span({0, dim}).second <= cuda::kmeans_update_shared_bytes(dim));
+    REQUIRE(granule_span({0, std::size_t{cuda::kKmeansAssignRows} * dim}).second <=
+            cuda::kmeans_assign_shared_bytes(dim));
+    for (std::uint32_t page_tokens = 1; page_tokens <= kMaxPageTokens; ++page_tokens) {
+      const SharedArray landmark{0, dim};
+      const SharedArray cosine{cuda::mean_outlier_cosine_offset(dim), page_tokens};
+      const std::size_t bytes = cuda::mean_outlier_shared_bytes(dim, page_tokens);
+      if (granule_span(landmark).second > granule_span(cosine).first || granule_span(cosine).second > bytes) {
+        FAIL("page_tokens " << page_tokens << ": landmark ends at " << granule_span(landmark).second
+                            << ", cosine spans [" << granule_span(cosine).first << ", "
+                            << granule_span(cosine).second << ") of " << bytes << " bytes");
+      }
     }
   }
 }

@@ -13,9 +13,11 @@
 // Argument checks run on the host before anything is enqueued and throw
 // ErrorCode::invalid_argument; a failed launch or runtime call throws
 // ErrorCode::cuda_error.
+#include <cstddef>
 #include <cstdint>
 
 #include "sparsekv/core/dtype.hpp"
+#include "sparsekv/core/host_device.hpp"
 
 namespace sparsekv::cuda {
 
@@ -41,6 +43,32 @@ inline std::uint32_t page_count(std::uint32_t tokens, std::uint32_t page_tokens)
 
 // Largest head_dim the mean and k-means kernels take (their shared-memory tiles).
 inline constexpr std::uint32_t kMaxIndexDim = 512;
+
+// Dynamic shared memory of the kernels, shared by the launches and the kernels
+// so CI can check its bounds (tests/test_index_rules.cpp). nvcc reads a float
+// array that starts on a 16-byte boundary with 128-bit loads, remainder loops
+// included: summing sums[0 .. 2) reads sums[0 .. 4). So every array starts
+// on a granule and is allocated in whole granules; sizing to the floats used
+// made memcheck report reads past the block's allocation (dim = 2 k-means).
+inline constexpr std::size_t kSharedGranuleFloats = 16 / sizeof(float);
+SPARSEKV_HOST_DEVICE constexpr std::size_t shared_granule_floats(std::size_t floats) {
+  return (floats + kSharedGranuleFloats - 1) / kSharedGranuleFloats * kSharedGranuleFloats;
+}
+// page_mean_outlier: landmark [head_dim] at 0, cosine [page_tokens] after it.
+SPARSEKV_HOST_DEVICE constexpr std::size_t mean_outlier_cosine_offset(std::uint32_t head_dim) {
+  return shared_granule_floats(head_dim);
+}
+constexpr std::size_t mean_outlier_shared_bytes(std::uint32_t head_dim, std::uint32_t page_tokens) {
+  return (mean_outlier_cosine_offset(head_dim) + shared_granule_floats(page_tokens)) * sizeof(float);
+}
+// kmeans_assign: a tile of kKmeansAssignRows rows [rows][dim]; kmeans_update: the sums [dim].
+inline constexpr std::uint32_t kKmeansAssignRows = 16;
+constexpr std::size_t kmeans_assign_shared_bytes(std::uint32_t dim) {
+  return shared_granule_floats(std::size_t{kKmeansAssignRows} * dim) * sizeof(float);
+}
+constexpr std::size_t kmeans_update_shared_bytes(std::uint32_t dim) {
+  return shared_granule_floats(dim) * sizeof(float);
+}
 
 // Quest: min / max, each [kv_heads][pages][head_dim] fp32, of every (page,
 // kv head) in one launch; equals QuestPolicy's LayerState min / max with
