@@ -86,8 +86,13 @@ struct DeviceArray {
   }
   std::vector<T> download(std::size_t n) const {
     std::vector<T> values(n);
-    if (n > 0) check(cudaMemcpy(values.data(), data, n * sizeof(T), cudaMemcpyDeviceToHost));
+    download_into(values, 0, n);
     return values;
+  }
+  // Elements [first, first + n) into values[first ..]: for outputs a kernel
+  // writes only in part, so initcheck still flags a write that went missing.
+  void download_into(std::vector<T>& values, std::size_t first, std::size_t n) const {
+    if (n > 0) check(cudaMemcpy(values.data() + first, data + first, n * sizeof(T), cudaMemcpyDeviceToHost));
   }
   std::vector<T> download() const { return download(size); }
 

@@ -150,8 +150,14 @@ TEST_CASE("bucketed_lru_step matches BucketedLru::step bit for bit", "[gpu][lru]
       got.partition_offsets = d_partition_offsets.download(selected_all.size() + 1);
       got.gpu_pages = d_gpu_pages.download(page_offsets.back());
       got.stats = d_stats.download(heads.size());
-      got.copy_cpu_pages = d_copy_cpu.download(page_offsets.back());
-      got.copy_gpu_pages = d_copy_gpu.download(page_offsets.back());
+      // Head h's copies are the first stats[h].miss_pages entries of its region; the rest is never written.
+      got.copy_cpu_pages.assign(page_offsets.back(), kInvalidPage);
+      got.copy_gpu_pages.assign(page_offsets.back(), kInvalidPage);
+      for (std::size_t h = 0; h < heads.size(); ++h) {
+        REQUIRE(got.stats[h].miss_pages <= page_offsets[h + 1] - page_offsets[h]);
+        d_copy_cpu.download_into(got.copy_cpu_pages, page_offsets[h], got.stats[h].miss_pages);
+        d_copy_gpu.download_into(got.copy_gpu_pages, page_offsets[h], got.stats[h].miss_pages);
+      }
       require_same_launch(got, host, totals);
       for (const Head& h : all) require_same_head(host_table, gpu_table, h);
       gpu_table.validate();
