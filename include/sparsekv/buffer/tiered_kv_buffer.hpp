@@ -69,6 +69,18 @@ struct RequestBudget {
   std::uint32_t buffer_pages = 0;
 };
 
+// What a decode append that fills the tail takes, with the regroup that may
+// follow it (TieredKVBuffer::save_demand). The save takes `saved_pages` CPU
+// pages; the regroup then returns `freed_pages` to the pool (its runs' pages,
+// the saved ones included, that no other request shares) before it takes
+// `regroup_pages`.
+struct SaveDemand {
+  std::uint64_t saved_pages = 0;
+  std::uint64_t freed_pages = 0;
+  std::uint64_t regroup_pages = 0;
+  SegmentDemand segments;  // metadata segments beyond those mapped now, at the most demanding point
+};
+
 struct AdmissionAdvice {
   bool admit = false;
   bool request_slot_free = false;
@@ -150,6 +162,15 @@ class TieredKVBuffer {
   // partitions are evicted first; the CPU tier keeps every byte.
   void repartition(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions,
                    std::span<const PartitionSpec> specs);
+  // Sizes an append() that fills the tail of `layer` (the full tail becomes a
+  // one-page partition per kv head) followed, when `specs` is not empty, by
+  // repartition(request, layer, first_partitions, specs) over runs that end
+  // with the saved pages: a policy regrouping as a decode page arrives. The
+  // runs are replaced, not added to. Throws what those two calls would for
+  // bad arguments or the page table's per-head maxima (at both points);
+  // changes nothing. Pools are the caller's to check, in call order.
+  SaveDemand save_demand(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions = {},
+                         std::span<const PartitionSpec> specs = {}) const;
 
   void resize(RequestId request, std::uint32_t slots_per_head);
   // Frees at least `gpu_pages` GPU pages if the requests' buffering allows;
@@ -198,6 +219,13 @@ class TieredKVBuffer {
   void grow_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void shrink_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void evict_partition(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
+  // repartition's checks over runs [first_partitions[h], end), extended by one
+  // full page per head not saved yet when `pending_page`; sets `out`'s freed
+  // and regroup pages, and `segments[h]` to what head h demands once its run
+  // is replaced.
+  void regroup_demand(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions,
+                      std::span<const PartitionSpec> specs, bool pending_page, SaveDemand& out,
+                      std::vector<SegmentDemand>& segments) const;
 
   HostPageTransfer host_transfer_;  // used when no transfer is given
   PageTransfer* transfer_;

@@ -310,7 +310,12 @@ class Manager {
 
     const auto t0 = Clock::now();
     pending_.resize(batch.size());
-    std::uint64_t cpu_pages = 0;
+    // The commits below run in batch order: a save takes its pages, then a
+    // regroup frees its run's pages before it takes its own. Replaying that on
+    // a count of free CPU pages makes the check exact: it neither refuses a
+    // step that fits nor lets a regroup fail half-way. Segments are summed
+    // without what earlier regroups free: a slight overestimate.
+    std::uint64_t cpu_free = buffer_->cpu_pool().available();
     SegmentDemand segments;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const RequestId id = batch[b];
@@ -334,24 +339,27 @@ class Manager {
       }
       next.state = ls.policy;  // the policy commits to the page only if the step does
       next.regroup = policy_.append(context(layer, tokens), page, next.state);
-      cpu_pages += shape_.kv_heads;
-      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-        std::uint64_t partitions = 1, pages = 1;  // the saved tail page
-        if (next.regroup) {
+      SaveDemand demand;
+      if (next.regroup) {
+        for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
           check_regroup(id, layer, h, *next.regroup, page.partitions[h]);
-          const PartitionSpec& spec = next.regroup->specs[h];
-          partitions += spec.partition_count();
-          for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
-            pages += pages_for_tokens(spec.size(p), config_.page_tokens);
-          }
-          cpu_pages += pages - 1;  // counted without the pages the regroup frees: conservative
         }
-        segments += buffer_->table().append_demand(id, layer, h, partitions, pages);
+        demand = buffer_->save_demand(id, layer, next.regroup->first_partitions, next.regroup->specs);
+      } else {
+        demand = buffer_->save_demand(id, layer);
       }
-    }
-    if (cpu_pages > buffer_->cpu_pool().available()) {
-      fail(ErrorCode::resource_exhausted, "decode: saving full tail pages (and regrouping) needs {} CPU pages, {} free",
-           cpu_pages, buffer_->cpu_pool().available());
+      if (demand.saved_pages > cpu_free) {
+        fail(ErrorCode::resource_exhausted, "decode: saving the full tail of request {} needs {} CPU pages, {} free",
+             id, demand.saved_pages, cpu_free);
+      }
+      cpu_free -= demand.saved_pages;
+      if (demand.regroup_pages > cpu_free + demand.freed_pages) {
+        fail(ErrorCode::resource_exhausted,
+             "decode: the regroup of request {} needs {} CPU pages; {} free plus {} freed by its run", id,
+             demand.regroup_pages, cpu_free, demand.freed_pages);
+      }
+      cpu_free = cpu_free + demand.freed_pages - demand.regroup_pages;
+      segments += demand.segments;
     }
     buffer_->table().check_segments(segments);
 
