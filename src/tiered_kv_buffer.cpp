@@ -36,6 +36,11 @@ TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, Me
 
 TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier,
                                MemoryResource& gpu_pages, MemoryResource& gpu_tables, PageTransfer& transfer)
+    : TieredKVBuffer(shape, config, cpu_tier, gpu_pages, gpu_tables, transfer, config.head_capacity()) {}
+
+TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier,
+                               MemoryResource& gpu_pages, MemoryResource& gpu_tables, PageTransfer& transfer,
+                               const HeadCapacity& capacity)
     : transfer_(&transfer),
       shape_(shape),
       config_(validated(config, shape)),
@@ -43,7 +48,7 @@ TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, Me
       cpu_pool_(layout_, tier_pages(config.cpu_tier_bytes, layout_.page_bytes()), cpu_tier,
                 tier_pages(config.host_chunk_bytes, layout_.page_bytes())),
       gpu_pool_(layout_, tier_pages(config.gpu_tier_bytes, layout_.page_bytes()), gpu_pages),
-      table_(PageTableGeometry::for_config(config, shape), gpu_tables, cpu_tier),
+      table_(PageTableGeometry::for_config(config, shape, capacity), gpu_tables, cpu_tier),
       partitions_(table_, cpu_pool_),
       lru_(config.timestamp_buckets) {
   if (!cpu_tier.host_accessible() || !gpu_tables.host_accessible()) {
@@ -85,7 +90,7 @@ AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const Req
   for (const auto& [id, s] : requests_) a.gpu_pages_reclaimable += heads() * reclaimable_slots(s);
   a.cpu_pages_needed = heads() * pages_for_tokens(prompt_tokens, config_.page_tokens);
   a.cpu_pages_free = cpu_pool_.available();
-  a.admit = a.request_slot_free && budget.mandatory_pages > 0 &&
+  a.admit = a.request_slot_free && budget.mandatory_pages > 0 && slots <= table_.geometry().max_gpu_pages_per_head &&
             a.gpu_pages_needed <= a.gpu_pages_free + a.gpu_pages_reclaimable && a.cpu_pages_needed <= a.cpu_pages_free;
   return a;
 }

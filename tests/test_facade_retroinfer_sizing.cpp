@@ -170,3 +170,57 @@ TEST_CASE("Manager: a RetroInfer re-index counts the CPU pages its run frees, ex
     check_bytes(*kv, s);
   }
 }
+
+TEST_CASE("Manager: RetroInfer requests fit the page table they are admitted into", "[facade][errors]") {
+  const auto run = [](std::uint32_t page_tokens, std::uint32_t max_context, std::uint32_t budget,
+                      std::uint32_t prompt) {
+    CAPTURE(page_tokens, max_context, budget, prompt);
+    const Stream s(max_context, page_tokens + budget);
+    RuntimeManager kv(kShape, sizing_config(page_tokens, max_context), make_policy("retroinfer", budget));
+    // Admitted up front (the old bound asked for more pages than a head can hold) ...
+    REQUIRE(kv.can_admit(prompt, max_context).admit);
+    kv.add_request(1, max_context);
+    REQUIRE(kv.budget(max_context).mandatory_pages <= kv.buffer().table().geometry().max_cpu_pages_per_head);
+    // ... and never refused for the page table's sake while it runs.
+    kv.prefill(1, 0, s.k.data(), s.v.data(), prompt);
+    for (std::uint32_t t = prompt; t < max_context; ++t) {
+      INFO("decode of token " << t);
+      decode(kv, s, t);
+    }
+    kv.buffer().validate();
+    check_bytes(kv, s);
+  };
+  SECTION("a budget covering the context, 8-token pages") { run(8, 1100, 100000, 60); }
+  SECTION("32-token pages, longer than RetroInfer's 16-token clusters") { run(32, 512, 64, 200); }
+  SECTION("a prompt of 1200 tokens in 32-token pages: more clusters than pages") { run(32, 2048, 64, 1200); }
+}
+
+TEST_CASE("Manager: RetroInfer never outgrows the page table, whatever its page and cluster sizes", "[facade]") {
+  // Frequent re-indexes of short segments, clusters smaller and larger than a
+  // page, budgets that cover the context or not: run to max_context_tokens.
+  constexpr std::uint32_t kMax = 700;
+  for (std::uint32_t page_tokens : {8u, 16u, 32u, 64u}) {
+    for (std::uint32_t cluster : {4u, 16u, 40u}) {
+      for (std::uint32_t budget : {48u, 100000u}) {
+        CAPTURE(page_tokens, cluster, budget);
+        RetroInferPolicy::Options o;
+        o.tokens_per_cluster = cluster;
+        o.segment_tokens = 128;
+        o.window_tokens = 16;
+        o.update_tokens = 64;
+        o.budget_tokens = budget;
+        const Stream s(kMax, page_tokens * cluster);
+        RuntimeManager kv(kShape, sizing_config(page_tokens, kMax), AnyPolicy(RetroInferPolicy(o)));
+        REQUIRE(kv.can_admit(300, kMax).admit);
+        kv.add_request(1, kMax);
+        kv.prefill(1, 0, s.k.data(), s.v.data(), 300);
+        for (std::uint32_t t = 300; t < kMax; ++t) {
+          INFO("decode of token " << t);
+          decode(kv, s, t);
+        }
+        kv.buffer().validate();
+        check_bytes(kv, s);
+      }
+    }
+  }
+}

@@ -138,9 +138,13 @@ class TieredKVBuffer {
   // A backend of its own: GPU-tier pages from `gpu_pages` (device memory when
   // `transfer` reaches it), the meta-partition and GPU page tables in
   // host-accessible `gpu_tables`, bytes moved by `transfer`. All three must
-  // outlive the buffer.
+  // outlive the buffer. `capacity`: the most partitions and CPU pages a head
+  // can hold (the policy's, or Config::head_capacity()); the page table is
+  // sized for it.
   TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier, MemoryResource& gpu_pages,
                  MemoryResource& gpu_tables, PageTransfer& transfer);
+  TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier, MemoryResource& gpu_pages,
+                 MemoryResource& gpu_tables, PageTransfer& transfer, const HeadCapacity& capacity);
 
   // Registers a request and gives it its GPU pages, reclaiming buffering
   // pages from other requests when the GPU tier is short.

@@ -80,6 +80,13 @@ struct PolicyOps {
                      std::span<AttentionPartial> extra) {
     if constexpr (CustomAttend<P>) p.attend(c, q, s, sel, extra);
   }
+  static std::optional<HeadCapacity> head_capacity(const P& p, const LayerContext& c) {
+    if constexpr (DeclaresHeadCapacity<P>) {
+      return p.head_capacity(c);
+    } else {
+      return std::nullopt;
+    }
+  }
 };
 template <>
 struct PolicyOps<AnyPolicy> {
@@ -89,6 +96,9 @@ struct PolicyOps<AnyPolicy> {
   static void attend(const AnyPolicy& p, const LayerContext& c, const DecodeQuery& q, const State& s,
                      const Selection& sel, std::span<AttentionPartial> extra) {
     p.attend(c, q, s, sel, extra);
+  }
+  static std::optional<HeadCapacity> head_capacity(const AnyPolicy& p, const LayerContext& c) {
+    return p.head_capacity(c);
   }
 };
 
@@ -110,8 +120,9 @@ class Manager {
           std::unique_ptr<Backend> backend = std::make_unique<HostBackend>())
       : shape_(shape), config_(config), policy_(std::move(policy)), backend_(std::move(backend)) {
     if (!backend_) fail(ErrorCode::invalid_argument, "Manager: backend must not be null");
+    config_.validate(shape_);  // before the policy sizes anything from it
     buffer_ = std::make_unique<TieredKVBuffer>(shape, config, backend_->cpu_tier(), backend_->gpu_pages(),
-                                               backend_->gpu_tables(), backend_->transfer());
+                                               backend_->gpu_tables(), backend_->transfer(), head_capacity());
   }
 
   // The per-(layer, kv head) mandatory pages the policy needs for a request of
@@ -231,6 +242,20 @@ class Manager {
     std::uint32_t max_tokens = 0;
     std::vector<LayerState> layers;
   };
+
+  // What the page table is sized for per head: the policy's own bound for a
+  // request of max_context_tokens (over all layers), or the default: no
+  // admitted request outgrows it mid-run.
+  HeadCapacity head_capacity() const {
+    std::optional<HeadCapacity> most;
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      if (const auto c = Ops::head_capacity(policy_, context(l, config_.max_context_tokens))) {
+        most = HeadCapacity{std::max(c->partitions, most ? most->partitions : 0u),
+                            std::max(c->cpu_pages, most ? most->cpu_pages : 0u)};
+      }
+    }
+    return most ? *most : config_.head_capacity();
+  }
 
   // The AttendPlan of the last step's retrievals (batch entries 0 .. batch).
   void build_plan(std::size_t batch) {
