@@ -4,6 +4,7 @@
 // never gets stuck mid-decode.
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
