@@ -19,6 +19,11 @@ std::uint32_t pool_segments(std::uint64_t entries, std::size_t instances, std::u
 }  // namespace
 
 PageTableGeometry PageTableGeometry::for_config(const Config& config, const ModelShape& shape) {
+  return for_config(config, shape, config.head_capacity());
+}
+
+PageTableGeometry PageTableGeometry::for_config(const Config& config, const ModelShape& shape,
+                                                const HeadCapacity& capacity) {
   config.validate(shape);
   PageTableGeometry g;
   g.max_requests = config.max_requests;
@@ -26,17 +31,15 @@ PageTableGeometry PageTableGeometry::for_config(const Config& config, const Mode
   g.kv_heads = shape.kv_heads;
   g.page_tokens = config.page_tokens;
   g.segment_entries = config.metadata_segment_entries;
-  const std::uint32_t pages = config.max_pages_per_head();
-  // A partition starts on a page boundary, so a head has at most one partition
-  // per page; variable-size partitions pad their last page, which at most
-  // doubles the page count while partitions average at least a page of tokens.
-  g.max_partitions_per_head = pages;
-  g.max_cpu_pages_per_head = 2 * pages;
+  g.max_partitions_per_head = capacity.partitions;
+  g.max_cpu_pages_per_head = capacity.cpu_pages;
   // A request's buffer is its mandatory pages (at most every page of the
-  // head) plus min_buffer_ratio times that; directory slots cost 4 bytes per
-  // segment, so the bound is generous rather than tight.
-  const auto buffer = static_cast<std::uint64_t>(std::ceil(2.0 * pages * (1.0 + config.min_buffer_ratio)));
-  g.max_gpu_pages_per_head = static_cast<std::uint32_t>(std::min<std::uint64_t>(buffer, 0xfffffffeull));
+  // head) plus min_buffer_ratio times that, rounded as the buffer rounds it;
+  // directory slots cost 4 bytes per segment, so the bound is generous
+  // rather than tight.
+  const double pages = capacity.cpu_pages;
+  const double buffer = pages + std::ceil(config.min_buffer_ratio * pages);
+  g.max_gpu_pages_per_head = static_cast<std::uint32_t>(std::min(buffer, 4294967294.0));
   const std::size_t page = config.page_bytes(shape);
   const std::uint64_t cpu_pages = config.cpu_tier_bytes / page;
   const std::uint64_t gpu_pages = config.gpu_tier_bytes / page;

@@ -740,33 +740,68 @@ void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, con
   }
 }
 
+namespace {
+
+// What one kv head holds with at most x tokens in partitions, the state
+// between a page save and the re-index it triggers included:
+//  - the sink: one partition of at most sink_tokens tokens;
+//  - clusters: a clustered run is cut into segments of at least
+//    tokens_per_cluster tokens, each giving at most length / tokens_per_cluster
+//    clusters. A re-index run shorter than that is whole recent partitions
+//    made one cluster: no more partitions or pages than they were;
+//  - recent partitions (window and decode pages): one page each, all full but
+//    the prompt's last.
+// So clusters and recent partitions number at most x / min(tokens_per_cluster,
+// page) + 1. A cluster pads its last page, so its tokens cost more pages than
+// a full recent page's: pages are largest when every token is clustered.
+struct HeadBound {
+  std::uint64_t partitions = 0;
+  std::uint64_t pages = 0;
+};
+
+HeadBound head_bound(const RetroInferPolicy::Options& o, std::uint64_t page, std::uint64_t x) {
+  const std::uint64_t sink = o.sink_tokens > 0 ? 1 : 0;
+  const std::uint64_t clusters = x / o.tokens_per_cluster;
+  HeadBound b;
+  b.partitions = sink + x / std::min<std::uint64_t>(o.tokens_per_cluster, page) + 1;
+  b.pages = (o.sink_tokens + page - 1) / page + (x + clusters * (page - 1)) / page + 1;
+  return b;
+}
+
+std::uint32_t saturate(std::uint64_t x) {
+  return static_cast<std::uint32_t>(std::min<std::uint64_t>(x, std::numeric_limits<std::uint32_t>::max()));
+}
+
+}  // namespace
+
+HeadCapacity RetroInferPolicy::head_capacity(const LayerContext& ctx) const {
+  if (ctx.page_tokens == 0) fail(ErrorCode::invalid_argument, "retroinfer: page_tokens must be > 0");
+  const HeadBound b = head_bound(options_, ctx.page_tokens, ctx.tokens);
+  return {saturate(b.partitions), saturate(b.pages)};
+}
+
 std::uint32_t RetroInferPolicy::mandatory_pages(const LayerContext& ctx) const {
   if (ctx.page_tokens == 0) fail(ErrorCode::invalid_argument, "retroinfer: page_tokens must be > 0");
   const std::uint64_t page = ctx.page_tokens;
   const std::uint64_t budget = options_.budget_tokens;
   const std::uint64_t tokens = ctx.tokens;
-  const std::uint64_t tpc = options_.tokens_per_cluster;
-  const std::uint64_t update = options_.update_tokens;
-  // The steady window spans at most window + one cluster - 1 tokens (a short
-  // prefill's tail), in partitions of at most one page (one of them short).
-  const std::uint64_t window = std::uint64_t{options_.window_tokens} + tpc;
-  const std::uint64_t window_parts = window / page + 2;
-  // Partitions of a head holding x tokens, the sink excluded: clusters (every
-  // segment holds at least one cluster's tokens, except one per update) and
-  // recent partitions (the window plus the pages since the last update).
-  const auto ranked = [&](std::uint64_t x) { return x / tpc + x / update + 1 + window_parts + update / page + 1; };
-  // Pages of partitions covering at most t tokens, n of them, padding their last pages.
-  const auto pages = [&](std::uint64_t t, std::uint64_t n) { return (t + std::min(n, t) * (page - 1)) / page; };
-
-  // A budget covering the head: every partition of at most min(budget, tokens) tokens.
-  const std::uint64_t whole = std::min(budget, tokens);
-  std::uint64_t bound = pages(whole, 1 + ranked(whole));
+  const HeadBound whole = head_bound(options_, page, tokens);
+  // Every partition is selected while the head holds at most `budget` tokens.
+  std::uint64_t bound = head_bound(options_, page, std::min(budget, tokens)).pages;
   if (budget < tokens) {
-    // Otherwise: at most `budget` tokens in the sink, the window and the retrieval zone.
-    const std::uint64_t selected = 1 + window_parts + fraction_count(options_.retrieval_fraction, ranked(tokens));
-    bound = std::max(bound, pages(budget, selected));
+    // Beyond, at most `budget` tokens in the sink, the steady window and the
+    // retrieval zone, each partition padding its last page. The window takes
+    // the newest recent partitions while they cover fewer than its tokens (at
+    // most window + one cluster - 1 after a short prompt), all full pages but
+    // one; the retrieval zone is the top fraction of the ranked partitions.
+    const std::uint64_t window = std::uint64_t{options_.window_tokens} + options_.tokens_per_cluster - 1;
+    const std::uint64_t window_parts = (window + page - 1) / page + 1;
+    const std::uint64_t retrieval = fraction_count(options_.retrieval_fraction, whole.partitions);
+    const std::uint64_t selected = std::min(budget, 1 + window_parts + retrieval);
+    bound = std::max(bound, (budget + selected * (page - 1)) / page);
   }
-  return static_cast<std::uint32_t>(std::clamp<std::uint64_t>(bound, 1, std::numeric_limits<std::uint32_t>::max()));
+  return static_cast<std::uint32_t>(std::clamp<std::uint64_t>(std::min(bound, whole.pages), 1,
+                                                              std::numeric_limits<std::uint32_t>::max()));
 }
 
 }  // namespace sparsekv

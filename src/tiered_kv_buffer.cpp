@@ -36,6 +36,11 @@ TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, Me
 
 TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier,
                                MemoryResource& gpu_pages, MemoryResource& gpu_tables, PageTransfer& transfer)
+    : TieredKVBuffer(shape, config, cpu_tier, gpu_pages, gpu_tables, transfer, config.head_capacity()) {}
+
+TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier,
+                               MemoryResource& gpu_pages, MemoryResource& gpu_tables, PageTransfer& transfer,
+                               const HeadCapacity& capacity)
     : transfer_(&transfer),
       shape_(shape),
       config_(validated(config, shape)),
@@ -43,7 +48,7 @@ TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, Me
       cpu_pool_(layout_, tier_pages(config.cpu_tier_bytes, layout_.page_bytes()), cpu_tier,
                 tier_pages(config.host_chunk_bytes, layout_.page_bytes())),
       gpu_pool_(layout_, tier_pages(config.gpu_tier_bytes, layout_.page_bytes()), gpu_pages),
-      table_(PageTableGeometry::for_config(config, shape), gpu_tables, cpu_tier),
+      table_(PageTableGeometry::for_config(config, shape, capacity), gpu_tables, cpu_tier),
       partitions_(table_, cpu_pool_),
       lru_(config.timestamp_buckets) {
   if (!cpu_tier.host_accessible() || !gpu_tables.host_accessible()) {
@@ -85,7 +90,7 @@ AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const Req
   for (const auto& [id, s] : requests_) a.gpu_pages_reclaimable += heads() * reclaimable_slots(s);
   a.cpu_pages_needed = heads() * pages_for_tokens(prompt_tokens, config_.page_tokens);
   a.cpu_pages_free = cpu_pool_.available();
-  a.admit = a.request_slot_free && budget.mandatory_pages > 0 &&
+  a.admit = a.request_slot_free && budget.mandatory_pages > 0 && slots <= table_.geometry().max_gpu_pages_per_head &&
             a.gpu_pages_needed <= a.gpu_pages_free + a.gpu_pages_reclaimable && a.cpu_pages_needed <= a.cpu_pages_free;
   return a;
 }
@@ -348,13 +353,12 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
   const bool fills_tail = slot + 1 == config_.page_tokens;
   if (fills_tail) {
     // The full tail becomes a one-page partition per head: check all heads first.
-    SegmentDemand demand;
-    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) demand += table_.append_demand(request, layer, h, 1, 1);
-    if (shape_.kv_heads > cpu_pool_.available()) {
+    const SaveDemand demand = save_demand(request, layer);
+    if (demand.saved_pages > cpu_pool_.available()) {
       fail(ErrorCode::resource_exhausted, "request {} layer {}: saving the full tail needs {} CPU pages, {} free",
-           request, layer, shape_.kv_heads, cpu_pool_.available());
+           request, layer, demand.saved_pages, cpu_pool_.available());
     }
-    table_.check_segments(demand);
+    table_.check_segments(demand.segments);
   }
   const std::size_t row = layout_.row_bytes();
   moves_.resize(2 * std::size_t{shape_.kv_heads});
@@ -419,28 +423,27 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
   stats_.bytes_loaded += out.plan.copies.size() * layout_.page_bytes();
 }
 
-void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions,
-                                 std::span<const PartitionSpec> specs) {
-  RequestState& s = state(request);
-  check_index("layer", layer, shape_.layers);
+void TieredKVBuffer::regroup_demand(RequestId request, std::uint32_t layer,
+                                    std::span<const PartitionId> first_partitions,
+                                    std::span<const PartitionSpec> specs, bool pending_page, SaveDemand& out,
+                                    std::vector<SegmentDemand>& segments) const {
   if (first_partitions.size() != shape_.kv_heads || specs.size() != shape_.kv_heads) {
     fail(ErrorCode::invalid_argument, "repartition needs one first partition and one spec per kv head ({}), got {} / {}",
          shape_.kv_heads, first_partitions.size(), specs.size());
   }
-  // Everything is checked before anything changes: the run's rows live only
-  // in the CPU tier until the new partitions hold them.
-  std::uint64_t new_pages = 0, dropped_pages = 0;
-  SegmentDemand demand;
+  std::vector<PageId> dropped;
+  segments.assign(shape_.kv_heads, SegmentDemand{});
+  out.regroup_pages = 0;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const std::uint32_t count = table_.partition_count(request, layer, h);
     if (first_partitions[h] > count) {
       fail(ErrorCode::out_of_range, "repartition: kv head {} has {} partitions, first is {}", h, count,
            first_partitions[h]);
     }
-    std::uint64_t tokens = 0;
+    std::uint64_t tokens = pending_page ? config_.page_tokens : 0;
     for (PartitionId p = first_partitions[h]; p < count; ++p) {
       tokens += table_.meta(request, layer, h, p).token_count();
-      dropped_pages += table_.page_count(request, layer, h, p);
+      table_.cpu_pages(request, layer, h, p, dropped);
     }
     if (tokens != specs[h].token_count()) {
       fail(ErrorCode::invalid_argument, "repartition: kv head {} regroups {} tokens, its spec covers {}", h, tokens,
@@ -455,14 +458,62 @@ void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::sp
       }
       head_pages += pages;
     }
-    demand += table_.replace_demand(request, layer, h, first_partitions[h], specs[h].partition_count(), head_pages);
-    new_pages += head_pages;
+    // The run's entries are dropped first, so the new partitions replace them
+    // (and reuse their segments) rather than being added on top.
+    segments[h] = table_.replace_demand(request, layer, h, first_partitions[h], specs[h].partition_count(), head_pages);
+    out.regroup_pages += head_pages;
   }
-  // The run's pages are freed before the new ones are taken.
-  if (new_pages > cpu_pool_.available() + dropped_pages) {
-    fail(ErrorCode::resource_exhausted, "repartition needs {} CPU pages; {} free plus {} freed by the run", new_pages,
-         cpu_pool_.available(), dropped_pages);
+  // Dropping the runs releases each page once per use, and a page returns to
+  // the pool with its last reference: one a shared prefix still holds stays.
+  // A tail page saved just before is the run's alone.
+  out.freed_pages = pending_page ? shape_.kv_heads : 0;
+  std::sort(dropped.begin(), dropped.end());
+  for (auto i = dropped.begin(); i != dropped.end();) {
+    const auto next = std::upper_bound(i, dropped.end(), *i);
+    if (static_cast<std::uint32_t>(next - i) == cpu_pool_.ref_count(*i)) ++out.freed_pages;
+    i = next;
   }
+}
+
+SaveDemand TieredKVBuffer::save_demand(RequestId request, std::uint32_t layer,
+                                       std::span<const PartitionId> first_partitions,
+                                       std::span<const PartitionSpec> specs) const {
+  state(request);
+  check_index("layer", layer, shape_.layers);
+  SaveDemand demand;
+  demand.saved_pages = shape_.kv_heads;
+  std::vector<SegmentDemand> regroup;
+  if (!first_partitions.empty() || !specs.empty()) {
+    regroup_demand(request, layer, first_partitions, specs, true, demand, regroup);
+  }
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    SegmentDemand head = table_.append_demand(request, layer, h, 1, 1);  // the save, checked against the maxima
+    if (!regroup.empty()) {  // then the regroup: whichever point needs more segments
+      head.meta = std::max(head.meta, regroup[h].meta);
+      head.offsets = std::max(head.offsets, regroup[h].offsets);
+      head.cpu_pages = std::max(head.cpu_pages, regroup[h].cpu_pages);
+    }
+    demand.segments += head;
+  }
+  return demand;
+}
+
+void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions,
+                                 std::span<const PartitionSpec> specs) {
+  RequestState& s = state(request);
+  check_index("layer", layer, shape_.layers);
+  // Everything is checked before anything changes: the run's rows live only
+  // in the CPU tier until the new partitions hold them.
+  SaveDemand regroup;
+  std::vector<SegmentDemand> heads;
+  regroup_demand(request, layer, first_partitions, specs, false, regroup, heads);
+  // The runs' pages are freed before the new ones are taken.
+  if (regroup.regroup_pages > cpu_pool_.available() + regroup.freed_pages) {
+    fail(ErrorCode::resource_exhausted, "repartition needs {} CPU pages; {} free plus {} freed by the run",
+         regroup.regroup_pages, cpu_pool_.available(), regroup.freed_pages);
+  }
+  SegmentDemand demand;
+  for (const SegmentDemand& head : heads) demand += head;
   table_.check_segments(demand);
 
   // Gather every head's run (rows in page order: [token][K row, V row]), drop

@@ -14,6 +14,7 @@ namespace {
 
 static_assert(SparseAttention<RetroInferPolicy>);
 static_assert(CustomAttend<RetroInferPolicy>);
+static_assert(DeclaresHeadCapacity<RetroInferPolicy>);
 
 // K/V of one layer, [token][kv_head][dim], as the facade hands them to a policy.
 struct Kv {
@@ -323,6 +324,73 @@ TEST_CASE("retroinfer respects its token budget and mandatory pages", "[retroinf
   const std::uint32_t pages = defaults.mandatory_pages(context(32, 8, 128, 16, 128 * 1024));
   REQUIRE(pages >= 2048 / 16);
   REQUIRE(pages <= 2 * 2048 / 16 + 100);
+}
+
+TEST_CASE("retroinfer's head capacity and mandatory pages bound what it builds and selects", "[retroinfer]") {
+  // Random options around the page size: clusters smaller and larger than a
+  // page, short windows and frequent updates (re-index runs shorter than a
+  // cluster), prompts from one token to several segments.
+  std::mt19937 rng(12);
+  constexpr std::uint32_t kv_heads = 2, q_heads = 4, dim = 8, total = 700;
+  const Kv kv = random_kv(total, kv_heads, dim, rng);
+  std::normal_distribution<float> normal;
+  const auto pick = [&](std::initializer_list<std::uint32_t> values) {
+    return *(values.begin() + rng() % values.size());
+  };
+  for (int run = 0; run < 300; ++run) {
+    RetroInferPolicy::Options o;
+    const std::uint32_t page = pick({1, 8, 16, 32, 64});
+    o.tokens_per_cluster = pick({3, 16, 40});
+    o.segment_tokens = pick({64, 8192});
+    o.window_tokens = pick({0, 10, 64});
+    o.sink_tokens = pick({0, 4, 20});
+    o.update_tokens = pick({8, 50, 1024});
+    o.budget_tokens = pick({1, 100, 300, 100000});
+    const std::uint32_t prompt = pick({1, 30, 90, 400});
+    CAPTURE(run, page, o.tokens_per_cluster, o.segment_tokens, o.window_tokens, o.sink_tokens, o.update_tokens,
+            o.budget_tokens, prompt);
+    const RetroInferPolicy policy(o);
+    const std::uint32_t mandatory = policy.mandatory_pages(context(q_heads, kv_heads, dim, page, total));
+    REQUIRE(mandatory <= policy.head_capacity(context(q_heads, kv_heads, dim, page, total)).cpu_pages);
+    LayerContext ctx = context(q_heads, kv_heads, dim, page, prompt);
+    RetroInferPolicy::LayerState state;
+    Layout layout(policy.index(ctx, kv.view(0, prompt), state));
+    const auto check_held = [&](std::uint32_t tokens) {
+      const HeadCapacity cap = policy.head_capacity(context(q_heads, kv_heads, dim, page, tokens));
+      for (std::uint32_t h = 0; h < kv_heads; ++h) {
+        std::vector<PartitionId> all(layout.parts[h].size());
+        std::iota(all.begin(), all.end(), PartitionId{0});
+        REQUIRE(all.size() <= cap.partitions);
+        REQUIRE(layout.pages(h, all, page) <= cap.cpu_pages);
+      }
+    };
+    check_held(prompt);
+    for (std::uint32_t tokens = prompt; tokens + page <= total;) {
+      std::vector<float> q(std::size_t{q_heads} * dim);
+      for (float& x : q) x = normal(rng);
+      Selection selection;
+      policy.select(ctx, DecodeQuery{q, tokens}, state, selection);
+      for (std::uint32_t h = 0; h < kv_heads; ++h) REQUIRE(layout.pages(h, selection.partitions[h], page) <= mandatory);
+      const auto ids = layout.append_page(tokens, page);
+      tokens += page;
+      check_held(tokens);  // the saved page, before the re-index it may trigger
+      ctx.tokens = tokens;
+      if (const auto repartition = policy.append(ctx, AppendedPage{kv.view(tokens - page, page), ids}, state)) {
+        layout.apply(*repartition);
+        check_held(tokens);
+      }
+    }
+  }
+  // Clusters of 16 tokens in 32-token pages: more partitions than pages, up to
+  // about three times the pages; in 8-token pages, fewer partitions.
+  RetroInferPolicy::Options wide;
+  wide.budget_tokens = 64;
+  const RetroInferPolicy policy(wide);
+  CHECK(policy.head_capacity(context(4, 1, 16, 32, 2048)).partitions == 130);
+  CHECK(policy.head_capacity(context(4, 1, 16, 32, 2048)).cpu_pages == 190);
+  CHECK(policy.head_capacity(context(4, 1, 16, 8, 1100)).partitions == 139);
+  CHECK(policy.head_capacity(context(4, 1, 16, 8, 1100)).cpu_pages == 199);
+  REQUIRE_SPARSEKV_ERROR(policy.head_capacity(context(4, 1, 16, 0, 100)), ErrorCode::invalid_argument);
 }
 
 TEST_CASE("retroinfer with a budget covering the context equals Dense", "[retroinfer]") {

@@ -69,6 +69,18 @@ struct RequestBudget {
   std::uint32_t buffer_pages = 0;
 };
 
+// What a decode append that fills the tail takes, with the regroup that may
+// follow it (TieredKVBuffer::save_demand). The save takes `saved_pages` CPU
+// pages; the regroup then returns `freed_pages` to the pool (its runs' pages,
+// the saved ones included, that no other request shares) before it takes
+// `regroup_pages`.
+struct SaveDemand {
+  std::uint64_t saved_pages = 0;
+  std::uint64_t freed_pages = 0;
+  std::uint64_t regroup_pages = 0;
+  SegmentDemand segments;  // metadata segments beyond those mapped now, at the most demanding point
+};
+
 struct AdmissionAdvice {
   bool admit = false;
   bool request_slot_free = false;
@@ -126,9 +138,13 @@ class TieredKVBuffer {
   // A backend of its own: GPU-tier pages from `gpu_pages` (device memory when
   // `transfer` reaches it), the meta-partition and GPU page tables in
   // host-accessible `gpu_tables`, bytes moved by `transfer`. All three must
-  // outlive the buffer.
+  // outlive the buffer. `capacity`: the most partitions and CPU pages a head
+  // can hold (the policy's, or Config::head_capacity()); the page table is
+  // sized for it.
   TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier, MemoryResource& gpu_pages,
                  MemoryResource& gpu_tables, PageTransfer& transfer);
+  TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier, MemoryResource& gpu_pages,
+                 MemoryResource& gpu_tables, PageTransfer& transfer, const HeadCapacity& capacity);
 
   // Registers a request and gives it its GPU pages, reclaiming buffering
   // pages from other requests when the GPU tier is short.
@@ -150,6 +166,15 @@ class TieredKVBuffer {
   // partitions are evicted first; the CPU tier keeps every byte.
   void repartition(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions,
                    std::span<const PartitionSpec> specs);
+  // Sizes an append() that fills the tail of `layer` (the full tail becomes a
+  // one-page partition per kv head) followed, when `specs` is not empty, by
+  // repartition(request, layer, first_partitions, specs) over runs that end
+  // with the saved pages: a policy regrouping as a decode page arrives. The
+  // runs are replaced, not added to. Throws what those two calls would for
+  // bad arguments or the page table's per-head maxima (at both points);
+  // changes nothing. Pools are the caller's to check, in call order.
+  SaveDemand save_demand(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions = {},
+                         std::span<const PartitionSpec> specs = {}) const;
 
   void resize(RequestId request, std::uint32_t slots_per_head);
   // Frees at least `gpu_pages` GPU pages if the requests' buffering allows;
@@ -198,6 +223,13 @@ class TieredKVBuffer {
   void grow_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void shrink_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void evict_partition(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
+  // repartition's checks over runs [first_partitions[h], end), extended by one
+  // full page per head not saved yet when `pending_page`; sets `out`'s freed
+  // and regroup pages, and `segments[h]` to what head h demands once its run
+  // is replaced.
+  void regroup_demand(RequestId request, std::uint32_t layer, std::span<const PartitionId> first_partitions,
+                      std::span<const PartitionSpec> specs, bool pending_page, SaveDemand& out,
+                      std::vector<SegmentDemand>& segments) const;
 
   HostPageTransfer host_transfer_;  // used when no transfer is given
   PageTransfer* transfer_;

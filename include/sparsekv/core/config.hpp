@@ -11,6 +11,15 @@
 
 namespace sparsekv {
 
+// The most partitions and CPU pages one (request, layer, kv head) holds: what
+// the page table's per-head directories are sized for. A policy whose
+// partitions can outnumber or outweigh the default (Config::head_capacity)
+// declares its own (policy/sparse_attention.hpp).
+struct HeadCapacity {
+  std::uint32_t partitions = 0;
+  std::uint32_t cpu_pages = 0;
+};
+
 struct Config {
   // Tokens per head-wise page. A power of two so that token -> page is a shift.
   std::uint32_t page_tokens = 8;
@@ -41,6 +50,11 @@ struct Config {
   std::uint32_t max_pages_per_head() const noexcept {
     return static_cast<std::uint32_t>((std::uint64_t{max_context_tokens} + page_tokens - 1) / page_tokens);
   }
+  // Without a policy's own bound: a partition starts on a page boundary, so a
+  // head has at most one partition per page; variable-size partitions pad
+  // their last page, which at most doubles the pages while partitions average
+  // at least a page of tokens.
+  HeadCapacity head_capacity() const noexcept { return {max_pages_per_head(), 2 * max_pages_per_head()}; }
 };
 
 }  // namespace sparsekv

@@ -80,6 +80,13 @@ struct PolicyOps {
                      std::span<AttentionPartial> extra) {
     if constexpr (CustomAttend<P>) p.attend(c, q, s, sel, extra);
   }
+  static std::optional<HeadCapacity> head_capacity(const P& p, const LayerContext& c) {
+    if constexpr (DeclaresHeadCapacity<P>) {
+      return p.head_capacity(c);
+    } else {
+      return std::nullopt;
+    }
+  }
 };
 template <>
 struct PolicyOps<AnyPolicy> {
@@ -89,6 +96,9 @@ struct PolicyOps<AnyPolicy> {
   static void attend(const AnyPolicy& p, const LayerContext& c, const DecodeQuery& q, const State& s,
                      const Selection& sel, std::span<AttentionPartial> extra) {
     p.attend(c, q, s, sel, extra);
+  }
+  static std::optional<HeadCapacity> head_capacity(const AnyPolicy& p, const LayerContext& c) {
+    return p.head_capacity(c);
   }
 };
 
@@ -110,8 +120,9 @@ class Manager {
           std::unique_ptr<Backend> backend = std::make_unique<HostBackend>())
       : shape_(shape), config_(config), policy_(std::move(policy)), backend_(std::move(backend)) {
     if (!backend_) fail(ErrorCode::invalid_argument, "Manager: backend must not be null");
+    config_.validate(shape_);  // before the policy sizes anything from it
     buffer_ = std::make_unique<TieredKVBuffer>(shape, config, backend_->cpu_tier(), backend_->gpu_pages(),
-                                               backend_->gpu_tables(), backend_->transfer());
+                                               backend_->gpu_tables(), backend_->transfer(), head_capacity());
   }
 
   // The per-(layer, kv head) mandatory pages the policy needs for a request of
@@ -232,6 +243,20 @@ class Manager {
     std::vector<LayerState> layers;
   };
 
+  // What the page table is sized for per head: the policy's own bound for a
+  // request of max_context_tokens (over all layers), or the default: no
+  // admitted request outgrows it mid-run.
+  HeadCapacity head_capacity() const {
+    std::optional<HeadCapacity> most;
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      if (const auto c = Ops::head_capacity(policy_, context(l, config_.max_context_tokens))) {
+        most = HeadCapacity{std::max(c->partitions, most ? most->partitions : 0u),
+                            std::max(c->cpu_pages, most ? most->cpu_pages : 0u)};
+      }
+    }
+    return most ? *most : config_.head_capacity();
+  }
+
   // The AttendPlan of the last step's retrievals (batch entries 0 .. batch).
   void build_plan(std::size_t batch) {
     plan_.clear();
@@ -310,7 +335,12 @@ class Manager {
 
     const auto t0 = Clock::now();
     pending_.resize(batch.size());
-    std::uint64_t cpu_pages = 0;
+    // The commits below run in batch order: a save takes its pages, then a
+    // regroup frees its run's pages before it takes its own. Replaying that on
+    // a count of free CPU pages makes the check exact: it neither refuses a
+    // step that fits nor lets a regroup fail half-way. Segments are summed
+    // without what earlier regroups free: a slight overestimate.
+    std::uint64_t cpu_free = buffer_->cpu_pool().available();
     SegmentDemand segments;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const RequestId id = batch[b];
@@ -334,24 +364,27 @@ class Manager {
       }
       next.state = ls.policy;  // the policy commits to the page only if the step does
       next.regroup = policy_.append(context(layer, tokens), page, next.state);
-      cpu_pages += shape_.kv_heads;
-      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-        std::uint64_t partitions = 1, pages = 1;  // the saved tail page
-        if (next.regroup) {
+      SaveDemand demand;
+      if (next.regroup) {
+        for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
           check_regroup(id, layer, h, *next.regroup, page.partitions[h]);
-          const PartitionSpec& spec = next.regroup->specs[h];
-          partitions += spec.partition_count();
-          for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
-            pages += pages_for_tokens(spec.size(p), config_.page_tokens);
-          }
-          cpu_pages += pages - 1;  // counted without the pages the regroup frees: conservative
         }
-        segments += buffer_->table().append_demand(id, layer, h, partitions, pages);
+        demand = buffer_->save_demand(id, layer, next.regroup->first_partitions, next.regroup->specs);
+      } else {
+        demand = buffer_->save_demand(id, layer);
       }
-    }
-    if (cpu_pages > buffer_->cpu_pool().available()) {
-      fail(ErrorCode::resource_exhausted, "decode: saving full tail pages (and regrouping) needs {} CPU pages, {} free",
-           cpu_pages, buffer_->cpu_pool().available());
+      if (demand.saved_pages > cpu_free) {
+        fail(ErrorCode::resource_exhausted, "decode: saving the full tail of request {} needs {} CPU pages, {} free",
+             id, demand.saved_pages, cpu_free);
+      }
+      cpu_free -= demand.saved_pages;
+      if (demand.regroup_pages > cpu_free + demand.freed_pages) {
+        fail(ErrorCode::resource_exhausted,
+             "decode: the regroup of request {} needs {} CPU pages; {} free plus {} freed by its run", id,
+             demand.regroup_pages, cpu_free, demand.freed_pages);
+      }
+      cpu_free = cpu_free + demand.freed_pages - demand.regroup_pages;
+      segments += demand.segments;
     }
     buffer_->table().check_segments(segments);
 

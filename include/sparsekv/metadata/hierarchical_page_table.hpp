@@ -46,10 +46,12 @@ struct PageTableGeometry {
   std::uint32_t offset_segments = 0;
   std::uint32_t cpu_page_segments = 0;
 
-  // Directories sized for Config's max_requests and max_context_tokens; pools
-  // sized for the pages the two tiers can hold, plus one partly filled segment
-  // per head and table.
+  // Directories sized for Config's max_requests and `capacity` per head
+  // (Config::head_capacity() unless a policy declares its own); pools sized
+  // for the pages the two tiers can hold, plus one partly filled segment per
+  // head and table.
   static PageTableGeometry for_config(const Config& config, const ModelShape& shape);
+  static PageTableGeometry for_config(const Config& config, const ModelShape& shape, const HeadCapacity& capacity);
   void validate() const;
   std::size_t instances() const noexcept { return std::size_t{max_requests} * layers * kv_heads; }
 };

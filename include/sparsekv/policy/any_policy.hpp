@@ -40,6 +40,8 @@ class AnyPolicy {
     impl_->attend(ctx, q, state, s, extra);
   }
   std::uint32_t mandatory_pages(const LayerContext& ctx) const { return impl_->mandatory_pages(ctx); }
+  // The policy's HeadCapacity; nullopt when it declares none.
+  std::optional<HeadCapacity> head_capacity(const LayerContext& ctx) const { return impl_->head_capacity(ctx); }
 
  private:
   struct Concept {
@@ -54,6 +56,7 @@ class AnyPolicy {
     virtual void attend(const LayerContext&, const DecodeQuery&, const std::any&, const Selection&,
                         std::span<AttentionPartial>) const = 0;
     virtual std::uint32_t mandatory_pages(const LayerContext&) const = 0;
+    virtual std::optional<HeadCapacity> head_capacity(const LayerContext&) const = 0;
   };
 
   template <class P>
@@ -78,6 +81,13 @@ class AnyPolicy {
       if constexpr (CustomAttend<P>) policy.attend(c, q, std::any_cast<const State&>(s), sel, extra);
     }
     std::uint32_t mandatory_pages(const LayerContext& c) const override { return policy.mandatory_pages(c); }
+    std::optional<HeadCapacity> head_capacity(const LayerContext& c) const override {
+      if constexpr (DeclaresHeadCapacity<P>) {
+        return policy.head_capacity(c);
+      } else {
+        return std::nullopt;
+      }
+    }
     P policy;
   };
 

@@ -132,7 +132,15 @@ class RetroInferPolicy {
   // zone of its kv head (nothing without `estimation` or with a full budget).
   void attend(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, const Selection& selection,
               std::span<AttentionPartial> extra) const;
+  // The most pages one select() returns per kv head while the request holds at
+  // most ctx.tokens tokens, never more than head_capacity's pages.
   std::uint32_t mandatory_pages(const LayerContext& ctx) const;
+  // The most partitions and CPU pages one kv head holds with at most
+  // ctx.tokens tokens: clusters average tokens_per_cluster tokens and pad
+  // their last page, so with clusters smaller than a page a head holds more
+  // partitions than pages, and up to about (1 + page_tokens /
+  // tokens_per_cluster) times the context's pages.
+  HeadCapacity head_capacity(const LayerContext& ctx) const;
 
  private:
   Options options_;

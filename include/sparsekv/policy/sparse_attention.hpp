@@ -20,6 +20,14 @@
 //   p.attend(ctx, q, state, s, extra)  one AttentionPartial per q head, merged
 //                               by log-sum-exp with the exact attention over
 //                               the selected pages (RetroInfer's estimation zone)
+// and optionally (DeclaresHeadCapacity)
+//   p.head_capacity(ctx)        the most partitions and CPU pages one kv head
+//                               holds while the request holds at most
+//                               ctx.tokens tokens; the page table is sized for
+//                               it at max_context_tokens. Without it:
+//                               Config::head_capacity() (one partition per
+//                               page, twice the pages), too small for
+//                               partitions smaller than a page (RetroInfer's)
 //
 // Policies see fp32 copies of q/k/v; the facade converts the engine's dtype.
 // Adding an algorithm is one header: examples/custom_policy.cpp.
@@ -32,6 +40,7 @@
 #include <vector>
 
 #include "sparsekv/attention/attention_partial.hpp"
+#include "sparsekv/core/config.hpp"
 #include "sparsekv/core/ids.hpp"
 #include "sparsekv/partition/partition_spec.hpp"
 
@@ -125,6 +134,11 @@ concept CustomAttend = SparseAttention<P> &&
              const Selection& selection, std::span<AttentionPartial> extra) {
       { policy.attend(ctx, q, state, selection, extra) } -> std::same_as<void>;
     };
+
+template <class P>
+concept DeclaresHeadCapacity = SparseAttention<P> && requires(const P& policy, const LayerContext& ctx) {
+  { policy.head_capacity(ctx) } -> std::same_as<HeadCapacity>;
+};
 
 // Entry checks the policies share; `policy` names the policy in the message.
 // All throw invalid_argument. check_kv_view checks the context too; values
