@@ -59,7 +59,7 @@ struct ManagerStats {
   CacheStepStats cache;            // hits + misses = selected pages
   std::uint64_t pages_moved = 0;   // CPU -> GPU by Retrieve
   std::uint64_t bytes_moved = 0;
-  std::uint64_t pages_saved = 0;   // GPU tail -> CPU by decode appends
+  std::uint64_t pages_saved = 0;   // GPU tail -> CPU by decode appends, one per kv head (as BufferStats)
   std::uint64_t decode_steps = 0;  // (request, layer) decode steps
   // Wall time per operation, seconds.
   double index_s = 0, offload_s = 0, append_s = 0, select_s = 0, retrieve_s = 0, attend_s = 0;
@@ -370,7 +370,7 @@ class Manager {
         ls.policy = std::move(next.state);
         ls.recent_k.clear();
         ls.recent_v.clear();
-        ++stats_.pages_saved;
+        stats_.pages_saved += shape_.kv_heads;  // one page per kv head, as BufferStats counts
       } else {
         for (std::size_t i = 0; i < row; ++i) {
           ls.recent_k.push_back(load_element(k_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
