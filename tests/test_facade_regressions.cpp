@@ -43,6 +43,17 @@ std::vector<float> normal_values(std::mt19937& rng, std::size_t n, float mean = 
   return out;
 }
 
+std::string error_text(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    REQUIRE(e.code() == ErrorCode::invalid_argument);
+    return e.what();
+  }
+  FAIL("no sparsekv::Error thrown");
+  return {};
+}
+
 }  // namespace
 
 TEST_CASE("Facade: ManagerStats::pages_saved counts pages, one per kv head, like BufferStats", "[facade]") {
@@ -64,3 +75,88 @@ TEST_CASE("Facade: ManagerStats::pages_saved counts pages, one per kv head, like
   REQUIRE(manager.stats().pages_saved == manager.buffer().stats().pages_saved);
 }
 
+TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, and changes nothing", "[facade][errors]") {
+  for (DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+    INFO(to_string(dtype));
+    const ModelShape shape{1, 4, 2, 8, dtype};
+    constexpr std::uint32_t row = 2 * 8;
+    const std::size_t elem = dtype_size(dtype);
+    const Config config = small_config(shape, 8, 64);
+    RuntimeManager manager(shape, config, make_policy("quest", 16));
+    RuntimeManager twin(shape, config, make_policy("quest", 16));  // never sees the bad calls
+    std::mt19937 rng(8);
+    const auto encode = [&](const std::vector<float>& x) {
+      std::vector<std::byte> out(x.size() * elem);
+      for (std::size_t i = 0; i < x.size(); ++i) store_element(out.data(), static_cast<std::uint32_t>(i), dtype, x[i]);
+      return out;
+    };
+    const std::vector<std::byte> k = encode(normal_values(rng, 15 * row)), v = encode(normal_values(rng, 15 * row));
+    const auto poisoned = [&](const std::vector<std::byte>& x, std::size_t i, float value) {
+      std::vector<std::byte> out = x;
+      store_element(out.data(), static_cast<std::uint32_t>(i), dtype, value);
+      return out;
+    };
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    for (RuntimeManager* m : {&manager, &twin}) {
+      m->add_request(7, 64);
+      m->add_request(9, 64);
+    }
+
+    // Prefill: token 5, kv head 1, dim 3 of k; token 6, kv head 0 of v.
+    const auto bad_k = poisoned(k, 5 * row + 8 + 3, nan), bad_v = poisoned(v, 6 * row + 2, -inf);
+    std::string what = error_text([&] { manager.prefill(7, 0, bad_k.data(), v.data(), 7); });
+    CHECK(what.find("request 7") != std::string::npos);
+    CHECK(what.find("token 5") != std::string::npos);
+    CHECK(what.find("kv head 1") != std::string::npos);
+    what = error_text([&] { manager.prefill(7, 0, k.data(), bad_v.data(), 7); });
+    CHECK(what.find("token 6") != std::string::npos);
+    CHECK(what.find("kv head 0") != std::string::npos);
+    REQUIRE(manager.buffer().sequence_length(7, 0) == 0);
+    REQUIRE(manager.buffer().cpu_pool().used() == 0);
+    const std::vector<std::byte> q = encode(normal_values(rng, 2 * 4 * 8));
+    std::vector<float> out(2 * 4 * 8, -1.0f), want(out.size());
+    for (RuntimeManager* m : {&manager, &twin}) {
+      m->prefill(7, 0, k.data(), v.data(), 7);
+      m->prefill(9, 0, k.data(), v.data(), 12);
+      for (std::uint32_t t = 7; t < 14; ++t) {  // request 7's tail: one token short of a page
+        m->decode(std::vector<RequestId>{7}, 0, q.data(), k.data() + t * row * elem, v.data() + t * row * elem,
+                  want.data());
+      }
+    }
+    const std::uint64_t steps = manager.stats().decode_steps;
+
+    // Decode: the batch's second entry (request 9, position 12) carries a non-finite k_new / v_new.
+    const std::vector<RequestId> batch{7, 9};
+    std::vector<std::byte> k_new(2 * row * elem), v_new(2 * row * elem);
+    std::memcpy(k_new.data(), k.data() + 14 * row * elem, row * elem);
+    std::memcpy(k_new.data() + row * elem, k.data() + 12 * row * elem, row * elem);
+    std::memcpy(v_new.data(), v.data() + 14 * row * elem, row * elem);
+    std::memcpy(v_new.data() + row * elem, v.data() + 12 * row * elem, row * elem);
+    const std::uint64_t used = manager.buffer().cpu_pool().used();
+    for (const auto& [bad, value, is_k] : {std::tuple{poisoned(k_new, row + 9, inf), inf, true},
+                                           std::tuple{poisoned(v_new, row + 1, nan), nan, false}}) {
+      const void* kn = is_k ? bad.data() : k_new.data();
+      const void* vn = is_k ? v_new.data() : bad.data();
+      what = error_text([&] { manager.decode(batch, 0, q.data(), kn, vn, out.data()); });
+      CHECK(what.find("request 9") != std::string::npos);
+      CHECK(what.find("token 12") != std::string::npos);
+      CHECK(what.find(is_k ? "kv head 1" : "kv head 0") != std::string::npos);
+      what = error_text([&] { manager.plan(batch, 0, q.data(), kn, vn); });
+      CHECK(what.find("request 9") != std::string::npos);
+    }
+    REQUIRE(manager.buffer().sequence_length(7, 0) == 14);  // request 7's full tail page was not saved either
+    REQUIRE(manager.buffer().tail_tokens(7, 0) == 7);
+    REQUIRE(manager.buffer().sequence_length(9, 0) == 12);
+    REQUIRE(manager.buffer().cpu_pool().used() == used);
+    REQUIRE(manager.stats().decode_steps == steps);
+    REQUIRE(manager.stats().pages_saved == 0);
+    REQUIRE(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));
+    manager.buffer().validate();
+
+    // The refused calls left nothing behind: the same good step gives the twin's output bit for bit.
+    manager.decode(batch, 0, q.data(), k_new.data(), v_new.data(), out.data());
+    twin.decode(batch, 0, q.data(), k_new.data(), v_new.data(), want.data());
+    REQUIRE(std::memcmp(out.data(), want.data(), out.size() * sizeof(float)) == 0);
+    REQUIRE(std::all_of(out.begin(), out.end(), [](float x) { return std::isfinite(x); }));
+  }
+}

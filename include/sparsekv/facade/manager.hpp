@@ -43,6 +43,7 @@
 #include <optional>
 #include <type_traits>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "sparsekv/attention/decode_attention.hpp"
@@ -155,6 +156,8 @@ class Manager {
     const std::size_t n = std::size_t{tokens} * shape_.kv_heads * shape_.head_dim;
     to_float(k, n, keys_);
     to_float(v, n, values_);
+    check_finite("prefill k", request, keys_, 0);
+    check_finite("prefill v", request, values_, 0);
     const auto t0 = Clock::now();
     const KvView view{keys_, values_, tokens, shape_.kv_heads, shape_.head_dim, 0};
     std::vector<PartitionSpec> specs = policy_.index(context(layer, tokens), view, ls.policy);
@@ -272,6 +275,17 @@ class Manager {
     out.resize(n);
     for (std::size_t i = 0; i < n; ++i) out[i] = load_element(data, static_cast<std::uint32_t>(i), shape_.dtype);
   }
+  // Non-finite K/V must never reach the CPU tier, the source of truth: every
+  // later output attending it would be NaN. `kv` holds [token][kv_head][dim]
+  // rows, the first at sequence position `first`.
+  void check_finite(std::string_view what, RequestId request, std::span<const float> kv, std::uint32_t first) const {
+    const auto bad = std::find_if(kv.begin(), kv.end(), [](float x) { return !std::isfinite(x); });
+    if (bad == kv.end()) return;
+    const auto i = static_cast<std::size_t>(bad - kv.begin());
+    const std::size_t row = std::size_t{shape_.kv_heads} * shape_.head_dim;
+    fail(ErrorCode::invalid_argument, "{} of request {}: token {} kv head {} (dim {}) is not finite", what, request,
+         first + i / row, i % row / shape_.head_dim, i % shape_.head_dim);
+  }
 
   // Append + Select + Retrieve for every request of the batch. Plans first:
   // a request whose tail this token fills shows the full page to the policy on
@@ -301,11 +315,20 @@ class Manager {
     const std::size_t elem = dtype_size(shape_.dtype);
     const auto k_row = [&](std::size_t b) { return static_cast<const std::byte*>(k_new) + b * row * elem; };
     const auto v_row = [&](std::size_t b) { return static_cast<const std::byte*>(v_new) + b * row * elem; };
+    const auto new_k = [&](std::size_t b) { return std::span<const float>(keys_).subspan(b * row, row); };
+    const auto new_v = [&](std::size_t b) { return std::span<const float>(values_).subspan(b * row, row); };
     to_float(q, batch.size() * qd, queries_);
     for (std::size_t i = 0; i < queries_.size(); ++i) {
       if (!std::isfinite(queries_[i])) {
         fail(ErrorCode::invalid_argument, "decode: q value {} of request {} is not finite", i % qd, batch[i / qd]);
       }
+    }
+    to_float(k_new, batch.size() * row, keys_);
+    to_float(v_new, batch.size() * row, values_);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::uint32_t position = buffer_->sequence_length(batch[b], layer);
+      check_finite("decode k_new", batch[b], new_k(b), position);
+      check_finite("decode v_new", batch[b], new_v(b), position);
     }
 
     const auto t0 = Clock::now();
@@ -321,10 +344,8 @@ class Manager {
       if (!next.saves) continue;
       next.page_k = ls.recent_k;
       next.page_v = ls.recent_v;
-      for (std::size_t i = 0; i < row; ++i) {
-        next.page_k.push_back(load_element(k_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
-        next.page_v.push_back(load_element(v_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
-      }
+      next.page_k.insert(next.page_k.end(), new_k(b).begin(), new_k(b).end());
+      next.page_v.insert(next.page_v.end(), new_v(b).begin(), new_v(b).end());
       const std::uint32_t tokens = buffer_->sequence_length(id, layer) + 1;
       AppendedPage page;
       page.page = KvView{next.page_k, next.page_v, config_.page_tokens, shape_.kv_heads, shape_.head_dim,
@@ -372,10 +393,8 @@ class Manager {
         ls.recent_v.clear();
         stats_.pages_saved += shape_.kv_heads;  // one page per kv head, as BufferStats counts
       } else {
-        for (std::size_t i = 0; i < row; ++i) {
-          ls.recent_k.push_back(load_element(k_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
-          ls.recent_v.push_back(load_element(v_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
-        }
+        ls.recent_k.insert(ls.recent_k.end(), new_k(b).begin(), new_k(b).end());
+        ls.recent_v.insert(ls.recent_v.end(), new_v(b).begin(), new_v(b).end());
       }
     }
     const auto t1 = Clock::now();
