@@ -19,6 +19,38 @@ using namespace sparsekv;
 
 namespace {
 
+// Selects the first `keep` partitions of every head and never the newest: a
+// custom policy relying on the facade for the decode token (keep 0 selects
+// nothing at all).
+struct OldestFirstPolicy {
+  struct Options {};
+  struct LayerState {
+    std::uint32_t partitions = 0;
+  };
+  static constexpr std::string_view kName = "oldest_first";
+  static constexpr RopeStage kRope = RopeStage::post_rope;
+
+  std::uint32_t keep = 1;
+  std::uint32_t mandatory = 1;
+
+  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
+    const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, ctx.page_tokens);
+    state.partitions = spec.partition_count();
+    return {spec};
+  }
+  std::optional<Repartition> append(const LayerContext&, const AppendedPage&, LayerState& state) const {
+    ++state.partitions;
+    return std::nullopt;
+  }
+  void select(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, Selection& out) const {
+    out.reset(ctx.kv_heads);
+    for (auto& ids : out.partitions) {
+      for (PartitionId p = 0; p < std::min(keep, state.partitions); ++p) ids.push_back(p);
+    }
+  }
+  std::uint32_t mandatory_pages(const LayerContext&) const { return mandatory; }
+};
+
 // Tiers for two requests of up to `request_tokens` tokens, with room for
 // RetroInfer's mandatory pages (up to one page per token); max_context_tokens
 // sizes the per-head GPU slot maximum to match.
@@ -55,6 +87,78 @@ std::string error_text(const std::function<void()>& call) {
 }
 
 }  // namespace
+
+TEST_CASE("Facade: can_admit agrees with add_request, huge max_tokens included", "[facade][errors]") {
+  constexpr ModelShape shape{2, 4, 2, 16, DType::f32};
+  Config config;
+  config.page_tokens = 8;
+  config.max_requests = 4;
+  config.max_context_tokens = 4096;
+  config.min_buffer_ratio = 5.0;  // a request's slots: 6 x its mandatory pages, at most 6144 per head
+  const std::size_t page = config.page_bytes(shape);
+  config.cpu_tier_bytes = std::size_t{4} * 600 * page;  // 2 x 2 heads: any prompt up to max_context_tokens fits
+  config.gpu_tier_bytes = std::size_t{4} * 8000 * page;  // more than the per-head maximum allows
+  config.host_chunk_bytes = 64 * page;
+
+  // The example: 4294967289 + 7 wrapped around in 32 bits.
+  for (const std::string& name : {"dense", "streaming"}) {
+    RuntimeManager m(shape, config, make_policy(name, 64));
+    const AdmissionAdvice a = m.can_admit(16, 4294967289u);
+    INFO(name << ": " << a.reason);
+    REQUIRE_FALSE(a.admit);
+    REQUIRE(a.reason.find("max_tokens") != std::string::npos);
+    REQUIRE_SPARSEKV_ERROR(m.add_request(1, 4294967289u), ErrorCode::invalid_argument);
+  }
+
+  std::vector<std::pair<std::string, std::function<AnyPolicy()>>> policies;
+  for (const std::string& name : {"dense", "streaming", "quest", "shadowkv", "retroinfer"}) {
+    policies.emplace_back(name, [name] { return make_policy(name, 3000); });
+  }
+  // Three pages per page of context: past the per-head GPU slot maximum for long requests.
+  policies.emplace_back("custom, large mandatory", [] { return AnyPolicy(OldestFirstPolicy{1, 0}); });
+  std::mt19937 rng(6);
+  std::uint32_t admitted = 0, refused = 0, beyond_slots = 0;
+  for (int draw = 0; draw < 400; ++draw) {
+    const auto& [name, make] = policies[draw % policies.size()];
+    std::uint32_t max_tokens = 0;
+    switch (rng() % 4) {
+      case 0: max_tokens = 1 + rng() % 4096; break;
+      case 1: max_tokens = 4096 - rng() % 1024; break;
+      case 2: max_tokens = 4096 + 1 + rng() % 0x7fffffffu; break;
+      default: max_tokens = 0xffffffffu - rng() % 64; break;
+    }
+    const std::uint32_t prompt = 1 + rng() % std::min(max_tokens, 4096u);
+    AnyPolicy policy = make();
+    if (name == "custom, large mandatory") {
+      policy = AnyPolicy(OldestFirstPolicy{1, 3 * ((std::min(max_tokens, 8192u) + 7) / 8) + 1});
+    }
+    RuntimeManager fresh(shape, config, policy);
+    const AdmissionAdvice advice = fresh.can_admit(prompt, max_tokens);
+    bool added = true;
+    std::string refusal;
+    try {
+      fresh.add_request(1, max_tokens);
+    } catch (const Error& e) {
+      added = false;
+      refusal = e.what();
+    }
+    INFO(name << ": prompt " << prompt << ", max_tokens " << max_tokens << "; advice: " << advice.reason
+              << "; add_request: " << refusal);
+    REQUIRE(advice.admit == added);
+    REQUIRE(advice.reason.empty() == advice.admit);
+    (added ? admitted : refused) += 1;
+    beyond_slots += refusal.find("exceed the maximum") != std::string::npos;
+  }
+  REQUIRE(admitted > 50);
+  REQUIRE(refused > 50);
+  REQUIRE(beyond_slots > 0);
+
+  // A prompt longer than max_tokens could not be prefilled.
+  RuntimeManager m(shape, config, make_policy("dense", 64));
+  const AdmissionAdvice longer = m.can_admit(65, 64);
+  REQUIRE_FALSE(longer.admit);
+  REQUIRE_FALSE(longer.reason.empty());
+}
 
 TEST_CASE("Facade: ManagerStats::pages_saved counts pages, one per kv head, like BufferStats", "[facade]") {
   constexpr ModelShape shape{2, 8, 4, 16, DType::f32};

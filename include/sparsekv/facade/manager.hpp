@@ -43,6 +43,7 @@
 #include <optional>
 #include <type_traits>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -125,14 +126,26 @@ class Manager {
     return RequestBudget{mandatory, 0};
   }
 
+  // Advice: admit is true exactly when add_request(id, max_tokens) would
+  // succeed now (for a new id) and a `prompt_tokens`-token prompt fits both
+  // max_tokens and the CPU tier; otherwise `reason` says why.
   AdmissionAdvice can_admit(std::uint32_t prompt_tokens, std::uint32_t max_tokens) const {
-    return buffer_->can_admit(prompt_tokens, budget(max_tokens));
+    if (std::string bad = max_tokens_refusal(max_tokens); !bad.empty()) {
+      AdmissionAdvice advice;
+      advice.reason = std::move(bad);
+      return advice;
+    }
+    AdmissionAdvice advice = buffer_->can_admit(prompt_tokens, budget(max_tokens));
+    if (advice.admit && prompt_tokens > max_tokens) {
+      advice.admit = false;
+      advice.reason = fmt::format("a {}-token prompt exceeds max_tokens {}", prompt_tokens, max_tokens);
+    }
+    return advice;
   }
 
   void add_request(RequestId request, std::uint32_t max_tokens) {
-    if (max_tokens == 0 || max_tokens > config_.max_context_tokens) {
-      fail(ErrorCode::invalid_argument, "request {}: max_tokens {} must be in [1, max_context_tokens = {}]", request,
-           max_tokens, config_.max_context_tokens);
+    if (std::string bad = max_tokens_refusal(max_tokens); !bad.empty()) {
+      fail(ErrorCode::invalid_argument, "request {}: {}", request, bad);
     }
     buffer_->add_request(request, budget(max_tokens));
     RequestState& s = requests_[request];
@@ -260,6 +273,12 @@ class Manager {
 
   static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape_.head_dim)); }
+
+  std::string max_tokens_refusal(std::uint32_t max_tokens) const {
+    if (max_tokens != 0 && max_tokens <= config_.max_context_tokens) return {};
+    return fmt::format("max_tokens {} must be in [1, max_context_tokens = {}]", max_tokens,
+                       config_.max_context_tokens);
+  }
 
   LayerContext context(std::uint32_t layer, std::uint32_t tokens) const {
     return {layer, shape_.layers, shape_.q_heads, shape_.kv_heads, shape_.head_dim, config_.page_tokens, tokens};

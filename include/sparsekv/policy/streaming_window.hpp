@@ -55,8 +55,9 @@ class StreamingWindowPolicy {
   // The budget, but never more pages than the context can fill (prefill's
   // last page may be partial).
   std::uint32_t mandatory_pages(const LayerContext& ctx) const {
-    return std::min(std::max(1u, options_.budget_tokens / ctx.page_tokens),
-                    (ctx.tokens + ctx.page_tokens - 1) / ctx.page_tokens + 1);
+    const std::uint64_t context = (std::uint64_t{ctx.tokens} + ctx.page_tokens - 1) / ctx.page_tokens + 1;
+    return static_cast<std::uint32_t>(
+        std::min<std::uint64_t>(std::max(1u, options_.budget_tokens / ctx.page_tokens), context));
   }
 
  private:
