@@ -88,6 +88,62 @@ std::string error_text(const std::function<void()>& call) {
 
 }  // namespace
 
+TEST_CASE("Facade: a budget covering the context equals Dense, every policy and page size", "[facade]") {
+  constexpr ModelShape shape{2, 4, 2, 16, DType::f32};
+  constexpr std::uint32_t d = shape.head_dim, row = shape.kv_heads * d;
+  const auto make = [](const std::string& name, std::uint32_t budget, std::uint32_t page_tokens) {
+    if (name != "quest") return make_policy(name, budget);
+    // Quest's partition must be a whole number of pages; no dense layers, so every layer is tested.
+    return AnyPolicy(QuestPolicy({budget, std::max(16u, page_tokens), 0}));
+  };
+  for (std::uint32_t page_tokens : {1u, 2u, 4u, 8u, 16u, 32u}) {
+    const Config config = small_config(shape, page_tokens, 128);
+    for (const auto& [prompt, decodes] : std::vector<std::pair<std::uint32_t, std::uint32_t>>{
+             {1, 1}, {12, 1}, {page_tokens, page_tokens}, {page_tokens + 3, page_tokens + 1}, {45, 2 * page_tokens + 1}}) {
+      const std::uint32_t context = prompt + decodes;  // the budget, exactly
+      for (const std::string& name : policy_names()) {
+        INFO(name << ": page_tokens " << page_tokens << ", prompt " << prompt << ", " << decodes << " decodes");
+        RuntimeManager sparse(shape, config, make(name, context, page_tokens));
+        RuntimeManager dense(shape, config, make_policy("dense", context));
+        std::mt19937 rng(page_tokens * 1000 + prompt);
+        for (RuntimeManager* m : {&sparse, &dense}) m->add_request(1, context);
+        for (std::uint32_t l = 0; l < shape.layers; ++l) {
+          const std::vector<float> k = normal_values(rng, std::size_t{prompt} * row);
+          const std::vector<float> v = normal_values(rng, std::size_t{prompt} * row);
+          for (RuntimeManager* m : {&sparse, &dense}) m->prefill(1, l, k.data(), v.data(), prompt);
+        }
+        const std::vector<RequestId> batch{1};
+        for (std::uint32_t s = 0; s < decodes; ++s) {
+          for (std::uint32_t l = 0; l < shape.layers; ++l) {
+            const std::vector<float> q = normal_values(rng, std::size_t{shape.q_heads} * d);
+            const std::vector<float> k = normal_values(rng, row), v = normal_values(rng, row);
+            std::vector<float> got(q.size()), want(q.size());
+            sparse.decode(batch, l, q.data(), k.data(), v.data(), got.data());
+            dense.decode(batch, l, q.data(), k.data(), v.data(), want.data());
+            for (std::size_t i = 0; i < q.size(); ++i) REQUIRE(std::abs(got[i] - want[i]) <= 1e-5f * (1 + std::abs(want[i])));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Facade: streaming with a budget over a partial prompt page equals Dense (issue 12 example)", "[facade]") {
+  constexpr ModelShape shape{1, 2, 2, 16, DType::f32};
+  const Config config = small_config(shape, 8, 64);
+  RuntimeManager streaming(shape, config, make_policy("streaming", 15));
+  RuntimeManager dense(shape, config, make_policy("dense", 15));
+  std::mt19937 rng(15);
+  const std::vector<float> k = normal_values(rng, 13 * 32), v = normal_values(rng, 13 * 32), q = normal_values(rng, 32);
+  std::vector<float> got(32), want(32);
+  for (const auto& [m, out] : {std::pair{&streaming, &got}, std::pair{&dense, &want}}) {
+    m->add_request(1, 64);
+    m->prefill(1, 0, k.data(), v.data(), 12);
+    m->decode(std::vector<RequestId>{1}, 0, q.data(), k.data() + 12 * 32, v.data() + 12 * 32, out->data());
+  }
+  for (std::size_t i = 0; i < got.size(); ++i) REQUIRE(got[i] == Approx(want[i]).margin(1e-5));
+}
+
 TEST_CASE("Facade: can_admit agrees with add_request, huge max_tokens included", "[facade][errors]") {
   constexpr ModelShape shape{2, 4, 2, 16, DType::f32};
   Config config;
