@@ -388,9 +388,9 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
   stats_.pages_saved += shape_.kv_heads;
 }
 
-void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
-                              std::span<const std::vector<PartitionId>> selections, Retrieval& out) {
-  RequestState& s = state(request);
+void TieredKVBuffer::check_selection(RequestId request, std::uint32_t layer,
+                                     std::span<const std::vector<PartitionId>> selections) {
+  const RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
   if (selections.size() != shape_.kv_heads) {
     fail(ErrorCode::invalid_argument, "{} selections given for {} kv heads", selections.size(), shape_.kv_heads);
@@ -398,6 +398,12 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     lru_.check(table_, request, layer, h, selections[h], s.budget.mandatory_pages);
   }
+}
+
+void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
+                              std::span<const std::vector<PartitionId>> selections, Retrieval& out) {
+  check_selection(request, layer, selections);
+  RequestState& s = state(request);
   out.head_offsets.assign(1, 0);
   out.partitions.clear();
   out.token_counts.clear();

@@ -88,6 +88,87 @@ std::string error_text(const std::function<void()>& call) {
 
 }  // namespace
 
+TEST_CASE("Facade: the token being decoded always takes part in attention, whatever the policy and budget",
+          "[facade]") {
+  // Head dims 0-7 carry small random keys; decode step s gives its own token
+  // a key of 150 along dim 8 + s and its query a 1 there, so the token being
+  // decoded outweighs every other by e^20 or more: the output is its value
+  // exactly when it is attended, and far from it otherwise.
+  constexpr ModelShape shape{3, 4, 2, 40, DType::f32};
+  constexpr std::uint32_t d = shape.head_dim, row = shape.kv_heads * d, prompt = 16, steps = 24;
+  std::vector<std::pair<std::string, std::function<AnyPolicy()>>> policies;
+  for (const std::string& name : policy_names()) {
+    for (std::uint32_t budget : {1u, 3u, 8u, 12u, 15u}) {
+      policies.emplace_back(name + " budget " + std::to_string(budget),
+                            [name, budget] { return make_policy(name, budget); });
+    }
+  }
+  policies.emplace_back("custom: the oldest page only", [] { return AnyPolicy(OldestFirstPolicy{1, 1}); });
+  policies.emplace_back("custom: nothing selected", [] { return AnyPolicy(OldestFirstPolicy{0, 1}); });
+  for (const auto& [name, make] : policies) {
+    INFO(name);
+    RuntimeManager manager(shape, small_config(shape, 8, 64), make());
+    std::mt19937 rng(12);
+    const auto small_keys = [&](std::uint32_t tokens) {
+      std::vector<float> k(std::size_t{tokens} * row, 0.0f);
+      std::normal_distribution<float> normal;
+      for (std::uint32_t t = 0; t < tokens * shape.kv_heads; ++t) {
+        for (std::uint32_t i = 0; i < 8; ++i) k[std::size_t{t} * d + i] = normal(rng);
+      }
+      return k;
+    };
+    manager.add_request(1, 64);
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      const std::vector<float> k = small_keys(prompt), v = normal_values(rng, std::size_t{prompt} * row);
+      manager.prefill(1, l, k.data(), v.data(), prompt);
+    }
+    const std::vector<RequestId> batch{1};
+    for (std::uint32_t s = 0; s < steps; ++s) {
+      for (std::uint32_t l = 0; l < shape.layers; ++l) {
+        std::vector<float> k_new = small_keys(1), v_new = normal_values(rng, row, 3.0f);
+        std::vector<float> q(std::size_t{shape.q_heads} * d, 0.0f);
+        std::normal_distribution<float> normal;
+        for (std::uint32_t h = 0; h < shape.q_heads; ++h) {
+          for (std::uint32_t i = 0; i < 8; ++i) q[std::size_t{h} * d + i] = normal(rng);
+          q[std::size_t{h} * d + 8 + s] = 1.0f;
+        }
+        for (std::uint32_t h = 0; h < shape.kv_heads; ++h) k_new[std::size_t{h} * d + 8 + s] = 150.0f;
+        std::vector<float> out(q.size());
+        manager.decode(batch, l, q.data(), k_new.data(), v_new.data(), out.data());
+        INFO("decode step " << s + 1 << " (token " << prompt + s << "), layer " << l);
+        for (std::uint32_t h = 0; h < shape.q_heads; ++h) {
+          const float* want = v_new.data() + std::size_t{h / shape.group_size()} * d;
+          for (std::uint32_t i = 0; i < d; ++i) REQUIRE(std::abs(out[std::size_t{h} * d + i] - want[i]) < 1e-3f);
+        }
+      }
+    }
+    manager.buffer().validate();
+  }
+}
+
+TEST_CASE("Facade: the example of issue 12 -- streaming over one page attends the token it decodes", "[facade]") {
+  constexpr ModelShape shape{1, 1, 1, 8, DType::f32};
+  RuntimeManager manager(shape, small_config(shape, 8, 64), make_policy("streaming", 8));
+  manager.add_request(1, 64);
+  const std::vector<float> k(16 * 8, 0.0f), v(16 * 8, 0.0f);
+  manager.prefill(1, 0, k.data(), v.data(), 16);
+  const std::vector<RequestId> batch{1};
+  const std::vector<float> q(8, 0.0f), k_new(8, 0.0f);
+  std::vector<float> out(8);
+  for (std::uint32_t step = 1; step <= 8; ++step) {
+    const std::vector<float> v_new(8, static_cast<float>(step));  // token 15 + step
+    manager.decode(batch, 0, q.data(), k_new.data(), v_new.data(), out.data());
+  }
+  // The 8th decode (token 23) fills the tail page. Equal scores: the output is
+  // the mean value of the attended tokens, the sink page's zeros and tokens 16-23.
+  const Retrieval& r = manager.retrieval(0);
+  std::uint32_t attended = r.tail_tokens[0];
+  for (std::uint32_t i = r.head_offsets[0]; i < r.head_offsets[1]; ++i) attended += r.token_counts[i];
+  REQUIRE(r.tail_tokens[0] == 8);
+  REQUIRE(attended == 16);
+  REQUIRE(out[0] == Approx((1 + 2 + 3 + 4 + 5 + 6 + 7 + 8) / 16.0));
+}
+
 TEST_CASE("Facade: a budget covering the context equals Dense, every policy and page size", "[facade]") {
   constexpr ModelShape shape{2, 4, 2, 16, DType::f32};
   constexpr std::uint32_t d = shape.head_dim, row = shape.kv_heads * d;

@@ -147,6 +147,10 @@ class TieredKVBuffer {
   // `selections[h]`: distinct partition ids of kv head h. Fills `out`.
   void retrieve(RequestId request, std::uint32_t layer, std::span<const std::vector<PartitionId>> selections,
                 Retrieval& out);
+  // The checks retrieve() makes first, changing nothing: one selection per kv
+  // head, distinct partitions in range, within the request's mandatory pages
+  // and GPU slots. Throws what retrieve() would.
+  void check_selection(RequestId request, std::uint32_t layer, std::span<const std::vector<PartitionId>> selections);
 
   // Regroups, in every kv head h, the tokens of partitions
   // [first_partitions[h], end) -- in their page order, token i of the run is

@@ -224,7 +224,8 @@ class Manager {
   }
   bool has_request(RequestId request) const { return requests_.contains(request); }
   // What the last decode()/plan() retrieved for batch entry b (selected
-  // partitions, their GPU pages and token counts, the tails, hit/miss stats).
+  // partitions, their GPU pages and token counts, the tails as attended,
+  // hit/miss stats). A tail the step's token filled counts page_tokens tokens.
   const Retrieval& retrieval(std::size_t b) const {
     check_index("batch entry", b, retrievals_.size());
     return retrievals_[b];
@@ -308,8 +309,9 @@ class Manager {
 
   // Append + Select + Retrieve for every request of the batch. Plans first:
   // a request whose tail this token fills shows the full page to the policy on
-  // a copy of its state, and the page save plus any regroup the policy asks
-  // for are sized against the pools before any request changes. Then commits.
+  // a copy of its state, the page save plus any regroup the policy asks for
+  // are sized against the pools, and every request's selection is made and
+  // checked, all before any request changes. Then commits.
   void step(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
             const void* v_new) {
     check_index("layer", layer, shape_.layers);
@@ -395,17 +397,48 @@ class Manager {
     }
     buffer_->table().check_segments(segments);
 
-    retrievals_.resize(batch.size());
+    // Select (and a custom Attend) on each request's state as it stands, before
+    // this token's page joins it: the token is in the tail, which is always
+    // attended, so whatever the policy and its budget select, the token takes
+    // part. Selections are checked here too, so a bad one changes nothing.
+    const auto t1 = Clock::now();
+    stats_.append_s += seconds(t1 - t0);
     selections_.resize(batch.size());
     extra_.clear();
     const bool custom = Ops::has_attend(policy_);
     if (custom) extra_.assign(batch.size() * shape_.q_heads, AttentionPartial(shape_.head_dim));
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const RequestId id = batch[b];
+      const LayerState& ls = state(id).layers[layer];
+      const std::uint32_t position = buffer_->sequence_length(id, layer);
+      const LayerContext ctx = context(layer, position - buffer_->tail_tokens(id, layer));
+      const DecodeQuery query{std::span(queries_).subspan(b * qd, qd), position};
+      policy_.select(ctx, query, ls.policy, selections_[b]);
+      if (custom) {
+        Ops::attend(policy_, ctx, query, ls.policy, selections_[b],
+                    std::span(extra_).subspan(b * shape_.q_heads, shape_.q_heads));
+      }
+      buffer_->check_selection(id, layer, selections_[b].partitions);
+    }
+    const auto t2 = Clock::now();
+    stats_.select_s += seconds(t2 - t1);
+
+    // Commit: append, Retrieve, then (a full tail) the policy's page and regroup.
+    retrievals_.resize(batch.size());
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestId id = batch[b];
       LayerState& ls = state(id).layers[layer];
       Pending& next = pending_[b];
+      const auto a0 = Clock::now();
       buffer_->append(id, layer, KvChunk{k_row(b), v_row(b), 1, shape_.dtype});
+      const auto r0 = Clock::now();
+      buffer_->retrieve(id, layer, selections_[b].partitions, retrievals_[b]);
+      const auto r1 = Clock::now();
       if (next.saves) {
+        // The filled page is saved but still whole in the GPU tail page: it is
+        // this step's tail, attended on top of the selection (which predates
+        // it), at no GPU slot or copy. The next append starts the tail afresh.
+        retrievals_[b].tail_tokens.assign(shape_.kv_heads, config_.page_tokens);
         if (next.regroup) buffer_->repartition(id, layer, next.regroup->first_partitions, next.regroup->specs);
         ls.policy = std::move(next.state);
         ls.recent_k.clear();
@@ -415,25 +448,8 @@ class Manager {
         ls.recent_k.insert(ls.recent_k.end(), new_k(b).begin(), new_k(b).end());
         ls.recent_v.insert(ls.recent_v.end(), new_v(b).begin(), new_v(b).end());
       }
-    }
-    const auto t1 = Clock::now();
-    stats_.append_s += seconds(t1 - t0);
-
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const RequestId id = batch[b];
-      LayerState& ls = state(id).layers[layer];
-      const auto s0 = Clock::now();
-      const LayerContext ctx = context(layer, buffer_->sequence_length(id, layer) - buffer_->tail_tokens(id, layer));
-      const DecodeQuery query{std::span(queries_).subspan(b * qd, qd), buffer_->sequence_length(id, layer) - 1};
-      policy_.select(ctx, query, ls.policy, selections_[b]);
-      if (custom) {
-        Ops::attend(policy_, ctx, query, ls.policy, selections_[b],
-                    std::span(extra_).subspan(b * shape_.q_heads, shape_.q_heads));
-      }
-      const auto s1 = Clock::now();
-      buffer_->retrieve(id, layer, selections_[b].partitions, retrievals_[b]);
-      stats_.select_s += seconds(s1 - s0);
-      stats_.retrieve_s += seconds(Clock::now() - s1);
+      stats_.append_s += seconds(r0 - a0) + seconds(Clock::now() - r1);
+      stats_.retrieve_s += seconds(r1 - r0);
       stats_.cache += retrievals_[b].stats;
       stats_.pages_moved += retrievals_[b].plan.copies.size();
       stats_.bytes_moved += retrievals_[b].plan.copies.size() * buffer_->cpu_pool().page_bytes();
