@@ -21,7 +21,7 @@ namespace {
 
 // Selects the first `keep` partitions of every head and never the newest: a
 // custom policy relying on the facade for the decode token (keep 0 selects
-// nothing at all).
+// nothing at all). It claims `mandatory` pages per head for admission.
 struct OldestFirstPolicy {
   struct Options {};
   struct LayerState {
@@ -75,6 +75,7 @@ std::vector<float> normal_values(std::mt19937& rng, std::size_t n, float mean = 
   return out;
 }
 
+// The message of the invalid_argument sparsekv::Error that `call` must throw.
 std::string error_text(const std::function<void()>& call) {
   try {
     call();
@@ -167,6 +168,35 @@ TEST_CASE("Facade: the example of issue 12 -- streaming over one page attends th
   REQUIRE(r.tail_tokens[0] == 8);
   REQUIRE(attended == 16);
   REQUIRE(out[0] == Approx((1 + 2 + 3 + 4 + 5 + 6 + 7 + 8) / 16.0));
+}
+
+TEST_CASE("RetroInfer: the steady zone takes the newest window first, the sinks only if they fit",
+          "[facade][retroinfer]") {
+  RetroInferPolicy::Options o;
+  o.sink_tokens = 4;
+  o.window_tokens = 16;
+  o.tokens_per_cluster = 8;
+  const LayerContext ctx{0, 1, 1, 1, 8, 8, 64};
+  std::mt19937 rng(5);
+  const std::vector<float> k = normal_values(rng, 64 * 8), v = normal_values(rng, 64 * 8);
+  const std::vector<float> q = normal_values(rng, 8);
+  for (const auto& [budget, newest, sinks] : {std::tuple{10u, 1u, false}, std::tuple{12u, 1u, true},
+                                               std::tuple{16u, 2u, false}, std::tuple{20u, 2u, true}}) {
+    INFO("budget " << budget);
+    o.budget_tokens = budget;
+    o.retrieval_fraction = 0.0f;  // the steady zone alone
+    const RetroInferPolicy policy(o);
+    RetroInferPolicy::LayerState state;
+    policy.index(ctx, KvView{k, v, 64, 1, 8, 0}, state);
+    Selection s;
+    policy.select(ctx, DecodeQuery{q, 64}, state, s);
+    const auto& head = state.heads[0];
+    REQUIRE(head.recent.size() >= newest);
+    std::vector<PartitionId> want;
+    if (sinks) want.push_back(head.sink.id);
+    for (std::size_t i = head.recent.size() - newest; i < head.recent.size(); ++i) want.push_back(head.recent[i].id);
+    REQUIRE(s.partitions[0] == want);
+  }
 }
 
 TEST_CASE("Facade: a budget covering the context equals Dense, every policy and page size", "[facade]") {
