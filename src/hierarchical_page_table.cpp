@@ -175,16 +175,27 @@ SegmentDemand HierarchicalPageTable::gpu_slots_demand(RequestId request, std::ui
 }
 
 void HierarchicalPageTable::check_segments(const SegmentDemand& d) const {
-  const auto check = [](const char* table, std::uint64_t need, const SegmentPool& pool) {
-    if (need > pool.available()) {
-      fail(ErrorCode::resource_exhausted, "{}: {} more segments needed, {} of {} free", table, need, pool.available(),
-           pool.capacity());
-    }
+  if (std::string shortfall = segment_shortfall(d); !shortfall.empty()) {
+    fail(ErrorCode::resource_exhausted, "{}", shortfall);
+  }
+}
+
+std::string HierarchicalPageTable::segment_shortfall(const SegmentDemand& d) const {
+  struct Need {
+    const char* table;
+    std::uint64_t segments;
+    const SegmentPool& pool;
   };
-  check("meta-partition table", d.meta, meta_.pool());
-  check("GPU page table", d.gpu_pages, gpu_pages_.pool());
-  check("partition offset table", d.offsets, offsets_.pool());
-  check("CPU page table", d.cpu_pages, cpu_pages_.pool());
+  for (const Need& n : {Need{"meta-partition table", d.meta, meta_.pool()},
+                        Need{"GPU page table", d.gpu_pages, gpu_pages_.pool()},
+                        Need{"partition offset table", d.offsets, offsets_.pool()},
+                        Need{"CPU page table", d.cpu_pages, cpu_pages_.pool()}}) {
+    if (n.segments > n.pool.available()) {
+      return fmt::format("{}: {} more segments needed, {} of {} free", n.table, n.segments, n.pool.available(),
+                         n.pool.capacity());
+    }
+  }
+  return {};
 }
 
 void HierarchicalPageTable::append_partitions(RequestId request, std::uint32_t layer, std::uint32_t head,

@@ -249,9 +249,10 @@ void check_state(const LayerContext& ctx, const LayerState& state) {
 }
 
 
-// The steady zone of one head: the sink partition and the newest `window_parts`
-// recent partitions (newest first while fewer than `window` tokens are covered),
-// all within the budget.
+// The steady zone of one head: the newest `window_parts` recent partitions
+// (newest first while fewer than `window` tokens are covered), then the sink
+// partition, all within the budget: a tiny budget keeps the newest tokens
+// and drops the sinks first (docs/policies/retroinfer.md).
 struct Steady {
   bool sink = false;
   std::uint32_t window_parts = 0;
@@ -260,10 +261,6 @@ struct Steady {
 
 Steady steady_zone(const HeadState& head, std::uint32_t window, std::uint32_t budget) {
   Steady s;
-  if (head.sink.tokens > 0 && head.sink.tokens <= budget) {
-    s.sink = true;
-    s.tokens = head.sink.tokens;
-  }
   std::uint32_t covered = 0;
   for (std::size_t i = head.recent.size(); i-- > 0 && covered < window;) {
     const std::uint32_t size = head.recent[i].tokens;
@@ -271,6 +268,10 @@ Steady steady_zone(const HeadState& head, std::uint32_t window, std::uint32_t bu
     covered += size;
     s.tokens += size;
     ++s.window_parts;
+  }
+  if (head.sink.tokens > 0 && s.tokens + head.sink.tokens <= budget) {
+    s.sink = true;
+    s.tokens += head.sink.tokens;
   }
   return s;
 }

@@ -81,6 +81,40 @@ std::uint64_t TieredKVBuffer::reclaimable_slots(const RequestState& s) const {
   return s.slots - min_slots_per_head(s.budget);
 }
 
+std::optional<TieredKVBuffer::Refusal> TieredKVBuffer::refusal(const RequestBudget& budget) const {
+  if (budget.mandatory_pages == 0) return Refusal{ErrorCode::invalid_argument, "mandatory_pages must be > 0"};
+  const std::uint32_t min_slots = min_slots_per_head(budget);
+  if (budget.buffer_pages != 0 && budget.buffer_pages < min_slots) {
+    return Refusal{ErrorCode::invalid_argument,
+                   fmt::format("buffer_pages {} is below the minimum {} (mandatory {} x (1 + min_buffer_ratio {}))",
+                               budget.buffer_pages, min_slots, budget.mandatory_pages, config_.min_buffer_ratio)};
+  }
+  const std::uint32_t slots = std::max(budget.buffer_pages, min_slots);
+  if (slots > table_.geometry().max_gpu_pages_per_head) {
+    return Refusal{ErrorCode::resource_exhausted, fmt::format("{} GPU pages per head exceed the maximum of {}", slots,
+                                                              table_.geometry().max_gpu_pages_per_head)};
+  }
+  if (table_.request_count() >= table_.geometry().max_requests) {
+    return Refusal{ErrorCode::resource_exhausted,
+                   fmt::format("all {} request slots are in use", table_.geometry().max_requests)};
+  }
+  std::uint64_t reclaimable = 0;
+  for (const auto& [id, s] : requests_) reclaimable += heads() * reclaimable_slots(s);
+  const std::uint64_t needed = heads() * (std::uint64_t{slots} + 1);
+  if (needed > gpu_pool_.available() + reclaimable) {
+    return Refusal{ErrorCode::resource_exhausted, fmt::format("needs {} GPU pages, {} free and {} reclaimable", needed,
+                                                              gpu_pool_.available(), reclaimable)};
+  }
+  // A new request's GPU page tables start empty in every head.
+  const std::uint64_t entries = table_.geometry().segment_entries;
+  SegmentDemand demand;
+  demand.gpu_pages = heads() * ((std::uint64_t{slots} + entries - 1) / entries);
+  if (std::string shortfall = table_.segment_shortfall(demand); !shortfall.empty()) {
+    return Refusal{ErrorCode::resource_exhausted, std::move(shortfall)};
+  }
+  return std::nullopt;
+}
+
 AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget) const {
   AdmissionAdvice a;
   const std::uint64_t slots = std::max(budget.buffer_pages, min_slots_per_head(budget));
@@ -88,41 +122,24 @@ AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const Req
   a.gpu_pages_needed = heads() * (slots + 1);
   a.gpu_pages_free = gpu_pool_.available();
   for (const auto& [id, s] : requests_) a.gpu_pages_reclaimable += heads() * reclaimable_slots(s);
-  a.cpu_pages_needed = heads() * pages_for_tokens(prompt_tokens, config_.page_tokens);
+  a.cpu_pages_needed = heads() * ((std::uint64_t{prompt_tokens} + config_.page_tokens - 1) / config_.page_tokens);
   a.cpu_pages_free = cpu_pool_.available();
-  a.admit = a.request_slot_free && budget.mandatory_pages > 0 && slots <= table_.geometry().max_gpu_pages_per_head &&
-            a.gpu_pages_needed <= a.gpu_pages_free + a.gpu_pages_reclaimable && a.cpu_pages_needed <= a.cpu_pages_free;
+  if (const std::optional<Refusal> r = refusal(budget)) {
+    a.reason = r->message;
+  } else if (a.cpu_pages_needed > a.cpu_pages_free) {
+    a.reason = fmt::format("the {}-token prompt needs {} CPU pages, {} free", prompt_tokens, a.cpu_pages_needed,
+                           a.cpu_pages_free);
+  }
+  a.admit = a.reason.empty();
   return a;
 }
 
 void TieredKVBuffer::add_request(RequestId request, const RequestBudget& budget) {
   if (requests_.contains(request)) fail(ErrorCode::already_exists, "request {} is already registered", request);
-  if (budget.mandatory_pages == 0) {
-    fail(ErrorCode::invalid_argument, "request {}: mandatory_pages must be > 0", request);
-  }
-  const std::uint32_t min_slots = min_slots_per_head(budget);
-  if (budget.buffer_pages != 0 && budget.buffer_pages < min_slots) {
-    fail(ErrorCode::invalid_argument,
-         "request {}: buffer_pages {} is below the minimum {} (mandatory {} x (1 + min_buffer_ratio {}))", request,
-         budget.buffer_pages, min_slots, budget.mandatory_pages, config_.min_buffer_ratio);
-  }
-  const std::uint32_t slots = std::max(budget.buffer_pages, min_slots);
-  if (slots > table_.geometry().max_gpu_pages_per_head) {
-    fail(ErrorCode::resource_exhausted, "request {}: {} GPU pages per head exceed the maximum of {}", request, slots,
-         table_.geometry().max_gpu_pages_per_head);
-  }
-  if (table_.request_count() >= table_.geometry().max_requests) {
-    fail(ErrorCode::resource_exhausted, "request {}: all {} request slots are in use", request,
-         table_.geometry().max_requests);
-  }
+  if (const std::optional<Refusal> r = refusal(budget)) fail(r->code, "request {}: {}", request, r->message);
+  const std::uint32_t slots = std::max(budget.buffer_pages, min_slots_per_head(budget));
   const std::uint64_t needed = heads() * (std::uint64_t{slots} + 1);
-  const AdmissionAdvice advice = can_admit(0, budget);
-  if (needed > advice.gpu_pages_free + advice.gpu_pages_reclaimable) {
-    fail(ErrorCode::resource_exhausted, "request {}: needs {} GPU pages, {} free and {} reclaimable", request, needed,
-         advice.gpu_pages_free, advice.gpu_pages_reclaimable);
-  }
-  // Registered first so the segment demand can be asked per head; every check
-  // passes before reclaim() shrinks anyone else.
+  // Every check has passed (refusal()) before reclaim() shrinks anyone else.
   table_.add_request(request);
   RequestState s;
   s.budget = budget;
@@ -130,15 +147,6 @@ void TieredKVBuffer::add_request(RequestId request, const RequestBudget& budget)
   s.tail_tokens.assign(shape_.layers, 0);
   s.windows.assign(heads(), WorkingSetWindow(config_.working_set_window));
   s.tail_pages.resize(heads());
-  try {
-    SegmentDemand demand;
-    for (std::uint32_t l = 0; l < shape_.layers; ++l)
-      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) demand += table_.gpu_slots_demand(request, l, h, slots);
-    table_.check_segments(demand);
-  } catch (...) {
-    table_.remove_request(request);
-    throw;
-  }
   if (needed > gpu_pool_.available()) reclaim(needed - gpu_pool_.available());
   gpu_pool_.allocate(s.tail_pages);
   auto& stored = requests_.emplace(request, std::move(s)).first->second;
@@ -384,9 +392,9 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
   stats_.pages_saved += shape_.kv_heads;
 }
 
-void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
-                              std::span<const std::vector<PartitionId>> selections, Retrieval& out) {
-  RequestState& s = state(request);
+void TieredKVBuffer::check_selection(RequestId request, std::uint32_t layer,
+                                     std::span<const std::vector<PartitionId>> selections) {
+  const RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
   if (selections.size() != shape_.kv_heads) {
     fail(ErrorCode::invalid_argument, "{} selections given for {} kv heads", selections.size(), shape_.kv_heads);
@@ -394,6 +402,12 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     lru_.check(table_, request, layer, h, selections[h], s.budget.mandatory_pages);
   }
+}
+
+void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
+                              std::span<const std::vector<PartitionId>> selections, Retrieval& out) {
+  check_selection(request, layer, selections);
+  RequestState& s = state(request);
   out.head_offsets.assign(1, 0);
   out.partitions.clear();
   out.token_counts.clear();

@@ -595,8 +595,10 @@ TEST_CASE("retroinfer keeps a short prefill steady", "[retroinfer]") {
   std::vector<float> q(2 * 16, 1.0f);
   Selection selection;
   policy.select(ctx, DecodeQuery{q, 80}, state, selection);
-  // Everything is steady; the budget of 79 leaves out the oldest window page only.
-  REQUIRE(layout.tokens(0, selection.partitions[0]).size() == 80 - 8);
+  // Everything is steady; the budget of 79 takes the whole 76-token window,
+  // newest first, and leaves out the sinks, which no longer fit.
+  REQUIRE(layout.tokens(0, selection.partitions[0]).size() == 80 - 4);
+  REQUIRE(selection.partitions[0].front() != state.heads[0].sink.id);
 
   // A prompt no longer than the sinks is one partition; decode pages follow it.
   RetroInferPolicy::LayerState tiny;

@@ -54,31 +54,25 @@ class SparsePipeline {
   }
 
   // One decode token of a layer, k and v [kv_heads][head_dim]. When the tail
-  // page fills and is saved, the policy sees the page (and may regroup).
+  // page fills and is saved, the policy sees the page (and may regroup) after
+  // the next attend(), as in the facade: that step attends the page as the tail.
   void append(std::uint32_t layer, const float* k, const float* v) {
+    commit_page(layer);
     const std::size_t row = std::size_t{shape_.kv_heads} * shape_.head_dim;
     auto& recent = recent_[layer];
     recent.k.insert(recent.k.end(), k, k + row);
     recent.v.insert(recent.v.end(), v, v + row);
     buffer_->append(kRequest, layer, KvChunk{k, v, 1, DType::f32});
-    if (buffer_->tail_tokens(kRequest, layer) != 0) return;
-    AppendedPage page;
-    page.page = KvView{recent.k, recent.v, config_.page_tokens, shape_.kv_heads, shape_.head_dim,
-                       buffer_->sequence_length(kRequest, layer) - config_.page_tokens};
-    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-      page.partitions.push_back(buffer_->table().partition_count(kRequest, layer, h) - 1);
-    }
-    const auto regroup = policy_.append(context(layer, partition_tokens(layer)), page, states_[layer]);
-    if (regroup) buffer_->repartition(kRequest, layer, regroup->first_partitions, regroup->specs);
-    recent.k.clear();
-    recent.v.clear();
+    recent.full = buffer_->tail_tokens(kRequest, layer) == 0;
   }
 
   // Select + Retrieve + Attend for one layer's query; out: [q_heads][head_dim].
   void attend(std::uint32_t layer, const DecodeQuery& q, float* out) {
-    const LayerContext ctx = context(layer, partition_tokens(layer));
+    const bool full = recent_[layer].full;
+    const LayerContext ctx = context(layer, partition_tokens(layer) - (full ? config_.page_tokens : 0));
     policy_.select(ctx, q, states_[layer], selection_);
     buffer_->retrieve(kRequest, layer, selection_.partitions, retrieval_);
+    if (full) retrieval_.tail_tokens.assign(shape_.kv_heads, config_.page_tokens);
     kv_.assign(shape_.kv_heads, HeadKv{});
     const PagePool& gpu = buffer_->gpu_pool();
     for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
@@ -92,6 +86,7 @@ class SparsePipeline {
     }
     const PageLayout layout{config_.page_tokens, shape_.head_dim, DType::f32};
     decode_attention(layout, shape_.q_heads, 1.0f / std::sqrt(float(shape_.head_dim)), q.q.data(), kv_, extra_, out);
+    commit_page(layer);
   }
 
   const Selection& selection() const { return selection_; }
@@ -103,7 +98,25 @@ class SparsePipeline {
   static constexpr RequestId kRequest = 1;
   struct Recent {
     std::vector<float> k, v;
+    bool full = false;  // a saved page the policy has not seen yet
   };
+
+  // Shows the policy the layer's saved page, if one waits (and applies its regroup).
+  void commit_page(std::uint32_t layer) {
+    Recent& recent = recent_[layer];
+    if (!recent.full) return;
+    AppendedPage page;
+    page.page = KvView{recent.k, recent.v, config_.page_tokens, shape_.kv_heads, shape_.head_dim,
+                       buffer_->sequence_length(kRequest, layer) - config_.page_tokens};
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+      page.partitions.push_back(buffer_->table().partition_count(kRequest, layer, h) - 1);
+    }
+    const auto regroup = policy_.append(context(layer, partition_tokens(layer)), page, states_[layer]);
+    if (regroup) buffer_->repartition(kRequest, layer, regroup->first_partitions, regroup->specs);
+    recent.k.clear();
+    recent.v.clear();
+    recent.full = false;
+  }
 
   ModelShape shape_;
   AnyPolicy policy_;

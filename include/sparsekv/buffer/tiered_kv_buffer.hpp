@@ -39,12 +39,15 @@
 // Not thread-safe; every call that throws changes nothing.
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "sparsekv/buffer/working_set_window.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/core/config.hpp"
+#include "sparsekv/core/error_code.hpp"
 #include "sparsekv/core/model_shape.hpp"
 #include "sparsekv/memory/page_pool.hpp"
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
@@ -81,8 +84,11 @@ struct SaveDemand {
   SegmentDemand segments;  // metadata segments beyond those mapped now, at the most demanding point
 };
 
+// admit is true exactly when add_request(budget) would succeed now and the
+// prompt fits the CPU tier; otherwise `reason` says why (the first check that fails).
 struct AdmissionAdvice {
   bool admit = false;
+  std::string reason;
   bool request_slot_free = false;
   std::uint64_t gpu_pages_needed = 0;  // slots + one tail page per (layer, kv head)
   std::uint64_t gpu_pages_free = 0;
@@ -157,6 +163,10 @@ class TieredKVBuffer {
   // `selections[h]`: distinct partition ids of kv head h. Fills `out`.
   void retrieve(RequestId request, std::uint32_t layer, std::span<const std::vector<PartitionId>> selections,
                 Retrieval& out);
+  // The checks retrieve() makes first, changing nothing: one selection per kv
+  // head, distinct partitions in range, within the request's mandatory pages
+  // and GPU slots. Throws what retrieve() would.
+  void check_selection(RequestId request, std::uint32_t layer, std::span<const std::vector<PartitionId>> selections);
 
   // Regroups, in every kv head h, the tokens of partitions
   // [first_partitions[h], end) -- in their page order, token i of the run is
@@ -215,6 +225,13 @@ class TieredKVBuffer {
     std::vector<WorkingSetWindow> windows;   // per (layer, kv head)
   };
 
+  // Why add_request(budget) would be refused now: the code it throws and the
+  // message, or nothing. can_admit and add_request share it so that they agree.
+  struct Refusal {
+    ErrorCode code;
+    std::string message;
+  };
+  std::optional<Refusal> refusal(const RequestBudget& budget) const;
   RequestState& state(RequestId request);
   const RequestState& state(RequestId request) const;
   std::uint64_t heads() const noexcept { return std::uint64_t{shape_.layers} * shape_.kv_heads; }

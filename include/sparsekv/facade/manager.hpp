@@ -43,6 +43,8 @@
 #include <optional>
 #include <type_traits>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "sparsekv/attention/decode_attention.hpp"
@@ -59,7 +61,7 @@ struct ManagerStats {
   CacheStepStats cache;            // hits + misses = selected pages
   std::uint64_t pages_moved = 0;   // CPU -> GPU by Retrieve
   std::uint64_t bytes_moved = 0;
-  std::uint64_t pages_saved = 0;   // GPU tail -> CPU by decode appends
+  std::uint64_t pages_saved = 0;   // GPU tail -> CPU by decode appends, one per kv head (as BufferStats)
   std::uint64_t decode_steps = 0;  // (request, layer) decode steps
   // Wall time per operation, seconds.
   double index_s = 0, offload_s = 0, append_s = 0, select_s = 0, retrieve_s = 0, attend_s = 0;
@@ -135,14 +137,26 @@ class Manager {
     return RequestBudget{mandatory, 0};
   }
 
+  // Advice: admit is true exactly when add_request(id, max_tokens) would
+  // succeed now (for a new id) and a `prompt_tokens`-token prompt fits both
+  // max_tokens and the CPU tier; otherwise `reason` says why.
   AdmissionAdvice can_admit(std::uint32_t prompt_tokens, std::uint32_t max_tokens) const {
-    return buffer_->can_admit(prompt_tokens, budget(max_tokens));
+    if (std::string bad = max_tokens_refusal(max_tokens); !bad.empty()) {
+      AdmissionAdvice advice;
+      advice.reason = std::move(bad);
+      return advice;
+    }
+    AdmissionAdvice advice = buffer_->can_admit(prompt_tokens, budget(max_tokens));
+    if (advice.admit && prompt_tokens > max_tokens) {
+      advice.admit = false;
+      advice.reason = fmt::format("a {}-token prompt exceeds max_tokens {}", prompt_tokens, max_tokens);
+    }
+    return advice;
   }
 
   void add_request(RequestId request, std::uint32_t max_tokens) {
-    if (max_tokens == 0 || max_tokens > config_.max_context_tokens) {
-      fail(ErrorCode::invalid_argument, "request {}: max_tokens {} must be in [1, max_context_tokens = {}]", request,
-           max_tokens, config_.max_context_tokens);
+    if (std::string bad = max_tokens_refusal(max_tokens); !bad.empty()) {
+      fail(ErrorCode::invalid_argument, "request {}: {}", request, bad);
     }
     buffer_->add_request(request, budget(max_tokens));
     RequestState& s = requests_[request];
@@ -166,6 +180,8 @@ class Manager {
     const std::size_t n = std::size_t{tokens} * shape_.kv_heads * shape_.head_dim;
     to_float(k, n, keys_);
     to_float(v, n, values_);
+    check_finite("prefill k", request, keys_, 0);
+    check_finite("prefill v", request, values_, 0);
     const auto t0 = Clock::now();
     const KvView view{keys_, values_, tokens, shape_.kv_heads, shape_.head_dim, 0};
     std::vector<PartitionSpec> specs = policy_.index(context(layer, tokens), view, ls.policy);
@@ -219,7 +235,8 @@ class Manager {
   }
   bool has_request(RequestId request) const { return requests_.contains(request); }
   // What the last decode()/plan() retrieved for batch entry b (selected
-  // partitions, their GPU pages and token counts, the tails, hit/miss stats).
+  // partitions, their GPU pages and token counts, the tails as attended,
+  // hit/miss stats). A tail the step's token filled counts page_tokens tokens.
   const Retrieval& retrieval(std::size_t b) const {
     check_index("batch entry", b, retrievals_.size());
     return retrievals_[b];
@@ -283,6 +300,12 @@ class Manager {
   static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape_.head_dim)); }
 
+  std::string max_tokens_refusal(std::uint32_t max_tokens) const {
+    if (max_tokens != 0 && max_tokens <= config_.max_context_tokens) return {};
+    return fmt::format("max_tokens {} must be in [1, max_context_tokens = {}]", max_tokens,
+                       config_.max_context_tokens);
+  }
+
   LayerContext context(std::uint32_t layer, std::uint32_t tokens) const {
     return {layer, shape_.layers, shape_.q_heads, shape_.kv_heads, shape_.head_dim, config_.page_tokens, tokens};
   }
@@ -297,11 +320,23 @@ class Manager {
     out.resize(n);
     for (std::size_t i = 0; i < n; ++i) out[i] = load_element(data, static_cast<std::uint32_t>(i), shape_.dtype);
   }
+  // Non-finite K/V must never reach the CPU tier, the source of truth: every
+  // later output attending it would be NaN. `kv` holds [token][kv_head][dim]
+  // rows, the first at sequence position `first`.
+  void check_finite(std::string_view what, RequestId request, std::span<const float> kv, std::uint32_t first) const {
+    const auto bad = std::find_if(kv.begin(), kv.end(), [](float x) { return !std::isfinite(x); });
+    if (bad == kv.end()) return;
+    const auto i = static_cast<std::size_t>(bad - kv.begin());
+    const std::size_t row = std::size_t{shape_.kv_heads} * shape_.head_dim;
+    fail(ErrorCode::invalid_argument, "{} of request {}: token {} kv head {} (dim {}) is not finite", what, request,
+         first + i / row, i % row / shape_.head_dim, i % shape_.head_dim);
+  }
 
   // Append + Select + Retrieve for every request of the batch. Plans first:
   // a request whose tail this token fills shows the full page to the policy on
-  // a copy of its state, and the page save plus any regroup the policy asks
-  // for are sized against the pools before any request changes. Then commits.
+  // a copy of its state, the page save plus any regroup the policy asks for
+  // are sized against the pools, and every request's selection is made and
+  // checked, all before any request changes. Then commits.
   void step(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
             const void* v_new) {
     check_index("layer", layer, shape_.layers);
@@ -326,11 +361,20 @@ class Manager {
     const std::size_t elem = dtype_size(shape_.dtype);
     const auto k_row = [&](std::size_t b) { return static_cast<const std::byte*>(k_new) + b * row * elem; };
     const auto v_row = [&](std::size_t b) { return static_cast<const std::byte*>(v_new) + b * row * elem; };
+    const auto new_k = [&](std::size_t b) { return std::span<const float>(keys_).subspan(b * row, row); };
+    const auto new_v = [&](std::size_t b) { return std::span<const float>(values_).subspan(b * row, row); };
     to_float(q, batch.size() * qd, queries_);
     for (std::size_t i = 0; i < queries_.size(); ++i) {
       if (!std::isfinite(queries_[i])) {
         fail(ErrorCode::invalid_argument, "decode: q value {} of request {} is not finite", i % qd, batch[i / qd]);
       }
+    }
+    to_float(k_new, batch.size() * row, keys_);
+    to_float(v_new, batch.size() * row, values_);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::uint32_t position = buffer_->sequence_length(batch[b], layer);
+      check_finite("decode k_new", batch[b], new_k(b), position);
+      check_finite("decode v_new", batch[b], new_v(b), position);
     }
 
     const auto t0 = Clock::now();
@@ -351,10 +395,8 @@ class Manager {
       if (!next.saves) continue;
       next.page_k = ls.recent_k;
       next.page_v = ls.recent_v;
-      for (std::size_t i = 0; i < row; ++i) {
-        next.page_k.push_back(load_element(k_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
-        next.page_v.push_back(load_element(v_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
-      }
+      next.page_k.insert(next.page_k.end(), new_k(b).begin(), new_k(b).end());
+      next.page_v.insert(next.page_v.end(), new_v(b).begin(), new_v(b).end());
       const std::uint32_t tokens = buffer_->sequence_length(id, layer) + 1;
       AppendedPage page;
       page.page = KvView{next.page_k, next.page_v, config_.page_tokens, shape_.kv_heads, shape_.head_dim,
@@ -388,47 +430,59 @@ class Manager {
     }
     buffer_->table().check_segments(segments);
 
-    retrievals_.resize(batch.size());
+    // Select (and a custom Attend) on each request's state as it stands, before
+    // this token's page joins it: the token is in the tail, which is always
+    // attended, so whatever the policy and its budget select, the token takes
+    // part. Selections are checked here too, so a bad one changes nothing.
+    const auto t1 = Clock::now();
+    stats_.append_s += seconds(t1 - t0);
     selections_.resize(batch.size());
     extra_.clear();
     const bool custom = Ops::has_attend(policy_);
     if (custom) extra_.assign(batch.size() * shape_.q_heads, AttentionPartial(shape_.head_dim));
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const RequestId id = batch[b];
-      LayerState& ls = state(id).layers[layer];
-      Pending& next = pending_[b];
-      buffer_->append(id, layer, KvChunk{k_row(b), v_row(b), 1, shape_.dtype});
-      if (next.saves) {
-        if (next.regroup) buffer_->repartition(id, layer, next.regroup->first_partitions, next.regroup->specs);
-        ls.policy = std::move(next.state);
-        ls.recent_k.clear();
-        ls.recent_v.clear();
-        ++stats_.pages_saved;
-      } else {
-        for (std::size_t i = 0; i < row; ++i) {
-          ls.recent_k.push_back(load_element(k_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
-          ls.recent_v.push_back(load_element(v_row(b), static_cast<std::uint32_t>(i), shape_.dtype));
-        }
-      }
-    }
-    const auto t1 = Clock::now();
-    stats_.append_s += seconds(t1 - t0);
-
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const RequestId id = batch[b];
-      LayerState& ls = state(id).layers[layer];
-      const auto s0 = Clock::now();
-      const LayerContext ctx = context(layer, buffer_->sequence_length(id, layer) - buffer_->tail_tokens(id, layer));
-      const DecodeQuery query{std::span(queries_).subspan(b * qd, qd), buffer_->sequence_length(id, layer) - 1};
+      const LayerState& ls = state(id).layers[layer];
+      const std::uint32_t position = buffer_->sequence_length(id, layer);
+      const LayerContext ctx = context(layer, position - buffer_->tail_tokens(id, layer));
+      const DecodeQuery query{std::span(queries_).subspan(b * qd, qd), position};
       policy_.select(ctx, query, ls.policy, selections_[b]);
       if (custom) {
         Ops::attend(policy_, ctx, query, ls.policy, selections_[b],
                     std::span(extra_).subspan(b * shape_.q_heads, shape_.q_heads));
       }
-      const auto s1 = Clock::now();
+      buffer_->check_selection(id, layer, selections_[b].partitions);
+    }
+    const auto t2 = Clock::now();
+    stats_.select_s += seconds(t2 - t1);
+
+    // Commit: append, Retrieve, then (a full tail) the policy's page and regroup.
+    retrievals_.resize(batch.size());
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestId id = batch[b];
+      LayerState& ls = state(id).layers[layer];
+      Pending& next = pending_[b];
+      const auto a0 = Clock::now();
+      buffer_->append(id, layer, KvChunk{k_row(b), v_row(b), 1, shape_.dtype});
+      const auto r0 = Clock::now();
       buffer_->retrieve(id, layer, selections_[b].partitions, retrievals_[b]);
-      stats_.select_s += seconds(s1 - s0);
-      stats_.retrieve_s += seconds(Clock::now() - s1);
+      const auto r1 = Clock::now();
+      if (next.saves) {
+        // The filled page is saved but still whole in the GPU tail page: it is
+        // this step's tail, attended on top of the selection (which predates
+        // it), at no GPU slot or copy. The next append starts the tail afresh.
+        retrievals_[b].tail_tokens.assign(shape_.kv_heads, config_.page_tokens);
+        if (next.regroup) buffer_->repartition(id, layer, next.regroup->first_partitions, next.regroup->specs);
+        ls.policy = std::move(next.state);
+        ls.recent_k.clear();
+        ls.recent_v.clear();
+        stats_.pages_saved += shape_.kv_heads;  // one page per kv head, as BufferStats counts
+      } else {
+        ls.recent_k.insert(ls.recent_k.end(), new_k(b).begin(), new_k(b).end());
+        ls.recent_v.insert(ls.recent_v.end(), new_v(b).begin(), new_v(b).end());
+      }
+      stats_.append_s += seconds(r0 - a0) + seconds(Clock::now() - r1);
+      stats_.retrieve_s += seconds(r1 - r0);
       stats_.cache += retrievals_[b].stats;
       stats_.pages_moved += retrievals_[b].plan.copies.size();
       stats_.bytes_moved += retrievals_[b].plan.copies.size() * buffer_->cpu_pool().page_bytes();

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -116,6 +117,8 @@ class HierarchicalPageTable {
                                  std::uint32_t slots) const;
   // Throws resource_exhausted naming the first pool that cannot supply `demand`.
   void check_segments(const SegmentDemand& demand) const;
+  // What check_segments would throw, without throwing; empty when every pool can supply `demand`.
+  std::string segment_shortfall(const SegmentDemand& demand) const;
   // Keeps the first `partitions` partitions of one head and drops the rest
   // (their CPU pages are the caller's to release first); refuses while a GPU
   // slot caches a dropped one.

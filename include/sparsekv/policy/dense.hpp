@@ -2,7 +2,9 @@
 // Dense: every partition, every step, through the same offload / retrieve /
 // attend pipeline as the sparse policies -- the baseline every policy is
 // measured against. One page per partition.
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -36,9 +38,11 @@ class DensePolicy {
       for (PartitionId p = 0; p < state.partitions[h]; ++p) out.partitions[h].push_back(p);
     }
   }
-  // Prefill's last page may be partial: one page more than the tokens fill.
+  // Prefill's last page may be partial: one page more than the tokens fill
+  // (in 64 bits, saturated: a context near 2^32 tokens must not wrap to a few pages).
   std::uint32_t mandatory_pages(const LayerContext& ctx) const {
-    return (ctx.tokens + ctx.page_tokens - 1) / ctx.page_tokens + 1;
+    const std::uint64_t pages = (std::uint64_t{ctx.tokens} + ctx.page_tokens - 1) / ctx.page_tokens + 1;
+    return static_cast<std::uint32_t>(std::min<std::uint64_t>(pages, std::numeric_limits<std::uint32_t>::max()));
   }
 };
 

@@ -10,8 +10,9 @@
 // Each cluster is one variable-size partition.
 //
 // Tripartite attention, per kv head and step:
-//  - steady zone: the first `sink_tokens` tokens and the newest tokens
-//    (`window_tokens`), exact, always selected;
+//  - steady zone: the newest tokens (`window_tokens`) and the first
+//    `sink_tokens` tokens, exact, selected within the budget: the newest
+//    window pages first, the sinks only if they fit;
 //  - retrieval zone: the top `retrieval_fraction` of the clusters, ranked for
 //    the whole GQA group by the sum over its q heads of softmax(q.C / sqrt(d)),
 //    exact (selected partitions), capped so that the selection covers at most

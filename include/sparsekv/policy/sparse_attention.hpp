@@ -13,7 +13,13 @@
 //   p.append(ctx, page, state)  decode: a full page of new tokens became a
 //                               one-page partition in every kv head; update
 //                               summaries, optionally ask for a repartition
-//   p.select(ctx, q, state, s)  the partitions each kv head needs for query q
+//   p.select(ctx, q, state, s)  the partitions each kv head needs for query q;
+//                               the decode tail, which holds the token being
+//                               decoded, is attended on top. On the step whose
+//                               token fills the tail page, select (and attend)
+//                               see the state from before append(): that page
+//                               is attended whole as the tail, and selectable
+//                               from the next step on
 //   p.mandatory_pages(ctx)      the most pages one select may return per kv head
 //                               while the request holds at most ctx.tokens tokens
 // and optionally (CustomAttend)

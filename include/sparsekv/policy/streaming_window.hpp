@@ -1,8 +1,10 @@
 #pragma once
 // StreamingWindow (StreamingLLM, "attention sinks"; RetroInfer §4.2's steady
 // zone): the first `sink_tokens` tokens and the most recent tokens, static
-// and query-independent. One page per partition; the window fills whatever
-// of the budget the sink pages leave, newest pages first.
+// and query-independent. One page per partition. The budget counts tokens,
+// not pages: the sink pages first, then the newest pages, each while it fits,
+// so a short prompt page costs its tokens and a budget covering the context
+// selects all of it (Dense).
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -21,6 +23,7 @@ class StreamingWindowPolicy {
   };
   struct LayerState {
     std::vector<std::uint32_t> partitions;  // per kv head
+    std::uint32_t prompt_tokens = 0;        // the prompt's last page may be short; every decode page is full
   };
   static constexpr std::string_view kName = "streaming";
   static constexpr RopeStage kRope = RopeStage::post_rope;
@@ -33,6 +36,7 @@ class StreamingWindowPolicy {
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
     const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, ctx.page_tokens);
     state.partitions.assign(ctx.kv_heads, spec.partition_count());
+    state.prompt_tokens = kv.tokens;
     return {spec};
   }
   std::optional<Repartition> append(const LayerContext&, const AppendedPage&, LayerState& state) const {
@@ -41,22 +45,31 @@ class StreamingWindowPolicy {
   }
   void select(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, Selection& out) const {
     out.reset(ctx.kv_heads);
-    const std::uint32_t budget_pages = std::max(1u, options_.budget_tokens / ctx.page_tokens);
-    const std::uint32_t sink_pages =
-        std::min(budget_pages, (options_.sink_tokens + ctx.page_tokens - 1) / ctx.page_tokens);
+    const std::uint32_t pt = ctx.page_tokens;
+    const std::uint32_t prompt_pages = (state.prompt_tokens + pt - 1) / pt;
+    const auto size = [&](PartitionId p) {
+      return p + 1 == prompt_pages ? state.prompt_tokens - p * pt : pt;
+    };
+    const std::uint32_t sink_pages = static_cast<std::uint32_t>((std::uint64_t{options_.sink_tokens} + pt - 1) / pt);
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
       const std::uint32_t n = state.partitions[h];
-      const std::uint32_t sinks = std::min(sink_pages, n);
-      const std::uint32_t window = std::min(budget_pages - sink_pages, n - sinks);
-      for (PartitionId p = 0; p < sinks; ++p) out.partitions[h].push_back(p);
-      for (PartitionId p = n - window; p < n; ++p) out.partitions[h].push_back(p);
+      std::uint64_t left = options_.budget_tokens;
+      PartitionId sinks = 0;
+      for (; sinks < std::min(sink_pages, n) && size(sinks) <= left; ++sinks) {
+        out.partitions[h].push_back(sinks);
+        left -= size(sinks);
+      }
+      PartitionId window = n;  // the window is [window, n)
+      for (; window > sinks && size(window - 1) <= left; --window) left -= size(window - 1);
+      for (PartitionId p = window; p < n; ++p) out.partitions[h].push_back(p);
     }
   }
-  // The budget, but never more pages than the context can fill (prefill's
-  // last page may be partial).
+  // At most the budget's tokens, in pages all full but the prompt's last:
+  // ceil(budget / page_tokens), never more than the context can fill.
   std::uint32_t mandatory_pages(const LayerContext& ctx) const {
-    return std::min(std::max(1u, options_.budget_tokens / ctx.page_tokens),
-                    (ctx.tokens + ctx.page_tokens - 1) / ctx.page_tokens + 1);
+    const std::uint64_t pt = ctx.page_tokens;
+    const std::uint64_t context = (std::uint64_t{ctx.tokens} + pt - 1) / pt + 1;
+    return static_cast<std::uint32_t>(std::min((std::uint64_t{options_.budget_tokens} + pt - 1) / pt, context));
   }
 
  private:
