@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "launch_support.cuh"
+#include "core/launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
 

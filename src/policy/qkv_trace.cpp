@@ -13,8 +13,8 @@
 #include <fmt/format.h>
 
 #include "sparsekv/core/error.hpp"
-#include "portable_random.hpp"
-#include "text_fields.hpp"
+#include "core/portable_random.hpp"
+#include "core/text_fields.hpp"
 
 namespace sparsekv {
 

@@ -11,7 +11,7 @@
 
 #include "sparsekv/cache/bucketed_lru_cuda.hpp"
 #include "sparsekv/cache/bucketed_lru_rules.hpp"
-#include "launch_support.cuh"
+#include "core/launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 
 namespace sparsekv::cuda {

@@ -12,7 +12,7 @@
 #include "sparsekv/attention/attention_partial.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/core/error_code.hpp"
-#include "launch_support.cuh"
+#include "core/launch_support.cuh"
 
 namespace sparsekv::cuda {
 namespace {

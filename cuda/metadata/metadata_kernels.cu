@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "launch_support.cuh"
+#include "core/launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 #include "sparsekv/metadata/partition_lookup_cuda.hpp"
 

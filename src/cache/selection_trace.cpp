@@ -12,8 +12,8 @@
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/metadata/page_table_entries.hpp"
-#include "portable_random.hpp"
-#include "text_fields.hpp"
+#include "core/portable_random.hpp"
+#include "core/text_fields.hpp"
 
 namespace sparsekv {
 

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "launch_support.cuh"
+#include "core/launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
