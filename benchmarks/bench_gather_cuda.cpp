@@ -2,17 +2,18 @@
 // pages of 2/4/8/16/32 KB from a pinned host pool (256 MiB) into scattered
 // device pages, with all SMs and with an 8-SM cap. Each run prints the
 // kernel's GB/s and its ratio to three references measured in the same
-// process with cudaEvents on the same pages:
-//   over_contig   - one contiguous cudaMemcpyAsync of the same bytes (the PCIe limit)
-//   over_per_page - one cudaMemcpyAsync per page
-//   over_batch    - one cudaMemcpyBatchAsync over the same pages (CUDA 12.8+)
+// process with cudaEvents:
+//   over_pcie     - the PCIe reference (pcie_GBps): one contiguous 256 MiB H2D
+//                   copy, measured once per process (cuda_bench_support.hpp)
+//                   and printed at startup; the fraction of the link the
+//                   gather reaches, the same figure for every page size
+//   over_per_page - one cudaMemcpyAsync per page, on the same pages
+//   over_batch    - one cudaMemcpyBatchAsync over the same pages (CUDA 12.8+; -1 without)
 // Without a CUDA device it prints "SKIPPED: no CUDA device" and exits 0.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <numeric>
@@ -33,9 +34,8 @@ constexpr std::size_t kMaxPageBytes = 32 << 10;
 
 // Buffers shared by every run, allocated on first use.
 struct Buffers {
-  std::byte* pool = nullptr;        // pinned, mapped host pool (the CPU tier)
-  std::byte* dst = nullptr;         // device pages (the GPU tier)
-  std::byte* contiguous = nullptr;  // device buffer for the contiguous reference
+  std::byte* pool = nullptr;  // pinned, mapped host pool (the CPU tier)
+  std::byte* dst = nullptr;   // device pages (the GPU tier)
   PageId* d_src_pages = nullptr;
   PageId* d_dst_pages = nullptr;
   cudaStream_t stream = nullptr;  // non-blocking: cudaMemcpyBatchAsync rejects the legacy stream
@@ -47,7 +47,6 @@ struct Buffers {
     pool = static_cast<std::byte*>(p);
     std::memset(pool, 0x5a, kPoolBytes);
     dst = device_alloc<std::byte>(kPages * kMaxPageBytes);
-    contiguous = device_alloc<std::byte>(kPages * kMaxPageBytes);
     d_src_pages = device_alloc<PageId>(kPages);
     d_dst_pages = device_alloc<PageId>(kPages);
     stream = non_blocking_stream();
@@ -92,35 +91,6 @@ void upload(const Lists& l) {
   check(cudaStreamSynchronize(b.stream), "cudaStreamSynchronize");
 }
 
-// cudaMemcpyBatchAsync: CUDA 12.8 and 12.9 take non-const sources and a
-// failure index, CUDA 13 neither; older toolkits lack it.
-cudaError_t memcpy_batch(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<std::size_t>& sizes,
-                         cudaStream_t stream) {
-#if CUDART_VERSION >= 12080
-  int device = 0;
-  if (const cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  cudaMemcpyAttributes attrs{};
-  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attrs.srcLocHint.type = cudaMemLocationTypeHost;
-  attrs.dstLocHint.type = cudaMemLocationTypeDevice;
-  attrs.dstLocHint.id = device;
-  std::size_t attrs_idx = 0;
-#if CUDART_VERSION >= 13000
-  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attrs, &attrs_idx, 1, stream);
-#else
-  std::size_t fail_idx = 0;
-  return cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(), dsts.size(), &attrs,
-                              &attrs_idx, 1, &fail_idx, stream);
-#endif
-#else
-  (void)dsts;
-  (void)srcs;
-  (void)sizes;
-  (void)stream;
-  return cudaErrorNotSupported;
-#endif
-}
-
 // Mean ms of `enqueue` on the benchmark stream over `reps` back-to-back runs, after one warm-up.
 template <class Enqueue>
 double mean_ms(int reps, Enqueue&& enqueue) {
@@ -134,7 +104,7 @@ double mean_ms(int reps, Enqueue&& enqueue) {
 }
 
 struct References {
-  double contig_ms = 0, per_page_ms = 0, batch_ms = 0;  // batch_ms < 0: cudaMemcpyBatchAsync failed
+  double per_page_ms = 0, batch_ms = 0;  // batch_ms < 0: cudaMemcpyBatchAsync unavailable
 };
 
 const References& references(std::size_t page_bytes) {
@@ -144,9 +114,6 @@ const References& references(std::size_t page_bytes) {
   Buffers& b = buffers();
   const Lists& l = lists(page_bytes);
   References r;
-  r.contig_ms = mean_ms(20, [&] {
-    check(cudaMemcpyAsync(b.contiguous, b.pool, kPages * page_bytes, cudaMemcpyHostToDevice, b.stream), "memcpy");
-  });
   r.per_page_ms = mean_ms(5, [&] {
     for (std::uint32_t i = 0; i < kPages; ++i)
       check(cudaMemcpyAsync(b.dst + l.dst[i] * page_bytes, b.pool + l.src[i] * page_bytes, page_bytes,
@@ -160,14 +127,10 @@ const References& references(std::size_t page_bytes) {
     dsts[i] = b.dst + l.dst[i] * page_bytes;
     srcs[i] = b.pool + l.src[i] * page_bytes;
   }
-  const cudaError_t probe = memcpy_batch(dsts, srcs, sizes, b.stream);
-  if (probe == cudaSuccess) {
-    check(cudaStreamSynchronize(b.stream), "cudaMemcpyBatchAsync");
-    r.batch_ms = mean_ms(20, [&] { check(memcpy_batch(dsts, srcs, sizes, b.stream), "cudaMemcpyBatchAsync"); });
-  } else {
-    std::fprintf(stderr, "cudaMemcpyBatchAsync unavailable: %s\n", cudaGetErrorString(probe));
-    cudaGetLastError();
-    r.batch_ms = -1;
+  constexpr cudaMemcpyKind kH2D = cudaMemcpyHostToDevice;
+  r.batch_ms = -1;
+  if (memcpy_batch_works(dsts, srcs, sizes, kH2D, b.stream)) {
+    r.batch_ms = mean_ms(20, [&] { check(memcpy_batch(dsts, srcs, sizes, kH2D, b.stream), "cudaMemcpyBatchAsync"); });
   }
   return cache.emplace(page_bytes, r).first->second;
 }
@@ -196,11 +159,12 @@ void BM_GatherH2D(benchmark::State& state) {
   const double bytes = double(kPages) * double(page_bytes);
   const double ms = total_ms / double(state.iterations());
   auto gbps = [&](double t_ms) { return bytes / (t_ms * 1e-3) / 1e9; };
+  const double pcie_gbps = pcie_reference().h2d_gbps;
   state.counters["GBps"] = gbps(ms);
-  state.counters["contig_GBps"] = gbps(ref.contig_ms);
+  state.counters["pcie_GBps"] = pcie_gbps;
   state.counters["per_page_GBps"] = gbps(ref.per_page_ms);
   state.counters["batch_GBps"] = ref.batch_ms > 0 ? gbps(ref.batch_ms) : -1;
-  state.counters["over_contig"] = ref.contig_ms / ms;
+  state.counters["over_pcie"] = gbps(ms) / pcie_gbps;
   state.counters["over_per_page"] = ref.per_page_ms / ms;
   state.counters["over_batch"] = ref.batch_ms > 0 ? ref.batch_ms / ms : -1;
 }
@@ -213,4 +177,4 @@ BENCHMARK(BM_GatherH2D)
 
 }  // namespace
 
-int main(int argc, char** argv) { return sparsekv::bench::run_benchmarks(argc, argv); }
+int main(int argc, char** argv) { return sparsekv::bench::run_benchmarks(argc, argv, report_pcie_reference); }

@@ -1,8 +1,9 @@
 #pragma once
 // Helpers shared by the CUDA benchmarks: a check that exits on a CUDA error,
 // device allocation and copies, timing with cudaEvents, the device-to-device
-// bandwidth reference, pad copies, and the main that prints
-// "SKIPPED: no CUDA device" and exits 0 without a device.
+// and PCIe bandwidth references, cudaMemcpyBatchAsync across toolkits, pad
+// copies, and the main that prints "SKIPPED: no CUDA device" and exits 0
+// without a device.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
@@ -10,6 +11,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "sparsekv/core/device.hpp"
@@ -86,6 +88,108 @@ inline double measure_d2d_gbps(void* dst, const void* src, std::size_t bytes, in
   return 2.0 * double(bytes) * reps / (double(ms) * 1e-3) / 1e9;
 }
 
+// The PCIe reference, GB/s per direction: one contiguous 256 MiB
+// cudaMemcpyAsync between pinned host memory and device memory, best of 5
+// after a warm-up, each copy timed alone with cudaEvents. Measured once per
+// process on first use, so that every row is compared with the same figure
+// for the link: a contiguous copy of each row's own bytes is one more noisy
+// measurement per row, and a ratio to it says as much about that copy as
+// about the gather or save beside it.
+struct PcieReference {
+  double h2d_gbps = 0, d2h_gbps = 0;
+};
+
+inline const PcieReference& pcie_reference() {
+  static const PcieReference reference = [] {
+    constexpr std::size_t kBytes = std::size_t{256} << 20;
+    constexpr int kReps = 5;
+    void* host = nullptr;
+    check(cudaHostAlloc(&host, kBytes, cudaHostAllocDefault), "cudaHostAlloc");
+    std::memset(host, 0x5a, kBytes);
+    void* device = device_alloc<std::byte>(kBytes);
+    const cudaStream_t stream = non_blocking_stream();
+    const Events events;
+    auto best_gbps = [&](void* dst, const void* src, cudaMemcpyKind kind) {
+      check(cudaMemcpyAsync(dst, src, kBytes, kind, stream), "warm-up");
+      float best_ms = 0;
+      for (int r = 0; r < kReps; ++r) {
+        const float ms = elapsed_ms(events, stream, [&] {
+          check(cudaMemcpyAsync(dst, src, kBytes, kind, stream), "cudaMemcpyAsync");
+        });
+        if (r == 0 || ms < best_ms) best_ms = ms;
+      }
+      return double(kBytes) / (double(best_ms) * 1e-3) / 1e9;
+    };
+    PcieReference r;
+    r.h2d_gbps = best_gbps(device, host, cudaMemcpyHostToDevice);
+    r.d2h_gbps = best_gbps(host, device, cudaMemcpyDeviceToHost);
+    check(cudaEventDestroy(events.start), "cudaEventDestroy");
+    check(cudaEventDestroy(events.stop), "cudaEventDestroy");
+    check(cudaStreamDestroy(stream), "cudaStreamDestroy");
+    check(cudaFree(device), "cudaFree");
+    check(cudaFreeHost(host), "cudaFreeHost");
+    return r;
+  }();
+  return reference;
+}
+
+// Measures the PCIe reference and prints it on stderr, beside Google
+// Benchmark's context lines, so that stdout stays one table (or JSON document).
+inline void report_pcie_reference() {
+  const PcieReference& r = pcie_reference();
+  std::fprintf(stderr, "PCIe reference (contiguous 256 MiB pinned copy, best of 5): H2D %.2f GB/s, D2H %.2f GB/s\n",
+               r.h2d_gbps, r.d2h_gbps);
+}
+
+// cudaMemcpyBatchAsync of dsts[i] <- srcs[i] (sizes[i] bytes) in direction
+// `kind` (cudaMemcpyHostToDevice or cudaMemcpyDeviceToHost). CUDA 12.8 and
+// 12.9 take non-const sources and a failure index, CUDA 13 neither; older
+// toolkits lack it (cudaErrorNotSupported).
+inline cudaError_t memcpy_batch(std::vector<void*>& dsts, std::vector<const void*>& srcs,
+                                std::vector<std::size_t>& sizes, cudaMemcpyKind kind, cudaStream_t stream) {
+#if CUDART_VERSION >= 12080
+  int device = 0;
+  if (const cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
+  cudaMemcpyAttributes attrs{};
+  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  cudaMemLocation& device_side = kind == cudaMemcpyHostToDevice ? attrs.dstLocHint : attrs.srcLocHint;
+  cudaMemLocation& host_side = kind == cudaMemcpyHostToDevice ? attrs.srcLocHint : attrs.dstLocHint;
+  device_side.type = cudaMemLocationTypeDevice;
+  device_side.id = device;
+  host_side.type = cudaMemLocationTypeHost;
+  std::size_t attrs_idx = 0;
+#if CUDART_VERSION >= 13000
+  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attrs, &attrs_idx, 1, stream);
+#else
+  std::size_t fail_idx = 0;
+  return cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(), dsts.size(), &attrs,
+                              &attrs_idx, 1, &fail_idx, stream);
+#endif
+#else
+  (void)dsts;
+  (void)srcs;
+  (void)sizes;
+  (void)kind;
+  (void)stream;
+  return cudaErrorNotSupported;
+#endif
+}
+
+// One memcpy_batch on `stream`, waited for: false where the toolkit or driver
+// lacks it (the reason printed, the error cleared), so that a benchmark
+// reports the batch reference as unavailable instead of exiting.
+inline bool memcpy_batch_works(std::vector<void*>& dsts, std::vector<const void*>& srcs,
+                               std::vector<std::size_t>& sizes, cudaMemcpyKind kind, cudaStream_t stream) {
+  const cudaError_t status = memcpy_batch(dsts, srcs, sizes, kind, stream);
+  if (status != cudaSuccess) {
+    std::fprintf(stderr, "cudaMemcpyBatchAsync unavailable: %s\n", cudaGetErrorString(status));
+    cudaGetLastError();
+    return false;
+  }
+  check(cudaStreamSynchronize(stream), "cudaMemcpyBatchAsync");
+  return true;
+}
+
 // Keeps `stream` busy with a device-to-device copy while the host records the
 // start event and launches: otherwise the start event fires at once and the
 // launch latency (validation + launch, microseconds) is timed as kernel time.
@@ -93,14 +197,17 @@ inline void pad_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "pad");
 }
 
-// The benchmarks' main: "SKIPPED: no CUDA device" and 0 without a device.
-inline int run_benchmarks(int argc, char** argv) {
+// The benchmarks' main: "SKIPPED: no CUDA device" and 0 without a device;
+// otherwise `before` (when given) runs once, after the arguments are parsed
+// and before the first benchmark, e.g. report_pcie_reference.
+inline int run_benchmarks(int argc, char** argv, void (*before)() = nullptr) {
   if (sparsekv::cuda_device_count() == 0) {
     std::puts("SKIPPED: no CUDA device");
     return 0;
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  if (before != nullptr) before();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
