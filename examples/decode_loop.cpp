@@ -1,9 +1,9 @@
 // decode_loop: a standalone decode loop over synthetic K/V through the
-// sparsekv facade on the host backend. Prints tokens/s, hit ratio, pages and
+// sparsekv facade (host or CUDA backend). Prints tokens/s, hit ratio, pages and
 // bytes moved and the time per operation.
 //
 //   decode_loop --context N --batch B --policy NAME --budget TOKENS --steps S [--json]
-//               [--layers L --q-heads H --kv-heads K --head-dim D --seed S]
+//               [--layers L --q-heads H --kv-heads K --head-dim D --seed S] [--backend host|cuda]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "backend_choice.hpp"
 #include "command_line.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/sparsekv.hpp"
@@ -24,6 +25,7 @@ void usage() {
   std::fputs(
       "usage: decode_loop [--context 8192] [--batch 4] [--policy shadowkv] [--budget 2048] [--steps 64] [--json]\n"
       "                   [--layers 4] [--q-heads 32] [--kv-heads 8] [--head-dim 128] [--seed 1]\n"
+      "                   [--backend host|cuda]   (default: cuda when built with it and a GPU is present)\n"
       "  policies: dense, streaming, quest, shadowkv, retroinfer, retroinfer_no_estimation\n",
       stderr);
 }
@@ -44,7 +46,7 @@ int main(int argc, char** argv) {
     const sparsekv::tools::CommandLine args(
         argc, argv,
         {"--context", "--batch", "--policy", "--budget", "--steps", "--layers", "--q-heads", "--kv-heads", "--head-dim",
-         "--seed"},
+         "--seed", "--backend"},
         {"--json", "--help"});
     if (args.has("--help")) {
       usage();
@@ -76,7 +78,8 @@ int main(int argc, char** argv) {
                                                     config.page_tokens, context + steps}));
     }
     config.gpu_tier_bytes = heads * (std::size_t{need} * 6 + 2) * page;
-    sparsekv::RuntimeManager manager(shape, config, policy);
+    sparsekv::RuntimeManager manager(shape, config, policy, sparsekv::tools::make_backend(args.text("--backend", "")));
+    const std::string backend(manager.backend().name());
 
     std::mt19937_64 rng(args.number<std::uint64_t>("--seed", 1));
     std::vector<sparsekv::RequestId> batch;
@@ -115,14 +118,14 @@ int main(int argc, char** argv) {
     const double tokens_per_s = double(steps) * batch_size / seconds;
     if (args.has("--json")) {
       fmt::print(
-          "{{\"policy\": \"{}\", \"context\": {}, \"batch\": {}, \"budget\": {}, \"steps\": {}, \"tokens_per_s\": {:.3f}, "
+          "{{\"backend\": \"{}\", \"policy\": \"{}\", \"context\": {}, \"batch\": {}, \"budget\": {}, \"steps\": {}, \"tokens_per_s\": {:.3f}, "
           "\"hit_ratio\": {:.4f}, \"pages_moved\": {}, \"bytes_moved\": {}, \"select_s\": {:.4f}, \"retrieve_s\": {:.4f}, "
           "\"attend_s\": {:.4f}, \"cpu_tier_reserved_bytes\": {}}}\n",
-          policy_name, context, batch_size, budget, steps, tokens_per_s, st.hit_ratio(), st.pages_moved, st.bytes_moved,
+          backend, policy_name, context, batch_size, budget, steps, tokens_per_s, st.hit_ratio(), st.pages_moved, st.bytes_moved,
           st.select_s, st.retrieve_s, st.attend_s, manager.cpu_tier_reserved_bytes());
     } else {
-      fmt::print("decode_loop: {} x {}-token context, policy {} (budget {} tokens), {} steps, {} layers, host backend\n",
-                 batch_size, context, policy_name, budget, steps, shape.layers);
+      fmt::print("decode_loop: {} x {}-token context, policy {} (budget {} tokens), {} steps, {} layers, {} backend\n",
+                 batch_size, context, policy_name, budget, steps, shape.layers, backend);
       fmt::print("  tokens/s        {:.2f}\n  hit ratio       {:.2f}%\n  pages moved     {}\n  bytes moved     {:.1f} MiB\n",
                  tokens_per_s, 100 * st.hit_ratio(), st.pages_moved, st.bytes_moved / double(1 << 20));
       fmt::print("  time per (request, layer) step: append {:.1f} us, select {:.1f} us, retrieve {:.1f} us, attend {:.1f} us\n",

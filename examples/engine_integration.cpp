@@ -6,16 +6,16 @@
 // faked with random tensors; sparsekv does the KV cache and attention.
 #include <cstdio>
 #include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <random>
 #include <vector>
 
+#include "backend_choice.hpp"
+#include "command_line.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/sparsekv.hpp"
-#if SPARSEKV_EXAMPLE_CUDA
-#include "sparsekv/facade/cuda_backend.hpp"
-#endif
 
 namespace {
 
@@ -34,26 +34,20 @@ std::vector<std::uint16_t> fake(std::mt19937& rng, std::size_t rows, std::size_t
   return t;
 }
 
-// The one runtime choice at the facade edge: the GPU tier in device memory
-// when sparsekv::cuda is linked and a GPU is present, else the host backend.
-std::unique_ptr<sparsekv::Backend> make_backend() {
-#if SPARSEKV_EXAMPLE_CUDA
-  return sparsekv::cuda::make_best_backend();
-#else
-  return std::make_unique<sparsekv::HostBackend>();
-#endif
-}
-
 }  // namespace
 
-int main() {
+int run(int argc, char** argv) {
+  // The one runtime choice at the facade edge: --backend host|cuda (default:
+  // cuda when sparsekv::cuda is linked and a GPU is present, else host).
+  const sparsekv::tools::CommandLine args(argc, argv, {"--backend"}, {});
   sparsekv::Config config;          // paper defaults: 8-token pages, 64 LRU buckets, 5x buffering
   config.max_requests = 8;
   config.max_context_tokens = 8192;
   config.cpu_tier_bytes = std::size_t{512} << 20;
   config.gpu_tier_bytes = std::size_t{96} << 20;
   // One policy for the engine; RuntimeManager picks it by name (Manager<QuestPolicy> would fix it at compile time).
-  sparsekv::RuntimeManager kv(kModel, config, sparsekv::make_policy("quest", 512), make_backend());
+  sparsekv::RuntimeManager kv(kModel, config, sparsekv::make_policy("quest", 512),
+                             sparsekv::tools::make_backend(args.text("--backend", "")));
   std::printf("backend: %.*s\n", static_cast<int>(kv.backend().name().size()), kv.backend().name().data());
 
   std::mt19937 rng(7);
@@ -100,4 +94,13 @@ int main() {
               static_cast<unsigned long long>(st.decode_steps), 100 * st.hit_ratio(),
               static_cast<unsigned long long>(st.pages_moved), kv.buffer().gpu_pool().used());
   return kv.buffer().gpu_pool().used() == 0 && kv.buffer().cpu_pool().used() == 0 ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "engine_integration: %s\n", e.what());
+    return 2;
+  }
 }
