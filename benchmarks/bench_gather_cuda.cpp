@@ -103,17 +103,13 @@ double mean_ms(int reps, Enqueue&& enqueue) {
   return double(ms) / reps;
 }
 
-struct References {
-  double per_page_ms = 0, batch_ms = 0;  // batch_ms < 0: cudaMemcpyBatchAsync unavailable
-};
-
-const References& references(std::size_t page_bytes) {
-  static std::map<std::size_t, References> cache;
+const CopyReferences& references(std::size_t page_bytes) {
+  static std::map<std::size_t, CopyReferences> cache;
   auto it = cache.find(page_bytes);
   if (it != cache.end()) return it->second;
   Buffers& b = buffers();
   const Lists& l = lists(page_bytes);
-  References r;
+  CopyReferences r;
   r.per_page_ms = mean_ms(5, [&] {
     for (std::uint32_t i = 0; i < kPages; ++i)
       check(cudaMemcpyAsync(b.dst + l.dst[i] * page_bytes, b.pool + l.src[i] * page_bytes, page_bytes,
@@ -142,7 +138,7 @@ void BM_GatherH2D(benchmark::State& state) {
   config.max_sms = static_cast<std::uint32_t>(state.range(1));
   Buffers& b = buffers();
   const Lists& l = lists(page_bytes);
-  const References& ref = references(page_bytes);
+  const CopyReferences& ref = references(page_bytes);
   upload(l);
   auto enqueue = [&] {
     sparsekv::cuda::gather_pages(b.d_src_pages, b.d_dst_pages, kPages, b.pool, page_bytes, b.dst, page_bytes,
@@ -158,15 +154,7 @@ void BM_GatherH2D(benchmark::State& state) {
   }
   const double bytes = double(kPages) * double(page_bytes);
   const double ms = total_ms / double(state.iterations());
-  auto gbps = [&](double t_ms) { return bytes / (t_ms * 1e-3) / 1e9; };
-  const double pcie_gbps = pcie_reference().h2d_gbps;
-  state.counters["GBps"] = gbps(ms);
-  state.counters["pcie_GBps"] = pcie_gbps;
-  state.counters["per_page_GBps"] = gbps(ref.per_page_ms);
-  state.counters["batch_GBps"] = ref.batch_ms > 0 ? gbps(ref.batch_ms) : -1;
-  state.counters["over_pcie"] = gbps(ms) / pcie_gbps;
-  state.counters["over_per_page"] = ref.per_page_ms / ms;
-  state.counters["over_batch"] = ref.batch_ms > 0 ? ref.batch_ms / ms : -1;
+  set_copy_counters(state, bytes, ms, ref, pcie_reference().h2d_gbps);
 }
 
 BENCHMARK(BM_GatherH2D)

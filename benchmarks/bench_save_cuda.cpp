@@ -186,20 +186,16 @@ double mean_wall_ms(Run&& run) {
   return total_ms / reps;
 }
 
-struct References {
-  double per_page_ms = 0, batch_ms = 0;  // batch_ms < 0: cudaMemcpyBatchAsync unavailable
-};
-
 // Checked and measured once per configuration; the device source must hold c's bytes.
-const References& references(const Case& c) {
-  static std::map<std::pair<std::size_t, std::size_t>, References> cache;  // (pages, page_bytes)
+const CopyReferences& references(const Case& c) {
+  static std::map<std::pair<std::size_t, std::size_t>, CopyReferences> cache;  // (pages, page_bytes)
   const std::pair key(c.dst.size(), c.page_bytes);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   Buffers& b = buffers();
   const std::size_t page_bytes = c.page_bytes;
   const std::size_t pages = c.dst.size();
-  References r;
+  CopyReferences r;
   auto per_page = [&] {
     for (std::size_t i = 0; i < pages; ++i)
       check(cudaMemcpyAsync(b.pool + std::size_t{c.dst[i]} * page_bytes, b.source + i * page_bytes, page_bytes,
@@ -240,7 +236,7 @@ void run_save(benchmark::State& state, std::uint32_t pages) {
   const std::size_t bytes = c.bytes.size();
   check(cudaMemcpyAsync(b.source, c.bytes.data(), bytes, cudaMemcpyHostToDevice, b.stream), "cudaMemcpyAsync");
   check(cudaStreamSynchronize(b.stream), "cudaStreamSynchronize");
-  const References& ref = references(c);
+  const CopyReferences& ref = references(c);
 
   // Both staging slots sized for the save up front: nothing is allocated in the timed loop.
   sparsekv::StagedSaver saver(sparsekv::StagedSaverConfig{workers, 2, bytes});
@@ -255,16 +251,8 @@ void run_save(benchmark::State& state, std::uint32_t pages) {
     total_ms += ms;
   }
   const double ms = total_ms / double(state.iterations());
-  auto gbps = [&](double t_ms) { return double(bytes) / (t_ms * 1e-3) / 1e9; };
-  const double pcie_gbps = pcie_reference().d2h_gbps;
   state.counters["pages"] = pages;
-  state.counters["GBps"] = gbps(ms);
-  state.counters["pcie_GBps"] = pcie_gbps;
-  state.counters["per_page_GBps"] = gbps(ref.per_page_ms);
-  state.counters["batch_GBps"] = ref.batch_ms > 0 ? gbps(ref.batch_ms) : -1;
-  state.counters["over_pcie"] = gbps(ms) / pcie_gbps;
-  state.counters["over_per_page"] = ref.per_page_ms / ms;
-  state.counters["over_batch"] = ref.batch_ms > 0 ? ref.batch_ms / ms : -1;
+  set_copy_counters(state, double(bytes), ms, ref, pcie_reference().d2h_gbps);
 }
 
 void BM_SaveDecodePages(benchmark::State& state) { run_save(state, kDecodePages); }

@@ -197,6 +197,28 @@ inline void pad_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "pad");
 }
 
+// The same page copies done by the two copy-engine references, timed in the
+// same process: one cudaMemcpyAsync per page, and one cudaMemcpyBatchAsync
+// (batch_ms < 0: unavailable).
+struct CopyReferences {
+  double per_page_ms = 0, batch_ms = 0;
+};
+
+// The counters the gather and save benchmarks share: GB/s of the kernel
+// (`ms` for `bytes`) and of each reference, and their ratios, the PCIe
+// reference of the copy's direction included.
+inline void set_copy_counters(benchmark::State& state, double bytes, double ms, const CopyReferences& ref,
+                              double pcie_gbps) {
+  const auto gbps = [&](double t_ms) { return bytes / (t_ms * 1e-3) / 1e9; };
+  state.counters["GBps"] = gbps(ms);
+  state.counters["pcie_GBps"] = pcie_gbps;
+  state.counters["per_page_GBps"] = gbps(ref.per_page_ms);
+  state.counters["batch_GBps"] = ref.batch_ms > 0 ? gbps(ref.batch_ms) : -1;
+  state.counters["over_pcie"] = gbps(ms) / pcie_gbps;
+  state.counters["over_per_page"] = ref.per_page_ms / ms;
+  state.counters["over_batch"] = ref.batch_ms > 0 ? ref.batch_ms / ms : -1;
+}
+
 // The benchmarks' main: "SKIPPED: no CUDA device" and 0 without a device;
 // otherwise `before` (when given) runs once, after the arguments are parsed
 // and before the first benchmark, e.g. report_pcie_reference.
