@@ -9,6 +9,7 @@
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/select_rules.hpp"
 
 namespace sparsekv {
 namespace {
@@ -41,7 +42,7 @@ inline Lanes load_lanes(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline float lane_sum(Lanes v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+inline float lanes_total(Lanes v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 #endif
 
 float dot(const float* a, const float* b, std::uint32_t d) {
@@ -53,7 +54,7 @@ float dot(const float* a, const float* b, std::uint32_t d) {
     l0 += load_lanes(a + i) * load_lanes(b + i);
     l1 += load_lanes(a + i + 4) * load_lanes(b + i + 4);
   }
-  sum = lane_sum(l0 + l1);
+  sum = lanes_total(l0 + l1);
 #endif
   for (; i < d; ++i) sum += a[i] * b[i];
   return sum;
@@ -142,14 +143,6 @@ void update_centroids(const float* x, std::uint32_t n, std::uint32_t d, const st
     if (!centroid_inverse_norm(norm, counts[c], inv)) continue;
     for (std::uint32_t i = 0; i < d; ++i) centroids[std::size_t{c} * d + i] = mul_rn(s[i], inv);
   }
-}
-
-// ceil(fraction * m), clamped to [0, m]; the epsilon absorbs fp32 fractions
-// (0.018f is a hair off 0.018).
-std::uint32_t fraction_count(double fraction, std::uint64_t m) {
-  const double x = std::ceil(fraction * static_cast<double>(m) - 1e-6);
-  if (x <= 0.0) return 0;
-  return static_cast<std::uint32_t>(std::min<double>(x, static_cast<double>(m)));
 }
 
 // Balanced segments over `len` tokens: ceil(len / segment_tokens) of them, but
@@ -249,31 +242,11 @@ void check_state(const LayerContext& ctx, const LayerState& state) {
 }
 
 
-// The steady zone of one head: the newest `window_parts` recent partitions
-// (newest first while fewer than `window` tokens are covered), then the sink
-// partition, all within the budget: a tiny budget keeps the newest tokens
-// and drops the sinks first (docs/policies/retroinfer.md).
-struct Steady {
-  bool sink = false;
-  std::uint32_t window_parts = 0;
-  std::uint32_t tokens = 0;
-};
-
-Steady steady_zone(const HeadState& head, std::uint32_t window, std::uint32_t budget) {
-  Steady s;
-  std::uint32_t covered = 0;
-  for (std::size_t i = head.recent.size(); i-- > 0 && covered < window;) {
-    const std::uint32_t size = head.recent[i].tokens;
-    if (s.tokens + size > budget) break;
-    covered += size;
-    s.tokens += size;
-    ++s.window_parts;
-  }
-  if (head.sink.tokens > 0 && s.tokens + head.sink.tokens <= budget) {
-    s.sink = true;
-    s.tokens += head.sink.tokens;
-  }
-  return s;
+// The steady zone of one head (select_rules.hpp; docs/policies/retroinfer.md).
+SteadyZone head_steady_zone(const HeadState& head, std::uint32_t window, std::uint32_t budget) {
+  return steady_zone(
+      static_cast<std::uint32_t>(head.recent.size()), [&](std::uint32_t i) { return head.recent[i].tokens; },
+      head.sink.tokens, window, budget);
 }
 
 // What a head ranks: its clusters, then its recent partitions outside the
@@ -296,13 +269,14 @@ struct Candidates {
 };
 
 // scores[g * m + i] = q_g . C_i / sqrt(d) for the group's q heads g; rank[i] =
-// the group sum of softmax_i(scores[g]) (RetroInfer's GQA ranking).
+// the group sum of softmax_i(scores[g]) (RetroInfer's GQA ranking), by the
+// rules cuda::retroinfer_select shares (select_rules.hpp).
 void score(const LayerContext& ctx, const DecodeQuery& q, std::uint32_t kv_head, const Candidates& c,
            std::vector<float>& scores, std::vector<float>& rank) {
   const std::uint32_t m = c.size();
   const std::uint32_t group = ctx.group_size();
   const std::uint32_t d = ctx.head_dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float scale = logit_scale(d);
   scores.assign(std::size_t{group} * m, 0.0f);
   rank.assign(m, 0.0f);
   for (std::uint32_t g = 0; g < group; ++g) {
@@ -310,14 +284,23 @@ void score(const LayerContext& ctx, const DecodeQuery& q, std::uint32_t kv_head,
     float* s = scores.data() + std::size_t{g} * m;
     float max = -std::numeric_limits<float>::infinity();
     for (std::uint32_t i = 0; i < m; ++i) {
-      s[i] = dot(qh, c.centroid(i, d), d) * scale;
-      max = std::max(max, s[i]);
+      s[i] = retroinfer_logit(qh, c.centroid(i, d), d, scale);
+      max = fold_max_score(max, s[i]);
     }
-    double sum = 0.0;
-    for (std::uint32_t i = 0; i < m; ++i) sum += std::exp(s[i] - max);
-    const float inv = static_cast<float>(1.0 / sum);
-    for (std::uint32_t i = 0; i < m; ++i) rank[i] += std::exp(s[i] - max) * inv;
+    const double sum = lane_sum<double>(
+        m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(s[i], -max))); },
+        [](std::uint32_t) { return true; });
+    const float inv = retroinfer_inverse_sum(sum);
+    for (std::uint32_t i = 0; i < m; ++i) rank[i] = add_rn(rank[i], retroinfer_share(s[i], max, inv));
   }
+}
+
+// The candidates [0, m) in rank order (top_k's order through the ranking key).
+template <class Filler, class Take>
+void rank_fill(const std::vector<float>& rank, const Candidates& c, Filler& fill, Take&& take) {
+  ranked_fill(
+      c.size(), fill, [&](std::uint32_t i) { return rank[i]; }, [](std::uint32_t) { return true; },
+      [&](std::uint32_t i) { return c.group(i).tokens; }, take);
 }
 
 // Eqs. 2-4: `size` keys that share the centroid's score, their values summing
@@ -682,22 +665,17 @@ void RetroInferPolicy::select(const LayerContext& ctx, const DecodeQuery& q, con
       std::iota(ids.begin(), ids.end(), PartitionId{0});
       continue;
     }
-    const Steady steady = steady_zone(head, state.window, budget);
+    const SteadyZone steady = head_steady_zone(head, state.window, budget);
     if (steady.sink) ids.push_back(head.sink.id);
     const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
                        static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
     for (std::uint32_t i = c.older; i < head.recent.size(); ++i) ids.push_back(head.recent[i].id);
     if (c.size() > 0) {
       score(ctx, q, h, c, scores, rank);
-      std::uint32_t used = steady.tokens;
-      for (std::uint32_t i : top_k(rank, fraction_count(options_.retrieval_fraction, c.size()))) {
-        const Group& g = c.group(i);
-        // Capped by the budget in rank order: this cluster and every lower-ranked one
-        // fall to the estimation zone.
-        if (used + g.tokens > budget) break;
-        ids.push_back(g.id);
-        used += g.tokens;
-      }
+      // Capped by the budget in rank order: the first cluster that does not fit and
+      // every lower-ranked one fall to the estimation zone.
+      BreakFill fill{steady.tokens, budget, fraction_count(options_.retrieval_fraction, c.size())};
+      rank_fill(rank, c, fill, [&](std::uint32_t i) { ids.push_back(c.group(i).id); });
     }
     std::sort(ids.begin(), ids.end());
   }
@@ -721,7 +699,7 @@ void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, con
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
     const HeadState& head = state.heads[h];
     if (budget >= head.tokens) continue;  // everything is exact
-    const Steady steady = steady_zone(head, state.window, budget);
+    const SteadyZone steady = head_steady_zone(head, state.window, budget);
     const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
                        static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
     const std::uint32_t m = c.size();
@@ -730,14 +708,16 @@ void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, con
     selected = selection.partitions[h];
     std::sort(selected.begin(), selected.end());
     const double zones = double{options_.retrieval_fraction} + options_.estimation_fraction;
-    for (std::uint32_t i : top_k(rank, fraction_count(zones, m))) {
+    // Every ranked partition within the zones: a fill that never runs out of budget.
+    BreakFill zone{0, std::numeric_limits<std::uint32_t>::max(), fraction_count(zones, m)};
+    rank_fill(rank, c, zone, [&](std::uint32_t i) {
       const Group& g = c.group(i);
-      if (std::binary_search(selected.begin(), selected.end(), g.id)) continue;  // retrieved: exact
+      if (std::binary_search(selected.begin(), selected.end(), g.id)) return;  // retrieved: exact
       const float* vs = c.value_sum(i, d);
       for (std::uint32_t j = 0; j < group; ++j) {
         add_cluster(extra[h * group + j], scores[std::size_t{j} * m + i], g.tokens, vs);
       }
-    }
+    });
   }
 }
 

@@ -5,7 +5,9 @@
 // a partition can reach by sum_d max(q_d * min_d, q_d * max_d) and keeps the
 // partitions with the highest bounds, the newest one always. The min / max
 // fold is the rule in page_summaries.hpp; sparsekv::cuda::page_min_max
-// (index_cuda.hpp) computes the same bounds on the GPU.
+// (index_cuda.hpp) computes the same bounds on the GPU. The score, ranking
+// and fill are select_rules.hpp's; sparsekv::cuda::quest_select
+// (select_cuda.hpp) selects the same partitions on the GPU.
 //
 // Choices (docs/policies/quest.md):
 //  - A partition is one Quest page of `page_tokens_per_partition` tokens
@@ -34,23 +36,11 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
-#include "sparsekv/core/host_device.hpp"
 #include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
 namespace sparsekv {
-
-// Quest's bound on q.k over the keys inside [min, max] (element-wise).
-SPARSEKV_HOST_DEVICE inline float quest_bound(const float* q, const float* min, const float* max,
-                                              std::uint32_t head_dim) {
-  float bound = 0.0f;
-  for (std::uint32_t d = 0; d < head_dim; ++d) {
-    const float a = q[d] * min[d];
-    const float b = q[d] * max[d];
-    bound += a > b ? a : b;
-  }
-  return bound;
-}
 
 class QuestPolicy {
  public:
@@ -118,22 +108,17 @@ class QuestPolicy {
         chosen = state.ids[h];
         continue;
       }
+      // The rules cuda::quest_select shares (select_rules.hpp).
+      const float* qg = q.head(h * group, ctx.head_dim);
       for (std::uint32_t i = 0; i < newest; ++i) {
-        const float* lo = state.min[h].data() + std::size_t{i} * ctx.head_dim;
-        const float* hi = state.max[h].data() + std::size_t{i} * ctx.head_dim;
-        scores[i] = 0.0f;
-        for (std::uint32_t g = 0; g < group; ++g) {
-          scores[i] += quest_bound(q.head(h * group + g, ctx.head_dim), lo, hi, ctx.head_dim);
-        }
+        const std::size_t at = std::size_t{i} * ctx.head_dim;
+        scores[i] = quest_group_bound(qg, group, state.min[h].data() + at, state.max[h].data() + at, ctx.head_dim);
       }
       chosen.push_back(state.ids[h][newest]);
-      std::int64_t left = std::int64_t{options_.budget_tokens} - state.tokens[newest];
-      for (std::uint32_t i : top_k(std::span(scores).first(newest), newest)) {
-        if (left <= 0) break;
-        if (state.tokens[i] > left) continue;
-        chosen.push_back(state.ids[h][i]);
-        left -= state.tokens[i];
-      }
+      SkipFill fill{std::int64_t{options_.budget_tokens} - state.tokens[newest]};
+      ranked_fill(
+          newest, fill, [&](std::uint32_t i) { return scores[i]; }, [](std::uint32_t) { return true; },
+          [&](std::uint32_t i) { return state.tokens[i]; }, [&](std::uint32_t i) { chosen.push_back(state.ids[h][i]); });
       std::sort(chosen.begin(), chosen.end());
     }
   }

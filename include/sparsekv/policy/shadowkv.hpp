@@ -22,6 +22,8 @@
 //    the group lets each q head bring in the pages it needs, on a common scale.
 //  - The landmark and outlier score follow page_summaries.hpp;
 //    sparsekv::cuda::page_mean_outlier (index_cuda.hpp) computes them on the GPU.
+//  - Select follows select_rules.hpp (portable exp, lane-ordered softmax sum);
+//    sparsekv::cuda::shadowkv_select (select_cuda.hpp) selects the same pages.
 //  - Out of scope: ShadowKV's low-rank (SVD) pre-RoPE key cache and its value
 //    offload; here K and V both live in pages and the landmarks are exact means.
 #include <algorithm>
@@ -34,6 +36,7 @@
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
 namespace sparsekv {
@@ -97,62 +100,51 @@ class ShadowKVPolicy {
     const auto n = static_cast<std::uint32_t>(state.tokens.size());
     const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
     const std::uint32_t group = ctx.group_size();
-    const float scale = 1.0f / std::sqrt(static_cast<float>(ctx.head_dim));
-    constexpr float kTaken = -std::numeric_limits<float>::infinity();
+    const float scale = logit_scale(ctx.head_dim);
     std::vector<char> taken(n);
-    std::vector<float> scores(n), logits(n);
+    std::vector<float> scores(n), exps(n);
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
       auto& chosen = out.partitions[h];
       if (total <= options_.budget_tokens) {
         chosen = state.ids[h];
         continue;
       }
-      std::fill(taken.begin(), taken.end(), 0);
-      std::int64_t left = options_.budget_tokens;
+      // The rules cuda::shadowkv_select shares (select_rules.hpp).
+      const auto tokens = [&](std::uint32_t i) { return state.tokens[i]; };
+      const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
       const auto take = [&](std::uint32_t i) {
         taken[i] = 1;
-        left -= state.tokens[i];
         chosen.push_back(state.ids[h][i]);
       };
-      // Takes up to `limit` untaken pages in descending score while they fit.
-      const auto fill = [&](std::uint32_t limit) {
-        for (std::uint32_t i : top_k(scores, n)) {
-          if (limit == 0 || left <= 0) break;
-          if (taken[i] || state.tokens[i] > left) continue;
-          take(i);
-          --limit;
-        }
-      };
+      std::fill(taken.begin(), taken.end(), 0);
       // 1. The recent window: the newest pages covering recent_tokens tokens.
-      std::uint64_t covered = 0;
-      for (std::uint32_t i = n; i-- > 0 && covered < options_.recent_tokens;) {
-        if (i != n - 1 && state.tokens[i] > left) break;
-        take(i);
-        covered += state.tokens[i];
-      }
+      const ShadowKVWindow window = shadowkv_window(n, tokens, options_.recent_tokens, options_.budget_tokens);
+      for (std::uint32_t i = n - window.pages; i < n; ++i) take(i);
       // 2. Outliers: the lowest min-cosine among the rest.
-      for (std::uint32_t i = 0; i < n; ++i) scores[i] = taken[i] ? kTaken : -state.outlier_score[h][i];
-      fill(outliers_);
+      SkipFill outliers{window.left, outliers_};
+      ranked_fill(
+          n, outliers, [&](std::uint32_t i) { return -state.outlier_score[h][i]; }, untaken, tokens, take);
       // 3. Top-k: per q head, softmax over the non-static pages; max over the group.
-      std::fill(scores.begin(), scores.end(), kTaken);
+      std::fill(scores.begin(), scores.end(), -std::numeric_limits<float>::infinity());
       for (std::uint32_t g = 0; g < group; ++g) {
         const float* qh = q.head(h * group + g, ctx.head_dim);
-        float top = kTaken;
+        float top = -std::numeric_limits<float>::infinity();
         for (std::uint32_t i = 0; i < n; ++i) {
           if (taken[i]) continue;
-          const float* l = state.landmarks[h].data() + std::size_t{i} * ctx.head_dim;
-          logits[i] = scale * std::inner_product(qh, qh + ctx.head_dim, l, 0.0f);
-          top = std::max(top, logits[i]);
-        }
-        float sum = 0.0f;
-        for (std::uint32_t i = 0; i < n; ++i) {
-          if (!taken[i]) sum += logits[i] = std::exp(logits[i] - top);
+          exps[i] = shadowkv_logit(qh, state.landmarks[h].data() + std::size_t{i} * ctx.head_dim, ctx.head_dim, scale);
+          top = fold_max_score(top, exps[i]);
         }
         for (std::uint32_t i = 0; i < n; ++i) {
-          if (!taken[i]) scores[i] = std::max(scores[i], logits[i] / sum);
+          if (!taken[i]) exps[i] = portable_exp(add_rn(exps[i], -top));
+        }
+        const float sum = lane_sum<float>(n, [&](std::uint32_t i) { return exps[i]; }, untaken);
+        for (std::uint32_t i = 0; i < n; ++i) {
+          if (!taken[i]) scores[i] = fold_max_score(scores[i], div_rn(exps[i], sum));
         }
       }
-      fill(n);
+      SkipFill top_k{outliers.left};
+      ranked_fill(
+          n, top_k, [&](std::uint32_t i) { return scores[i]; }, untaken, tokens, take);
       std::sort(chosen.begin(), chosen.end());
     }
   }

@@ -1,0 +1,505 @@
+// CUDA kernels of the Select stage (Spin §4.1): Quest, ShadowKV (Spin §4.2)
+// and RetroInfer (RetroInfer §4.2) selections, one block per (request, kv
+// head) row. Scores come from the rules of select_rules.hpp, one candidate
+// per thread; sums over candidates run in the lane order those rules define
+// (warp 0, strided, then a __shfl_down tree); the ranked list is produced in
+// rounds of kSelectTile keys (a radix-select threshold pass when more keys
+// are left, then cub::BlockRadixSort) and consumed by thread 0 with the
+// policy's greedy fill. tests/test_select_rules.cpp emulates this
+// decomposition on the host against the host policies.
+#include <cuda_runtime.h>
+
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_reduce.cuh>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "core/launch_support.cuh"
+#include "sparsekv/core/error_code.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/policy/select_cuda.hpp"
+#include "sparsekv/policy/select_rules.hpp"
+
+namespace sparsekv::cuda {
+namespace {
+
+using detail::check_launch;
+using detail::throw_invalid;
+
+constexpr std::uint32_t kThreads = 256;
+constexpr std::uint32_t kItems = kSelectTile / kThreads;
+constexpr std::uint32_t kWarp = 32;
+static_assert(kThreads * kItems == kSelectTile && kWarp == kSumLanes);
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+constexpr std::uint64_t kNoKey = std::numeric_limits<std::uint64_t>::max();
+constexpr std::uint32_t kNoId = std::numeric_limits<std::uint32_t>::max();
+
+using KeySort = cub::BlockRadixSort<std::uint64_t, kThreads, kItems>;
+using IdSort = cub::BlockRadixSort<std::uint32_t, kThreads, kItems>;
+using MaxReduce = cub::BlockReduce<float, kThreads>;
+using CountReduce = cub::BlockReduce<std::uint64_t, kThreads>;
+
+// The workspace: per candidate a score, a scratch float and a taken flag;
+// per candidate plus one per row (RetroInfer's sink) a chosen id.
+constexpr std::size_t kAlign = 256;
+constexpr std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+struct Workspace {
+  float* scores;
+  float* scratch;
+  std::uint8_t* taken;
+  std::uint32_t* ids;
+};
+std::size_t workspace_bytes(std::uint32_t candidates, std::uint32_t rows) {
+  return 2 * aligned(std::size_t{candidates} * sizeof(float)) + aligned(candidates) +
+         aligned((std::size_t{candidates} + rows) * sizeof(std::uint32_t));
+}
+Workspace carve(void* base, std::uint32_t candidates) {
+  auto* p = static_cast<std::byte*>(base);
+  Workspace w;
+  w.scores = reinterpret_cast<float*>(p);
+  p += aligned(std::size_t{candidates} * sizeof(float));
+  w.scratch = reinterpret_cast<float*>(p);
+  p += aligned(std::size_t{candidates} * sizeof(float));
+  w.taken = reinterpret_cast<std::uint8_t*>(p);
+  p += aligned(candidates);
+  w.ids = reinterpret_cast<std::uint32_t*>(p);
+  return w;
+}
+
+struct Shared {
+  union {
+    KeySort::TempStorage key_sort;
+    IdSort::TempStorage id_sort;
+    MaxReduce::TempStorage max_reduce;
+    CountReduce::TempStorage count_reduce;
+  } cub;
+  std::uint64_t tile[kSelectTile];
+  std::uint32_t histogram[kRadixBins];
+  std::uint64_t u64;  // broadcasts
+  float f32;
+  double f64;
+  std::uint32_t tile_count;
+  std::uint32_t chosen;  // ids chosen so far
+  bool done;
+};
+
+// One row's view: its candidates [0, n) and where its chosen ids go.
+struct Row {
+  std::uint32_t index, first, n;
+  const std::uint32_t* tokens;
+  const PartitionId* partitions;
+  float* scores;
+  float* scratch;
+  std::uint8_t* taken;
+  std::uint32_t* ids;  // capacity n + 1
+  const float* q;      // [group][head_dim]
+};
+
+__device__ Row row_view(const SelectRows& rows, const Workspace& w) {
+  Row r;
+  r.index = blockIdx.x;
+  r.first = rows.offsets[r.index];
+  r.n = rows.offsets[r.index + 1] - r.first;
+  r.tokens = rows.tokens + r.first;
+  r.partitions = rows.partitions + r.first;
+  r.scores = w.scores + r.first;
+  r.scratch = w.scratch + r.first;
+  r.taken = w.taken + r.first;
+  r.ids = w.ids + r.first + r.index;
+  r.q = rows.q + static_cast<std::size_t>(r.index) * rows.group * rows.head_dim;
+  return r;
+}
+
+__device__ std::uint64_t block_sum(Shared& s, std::uint64_t x) {
+  const std::uint64_t sum = CountReduce(s.cub.count_reduce).Sum(x);
+  if (threadIdx.x == 0) s.u64 = sum;
+  __syncthreads();
+  const std::uint64_t out = s.u64;
+  __syncthreads();
+  return out;
+}
+
+// std::max fold of every thread's partial (partials never NaN: any order).
+__device__ float block_max(Shared& s, float x) {
+  const float top = MaxReduce(s.cub.max_reduce).Reduce(x, [](float a, float b) { return fold_max_score(a, b); });
+  if (threadIdx.x == 0) s.f32 = top;
+  __syncthreads();
+  const float out = s.f32;
+  __syncthreads();
+  return out;
+}
+
+__device__ float lane_add(float a, float b) { return add_rn(a, b); }
+__device__ double lane_add(double a, double b) { return __dadd_rn(a, b); }
+
+// lane_sum's order: lane l of warp 0 adds the included i = l, l + 32, ... in
+// order, then tree_combine's tree by __shfl_down.
+template <class T, class Value, class Include>
+__device__ T block_lane_sum(Shared& s, std::uint32_t n, Value value, Include include) {
+  if (threadIdx.x < kWarp) {
+    T partial = 0;
+    for (std::uint32_t i = threadIdx.x; i < n; i += kWarp) {
+      if (include(i)) partial = lane_add(partial, value(i));
+    }
+    for (std::uint32_t offset = kSumLanes / 2; offset > 0; offset /= 2) {
+      partial = lane_add(partial, __shfl_down_sync(0xffffffffu, partial, offset));
+    }
+    if (threadIdx.x == 0) s.f64 = static_cast<double>(partial);
+  }
+  __syncthreads();
+  const T out = static_cast<T>(s.f64);
+  __syncthreads();
+  return out;
+}
+
+// Offers the eligible candidates of the row to `fill`, best first by
+// rank_key(score(i), i), in rounds of at most kSelectTile keys: a round
+// takes the keys above the last one consumed, up to the kSelectTile-th
+// (TileThreshold passes when more are left), sorts them and lets thread 0
+// offer them in order. take(i) runs on thread 0.
+template <class Filler, class Score, class Eligible, class Take>
+__device__ void block_ranked_fill(Shared& s, const Row& row, Filler& fill, Score score, Eligible eligible,
+                                  Take take) {
+  std::uint64_t bound = 0;  // keys are never 0: the high half is at least ~order(+inf)
+  for (;;) {
+    std::uint64_t left = 0;
+    for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
+      if (eligible(i) && rank_key(score(i), i) > bound) ++left;
+    }
+    left = block_sum(s, left);
+    if (left == 0) return;
+    std::uint64_t last = kNoKey;
+    if (left > kSelectTile) {
+      TileThreshold t;
+      t.needed = kSelectTile;
+      while (!t.done) {
+        for (std::uint32_t b = threadIdx.x; b < kRadixBins; b += kThreads) s.histogram[b] = 0;
+        __syncthreads();
+        for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
+          if (!eligible(i)) continue;
+          const std::uint64_t key = rank_key(score(i), i);
+          if (key > bound && t.matches(key)) atomicAdd(&s.histogram[t.digit(key)], 1u);
+        }
+        __syncthreads();
+        t.step(s.histogram);  // every thread the same step: no broadcast needed
+        __syncthreads();
+      }
+      last = t.threshold();
+    }
+    if (threadIdx.x == 0) s.tile_count = 0;
+    __syncthreads();
+    for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
+      if (!eligible(i)) continue;
+      const std::uint64_t key = rank_key(score(i), i);
+      if (key > bound && key <= last) s.tile[atomicAdd(&s.tile_count, 1u)] = key;
+    }
+    __syncthreads();
+    const std::uint32_t count = s.tile_count;
+    std::uint64_t keys[kItems];
+    for (std::uint32_t j = 0; j < kItems; ++j) {
+      const std::uint32_t at = threadIdx.x * kItems + j;
+      keys[j] = at < count ? s.tile[at] : kNoKey;
+    }
+    __syncthreads();
+    KeySort(s.cub.key_sort).Sort(keys);
+    for (std::uint32_t j = 0; j < kItems; ++j) s.tile[threadIdx.x * kItems + j] = keys[j];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      s.done = false;
+      for (std::uint32_t j = 0; j < count && !s.done; ++j) {
+        const std::uint32_t i = rank_key_index(s.tile[j]);
+        const Fill f = fill.offer(row.tokens[i]);
+        if (f == Fill::stop) s.done = true;
+        if (f == Fill::take) take(i);
+      }
+    }
+    __syncthreads();
+    if (s.done || left <= kSelectTile) return;
+    bound = s.tile[count - 1];
+    __syncthreads();
+  }
+}
+
+// Thread 0 appends a chosen id (the row's scratch holds n + 1).
+__device__ void choose(Shared& s, const Row& row, PartitionId id) { row.ids[s.chosen++] = id; }
+
+// Writes the s.chosen ids of the row sorted ascending: runs of kSelectTile
+// sorted by BlockRadixSort, merged by merged_position.
+__device__ void write_sorted(Shared& s, const Row& row, const SelectOutput& out) {
+  const std::uint32_t count = s.chosen;
+  for (std::uint32_t first = 0; first < count; first += kSelectTile) {
+    std::uint32_t ids[kItems];
+    for (std::uint32_t j = 0; j < kItems; ++j) {
+      const std::uint32_t at = first + threadIdx.x * kItems + j;
+      ids[j] = at < count ? row.ids[at] : kNoId;
+    }
+    IdSort(s.cub.id_sort).Sort(ids);
+    for (std::uint32_t j = 0; j < kItems; ++j) {
+      const std::uint32_t at = first + threadIdx.x * kItems + j;
+      if (at < count) row.ids[at] = ids[j];
+    }
+    __syncthreads();
+  }
+  PartitionId* selected = out.selected + static_cast<std::size_t>(row.index) * out.max_selected;
+  for (std::uint32_t j = threadIdx.x; j < count; j += kThreads) {
+    const std::uint32_t at = count <= kSelectTile ? j : merged_position(row.ids, count, kSelectTile, j);
+    if (at < out.max_selected) selected[at] = row.ids[j];
+  }
+  if (threadIdx.x == 0) out.selected_count[row.index] = count;
+}
+
+// Everything, in candidate order (after RetroInfer's sink).
+__device__ void write_all(const Row& row, const SelectOutput& out, std::uint32_t sink_tokens, PartitionId sink) {
+  PartitionId* selected = out.selected + static_cast<std::size_t>(row.index) * out.max_selected;
+  const std::uint32_t skip = sink_tokens > 0 ? 1 : 0;
+  if (threadIdx.x == 0 && skip == 1 && out.max_selected > 0) selected[0] = sink;
+  for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
+    if (i + skip < out.max_selected) selected[i + skip] = row.partitions[i];
+  }
+  if (threadIdx.x == 0) out.selected_count[row.index] = row.n + skip;
+}
+
+__device__ std::uint64_t row_tokens(Shared& s, const Row& row) {
+  std::uint64_t total = 0;
+  for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) total += row.tokens[i];
+  return block_sum(s, total);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    quest_select_kernel(SelectRows rows, QuestSelect quest, SelectOutput out, Workspace w) {
+  __shared__ Shared s;
+  const Row row = row_view(rows, w);
+  const std::uint64_t total = row_tokens(s, row);
+  if (quest.dense_layer || total <= quest.budget_tokens) {
+    write_all(row, out, 0, 0);
+    return;
+  }
+  const std::uint32_t newest = row.n - 1;
+  for (std::uint32_t i = threadIdx.x; i < newest; i += kThreads) {
+    const std::size_t at = (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
+    row.scores[i] = quest_group_bound(row.q, rows.group, quest.min + at, quest.max + at, rows.head_dim);
+  }
+  if (threadIdx.x == 0) {
+    s.chosen = 0;
+    choose(s, row, row.partitions[newest]);
+  }
+  __syncthreads();
+  SkipFill fill{std::int64_t{quest.budget_tokens} - row.tokens[newest]};
+  block_ranked_fill(
+      s, row, fill, [&](std::uint32_t i) { return row.scores[i]; }, [&](std::uint32_t i) { return i < newest; },
+      [&](std::uint32_t i) { choose(s, row, row.partitions[i]); });
+  write_sorted(s, row, out);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    shadowkv_select_kernel(SelectRows rows, ShadowKVSelect shadowkv, SelectOutput out, Workspace w) {
+  __shared__ Shared s;
+  __shared__ std::int64_t window_left;
+  const Row row = row_view(rows, w);
+  const std::uint64_t total = row_tokens(s, row);
+  if (total <= shadowkv.budget_tokens) {
+    write_all(row, out, 0, 0);
+    return;
+  }
+  const auto tokens = [&](std::uint32_t i) { return row.tokens[i]; };
+  const auto untaken = [&](std::uint32_t i) { return row.taken[i] == 0; };
+  const auto take = [&](std::uint32_t i) {
+    row.taken[i] = 1;
+    choose(s, row, row.partitions[i]);
+  };
+  for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) row.taken[i] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s.chosen = 0;
+    const ShadowKVWindow window = shadowkv_window(row.n, tokens, shadowkv.recent_tokens, shadowkv.budget_tokens);
+    for (std::uint32_t i = row.n - window.pages; i < row.n; ++i) take(i);
+    window_left = window.left;
+  }
+  __syncthreads();
+  SkipFill outliers{window_left, shadowkv.outlier_pages};
+  const float* outlier = shadowkv.outlier_scores + row.first;
+  block_ranked_fill(
+      s, row, outliers, [&](std::uint32_t i) { return -outlier[i]; }, untaken, take);
+  const float scale = logit_scale(rows.head_dim);
+  for (std::uint32_t g = 0; g < rows.group; ++g) {
+    const float* qh = row.q + static_cast<std::size_t>(g) * rows.head_dim;
+    float top = kMinusInf;
+    for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
+      if (!untaken(i)) continue;
+      const float* landmark = shadowkv.landmarks + (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
+      row.scratch[i] = shadowkv_logit(qh, landmark, rows.head_dim, scale);
+      top = fold_max_score(top, row.scratch[i]);
+    }
+    top = block_max(s, top);
+    for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
+      if (untaken(i)) row.scratch[i] = portable_exp(add_rn(row.scratch[i], -top));
+    }
+    __syncthreads();
+    const float sum = block_lane_sum<float>(s, row.n, [&](std::uint32_t i) { return row.scratch[i]; }, untaken);
+    for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
+      if (untaken(i)) {
+        row.scores[i] = fold_max_score(g == 0 ? kMinusInf : row.scores[i], div_rn(row.scratch[i], sum));
+      }
+    }
+    __syncthreads();
+  }
+  SkipFill top_k{outliers.left};
+  block_ranked_fill(
+      s, row, top_k, [&](std::uint32_t i) { return row.scores[i]; }, untaken, take);
+  write_sorted(s, row, out);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    retroinfer_select_kernel(SelectRows rows, RetroInferSelect retro, SelectOutput out, Workspace w) {
+  __shared__ Shared s;
+  // Plain variables: __shared__ variables take no constructor (SteadyZone has one).
+  __shared__ std::uint32_t window_parts, steady_tokens;
+  const Row row = row_view(rows, w);
+  const std::uint32_t sink_tokens = retro.sink_tokens[row.index];
+  const PartitionId sink = retro.sink_partitions[row.index];
+  const std::uint64_t total = row_tokens(s, row) + sink_tokens;
+  if (retro.budget_tokens >= total) {
+    write_all(row, out, sink_tokens, sink);
+    return;
+  }
+  const std::uint32_t recent = retro.recent[row.index];
+  if (threadIdx.x == 0) {
+    const std::uint32_t older = row.n - recent;
+    const SteadyZone steady = steady_zone(
+        recent, [&](std::uint32_t i) { return row.tokens[older + i]; }, sink_tokens, retro.window_tokens,
+        retro.budget_tokens);
+    s.chosen = 0;
+    if (steady.sink) choose(s, row, sink);
+    for (std::uint32_t i = row.n - steady.window_parts; i < row.n; ++i) choose(s, row, row.partitions[i]);
+    window_parts = steady.window_parts;
+    steady_tokens = steady.tokens;
+  }
+  __syncthreads();
+  const std::uint32_t m = row.n - window_parts;
+  if (m > 0) {
+    const float scale = logit_scale(rows.head_dim);
+    for (std::uint32_t g = 0; g < rows.group; ++g) {
+      const float* qh = row.q + static_cast<std::size_t>(g) * rows.head_dim;
+      float top = kMinusInf;
+      for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
+        const float* centroid = retro.centroids + (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
+        row.scratch[i] = retroinfer_logit(qh, centroid, rows.head_dim, scale);
+        top = fold_max_score(top, row.scratch[i]);
+      }
+      top = block_max(s, top);
+      const double sum = block_lane_sum<double>(
+          s, m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(row.scratch[i], -top))); },
+          [](std::uint32_t) { return true; });
+      const float inverse = retroinfer_inverse_sum(sum);
+      for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
+        row.scores[i] = add_rn(g == 0 ? 0.0f : row.scores[i], retroinfer_share(row.scratch[i], top, inverse));
+      }
+      __syncthreads();
+    }
+    BreakFill fill{steady_tokens, retro.budget_tokens, fraction_count(retro.retrieval_fraction, m)};
+    block_ranked_fill(
+        s, row, fill, [&](std::uint32_t i) { return row.scores[i]; }, [&](std::uint32_t i) { return i < m; },
+        [&](std::uint32_t i) { choose(s, row, row.partitions[i]); });
+  }
+  write_sorted(s, row, out);
+}
+
+// ---- host side ---------------------------------------------------------------
+
+std::uint32_t capacity(const SelectRows& rows, std::uint32_t budget, bool everything, std::uint32_t extra) {
+  const std::uint64_t whole = std::uint64_t{rows.max_row_candidates} + extra;
+  const std::uint64_t most = everything ? whole : (budget < whole ? budget : whole);
+  return static_cast<std::uint32_t>(most);
+}
+
+void check_rows(const char* function, const SelectRows& rows, std::uint32_t budget, const SelectOutput& out,
+                std::uint32_t needed, const void* workspace, std::size_t bytes) {
+  if (rows.kv_heads == 0 || rows.group == 0 || rows.head_dim == 0) {
+    throw_invalid(function, "kv_heads " + std::to_string(rows.kv_heads) + ", group " + std::to_string(rows.group) +
+                                " and head_dim " + std::to_string(rows.head_dim) + " must be > 0");
+  }
+  if (rows.rows % rows.kv_heads != 0) {
+    throw_invalid(function, std::to_string(rows.rows) + " rows are not a whole number of requests of " +
+                                std::to_string(rows.kv_heads) + " kv heads");
+  }
+  if (rows.max_row_candidates > rows.candidates) {
+    throw_invalid(function, "max_row_candidates " + std::to_string(rows.max_row_candidates) + " exceeds " +
+                                std::to_string(rows.candidates) + " candidates");
+  }
+  if (budget == 0) throw_invalid(function, "budget_tokens must be > 0");
+  if (rows.rows == 0) return;
+  if (out.max_selected < needed) {
+    throw_invalid(function, "max_selected " + std::to_string(out.max_selected) + " is below the " +
+                                std::to_string(needed) + " partitions a row may select");
+  }
+  if (rows.offsets == nullptr || rows.q == nullptr || out.selected_count == nullptr ||
+      (out.max_selected > 0 && out.selected == nullptr) ||
+      (rows.candidates > 0 && (rows.tokens == nullptr || rows.partitions == nullptr))) {
+    throw_invalid(function, "null offsets, tokens, partitions, q or output");
+  }
+  if (workspace == nullptr || bytes < select_workspace_bytes(rows)) {
+    throw_invalid(function, "workspace of " + std::to_string(bytes) + " bytes, " +
+                                std::to_string(select_workspace_bytes(rows)) + " needed");
+  }
+}
+
+}  // namespace
+
+std::size_t select_workspace_bytes(const SelectRows& rows) { return workspace_bytes(rows.candidates, rows.rows); }
+
+std::uint32_t quest_select_capacity(const SelectRows& rows, const QuestSelect& quest) {
+  return capacity(rows, quest.budget_tokens, quest.dense_layer, 0);
+}
+std::uint32_t shadowkv_select_capacity(const SelectRows& rows, const ShadowKVSelect& shadowkv) {
+  return capacity(rows, shadowkv.budget_tokens, false, 0);
+}
+std::uint32_t retroinfer_select_capacity(const SelectRows& rows, const RetroInferSelect& retroinfer) {
+  return capacity(rows, retroinfer.budget_tokens, false, 1);
+}
+
+void quest_select(const SelectRows& rows, const QuestSelect& quest, const SelectOutput& out, void* workspace,
+                  std::size_t workspace_bytes, void* stream) {
+  check_rows("quest_select", rows, quest.budget_tokens, out, quest_select_capacity(rows, quest), workspace,
+             workspace_bytes);
+  if (rows.rows == 0) return;
+  if (rows.candidates > 0 && (quest.min == nullptr || quest.max == nullptr)) {
+    throw_invalid("quest_select", "null min or max");
+  }
+  quest_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      rows, quest, out, carve(workspace, rows.candidates));
+  check_launch("quest_select");
+}
+
+void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, const SelectOutput& out,
+                     void* workspace, std::size_t workspace_bytes, void* stream) {
+  check_rows("shadowkv_select", rows, shadowkv.budget_tokens, out, shadowkv_select_capacity(rows, shadowkv),
+             workspace, workspace_bytes);
+  if (rows.rows == 0) return;
+  if (rows.candidates > 0 && (shadowkv.landmarks == nullptr || shadowkv.outlier_scores == nullptr)) {
+    throw_invalid("shadowkv_select", "null landmarks or outlier scores");
+  }
+  shadowkv_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      rows, shadowkv, out, carve(workspace, rows.candidates));
+  check_launch("shadowkv_select");
+}
+
+void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfer, const SelectOutput& out,
+                       void* workspace, std::size_t workspace_bytes, void* stream) {
+  check_rows("retroinfer_select", rows, retroinfer.budget_tokens, out, retroinfer_select_capacity(rows, retroinfer),
+             workspace, workspace_bytes);
+  if (!(retroinfer.retrieval_fraction >= 0.0f && retroinfer.retrieval_fraction <= 1.0f)) {
+    throw_invalid("retroinfer_select", "retrieval_fraction " + std::to_string(retroinfer.retrieval_fraction) +
+                                           " is outside [0, 1]");
+  }
+  if (rows.rows == 0) return;
+  if ((rows.candidates > 0 && retroinfer.centroids == nullptr) || retroinfer.sink_partitions == nullptr ||
+      retroinfer.sink_tokens == nullptr || retroinfer.recent == nullptr) {
+    throw_invalid("retroinfer_select", "null centroids, sink or recent arrays");
+  }
+  retroinfer_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      rows, retroinfer, out, carve(workspace, rows.candidates));
+  check_launch("retroinfer_select");
+}
+
+}  // namespace sparsekv::cuda

@@ -1,0 +1,365 @@
+#pragma once
+// Per-candidate rules of the Select stage (Spin §4.1) that the host policies
+// and the CUDA kernels (cuda/policy/select_kernels.cu) both call, so both
+// backends choose the same partitions bit for bit:
+//  - Quest (Tang et al. 2024): a partition's bound, summed over the GQA group;
+//  - ShadowKV (Sun et al. 2024; Spin §4.2): the landmark logit, its softmax
+//    over the non-static pages, the recent window;
+//  - RetroInfer (Chen et al. 2025, §4.2): the centroid logit, the group-summed
+//    softmax rank, the steady zone and the retrieval count;
+//  - the ranking key (descending score, ties to the lower index: top_k's
+//    order) and the greedy fills over the ranked list.
+//
+// What bit identity needs beyond page_summaries.hpp's single roundings:
+//  - exp: std::exp and CUDA's expf differ in the last bit, so both sides call
+//    portable_exp (Cody-Waite reduction and a degree-7 polynomial, every step
+//    one rounding);
+//  - sums over candidates: element i goes to lane i % kSumLanes, each lane
+//    adds its elements in index order, then the lanes combine by
+//    tree_combine: what one warp does with a strided loop and __shfl_down;
+//  - max over candidates: the std::max fold from -inf; partials of a parallel
+//    max never hold NaN, so any merge order gives the same value up to the
+//    sign of a zero, which exp(x - max) does not see.
+//
+// fmt-free and free of CUDA headers: kernel translation units include it.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "sparsekv/core/host_device.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/policy/page_summaries.hpp"
+
+namespace sparsekv {
+
+// ---- exp ---------------------------------------------------------------------
+
+// exp(x) within 2 ulp of the true value on [-103.9, 88.7] (tests/test_select_rules.cpp),
+// the same bits on host and device. 0 below, inf above, NaN for NaN.
+SPARSEKV_HOST_DEVICE inline float portable_exp(float x) {
+  if (x != x) return x;
+  if (x > 88.72283f) return std::numeric_limits<float>::infinity();
+  if (x < -103.972084f) return 0.0f;
+  // k = round(x / ln 2) by the 1.5 * 2^23 trick (|x / ln 2| < 2^22), r = x - k ln 2
+  // with ln 2 split so that k * kLn2Hi is exact.
+  constexpr float kMagic = 12582912.0f;
+  constexpr float kLn2Hi = 0.693145751953125f;
+  constexpr float kLn2Lo = 1.42860677e-06f;
+  const float k = add_rn(add_rn(mul_rn(x, 1.44269502f), kMagic), -kMagic);
+  const float r = add_rn(add_rn(x, -mul_rn(k, kLn2Hi)), -mul_rn(k, kLn2Lo));
+  // Taylor to degree 7 on |r| <= 0.35: truncation below 1e-8 relative.
+  float p = 1.98412698e-4f;
+  p = add_rn(mul_rn(p, r), 1.38888889e-3f);
+  p = add_rn(mul_rn(p, r), 8.33333333e-3f);
+  p = add_rn(mul_rn(p, r), 4.16666667e-2f);
+  p = add_rn(mul_rn(p, r), 1.66666667e-1f);
+  p = add_rn(mul_rn(p, r), 0.5f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  const int n = static_cast<int>(k);
+  if (n > 127) return mul_rn(mul_rn(p, 0x1p127f), 2.0f);
+  if (n >= -126) return mul_rn(p, bits_float(static_cast<std::uint32_t>(n + 127) << 23));
+  // Subnormal results: scale in two steps, each exact but the last.
+  return mul_rn(mul_rn(p, bits_float(static_cast<std::uint32_t>(n + 64 + 127) << 23)), 0x1p-64f);
+}
+
+// ---- sums and maxima over candidates ------------------------------------------
+
+inline constexpr std::uint32_t kSumLanes = 32;
+
+// Combines the lane partials in place; the sum ends in lanes[0]. Lane l adds
+// lane l + offset for offset 16, 8, 4, 2, 1: a warp's __shfl_down tree.
+template <class T>
+SPARSEKV_HOST_DEVICE inline T tree_combine(T* lanes) {
+  for (std::uint32_t offset = kSumLanes / 2; offset > 0; offset /= 2) {
+    for (std::uint32_t l = 0; l < offset; ++l) lanes[l] = lanes[l] + lanes[l + offset];
+  }
+  return lanes[0];
+}
+
+// The ordered sum of value(i) over the i in [0, n) with include(i): the
+// reference form of the lane rule (a kernel runs the lanes in parallel).
+template <class T, class Value, class Include>
+T lane_sum(std::uint32_t n, Value&& value, Include&& include) {
+  T lanes[kSumLanes] = {};
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (include(i)) lanes[i % kSumLanes] = lanes[i % kSumLanes] + value(i);
+  }
+  return tree_combine(lanes);
+}
+
+// std::max(current, x): a NaN x is ignored.
+SPARSEKV_HOST_DEVICE inline float fold_max_score(float current, float x) { return current < x ? x : current; }
+
+// ---- ranking -----------------------------------------------------------------
+
+// An unsigned image of a score, larger for a larger score; -0 and +0 tie (as
+// top_k's == does) and NaN ranks below -inf.
+SPARSEKV_HOST_DEVICE inline std::uint32_t score_order_bits(float s) {
+  if (s != s) return 0;
+  const std::uint32_t u = float_bits(s == 0.0f ? 0.0f : s);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+
+// Ascending keys rank candidates best first: descending score in the high
+// half, ties to the lower candidate index in the low half. Keys are distinct.
+SPARSEKV_HOST_DEVICE inline std::uint64_t rank_key(float score, std::uint32_t index) {
+  return (std::uint64_t{~score_order_bits(score)} << 32) | index;
+}
+SPARSEKV_HOST_DEVICE inline std::uint32_t rank_key_index(std::uint64_t key) { return static_cast<std::uint32_t>(key); }
+
+// Radix select of a kernel tile (most significant digit first): given the
+// histogram of the next digit over the keys that share the prefix chosen so
+// far, picks the digit holding the `needed`-th smallest of them (1-based) and
+// leaves in `needed` its rank inside that digit's bucket.
+inline constexpr std::uint32_t kRadixBits = 8;
+inline constexpr std::uint32_t kRadixBins = 1u << kRadixBits;
+
+SPARSEKV_HOST_DEVICE inline std::uint32_t pick_digit(const std::uint32_t* histogram, std::uint32_t& needed) {
+  std::uint32_t digit = 0;
+  while (histogram[digit] < needed) needed -= histogram[digit++];
+  return digit;
+}
+
+// The tile threshold of a kernel's ranking round: the key of rank `needed`
+// among the keys left (all distinct), found one 8-bit digit per pass, most
+// significant first. A pass histograms the digit() of the keys that
+// matches(); step() picks the digit. When the whole picked bucket is needed
+// the search ends early: threshold() then covers every key with the prefix.
+struct TileThreshold {
+  std::uint64_t prefix = 0;
+  std::uint32_t needed = 0;
+  std::uint32_t shift = 64;  // bits below the digits chosen so far
+  bool done = false;
+
+  SPARSEKV_HOST_DEVICE bool matches(std::uint64_t key) const {
+    return shift == 64 || (key >> shift) == (prefix >> shift);
+  }
+  SPARSEKV_HOST_DEVICE std::uint32_t digit(std::uint64_t key) const {
+    return static_cast<std::uint32_t>(key >> (shift - kRadixBits)) & (kRadixBins - 1);
+  }
+  SPARSEKV_HOST_DEVICE void step(const std::uint32_t* histogram) {
+    shift -= kRadixBits;
+    const std::uint32_t d = pick_digit(histogram, needed);
+    prefix |= std::uint64_t{d} << shift;
+    done = histogram[d] == needed || shift == 0;
+  }
+  SPARSEKV_HOST_DEVICE std::uint64_t threshold() const {
+    return shift == 0 ? prefix : prefix | ((std::uint64_t{1} << shift) - 1);
+  }
+};
+
+// Where element j of `count` ids, sorted in runs of `tile` (ids distinct),
+// lands in the merged order: its place in its run plus the smaller ids of
+// every other run (binary search).
+SPARSEKV_HOST_DEVICE inline std::uint32_t merged_position(const std::uint32_t* runs, std::uint32_t count,
+                                                          std::uint32_t tile, std::uint32_t j) {
+  const std::uint32_t own = j / tile;
+  const std::uint32_t id = runs[j];
+  std::uint32_t position = j - own * tile;
+  for (std::uint32_t first = 0; first < count; first += tile) {
+    if (first == own * tile) continue;
+    std::uint32_t lo = 0;
+    std::uint32_t hi = count - first < tile ? count - first : tile;
+    while (lo < hi) {
+      const std::uint32_t mid = (lo + hi) / 2;
+      if (runs[first + mid] < id) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    position += lo;
+  }
+  return position;
+}
+
+// ---- greedy fills over the ranked list -------------------------------------------
+
+enum class Fill : std::uint8_t { take, skip, stop };
+
+// Quest and ShadowKV: stop once `limit` are taken or no budget is left, skip
+// what does not fit.
+struct SkipFill {
+  std::int64_t left = 0;
+  std::uint32_t limit = std::numeric_limits<std::uint32_t>::max();
+
+  SPARSEKV_HOST_DEVICE Fill offer(std::uint32_t tokens) {
+    if (limit == 0 || left <= 0) return Fill::stop;
+    if (tokens > left) return Fill::skip;
+    left -= tokens;
+    --limit;
+    return Fill::take;
+  }
+};
+
+// RetroInfer: the first `limit` ranked, in order, stopping at the first that
+// does not fit (it and every lower-ranked one fall to the estimation zone).
+struct BreakFill {
+  std::uint64_t used = 0;
+  std::uint32_t budget = 0;
+  std::uint32_t limit = 0;
+
+  SPARSEKV_HOST_DEVICE Fill offer(std::uint32_t tokens) {
+    if (limit == 0 || used + tokens > budget) return Fill::stop;
+    used += tokens;
+    --limit;
+    return Fill::take;
+  }
+};
+
+// The host form of a ranked fill: offers the candidates [0, n) with
+// eligible(i), best first by rank_key(score(i), i), until the fill stops;
+// take(i) for each taken.
+template <class Filler, class Score, class Eligible, class Tokens, class Take>
+void ranked_fill(std::uint32_t n, Filler& fill, Score&& score, Eligible&& eligible, Tokens&& tokens, Take&& take) {
+  std::vector<std::uint64_t> keys;
+  keys.reserve(n);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (eligible(i)) keys.push_back(rank_key(score(i), i));
+  }
+  std::sort(keys.begin(), keys.end());
+  for (const std::uint64_t key : keys) {
+    const std::uint32_t i = rank_key_index(key);
+    const Fill f = fill.offer(tokens(i));
+    if (f == Fill::stop) break;
+    if (f == Fill::take) take(i);
+  }
+}
+
+// ---- Quest -------------------------------------------------------------------
+
+// Quest's bound on q.k over the keys inside [min, max] (element-wise).
+SPARSEKV_HOST_DEVICE inline float quest_bound(const float* q, const float* min, const float* max,
+                                              std::uint32_t head_dim) {
+  float bound = 0.0f;
+  for (std::uint32_t d = 0; d < head_dim; ++d) {
+    const float a = mul_rn(q[d], min[d]);
+    const float b = mul_rn(q[d], max[d]);
+    bound = add_rn(bound, a > b ? a : b);
+  }
+  return bound;
+}
+
+// A partition's score: the bounds of the group's q heads ([group][head_dim]
+// from q) summed in head order.
+SPARSEKV_HOST_DEVICE inline float quest_group_bound(const float* q, std::uint32_t group, const float* min,
+                                                    const float* max, std::uint32_t head_dim) {
+  float score = 0.0f;
+  for (std::uint32_t g = 0; g < group; ++g) score = add_rn(score, quest_bound(q + g * head_dim, min, max, head_dim));
+  return score;
+}
+
+// ---- ShadowKV and RetroInfer: logits -------------------------------------------
+
+// 1 / sqrt(head_dim), as both policies scale their logits.
+SPARSEKV_HOST_DEVICE inline float logit_scale(std::uint32_t head_dim) {
+  return div_rn(1.0f, sqrt_rn(static_cast<float>(head_dim)));
+}
+
+// ShadowKV: scale * (q . landmark), the dot product in dimension order.
+SPARSEKV_HOST_DEVICE inline float shadowkv_logit(const float* q, const float* landmark, std::uint32_t head_dim,
+                                                 float scale) {
+  return mul_rn(scale, dot_in_order(q, landmark, head_dim));
+}
+
+// RetroInfer: (q . centroid) * scale, the dot product in eight interleaved
+// lanes (lane j takes dimensions j, j + 8, ... of the whole blocks of eight),
+// lanes j and j + 4 added, then (0 + 2) + (1 + 3), then the tail in order:
+// the host's SIMD order, kept because it vectorises.
+SPARSEKV_HOST_DEVICE inline float retroinfer_logit(const float* q, const float* centroid, std::uint32_t head_dim,
+                                                   float scale) {
+  float lanes[8] = {};
+  std::uint32_t d = 0;
+  for (; d + 8 <= head_dim; d += 8) {
+    for (std::uint32_t j = 0; j < 8; ++j) lanes[j] = add_rn(lanes[j], mul_rn(q[d + j], centroid[d + j]));
+  }
+  float half[4];
+  for (std::uint32_t j = 0; j < 4; ++j) half[j] = add_rn(lanes[j], lanes[j + 4]);
+  float sum = add_rn(add_rn(half[0], half[2]), add_rn(half[1], half[3]));
+  for (; d < head_dim; ++d) sum = add_rn(sum, mul_rn(q[d], centroid[d]));
+  return mul_rn(sum, scale);
+}
+
+// ---- ShadowKV: the recent window ------------------------------------------------
+
+struct ShadowKVWindow {
+  std::uint32_t pages = 0;  // the newest `pages` candidates
+  std::int64_t left = 0;    // budget left after them
+};
+
+// The newest pages while fewer than recent_tokens tokens are covered; the
+// newest is always taken, an older one only while it fits.
+template <class Tokens>
+SPARSEKV_HOST_DEVICE ShadowKVWindow shadowkv_window(std::uint32_t n, Tokens tokens, std::uint32_t recent_tokens,
+                                                    std::uint32_t budget) {
+  ShadowKVWindow w{0, budget};
+  std::uint64_t covered = 0;
+  for (std::uint32_t i = n; i-- > 0 && covered < recent_tokens;) {
+    if (i != n - 1 && tokens(i) > w.left) break;
+    w.left -= tokens(i);
+    covered += tokens(i);
+    ++w.pages;
+  }
+  return w;
+}
+
+// ---- RetroInfer: steady zone and retrieval count ---------------------------------
+
+// The steady zone of one head: the newest recent partitions (newest first
+// while fewer than `window` tokens are covered), then the sink, all within
+// the budget: a tiny budget keeps the newest tokens and drops the sinks first.
+struct SteadyZone {
+  bool sink = false;
+  std::uint32_t window_parts = 0;
+  std::uint32_t tokens = 0;
+};
+
+template <class RecentTokens>
+SPARSEKV_HOST_DEVICE SteadyZone steady_zone(std::uint32_t recent, RecentTokens recent_tokens,
+                                            std::uint32_t sink_tokens, std::uint32_t window, std::uint32_t budget) {
+  SteadyZone s;
+  std::uint32_t covered = 0;
+  for (std::uint32_t i = recent; i-- > 0 && covered < window;) {
+    const std::uint32_t size = recent_tokens(i);
+    if (s.tokens + size > budget) break;
+    covered += size;
+    s.tokens += size;
+    ++s.window_parts;
+  }
+  if (sink_tokens > 0 && s.tokens + sink_tokens <= budget) {
+    s.sink = true;
+    s.tokens += sink_tokens;
+  }
+  return s;
+}
+
+// ceil(fraction * m), clamped to [0, m]; the epsilon absorbs fp32 fractions
+// (0.018f is a hair off 0.018).
+SPARSEKV_HOST_DEVICE inline std::uint32_t fraction_count(double fraction, std::uint64_t m) {
+#if defined(__CUDA_ARCH__)
+  const double x = ceil(__dadd_rn(__dmul_rn(fraction, static_cast<double>(m)), -1e-6));
+#else
+  const double x = std::ceil(fraction * static_cast<double>(m) - 1e-6);
+#endif
+  if (x <= 0.0) return 0;
+  return static_cast<std::uint32_t>(x < static_cast<double>(m) ? x : static_cast<double>(m));
+}
+
+// One q head's share of the rank: exp(logit - max) / sum, as the kernel and
+// the host add it to the group's rank.
+SPARSEKV_HOST_DEVICE inline float retroinfer_share(float logit, float max, float inverse_sum) {
+  return mul_rn(portable_exp(add_rn(logit, -max)), inverse_sum);
+}
+
+SPARSEKV_HOST_DEVICE inline float retroinfer_inverse_sum(double sum) {
+#if defined(__CUDA_ARCH__)
+  return __double2float_rn(__ddiv_rn(1.0, sum));
+#else
+  return static_cast<float>(1.0 / sum);
+#endif
+}
+
+}  // namespace sparsekv

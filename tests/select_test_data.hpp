@@ -1,0 +1,233 @@
+#pragma once
+// Random Select inputs shared by the Select rules tests (test_select_rules.cpp)
+// and the select kernels' GPU tests (gpu/test_select_cuda.cpp): policy layer
+// states with planted ties, and their rows in the kernels' CSR layout
+// (policy/select_cuda.hpp), built from the same states the host policies see.
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "index_test_data.hpp"
+#include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/retroinfer.hpp"
+#include "sparsekv/policy/shadowkv.hpp"
+
+namespace sparsekv::test {
+
+// One request of a batch: its query and layer state.
+template <class State>
+struct SelectRequest {
+  std::vector<float> q;  // [q_heads][head_dim]
+  State state;
+};
+
+// Partition sizes: `full` tokens, some shorter ones (a partial last prefill
+// page, decode pages) planted at random.
+inline std::vector<std::uint32_t> random_sizes(std::uint32_t n, std::uint32_t full, std::mt19937& rng) {
+  std::vector<std::uint32_t> sizes(n, full);
+  std::uniform_int_distribution<std::uint32_t> size(1, full);
+  for (auto& s : sizes) {
+    if (rng() % 4 == 0) s = size(rng);
+  }
+  return sizes;
+}
+
+// Copies `dim` floats of summary a onto b for a few random pairs: equal scores, tied ranks.
+inline void plant_ties(std::vector<float>& rows, std::uint32_t n, std::uint32_t dim, std::mt19937& rng) {
+  if (n < 2) return;
+  for (std::uint32_t t = 0; t < n / 8 + 1; ++t) {
+    const std::uint32_t a = rng() % n, b = rng() % n;
+    std::copy_n(rows.begin() + std::size_t{a} * dim, dim, rows.begin() + std::size_t{b} * dim);
+  }
+}
+
+// Ascending partition ids with random gaps (ids need not be dense).
+inline std::vector<PartitionId> ascending_ids(std::uint32_t n, std::mt19937& rng) {
+  std::vector<PartitionId> ids(n);
+  PartitionId next = rng() % 3;
+  for (auto& id : ids) {
+    id = next;
+    next += 1 + (rng() % 5 == 0 ? 1 : 0);
+  }
+  return ids;
+}
+
+inline SelectRequest<QuestPolicy::LayerState> quest_request(const LayerContext& ctx, std::uint32_t n,
+                                                            std::uint32_t partition_tokens, std::mt19937& rng) {
+  SelectRequest<QuestPolicy::LayerState> r;
+  r.q = random_values(std::size_t{ctx.q_heads} * ctx.head_dim, rng);
+  auto& s = r.state;
+  s.head_dim = ctx.head_dim;
+  s.tokens = random_sizes(n, partition_tokens, rng);
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    s.ids.push_back(ascending_ids(n, rng));
+    std::vector<float> lo = random_values(std::size_t{n} * ctx.head_dim, rng);
+    std::vector<float> hi = lo;
+    for (float& x : hi) x += std::abs(random_values(1, rng)[0]);
+    // Tie the min / max pairs together: copy both from the same source rows.
+    for (std::uint32_t t = 0; t < n / 8 + 1 && n > 1; ++t) {
+      const std::uint32_t a = rng() % n, b = rng() % n;
+      std::copy_n(lo.begin() + std::size_t{a} * ctx.head_dim, ctx.head_dim, lo.begin() + std::size_t{b} * ctx.head_dim);
+      std::copy_n(hi.begin() + std::size_t{a} * ctx.head_dim, ctx.head_dim, hi.begin() + std::size_t{b} * ctx.head_dim);
+    }
+    s.min.push_back(std::move(lo));
+    s.max.push_back(std::move(hi));
+  }
+  return r;
+}
+
+inline SelectRequest<ShadowKVPolicy::LayerState> shadowkv_request(const LayerContext& ctx, std::uint32_t n,
+                                                                  std::mt19937& rng) {
+  SelectRequest<ShadowKVPolicy::LayerState> r;
+  r.q = random_values(std::size_t{ctx.q_heads} * ctx.head_dim, rng);
+  auto& s = r.state;
+  s.head_dim = ctx.head_dim;
+  s.tokens.assign(n, ctx.page_tokens);
+  if (rng() % 2 == 0 && n > 0) s.tokens[rng() % n] = 1 + rng() % ctx.page_tokens;  // a partial page
+  std::uniform_real_distribution<float> cosine(-1.0f, 1.0f);
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    s.ids.push_back(ascending_ids(n, rng));
+    std::vector<float> landmarks = random_values(std::size_t{n} * ctx.head_dim, rng, 0.5f);
+    plant_ties(landmarks, n, ctx.head_dim, rng);
+    s.landmarks.push_back(std::move(landmarks));
+    std::vector<float> outliers(n);
+    for (float& x : outliers) x = cosine(rng);
+    plant_ties(outliers, n, 1, rng);
+    s.outlier_score.push_back(std::move(outliers));
+  }
+  return r;
+}
+
+// A wave index per kv head: an optional sink (id 0), `clusters` clusters of
+// 1..40 tokens, `recent` one-page recent partitions; ids 0.. in that order.
+inline SelectRequest<RetroInferPolicy::LayerState> retroinfer_request(const LayerContext& ctx,
+                                                                      std::uint32_t clusters, std::uint32_t recent,
+                                                                      std::uint32_t window, std::mt19937& rng) {
+  SelectRequest<RetroInferPolicy::LayerState> r;
+  r.q = random_values(std::size_t{ctx.q_heads} * ctx.head_dim, rng);
+  auto& s = r.state;
+  s.head_dim = ctx.head_dim;
+  s.window = window;
+  std::uniform_int_distribution<std::uint32_t> size(1, 40);
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    RetroInferPolicy::HeadState head;
+    PartitionId id = 0;
+    const bool sink = rng() % 4 != 0;
+    if (sink) head.sink = {id++, 4};
+    for (std::uint32_t c = 0; c < clusters; ++c) head.clusters.push_back({id++, size(rng)});
+    head.centroids = random_values(std::size_t{clusters} * ctx.head_dim, rng, 0.5f);
+    plant_ties(head.centroids, clusters, ctx.head_dim, rng);
+    for (std::uint32_t i = 0; i < recent; ++i) head.recent.push_back({id++, static_cast<std::uint32_t>(1 + rng() % ctx.page_tokens)});
+    head.recent_centroids = random_values(std::size_t{recent} * ctx.head_dim, rng, 0.5f);
+    head.partitions = id;
+    head.tokens = head.sink.tokens;
+    for (const auto& g : head.clusters) head.tokens += g.tokens;
+    for (const auto& g : head.recent) head.tokens += g.tokens;
+    s.heads.push_back(std::move(head));
+  }
+  return r;
+}
+
+// The rows of a batch in the kernels' CSR layout (policy/select_cuda.hpp):
+// per candidate its tokens, id and summaries (`a`: Quest min, ShadowKV
+// landmark, RetroInfer centroid; `b`: Quest max, ShadowKV outlier score).
+struct HostRows {
+  std::uint32_t kv_heads = 0, group = 0, head_dim = 0, max_row = 0;
+  std::vector<std::uint32_t> offsets{0}, tokens;
+  std::vector<PartitionId> partitions;
+  std::vector<float> q, a, b;
+  std::vector<PartitionId> sink_partitions;  // RetroInfer, per row
+  std::vector<std::uint32_t> sink_tokens, recent;
+
+  std::uint32_t rows() const { return static_cast<std::uint32_t>(offsets.size() - 1); }
+  std::uint32_t row_size(std::uint32_t r) const { return offsets[r + 1] - offsets[r]; }
+  void close_row() {
+    offsets.push_back(static_cast<std::uint32_t>(tokens.size()));
+    max_row = std::max(max_row, row_size(rows() - 1));
+  }
+  void append(std::vector<float>& to, const std::vector<float>& from, std::size_t first, std::size_t count) {
+    to.insert(to.end(), from.begin() + first, from.begin() + first + count);
+  }
+};
+
+inline HostRows begin_rows(const LayerContext& ctx) {
+  HostRows rows;
+  rows.kv_heads = ctx.kv_heads;
+  rows.group = ctx.group_size();
+  rows.head_dim = ctx.head_dim;
+  return rows;
+}
+
+inline HostRows quest_rows(const LayerContext& ctx, const std::vector<SelectRequest<QuestPolicy::LayerState>>& batch) {
+  HostRows rows = begin_rows(ctx);
+  for (const auto& req : batch) {
+    rows.q.insert(rows.q.end(), req.q.begin(), req.q.end());
+    const auto n = static_cast<std::uint32_t>(req.state.tokens.size());
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      rows.tokens.insert(rows.tokens.end(), req.state.tokens.begin(), req.state.tokens.end());
+      rows.partitions.insert(rows.partitions.end(), req.state.ids[h].begin(), req.state.ids[h].end());
+      rows.append(rows.a, req.state.min[h], 0, std::size_t{n} * ctx.head_dim);
+      rows.append(rows.b, req.state.max[h], 0, std::size_t{n} * ctx.head_dim);
+      rows.close_row();
+    }
+  }
+  return rows;
+}
+
+inline HostRows shadowkv_rows(const LayerContext& ctx,
+                              const std::vector<SelectRequest<ShadowKVPolicy::LayerState>>& batch) {
+  HostRows rows = begin_rows(ctx);
+  for (const auto& req : batch) {
+    rows.q.insert(rows.q.end(), req.q.begin(), req.q.end());
+    const auto n = static_cast<std::uint32_t>(req.state.tokens.size());
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      rows.tokens.insert(rows.tokens.end(), req.state.tokens.begin(), req.state.tokens.end());
+      rows.partitions.insert(rows.partitions.end(), req.state.ids[h].begin(), req.state.ids[h].end());
+      rows.append(rows.a, req.state.landmarks[h], 0, std::size_t{n} * ctx.head_dim);
+      rows.append(rows.b, req.state.outlier_score[h], 0, n);
+      rows.close_row();
+    }
+  }
+  return rows;
+}
+
+inline HostRows retroinfer_rows(const LayerContext& ctx,
+                                const std::vector<SelectRequest<RetroInferPolicy::LayerState>>& batch) {
+  HostRows rows = begin_rows(ctx);
+  for (const auto& req : batch) {
+    rows.q.insert(rows.q.end(), req.q.begin(), req.q.end());
+    for (const auto& head : req.state.heads) {
+      for (const auto& g : head.clusters) {
+        rows.tokens.push_back(g.tokens);
+        rows.partitions.push_back(g.id);
+      }
+      for (const auto& g : head.recent) {
+        rows.tokens.push_back(g.tokens);
+        rows.partitions.push_back(g.id);
+      }
+      rows.a.insert(rows.a.end(), head.centroids.begin(), head.centroids.end());
+      rows.a.insert(rows.a.end(), head.recent_centroids.begin(), head.recent_centroids.end());
+      rows.sink_partitions.push_back(head.sink.id);
+      rows.sink_tokens.push_back(head.sink.tokens);
+      rows.recent.push_back(static_cast<std::uint32_t>(head.recent.size()));
+      rows.close_row();
+    }
+  }
+  return rows;
+}
+
+// The host policy's selections of a batch, row by row.
+template <class Policy, class State>
+std::vector<std::vector<PartitionId>> host_select(const Policy& policy, const LayerContext& ctx,
+                                                  const std::vector<SelectRequest<State>>& batch) {
+  std::vector<std::vector<PartitionId>> out;
+  for (const auto& req : batch) {
+    Selection s;
+    policy.select(ctx, DecodeQuery{req.q, 0}, req.state, s);
+    out.insert(out.end(), s.partitions.begin(), s.partitions.end());
+  }
+  return out;
+}
+
+}  // namespace sparsekv::test

@@ -1,0 +1,511 @@
+// The Select rules (policy/select_rules.hpp) and a host emulation of the
+// select kernels' parallel decomposition (cuda/policy/select_kernels.cu):
+// per-thread scores, strided block maxima, warp-0 lane sums, ranking rounds
+// of a tile (radix-select threshold passes over 8-bit digit histograms, then
+// a sort), thread 0's greedy fill, the output sort in runs merged by rank.
+// The emulation must equal the host policies' select bit for bit over random
+// batches with planted ties, budgets below one partition, covering budgets,
+// GQA groups 1..8 and rows longer than a tile; planted mutations (ties to the
+// higher index, a skip that stops the fill) must be caught.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "select_test_data.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/policy/select_cuda.hpp"
+#include "sparsekv/policy/select_rules.hpp"
+
+using namespace sparsekv;
+using namespace sparsekv::test;
+
+namespace {
+
+// ---- the emulation ---------------------------------------------------------------
+
+constexpr std::uint32_t kThreads = 256;  // the kernels' block
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+constexpr std::uint64_t kNoKey = std::numeric_limits<std::uint64_t>::max();
+
+struct Emulation {
+  std::uint32_t tile = cuda::kSelectTile;
+  bool ties_to_higher = false;  // mutation: ties rank the higher index first
+  bool skip_stops = false;      // mutation: a candidate that does not fit ends the fill
+};
+
+std::uint64_t key_of(const Emulation& e, float score, std::uint32_t i) {
+  return e.ties_to_higher ? (rank_key(score, i) & ~std::uint64_t{0xffffffffu}) | ~i : rank_key(score, i);
+}
+std::uint32_t index_of(const Emulation& e, std::uint64_t key) {
+  return e.ties_to_higher ? ~rank_key_index(key) : rank_key_index(key);
+}
+
+// block_max: 256 strided thread partials, then merged as a tree (not in order).
+template <class Value, class Include>
+float emulated_max(std::uint32_t n, Value value, Include include) {
+  std::vector<float> partial(kThreads, kMinusInf);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (include(i)) partial[i % kThreads] = fold_max_score(partial[i % kThreads], value(i));
+  }
+  for (std::uint32_t width = kThreads / 2; width > 0; width /= 2) {
+    for (std::uint32_t t = 0; t < width; ++t) partial[t] = fold_max_score(partial[t + width], partial[t]);
+  }
+  return partial[0];
+}
+
+// block_lane_sum: lane l of warp 0 adds i = l, l + 32, ... in order; __shfl_down tree.
+template <class T, class Value, class Include>
+T emulated_lane_sum(std::uint32_t n, Value value, Include include) {
+  T lanes[kSumLanes] = {};
+  for (std::uint32_t l = 0; l < kSumLanes; ++l) {
+    for (std::uint32_t i = l; i < n; i += kSumLanes) {
+      if (include(i)) lanes[l] = lanes[l] + value(i);
+    }
+  }
+  return tree_combine(lanes);
+}
+
+// block_ranked_fill, round by round.
+template <class Filler, class Score, class Eligible, class Take>
+void emulated_ranked_fill(const Emulation& e, std::uint32_t n, const std::uint32_t* tokens, Filler& fill,
+                          Score score, Eligible eligible, Take take) {
+  std::uint64_t bound = 0;
+  for (;;) {
+    std::vector<std::uint64_t> left;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (!eligible(i)) continue;
+      const std::uint64_t key = key_of(e, score(i), i);
+      if (key > bound) left.push_back(key);
+    }
+    if (left.empty()) return;
+    std::uint64_t last = kNoKey;
+    if (left.size() > e.tile) {
+      TileThreshold t;
+      t.needed = e.tile;
+      while (!t.done) {
+        std::uint32_t histogram[kRadixBins] = {};
+        for (const std::uint64_t key : left) {
+          if (t.matches(key)) ++histogram[t.digit(key)];
+        }
+        t.step(histogram);
+      }
+      last = t.threshold();
+    }
+    std::vector<std::uint64_t> tile;
+    for (const std::uint64_t key : left) {
+      if (key <= last) tile.push_back(key);
+    }
+    REQUIRE(tile.size() == std::min<std::size_t>(left.size(), e.tile));
+    std::sort(tile.begin(), tile.end());
+    for (const std::uint64_t key : tile) {
+      const std::uint32_t i = index_of(e, key);
+      Fill f = fill.offer(tokens[i]);
+      if (e.skip_stops && f == Fill::skip) f = Fill::stop;
+      if (f == Fill::stop) return;
+      if (f == Fill::take) take(i);
+    }
+    if (left.size() <= e.tile) return;
+    bound = tile.back();
+  }
+}
+
+// write_sorted: runs of a tile sorted, placed by merged_position.
+std::vector<PartitionId> emulated_sorted(const Emulation& e, std::vector<PartitionId> ids) {
+  const auto count = static_cast<std::uint32_t>(ids.size());
+  for (std::uint32_t first = 0; first < count; first += e.tile) {
+    std::sort(ids.begin() + first, ids.begin() + std::min(count, first + e.tile));
+  }
+  std::vector<PartitionId> out(count, kInvalidPartition);
+  for (std::uint32_t j = 0; j < count; ++j) out[merged_position(ids.data(), count, e.tile, j)] = ids[j];
+  return out;
+}
+
+std::vector<PartitionId> row_partitions(const HostRows& rows, std::uint32_t r) {
+  return {rows.partitions.begin() + rows.offsets[r], rows.partitions.begin() + rows.offsets[r + 1]};
+}
+
+std::uint64_t row_total(const HostRows& rows, std::uint32_t r) {
+  std::uint64_t total = 0;
+  for (std::uint32_t i = rows.offsets[r]; i < rows.offsets[r + 1]; ++i) total += rows.tokens[i];
+  return total;
+}
+
+const float* row_q(const HostRows& rows, std::uint32_t r) {
+  return rows.q.data() + std::size_t{r} * rows.group * rows.head_dim;
+}
+
+std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows& rows, std::uint32_t r,
+                                       const cuda::QuestSelect& quest) {
+  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r), dim = rows.head_dim;
+  if (quest.dense_layer || row_total(rows, r) <= quest.budget_tokens) return row_partitions(rows, r);
+  const std::uint32_t newest = n - 1;
+  std::vector<float> scores(n);
+  for (std::uint32_t i = 0; i < newest; ++i) {
+    const std::size_t at = (std::size_t{first} + i) * dim;
+    scores[i] = quest_group_bound(row_q(rows, r), rows.group, rows.a.data() + at, rows.b.data() + at, dim);
+  }
+  std::vector<PartitionId> chosen{rows.partitions[first + newest]};
+  SkipFill fill{std::int64_t{quest.budget_tokens} - rows.tokens[first + newest]};
+  emulated_ranked_fill(
+      e, n, rows.tokens.data() + first, fill, [&](std::uint32_t i) { return scores[i]; },
+      [&](std::uint32_t i) { return i < newest; }, [&](std::uint32_t i) { chosen.push_back(rows.partitions[first + i]); });
+  return emulated_sorted(e, chosen);
+}
+
+std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostRows& rows, std::uint32_t r,
+                                          const cuda::ShadowKVSelect& shadowkv) {
+  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r), dim = rows.head_dim;
+  if (row_total(rows, r) <= shadowkv.budget_tokens) return row_partitions(rows, r);
+  const std::uint32_t* tokens = rows.tokens.data() + first;
+  std::vector<char> taken(n, 0);
+  std::vector<float> scores(n), scratch(n);
+  std::vector<PartitionId> chosen;
+  const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
+  const auto take = [&](std::uint32_t i) {
+    taken[i] = 1;
+    chosen.push_back(rows.partitions[first + i]);
+  };
+  const ShadowKVWindow window =
+      shadowkv_window(n, [&](std::uint32_t i) { return tokens[i]; }, shadowkv.recent_tokens, shadowkv.budget_tokens);
+  for (std::uint32_t i = n - window.pages; i < n; ++i) take(i);
+  SkipFill outliers{window.left, shadowkv.outlier_pages};
+  emulated_ranked_fill(
+      e, n, tokens, outliers, [&](std::uint32_t i) { return -rows.b[first + i]; }, untaken, take);
+  const float scale = logit_scale(dim);
+  for (std::uint32_t g = 0; g < rows.group; ++g) {
+    const float* qh = row_q(rows, r) + std::size_t{g} * dim;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (untaken(i)) scratch[i] = shadowkv_logit(qh, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale);
+    }
+    const float top = emulated_max(n, [&](std::uint32_t i) { return scratch[i]; }, untaken);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (untaken(i)) scratch[i] = portable_exp(add_rn(scratch[i], -top));
+    }
+    const float sum = emulated_lane_sum<float>(n, [&](std::uint32_t i) { return scratch[i]; }, untaken);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (untaken(i)) scores[i] = fold_max_score(g == 0 ? kMinusInf : scores[i], div_rn(scratch[i], sum));
+    }
+  }
+  SkipFill top_k{outliers.left};
+  emulated_ranked_fill(
+      e, n, tokens, top_k, [&](std::uint32_t i) { return scores[i]; }, untaken, take);
+  return emulated_sorted(e, chosen);
+}
+
+std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const HostRows& rows, std::uint32_t r,
+                                            const cuda::RetroInferSelect& retro, std::uint32_t window_tokens) {
+  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r), dim = rows.head_dim;
+  const std::uint32_t* tokens = rows.tokens.data() + first;
+  const std::uint32_t sink_tokens = rows.sink_tokens[r];
+  if (retro.budget_tokens >= row_total(rows, r) + sink_tokens) {
+    std::vector<PartitionId> all;
+    if (sink_tokens > 0) all.push_back(rows.sink_partitions[r]);
+    const auto rest = row_partitions(rows, r);
+    all.insert(all.end(), rest.begin(), rest.end());
+    return all;
+  }
+  const std::uint32_t recent = rows.recent[r], older = n - recent;
+  const SteadyZone steady = steady_zone(
+      recent, [&](std::uint32_t i) { return tokens[older + i]; }, sink_tokens, window_tokens, retro.budget_tokens);
+  std::vector<PartitionId> chosen;
+  if (steady.sink) chosen.push_back(rows.sink_partitions[r]);
+  for (std::uint32_t i = n - steady.window_parts; i < n; ++i) chosen.push_back(rows.partitions[first + i]);
+  const std::uint32_t m = n - steady.window_parts;
+  if (m > 0) {
+    const float scale = logit_scale(dim);
+    std::vector<float> scores(m), scratch(m);
+    const auto all = [](std::uint32_t) { return true; };
+    for (std::uint32_t g = 0; g < rows.group; ++g) {
+      const float* qh = row_q(rows, r) + std::size_t{g} * dim;
+      for (std::uint32_t i = 0; i < m; ++i) {
+        scratch[i] = retroinfer_logit(qh, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale);
+      }
+      const float top = emulated_max(m, [&](std::uint32_t i) { return scratch[i]; }, all);
+      const double sum = emulated_lane_sum<double>(
+          m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(scratch[i], -top))); }, all);
+      const float inverse = retroinfer_inverse_sum(sum);
+      for (std::uint32_t i = 0; i < m; ++i) {
+        scores[i] = add_rn(g == 0 ? 0.0f : scores[i], retroinfer_share(scratch[i], top, inverse));
+      }
+    }
+    BreakFill fill{steady.tokens, retro.budget_tokens, fraction_count(retro.retrieval_fraction, m)};
+    emulated_ranked_fill(
+        e, m, tokens, fill, [&](std::uint32_t i) { return scores[i]; }, all,
+        [&](std::uint32_t i) { chosen.push_back(rows.partitions[first + i]); });
+  }
+  return emulated_sorted(e, chosen);
+}
+
+// ---- sweeps: emulation against the host policies ------------------------------------
+
+constexpr std::uint32_t kGroups[] = {1, 2, 4, 8};
+
+// Rows where the emulation differs from the host policy.
+struct Sweep {
+  std::uint32_t rows = 0, differing = 0;
+  void compare(const std::vector<PartitionId>& got, const std::vector<PartitionId>& want) {
+    ++rows;
+    if (got != want) ++differing;
+  }
+};
+
+std::uint32_t covering(const std::vector<std::uint32_t>& sizes) {
+  std::uint32_t total = 0;
+  for (auto s : sizes) total += s;
+  return total;
+}
+
+Sweep quest_sweep(const Emulation& e, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  Sweep sweep;
+  for (const std::uint32_t group : kGroups) {
+    for (const std::uint32_t n : {1u, 2u, 19u, 300u, 2300u}) {
+      const LayerContext base = layer_context(2, group == 8 ? 8 : 32, 8, group);
+      std::vector<SelectRequest<QuestPolicy::LayerState>> batch;
+      for (int b = 0; b < 2; ++b) batch.push_back(quest_request(base, n, 16, rng));
+      const std::uint32_t total = covering(batch[0].state.tokens);
+      for (const std::uint32_t budget : {1u, 8u, 64u, 700u, total, total + 5}) {
+        for (const std::uint32_t layer : {0u, 5u}) {
+          LayerContext ctx = base;
+          ctx.layer = layer;
+          QuestPolicy::Options options;
+          options.budget_tokens = budget;
+          const auto want = host_select(QuestPolicy(options), ctx, batch);
+          const HostRows rows = quest_rows(ctx, batch);
+          const cuda::QuestSelect quest{nullptr, nullptr, budget, layer < options.dense_layers};
+          for (std::uint32_t r = 0; r < rows.rows(); ++r) sweep.compare(emulate_quest(e, rows, r, quest), want[r]);
+        }
+      }
+    }
+  }
+  return sweep;
+}
+
+Sweep shadowkv_sweep(const Emulation& e, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  Sweep sweep;
+  for (const std::uint32_t group : kGroups) {
+    for (const std::uint32_t n : {1u, 3u, 40u, 500u, 2200u}) {
+      const LayerContext ctx = layer_context(2, group == 8 ? 8 : 32, 8, group);
+      std::vector<SelectRequest<ShadowKVPolicy::LayerState>> batch;
+      for (int b = 0; b < 2; ++b) batch.push_back(shadowkv_request(ctx, n, rng));
+      const std::uint32_t total = covering(batch[0].state.tokens);
+      for (const std::uint32_t budget : {1u, 4u, 16u, 200u, 2048u, total}) {
+        for (const std::uint32_t recent : {0u, 32u}) {
+          ShadowKVPolicy::Options options;
+          options.budget_tokens = budget;
+          options.recent_tokens = recent;
+          options.outlier_pages = rng() % 2 == 0 ? 48 : 300;
+          const ShadowKVPolicy policy(options);
+          const auto want = host_select(policy, ctx, batch);
+          const HostRows rows = shadowkv_rows(ctx, batch);
+          const cuda::ShadowKVSelect shadowkv{nullptr, nullptr, budget, recent, policy.outlier_count()};
+          for (std::uint32_t r = 0; r < rows.rows(); ++r) {
+            sweep.compare(emulate_shadowkv(e, rows, r, shadowkv), want[r]);
+          }
+        }
+      }
+    }
+  }
+  return sweep;
+}
+
+Sweep retroinfer_sweep(const Emulation& e, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  Sweep sweep;
+  for (const std::uint32_t group : kGroups) {
+    for (const std::uint32_t clusters : {0u, 6u, 250u, 2400u}) {
+      for (const std::uint32_t recent : {0u, 3u, 12u}) {
+        const LayerContext ctx = layer_context(2, group == 8 ? 12 : 36, 8, group);
+        const std::uint32_t window = recent == 3 ? 16 : 64;
+        std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
+        for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, recent, window, rng));
+        const std::uint32_t total = std::max(1u, batch[0].state.heads[0].tokens);
+        for (const std::uint32_t budget : {1u, 3u, 40u, 300u, 2048u, total}) {
+          for (const float fraction : {0.018f, 0.3f, 1.0f}) {
+            RetroInferPolicy::Options options;
+            options.budget_tokens = budget;
+            options.retrieval_fraction = fraction;
+            options.estimation_fraction = 0.0f;
+            const auto want = host_select(RetroInferPolicy(options), ctx, batch);
+            const HostRows rows = retroinfer_rows(ctx, batch);
+            const cuda::RetroInferSelect retro{nullptr, nullptr, nullptr, nullptr, budget, window, fraction};
+            for (std::uint32_t r = 0; r < rows.rows(); ++r) {
+              sweep.compare(emulate_retroinfer(e, rows, r, retro, window), want[r]);
+            }
+          }
+        }
+      }
+    }
+  }
+  return sweep;
+}
+
+// Distance in representable floats (same sign, finite).
+std::int64_t ulps(float a, float b) {
+  return std::abs(static_cast<std::int64_t>(float_bits(a)) - static_cast<std::int64_t>(float_bits(b)));
+}
+
+}  // namespace
+
+TEST_CASE("portable_exp is within 2 ulp of exp and exact at the edges", "[select-rules]") {
+  std::int64_t worst = 0;
+  for (float x = -103.9f; x < 88.7f; x = std::nextafter(x, 100.0f) + 1e-4f * std::abs(x) + 1e-7f) {
+    const auto want = static_cast<float>(std::exp(static_cast<double>(x)));
+    worst = std::max(worst, ulps(portable_exp(x), want));
+  }
+  for (float x = -1.0f; x < 1.0f; x += 1.0f / 4096.0f) {
+    worst = std::max(worst, ulps(portable_exp(x), static_cast<float>(std::exp(static_cast<double>(x)))));
+  }
+  INFO("worst ulp distance " << worst);
+  CHECK(worst <= 2);
+  CHECK(portable_exp(0.0f) == 1.0f);
+  CHECK(portable_exp(-0.0f) == 1.0f);
+  CHECK(portable_exp(-std::numeric_limits<float>::infinity()) == 0.0f);
+  CHECK(portable_exp(-200.0f) == 0.0f);
+  CHECK(std::isinf(portable_exp(89.0f)));
+  CHECK(std::isnan(portable_exp(std::numeric_limits<float>::quiet_NaN())));
+  CHECK(portable_exp(88.7f) > 1e38f);  // k = 128: scaled in two steps, not an inf exponent
+}
+
+TEST_CASE("lane sums add lane i % 32 in order, then a fixed tree", "[select-rules]") {
+  std::mt19937 rng(3);
+  for (const std::uint32_t n : {0u, 1u, 31u, 32u, 33u, 100u, 1000u}) {
+    const std::vector<float> v = random_values(n, rng, 1e3f);
+    const auto odd = [](std::uint32_t i) { return i % 3 != 1; };
+    const auto value = [&](std::uint32_t i) { return v[i]; };
+    // The tree by hand: lane l + 16, then + 8, 4, 2, 1.
+    float lanes[kSumLanes] = {};
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (odd(i)) lanes[i % kSumLanes] += v[i];
+    }
+    for (std::uint32_t offset : {16u, 8u, 4u, 2u, 1u}) {
+      for (std::uint32_t l = 0; l < offset; ++l) lanes[l] += lanes[l + offset];
+    }
+    CHECK(same_bits(lane_sum<float>(n, value, odd), lanes[0]));
+    CHECK(same_bits(emulated_lane_sum<float>(n, value, odd), lanes[0]));
+  }
+  // The order matters: a sequential sum of these differs.
+  std::vector<float> v(64, 1.0f);
+  v[0] = 1e8f;
+  float sequential = 0.0f;
+  for (float x : v) sequential += x;
+  const float lanes = lane_sum<float>(64, [&](std::uint32_t i) { return v[i]; }, [](std::uint32_t) { return true; });
+  CHECK(sequential == 1e8f);
+  CHECK(lanes > sequential);
+}
+
+TEST_CASE("rank keys order by descending score, ties to the lower index", "[select-rules]") {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(rank_key(2.0f, 5) < rank_key(1.0f, 0));
+  CHECK(rank_key(1.0f, 3) < rank_key(1.0f, 4));
+  CHECK(rank_key(-0.0f, 3) < rank_key(0.0f, 4));  // -0 and +0 tie
+  CHECK(rank_key(0.0f, 3) < rank_key(-0.0f, 4));
+  CHECK(rank_key(inf, 9) < rank_key(3e38f, 0));
+  CHECK(rank_key(-inf, 9) < rank_key(nan, 0));  // NaN last
+  CHECK(rank_key(-1.0f, 0) < rank_key(-2.0f, 0));
+  CHECK(rank_key_index(rank_key(-1.5f, 77)) == 77);
+  // The same order as top_k on finite scores with ties.
+  std::mt19937 rng(4);
+  std::vector<float> scores(500);
+  for (float& s : scores) s = static_cast<float>(static_cast<int>(rng() % 40) - 20) * 0.25f;
+  std::vector<std::uint64_t> keys;
+  for (std::uint32_t i = 0; i < scores.size(); ++i) keys.push_back(rank_key(scores[i], i));
+  std::sort(keys.begin(), keys.end());
+  const auto want = top_k(scores, 500);
+  for (std::uint32_t j = 0; j < 500; ++j) REQUIRE(rank_key_index(keys[j]) == want[j]);
+}
+
+TEST_CASE("tile thresholds pick the kth smallest key", "[select-rules]") {
+  std::mt19937 rng(5);
+  for (const std::uint32_t n : {2u, 17u, 300u, 5000u}) {
+    std::vector<std::uint64_t> keys;
+    for (std::uint32_t i = 0; i < n; ++i) keys.push_back(rank_key(static_cast<float>(rng() % 7), i));
+    std::vector<std::uint64_t> sorted = keys;
+    std::sort(sorted.begin(), sorted.end());
+    for (const std::uint32_t k : {1u, n / 3 + 1, n - 1}) {
+      TileThreshold t;
+      t.needed = k;
+      while (!t.done) {
+        std::uint32_t histogram[kRadixBins] = {};
+        for (auto key : keys) {
+          if (t.matches(key)) ++histogram[t.digit(key)];
+        }
+        t.step(histogram);
+      }
+      CAPTURE(n, k);
+      CHECK(std::count_if(keys.begin(), keys.end(), [&](auto key) { return key <= t.threshold(); }) == k);
+      CHECK(t.threshold() >= sorted[k - 1]);
+      if (k < n) CHECK(t.threshold() < sorted[k]);
+    }
+  }
+}
+
+TEST_CASE("merged_position merges sorted runs", "[select-rules]") {
+  std::mt19937 rng(6);
+  std::vector<PartitionId> ids(1000);
+  std::iota(ids.begin(), ids.end(), 0u);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  for (const std::uint32_t tile : {7u, 64u, 1000u, 2048u}) {
+    Emulation e;
+    e.tile = tile;
+    std::vector<PartitionId> want = ids;
+    std::sort(want.begin(), want.end());
+    CHECK(emulated_sorted(e, ids) == want);
+  }
+}
+
+TEST_CASE("the select kernels' decomposition equals QuestPolicy::select", "[select-rules]") {
+  for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
+    Emulation e;
+    e.tile = tile;
+    const Sweep sweep = quest_sweep(e, 31);
+    CAPTURE(tile, sweep.rows);
+    CHECK(sweep.differing == 0);
+  }
+}
+
+TEST_CASE("the select kernels' decomposition equals ShadowKVPolicy::select", "[select-rules]") {
+  for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
+    Emulation e;
+    e.tile = tile;
+    const Sweep sweep = shadowkv_sweep(e, 32);
+    CAPTURE(tile, sweep.rows);
+    CHECK(sweep.differing == 0);
+  }
+}
+
+TEST_CASE("the select kernels' decomposition equals RetroInferPolicy::select", "[select-rules]") {
+  for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
+    Emulation e;
+    e.tile = tile;
+    const Sweep sweep = retroinfer_sweep(e, 33);
+    CAPTURE(tile, sweep.rows);
+    CHECK(sweep.differing == 0);
+  }
+}
+
+TEST_CASE("planted mutations of the decomposition are caught", "[select-rules]") {
+  Emulation ties;
+  ties.ties_to_higher = true;
+  ties.tile = 16;
+  Emulation stops;
+  stops.skip_stops = true;
+  const Sweep quest_ties = quest_sweep(ties, 31), quest_stops = quest_sweep(stops, 31);
+  const Sweep shadowkv_ties = shadowkv_sweep(ties, 32), shadowkv_stops = shadowkv_sweep(stops, 32);
+  const Sweep retro_ties = retroinfer_sweep(ties, 33);
+  CAPTURE(quest_ties.differing, quest_stops.differing, shadowkv_ties.differing, shadowkv_stops.differing,
+          retro_ties.differing);
+  CHECK(quest_ties.differing > 0);
+  CHECK(quest_stops.differing > 0);
+  CHECK(shadowkv_ties.differing > 0);
+  CHECK(shadowkv_stops.differing > 0);
+  CHECK(retro_ties.differing > 0);
+}
