@@ -23,7 +23,6 @@ using detail::throw_cuda;
 using detail::throw_invalid;
 
 constexpr std::uint32_t kWarp = 32;
-constexpr std::uint32_t kMaxPageTokens = 4096;  // page_mean_outlier's cosine buffer
 constexpr std::uint32_t kSummaryThreads = 128;
 // kmeans_assign: a block holds kAssignRows rows in shared memory; each thread
 // scores them against centroids tid, tid + blockDim, ...
@@ -37,6 +36,13 @@ __device__ const std::byte* key_row(const KeyBlock& keys, std::uint32_t token, s
   const std::size_t element = (static_cast<std::size_t>(token) * keys.kv_heads + head) * keys.head_dim;
   return static_cast<const std::byte*>(keys.keys) + element * dtype_size(keys.dtype);
 }
+
+// Key row t of one (page, kv head): the per-thread steps of page_summaries.hpp read through it.
+struct PageKeys {
+  const KeyBlock& keys;
+  std::uint32_t first, head;
+  __device__ const std::byte* operator()(std::uint32_t t) const { return key_row(keys, first + t, head); }
+};
 
 // Item = head * pages + page: its kv head and token range [first, end).
 struct PageSpan {
@@ -59,14 +65,10 @@ __global__ void page_min_max_kernel(KeyBlock keys, std::uint32_t page_tokens, st
     const auto [head, first, end] = page_span(item, pages, page_tokens, keys.tokens);
     float* lo = min + item * keys.head_dim;
     float* hi = max + item * keys.head_dim;
+    const PageKeys key{keys, first, head};
     for (std::uint32_t d = threadIdx.x; d < keys.head_dim; d += blockDim.x) {
-      float l = load_element(key_row(keys, first, head), d, keys.dtype);
-      float h = l;
-      for (std::uint32_t t = first + 1; t < end; ++t) {
-        const float x = load_element(key_row(keys, t, head), d, keys.dtype);
-        l = fold_min(l, x);
-        h = fold_max(h, x);
-      }
+      float l, h;
+      page_min_max_channel(key, end - first, d, keys.dtype, l, h);
       lo[d] = l;
       hi[d] = h;
     }
@@ -86,25 +88,16 @@ __global__ void page_mean_outlier_kernel(KeyBlock keys, std::uint32_t page_token
   for (std::uint64_t item = blockIdx.x; item < total; item += gridDim.x) {
     const auto [head, first, end] = page_span(item, pages, page_tokens, keys.tokens);
     const std::uint32_t count = end - first;
+    const PageKeys key{keys, first, head};
     for (std::uint32_t d = threadIdx.x; d < keys.head_dim; d += blockDim.x) {
-      float sum = 0.0f;
-      for (std::uint32_t t = first; t < end; ++t) sum = add_rn(sum, load_element(key_row(keys, t, head), d, keys.dtype));
-      landmark[d] = page_mean(sum, count);
+      landmark[d] = page_mean_channel(key, count, d, keys.dtype);
       mean[item * keys.head_dim + d] = landmark[d];
     }
     __syncthreads();
     if (threadIdx.x == 0) landmark_norm = sqrt_rn(dot_in_order(landmark, landmark, keys.head_dim));
     __syncthreads();
     for (std::uint32_t i = threadIdx.x; i < count; i += blockDim.x) {
-      const std::byte* row = key_row(keys, first + i, head);
-      float kk = 0.0f;
-      float km = 0.0f;
-      for (std::uint32_t d = 0; d < keys.head_dim; ++d) {
-        const float x = load_element(row, d, keys.dtype);
-        kk = dot_step(kk, x, x);
-        km = dot_step(km, x, landmark[d]);
-      }
-      cosine[i] = landmark_cosine(kk, km, landmark_norm);
+      cosine[i] = page_key_cosine(key, i, landmark, landmark_norm, keys.head_dim, keys.dtype);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -298,9 +291,9 @@ void page_mean_outlier(const KeyBlock& keys, std::uint32_t page_tokens, float* m
     throw_invalid("page_mean_outlier",
                   "head_dim " + std::to_string(keys.head_dim) + " exceeds " + std::to_string(kMaxIndexDim));
   }
-  if (page_tokens > kMaxPageTokens) {
+  if (page_tokens > kMaxIndexPageTokens) {
     throw_invalid("page_mean_outlier",
-                  "page_tokens " + std::to_string(page_tokens) + " exceeds " + std::to_string(kMaxPageTokens));
+                  "page_tokens " + std::to_string(page_tokens) + " exceeds " + std::to_string(kMaxIndexPageTokens));
   }
   if (pages == 0) return;
   page_mean_outlier_kernel<<<grid_for(std::uint64_t{pages} * keys.kv_heads), kSummaryThreads,

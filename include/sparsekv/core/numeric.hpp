@@ -66,6 +66,10 @@ SPARSEKV_HOST_DEVICE inline std::uint16_t float_to_f16(float f) {
   return static_cast<std::uint16_t>(sign | v);
 }
 
+// std::isfinite by the exponent bits, so that host and device agree without a
+// CUDA math header (no exponent of all ones: neither an infinity nor a NaN).
+SPARSEKV_HOST_DEVICE inline bool is_finite(float f) { return (float_bits(f) & 0x7f800000u) != 0x7f800000u; }
+
 // Element `i` of a row stored in `dtype`, as fp32.
 SPARSEKV_HOST_DEVICE inline float load_element(const void* row, std::uint32_t i, DType dtype) {
   if (dtype == DType::f32) return static_cast<const float*>(row)[i];

@@ -43,6 +43,8 @@ inline std::uint32_t page_count(std::uint32_t tokens, std::uint32_t page_tokens)
 
 // Largest head_dim the mean and k-means kernels take (their shared-memory tiles).
 inline constexpr std::uint32_t kMaxIndexDim = 512;
+// Largest page the mean kernels take (their cosine buffer).
+inline constexpr std::uint32_t kMaxIndexPageTokens = 4096;
 
 // Dynamic shared memory of the kernels, shared by the launches and the kernels
 // so CI can check its bounds (tests/test_index_rules.cpp). nvcc reads a float

@@ -22,7 +22,9 @@
 #include <cstdint>
 #include <limits>
 
+#include "sparsekv/core/dtype.hpp"
 #include "sparsekv/core/host_device.hpp"
+#include "sparsekv/core/numeric.hpp"
 
 namespace sparsekv {
 
@@ -101,6 +103,50 @@ SPARSEKV_HOST_DEVICE inline float landmark_cosine(float key_dot_key, float key_d
 // A page's outlier score starts at 1 and folds each key's cosine in token
 // order with fold_min (a NaN cosine is ignored).
 inline constexpr float kOutlierScoreStart = 1.0f;
+
+// ---- per-thread steps of the page-summary kernels ---------------------------
+// One thread's share of a page's summaries, called by the kernels
+// (cuda/policy/index_kernels.cu, cuda/policy/append_summaries_kernels.cu) and
+// by the tests' host emulations of their decompositions, so CI runs the code
+// the kernels run. `key(t)` is the address of the page's t-th key row, stored
+// in `dtype`; count >= 1.
+
+// Quest: channel d's bounds over the page (thread over dimensions).
+template <class KeyRow>
+SPARSEKV_HOST_DEVICE inline void page_min_max_channel(const KeyRow& key, std::uint32_t count, std::uint32_t d,
+                                                      DType dtype, float& lo, float& hi) {
+  lo = load_element(key(0), d, dtype);
+  hi = lo;
+  for (std::uint32_t t = 1; t < count; ++t) {
+    const float x = load_element(key(t), d, dtype);
+    lo = fold_min(lo, x);
+    hi = fold_max(hi, x);
+  }
+}
+
+// ShadowKV: channel d of the landmark (thread over dimensions).
+template <class KeyRow>
+SPARSEKV_HOST_DEVICE inline float page_mean_channel(const KeyRow& key, std::uint32_t count, std::uint32_t d,
+                                                    DType dtype) {
+  float sum = 0.0f;
+  for (std::uint32_t t = 0; t < count; ++t) sum = add_rn(sum, load_element(key(t), d, dtype));
+  return page_mean(sum, count);
+}
+
+// ShadowKV: cos(key t, landmark) (thread over tokens); |landmark| is
+// sqrt_rn(dot_in_order(landmark, landmark, dim)), taken once per page.
+template <class KeyRow>
+SPARSEKV_HOST_DEVICE inline float page_key_cosine(const KeyRow& key, std::uint32_t t, const float* landmark,
+                                                  float landmark_norm, std::uint32_t dim, DType dtype) {
+  float kk = 0.0f;
+  float km = 0.0f;
+  for (std::uint32_t d = 0; d < dim; ++d) {
+    const float x = load_element(key(t), d, dtype);
+    kk = dot_step(kk, x, x);
+    km = dot_step(km, x, landmark[d]);
+  }
+  return landmark_cosine(kk, km, landmark_norm);
+}
 
 // ---- RetroInfer: spherical k-means -----------------------------------------
 // Rows and centroids are fp32 [count][dim]; similarity = dot_in_order(row,
