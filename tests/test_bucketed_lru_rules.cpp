@@ -159,63 +159,6 @@ TEST_CASE("lru rules: selection lookup in a sorted selection", "[lru-rules]") {
 
 namespace {
 
-constexpr std::uint32_t kPageTokens = 4;
-
-PageTableGeometry emulation_geometry() {
-  PageTableGeometry g;
-  g.max_requests = 2;
-  g.layers = 2;
-  g.kv_heads = 3;
-  g.page_tokens = kPageTokens;
-  g.max_partitions_per_head = 160;
-  g.max_cpu_pages_per_head = 160 * 3;
-  g.max_gpu_pages_per_head = 96;
-  g.segment_entries = 32;  // several segments per head: the views' segment walk matters
-  const auto instances = static_cast<std::uint32_t>(g.instances());
-  g.meta_segments = g.offset_segments = instances * 5;
-  g.cpu_page_segments = instances * 15;
-  g.gpu_page_segments = instances * 3;
-  return g;
-}
-
-// Random requests, partitions of 1..3 pages, empty buffers of varied sizes;
-// the same seed builds the same table.
-void build(HierarchicalPageTable& table, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  const PageTableGeometry& g = table.geometry();
-  PageId next_cpu = 0;
-  PageId next_gpu = 0;
-  for (RequestId r = 0; r < g.max_requests; ++r) {
-    table.add_request(r * 10 + 3);
-    for (std::uint32_t l = 0; l < g.layers; ++l) {
-      for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
-        std::vector<std::uint32_t> tokens(20 + rng() % 140);
-        std::vector<PageId> pages;
-        for (auto& t : tokens) {
-          t = 1 + rng() % (3 * kPageTokens);
-          for (std::uint32_t i = 0; i < pages_for_tokens(t, kPageTokens); ++i) pages.push_back(next_cpu++ * 31 % 100003);
-        }
-        table.append_partitions(r * 10 + 3, l, h, tokens, pages);
-        const std::uint32_t slots = 4 + rng() % 93;
-        table.resize_gpu_slots(r * 10 + 3, l, h, slots);
-        for (std::uint32_t s = 0; s < slots; ++s) {
-          table.set_gpu_entry(r * 10 + 3, l, h, s, {kInvalidPartition, next_gpu++ * 7 % 65521, 0, 0, 0});
-        }
-      }
-    }
-  }
-}
-
-// A selection of distinct partitions whose pages fit the head's slots, biased
-// towards resident partitions (hit ratio around the given share).
-std::vector<PartitionId> random_selection(const HierarchicalPageTable& table, const Head& h, std::mt19937& rng,
-                                          double hit_share) {
-  const std::uint32_t slots = table.gpu_slots(h.request, h.layer, h.head);
-  const Candidates candidates = shuffled_candidates(table, h, rng);
-  const std::uint32_t limit = rng() % (slots + 1);
-  return pick_selection(table, h, candidates, limit, 400, rng, hit_share);
-}
-
 // The kernel's decomposition in plain C++: every head independently
 // (blocks), each phase's per-element work in a random order (threads run in
 // any order), cross-element order only through exclusive scans, eviction and
@@ -353,8 +296,8 @@ TEST_CASE("lru emulation: the kernel's decomposition reproduces BucketedLru::ste
     HostMemoryResource memory(false);
     HierarchicalPageTable host_table(emulation_geometry(), memory, memory);
     HierarchicalPageTable emu_table(emulation_geometry(), memory, memory);
-    build(host_table, seed);
-    build(emu_table, seed);
+    build_emulation_table(host_table, seed);
+    build_emulation_table(emu_table, seed);
     std::mt19937 rng(seed * 7919);
     const std::uint32_t buckets = bucket_choices[seed % 6];
     BucketedLru lru(buckets);

@@ -109,6 +109,22 @@ struct PolicyOps<AnyPolicy> {
 std::int64_t append_runs(AttendPlan& plan, std::span<const PageId> pages, std::span<const std::uint32_t> tokens,
                          std::uint32_t page_tokens);
 
+// Appends the runs of kv head `head` of a retrieval (its pages as
+// Retrieval::for_each_page lists them; `pages` and `tokens` are scratch) and
+// returns how many: the host Plan step, the reference of the device one
+// (attend_plan_cuda.hpp).
+inline std::int64_t append_head_runs(AttendPlan& plan, const Retrieval& r, std::uint32_t head,
+                                     std::uint32_t page_tokens, std::vector<PageId>& pages,
+                                     std::vector<std::uint32_t>& tokens) {
+  pages.clear();
+  tokens.clear();
+  r.for_each_page(head, page_tokens, [&](PageId page, std::uint32_t n) {
+    pages.push_back(page);
+    tokens.push_back(n);
+  });
+  return append_runs(plan, pages, tokens, page_tokens);
+}
+
 }  // namespace detail
 
 template <class Policy>
@@ -284,14 +300,8 @@ class Manager {
     for (std::size_t b = 0; b < batch; ++b) {
       const Retrieval& r = retrievals_[b];
       for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-        pages.clear();
-        tokens.clear();
-        r.for_each_page(h, config_.page_tokens, [&](PageId page, std::uint32_t n) {
-          pages.push_back(page);
-          tokens.push_back(n);
-        });
         plan_.head_entries.push_back(plan_.head_entries.back() +
-                                     detail::append_runs(plan_, pages, tokens, config_.page_tokens));
+                                     detail::append_head_runs(plan_, r, h, config_.page_tokens, pages, tokens));
       }
     }
     plan_.extra = extra_;

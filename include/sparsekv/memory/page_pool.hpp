@@ -62,6 +62,11 @@ class PagePool {
   // Bytes reserved from the memory resource so far (whole chunks).
   std::size_t reserved_bytes() const noexcept;
   std::uint32_t pages_per_chunk() const noexcept { return pages_per_chunk_; }
+  // Base address of every chunk reserved so far (chunk c holds pages
+  // c * pages_per_chunk() ..): the table a device-side page-id -> address map
+  // (ChunkedPages, transfer/miss_list.hpp) is built from. It grows when an
+  // allocation reserves a chunk; a device copy is refreshed then.
+  std::span<std::byte* const> chunks() const noexcept { return chunks_; }
   MemoryKind memory_kind() const noexcept { return memory_->kind(); }
 
  private:

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "sparsekv/core/ids.hpp"
+#include "sparsekv/transfer/miss_list.hpp"
 
 namespace sparsekv::cuda {
 
@@ -53,5 +54,34 @@ void gather_pages(const PageId* src_pages, const PageId* dst_pages, std::uint32_
 // gather_pages.
 void gather_page_addresses(const std::byte* const* src, std::byte* const* dst, std::uint32_t count,
                            std::size_t page_bytes, const GatherConfig& config, void* stream);
+
+// The Retrieve copy step straight from the device miss list (miss_list.hpp):
+// for every head h < misses.heads, entries page_offsets[h] .. page_offsets[h]
+// + counts[h * count_stride] (cut at max_entries) move
+//   gpu_base + gpu_pages[e] * gpu_stride  <-  cpu_tier.address(cpu_pages[e]),
+// page_bytes each. Nothing about the counts is read on the host: the grid is
+// sized from the capacities, so the launch can be captured in a CUDA graph
+// and replayed while the counts change.
+//
+// Decomposition: the persistent grid's warps own the flattened (head, entry)
+// space round-robin (miss_list_first), as gather_pages owns its list. Each
+// warp walks the heads 32 at a time, one head per lane, prefix-summing the
+// counts with a warp scan to find where each head starts in the flattened
+// space, and copies its own entries of those heads with the same 16-byte
+// unrolled page copy: every warp gets an even share of the pages however the
+// misses fall on heads, with no host prefix sum and no extra launch. The price
+// is O(heads) count reads per warp, which stay in L2.
+//
+// Checked on the host before launching (ErrorCode::invalid_argument):
+// page_bytes a non-zero multiple of 16; gpu_base, gpu_stride and
+// cpu_tier.page_stride multiples of 16 with strides >= page_bytes;
+// cpu_tier.pages_per_chunk > 0; count_stride > 0; non-null page_offsets,
+// counts, copy arrays, chunk_bases and gpu_base when heads > 0 and
+// max_entries > 0 (otherwise nothing is enqueued); 1 <= warps_per_block <= 32.
+// Chunk bases must be 16-byte aligned (PagePool chunks are; not checkable on
+// the host). Enqueued on `stream`; throws ErrorCode::cuda_error if a device
+// query or the launch fails.
+void gather_miss_list(const DeviceMissList& misses, const ChunkedPages& cpu_tier, std::byte* gpu_base,
+                      std::size_t gpu_stride, std::size_t page_bytes, const GatherConfig& config, void* stream);
 
 }  // namespace sparsekv::cuda
