@@ -431,3 +431,132 @@ TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, an
     REQUIRE(std::all_of(out.begin(), out.end(), [](float x) { return std::isfinite(x); }));
   }
 }
+
+// ---- Found by an independent review of the fixes above ----------------------
+
+namespace {
+
+// A custom policy with two habits the facade must survive: index() adds to
+// its state instead of replacing it, and a request prefilled with exactly
+// `bogus_prompt` tokens selects a partition that does not exist.
+struct CarelessPolicy {
+  struct Options {};
+  struct LayerState {
+    std::uint32_t partitions = 0;
+    bool bogus = false;
+  };
+  static constexpr std::string_view kName = "careless";
+  static constexpr RopeStage kRope = RopeStage::post_rope;
+  static constexpr std::uint32_t bogus_prompt = 13;
+
+  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
+    const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, ctx.page_tokens);
+    state.partitions += spec.partition_count();
+    state.bogus = kv.tokens == bogus_prompt;
+    return {spec};
+  }
+  std::optional<Repartition> append(const LayerContext&, const AppendedPage&, LayerState& state) const {
+    ++state.partitions;
+    return std::nullopt;
+  }
+  void select(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, Selection& out) const {
+    out.reset(ctx.kv_heads);
+    for (auto& ids : out.partitions) {
+      for (PartitionId p = 0; p < state.partitions; ++p) ids.push_back(p);
+      if (state.bogus) ids.push_back(999);
+    }
+  }
+  std::uint32_t mandatory_pages(const LayerContext& ctx) const { return ctx.tokens / ctx.page_tokens + 1; }
+};
+
+}  // namespace
+
+TEST_CASE("Review: can_admit counts the CPU pages RetroInfer's clusters pad, so an admitted prompt prefills",
+          "[facade][errors]") {
+  constexpr ModelShape shape{1, 4, 1, 16, DType::f32};
+  for (const std::uint32_t pages : {40u, 70u, 140u}) {
+    Config c = small_config(shape, 32, 1100);
+    c.cpu_tier_bytes = pages * c.page_bytes(shape);
+    RuntimeManager manager(shape, c, make_policy("retroinfer", 64));
+    std::mt19937 rng(pages);
+    for (const std::uint32_t prompt : {100u, 500u, 1000u}) {
+      CAPTURE(pages, prompt);
+      const AdmissionAdvice advice = manager.can_admit(prompt, prompt + 100);
+      if (!advice.admit) continue;
+      const std::vector<float> k = normal_values(rng, 16 * prompt), v = normal_values(rng, 16 * prompt);
+      manager.add_request(prompt, prompt + 100);
+      manager.prefill(prompt, 0, k.data(), v.data(), prompt);  // admitted: must fit
+      manager.finish(prompt);
+    }
+  }
+  // The review's case: 40 CPU pages cannot hold a 1000-token prompt in 16-token clusters over 32-token pages.
+  Config c = small_config(shape, 32, 1100);
+  c.cpu_tier_bytes = 40 * c.page_bytes(shape);
+  const AdmissionAdvice advice = RuntimeManager(shape, c, make_policy("retroinfer", 64)).can_admit(1000, 1100);
+  REQUIRE_FALSE(advice.admit);
+  REQUIRE(advice.reason.find("CPU pages") != std::string::npos);
+}
+
+TEST_CASE("Review: partition hit and miss counts do not wrap at 32 bits", "[facade]") {
+  CacheStepStats total;
+  CacheStepStats step;
+  step.hit_partitions = std::numeric_limits<std::uint32_t>::max();
+  step.miss_partitions = std::numeric_limits<std::uint32_t>::max();
+  total += step;
+  total += step;
+  REQUIRE(total.hit_partitions == 2 * std::uint64_t{std::numeric_limits<std::uint32_t>::max()});
+  REQUIRE(total.miss_partitions == total.hit_partitions);
+}
+
+TEST_CASE("Review: a refused decode leaves the timing stats, a refused prefill the policy state, unchanged",
+          "[facade][errors]") {
+  constexpr ModelShape shape{1, 4, 1, 16, DType::f32};
+  std::mt19937 rng(3);
+  const std::vector<float> k = normal_values(rng, 16 * 64), v = normal_values(rng, 16 * 64), q = normal_values(rng, 64);
+  std::vector<float> out(2 * 64);
+  {
+    Manager<CarelessPolicy> manager(shape, small_config(shape, 8, 64), CarelessPolicy{});
+    manager.add_request(1, 64);
+    manager.add_request(2, 64);
+    manager.prefill(1, 0, k.data(), v.data(), 20);
+    manager.prefill(2, 0, k.data(), v.data(), CarelessPolicy::bogus_prompt);
+    const std::vector<float> qq = normal_values(rng, 2 * 64), kk = normal_values(rng, 2 * 16);
+    const ManagerStats before = manager.stats();
+    REQUIRE_SPARSEKV_ERROR(manager.decode(std::vector<RequestId>{1, 2}, 0, qq.data(), kk.data(), kk.data(), out.data()),
+                           ErrorCode::out_of_range);
+    REQUIRE(manager.stats().append_s == before.append_s);
+    REQUIRE(manager.stats().select_s == before.select_s);
+    REQUIRE(manager.stats().decode_steps == before.decode_steps);
+  }
+  {
+    // The CPU tier holds one 40-token prompt: the second request's prefill is refused until the first finishes.
+    Config c = small_config(shape, 8, 64);
+    c.cpu_tier_bytes = 5 * c.page_bytes(shape);
+    Manager<CarelessPolicy> manager(shape, c, CarelessPolicy{});
+    manager.add_request(1, 64);
+    manager.add_request(2, 64);
+    manager.prefill(1, 0, k.data(), v.data(), 40);
+    REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 0, k.data(), v.data(), 40), ErrorCode::resource_exhausted);
+    manager.finish(1);
+    manager.prefill(2, 0, k.data(), v.data(), 40);
+    // With the refused index kept, the policy would count 10 partitions and select ids that do not exist.
+    manager.decode(std::vector<RequestId>{2}, 0, q.data(), k.data(), v.data(), out.data());
+    REQUIRE(manager.retrieval(0).partitions.size() == 5);
+  }
+}
+
+TEST_CASE("Review: a policy that cannot serve the configuration is refused at construction", "[facade][errors]") {
+  constexpr ModelShape shape{1, 4, 1, 16, DType::f32};
+  // RetroInfer clusters of up to a whole 70000-token segment over 1-token pages: above 65536 pages per partition.
+  Config c = small_config(shape, 1, 70100);
+  RetroInferPolicy::Options o;
+  o.segment_tokens = 70000;
+  o.tokens_per_cluster = 70000;
+  REQUIRE_SPARSEKV_ERROR(RuntimeManager(shape, c, AnyPolicy(RetroInferPolicy(o))), ErrorCode::invalid_argument);
+  o.segment_tokens = 8192;  // the paper's segments and clusters fit
+  o.tokens_per_cluster = 16;
+  RuntimeManager fine(shape, c, AnyPolicy(RetroInferPolicy(o)));
+  // Quest's 16-token pages over 32-token KV pages: refused by the constructor, not by every later call.
+  REQUIRE_SPARSEKV_ERROR(RuntimeManager(shape, small_config(shape, 32, 64), make_policy("quest", 512)),
+                         ErrorCode::invalid_argument);
+}

@@ -115,14 +115,16 @@ std::optional<TieredKVBuffer::Refusal> TieredKVBuffer::refusal(const RequestBudg
   return std::nullopt;
 }
 
-AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget) const {
+AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget,
+                                          std::optional<std::uint32_t> prompt_pages_per_head) const {
   AdmissionAdvice a;
   const std::uint64_t slots = std::max(budget.buffer_pages, min_slots_per_head(budget));
   a.request_slot_free = table_.request_count() < table_.geometry().max_requests;
   a.gpu_pages_needed = heads() * (slots + 1);
   a.gpu_pages_free = gpu_pool_.available();
   for (const auto& [id, s] : requests_) a.gpu_pages_reclaimable += heads() * reclaimable_slots(s);
-  a.cpu_pages_needed = heads() * ((std::uint64_t{prompt_tokens} + config_.page_tokens - 1) / config_.page_tokens);
+  a.cpu_pages_needed =
+      heads() * prompt_pages_per_head.value_or((std::uint64_t{prompt_tokens} + config_.page_tokens - 1) / config_.page_tokens);
   a.cpu_pages_free = cpu_pool_.available();
   if (const std::optional<Refusal> r = refusal(budget)) {
     a.reason = r->message;

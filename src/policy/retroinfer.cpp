@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/metadata/page_table_entries.hpp"
 #include "sparsekv/policy/page_summaries.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 
@@ -757,6 +758,15 @@ std::uint32_t saturate(std::uint64_t x) {
 
 HeadCapacity RetroInferPolicy::head_capacity(const LayerContext& ctx) const {
   if (ctx.page_tokens == 0) fail(ErrorCode::invalid_argument, "retroinfer: page_tokens must be > 0");
+  // A cluster may gather a whole segment; its pages must fit one partition's
+  // page run, or a prefill (or a decode re-index, for good) would be refused.
+  const std::uint64_t cluster_tokens = std::min<std::uint64_t>(options_.segment_tokens, ctx.tokens);
+  if ((cluster_tokens + ctx.page_tokens - 1) / ctx.page_tokens > kMaxPagesPerPartition) {
+    fail(ErrorCode::invalid_argument,
+         "retroinfer: a cluster may hold a whole {}-token segment, more than the {} pages of {} tokens a partition "
+         "can span; lower segment_tokens or raise page_tokens",
+         cluster_tokens, kMaxPagesPerPartition, ctx.page_tokens);
+  }
   const HeadBound b = head_bound(options_, ctx.page_tokens, ctx.tokens);
   return {saturate(b.partitions), saturate(b.pages)};
 }

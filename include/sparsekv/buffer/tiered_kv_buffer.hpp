@@ -93,7 +93,7 @@ struct AdmissionAdvice {
   std::uint64_t gpu_pages_needed = 0;  // slots + one tail page per (layer, kv head)
   std::uint64_t gpu_pages_free = 0;
   std::uint64_t gpu_pages_reclaimable = 0;  // buffering pages above the other requests' minimum
-  std::uint64_t cpu_pages_needed = 0;       // the prompt in one-page partitions
+  std::uint64_t cpu_pages_needed = 0;       // the prompt's CPU pages over all (layer, kv head)
   std::uint64_t cpu_pages_free = 0;
 };
 
@@ -191,7 +191,11 @@ class TieredKVBuffer {
   // returns how many it freed (a multiple of layers x kv_heads).
   std::uint64_t reclaim(std::uint64_t gpu_pages);
 
-  AdmissionAdvice can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget) const;
+  // `prompt_pages_per_head`: the most CPU pages one (layer, kv head) of the
+  // prompt takes (a policy whose partitions pad their last page knows it);
+  // by default the prompt in one-page partitions.
+  AdmissionAdvice can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget,
+                            std::optional<std::uint32_t> prompt_pages_per_head = std::nullopt) const;
   // Pages of the partitions selected over the last working_set_window steps, summed over heads.
   std::uint64_t working_set_pages(RequestId request) const;
 

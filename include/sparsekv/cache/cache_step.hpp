@@ -9,8 +9,8 @@
 namespace sparsekv {
 
 struct CacheStepStats {
-  std::uint32_t hit_partitions = 0;
-  std::uint32_t miss_partitions = 0;
+  std::uint64_t hit_partitions = 0;  // 64-bit: summed over every step of a long run
+  std::uint64_t miss_partitions = 0;
   std::uint64_t hit_pages = 0;
   std::uint64_t miss_pages = 0;  // = pages moved CPU -> GPU this step
   std::uint64_t evicted_pages = 0;

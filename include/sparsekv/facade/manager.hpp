@@ -139,6 +139,7 @@ class Manager {
       : shape_(shape), config_(config), policy_(std::move(policy)), backend_(std::move(backend)) {
     if (!backend_) fail(ErrorCode::invalid_argument, "Manager: backend must not be null");
     config_.validate(shape_);  // before the policy sizes anything from it
+    budget(config_.max_context_tokens);  // a policy that cannot serve this shape or page size refuses here, not later
     buffer_ = std::make_unique<TieredKVBuffer>(shape, config, backend_->cpu_tier(), backend_->gpu_pages(),
                                                backend_->gpu_tables(), backend_->transfer(), head_capacity());
   }
@@ -162,7 +163,7 @@ class Manager {
       advice.reason = std::move(bad);
       return advice;
     }
-    AdmissionAdvice advice = buffer_->can_admit(prompt_tokens, budget(max_tokens));
+    AdmissionAdvice advice = buffer_->can_admit(prompt_tokens, budget(max_tokens), prompt_pages(prompt_tokens));
     if (advice.admit && prompt_tokens > max_tokens) {
       advice.admit = false;
       advice.reason = fmt::format("a {}-token prompt exceeds max_tokens {}", prompt_tokens, max_tokens);
@@ -200,9 +201,12 @@ class Manager {
     check_finite("prefill v", request, values_, 0);
     const auto t0 = Clock::now();
     const KvView view{keys_, values_, tokens, shape_.kv_heads, shape_.head_dim, 0};
-    std::vector<PartitionSpec> specs = policy_.index(context(layer, tokens), view, ls.policy);
+    // Indexed into a copy: a policy's state changes only if the offload succeeds.
+    typename Ops::State indexed = ls.policy;
+    std::vector<PartitionSpec> specs = policy_.index(context(layer, tokens), view, indexed);
     const auto t1 = Clock::now();
     buffer_->offload(request, layer, KvChunk{k, v, tokens, shape_.dtype}, specs);
+    ls.policy = std::move(indexed);
     stats_.index_s += seconds(t1 - t0);
     stats_.offload_s += seconds(Clock::now() - t1);
     ls.prefilled = true;
@@ -309,6 +313,17 @@ class Manager {
 
   static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape_.head_dim)); }
+
+  // The most CPU pages a `tokens`-token prompt takes in one (layer, kv head):
+  // the policy's bound when it declares one (clusters pad their last page),
+  // else none (one-page partitions). An upper bound: advice errs on refusing.
+  std::optional<std::uint32_t> prompt_pages(std::uint32_t tokens) const {
+    std::optional<std::uint32_t> most;
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      if (const auto c = Ops::head_capacity(policy_, context(l, tokens))) most = std::max(c->cpu_pages, most.value_or(0));
+    }
+    return most;
+  }
 
   std::string max_tokens_refusal(std::uint32_t max_tokens) const {
     if (max_tokens != 0 && max_tokens <= config_.max_context_tokens) return {};
@@ -445,7 +460,6 @@ class Manager {
     // attended, so whatever the policy and its budget select, the token takes
     // part. Selections are checked here too, so a bad one changes nothing.
     const auto t1 = Clock::now();
-    stats_.append_s += seconds(t1 - t0);
     selections_.resize(batch.size());
     extra_.clear();
     const bool custom = Ops::has_attend(policy_);
@@ -464,6 +478,8 @@ class Manager {
       buffer_->check_selection(id, layer, selections_[b].partitions);
     }
     const auto t2 = Clock::now();
+    // Nothing below refuses: the planning time is counted only for a step that commits.
+    stats_.append_s += seconds(t1 - t0);
     stats_.select_s += seconds(t2 - t1);
 
     // Commit: append, Retrieve, then (a full tail) the policy's page and regroup.
