@@ -77,20 +77,20 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     AppendSummaries s{kind, rows.data(), first.data(), second.data(), first.data(), score.data()};
     emulate(a, s, 7, Mutation::none);
 
-    // The kernel: inputs in device memory, CPU pages and the error word in mapped pinned memory.
+    // The kernel: inputs and the error word in device memory, CPU pages in mapped pinned memory.
     DeviceArray<std::byte> dq(q), dk(k), dv(v), dtier(tier_init);
     DeviceArray<float> dq_out(qn), dfirst(first), dsecond(second), dscore(std::vector<float>(items, -3.0f));
     check(cudaMemset(dq_out.data, 0, qn * sizeof(float)));
     DeviceArray<PageId> dtails(tails);
     DeviceArray<std::uint32_t> dslots(slots), drows(rows);
-    PinnedBytes cpu(items * page), word(sizeof(std::uint64_t));
+    PinnedBytes cpu(items * page);
     std::memset(cpu.data, 0x5A, items * page);
-    *word.as<std::uint64_t>() = kNoAppendError;
+    DeviceArray<std::uint64_t> word(std::vector<std::uint64_t>{kNoAppendError});
     std::vector<std::byte*> cpu_device(items);
     for (std::size_t i = 0; i < items; ++i) cpu_device[i] = cpu.data + i * page;
     DeviceArray<std::byte*> dcpu(cpu_device);
     DeviceAppend d{batch, q_heads, kv_heads, layout, dq.data, dk.data, dv.data, dq_out.data, dtier.data, page,
-                   dtails.data, dslots.data, dcpu.data, word.as<std::uint64_t>()};
+                   dtails.data, dslots.data, dcpu.data, word.data};
     AppendSummaries ds{kind, drows.data, dfirst.data, dsecond.data, dfirst.data, dscore.data};
     if (kind == AppendSummary::none && trial % 2 == 0) {
       append_tokens(d, stream.stream);  // the buffer layer's entry point
@@ -99,7 +99,7 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     }
     check(cudaStreamSynchronize(stream.stream));
 
-    CHECK(*word.as<std::uint64_t>() == error);
+    CHECK(word.download()[0] == error);
     CHECK(same_bits(dq_out.download(), q_out));
     CHECK(std::memcmp(dtier.download().data(), tier.data(), tier_init.size()) == 0);
     CHECK(std::memcmp(cpu.data, saved.data(), items * page) == 0);
@@ -115,12 +115,12 @@ TEST_CASE("append_tokens refuses bad arguments before enqueuing anything", "[app
   DeviceArray<float> q_out(4 * 64);
   DeviceArray<PageId> tails(std::vector<PageId>{0, 1});
   DeviceArray<std::uint32_t> slots(std::vector<std::uint32_t>{3}), rows(std::vector<std::uint32_t>{0, 1});
-  PinnedBytes cpu(2 * layout.page_bytes()), word(8);
-  *word.as<std::uint64_t>() = 12345;  // a launch would only lower it
+  PinnedBytes cpu(2 * layout.page_bytes());
+  DeviceArray<std::uint64_t> word(std::vector<std::uint64_t>{12345});  // a launch would only lower it
   DeviceArray<std::byte*> cpu_pages(std::vector<std::byte*>{cpu.data, cpu.data + layout.page_bytes()});
   DeviceArray<float> out(2 * 64);
   const DeviceAppend good{1, 4, 2, layout, q.data, kv.data, kv.data, q_out.data, tier.data, layout.page_bytes(),
-                          tails.data, slots.data, cpu_pages.data, word.as<std::uint64_t>()};
+                          tails.data, slots.data, cpu_pages.data, word.data};
   const auto refused = [&](DeviceAppend a, AppendSummaries s = {}) {
     CHECK(code_of([&] { append_tokens(a, s, nullptr); }) == ErrorCode::invalid_argument);
     if (s.kind == AppendSummary::none) CHECK(code_of([&] { append_tokens(a, nullptr); }) == ErrorCode::invalid_argument);
@@ -157,7 +157,7 @@ TEST_CASE("append_tokens refuses bad arguments before enqueuing anything", "[app
   a.layout.head_dim = 1024;
   refused(a, AppendSummaries{AppendSummary::shadowkv, rows.data, nullptr, nullptr, out.data, out.data});
   check(cudaDeviceSynchronize());
-  CHECK(*word.as<std::uint64_t>() == 12345);
+  CHECK(word.download()[0] == 12345);
   // batch 0 enqueues nothing, even with null tensors.
   DeviceAppend empty;
   empty.q_heads = empty.kv_heads = 1;

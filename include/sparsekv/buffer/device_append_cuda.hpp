@@ -15,12 +15,15 @@
 //     16-byte stores), so the save takes no host round trip; the policy-layer
 //     entry point (policy/append_summaries_cuda.hpp) also summarises it there.
 //
-// Error word: one uint64 in caller memory (mapped pinned host memory, so the
-// host reads it without a copy), set to kNoAppendError by the caller; every
-// bad value lowers it with atomicMin to its append_error_key, so after the
-// launch it holds the smallest key of the step -- the value the facade's host
-// check reports first -- however blocks were scheduled. The word is sticky
-// across launches until the caller resets it.
+// Error word: one uint64 in device memory, set to kNoAppendError by the
+// caller; every bad value lowers it with atomicMin to its append_error_key,
+// so after the launch it holds the smallest key of the step -- the value the
+// facade's host check reports first -- however blocks were scheduled. The
+// word is sticky across launches until the caller resets it. Device memory,
+// not mapped host memory: device atomics on host memory over PCIe are not
+// guaranteed atomic. The caller enqueues an 8-byte cudaMemcpyAsync of the
+// word into pinned memory after the step and reads that copy at its next
+// call, once the stream has passed it: no host sync on the step.
 //
 // TensorRT-LLM style: plain structs, caller-owned memory, work enqueued on
 // `stream` (a cudaStream_t; nullptr = the default stream), no allocation and
@@ -94,7 +97,7 @@ struct DeviceAppend {
   // [batch][kv_heads]: the CPU page reserved for (b, h)'s tail, 16-byte
   // aligned and device-accessible; read only for entries whose tail fills.
   std::byte* const* cpu_pages = nullptr;
-  std::uint64_t* error = nullptr;  // the error word
+  std::uint64_t* error = nullptr;  // the error word, device memory
 };
 
 // ---- per-thread steps, shared by the kernel and the host emulation ------------
