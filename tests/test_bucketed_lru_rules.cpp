@@ -11,7 +11,9 @@
 
 #include "bucketed_lru_test_data.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
+#include "deferred_backend.hpp"
 #include "sparsekv/cache/bucketed_lru_rules.hpp"
+#include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;
@@ -163,12 +165,10 @@ namespace {
 // (blocks), each phase's per-element work in a random order (threads run in
 // any order), cross-element order only through exclusive scans, eviction and
 // admission in tiles of `tile` slots.
-void emulate(HierarchicalPageTable& table, std::uint32_t buckets, const std::vector<std::size_t>& instances,
-             const std::vector<std::uint32_t>& selection_offsets, const std::vector<PartitionId>& selected_all,
-             const std::vector<std::uint32_t>& page_offsets, std::uint32_t tile, std::mt19937& rng,
-             LaunchOutput& out) {
-  const auto slots = table.gpu_page_view();
-  const PartitionLookup lookup = table.lookup();
+void emulate(const TwoLevelView<GpuPageEntry>& slots, const PartitionLookup& lookup, std::uint32_t buckets,
+             const std::vector<std::size_t>& instances, const std::vector<std::uint32_t>& selection_offsets,
+             const std::vector<PartitionId>& selected_all, const std::vector<std::uint32_t>& page_offsets,
+             std::uint32_t tile, std::mt19937& rng, LaunchOutput& out) {
   const auto& meta = lookup.meta;
   const std::uint8_t top = lru_top(buckets);
   const std::size_t heads = instances.size();
@@ -319,8 +319,8 @@ TEST_CASE("lru emulation: the kernel's decomposition reproduces BucketedLru::ste
         batch.add(lru, host_table, emu_table, h, random_selection(host_table, h, rng, hit_share));
       }
       LaunchOutput out;
-      emulate(emu_table, buckets, batch.instances, batch.selection_offsets, batch.selected_all, batch.page_offsets,
-              tile_choices[rng() % 4], rng, out);
+      emulate(emu_table.gpu_page_view(), emu_table.lookup(), buckets, batch.instances, batch.selection_offsets,
+              batch.selected_all, batch.page_offsets, tile_choices[rng() % 4], rng, out);
 
       INFO("seed " << seed << " step " << step << " buckets " << buckets);
       require_same_launch(out, batch, totals);
@@ -332,4 +332,76 @@ TEST_CASE("lru emulation: the kernel's decomposition reproduces BucketedLru::ste
   REQUIRE(totals.evicted > 1000);
   REQUIRE(totals.hits > 1000);
   REQUIRE(totals.misses > 1000);
+}
+
+TEST_CASE("lru emulation on a GpuTablesReplica: replicated tables stand in for the host's and come back intact",
+          "[lru-rules]") {
+  const std::uint32_t bucket_choices[] = {2, 8, 64, 256};
+  LruTotals totals;
+  std::uint64_t uploads_after_growth = 0;
+  for (std::uint32_t seed = 1; seed <= 8; ++seed) {
+    HostMemoryResource memory(false), replica_memory(false);
+    HierarchicalPageTable host_table(emulation_geometry(), memory, memory);
+    HierarchicalPageTable master(emulation_geometry(), memory, memory);
+    build_emulation_table(host_table, seed);
+    build_emulation_table(master, seed);
+    // Copies land only at synchronize(), as on a stream: the replica is read
+    // before its uploads complete only if the code forgets to order them.
+    test::DeferredTransfer transfer;
+    GpuTablesReplica replica(master, replica_memory, transfer);
+    const PageTableGeometry& g = master.geometry();
+    std::vector<Head> all;
+    std::vector<RequestId> requests;
+    for (RequestId r = 0; r < g.max_requests; ++r) {
+      requests.push_back(r * 10 + 3);
+      replica.upload(master, r * 10 + 3, transfer);
+      for (std::uint32_t l = 0; l < g.layers; ++l) {
+        for (std::uint32_t h = 0; h < g.kv_heads; ++h) all.push_back({r * 10 + 3, l, h});
+      }
+    }
+    std::mt19937 rng(seed * 104729);
+    const std::uint32_t buckets = bucket_choices[seed % 4];
+    BucketedLru lru(buckets);
+    PageId fresh = 1u << 24;  // GPU page ids no table uses yet
+    for (int step = 0; step < 30; ++step) {
+      std::vector<Head> heads = all;
+      std::shuffle(heads.begin(), heads.end(), rng);
+      heads.resize(1 + rng() % heads.size());
+      HostStepBatch batch;
+      for (const Head& h : heads) batch.add(lru, host_table, master, h, random_selection(host_table, h, rng, 0.6));
+      transfer.synchronize();  // the launch runs after the uploads on the same stream
+      LaunchOutput out;
+      emulate(replica.gpu_page_view(), replica.lookup(master), buckets, batch.instances, batch.selection_offsets,
+              batch.selected_all, batch.page_offsets, 1 + rng() % 64, rng, out);
+      INFO("seed " << seed << " step " << step);
+      require_same_launch(out, batch, totals);
+      if (step % 5 != 4) continue;
+      // Host bookkeeping: bring the kernel's writes back, compare, then grow a
+      // head's buffer on the master (new slots, new segments) and upload it.
+      const RequestId grown = requests[rng() % requests.size()];
+      replica.download(master, grown, transfer);
+      for (const Head& h : all) {
+        if (h.request == grown) require_same_head(host_table, master, h);
+      }
+      const Head h{grown, static_cast<std::uint32_t>(rng() % g.layers), static_cast<std::uint32_t>(rng() % g.kv_heads)};
+      const std::uint32_t slots = host_table.gpu_slots(h.request, h.layer, h.head);
+      const std::uint32_t more = std::min(1 + static_cast<std::uint32_t>(rng() % 40), g.max_gpu_pages_per_head - slots);
+      for (HierarchicalPageTable* t : {&host_table, &master}) {
+        t->resize_gpu_slots(h.request, h.layer, h.head, slots + more);
+        for (std::uint32_t s = slots; s < slots + more; ++s) {
+          t->set_gpu_entry(h.request, h.layer, h.head, s, {kInvalidPartition, fresh + s, 0, 0, 0});
+        }
+      }
+      fresh += 1u << 12;
+      replica.upload(master, grown, transfer);
+      uploads_after_growth += more > 0;
+    }
+    for (RequestId r : requests) replica.download(master, r, transfer);
+    require_same_tables(host_table, master, all);
+    master.validate();
+  }
+  REQUIRE(totals.hits > 500);
+  REQUIRE(totals.misses > 500);
+  REQUIRE(totals.evicted > 100);
+  REQUIRE(uploads_after_growth > 20);
 }

@@ -1,6 +1,7 @@
 // The bucketed-LRU kernel (Spin §5.3) against BucketedLru::step: two tables
 // built with the same calls, the host step on one (plain host memory), the
-// kernel on the other (pinned host memory read and written through UVA),
+// kernel on the other (pinned host memory read and written through UVA, or
+// its GPU-side tables replicated in device memory),
 // many consecutive multi-head steps; every GPU page entry, meta entry, output
 // page id, copy and stat must be identical after every step.
 #include <catch2/catch.hpp>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -16,7 +18,9 @@
 #include "gpu_support.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/cache/bucketed_lru_cuda.hpp"
+#include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
+#include "sparsekv/transfer/device_page_transfer.hpp"
 
 using namespace sparsekv;
 using namespace sparsekv::gpu_test;
@@ -96,16 +100,28 @@ TEST_CASE("bucketed_lru_step matches BucketedLru::step bit for bit", "[gpu][lru]
   LruTotals totals;
   std::uint64_t big_steps = 0;
   const std::uint32_t bucket_choices[] = {2, 3, 8, 64, 256};
+  DeviceMemoryResource device;
+  cuda::DevicePageTransfer transfer;
+  // Odd seeds: the kernel reads the tables in pinned memory through UVA; even
+  // seeds: the GPU-side tables replicated in device memory (Spin §5.2's tier
+  // split, GpuTablesReplica), brought back to the host table every step.
   for (std::uint32_t seed = 1; seed <= 5; ++seed) {
     const std::uint32_t buckets = bucket_choices[seed - 1];
     HierarchicalPageTable host_table(geometry(), plain, plain);
     HierarchicalPageTable gpu_table(geometry(), pinned, pinned);
     build(host_table, seed);
     build(gpu_table, seed);
+    std::optional<GpuTablesReplica> replica;
+    const RequestId requests[] = {7, kBigRequest, 3};
+    if (seed % 2 == 0) {
+      replica.emplace(gpu_table, device, transfer);
+      for (RequestId r : requests) replica->upload(gpu_table, r, transfer);
+      transfer.synchronize();
+    }
     BucketedLru lru(buckets);
     std::mt19937 rng(seed * 104729);
     std::vector<Head> all;
-    for (RequestId r : {RequestId{7}, kBigRequest, RequestId{3}}) {
+    for (RequestId r : requests) {
       for (std::uint32_t l = 0; l < 2; ++l) {
         for (std::uint32_t h = 0; h < 4; ++h) all.push_back({r, l, h});
       }
@@ -142,8 +158,14 @@ TEST_CASE("bucketed_lru_step matches BucketedLru::step bit for bit", "[gpu][lru]
       out.copy_cpu_pages = d_copy_cpu.reserve(page_offsets.back());
       out.copy_gpu_pages = d_copy_gpu.reserve(page_offsets.back());
       out.stats = d_stats.reserve(heads.size());
-      cuda::bucketed_lru_step(gpu_table.gpu_page_view(), gpu_table.lookup(), batch, out, buckets, nullptr);
-      check(cudaDeviceSynchronize());
+      if (replica) {
+        cuda::bucketed_lru_step(replica->gpu_page_view(), replica->lookup(gpu_table), batch, out, buckets, nullptr);
+        check(cudaDeviceSynchronize());
+        for (RequestId r : requests) replica->download(gpu_table, r, transfer);
+      } else {
+        cuda::bucketed_lru_step(gpu_table.gpu_page_view(), gpu_table.lookup(), batch, out, buckets, nullptr);
+        check(cudaDeviceSynchronize());
+      }
 
       INFO("seed " << seed << " step " << step << " buckets " << buckets << " heads " << heads.size());
       LaunchOutput got;

@@ -164,6 +164,10 @@ class HierarchicalPageTable {
     return {meta_.view(), offsets_.view(), cpu_pages_.view(), geometry_.page_tokens};
   }
   std::size_t instance(RequestId request, std::uint32_t layer, std::uint32_t head) const;
+  // The GPU-side tables themselves, for a replica in device memory
+  // (metadata/gpu_tables_replica.hpp).
+  const TwoLevelTable<MetaPartitionEntry>& meta_table() const noexcept { return meta_; }
+  const TwoLevelTable<GpuPageEntry>& gpu_page_table() const noexcept { return gpu_pages_; }
 
  private:
   std::uint32_t slot_of(RequestId request) const;

@@ -1,0 +1,123 @@
+#pragma once
+// TableReplica: a copy of a TwoLevelTable (Spin §5.4) in another memory, for
+// kernels that cannot reach the master: Spin §5.2 keeps the meta-partition
+// and GPU page tables in device memory, while the host keeps its own copy for
+// its bookkeeping. The replica has the master's geometry and segment
+// numbering, so directories are copied verbatim and a view of the replica
+// resolves every index to the replica's copy of the master's entry. Bytes
+// move through a PageTransfer (memcpy on the host backend, the backend's
+// stream on the device), so CI runs the same code the device path does.
+//
+// Who writes what: kernels write entries only, never directories or lengths.
+// The host changes the master (resize, new entries) and uploads the instance
+// before a launch reads it; it downloads an instance's entries before it
+// reads or changes what a kernel wrote there.
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "sparsekv/memory/memory_resource.hpp"
+#include "sparsekv/metadata/two_level_table.hpp"
+#include "sparsekv/transfer/page_transfer.hpp"
+
+namespace sparsekv {
+
+template <class Entry>
+class TableReplica {
+ public:
+  // Allocates the replica in `memory` and copies the master's whole
+  // directory (every instance's row and length) through `transfer`.
+  TableReplica(const TwoLevelTable<Entry>& master, MemoryResource& memory, PageTransfer& transfer)
+      : memory_(&memory),
+        instances_(instance_count(master)),
+        directory_length_(master.directory_length()),
+        directory_bytes_(master.directory_bytes()),
+        pool_bytes_(master.pool_bytes()),
+        segment_bytes_(master.pool().segment_bytes()) {
+    directory_ = static_cast<std::uint32_t*>(memory.allocate(directory_bytes_));
+    try {
+      segments_ = static_cast<Entry*>(memory.allocate(pool_bytes_));
+    } catch (...) {
+      memory.deallocate(directory_, directory_bytes_);
+      throw;
+    }
+    const TwoLevelView<Entry> m = master.view();
+    const PageMove whole{reinterpret_cast<const std::byte*>(m.directory), reinterpret_cast<std::byte*>(directory_)};
+    transfer.write({&whole, 1}, directory_bytes_);
+  }
+  ~TableReplica() {
+    memory_->deallocate(segments_, pool_bytes_);
+    memory_->deallocate(directory_, directory_bytes_);
+  }
+  TableReplica(const TableReplica&) = delete;
+  TableReplica& operator=(const TableReplica&) = delete;
+
+  // The view kernels index through: the master's layout in the replica's memory.
+  TwoLevelView<Entry> view() const noexcept {
+    return {directory_, lengths(), segments_, directory_length_, segment_shift()};
+  }
+
+  // Makes the replica's `instance` equal to the master's: directory row,
+  // length and every entry of its segments. Enqueued on `transfer`.
+  void upload(const TwoLevelTable<Entry>& master, std::size_t instance, PageTransfer& transfer) {
+    const TwoLevelView<Entry> m = master.view();
+    const PageMove row{reinterpret_cast<const std::byte*>(m.directory + instance * directory_length_),
+                       reinterpret_cast<std::byte*>(directory_ + instance * directory_length_)};
+    transfer.write({&row, 1}, std::size_t{directory_length_} * sizeof(std::uint32_t));
+    const PageMove length{reinterpret_cast<const std::byte*>(m.lengths + instance),
+                          reinterpret_cast<std::byte*>(lengths() + instance)};
+    transfer.write({&length, 1}, sizeof(std::uint32_t));
+    segment_moves(master, instance, true);
+    transfer.write(moves_, segment_bytes_);
+  }
+
+  // Copies the replica's entries of `instance` into the master, whose
+  // directory and length it mirrors. Enqueued on `transfer`: the master holds
+  // them once transfer.synchronize() returns (a sync on the device path, for
+  // the host's bookkeeping, off the step's path).
+  void download(const TwoLevelTable<Entry>& master, std::size_t instance, PageTransfer& transfer) {
+    segment_moves(master, instance, false);
+    transfer.save(moves_, segment_bytes_);
+  }
+
+ private:
+  static std::size_t instance_count(const TwoLevelTable<Entry>& master) {
+    return master.directory_bytes() / sizeof(std::uint32_t) / (std::size_t{master.directory_length()} + 1);
+  }
+  // Lengths follow the directory rows, as in the master.
+  std::uint32_t* lengths() const noexcept { return directory_ + instances_ * directory_length_; }
+  std::uint32_t segment_shift() const noexcept {
+    return static_cast<std::uint32_t>(std::countr_zero(segment_bytes_ / sizeof(Entry)));
+  }
+  // One move per segment the instance maps: master -> replica (`up`) or back.
+  // Segment numbers come from the master's directory (the host can read it;
+  // the replica's may be device memory): both tables number them alike.
+  void segment_moves(const TwoLevelTable<Entry>& master, std::size_t instance, bool up) {
+    auto* master_base = reinterpret_cast<std::byte*>(master.view().segments);
+    auto* replica_base = reinterpret_cast<std::byte*>(segments_);
+    moves_.clear();
+    const std::uint32_t used = master.segments_for(master.length(instance));
+    for (std::uint32_t s = 0; s < used; ++s) {
+      const std::size_t offset = std::size_t{master.directory_segment(instance, s)} * segment_bytes_;
+      std::byte* in_master = master_base + offset;
+      if (up) {
+        moves_.push_back({in_master, replica_base + offset});
+      } else {
+        moves_.push_back({replica_base + offset, in_master});
+      }
+    }
+  }
+
+  MemoryResource* memory_;
+  std::size_t instances_;
+  std::uint32_t directory_length_;
+  std::size_t directory_bytes_;
+  std::size_t pool_bytes_;
+  std::size_t segment_bytes_;
+  std::uint32_t* directory_ = nullptr;
+  Entry* segments_ = nullptr;
+  std::vector<PageMove> moves_;  // scratch
+};
+
+}  // namespace sparsekv
