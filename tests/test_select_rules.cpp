@@ -509,3 +509,34 @@ TEST_CASE("planted mutations of the decomposition are caught", "[select-rules]")
   CHECK(shadowkv_stops.differing > 0);
   CHECK(retro_ties.differing > 0);
 }
+
+TEST_CASE("the estimation rules fold like softmax_fold and skip empty sides", "[select-rules]") {
+  std::mt19937 rng(7);
+  const std::vector<float> v = random_values(4 * 16, rng, 3.0f);
+  AttentionPartial reference(16), rules(16);
+  const float scores[] = {0.5f, 2.0f, -1.0f, 2.0f};
+  const float weights[] = {3.0f, 1.0f, 40.0f, 0.0f};
+  for (int c = 0; c < 4; ++c) {
+    reference.add(scores[c], weights[c], v.data() + c * 16);
+    SoftmaxState s = rules.state();
+    const RescaleStep step = estimation_fold(s, scores[c], weights[c]);
+    rules.max = s.max;
+    rules.sum = s.sum;
+    for (std::uint32_t d = 0; d < 16; ++d) rules.acc[d] = estimation_rescale_add(rules.acc[d], step, v[c * 16 + d]);
+  }
+  CHECK(rules.max == reference.max);
+  CHECK(rules.sum == Approx(reference.sum).epsilon(1e-6));
+  for (std::uint32_t d = 0; d < 16; ++d) CHECK(rules.acc[d] == Approx(reference.acc[d]).epsilon(1e-5).margin(1e-6));
+  // The first fold takes the value alone: an empty side's accumulator is never multiplied.
+  SoftmaxState empty;
+  const RescaleStep first = estimation_fold(empty, 1.0f, 2.0f);
+  CHECK(first.acc_scale == 0.0f);
+  CHECK(estimation_rescale_add(std::numeric_limits<float>::infinity(), first, 3.0f) == 3.0f);
+  CHECK(empty.sum == 2.0f);
+  // -inf scores and non-positive weights add nothing.
+  SoftmaxState s = empty;
+  const RescaleStep none = estimation_fold(s, kMinusInf, 5.0f);
+  CHECK((s.max == empty.max && s.sum == empty.sum && none.acc_scale == 1.0f && none.value_weight == 0.0f));
+  CHECK(retroinfer_zone_count(0.018f, 0.232f, 1000) == 250);
+  CHECK(retroinfer_zone_count(0.3f, 0.7f, 7) == 7);
+}
