@@ -2,7 +2,8 @@
 // Random Select inputs shared by the Select rules tests (test_select_rules.cpp)
 // and the select kernels' GPU tests (gpu/test_select_cuda.cpp): policy layer
 // states with planted ties, and their rows in the kernels' CSR layout
-// (policy/select_cuda.hpp), built from the same states the host policies see.
+// (policy/select_cuda.hpp), built from the same states the host policies see;
+// RetroInfer's estimation terms as the host policy's attend() gives them.
 #include <algorithm>
 #include <cstdint>
 #include <random>
@@ -100,7 +101,8 @@ inline SelectRequest<ShadowKVPolicy::LayerState> shadowkv_request(const LayerCon
 }
 
 // A wave index per kv head: an optional sink (id 0), `clusters` clusters of
-// 1..40 tokens, `recent` one-page recent partitions; ids 0.. in that order.
+// 1..40 tokens, `recent` one-page recent partitions; ids 0.. in that order;
+// random value sums.
 inline SelectRequest<RetroInferPolicy::LayerState> retroinfer_request(const LayerContext& ctx,
                                                                       std::uint32_t clusters, std::uint32_t recent,
                                                                       std::uint32_t window, std::mt19937& rng) {
@@ -120,6 +122,8 @@ inline SelectRequest<RetroInferPolicy::LayerState> retroinfer_request(const Laye
     plant_ties(head.centroids, clusters, ctx.head_dim, rng);
     for (std::uint32_t i = 0; i < recent; ++i) head.recent.push_back({id++, static_cast<std::uint32_t>(1 + rng() % ctx.page_tokens)});
     head.recent_centroids = random_values(std::size_t{recent} * ctx.head_dim, rng, 0.5f);
+    head.value_sums = random_values(std::size_t{clusters} * ctx.head_dim, rng, 8.0f);
+    head.recent_value_sums = random_values(std::size_t{recent} * ctx.head_dim, rng, 8.0f);
     head.partitions = id;
     head.tokens = head.sink.tokens;
     for (const auto& g : head.clusters) head.tokens += g.tokens;
@@ -131,7 +135,8 @@ inline SelectRequest<RetroInferPolicy::LayerState> retroinfer_request(const Laye
 
 // The rows of a batch in the kernels' CSR layout (policy/select_cuda.hpp):
 // per candidate its tokens, id and summaries (`a`: Quest min, ShadowKV
-// landmark, RetroInfer centroid; `b`: Quest max, ShadowKV outlier score).
+// landmark, RetroInfer centroid; `b`: Quest max, ShadowKV outlier score,
+// RetroInfer value sum).
 struct HostRows {
   std::uint32_t kv_heads = 0, group = 0, head_dim = 0, max_row = 0;
   std::vector<std::uint32_t> offsets{0}, tokens;
@@ -208,6 +213,8 @@ inline HostRows retroinfer_rows(const LayerContext& ctx,
       }
       rows.a.insert(rows.a.end(), head.centroids.begin(), head.centroids.end());
       rows.a.insert(rows.a.end(), head.recent_centroids.begin(), head.recent_centroids.end());
+      rows.b.insert(rows.b.end(), head.value_sums.begin(), head.value_sums.end());
+      rows.b.insert(rows.b.end(), head.recent_value_sums.begin(), head.recent_value_sums.end());
       rows.sink_partitions.push_back(head.sink.id);
       rows.sink_tokens.push_back(head.sink.tokens);
       rows.recent.push_back(static_cast<std::uint32_t>(head.recent.size()));
@@ -226,6 +233,21 @@ std::vector<std::vector<PartitionId>> host_select(const Policy& policy, const La
     Selection s;
     policy.select(ctx, DecodeQuery{req.q, 0}, req.state, s);
     out.insert(out.end(), s.partitions.begin(), s.partitions.end());
+  }
+  return out;
+}
+
+// RetroInferPolicy::attend's terms of a batch on its own selections, one per
+// q head of each request: [request][q head] = row * group + j.
+inline std::vector<AttentionPartial> host_estimate(const RetroInferPolicy& policy, const LayerContext& ctx,
+                                                   const std::vector<SelectRequest<RetroInferPolicy::LayerState>>& batch) {
+  std::vector<AttentionPartial> out;
+  for (const auto& req : batch) {
+    Selection s;
+    policy.select(ctx, DecodeQuery{req.q, 0}, req.state, s);
+    std::vector<AttentionPartial> extra(ctx.q_heads);
+    policy.attend(ctx, DecodeQuery{req.q, 0}, req.state, s, extra);
+    out.insert(out.end(), extra.begin(), extra.end());
   }
   return out;
 }

@@ -6,7 +6,10 @@
 // The emulation must equal the host policies' select bit for bit over random
 // batches with planted ties, budgets below one partition, covering budgets,
 // GQA groups 1..8 and rows longer than a tile; planted mutations (ties to the
-// higher index, a skip that stops the fill) must be caught.
+// higher index, a skip that stops the fill) must be caught. The same for
+// RetroInfer's estimate kernel against RetroInferPolicy::attend: every max,
+// sum and accumulator element bit for bit; planted mutations (retrieved
+// clusters estimated too, the zone folded in candidate order) caught.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -37,6 +40,8 @@ struct Emulation {
   std::uint32_t tile = cuda::kSelectTile;
   bool ties_to_higher = false;  // mutation: ties rank the higher index first
   bool skip_stops = false;      // mutation: a candidate that does not fit ends the fill
+  bool estimate_retrieved = false;  // mutation: the estimate ignores the selection
+  bool candidate_order = false;     // mutation: the estimate folds its zone in candidate order
 };
 
 std::uint64_t key_of(const Emulation& e, float score, std::uint32_t i) {
@@ -198,9 +203,44 @@ std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostRows& ro
   return emulated_sorted(e, chosen);
 }
 
+// retroinfer_rank: per q head g the logits of the candidates [0, m) (kept in
+// logits[g * m ..]), a strided block max, the warp-0 double lane sum, the
+// shares summed over the group into scores.
+void emulated_retroinfer_rank(const HostRows& rows, std::uint32_t r, std::uint32_t m, std::vector<float>& logits,
+                              std::vector<float>& scores) {
+  const std::uint32_t first = rows.offsets[r], dim = rows.head_dim;
+  const float scale = logit_scale(dim);
+  const auto all = [](std::uint32_t) { return true; };
+  logits.assign(std::size_t{rows.group} * m, 0.0f);
+  scores.assign(m, 0.0f);
+  for (std::uint32_t g = 0; g < rows.group; ++g) {
+    const float* qh = row_q(rows, r) + std::size_t{g} * dim;
+    float* s = logits.data() + std::size_t{g} * m;
+    for (std::uint32_t i = 0; i < m; ++i) {
+      s[i] = retroinfer_logit(qh, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale);
+    }
+    const float top = emulated_max(m, [&](std::uint32_t i) { return s[i]; }, all);
+    const double sum = emulated_lane_sum<double>(
+        m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(s[i], -top))); }, all);
+    const float inverse = retroinfer_inverse_sum(sum);
+    for (std::uint32_t i = 0; i < m; ++i) {
+      scores[i] = add_rn(g == 0 ? 0.0f : scores[i], retroinfer_share(s[i], top, inverse));
+    }
+  }
+}
+
+SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, const cuda::RetroInferSelect& retro,
+                                std::uint32_t window_tokens) {
+  const std::uint32_t* tokens = rows.tokens.data() + rows.offsets[r];
+  const std::uint32_t recent = rows.recent[r], older = rows.row_size(r) - recent;
+  return steady_zone(
+      recent, [&](std::uint32_t i) { return tokens[older + i]; }, rows.sink_tokens[r], window_tokens,
+      retro.budget_tokens);
+}
+
 std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const HostRows& rows, std::uint32_t r,
                                             const cuda::RetroInferSelect& retro, std::uint32_t window_tokens) {
-  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r), dim = rows.head_dim;
+  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r);
   const std::uint32_t* tokens = rows.tokens.data() + first;
   const std::uint32_t sink_tokens = rows.sink_tokens[r];
   if (retro.budget_tokens >= row_total(rows, r) + sink_tokens) {
@@ -210,36 +250,67 @@ std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const HostRows& 
     all.insert(all.end(), rest.begin(), rest.end());
     return all;
   }
-  const std::uint32_t recent = rows.recent[r], older = n - recent;
-  const SteadyZone steady = steady_zone(
-      recent, [&](std::uint32_t i) { return tokens[older + i]; }, sink_tokens, window_tokens, retro.budget_tokens);
+  const SteadyZone steady = emulated_steady_zone(rows, r, retro, window_tokens);
   std::vector<PartitionId> chosen;
   if (steady.sink) chosen.push_back(rows.sink_partitions[r]);
   for (std::uint32_t i = n - steady.window_parts; i < n; ++i) chosen.push_back(rows.partitions[first + i]);
   const std::uint32_t m = n - steady.window_parts;
   if (m > 0) {
-    const float scale = logit_scale(dim);
-    std::vector<float> scores(m), scratch(m);
-    const auto all = [](std::uint32_t) { return true; };
-    for (std::uint32_t g = 0; g < rows.group; ++g) {
-      const float* qh = row_q(rows, r) + std::size_t{g} * dim;
-      for (std::uint32_t i = 0; i < m; ++i) {
-        scratch[i] = retroinfer_logit(qh, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale);
-      }
-      const float top = emulated_max(m, [&](std::uint32_t i) { return scratch[i]; }, all);
-      const double sum = emulated_lane_sum<double>(
-          m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(scratch[i], -top))); }, all);
-      const float inverse = retroinfer_inverse_sum(sum);
-      for (std::uint32_t i = 0; i < m; ++i) {
-        scores[i] = add_rn(g == 0 ? 0.0f : scores[i], retroinfer_share(scratch[i], top, inverse));
-      }
-    }
+    std::vector<float> logits, scores;
+    emulated_retroinfer_rank(rows, r, m, logits, scores);
     BreakFill fill{steady.tokens, retro.budget_tokens, fraction_count(retro.retrieval_fraction, m)};
     emulated_ranked_fill(
-        e, m, tokens, fill, [&](std::uint32_t i) { return scores[i]; }, all,
+        e, m, tokens, fill, [&](std::uint32_t i) { return scores[i]; }, [](std::uint32_t) { return true; },
         [&](std::uint32_t i) { chosen.push_back(rows.partitions[first + i]); });
   }
   return emulated_sorted(e, chosen);
+}
+
+// retroinfer_estimate_kernel for row r: the rank, the selection's candidates
+// marked, thread 0's zone list in rank order, then each (q head, dimension)
+// thread's fold over the list. Returns the row's group of terms.
+std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const HostRows& rows, std::uint32_t r,
+                                               const cuda::RetroInferSelect& retro,
+                                               const cuda::RetroInferEstimate& estimate, std::uint32_t window_tokens,
+                                               const std::vector<PartitionId>& selection) {
+  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r), dim = rows.head_dim;
+  const std::uint32_t* tokens = rows.tokens.data() + first;
+  std::vector<AttentionPartial> terms(rows.group, AttentionPartial(dim));
+  const bool covered = retro.budget_tokens >= row_total(rows, r) + rows.sink_tokens[r];
+  if (!estimate.estimation || covered) return terms;
+  const std::uint32_t m = n - emulated_steady_zone(rows, r, retro, window_tokens).window_parts;
+  if (m == 0) return terms;
+  std::vector<float> logits, scores;
+  emulated_retroinfer_rank(rows, r, m, logits, scores);
+  std::vector<char> taken(m);
+  for (std::uint32_t i = 0; i < m; ++i) {
+    taken[i] = !e.estimate_retrieved &&
+               std::binary_search(selection.begin(), selection.end(), rows.partitions[first + i]);
+  }
+  std::vector<std::uint32_t> members;
+  BreakFill zone{0, std::numeric_limits<std::uint32_t>::max(),
+                 retroinfer_zone_count(retro.retrieval_fraction, estimate.estimation_fraction, m)};
+  emulated_ranked_fill(
+      e, m, tokens, zone, [&](std::uint32_t i) { return scores[i]; }, [](std::uint32_t) { return true; },
+      [&](std::uint32_t i) {
+        if (!taken[i]) members.push_back(i);
+      });
+  if (e.candidate_order) std::sort(members.begin(), members.end());
+  for (std::uint32_t p = 0; p < rows.group * dim; ++p) {
+    const std::uint32_t g = p / dim, d = p % dim;
+    SoftmaxState state;
+    float acc = 0.0f;
+    for (const std::uint32_t i : members) {
+      const RescaleStep step = estimation_fold(state, logits[std::size_t{g} * m + i], static_cast<float>(tokens[i]));
+      acc = estimation_rescale_add(acc, step, rows.b[(std::size_t{first} + i) * dim + d]);
+    }
+    terms[g].acc[d] = acc;
+    if (d == 0) {
+      terms[g].max = state.max;
+      terms[g].sum = state.sum;
+    }
+  }
+  return terms;
 }
 
 // ---- sweeps: emulation against the host policies ------------------------------------
@@ -338,6 +409,69 @@ Sweep retroinfer_sweep(const Emulation& e, std::uint32_t seed) {
             const cuda::RetroInferSelect retro{nullptr, nullptr, nullptr, nullptr, budget, window, fraction};
             for (std::uint32_t r = 0; r < rows.rows(); ++r) {
               sweep.compare(emulate_retroinfer(e, rows, r, retro, window), want[r]);
+            }
+          }
+        }
+      }
+    }
+  }
+  return sweep;
+}
+
+// Rows of estimation terms that differ from the host's in any bit, and how
+// many terms were not empty.
+struct EstimateSweep {
+  std::uint32_t rows = 0, differing = 0, terms = 0, nonempty = 0;
+};
+
+bool same_term(const AttentionPartial& a, const AttentionPartial& b) {
+  return same_bits(a.max, b.max) && same_bits(a.sum, b.sum) && same_bits(a.acc, b.acc);
+}
+
+// RetroInfer rows with budgets from 1 token to covering, zones from the
+// default split to everything, estimation on and off.
+EstimateSweep estimate_sweep(const Emulation& e, std::uint32_t seed) {
+  struct Zones {
+    float retrieval, estimation;
+  };
+  constexpr Zones kZones[] = {{0.018f, 0.232f}, {0.3f, 0.7f}, {0.0f, 1.0f}};
+  std::mt19937 rng(seed);
+  EstimateSweep sweep;
+  for (const std::uint32_t group : kGroups) {
+    for (const std::uint32_t clusters : {0u, 7u, 300u, 2400u}) {
+      for (const std::uint32_t recent : {0u, 3u, 12u}) {
+        const LayerContext ctx = layer_context(2, group == 8 ? 12 : 36, 8, group);
+        const std::uint32_t window = recent == 3 ? 16 : 64;
+        std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
+        for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, recent, window, rng));
+        const HostRows rows = retroinfer_rows(ctx, batch);
+        const std::uint32_t total = std::max(1u, batch[0].state.heads[0].tokens);
+        for (const std::uint32_t budget : {1u, 40u, 300u, 2048u, total}) {
+          for (const Zones zones : kZones) {
+            for (const bool estimation : {true, false}) {
+              if (!estimation && zones.retrieval != kZones[0].retrieval) continue;
+              RetroInferPolicy::Options options;
+              options.budget_tokens = budget;
+              options.retrieval_fraction = zones.retrieval;
+              options.estimation_fraction = zones.estimation;
+              options.estimation = estimation;
+              const RetroInferPolicy policy(options);
+              const auto selections = host_select(policy, ctx, batch);
+              const auto want = host_estimate(policy, ctx, batch);
+              const cuda::RetroInferSelect retro{nullptr, nullptr, nullptr, nullptr, budget, window, zones.retrieval};
+              const cuda::RetroInferEstimate estimate{nullptr, nullptr, nullptr, 0, zones.estimation, estimation};
+              for (std::uint32_t r = 0; r < rows.rows(); ++r) {
+                const auto got = emulate_estimate(e, rows, r, retro, estimate, window, selections[r]);
+                bool same = true;
+                for (std::uint32_t j = 0; j < group; ++j) {
+                  const AttentionPartial& host = want[std::size_t{r} * group + j];
+                  same = same && same_term(got[j], host);
+                  ++sweep.terms;
+                  if (!host.empty()) ++sweep.nonempty;
+                }
+                ++sweep.rows;
+                if (!same) ++sweep.differing;
+              }
             }
           }
         }
@@ -508,4 +642,61 @@ TEST_CASE("planted mutations of the decomposition are caught", "[select-rules]")
   CHECK(shadowkv_ties.differing > 0);
   CHECK(shadowkv_stops.differing > 0);
   CHECK(retro_ties.differing > 0);
+}
+
+TEST_CASE("the estimation rules fold like softmax_fold and skip empty sides", "[select-rules]") {
+  std::mt19937 rng(7);
+  const std::vector<float> v = random_values(4 * 16, rng, 3.0f);
+  AttentionPartial reference(16), rules(16);
+  const float scores[] = {0.5f, 2.0f, -1.0f, 2.0f};
+  const float weights[] = {3.0f, 1.0f, 40.0f, 0.0f};
+  for (int c = 0; c < 4; ++c) {
+    reference.add(scores[c], weights[c], v.data() + c * 16);
+    SoftmaxState s = rules.state();
+    const RescaleStep step = estimation_fold(s, scores[c], weights[c]);
+    rules.max = s.max;
+    rules.sum = s.sum;
+    for (std::uint32_t d = 0; d < 16; ++d) rules.acc[d] = estimation_rescale_add(rules.acc[d], step, v[c * 16 + d]);
+  }
+  CHECK(rules.max == reference.max);
+  CHECK(rules.sum == Approx(reference.sum).epsilon(1e-6));
+  for (std::uint32_t d = 0; d < 16; ++d) CHECK(rules.acc[d] == Approx(reference.acc[d]).epsilon(1e-5).margin(1e-6));
+  // The first fold takes the value alone: an empty side's accumulator is never multiplied.
+  SoftmaxState empty;
+  const RescaleStep first = estimation_fold(empty, 1.0f, 2.0f);
+  CHECK(first.acc_scale == 0.0f);
+  CHECK(estimation_rescale_add(std::numeric_limits<float>::infinity(), first, 3.0f) == 3.0f);
+  CHECK(empty.sum == 2.0f);
+  // -inf scores and non-positive weights add nothing.
+  SoftmaxState s = empty;
+  const RescaleStep none = estimation_fold(s, kMinusInf, 5.0f);
+  CHECK((s.max == empty.max && s.sum == empty.sum && none.acc_scale == 1.0f && none.value_weight == 0.0f));
+  CHECK(retroinfer_zone_count(0.018f, 0.232f, 1000) == 250);
+  CHECK(retroinfer_zone_count(0.3f, 0.7f, 7) == 7);
+}
+
+TEST_CASE("the estimate kernel's decomposition equals RetroInferPolicy::attend", "[select-rules]") {
+  for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
+    Emulation e;
+    e.tile = tile;
+    const EstimateSweep sweep = estimate_sweep(e, 34);
+    CAPTURE(tile, sweep.rows, sweep.terms, sweep.nonempty);
+    CHECK(sweep.differing == 0);
+    CHECK(sweep.nonempty > sweep.terms / 4);
+    CHECK(sweep.nonempty < sweep.terms);
+  }
+}
+
+TEST_CASE("planted mutations of the estimate's decomposition are caught", "[select-rules]") {
+  Emulation retrieved;
+  retrieved.estimate_retrieved = true;
+  Emulation order;
+  order.candidate_order = true;
+  Emulation ties;
+  ties.ties_to_higher = true;
+  const EstimateSweep a = estimate_sweep(retrieved, 34), b = estimate_sweep(order, 34), c = estimate_sweep(ties, 34);
+  CAPTURE(a.differing, b.differing, c.differing, a.rows);
+  CHECK(a.differing > 0);
+  CHECK(b.differing > 0);
+  CHECK(c.differing > 0);
 }

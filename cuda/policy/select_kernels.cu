@@ -5,8 +5,11 @@
 // (warp 0, strided, then a __shfl_down tree); the ranked list is produced in
 // rounds of kSelectTile keys (a radix-select threshold pass when more keys
 // are left, then cub::BlockRadixSort) and consumed by thread 0 with the
-// policy's greedy fill. tests/test_select_rules.cpp emulates this
-// decomposition on the host against the host policies.
+// policy's greedy fill. RetroInfer's estimate kernel ranks the same way,
+// thread 0 lists the estimation zone in rank order, and each thread folds
+// one (q head, dimension) pair over the list in that order. tests/
+// test_select_rules.cpp emulates this decomposition on the host against the
+// host policies.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_radix_sort.cuh>
@@ -40,8 +43,10 @@ using IdSort = cub::BlockRadixSort<std::uint32_t, kThreads, kItems>;
 using MaxReduce = cub::BlockReduce<float, kThreads>;
 using CountReduce = cub::BlockReduce<std::uint64_t, kThreads>;
 
-// The workspace: per candidate a score, a scratch float and a taken flag;
-// per candidate plus one per row (RetroInfer's sink) a chosen id.
+// The workspace: per candidate a score, `logits` scratch floats (Select
+// reuses one per candidate for every q head; the estimate keeps the group's,
+// [group][candidates]) and a taken flag; per candidate plus one per row
+// (RetroInfer's sink) a chosen id.
 constexpr std::size_t kAlign = 256;
 constexpr std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 struct Workspace {
@@ -50,17 +55,18 @@ struct Workspace {
   std::uint8_t* taken;
   std::uint32_t* ids;
 };
-std::size_t workspace_bytes(std::uint32_t candidates, std::uint32_t rows) {
-  return 2 * aligned(std::size_t{candidates} * sizeof(float)) + aligned(candidates) +
+std::size_t workspace_bytes(std::uint32_t candidates, std::uint32_t rows, std::uint32_t logits) {
+  return aligned(std::size_t{candidates} * sizeof(float)) +
+         aligned(std::size_t{candidates} * logits * sizeof(float)) + aligned(candidates) +
          aligned((std::size_t{candidates} + rows) * sizeof(std::uint32_t));
 }
-Workspace carve(void* base, std::uint32_t candidates) {
+Workspace carve(void* base, std::uint32_t candidates, std::uint32_t logits) {
   auto* p = static_cast<std::byte*>(base);
   Workspace w;
   w.scores = reinterpret_cast<float*>(p);
   p += aligned(std::size_t{candidates} * sizeof(float));
   w.scratch = reinterpret_cast<float*>(p);
-  p += aligned(std::size_t{candidates} * sizeof(float));
+  p += aligned(std::size_t{candidates} * logits * sizeof(float));
   w.taken = reinterpret_cast<std::uint8_t*>(p);
   p += aligned(candidates);
   w.ids = reinterpret_cast<std::uint32_t*>(p);
@@ -350,6 +356,42 @@ __global__ void __launch_bounds__(kThreads)
   write_sorted(s, row, out);
 }
 
+// The steady zone of a RetroInfer row (thread 0; RetroInferPolicy's head_steady_zone).
+__device__ SteadyZone row_steady_zone(const Row& row, const RetroInferSelect& retro, std::uint32_t sink_tokens) {
+  const std::uint32_t recent = retro.recent[row.index];
+  const std::uint32_t older = row.n - recent;
+  return steady_zone(
+      recent, [&](std::uint32_t i) { return row.tokens[older + i]; }, sink_tokens, retro.window_tokens,
+      retro.budget_tokens);
+}
+
+// RetroInferPolicy's score() over the candidates [0, m): q head g's logits at
+// row.scratch + g * stride (stride 0: one row reused), their block max and
+// lane-ordered double sum, the shares summed over the group into row.scores.
+__device__ void retroinfer_rank(Shared& s, const Row& row, const SelectRows& rows, const float* centroids,
+                                std::uint32_t m, std::size_t stride) {
+  const float scale = logit_scale(rows.head_dim);
+  for (std::uint32_t g = 0; g < rows.group; ++g) {
+    const float* qh = row.q + static_cast<std::size_t>(g) * rows.head_dim;
+    float* logits = row.scratch + g * stride;
+    float top = kMinusInf;
+    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
+      const float* centroid = centroids + (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
+      logits[i] = retroinfer_logit(qh, centroid, rows.head_dim, scale);
+      top = fold_max_score(top, logits[i]);
+    }
+    top = block_max(s, top);
+    const double sum = block_lane_sum<double>(
+        s, m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(logits[i], -top))); },
+        [](std::uint32_t) { return true; });
+    const float inverse = retroinfer_inverse_sum(sum);
+    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
+      row.scores[i] = add_rn(g == 0 ? 0.0f : row.scores[i], retroinfer_share(logits[i], top, inverse));
+    }
+    __syncthreads();
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     retroinfer_select_kernel(SelectRows rows, RetroInferSelect retro, SelectOutput out, Workspace w) {
   __shared__ Shared s;
@@ -363,12 +405,8 @@ __global__ void __launch_bounds__(kThreads)
     write_all(row, out, sink_tokens, sink);
     return;
   }
-  const std::uint32_t recent = retro.recent[row.index];
   if (threadIdx.x == 0) {
-    const std::uint32_t older = row.n - recent;
-    const SteadyZone steady = steady_zone(
-        recent, [&](std::uint32_t i) { return row.tokens[older + i]; }, sink_tokens, retro.window_tokens,
-        retro.budget_tokens);
+    const SteadyZone steady = row_steady_zone(row, retro, sink_tokens);
     s.chosen = 0;
     if (steady.sink) choose(s, row, sink);
     for (std::uint32_t i = row.n - steady.window_parts; i < row.n; ++i) choose(s, row, row.partitions[i]);
@@ -378,31 +416,88 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const std::uint32_t m = row.n - window_parts;
   if (m > 0) {
-    const float scale = logit_scale(rows.head_dim);
-    for (std::uint32_t g = 0; g < rows.group; ++g) {
-      const float* qh = row.q + static_cast<std::size_t>(g) * rows.head_dim;
-      float top = kMinusInf;
-      for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
-        const float* centroid = retro.centroids + (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
-        row.scratch[i] = retroinfer_logit(qh, centroid, rows.head_dim, scale);
-        top = fold_max_score(top, row.scratch[i]);
-      }
-      top = block_max(s, top);
-      const double sum = block_lane_sum<double>(
-          s, m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(row.scratch[i], -top))); },
-          [](std::uint32_t) { return true; });
-      const float inverse = retroinfer_inverse_sum(sum);
-      for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
-        row.scores[i] = add_rn(g == 0 ? 0.0f : row.scores[i], retroinfer_share(row.scratch[i], top, inverse));
-      }
-      __syncthreads();
-    }
+    retroinfer_rank(s, row, rows, retro.centroids, m, 0);
     BreakFill fill{steady_tokens, retro.budget_tokens, fraction_count(retro.retrieval_fraction, m)};
     block_ranked_fill(
         s, row, fill, [&](std::uint32_t i) { return row.scores[i]; }, [&](std::uint32_t i) { return i < m; },
         [&](std::uint32_t i) { choose(s, row, row.partitions[i]); });
   }
   write_sorted(s, row, out);
+}
+
+// Whether the ascending ids[0, count) hold id (binary search, as attend()'s).
+__device__ bool holds(const PartitionId* ids, std::uint32_t count, PartitionId id) {
+  std::uint32_t lo = 0, hi = count;
+  while (lo < hi) {
+    const std::uint32_t mid = (lo + hi) / 2;
+    if (ids[mid] < id) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo < count && ids[lo] == id;
+}
+
+// RetroInferPolicy::attend for one row: the rank of retroinfer_select (every
+// q head's logits kept), candidates in the selection marked taken, thread 0
+// lists the untaken among the first retroinfer_zone_count ranked in rank
+// order (row.ids), then thread p folds q head p / head_dim, dimension
+// p % head_dim over that list in order: each thread recomputes its head's
+// (max, sum) chain, so every add happens in attend()'s order.
+__global__ void __launch_bounds__(kThreads)
+    retroinfer_estimate_kernel(SelectRows rows, RetroInferSelect retro, RetroInferEstimate estimate,
+                               EstimateOutput out, Workspace w) {
+  __shared__ Shared s;
+  __shared__ std::uint32_t window_parts;
+  const Row row = row_view(rows, w);
+  const std::uint32_t sink_tokens = retro.sink_tokens[row.index];
+  const bool covered = retro.budget_tokens >= row_tokens(s, row) + sink_tokens;
+  const bool estimated = estimate.estimation && !covered;
+  if (threadIdx.x == 0) {
+    s.chosen = 0;
+    window_parts = estimated ? row_steady_zone(row, retro, sink_tokens).window_parts : row.n;
+  }
+  __syncthreads();
+  const std::uint32_t m = row.n - window_parts;
+  const std::size_t stride = rows.candidates;
+  if (m > 0) {
+    retroinfer_rank(s, row, rows, retro.centroids, m, stride);
+    const PartitionId* selected = estimate.selected + static_cast<std::size_t>(row.index) * estimate.max_selected;
+    const std::uint32_t count = min(estimate.selected_count[row.index], estimate.max_selected);
+    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
+      row.taken[i] = holds(selected, count, row.partitions[i]) ? 1 : 0;
+    }
+    __syncthreads();
+    BreakFill zone{0, std::numeric_limits<std::uint32_t>::max(),
+                   retroinfer_zone_count(retro.retrieval_fraction, estimate.estimation_fraction, m)};
+    block_ranked_fill(
+        s, row, zone, [&](std::uint32_t i) { return row.scores[i]; }, [&](std::uint32_t i) { return i < m; },
+        [&](std::uint32_t i) {
+          if (row.taken[i] == 0) row.ids[s.chosen++] = i;
+        });
+  }
+  const std::uint32_t members = s.chosen;
+  const std::uint32_t dim = rows.head_dim;
+  const std::size_t head0 = static_cast<std::size_t>(row.index) * rows.group;
+  for (std::uint32_t p = threadIdx.x; p < rows.group * dim; p += kThreads) {
+    const std::uint32_t g = p / dim;
+    const std::uint32_t d = p % dim;
+    const float* logits = row.scratch + g * stride;
+    SoftmaxState state;
+    float acc = 0.0f;
+    for (std::uint32_t j = 0; j < members; ++j) {
+      const std::uint32_t i = row.ids[j];
+      const RescaleStep step = estimation_fold(state, logits[i], static_cast<float>(row.tokens[i]));
+      acc = estimation_rescale_add(acc, step,
+                                   estimate.value_sums[(static_cast<std::size_t>(row.first) + i) * dim + d]);
+    }
+    out.acc[(head0 + g) * dim + d] = acc;
+    if (d == 0) {
+      out.max[head0 + g] = state.max;
+      out.sum[head0 + g] = state.sum;
+    }
+  }
 }
 
 // ---- host side ---------------------------------------------------------------
@@ -413,8 +508,11 @@ std::uint32_t capacity(const SelectRows& rows, std::uint32_t budget, bool everyt
   return static_cast<std::uint32_t>(most);
 }
 
-void check_rows(const char* function, const SelectRows& rows, std::uint32_t budget, const SelectOutput& out,
-                std::uint32_t needed, const void* workspace, std::size_t bytes) {
+// `selected`, `selected_count` and `max_selected`: a select call's output or
+// the estimate's input selection.
+void check_rows(const char* function, const SelectRows& rows, std::uint32_t budget, const void* selected,
+                const void* selected_count, std::uint32_t max_selected, std::uint32_t needed, const void* workspace,
+                std::size_t bytes, std::size_t needed_bytes) {
   if (rows.kv_heads == 0 || rows.group == 0 || rows.head_dim == 0) {
     throw_invalid(function, "kv_heads " + std::to_string(rows.kv_heads) + ", group " + std::to_string(rows.group) +
                                 " and head_dim " + std::to_string(rows.head_dim) + " must be > 0");
@@ -429,24 +527,39 @@ void check_rows(const char* function, const SelectRows& rows, std::uint32_t budg
   }
   if (budget == 0) throw_invalid(function, "budget_tokens must be > 0");
   if (rows.rows == 0) return;
-  if (out.max_selected < needed) {
-    throw_invalid(function, "max_selected " + std::to_string(out.max_selected) + " is below the " +
+  if (max_selected < needed) {
+    throw_invalid(function, "max_selected " + std::to_string(max_selected) + " is below the " +
                                 std::to_string(needed) + " partitions a row may select");
   }
-  if (rows.offsets == nullptr || rows.q == nullptr || out.selected_count == nullptr ||
-      (out.max_selected > 0 && out.selected == nullptr) ||
+  if (rows.offsets == nullptr || rows.q == nullptr || selected_count == nullptr ||
+      (max_selected > 0 && selected == nullptr) ||
       (rows.candidates > 0 && (rows.tokens == nullptr || rows.partitions == nullptr))) {
-    throw_invalid(function, "null offsets, tokens, partitions, q or output");
+    throw_invalid(function, "null offsets, tokens, partitions, q or selection");
   }
-  if (workspace == nullptr || bytes < select_workspace_bytes(rows)) {
-    throw_invalid(function, "workspace of " + std::to_string(bytes) + " bytes, " +
-                                std::to_string(select_workspace_bytes(rows)) + " needed");
+  if (workspace == nullptr || bytes < needed_bytes) {
+    throw_invalid(function, "workspace of " + std::to_string(bytes) + " bytes, " + std::to_string(needed_bytes) +
+                                " needed");
+  }
+}
+
+void check_retroinfer(const char* function, const SelectRows& rows, const RetroInferSelect& retroinfer) {
+  if (!(retroinfer.retrieval_fraction >= 0.0f && retroinfer.retrieval_fraction <= 1.0f)) {
+    throw_invalid(function, "retrieval_fraction " + std::to_string(retroinfer.retrieval_fraction) +
+                                " is outside [0, 1]");
+  }
+  if (rows.rows == 0) return;
+  if ((rows.candidates > 0 && retroinfer.centroids == nullptr) || retroinfer.sink_partitions == nullptr ||
+      retroinfer.sink_tokens == nullptr || retroinfer.recent == nullptr) {
+    throw_invalid(function, "null centroids, sink or recent arrays");
   }
 }
 
 }  // namespace
 
-std::size_t select_workspace_bytes(const SelectRows& rows) { return workspace_bytes(rows.candidates, rows.rows); }
+std::size_t select_workspace_bytes(const SelectRows& rows) { return workspace_bytes(rows.candidates, rows.rows, 1); }
+std::size_t estimate_workspace_bytes(const SelectRows& rows) {
+  return workspace_bytes(rows.candidates, rows.rows, rows.group);
+}
 
 std::uint32_t quest_select_capacity(const SelectRows& rows, const QuestSelect& quest) {
   return capacity(rows, quest.budget_tokens, quest.dense_layer, 0);
@@ -460,46 +573,63 @@ std::uint32_t retroinfer_select_capacity(const SelectRows& rows, const RetroInfe
 
 void quest_select(const SelectRows& rows, const QuestSelect& quest, const SelectOutput& out, void* workspace,
                   std::size_t workspace_bytes, void* stream) {
-  check_rows("quest_select", rows, quest.budget_tokens, out, quest_select_capacity(rows, quest), workspace,
-             workspace_bytes);
+  check_rows("quest_select", rows, quest.budget_tokens, out.selected, out.selected_count, out.max_selected,
+             quest_select_capacity(rows, quest), workspace, workspace_bytes, select_workspace_bytes(rows));
   if (rows.rows == 0) return;
   if (rows.candidates > 0 && (quest.min == nullptr || quest.max == nullptr)) {
     throw_invalid("quest_select", "null min or max");
   }
   quest_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, quest, out, carve(workspace, rows.candidates));
+      rows, quest, out, carve(workspace, rows.candidates, 1));
   check_launch("quest_select");
 }
 
 void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, const SelectOutput& out,
                      void* workspace, std::size_t workspace_bytes, void* stream) {
-  check_rows("shadowkv_select", rows, shadowkv.budget_tokens, out, shadowkv_select_capacity(rows, shadowkv),
-             workspace, workspace_bytes);
+  check_rows("shadowkv_select", rows, shadowkv.budget_tokens, out.selected, out.selected_count, out.max_selected,
+             shadowkv_select_capacity(rows, shadowkv), workspace, workspace_bytes, select_workspace_bytes(rows));
   if (rows.rows == 0) return;
   if (rows.candidates > 0 && (shadowkv.landmarks == nullptr || shadowkv.outlier_scores == nullptr)) {
     throw_invalid("shadowkv_select", "null landmarks or outlier scores");
   }
   shadowkv_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, shadowkv, out, carve(workspace, rows.candidates));
+      rows, shadowkv, out, carve(workspace, rows.candidates, 1));
   check_launch("shadowkv_select");
 }
 
 void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfer, const SelectOutput& out,
                        void* workspace, std::size_t workspace_bytes, void* stream) {
-  check_rows("retroinfer_select", rows, retroinfer.budget_tokens, out, retroinfer_select_capacity(rows, retroinfer),
-             workspace, workspace_bytes);
-  if (!(retroinfer.retrieval_fraction >= 0.0f && retroinfer.retrieval_fraction <= 1.0f)) {
-    throw_invalid("retroinfer_select", "retrieval_fraction " + std::to_string(retroinfer.retrieval_fraction) +
-                                           " is outside [0, 1]");
+  check_rows("retroinfer_select", rows, retroinfer.budget_tokens, out.selected, out.selected_count,
+             out.max_selected, retroinfer_select_capacity(rows, retroinfer), workspace, workspace_bytes,
+             select_workspace_bytes(rows));
+  check_retroinfer("retroinfer_select", rows, retroinfer);
+  if (rows.rows == 0) return;
+  retroinfer_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      rows, retroinfer, out, carve(workspace, rows.candidates, 1));
+  check_launch("retroinfer_select");
+}
+
+void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroinfer,
+                         const RetroInferEstimate& estimate, const EstimateOutput& out, void* workspace,
+                         std::size_t workspace_bytes, void* stream) {
+  check_rows("retroinfer_estimate", rows, retroinfer.budget_tokens, estimate.selected, estimate.selected_count,
+             estimate.max_selected, retroinfer_select_capacity(rows, retroinfer), workspace, workspace_bytes,
+             estimate_workspace_bytes(rows));
+  check_retroinfer("retroinfer_estimate", rows, retroinfer);
+  // RetroInferPolicy::Options' rule.
+  if (!(estimate.estimation_fraction >= 0.0f &&
+        static_cast<double>(retroinfer.retrieval_fraction) + estimate.estimation_fraction <= 1.0 + 1e-6)) {
+    throw_invalid("retroinfer_estimate", "estimation_fraction " + std::to_string(estimate.estimation_fraction) +
+                                             " is negative or the zones exceed 1");
   }
   if (rows.rows == 0) return;
-  if ((rows.candidates > 0 && retroinfer.centroids == nullptr) || retroinfer.sink_partitions == nullptr ||
-      retroinfer.sink_tokens == nullptr || retroinfer.recent == nullptr) {
-    throw_invalid("retroinfer_select", "null centroids, sink or recent arrays");
+  if ((rows.candidates > 0 && estimate.value_sums == nullptr) || out.max == nullptr || out.sum == nullptr ||
+      out.acc == nullptr) {
+    throw_invalid("retroinfer_estimate", "null value sums or output");
   }
-  retroinfer_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, retroinfer, out, carve(workspace, rows.candidates));
-  check_launch("retroinfer_select");
+  retroinfer_estimate_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      rows, retroinfer, estimate, out, carve(workspace, rows.candidates, rows.group));
+  check_launch("retroinfer_estimate");
 }
 
 }  // namespace sparsekv::cuda

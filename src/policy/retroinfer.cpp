@@ -305,9 +305,16 @@ void rank_fill(const std::vector<float>& rank, const Candidates& c, Filler& fill
 }
 
 // Eqs. 2-4: `size` keys that share the centroid's score, their values summing
-// to VS: mass size * e^score, accumulator e^score * VS.
+// to VS: mass size * e^score, accumulator e^score * VS, by the rules
+// cuda::retroinfer_estimate shares (select_rules.hpp).
 void add_cluster(AttentionPartial& partial, float score, std::uint32_t size, const float* value_sum) {
-  partial.add(score, static_cast<float>(size), value_sum);
+  SoftmaxState s = partial.state();
+  const RescaleStep step = estimation_fold(s, score, static_cast<float>(size));
+  partial.max = s.max;
+  partial.sum = s.sum;
+  for (std::size_t d = 0; d < partial.acc.size(); ++d) {
+    partial.acc[d] = estimation_rescale_add(partial.acc[d], step, value_sum[d]);
+  }
 }
 
 }  // namespace
@@ -708,9 +715,9 @@ void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, con
     score(ctx, q, h, c, scores, rank);
     selected = selection.partitions[h];
     std::sort(selected.begin(), selected.end());
-    const double zones = double{options_.retrieval_fraction} + options_.estimation_fraction;
     // Every ranked partition within the zones: a fill that never runs out of budget.
-    BreakFill zone{0, std::numeric_limits<std::uint32_t>::max(), fraction_count(zones, m)};
+    BreakFill zone{0, std::numeric_limits<std::uint32_t>::max(),
+                   retroinfer_zone_count(options_.retrieval_fraction, options_.estimation_fraction, m)};
     rank_fill(rank, c, zone, [&](std::uint32_t i) {
       const Group& g = c.group(i);
       if (std::binary_search(selected.begin(), selected.end(), g.id)) return;  // retrieved: exact

@@ -1,16 +1,26 @@
 // Select kernels (policy/select_cuda.hpp) against the host policies' select
 // on random batches with planted ties, budgets below one partition, covering
 // budgets, GQA groups 1..8 and rows longer than one tile: the same
-// partitions, bit for bit. Bad arguments are refused before any launch.
+// partitions, bit for bit. retroinfer_estimate on retroinfer_select's
+// device output against RetroInferPolicy::attend: every term bit for bit,
+// and the attention with the device terms as its extra term within 2e-3 of
+// the host decode_attention with the host's. Bad arguments are refused
+// before any launch.
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <numeric>
 #include <random>
 #include <vector>
 
+#include "../attention_test_data.hpp"
 #include "../select_test_data.hpp"
 #include "gpu_support.hpp"
+#include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
 
 using namespace sparsekv;
@@ -67,6 +77,127 @@ void require_same(const std::vector<std::vector<PartitionId>>& got, const std::v
 }
 
 constexpr std::uint32_t kGroups[] = {1, 2, 4, 8};
+
+// RetroInfer rows on the device with both workspaces, the selection and the terms.
+struct DeviceRetro {
+  explicit DeviceRetro(const HostRows& h) : dev(h), sinks(h.sink_partitions), sink_tokens(h.sink_tokens), recent(h.recent) {
+    estimate_workspace.reserve(cuda::estimate_workspace_bytes(dev.rows));
+    const std::size_t terms = std::size_t{dev.rows.rows} * dev.rows.group;
+    max.reserve(terms);
+    sum.reserve(terms);
+    acc.reserve(terms * dev.rows.head_dim);
+  }
+  cuda::RetroInferSelect select_params(std::uint32_t budget, std::uint32_t window, float fraction) const {
+    return {dev.a.data, sinks.data, sink_tokens.data, recent.data, budget, window, fraction};
+  }
+  // retroinfer_select then retroinfer_estimate on one stream; the terms read back.
+  std::vector<AttentionPartial> run(const cuda::RetroInferSelect& retro, float estimation_fraction, bool estimation) {
+    const std::uint32_t capacity = cuda::retroinfer_select_capacity(dev.rows, retro);
+    selected.reserve(std::size_t{dev.rows.rows} * capacity);
+    count.reserve(dev.rows.rows);
+    // NaN first: a term the kernel does not write fails the comparison.
+    check(cudaMemset(max.data, 0xff, max.size * sizeof(float)));
+    check(cudaMemset(sum.data, 0xff, sum.size * sizeof(float)));
+    check(cudaMemset(acc.data, 0xff, acc.size * sizeof(float)));
+    check(cudaDeviceSynchronize());  // the uploads ran on the legacy stream
+    Stream stream;
+    cuda::retroinfer_select(dev.rows, retro, cuda::SelectOutput{capacity, selected.data, count.data},
+                            dev.workspace.data, dev.workspace.size, stream.stream);
+    const cuda::RetroInferEstimate estimate{dev.b.data, selected.data, count.data, capacity, estimation_fraction,
+                                            estimation};
+    cuda::retroinfer_estimate(dev.rows, retro, estimate, cuda::EstimateOutput{max.data, sum.data, acc.data},
+                              estimate_workspace.data, estimate_workspace.size, stream.stream);
+    check(cudaStreamSynchronize(stream.stream));
+    check(cudaGetLastError());
+    const auto m = max.download(), s = sum.download(), a = acc.download();
+    const std::uint32_t d = dev.rows.head_dim;
+    std::vector<AttentionPartial> terms(max.size, AttentionPartial(d));
+    for (std::size_t j = 0; j < terms.size(); ++j) {
+      terms[j].max = m[j];
+      terms[j].sum = s[j];
+      std::copy_n(a.begin() + j * d, d, terms[j].acc.begin());
+    }
+    return terms;
+  }
+  DeviceRows dev;
+  DeviceArray<PartitionId> sinks, selected;
+  DeviceArray<std::uint32_t> sink_tokens, recent, count;
+  DeviceArray<std::byte> estimate_workspace;
+  DeviceArray<float> max, sum, acc;
+};
+
+bool same_term(const AttentionPartial& a, const AttentionPartial& b) {
+  return same_bits(a.max, b.max) && same_bits(a.sum, b.sum) && same_bits(a.acc, b.acc);
+}
+
+// The attention over random pages with the device terms (still in `retro`'s
+// arrays) as DecodeAttentionExtra, against the host decode_attention with
+// the host's terms: the worst relative error of an output head.
+float attention_with_terms(const DeviceRetro& retro, const std::vector<float>& q,
+                           const std::vector<AttentionPartial>& host_terms, std::uint32_t kv_heads,
+                           std::mt19937& rng) {
+  const cuda::SelectRows& rows = retro.dev.rows;
+  AttentionBatch b;
+  b.batch = rows.rows / kv_heads;
+  b.kv_heads = kv_heads;
+  b.q_heads = kv_heads * rows.group;
+  b.layout = PageLayout{16, rows.head_dim, DType::bf16};
+  b.stride = b.layout.page_bytes();
+  b.scale = 1.0f / std::sqrt(float(rows.head_dim));
+  std::normal_distribution<float> normal;
+  std::vector<std::uint32_t> counts(rows.rows);
+  for (auto& c : counts) c = std::uint32_t(rng() % 130);
+  const std::uint32_t pool_pages = std::accumulate(counts.begin(), counts.end(), 0u) + 1;
+  b.pool.assign(pool_pages * b.stride, std::byte{0});
+  fill_pages(b, pool_pages, normal, rng);
+  random_rows(b, counts, pool_pages, rng, true);
+  b.q = q;
+  b.extra = host_terms;
+  std::vector<float> want_out, want_lse;
+  reference_attention(b, want_out, want_lse);
+
+  cuda::DecodeAttentionShape shape;
+  shape.batch = b.batch;
+  shape.q_heads = b.q_heads;
+  shape.kv_heads = kv_heads;
+  shape.layout = b.layout;
+  shape.max_pages = b.max_pages;
+  const cuda::DecodeAttentionSplit split = cuda::plan_sparse_decode_attention(shape);
+  const DeviceArray<std::byte> pool(b.pool);
+  const DeviceArray<float> dq(b.q);
+  const DeviceArray<std::int64_t> indptr(b.indptr), indices(b.indices);
+  const DeviceArray<std::int32_t> last(b.last_page_len);
+  const std::size_t heads = std::size_t{b.batch} * b.q_heads;
+  DeviceArray<float> out(heads * rows.head_dim);
+  DeviceArray<std::byte> workspace(split.workspace_bytes);
+  cuda::DecodeAttentionArgs args;
+  args.q = dq.data;
+  args.page_base = pool.data;
+  args.page_stride = b.stride;
+  args.indptr = indptr.data;
+  args.indices = indices.data;
+  args.last_page_len = last.data;
+  args.scale = b.scale;
+  args.extra = {retro.max.data, retro.sum.data, retro.acc.data};
+  args.out = out.data;
+  args.workspace = workspace.data;
+  args.workspace_bytes = split.workspace_bytes;
+  check(cudaDeviceSynchronize());
+  cuda::sparse_decode_attention(shape, args, nullptr);
+  check(cudaDeviceSynchronize());
+  const std::vector<float> got = out.download();
+  float worst = 0.0f;
+  for (std::size_t h = 0; h < heads; ++h) {
+    float num = 0.0f, den = 0.0f;
+    for (std::uint32_t i = 0; i < rows.head_dim; ++i) {
+      const std::size_t at = h * rows.head_dim + i;
+      num = std::isfinite(got[at]) ? std::max(num, std::abs(got[at] - want_out[at])) : INFINITY;
+      den = std::max(den, std::abs(want_out[at]));
+    }
+    worst = std::max(worst, den == 0.0f ? num : num / den);
+  }
+  return worst;
+}
 
 }  // namespace
 
@@ -159,6 +290,47 @@ TEST_CASE("retroinfer_select equals RetroInferPolicy::select", "[gpu][select]") 
   }
 }
 
+TEST_CASE("retroinfer_estimate equals RetroInferPolicy::attend", "[gpu][select]") {
+  struct Zones {
+    float retrieval, estimation;
+  };
+  std::mt19937 rng(45);
+  float worst = 0.0f;
+  for (const std::uint32_t group : kGroups) {
+    for (const std::uint32_t clusters : {0u, 250u, 8000u}) {
+      const LayerContext ctx = layer_context(2, 128, 8, group);
+      std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
+      for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, 12, 64, rng));
+      const HostRows host = retroinfer_rows(ctx, batch);
+      DeviceRetro dev(host);
+      for (const std::uint32_t budget : {1u, 40u, 2048u, 1000000u}) {
+        for (const Zones zones : {Zones{0.018f, 0.232f}, Zones{0.3f, 0.7f}}) {
+          for (const bool estimation : {true, false}) {
+            CAPTURE(group, clusters, budget, zones.retrieval, estimation);
+            RetroInferPolicy::Options options;
+            options.budget_tokens = budget;
+            options.retrieval_fraction = zones.retrieval;
+            options.estimation_fraction = zones.estimation;
+            options.estimation = estimation;
+            const auto want = host_estimate(RetroInferPolicy(options), ctx, batch);
+            const auto got = dev.run(dev.select_params(budget, 64, zones.retrieval), zones.estimation, estimation);
+            REQUIRE(got.size() == want.size());
+            for (std::size_t j = 0; j < got.size(); ++j) {
+              CAPTURE(j, got[j].max, want[j].max, got[j].sum, want[j].sum);
+              REQUIRE(same_term(got[j], want[j]));
+            }
+            if (estimation && budget == 2048u) {
+              worst = std::max(worst, attention_with_terms(dev, host.q, want, ctx.kv_heads, rng));
+              REQUIRE(worst <= 2e-3f);
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("attention with retroinfer_estimate's terms vs host: max relative error %.3g\n", double(worst));
+}
+
 TEST_CASE("select entry points refuse bad arguments before launching", "[gpu][select]") {
   std::mt19937 rng(44);
   const LayerContext ctx = layer_context(2, 64, 8, 2);
@@ -199,6 +371,32 @@ TEST_CASE("select entry points refuse bad arguments before launching", "[gpu][se
           cuda::retroinfer_select(dev.rows, retro, cuda::SelectOutput{65, selected.data, count.data},
                                   dev.workspace.data, bytes, nullptr);
         }) == ErrorCode::invalid_argument);
+  DeviceArray<float> terms(std::size_t{dev.rows.rows} * dev.rows.group * dev.rows.head_dim);
+  DeviceArray<std::byte> estimate_workspace(cuda::estimate_workspace_bytes(dev.rows));
+  const cuda::EstimateOutput terms_out{terms.data, terms.data, terms.data};
+  const auto estimate_call = [&](cuda::RetroInferSelect r, cuda::RetroInferEstimate e, cuda::EstimateOutput o,
+                                 std::size_t ws) {
+    return code_of([&] { cuda::retroinfer_estimate(dev.rows, r, e, o, estimate_workspace.data, ws, nullptr); });
+  };
+  const cuda::RetroInferSelect retro_ok{dev.a.data, selected.data, count.data, count.data, 64, 64, 0.3f};
+  const cuda::RetroInferEstimate estimate_ok{dev.b.data, selected.data, count.data, 65, 0.7f, true};
+  const std::size_t estimate_bytes = estimate_workspace.size;
+  CHECK(estimate_call(retro_ok, estimate_ok, terms_out, estimate_bytes - 1) == ErrorCode::invalid_argument);
+  CHECK(estimate_call(retro_ok, estimate_ok, terms_out, bytes) == ErrorCode::invalid_argument);  // Select's size
+  auto too_much = estimate_ok;
+  too_much.estimation_fraction = 0.75f;
+  CHECK(estimate_call(retro_ok, too_much, terms_out, estimate_bytes) == ErrorCode::invalid_argument);
+  auto small_selection = estimate_ok;
+  small_selection.max_selected = 50;  // below retroinfer_select_capacity: 50 candidates and the sink
+  CHECK(estimate_call(retro_ok, small_selection, terms_out, estimate_bytes) == ErrorCode::invalid_argument);
+  auto no_values = estimate_ok;
+  no_values.value_sums = nullptr;
+  CHECK(estimate_call(retro_ok, no_values, terms_out, estimate_bytes) == ErrorCode::invalid_argument);
+  auto no_count = estimate_ok;
+  no_count.selected_count = nullptr;
+  CHECK(estimate_call(retro_ok, no_count, terms_out, estimate_bytes) == ErrorCode::invalid_argument);
+  CHECK(estimate_call(retro_ok, estimate_ok, cuda::EstimateOutput{terms.data, nullptr, terms.data}, estimate_bytes) ==
+        ErrorCode::invalid_argument);
   const cuda::ShadowKVSelect shadowkv{dev.a.data, nullptr, 64, 32, 2};
   CHECK(code_of([&] { cuda::shadowkv_select(dev.rows, shadowkv, out, dev.workspace.data, bytes, nullptr); }) ==
         ErrorCode::invalid_argument);

@@ -6,7 +6,9 @@
 // §4.2) and RetroInfer (Chen et al. 2025, §4.2). Each kernel applies the
 // rules of select_rules.hpp in the host policies' order, so its selections
 // equal QuestPolicy / ShadowKVPolicy / RetroInferPolicy::select bit for bit
-// (docs/policies/select-gpu.md).
+// (docs/policies/select-gpu.md). retroinfer_estimate then writes RetroInfer's
+// estimation terms (RetroInferPolicy::attend's, bit for bit) in the layout
+// the attention kernel merges (DecodeAttentionExtra).
 //
 // C API in the TensorRT-LLM style: plain structs, a workspace size query, a
 // caller-owned workspace, enqueued on `stream` (a cudaStream_t; nullptr = the
@@ -83,12 +85,39 @@ struct RetroInferSelect {
   float retrieval_fraction = 0.0f;
 };
 
+// RetroInferPolicy::attend's estimation zone (RetroInfer §4.2 eqs. 2-4) for
+// rows ranked with a RetroInferSelect: the clusters ranked within
+// retrieval_fraction + estimation_fraction that the row's selection does not
+// hold. value_sums: [candidates][head_dim], each candidate's summed values.
+// The selection is what retroinfer_select wrote for the same rows, query and
+// RetroInferSelect (sorted ascending; read only).
+struct RetroInferEstimate {
+  const float* value_sums = nullptr;
+  const PartitionId* selected = nullptr;          // [rows][max_selected]
+  const std::uint32_t* selected_count = nullptr;  // [rows]
+  std::uint32_t max_selected = 0;
+  float estimation_fraction = 0.0f;
+  bool estimation = true;  // false: every term empty (retroinfer_no_estimation)
+};
+
+// One term per q head in DecodeAttentionExtra's layout (q head j of row r is
+// r * group + j = b * q_heads + the head): max and sum [rows * group], acc
+// [rows * group][head_dim], unnormalised; pass them to the attention as
+// DecodeAttentionExtra{max, sum, acc}. An empty term is max -inf, sum 0, acc 0.
+struct EstimateOutput {
+  float* max = nullptr;
+  float* sum = nullptr;
+  float* acc = nullptr;
+};
+
 // Candidates ranked per round: rows up to this many are sorted in one pass;
 // longer rows take a radix-select pass per round of this many.
 inline constexpr std::uint32_t kSelectTile = 2048;
 
-// Bytes of the caller-owned workspace every entry point takes for `rows`.
+// Bytes of the caller-owned workspace the select entry points take for
+// `rows`; retroinfer_estimate keeps every q head's logits and takes more.
 std::size_t select_workspace_bytes(const SelectRows& rows);
+std::size_t estimate_workspace_bytes(const SelectRows& rows);
 
 // The smallest max_selected the entry points accept: a selection covers at
 // most max(budget, one candidate) tokens, so it holds at most budget_tokens
@@ -109,5 +138,17 @@ void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, con
                      void* workspace, std::size_t workspace_bytes, void* stream);
 void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfer, const SelectOutput& out,
                        void* workspace, std::size_t workspace_bytes, void* stream);
+
+// Writes each q head's estimation term: the values RetroInferPolicy::attend
+// gives, bit for bit (docs/policies/select-gpu.md). Rows whose budget covers
+// the row and the sink, or with estimation false, get empty terms. Throws
+// invalid_argument, enqueuing nothing, for what retroinfer_select refuses
+// (max_selected is the selection's), an estimation fraction below 0 or
+// summing with the retrieval fraction to more than 1, a workspace smaller
+// than estimate_workspace_bytes, or a null value_sums, selection or output
+// pointer. rows == 0 enqueues nothing.
+void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroinfer,
+                         const RetroInferEstimate& estimate, const EstimateOutput& out, void* workspace,
+                         std::size_t workspace_bytes, void* stream);
 
 }  // namespace sparsekv::cuda

@@ -6,7 +6,9 @@
 //  - ShadowKV (Sun et al. 2024; Spin §4.2): the landmark logit, its softmax
 //    over the non-static pages, the recent window;
 //  - RetroInfer (Chen et al. 2025, §4.2): the centroid logit, the group-summed
-//    softmax rank, the steady zone and the retrieval count;
+//    softmax rank, the steady zone and the retrieval count, and the
+//    estimation zone's fold (eqs. 2-4) that attend() and the estimate kernel
+//    share;
 //  - the ranking key (descending score, ties to the lower index: top_k's
 //    order) and the greedy fills over the ranked list.
 //
@@ -28,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "sparsekv/attention/attention_partial.hpp"
 #include "sparsekv/core/host_device.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/page_summaries.hpp"
@@ -360,6 +363,38 @@ SPARSEKV_HOST_DEVICE inline float retroinfer_inverse_sum(double sum) {
 #else
   return static_cast<float>(1.0 / sum);
 #endif
+}
+
+// ---- RetroInfer: the estimation zone ---------------------------------------------
+
+// How many ranked candidates the retrieval and estimation zones span together.
+SPARSEKV_HOST_DEVICE inline std::uint32_t retroinfer_zone_count(float retrieval_fraction,
+                                                                 float estimation_fraction, std::uint64_t m) {
+  return fraction_count(static_cast<double>(retrieval_fraction) + static_cast<double>(estimation_fraction), m);
+}
+
+// Eqs. 2-4: `weight` keys that share the centroid's score, folded into a q
+// head's softmax state: softmax_fold's rule, but with portable_exp and one
+// rounding per step (softmax_exp is std::exp on the host and expf on the
+// device, and nvcc would contract the sum into an fma), so that attend() and
+// the estimate kernel produce the same bits.
+SPARSEKV_HOST_DEVICE inline RescaleStep estimation_fold(SoftmaxState& s, float score, float weight) {
+  if (!(weight > 0.0f) || score == kNegativeInfinity) return {1.0f, 0.0f};
+  const bool new_max = score > s.max;
+  const float acc_scale = new_max ? portable_exp(add_rn(s.max, -score)) : 1.0f;
+  const float m = new_max ? score : s.max;
+  const float e = portable_exp(add_rn(score, -m));
+  s.sum = add_rn(mul_rn(s.sum, acc_scale), mul_rn(weight, e));
+  s.max = m;
+  return {acc_scale, e};
+}
+
+// One accumulator element after an estimation_fold step (softmax_rescale_add
+// with single roundings; a side weighted 0 is skipped, not multiplied).
+SPARSEKV_HOST_DEVICE inline float estimation_rescale_add(float acc, RescaleStep step, float value_sum) {
+  if (step.value_weight == 0.0f) return mul_rn(acc, step.acc_scale);
+  if (step.acc_scale == 0.0f) return mul_rn(value_sum, step.value_weight);
+  return add_rn(mul_rn(acc, step.acc_scale), mul_rn(value_sum, step.value_weight));
 }
 
 }  // namespace sparsekv
