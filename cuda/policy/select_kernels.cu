@@ -231,7 +231,9 @@ __device__ void block_ranked_fill(Shared& s, const Row& row, Filler& fill, Score
 __device__ void choose(Shared& s, const Row& row, PartitionId id) { row.ids[s.chosen++] = id; }
 
 // Writes the s.chosen ids of the row sorted ascending: runs of kSelectTile
-// sorted by BlockRadixSort, merged by merged_position.
+// sorted by BlockRadixSort, merged by merged_position. The ids must be
+// distinct (a selection is a set; a sink id equal to a candidate's would leave
+// one output slot unwritten and another written twice).
 __device__ void write_sorted(Shared& s, const Row& row, const SelectOutput& out) {
   const std::uint32_t count = s.chosen;
   for (std::uint32_t first = 0; first < count; first += kSelectTile) {
@@ -358,7 +360,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // The steady zone of a RetroInfer row (thread 0; RetroInferPolicy's head_steady_zone).
 __device__ SteadyZone row_steady_zone(const Row& row, const RetroInferSelect& retro, std::uint32_t sink_tokens) {
-  const std::uint32_t recent = retro.recent[row.index];
+  // Device data the host cannot check: a count past the row must not index before it.
+  const std::uint32_t recent = retro.recent[row.index] < row.n ? retro.recent[row.index] : row.n;
   const std::uint32_t older = row.n - recent;
   return steady_zone(
       recent, [&](std::uint32_t i) { return row.tokens[older + i]; }, sink_tokens, retro.window_tokens,

@@ -79,9 +79,13 @@ struct DeviceArray {
     }
     return data;
   }
+  // Returns with the bytes on the device: a cudaMemcpy from pageable memory
+  // may return before its DMA lands, and kernels on the tests' non-blocking
+  // streams do not wait for the legacy stream it ran on.
   T* upload(const std::vector<T>& values) {
     reserve(values.size());
     if (!values.empty()) check(cudaMemcpy(data, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
+    check(cudaDeviceSynchronize());
     return data;
   }
   std::vector<T> download(std::size_t n) const {

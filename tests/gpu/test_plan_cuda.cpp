@@ -49,6 +49,7 @@ struct DevicePlan {
     copy(indices, std::vector<std::int64_t>(indices.size, kSentinel));
     copy(head_entries, std::vector<std::int64_t>(head_entries.size, kSentinel));
     copy(last_page_len, std::vector<std::int32_t>(last_page_len.size, static_cast<std::int32_t>(kSentinel)));
+    check(cudaDeviceSynchronize());  // pageable copies may still be landing; the kernels run on another stream
   }
   template <class T>
   static void copy(DeviceArray<T>& to, const std::vector<T>& from) {
@@ -103,6 +104,12 @@ TEST_CASE("build_device_plan captured once replays new retrievals", "[gpu][plan]
   // Capacities past any random case's (100 selections of <= 4 pages + a tail per row).
   DevicePlan d(kKvHeads * kRequests, kKvHeads * kRequests * 100, kKvHeads * kRequests * 400, 401, 401);
   Stream stream;
+  {
+    PlanCase warm;
+    do warm = random_plan_case(rng, kKvHeads, kRequests);
+    while (warm.page_tokens != kPageTokens);
+    d.load(warm);  // the warm-up reads what a real step would: never uninitialised device memory
+  }
   d.build(kPageTokens, stream.stream);  // warms the memoised device queries outside the capture
   check(cudaStreamSynchronize(stream.stream));
   cudaGraph_t graph = nullptr;
@@ -153,6 +160,7 @@ TEST_CASE("gather_miss_list captured once copies each replay's misses", "[gpu][t
                                 sizeof(CacheStepStats) / sizeof(std::uint64_t), d_cpu.data, d_gpu.data};
     const cuda::GatherConfig config{2, 4};
     Stream stream;
+    d_stats.upload(std::vector<CacheStepStats>(kHeads));  // the warm-up copies nothing: zero misses everywhere
     cuda::gather_miss_list(misses, cpu_tier, gpu_tier.data, gpu_stride, page_bytes, config, stream.stream);  // warm-up
     check(cudaStreamSynchronize(stream.stream));
     cudaGraph_t graph = nullptr;
@@ -182,7 +190,7 @@ TEST_CASE("gather_miss_list captured once copies each replay's misses", "[gpu][t
                       bases[cpu[e] / kPagesPerChunk] + (cpu[e] % kPagesPerChunk) * page_bytes, page_bytes);
         }
       }
-      check(cudaMemset(gpu_tier.data, static_cast<int>(fill), expected.size()));
+      check(cudaMemsetAsync(gpu_tier.data, static_cast<int>(fill), expected.size(), stream.stream));
       check(cudaGraphLaunch(exec, stream.stream));
       check(cudaStreamSynchronize(stream.stream));
       check(cudaMemcpy(got.data(), gpu_tier.data, got.size(), cudaMemcpyDeviceToHost));

@@ -147,6 +147,7 @@ SPARSEKV_HOST_DEVICE inline void append_write_dim(const DeviceAppend& a, std::ui
   const std::size_t from = ((std::size_t{b} * a.kv_heads + h) * a.layout.head_dim + d) * size;
   std::byte* page = append_tail_page(a, b, h);
   const std::uint32_t slot = a.tail_slots[b];
+  if (slot >= a.layout.page_tokens) return;  // device data the host cannot check: never write past the page
   const auto copy = [size](std::byte* to, const void* base, std::size_t offset) {
     const std::byte* source = static_cast<const std::byte*>(base) + offset;
     if (size == 4) {

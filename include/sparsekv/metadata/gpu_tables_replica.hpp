@@ -8,6 +8,9 @@
 // the master for the host's bookkeeping: it uploads a request's heads after
 // changing them (add, new partitions, resize) and downloads them before it
 // reads or changes what the LRU kernel wrote (reclaim, finish, repartition).
+// The copies' ordering against the kernels is the caller's (table_replica.hpp),
+// and the table's CPU tier must be device-reachable (pinned, mapped) for the
+// lookup the kernels read through.
 #include <cstdint>
 
 #include "sparsekv/core/ids.hpp"

@@ -12,6 +12,12 @@
 // The host changes the master (resize, new entries) and uploads the instance
 // before a launch reads it; it downloads an instance's entries before it
 // reads or changes what a kernel wrote there.
+//
+// Ordering is the caller's: the copies run in the transfer's order (the
+// device transfer's own stream). Before a launch reads the replica, complete
+// the uploads or order the launch's stream after the transfer's (the
+// constructor's directory copy included); enqueue a download only once the
+// kernels that wrote the entries are complete.
 #include <bit>
 #include <cstddef>
 #include <cstdint>
