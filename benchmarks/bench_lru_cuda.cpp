@@ -45,7 +45,6 @@ using namespace sparsekv::bench;
 constexpr std::uint32_t kBuckets = 64;
 constexpr std::uint32_t kPageTokens = 16;
 constexpr std::uint32_t kKvHeads = 8;
-constexpr std::size_t kCopyBytes = std::size_t{256} << 20;
 
 // A table's view with directory, lengths and segment pool copied to device memory.
 template <class Entry>
@@ -187,27 +186,6 @@ std::unique_ptr<Setup> make_setup(std::uint32_t heads, std::uint32_t slots) {
   return s;
 }
 
-struct Timing {
-  Events events;
-  double d2d_gbps = 0;
-  void* a = nullptr;  // the reference copy's buffers, kept for pad()
-  void* b = nullptr;
-  Timing() {
-    a = device_alloc<std::byte>(kCopyBytes);
-    b = device_alloc<std::byte>(kCopyBytes);
-    check(cudaMemset(a, 1, kCopyBytes), "cudaMemset");
-    d2d_gbps = measure_d2d_gbps(b, a, kCopyBytes, 20, nullptr, events);
-  }
-  // A 64 MiB pad copy (tens of microseconds): without it the launch latency
-  // would dominate the small sizes.
-  void pad() const { pad_copy(b, a, kCopyBytes / 4, nullptr); }
-};
-
-Timing& timing() {
-  static Timing t;
-  return t;
-}
-
 Setup& setup(std::uint32_t heads, std::uint32_t slots) {
   static std::map<std::pair<std::uint32_t, std::uint32_t>, std::unique_ptr<Setup>> cache;
   auto& s = cache[{heads, slots}];
@@ -217,7 +195,7 @@ Setup& setup(std::uint32_t heads, std::uint32_t slots) {
 
 // range(0): heads; range(1): slots per head.
 void BM_LruStep(benchmark::State& state) {
-  Timing& t = timing();
+  DeviceCopyTiming& t = device_copy_timing();
   Setup& s = setup(static_cast<std::uint32_t>(state.range(0)), static_cast<std::uint32_t>(state.range(1)));
   double total_ms = 0;
   for (auto _ : state) {

@@ -79,7 +79,6 @@ constexpr std::uint32_t kPageTokens = 8;         // ShadowKV's page, RetroInfer'
 constexpr std::uint32_t kQuestPartition = 16;    // Quest's partition
 constexpr std::uint32_t kRetroRecent = 12;       // recent partitions per RetroInfer row
 constexpr std::uint32_t kRetroWindow = 64;
-constexpr std::size_t kCopyBytes = std::size_t{256} << 20;
 constexpr int kPeerReps = 20;
 
 enum class Kind { quest, shadowkv, retroinfer, retroinfer_estimate };
@@ -419,27 +418,6 @@ void verify(Setup& s) {
   }
 }
 
-struct Timing {
-  Events events;
-  double d2d_gbps = 0;
-  void* a = nullptr;  // the reference copy's buffers, kept for pad()
-  void* b = nullptr;
-  Timing() {
-    a = device_alloc<std::byte>(kCopyBytes);
-    b = device_alloc<std::byte>(kCopyBytes);
-    check(cudaMemset(a, 1, kCopyBytes), "cudaMemset");
-    d2d_gbps = measure_d2d_gbps(b, a, kCopyBytes, 20, nullptr, events);
-  }
-  // A 64 MiB pad copy (tens of microseconds): without it the launch latency
-  // would be timed as kernel time.
-  void pad() const { pad_copy(b, a, kCopyBytes / 4, nullptr); }
-};
-
-Timing& timing() {
-  static Timing t;
-  return t;
-}
-
 std::unique_ptr<Setup> make_setup(Kind kind, std::uint32_t rows, std::uint32_t n) {
   auto s = std::make_unique<Setup>();
   s->kind = kind;
@@ -540,7 +518,7 @@ std::unique_ptr<Setup> make_setup(Kind kind, std::uint32_t rows, std::uint32_t n
                                     s->offsets.data, nullptr),
           "SortPairsDescending (size)");
     s->peer_temp = Buffer<std::byte>(s->peer_temp_bytes);
-    Timing& t = timing();
+    DeviceCopyTiming& t = device_copy_timing();
     s->peer_sort();  // warm-up
     double total = 0;
     for (int r = 0; r < kPeerReps; ++r) {
@@ -569,7 +547,7 @@ Setup& setup(Kind kind, std::uint32_t rows, std::uint32_t n) {
 }
 
 void run(benchmark::State& state, Kind kind) {
-  Timing& t = timing();
+  DeviceCopyTiming& t = device_copy_timing();
   const Setup& s =
       setup(kind, static_cast<std::uint32_t>(state.range(0)), static_cast<std::uint32_t>(state.range(1)));
   double total_ms = 0;

@@ -197,6 +197,30 @@ inline void pad_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "pad");
 }
 
+// What the LRU and Select benchmarks time against, made once per process: a
+// device-to-device copy of 256 MiB (its GB/s, read + write, is the HBM
+// reference) and a 64 MiB pad copy before each timed launch, so that launch
+// latency is not timed as kernel time (pad_copy).
+struct DeviceCopyTiming {
+  static constexpr std::size_t kCopyBytes = std::size_t{256} << 20;
+  Events events;
+  double d2d_gbps = 0;
+  void* a = nullptr;  // the reference copy's buffers, kept for pad()
+  void* b = nullptr;
+  DeviceCopyTiming() {
+    a = device_alloc<std::byte>(kCopyBytes);
+    b = device_alloc<std::byte>(kCopyBytes);
+    check(cudaMemset(a, 1, kCopyBytes), "cudaMemset");
+    d2d_gbps = measure_d2d_gbps(b, a, kCopyBytes, 20, nullptr, events);
+  }
+  void pad() const { pad_copy(b, a, kCopyBytes / 4, nullptr); }
+};
+
+inline DeviceCopyTiming& device_copy_timing() {
+  static DeviceCopyTiming t;
+  return t;
+}
+
 // The same page copies done by the two copy-engine references, timed in the
 // same process: one cudaMemcpyAsync per page, and one cudaMemcpyBatchAsync
 // (batch_ms < 0: unavailable).

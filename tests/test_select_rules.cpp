@@ -596,34 +596,33 @@ TEST_CASE("merged_position merges sorted runs", "[select-rules]") {
   }
 }
 
-TEST_CASE("the select kernels' decomposition equals QuestPolicy::select", "[select-rules]") {
+namespace {
+
+// A policy's sweep through the emulation at the kernel's tile and at a tiny
+// one (many ranking rounds): no row may differ from the host policy.
+template <class SweepFn>
+void require_sweep_equal_at_both_tiles(SweepFn sweep_fn, std::uint32_t seed) {
   for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
     Emulation e;
     e.tile = tile;
-    const Sweep sweep = quest_sweep(e, 31);
+    const Sweep sweep = sweep_fn(e, seed);
     CAPTURE(tile, sweep.rows);
     CHECK(sweep.differing == 0);
   }
+}
+
+}  // namespace
+
+TEST_CASE("the select kernels' decomposition equals QuestPolicy::select", "[select-rules]") {
+  require_sweep_equal_at_both_tiles(quest_sweep, 31);
 }
 
 TEST_CASE("the select kernels' decomposition equals ShadowKVPolicy::select", "[select-rules]") {
-  for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
-    Emulation e;
-    e.tile = tile;
-    const Sweep sweep = shadowkv_sweep(e, 32);
-    CAPTURE(tile, sweep.rows);
-    CHECK(sweep.differing == 0);
-  }
+  require_sweep_equal_at_both_tiles(shadowkv_sweep, 32);
 }
 
 TEST_CASE("the select kernels' decomposition equals RetroInferPolicy::select", "[select-rules]") {
-  for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
-    Emulation e;
-    e.tile = tile;
-    const Sweep sweep = retroinfer_sweep(e, 33);
-    CAPTURE(tile, sweep.rows);
-    CHECK(sweep.differing == 0);
-  }
+  require_sweep_equal_at_both_tiles(retroinfer_sweep, 33);
 }
 
 TEST_CASE("planted mutations of the decomposition are caught", "[select-rules]") {
