@@ -2,15 +2,19 @@
 // thread block per (request, layer, kv head) buffer. The host step is one
 // sequential pass with cursors; here each of its decisions is a per-element
 // rule (bucketed_lru_rules.hpp) plus an exclusive scan that recovers the
-// cursor: docs/buffer.md, "The CUDA step".
+// cursor: docs/buffer.md, "The CUDA step". Beside it, the glue from Select's
+// output to the step's batch and the stats accumulation (lru_batch_cuda.hpp).
 #include <cuda_runtime.h>
 
 #include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cub/device/device_scan.cuh>
 #include <string>
 
 #include "sparsekv/cache/bucketed_lru_cuda.hpp"
 #include "sparsekv/cache/bucketed_lru_rules.hpp"
+#include "sparsekv/cache/lru_batch_cuda.hpp"
 #include "core/launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 
@@ -289,6 +293,148 @@ void bucketed_lru_step(const TwoLevelView<GpuPageEntry>& gpu_pages, const Partit
   bucketed_lru_step_kernel<<<batch.heads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       gpu_pages, lookup, batch, out, timestamp_buckets);
   check_launch(kFunction);
+}
+
+namespace {
+
+using detail::throw_cuda;
+
+constexpr std::size_t kAlign = 256;
+
+std::size_t aligned_bytes(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// build_lru_batch's workspace: per-row selection counts and page sums (scan
+// inputs), then CUB's temporary storage.
+struct BatchWorkspace {
+  std::uint32_t* row_counts;
+  std::uint32_t* row_pages;
+  void* scan;
+  std::size_t scan_bytes;
+};
+
+std::size_t batch_scan_bytes(std::uint32_t rows) {
+  std::size_t bytes = 0;
+  const cudaError_t status = cub::DeviceScan::InclusiveSum(nullptr, bytes, static_cast<const std::uint32_t*>(nullptr),
+                                                           static_cast<std::uint32_t*>(nullptr), static_cast<int>(rows));
+  if (status != cudaSuccess) throw_cuda("lru_batch_workspace_bytes", "cub::DeviceScan::InclusiveSum size query", status);
+  return bytes;
+}
+
+BatchWorkspace carve_batch(void* base, std::uint32_t rows) {
+  auto* bytes = static_cast<std::byte*>(base);
+  const std::size_t row_bytes = aligned_bytes(std::size_t{rows} * sizeof(std::uint32_t));
+  BatchWorkspace w;
+  w.row_counts = reinterpret_cast<std::uint32_t*>(bytes);
+  w.row_pages = reinterpret_cast<std::uint32_t*>(bytes + row_bytes);
+  w.scan = bytes + 2 * row_bytes;
+  w.scan_bytes = batch_scan_bytes(rows);
+  return w;
+}
+
+// One block per row: its (cut) count and the page sum of its selections.
+__global__ void __launch_bounds__(kLruBatchThreads)
+    lru_batch_count_kernel(PartitionLookup lookup, LruBatchInput in, LruBatchOutput out, BatchWorkspace w) {
+  using Reduce = cub::BlockReduce<std::uint32_t, kLruBatchThreads>;
+  __shared__ typename Reduce::TempStorage reduce;
+  const std::uint32_t row = blockIdx.x;
+  if (row == 0 && threadIdx.x == 0) {
+    out.selection_offsets[0] = 0;
+    out.page_offsets[0] = 0;
+  }
+  const std::uint32_t n = lru_batch_count(in, row);
+  std::uint32_t pages = 0;
+  for (std::uint32_t i = threadIdx.x; i < n; i += kLruBatchThreads) {
+    pages += lru_batch_selection(lookup, in, row, i).pages;
+  }
+  pages = Reduce(reduce).Sum(pages);
+  if (threadIdx.x == 0) {
+    w.row_counts[row] = n;
+    w.row_pages[row] = pages;
+  }
+}
+
+// One block per row: its selections and their tokens at their compact places.
+__global__ void __launch_bounds__(kLruBatchThreads)
+    lru_batch_fill_kernel(PartitionLookup lookup, LruBatchInput in, LruBatchOutput out) {
+  const std::uint32_t row = blockIdx.x;
+  const std::uint32_t n = lru_batch_count(in, row);
+  const std::uint32_t first = out.selection_offsets[row];
+  for (std::uint32_t i = threadIdx.x; i < n; i += kLruBatchThreads) {
+    lru_batch_emit(out, lru_batch_selection(lookup, in, row, i), first + i);
+  }
+}
+
+struct StepStatsSum {
+  __device__ CacheStepStats operator()(const CacheStepStats& a, const CacheStepStats& b) const {
+    return step_stats_sum(a, b);
+  }
+};
+
+// One block: thread t sums heads t, t + kStepStatsThreads, ...; the block's
+// reduction is added to the total.
+__global__ void __launch_bounds__(kStepStatsThreads)
+    accumulate_step_stats_kernel(const CacheStepStats* stats, std::uint32_t heads, CacheStepStats* total) {
+  using Reduce = cub::BlockReduce<CacheStepStats, kStepStatsThreads>;
+  __shared__ typename Reduce::TempStorage reduce;
+  CacheStepStats sum;
+  for (std::uint32_t h = threadIdx.x; h < heads; h += kStepStatsThreads) sum = step_stats_sum(sum, stats[h]);
+  sum = Reduce(reduce).Reduce(sum, StepStatsSum{});
+  if (threadIdx.x == 0) *total = step_stats_sum(*total, sum);
+}
+
+}  // namespace
+
+std::size_t lru_batch_workspace_bytes(std::uint32_t rows) {
+  return 2 * aligned_bytes(std::size_t{rows} * sizeof(std::uint32_t)) + batch_scan_bytes(rows);
+}
+
+void build_lru_batch(const PartitionLookup& lookup, const LruBatchInput& in, const LruBatchOutput& out,
+                     void* workspace, std::size_t workspace_bytes, void* stream) {
+  // Validation first: nothing is enqueued when an argument is wrong.
+  constexpr const char* kBatchFunction = "build_lru_batch";
+  if (lookup.page_tokens == 0) throw_invalid(kBatchFunction, "page_tokens is 0");
+  if (in.rows > 0x7fffffffu) throw_invalid(kBatchFunction, "rows " + std::to_string(in.rows) + " exceed 2^31 - 1");
+  if (std::uint64_t{in.rows} * in.max_selected > 0xffffffffu) {
+    throw_invalid(kBatchFunction, "rows " + std::to_string(in.rows) + " x max_selected " +
+                  std::to_string(in.max_selected) + " exceed 2^32 - 1: the offsets are 32-bit");
+  }
+  if (in.rows == 0) return;
+  if (in.selected_count == nullptr || in.instances == nullptr || out.selection_offsets == nullptr ||
+      out.page_offsets == nullptr) {
+    throw_invalid(kBatchFunction, "null selected_count, instances, selection_offsets or page_offsets");
+  }
+  if (in.max_selected > 0 && (in.selected == nullptr || out.selected == nullptr || out.partition_tokens == nullptr)) {
+    throw_invalid(kBatchFunction, "null selected or partition_tokens with max_selected " +
+                  std::to_string(in.max_selected));
+  }
+  const std::size_t needed = lru_batch_workspace_bytes(in.rows);
+  if (workspace == nullptr || workspace_bytes < needed) {
+    throw_invalid(kBatchFunction, "workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                  std::to_string(needed) + " needed");
+  }
+  const auto s = static_cast<cudaStream_t>(stream);
+  const BatchWorkspace w = carve_batch(workspace, in.rows);
+  lru_batch_count_kernel<<<in.rows, kLruBatchThreads, 0, s>>>(lookup, in, out, w);
+  check_launch(kBatchFunction);
+  std::size_t bytes = w.scan_bytes;
+  cudaError_t status = cub::DeviceScan::InclusiveSum(w.scan, bytes, w.row_counts, out.selection_offsets + 1,
+                                                     static_cast<int>(in.rows), s);
+  if (status != cudaSuccess) throw_cuda(kBatchFunction, "cub::DeviceScan::InclusiveSum", status);
+  status = cub::DeviceScan::InclusiveSum(w.scan, bytes, w.row_pages, out.page_offsets + 1, static_cast<int>(in.rows), s);
+  if (status != cudaSuccess) throw_cuda(kBatchFunction, "cub::DeviceScan::InclusiveSum", status);
+  if (in.max_selected > 0) {
+    lru_batch_fill_kernel<<<in.rows, kLruBatchThreads, 0, s>>>(lookup, in, out);
+    check_launch(kBatchFunction);
+  }
+}
+
+void accumulate_step_stats(const CacheStepStats* stats, std::uint32_t heads, CacheStepStats* total, void* stream) {
+  constexpr const char* kStatsFunction = "accumulate_step_stats";
+  if (total == nullptr) throw_invalid(kStatsFunction, "null total");
+  if (heads == 0) return;
+  if (stats == nullptr) throw_invalid(kStatsFunction, "null stats with " + std::to_string(heads) + " heads");
+  accumulate_step_stats_kernel<<<1, kStepStatsThreads, 0, static_cast<cudaStream_t>(stream)>>>(stats, heads, total);
+  check_launch(kStatsFunction);
 }
 
 }  // namespace sparsekv::cuda
