@@ -5,6 +5,9 @@
 #include <vector>
 
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
+#include "sparsekv/metadata/replica_writes_cuda.hpp"
+#include "sparsekv/metadata/table_replica.hpp"
+#include "sparsekv/transfer/page_transfer.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;
@@ -384,4 +387,64 @@ TEST_CASE("PageTableGeometry from Config sizes pools by tier capacity", "[metada
   REQUIRE(table.bytes().gpu_reserved > 0);
   config.page_tokens = 3;
   REQUIRE_SPARSEKV_ERROR(PageTableGeometry::for_config(config, shape), ErrorCode::invalid_argument);
+}
+
+TEST_CASE("TableReplica entry writes: appended entries reach the replica, kernel-owned words stay", "[metadata]") {
+  HostMemoryResource memory(false), replica_memory(false);
+  HostPageTransfer transfer;
+  HierarchicalPageTable master(small_geometry(), memory, memory);
+  master.add_request(7);
+  master.add_request(9);
+  std::mt19937 rng(5);
+  PageId next_page = 0;
+  const auto append = [&](RequestId r, std::uint32_t layer, std::uint32_t head, std::uint32_t n) {
+    std::vector<std::uint32_t> tokens(n);
+    std::vector<PageId> pages;
+    for (auto& t : tokens) {
+      t = 1 + rng() % 9;
+      for (std::uint32_t p = 0; p < (t + 3) / 4; ++p) pages.push_back(next_page++);
+    }
+    master.append_partitions(r, layer, head, tokens, pages);
+  };
+  append(7, 1, 0, 30);
+  append(9, 0, 1, 5);
+  TableReplica<MetaPartitionEntry> replica(master.meta_table(), replica_memory, transfer);
+  replica.upload(master.meta_table(), master.instance(7, 1, 0), transfer);
+  replica.upload(master.meta_table(), master.instance(9, 0, 1), transfer);
+  const TwoLevelView<MetaPartitionEntry> view = replica.view();
+  const std::size_t a = master.instance(7, 1, 0);
+  // What a kernel owns in the replica: residency bits the master does not know.
+  for (std::uint32_t p = 0; p < 30; p += 3) view.find(a, p)->bits |= MetaPartitionEntry::kResidentBit;
+  std::vector<MetaPartitionEntry> kernel_state;
+  for (std::uint32_t p = 0; p < 30; ++p) kernel_state.push_back(*view.find(a, p));
+
+  // The host appends across a segment boundary (segment_entries 32) and in a
+  // head that had none; the writes are snapshots applied later.
+  append(7, 1, 0, 40);
+  append(9, 1, 1, 3);
+  std::vector<ReplicaWordWrite> writes;
+  replica.entry_writes(master.meta_table(), a, 30, 40, writes);
+  replica.entry_writes(master.meta_table(), master.instance(9, 1, 1), 0, 3, writes);
+  REQUIRE(view.length(a) == 30);  // nothing lands before the writes are applied
+  for (std::uint32_t i = 0; i < writes.size(); ++i) {
+    cuda::apply_replica_write(writes.data(), static_cast<std::uint32_t>(writes.size()), 1u << 20, i);
+  }
+  REQUIRE(view.length(a) == 70);
+  for (std::uint32_t p = 0; p < 70; ++p) {
+    INFO("partition " << p);
+    const MetaPartitionEntry want = p < 30 ? kernel_state[p] : master.meta(7, 1, 0, p);
+    REQUIRE(view.find(a, p)->bits == want.bits);
+  }
+  const std::size_t b = master.instance(9, 1, 1);
+  REQUIRE(view.length(b) == 3);
+  for (std::uint32_t p = 0; p < 3; ++p) REQUIRE(view.find(b, p)->bits == master.meta(9, 1, 1, p).bits);
+  // Writes past the count or the capacity are not applied.
+  const std::uint32_t before = view.length(b);
+  std::uint32_t word = before + 100;
+  const ReplicaWordWrite extra{&word, 1};
+  cuda::apply_replica_write(&extra, 0, 1, 0);
+  cuda::apply_replica_write(&extra, 1, 0, 0);
+  REQUIRE(word == before + 100);
+  cuda::apply_replica_write(&extra, 1, 1, 0);
+  REQUIRE(word == 1);
 }

@@ -393,3 +393,49 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
     REQUIRE(buffer.gpu_pool().used() == 0);
   }
 }
+
+TEST_CASE("append_on_device keeps the host append's bookkeeping, refusing alike", "[buffer]") {
+  HostMemoryResource memory(false);
+  TieredKVBuffer host(kShape, small_config(1.0), memory, memory);
+  TieredKVBuffer device(kShape, small_config(1.0), memory, memory);
+  const RequestBudget budget{2, 0};
+  for (TieredKVBuffer* b : {&host, &device}) b->add_request(3, budget);
+  const std::size_t row = std::size_t{kShape.kv_heads} * kShape.head_dim;
+  std::vector<float> prompt(5 * row, 0.5f);
+  const std::vector<PartitionSpec> specs(kShape.kv_heads, PartitionSpec::uniform(5, kPageTokens));
+  for (TieredKVBuffer* b : {&host, &device}) b->offload(3, 1, KvChunk{prompt.data(), prompt.data(), 5, DType::f32}, specs);
+  std::vector<float> token(row, 1.0f);
+  std::vector<PageId> saved(kShape.kv_heads, kInvalidPage);
+  std::uint32_t fills = 0;
+  for (std::uint32_t t = 0; t < 3 * kPageTokens + 1; ++t) {
+    INFO("token " << t);
+    const std::uint32_t tail = host.tail_tokens(3, 1);
+    host.append(3, 1, KvChunk{token.data(), token.data(), 1, DType::f32});
+    std::fill(saved.begin(), saved.end(), kInvalidPage);
+    const auto slot = device.append_on_device(3, 1, saved);
+    REQUIRE(slot.tail_slot == tail);
+    REQUIRE(slot.fills_tail == (tail + 1 == kPageTokens));
+    REQUIRE(device.sequence_length(3, 1) == host.sequence_length(3, 1));
+    REQUIRE(device.tail_tokens(3, 1) == host.tail_tokens(3, 1));
+    for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+      const std::uint32_t n = host.table().partition_count(3, 1, h);
+      REQUIRE(device.table().partition_count(3, 1, h) == n);
+      REQUIRE(device.table().meta(3, 1, h, n - 1).bits == host.table().meta(3, 1, h, n - 1).bits);
+      std::vector<PageId> want, got;
+      host.table().cpu_pages(3, 1, h, n - 1, want);
+      device.table().cpu_pages(3, 1, h, n - 1, got);
+      REQUIRE(got == want);
+      // The reserved page is the new partition's: where the device saves the tail.
+      if (slot.fills_tail) REQUIRE(saved[h] == got[0]);
+      if (!slot.fills_tail) REQUIRE(saved[h] == kInvalidPage);
+    }
+    fills += slot.fills_tail;
+  }
+  REQUIRE(fills == 3);
+  REQUIRE(device.stats().pages_saved == host.stats().pages_saved);
+  device.validate();
+  std::vector<PageId> one(1);
+  REQUIRE_SPARSEKV_ERROR(device.append_on_device(3, 1, one), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(device.append_on_device(4, 1, saved), ErrorCode::not_found);
+  REQUIRE(device.sequence_length(3, 1) == host.sequence_length(3, 1));
+}

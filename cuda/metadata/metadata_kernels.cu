@@ -1,12 +1,14 @@
 // CUDA kernels of the metadata layer (Spin §5.2 Retrieve lookup path).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "core/launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
 #include "sparsekv/metadata/partition_lookup_cuda.hpp"
+#include "sparsekv/metadata/replica_writes_cuda.hpp"
 
 namespace sparsekv::cuda {
 namespace {
@@ -21,7 +23,27 @@ __global__ void resolve_partition_pages_kernel(PartitionLookup lookup, std::size
   }
 }
 
+__global__ void apply_replica_writes_kernel(const ReplicaWordWrite* writes, const std::uint32_t* count,
+                                            std::uint32_t capacity) {
+  const std::uint32_t n = *count;
+  for (std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < capacity; i += gridDim.x * blockDim.x) {
+    apply_replica_write(writes, n, capacity, i);
+  }
+}
+
 }  // namespace
+
+void apply_replica_writes(const ReplicaWordWrite* writes, const std::uint32_t* count, std::uint32_t capacity,
+                          void* stream) {
+  if (capacity == 0) return;
+  if (writes == nullptr || count == nullptr) {
+    detail::throw_invalid("apply_replica_writes", "null writes or count");
+  }
+  constexpr std::uint32_t kThreads = 256;
+  const std::uint32_t blocks = std::min<std::uint32_t>((capacity + kThreads - 1) / kThreads, 1024);
+  apply_replica_writes_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(writes, count, capacity);
+  detail::check_launch("apply_replica_writes");
+}
 
 void resolve_partition_pages(const PartitionLookup& lookup, std::size_t instance, const PartitionId* partitions,
                              const std::uint32_t* out_offsets, std::uint32_t count, PageId* out, void* stream) {

@@ -355,21 +355,45 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
   stats_.bytes_offloaded += 2 * std::uint64_t{kv.tokens} * shape_.kv_heads * row;
 }
 
+void TieredKVBuffer::check_tail_save(RequestId request, std::uint32_t layer) const {
+  // The full tail becomes a one-page partition per head: check all heads first.
+  const SaveDemand demand = save_demand(request, layer);
+  if (demand.saved_pages > cpu_pool_.available()) {
+    fail(ErrorCode::resource_exhausted, "request {} layer {}: saving the full tail needs {} CPU pages, {} free",
+         request, layer, demand.saved_pages, cpu_pool_.available());
+  }
+  table_.check_segments(demand.segments);
+}
+
+TieredKVBuffer::DeviceAppendSlot TieredKVBuffer::append_on_device(RequestId request, std::uint32_t layer,
+                                                                  std::span<PageId> cpu_pages) {
+  RequestState& s = state(request);
+  check_index("layer", layer, shape_.layers);
+  if (cpu_pages.size() != shape_.kv_heads) {
+    fail(ErrorCode::invalid_argument, "append_on_device: {} CPU page slots for {} kv heads", cpu_pages.size(),
+         shape_.kv_heads);
+  }
+  const DeviceAppendSlot slot{s.tail_tokens[layer], s.tail_tokens[layer] + 1 == config_.page_tokens};
+  if (slot.fills_tail) check_tail_save(request, layer);
+  s.tokens[layer] += 1;
+  s.tail_tokens[layer] = slot.tail_slot + 1;
+  if (!slot.fills_tail) return slot;
+  const PartitionSpec full = PartitionSpec::uniform(config_.page_tokens, config_.page_tokens);
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    cpu_pages[h] = partitions_.map(request, layer, h, full).placements[0].cpu_page;
+  }
+  s.tail_tokens[layer] = 0;
+  stats_.pages_saved += shape_.kv_heads;
+  return slot;
+}
+
 void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChunk& token) {
   RequestState& s = state(request);
   check_chunk(token, layer);
   if (token.tokens != 1) fail(ErrorCode::invalid_argument, "append takes one token, got {}", token.tokens);
   const std::uint32_t slot = s.tail_tokens[layer];
   const bool fills_tail = slot + 1 == config_.page_tokens;
-  if (fills_tail) {
-    // The full tail becomes a one-page partition per head: check all heads first.
-    const SaveDemand demand = save_demand(request, layer);
-    if (demand.saved_pages > cpu_pool_.available()) {
-      fail(ErrorCode::resource_exhausted, "request {} layer {}: saving the full tail needs {} CPU pages, {} free",
-           request, layer, demand.saved_pages, cpu_pool_.available());
-    }
-    table_.check_segments(demand.segments);
-  }
+  if (fills_tail) check_tail_save(request, layer);
   const std::size_t row = layout_.row_bytes();
   moves_.resize(2 * std::size_t{shape_.kv_heads});
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {

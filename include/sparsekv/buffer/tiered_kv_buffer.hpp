@@ -160,6 +160,19 @@ class TieredKVBuffer {
 
   void offload(RequestId request, std::uint32_t layer, const KvChunk& kv, std::span<const PartitionSpec> specs);
   void append(RequestId request, std::uint32_t layer, const KvChunk& token);
+  // The device decode step's append (docs/device-decode.md): the checks and
+  // bookkeeping of append() with no byte moved, the device writing the row
+  // into tail slot `tail_slot` of each head's tail_page() and, when the token
+  // fills the tail, copying the page to the CPU page reserved here. A filling
+  // token maps the full page as a new one-page partition per kv head, as
+  // append() does, and writes head h's reserved CPU page to cpu_pages[h]
+  // (kv_heads entries; untouched otherwise). Throws what append() throws for
+  // the request, layer and pools, changing nothing.
+  struct DeviceAppendSlot {
+    std::uint32_t tail_slot = 0;  // tokens in the tail before this one
+    bool fills_tail = false;
+  };
+  DeviceAppendSlot append_on_device(RequestId request, std::uint32_t layer, std::span<PageId> cpu_pages);
   // `selections[h]`: distinct partition ids of kv head h. Fills `out`.
   void retrieve(RequestId request, std::uint32_t layer, std::span<const std::vector<PartitionId>> selections,
                 Retrieval& out);
@@ -241,6 +254,7 @@ class TieredKVBuffer {
   std::uint64_t heads() const noexcept { return std::uint64_t{shape_.layers} * shape_.kv_heads; }
   std::uint64_t reclaimable_slots(const RequestState& s) const;
   void check_chunk(const KvChunk& kv, std::uint32_t layer) const;
+  void check_tail_save(RequestId request, std::uint32_t layer) const;
   void grow_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void shrink_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void evict_partition(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);

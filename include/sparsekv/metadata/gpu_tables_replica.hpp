@@ -12,6 +12,7 @@
 // and the table's CPU tier must be device-reachable (pinned, mapped) for the
 // lookup the kernels read through.
 #include <cstdint>
+#include <vector>
 
 #include "sparsekv/core/ids.hpp"
 #include "sparsekv/memory/memory_resource.hpp"
@@ -42,6 +43,14 @@ class GpuTablesReplica {
       gpu_pages_.download(table.gpu_page_table(), i, transfer);
     });
     transfer.synchronize();
+  }
+
+  // The writes that bring meta-partition entries [first, first + count) of
+  // `instance`, appended on the host, into the replica without touching the
+  // entries the LRU kernel owns (TableReplica::entry_writes).
+  void meta_entry_writes(const HierarchicalPageTable& table, std::size_t instance, std::uint32_t first,
+                         std::uint32_t count, std::vector<ReplicaWordWrite>& out) const {
+    meta_.entry_writes(table.meta_table(), instance, first, count, out);
   }
 
   // What the LRU step kernel takes: the replicated GPU page table, and the

@@ -21,6 +21,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "sparsekv/memory/memory_resource.hpp"
@@ -28,6 +29,17 @@
 #include "sparsekv/transfer/page_transfer.hpp"
 
 namespace sparsekv {
+
+// One 32-bit word of a replica set to `value`: how the device decode step
+// hands the replica the entries the host appended, inside the step's own
+// arguments (docs/device-decode.md). The values are snapshots taken when the
+// step is planned, so the host may change the master again before the copy
+// runs; and only the words the host wrote are touched, never the residency
+// bits or timestamps the LRU kernel keeps in the replica's other entries.
+struct ReplicaWordWrite {
+  std::uint32_t* word = nullptr;  // in the replica (device memory on the device path)
+  std::uint32_t value = 0;
+};
 
 template <class Entry>
 class TableReplica {
@@ -76,6 +88,36 @@ class TableReplica {
     transfer.write({&length, 1}, sizeof(std::uint32_t));
     segment_moves(master, instance, true);
     transfer.write(moves_, segment_bytes_);
+  }
+
+  // The writes that make entries [first, first + count) of `instance`, its
+  // length and the directory slots of their segments equal the master's,
+  // appended to `out`: for entries the host appended while kernels own the
+  // instance's other entries. Entry is a whole number of 32-bit words.
+  void entry_writes(const TwoLevelTable<Entry>& master, std::size_t instance, std::uint32_t first,
+                    std::uint32_t count, std::vector<ReplicaWordWrite>& out) const {
+    static_assert(sizeof(Entry) % sizeof(std::uint32_t) == 0);
+    if (count == 0) return;
+    const TwoLevelView<Entry> m = master.view();
+    const TwoLevelView<Entry> r = view();
+    const auto words = [&](const Entry& from, Entry* to) {
+      constexpr std::size_t n = sizeof(Entry) / sizeof(std::uint32_t);
+      std::uint32_t value[n];
+      std::memcpy(value, &from, sizeof(Entry));
+      auto* target = reinterpret_cast<std::uint32_t*>(to);
+      for (std::size_t w = 0; w < n; ++w) out.push_back({target + w, value[w]});
+    };
+    const std::uint32_t shift = segment_shift();
+    for (std::uint32_t slot = first >> shift; slot <= (first + count - 1) >> shift; ++slot) {
+      const std::size_t at = instance * directory_length_ + slot;
+      out.push_back({directory_ + at, m.directory[at]});
+    }
+    out.push_back({lengths() + instance, m.lengths[instance]});
+    for (std::uint32_t i = first; i < first + count; ++i) {
+      const std::uint32_t segment = m.directory[instance * directory_length_ + (i >> shift)];
+      const std::size_t offset = (static_cast<std::size_t>(segment) << shift) + (i & ((1u << shift) - 1u));
+      words(m.segments[offset], r.segments + offset);
+    }
   }
 
   // Copies the replica's entries of `instance` into the master, whose
