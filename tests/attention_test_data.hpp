@@ -1,7 +1,9 @@
 #pragma once
-// A random decode-attention batch over a paged pool and the host
-// decode_attention reference, shared by the host emulation of the split-K
-// kernel (test_attention_rules.cpp) and the kernel's GPU test
+// A random decode-attention batch over a paged pool (one entry per row, or
+// several runs per row as an AttendPlan has them), the host decode_attention
+// reference, and a host emulation of the split-K kernel's decomposition;
+// shared by the kernel's rules (test_attention_rules.cpp), the Manager's
+// plans (test_manager.cpp) and the kernel's GPU test
 // (gpu/test_attention_cuda.cpp). The generators take the caller's normal
 // distribution so that one batch draws from a single sequence.
 #include <algorithm>
@@ -15,11 +17,14 @@
 
 #include "sparsekv/attention/attention_partial.hpp"
 #include "sparsekv/attention/decode_attention.hpp"
+#include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/core/numeric.hpp"
 
 namespace sparsekv::test {
 
-// CSR rows over (request, kv head) of pages in a host pool of `stride`-byte pages.
+// Entries (CSR) of pages in a host pool of `stride`-byte pages over rows
+// r = b * kv_heads + h: entry r is row r when row_entries is empty, else row r
+// holds entries row_entries[r] .. row_entries[r + 1] (AttendPlan::head_entries).
 struct AttentionBatch {
   std::uint32_t batch = 0, q_heads = 0, kv_heads = 0;
   PageLayout layout;
@@ -28,12 +33,18 @@ struct AttentionBatch {
   std::vector<std::byte> pool;
   std::vector<std::int64_t> indptr{0}, indices;
   std::vector<std::int32_t> last_page_len;
+  std::vector<std::int64_t> row_entries;  // empty, or [batch * kv_heads + 1]
   std::vector<float> q;
   std::vector<AttentionPartial> extra;  // empty or [batch * q_heads]
-  std::uint32_t max_pages = 0;
+  std::uint32_t max_pages = 0;          // pages of the longest row, over all its entries
 
   const std::byte* page(std::int64_t id) const { return pool.data() + id * stride; }
   std::uint32_t group() const { return q_heads / kv_heads; }
+  // The kernel's view of the entries (host pointers).
+  cuda::DecodeAttentionPages pages() const {
+    return {indptr.data(), last_page_len.data(), row_entries.empty() ? nullptr : row_entries.data(),
+            layout.page_tokens};
+  }
 };
 
 // Random K and V rows in the first `pool_pages` pages (the pool already sized).
@@ -71,6 +82,64 @@ inline void random_rows(AttentionBatch& b, const std::vector<std::uint32_t>& cou
   }
 }
 
+// Pages of each entry of each row: row r % 6 == 1 has no entries, == 2 only
+// a tail (one entry of one page), == 3 an empty entry between two runs; the
+// others 1..max_runs runs of 1..max_run_pages pages, so partial pages fall
+// mid-row wherever random_runs gives a run a short last page.
+inline std::vector<std::vector<std::uint32_t>> random_run_shapes(std::mt19937& rng, std::uint32_t rows,
+                                                                 std::uint32_t max_runs, std::uint32_t max_run_pages) {
+  std::vector<std::vector<std::uint32_t>> shapes(rows);
+  const auto run_pages = [&] { return 1 + std::uint32_t(rng() % max_run_pages); };
+  for (std::uint32_t r = 0; r < rows; ++r) {
+    switch (r % 6) {
+      case 1: break;
+      case 2: shapes[r] = {1}; break;
+      case 3: shapes[r] = {run_pages(), 0, run_pages()}; break;
+      default:
+        for (std::uint32_t e = 1 + std::uint32_t(rng() % max_runs); e > 0; --e) shapes[r].push_back(run_pages());
+    }
+  }
+  return shapes;
+}
+
+inline std::uint32_t total_pages(const std::vector<std::vector<std::uint32_t>>& shapes) {
+  std::uint32_t n = 0;
+  for (const auto& row : shapes) n = std::accumulate(row.begin(), row.end(), n);
+  return n;
+}
+
+// The runs form: entry e of row r gets shapes[r][e] distinct random pool
+// pages and a random last-page length (a third of them full); with `poison`,
+// the slots past it are NaN (they are never read).
+inline void random_runs(AttentionBatch& b, const std::vector<std::vector<std::uint32_t>>& shapes,
+                        std::uint32_t pool_pages, std::mt19937& rng, bool poison) {
+  const PageLayout& layout = b.layout;
+  std::vector<std::int64_t> ids(pool_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::size_t next = 0;
+  b.row_entries.assign(1, 0);
+  for (const auto& row : shapes) {
+    std::uint32_t row_pages = 0;
+    for (const std::uint32_t pages : row) {
+      for (std::uint32_t p = 0; p < pages; ++p) b.indices.push_back(ids[next++]);
+      b.indptr.push_back(static_cast<std::int64_t>(b.indices.size()));
+      const std::uint32_t len = rng() % 3 == 0 ? layout.page_tokens : 1 + std::uint32_t(rng() % layout.page_tokens);
+      b.last_page_len.push_back(static_cast<std::int32_t>(len));
+      if (poison && pages > 0) {
+        std::byte* last = b.pool.data() + b.indices.back() * b.stride;
+        for (std::uint32_t slot = len; slot < layout.page_tokens; ++slot) {
+          std::memset(last + layout.k_offset(slot), 0xff, layout.row_bytes());
+          std::memset(last + layout.v_offset(slot), 0xff, layout.row_bytes());
+        }
+      }
+      row_pages += pages;
+    }
+    b.row_entries.push_back(static_cast<std::int64_t>(b.last_page_len.size()));
+    b.max_pages = std::max(b.max_pages, row_pages);
+  }
+}
+
 inline void random_queries(AttentionBatch& b, std::normal_distribution<float>& normal, std::mt19937& rng) {
   b.q.resize(std::size_t{b.batch} * b.q_heads * b.layout.head_dim);
   for (float& x : b.q) x = normal(rng);
@@ -101,16 +170,115 @@ inline void reference_attention(const AttentionBatch& b, std::vector<float>& out
   for (std::uint32_t r = 0; r < b.batch; ++r) {
     for (std::uint32_t h = 0; h < b.kv_heads; ++h) {
       const std::uint32_t row = r * b.kv_heads + h;
+      const std::int64_t first = b.row_entries.empty() ? row : b.row_entries[row];
+      const std::int64_t end = b.row_entries.empty() ? row + 1 : b.row_entries[row + 1];
       kv[h].clear();
-      for (std::int64_t i = b.indptr[row]; i < b.indptr[row + 1]; ++i)
-        kv[h].add(b.page(b.indices[i]), i + 1 == b.indptr[row + 1] ? std::uint32_t(b.last_page_len[row])
-                                                                    : b.layout.page_tokens);
+      for (std::int64_t e = first; e < end; ++e) {
+        for (std::int64_t i = b.indptr[e]; i < b.indptr[e + 1]; ++i)
+          kv[h].add(b.page(b.indices[i]),
+                    i + 1 == b.indptr[e + 1] ? std::uint32_t(b.last_page_len[e]) : b.layout.page_tokens);
+      }
     }
     const std::span<const AttentionPartial> extra =
         b.extra.empty() ? std::span<const AttentionPartial>{}
                         : std::span<const AttentionPartial>(b.extra).subspan(std::size_t{r} * b.q_heads, b.q_heads);
     decode_attention(b.layout, b.q_heads, b.scale, b.q.data() + std::size_t{r} * b.q_heads * d, kv, extra,
                      out.data() + std::size_t{r} * b.q_heads * d, lse.data() + std::size_t{r} * b.q_heads);
+  }
+}
+
+// One head's state with its accumulator, folded and merged only through the shared functions.
+struct Head {
+  SoftmaxState state;
+  std::vector<float> acc;
+  explicit Head(std::uint32_t d) : acc(d, 0.0f) {}
+
+  void fold(float score, float weight, const float* value) {
+    const RescaleStep step = softmax_fold(state, score, weight);
+    for (std::size_t i = 0; i < acc.size(); ++i) acc[i] = softmax_rescale_add(acc[i], step, value[i]);
+  }
+  void merge(const Head& other) {
+    const RescaleStep step = softmax_merge(state, other.state);
+    for (std::size_t i = 0; i < acc.size(); ++i) acc[i] = softmax_rescale_add(acc[i], step, other.acc[i]);
+  }
+  std::vector<float> output() const {
+    std::vector<float> out(acc.size());
+    for (std::size_t i = 0; i < acc.size(); ++i) out[i] = softmax_output(acc[i], state);
+    return out;
+  }
+};
+
+// The kernel's decomposition in plain C++, through the header's page walk:
+// CTA (row, chunk, slice) walks the chunk's token slots round-robin over
+// `subgroups` online-softmax states, each with its own entry cursor (a
+// kernel thread's), skipping the slots past a run's last token; merges them
+// and writes partial [chunk][q head] to the workspace; the merge phase folds
+// the chunks in order, then the extra term.
+inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttentionSplit& split,
+                            std::uint32_t subgroups, std::vector<float>& out, std::vector<float>& lse) {
+  const std::uint32_t d = b.layout.head_dim;
+  const std::uint32_t group = b.group();
+  const std::uint32_t page_tokens = b.layout.page_tokens;
+  const cuda::DecodeAttentionPages pages = b.pages();
+  const std::size_t batch_q = std::size_t{b.batch} * b.q_heads;
+  std::vector<float> ws_acc(split.chunks * batch_q * d, std::nanf("")), ws_max(split.chunks * batch_q),
+      ws_sum(split.chunks * batch_q);
+  std::vector<float> k(d), v(d);
+  for (std::uint32_t row = 0; row < b.batch * b.kv_heads; ++row) {
+    const cuda::DecodeAttentionRow rp = cuda::decode_attention_row(pages, row);
+    for (std::uint32_t chunk = 0; chunk < split.chunks; ++chunk) {
+      const cuda::DecodeAttentionChunk range =
+          cuda::decode_attention_chunk(rp.pages(), chunk, split.chunk_pages, split.chunks);
+      const std::uint64_t tokens = cuda::decode_attention_chunk_slots(pages, rp, range);
+      std::vector<cuda::DecodeAttentionCursor> cursors;
+      if (tokens > 0) {
+        cursors.assign(subgroups, cuda::DecodeAttentionCursor(pages, rp, rp.begin + std::int64_t(range.first)));
+      }
+      for (std::uint32_t g = 0; g < group; ++g) {
+        const std::size_t q_head = std::size_t{row} * group + g;
+        const float* qg = b.q.data() + q_head * d;
+        std::vector<Head> sub(subgroups, Head(d));
+        std::vector<cuda::DecodeAttentionCursor> walk = cursors;
+        for (std::uint64_t t = 0; t < tokens; ++t) {
+          const std::int64_t pos = rp.begin + std::int64_t(range.first + t / page_tokens);
+          const std::uint32_t slot = std::uint32_t(t % page_tokens);
+          if (slot >= walk[t % subgroups].tokens_at(pages, pos)) continue;
+          const std::byte* p = b.page(b.indices[pos]);
+          for (std::uint32_t i = 0; i < d; ++i) k[i] = load_element(p + b.layout.k_offset(slot), i, b.layout.dtype);
+          for (std::uint32_t i = 0; i < d; ++i) v[i] = load_element(p + b.layout.v_offset(slot), i, b.layout.dtype);
+          float dot = 0;
+          for (std::uint32_t i = 0; i < d; ++i) dot += qg[i] * k[i];
+          sub[t % subgroups].fold(dot * b.scale, 1.0f, v.data());
+        }
+        Head cta(d);
+        for (const Head& s : sub) cta.merge(s);
+        const std::size_t slot = chunk * batch_q + q_head;
+        std::copy(cta.acc.begin(), cta.acc.end(), ws_acc.begin() + slot * d);
+        ws_max[slot] = cta.state.max;
+        ws_sum[slot] = cta.state.sum;
+      }
+    }
+  }
+  out.assign(batch_q * d, 0.0f);
+  lse.assign(batch_q, 0.0f);
+  for (std::size_t h = 0; h < batch_q; ++h) {
+    Head total(d);
+    for (std::uint32_t c = 0; c < split.chunks; ++c) {
+      Head part(d);
+      const std::size_t slot = c * batch_q + h;
+      part.state = SoftmaxState{ws_max[slot], ws_sum[slot]};
+      std::copy(ws_acc.begin() + slot * d, ws_acc.begin() + (slot + 1) * d, part.acc.begin());
+      total.merge(part);
+    }
+    if (!b.extra.empty()) {
+      Head extra(d);
+      extra.state = b.extra[h].state();
+      if (!b.extra[h].acc.empty()) extra.acc = b.extra[h].acc;
+      total.merge(extra);
+    }
+    const std::vector<float> o = total.output();
+    std::copy(o.begin(), o.end(), out.begin() + h * d);
+    lse[h] = softmax_lse(total.state);
   }
 }
 

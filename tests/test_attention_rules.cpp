@@ -1,9 +1,12 @@
 // The online-softmax rules shared by the host backend and the CUDA split-K
 // decode attention kernel (attention_partial.hpp: softmax_fold / _merge /
 // _rescale_add / _lse / _output), the kernel's split planning
-// (split_decode_attention), and a host emulation of the kernel's
-// decomposition (rows -> chunks -> token subgroups -> workspace partials ->
-// merge with the extra term) against the host decode_attention.
+// (split_decode_attention) and page walk over a row's runs
+// (decode_attention_row / _chunk / _chunk_slots / DecodeAttentionCursor), and
+// a host emulation of the kernel's decomposition (rows -> chunks -> token
+// subgroups -> workspace partials -> merge with the extra term,
+// attention_test_data.hpp) against the host decode_attention, in both forms:
+// one entry per row, and an AttendPlan's runs (row_entries).
 //
 // Relative error of an output head: max_d |got - want| / max_d |want|; of an
 // lse: |got - want| / max(1, |want|).
@@ -28,27 +31,6 @@ using namespace sparsekv::test;
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// One head's state with its accumulator, folded and merged only through the shared functions.
-struct Head {
-  SoftmaxState state;
-  std::vector<float> acc;
-  explicit Head(std::uint32_t d) : acc(d, 0.0f) {}
-
-  void fold(float score, float weight, const float* value) {
-    const RescaleStep step = softmax_fold(state, score, weight);
-    for (std::size_t i = 0; i < acc.size(); ++i) acc[i] = softmax_rescale_add(acc[i], step, value[i]);
-  }
-  void merge(const Head& other) {
-    const RescaleStep step = softmax_merge(state, other.state);
-    for (std::size_t i = 0; i < acc.size(); ++i) acc[i] = softmax_rescale_add(acc[i], step, other.acc[i]);
-  }
-  std::vector<float> output() const {
-    std::vector<float> out(acc.size());
-    for (std::size_t i = 0; i < acc.size(); ++i) out[i] = softmax_output(acc[i], state);
-    return out;
-  }
-};
 
 float head_relative_error(const float* got, const float* want, std::size_t n) {
   float num = 0, den = 0;
@@ -306,73 +288,34 @@ Batch random_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_head
   return b;
 }
 
-// The kernel's decomposition in plain C++: CTA (row, chunk, slice) walks the
-// chunk's tokens round-robin over `subgroups` online-softmax states, merges
-// them, writes partial [chunk][q head] to the workspace; the merge phase folds
-// the chunks in order, then the extra term.
-void emulate_split_k(const Batch& b, const cuda::DecodeAttentionSplit& split, std::uint32_t subgroups,
-                     std::vector<float>& out, std::vector<float>& lse) {
+// The same in the runs form: rows of several runs (random_run_shapes).
+Batch random_runs_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads, std::uint32_t group,
+                        PageLayout layout, bool with_extra) {
+  std::normal_distribution<float> normal;
+  Batch b;
+  b.batch = batch;
+  b.kv_heads = kv_heads;
+  b.q_heads = kv_heads * group;
+  b.layout = layout;
+  b.stride = layout.page_bytes();
+  b.scale = (rng() % 2 ? 4.0f : 1.0f) / std::sqrt(float(layout.head_dim));
+  const auto shapes = random_run_shapes(rng, batch * kv_heads, 4, 5);
+  const std::uint32_t pool_pages = total_pages(shapes) + 3;
+  b.pool.resize(std::size_t{pool_pages} * layout.page_bytes());
+  fill_pages(b, pool_pages, normal, rng);
+  random_runs(b, shapes, pool_pages, rng, false);
+  random_queries(b, normal, rng);
+  if (with_extra) random_extra(b, normal, rng, 3, 1, 8);  // no term for heads 1, 4, 7, ...
+  return b;
+}
+
+void require_close(const Batch& b, const std::vector<float>& got_out, const std::vector<float>& got_lse,
+                   const std::vector<float>& want_out, const std::vector<float>& want_lse) {
   const std::uint32_t d = b.layout.head_dim;
-  const std::uint32_t group = b.group();
-  const std::size_t batch_q = std::size_t{b.batch} * b.q_heads;
-  std::vector<float> ws_acc(split.chunks * batch_q * d, std::nanf("")), ws_max(split.chunks * batch_q),
-      ws_sum(split.chunks * batch_q);
-  std::vector<float> k(d), v(d);
-  for (std::uint32_t row = 0; row < b.batch * b.kv_heads; ++row) {
-    const std::int64_t begin = b.indptr[row];
-    const std::uint64_t row_pages = std::uint64_t(b.indptr[row + 1] - begin);
-    for (std::uint32_t chunk = 0; chunk < split.chunks; ++chunk) {
-      const std::uint64_t first = std::uint64_t{chunk} * split.chunk_pages;
-      std::uint64_t last = first + split.chunk_pages;
-      if (chunk + 1 == split.chunks || last > row_pages) last = row_pages;
-      std::uint64_t tokens = 0;
-      if (first < last) {
-        tokens = (last - first) * b.layout.page_tokens;
-        if (last == row_pages) tokens -= b.layout.page_tokens - std::uint32_t(b.last_page_len[row]);
-      }
-      for (std::uint32_t g = 0; g < group; ++g) {
-        const std::size_t q_head = std::size_t{row} * group + g;
-        const float* qg = b.q.data() + q_head * d;
-        std::vector<Head> sub(subgroups, Head(d));
-        for (std::uint64_t t = 0; t < tokens; ++t) {
-          const std::uint64_t page = first + t / b.layout.page_tokens;
-          const std::uint32_t slot = std::uint32_t(t % b.layout.page_tokens);
-          const std::byte* p = b.page(b.indices[begin + page]);
-          for (std::uint32_t i = 0; i < d; ++i) k[i] = load_element(p + b.layout.k_offset(slot), i, b.layout.dtype);
-          for (std::uint32_t i = 0; i < d; ++i) v[i] = load_element(p + b.layout.v_offset(slot), i, b.layout.dtype);
-          float dot = 0;
-          for (std::uint32_t i = 0; i < d; ++i) dot += qg[i] * k[i];
-          sub[t % subgroups].fold(dot * b.scale, 1.0f, v.data());
-        }
-        Head cta(d);
-        for (const Head& s : sub) cta.merge(s);
-        const std::size_t slot = chunk * batch_q + q_head;
-        std::copy(cta.acc.begin(), cta.acc.end(), ws_acc.begin() + slot * d);
-        ws_max[slot] = cta.state.max;
-        ws_sum[slot] = cta.state.sum;
-      }
-    }
-  }
-  out.assign(batch_q * d, 0.0f);
-  lse.assign(batch_q, 0.0f);
-  for (std::size_t h = 0; h < batch_q; ++h) {
-    Head total(d);
-    for (std::uint32_t c = 0; c < split.chunks; ++c) {
-      Head part(d);
-      const std::size_t slot = c * batch_q + h;
-      part.state = SoftmaxState{ws_max[slot], ws_sum[slot]};
-      std::copy(ws_acc.begin() + slot * d, ws_acc.begin() + (slot + 1) * d, part.acc.begin());
-      total.merge(part);
-    }
-    if (!b.extra.empty()) {
-      Head extra(d);
-      extra.state = b.extra[h].state();
-      if (!b.extra[h].acc.empty()) extra.acc = b.extra[h].acc;
-      total.merge(extra);
-    }
-    const std::vector<float> o = total.output();
-    std::copy(o.begin(), o.end(), out.begin() + h * d);
-    lse[h] = softmax_lse(total.state);
+  for (std::size_t h = 0; h < want_lse.size(); ++h) {
+    CAPTURE(h);
+    REQUIRE(head_relative_error(&got_out[h * d], &want_out[h * d], d) <= 1e-5f);
+    REQUIRE(lse_relative_error(got_lse[h], want_lse[h]) <= 1e-5f);
   }
 }
 
@@ -402,11 +345,7 @@ TEST_CASE("host emulation of the split-K kernel matches decode_attention", "[att
             emulate_split_k(b, split, 8, got_out, got_lse);
             CAPTURE(to_string(dtype), head_dim, group, layout.page_tokens, batch, kv_heads, chunk_pages, understate,
                     split.chunks, split.chunk_pages, b.extra.size());
-            for (std::size_t h = 0; h < want_lse.size(); ++h) {
-              CAPTURE(h);
-              REQUIRE(head_relative_error(&got_out[h * head_dim], &want_out[h * head_dim], head_dim) <= 1e-5f);
-              REQUIRE(lse_relative_error(got_lse[h], want_lse[h]) <= 1e-5f);
-            }
+            require_close(b, got_out, got_lse, want_out, want_lse);
             ++cases;
           }
         }
@@ -414,4 +353,87 @@ TEST_CASE("host emulation of the split-K kernel matches decode_attention", "[att
     }
   }
   REQUIRE(cases == 3 * 2 * 5 * 3 * 2);
+}
+
+TEST_CASE("the page walk finds each page's run and token count", "[attention-rules]") {
+  // Row 0: runs of 3 (last page 2 tokens), 0, 0 and 2 pages (full), one of 1 page (len 0: clamped to 1);
+  // row 1: no entries; row 2: one empty entry; row 3: a tail (len 9: clamped to page_tokens 4).
+  const std::vector<std::int64_t> indptr{0, 3, 3, 3, 5, 6, 6, 7};
+  const std::vector<std::int32_t> last{2, 4, 4, 4, 0, 1, 9};
+  const std::vector<std::int64_t> row_entries{0, 5, 5, 6, 7};
+  const cuda::DecodeAttentionPages pages{indptr.data(), last.data(), row_entries.data(), 4};
+  const std::vector<std::uint32_t> want_tokens{4, 4, 2, 4, 4, 1, 4};
+  const std::vector<std::int64_t> want_entry{0, 0, 0, 3, 3, 4, 6};
+  for (std::uint32_t row : {1u, 2u}) REQUIRE(cuda::decode_attention_row(pages, row).pages() == 0);
+  for (std::uint32_t row : {0u, 3u}) {
+    const cuda::DecodeAttentionRow r = cuda::decode_attention_row(pages, row);
+    REQUIRE(r.pages() == (row == 0 ? 6u : 1u));
+    // From every start page, a cursor agrees with the binary search and the
+    // expected counts on every later page of the row.
+    for (std::int64_t start = r.begin; start < r.end; ++start) {
+      cuda::DecodeAttentionCursor cursor(pages, r, start);
+      for (std::int64_t pos = start; pos < r.end; pos += 1 + (start % 2)) {
+        CAPTURE(row, start, pos);
+        REQUIRE(cuda::decode_attention_entry_of(pages, r, pos) == want_entry[pos]);
+        REQUIRE(cuda::decode_attention_page_tokens(pages, want_entry[pos], pos) == want_tokens[pos]);
+        REQUIRE(cursor.tokens_at(pages, pos) == want_tokens[pos]);
+        REQUIRE(cursor.entry == want_entry[pos]);
+      }
+    }
+  }
+  // Chunks of 4 pages over row 0: slots end at the last token of the chunk's last page.
+  const cuda::DecodeAttentionRow r0 = cuda::decode_attention_row(pages, 0);
+  const cuda::DecodeAttentionChunk c0 = cuda::decode_attention_chunk(r0.pages(), 0, 4, 2);
+  const cuda::DecodeAttentionChunk c1 = cuda::decode_attention_chunk(r0.pages(), 1, 4, 2);
+  REQUIRE((c0.first == 0 && c0.last == 4 && c1.first == 4 && c1.last == 6));
+  REQUIRE(cuda::decode_attention_chunk_slots(pages, r0, c0) == 16);
+  REQUIRE(cuda::decode_attention_chunk_slots(pages, r0, c1) == 5);
+  REQUIRE(cuda::decode_attention_chunk_slots(pages, r0, cuda::decode_attention_chunk(r0.pages(), 0, 3, 3)) == 10);
+  // A chunk past the row's end (max_pages overstated) is empty; the last chunk runs to the end (understated).
+  REQUIRE(cuda::decode_attention_chunk_slots(pages, r0, cuda::decode_attention_chunk(r0.pages(), 2, 4, 3)) == 0);
+  REQUIRE(cuda::decode_attention_chunk(r0.pages(), 0, 2, 1).last == 6);
+  // Without row_entries, entry r is row r.
+  const cuda::DecodeAttentionPages one{indptr.data(), last.data(), nullptr, 4};
+  const cuda::DecodeAttentionRow r4 = cuda::decode_attention_row(one, 4);
+  REQUIRE((r4.first_entry == 4 && r4.end_entry == 5 && r4.begin == 5 && r4.end == 6));
+}
+
+TEST_CASE("host emulation of the split-K kernel over a plan's runs matches decode_attention", "[attention-rules]") {
+  std::mt19937 rng(64);
+  int cases = 0;
+  for (const DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+    for (const std::uint32_t head_dim : {64u, 128u}) {
+      for (const std::uint32_t group : {1u, 4u, 12u}) {
+        for (const std::uint32_t page_tokens : {16u, 5u}) {
+          for (const bool with_extra : {false, true}) {
+            const PageLayout layout{page_tokens, head_dim, dtype};
+            const std::uint32_t batch = 2 + rng() % 2;
+            const std::uint32_t kv_heads = group == 12 ? 2 : 2 + rng() % 2;  // >= 4 rows: every row kind
+            const Batch b = random_runs_batch(rng, batch, kv_heads, group, layout, with_extra);
+            std::vector<float> want_out, want_lse;
+            reference_attention(b, want_out, want_lse);
+            cuda::DecodeAttentionShape shape{batch, b.q_heads, kv_heads, layout, b.max_pages, 0};
+            // Automatic splits (one chunk per row, and small chunks), forced chunks that cut runs
+            // anywhere, and max_pages understated (the last chunk runs to each row's end).
+            struct Split {
+              std::uint32_t chunk_pages, target, understate;
+            };
+            for (const Split s : {Split{0, 1, 0}, Split{0, 4096, 0}, Split{1, 0, 0}, Split{2, 0, 0}, Split{3, 0, 7},
+                                  Split{5, 0, 0}, Split{0, 4096, 9}}) {
+              shape.chunk_pages = s.chunk_pages;
+              shape.max_pages = b.max_pages > s.understate ? b.max_pages - s.understate : 0;
+              const cuda::DecodeAttentionSplit split = cuda::split_decode_attention(shape, s.target);
+              std::vector<float> got_out, got_lse;
+              emulate_split_k(b, split, 8, got_out, got_lse);
+              CAPTURE(to_string(dtype), head_dim, group, page_tokens, batch, kv_heads, with_extra, s.chunk_pages,
+                      s.target, s.understate, split.chunks, split.chunk_pages, b.max_pages);
+              require_close(b, got_out, got_lse, want_out, want_lse);
+              ++cases;
+            }
+          }
+        }
+      }
+    }
+  }
+  REQUIRE(cases == 3 * 2 * 3 * 2 * 2 * 7);
 }

@@ -1,6 +1,7 @@
 // The engine-facing facade: many concurrent requests of mixed lengths arriving
 // and finishing at random steps, every built-in policy, checked against dense
 // attention computed directly on the full K/V.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -9,8 +10,8 @@
 #include <random>
 #include <vector>
 
+#include "attention_test_data.hpp"
 #include "sparsekv/core/numeric.hpp"
-#include "sparsekv/facade/attend_runs.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "deferred_backend.hpp"
 #include "sparsekv/sparsekv.hpp"
@@ -255,9 +256,10 @@ TEST_CASE("Manager: AttendPlan runs are FlashInfer-shaped and cover exactly the 
   REQUIRE(plan.gpu_tier_base + plan.indices[1] * plan.page_bytes == manager.buffer().gpu_pool().data(r.plan.gpu_pages[1]));
 }
 
-TEST_CASE("Device-backend Attend: plan runs as kernel rows, merged by LSE, equal the host backend's Attend", "[facade]") {
-  // The CUDA backend's host-side steps around its kernel; decode_attention
-  // stands in for the kernel (each row: one kv head, the group's q heads).
+TEST_CASE("Device-backend Attend: the kernel's walk over a plan's runs equals the host backend's Attend", "[facade]") {
+  // The CUDA backend hands the plan to one launch as is (row_entries =
+  // head_entries, extra as DecodeAttentionExtra); the host emulation of that
+  // launch (attention_test_data.hpp) stands in for the kernel.
   bool several_runs = false, extra_terms = false;
   for (const std::string& name : policy_names()) {
     INFO(name);
@@ -297,27 +299,39 @@ TEST_CASE("Device-backend Attend: plan runs as kernel rows, merged by LSE, equal
     call.out = want.data();
     HostBackend().attend(call);
 
-    RunQueries rows;
-    gather_run_queries(call, rows);
-    REQUIRE(rows.group == kShape.group_size());
-    std::vector<float> run_out(rows.q.size()), run_lse(plan.entries() * rows.group);
-    for (std::size_t e = 0; e < plan.entries(); ++e) {
-      HeadKv kv;
-      for (auto i = plan.indptr[e]; i < plan.indptr[e + 1]; ++i) {
-        const std::uint32_t n = i + 1 == plan.indptr[e + 1] ? std::uint32_t(plan.last_page_len[e]) : call.layout.page_tokens;
-        kv.add(plan.gpu_tier_base + plan.indices[i] * plan.page_bytes, n);
-      }
-      decode_attention(call.layout, rows.group, call.scale, rows.q.data() + e * rows.group * kD, std::span(&kv, 1), {},
-                       run_out.data() + e * rows.group * kD, run_lse.data() + e * rows.group);
+    // The GPU tier up to the last page the plan reads, and the plan's arrays as they are.
+    test::AttentionBatch b;
+    b.batch = call.batch;
+    b.q_heads = call.q_heads;
+    b.kv_heads = call.kv_heads;
+    b.layout = call.layout;
+    b.stride = plan.page_bytes;
+    b.scale = call.scale;
+    const std::int64_t pages =
+        plan.indices.empty() ? 0 : *std::max_element(plan.indices.begin(), plan.indices.end()) + 1;
+    b.pool.assign(plan.gpu_tier_base, plan.gpu_tier_base + pages * plan.page_bytes);
+    b.indptr = plan.indptr;
+    b.indices = plan.indices;
+    b.last_page_len = plan.last_page_len;
+    b.row_entries = plan.head_entries;
+    b.q = qf;
+    b.extra = plan.extra;
+    for (std::size_t r = 0; r + 1 < plan.head_entries.size(); ++r) {
+      const auto row_pages = plan.indptr[plan.head_entries[r + 1]] - plan.indptr[plan.head_entries[r]];
+      b.max_pages = std::max(b.max_pages, static_cast<std::uint32_t>(row_pages));
     }
-    call.out = got.data();
-    merge_run_outputs(call, run_out, run_lse);
-    for (std::size_t i = 0; i < want.size(); ++i) REQUIRE(std::abs(got[i] - want[i]) <= 1e-5f * (1.0f + std::abs(want[i])));
+    for (const std::uint32_t chunk_pages : {0u, 1u, 3u}) {
+      const cuda::DecodeAttentionShape shape{b.batch, b.q_heads, b.kv_heads, b.layout, b.max_pages, chunk_pages};
+      std::vector<float> got_lse;
+      test::emulate_split_k(b, cuda::split_decode_attention(shape, 4096), 8, got, got_lse);
+      INFO("chunk_pages " << chunk_pages);
+      for (std::size_t i = 0; i < want.size(); ++i)
+        REQUIRE(std::abs(got[i] - want[i]) <= 1e-5f * (1.0f + std::abs(want[i])));
+    }
     for (std::size_t h = 0; h + 1 < plan.head_entries.size(); ++h) {
       several_runs |= plan.head_entries[h + 1] - plan.head_entries[h] > 1;
     }
     extra_terms |= !plan.extra.empty();
-    REQUIRE_SPARSEKV_ERROR(merge_run_outputs(call, std::span(run_out).first(kD), run_lse), ErrorCode::invalid_argument);
   }
   REQUIRE(several_runs);  // heads with a partial page mid-selection or a separate tail run
   REQUIRE(extra_terms);   // RetroInfer's estimation zone

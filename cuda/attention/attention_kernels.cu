@@ -2,7 +2,9 @@
 // head-wise pages (Spin §4.1 Attend, §5.2 page layout), GQA, log-sum-exp
 // merge of the chunk partials and of a policy's extra term (RetroInfer §4.2).
 // The online-softmax fold and merge are the softmax_* functions of
-// attention_partial.hpp, shared with the host backend.
+// attention_partial.hpp, shared with the host backend; the walk over a row's
+// pages and runs is the decode_attention_* functions of the header, shared
+// with the host emulation in CI.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -80,12 +82,10 @@ struct SplitParams {
   const float* q;
   const std::byte* page_base;
   std::size_t page_stride;
-  const std::int64_t* indptr;
+  DecodeAttentionPages pages;  // indptr, last_page_len, row_entries, page_tokens
   const std::int64_t* indices;
-  const std::int32_t* last_page_len;
   float scale;
   std::uint32_t group;        // q heads per kv head
-  std::uint32_t page_tokens;
   std::uint32_t chunk_pages;
   std::uint32_t chunks;
   std::uint32_t batch_q;      // batch * q_heads: partials per chunk
@@ -125,22 +125,15 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
   const std::uint32_t heads = p.group - head0 < G ? p.group - head0 : G;
   const std::size_t q_head0 = std::size_t{row} * p.group + head0;  // first q head in [0, batch_q)
 
-  // Pages [first, last) of the row; the last chunk runs to the row's end so
-  // that no page is dropped whatever max_pages the plan assumed.
-  const std::int64_t begin = p.indptr[row];
-  const std::int64_t row_pages_signed = p.indptr[row + 1] - begin;
-  const std::uint64_t row_pages = row_pages_signed > 0 ? static_cast<std::uint64_t>(row_pages_signed) : 0;
-  const std::uint64_t first = std::uint64_t{chunk} * p.chunk_pages;
-  std::uint64_t last = first + p.chunk_pages;
-  if (chunk + 1 == p.chunks || last > row_pages) last = row_pages;
-  std::uint64_t tokens = 0;
-  if (first < last) {
-    tokens = (last - first) * p.page_tokens;
-    if (last == row_pages) {
-      const std::int32_t len = p.last_page_len[row];
-      const std::uint32_t last_len = len < 1 ? 1u : static_cast<std::uint32_t>(len);  // clamped into 1..page_tokens
-      tokens -= p.page_tokens - (last_len < p.page_tokens ? last_len : p.page_tokens);
-    }
+  // The chunk's pages of the row (all its entries, walked as one list) and
+  // this thread's entry cursor, started at the chunk's first page.
+  const std::uint32_t page_tokens = p.pages.page_tokens;
+  const DecodeAttentionRow row_span = decode_attention_row(p.pages, row);
+  const DecodeAttentionChunk range = decode_attention_chunk(row_span.pages(), chunk, p.chunk_pages, p.chunks);
+  const std::uint64_t tokens = decode_attention_chunk_slots(p.pages, row_span, range);
+  DecodeAttentionCursor cursor;
+  if (tokens > 0) {
+    cursor = DecodeAttentionCursor(p.pages, row_span, row_span.begin + static_cast<std::int64_t>(range.first));
   }
 
   float q[G][kPerVec];
@@ -155,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
     }
   }
 
-  const std::size_t block_bytes = std::size_t{p.page_tokens} * kRowBytes;
+  const std::size_t block_bytes = std::size_t{page_tokens} * kRowBytes;
   // Token base = page_index * page_tokens + slot_base, advanced without 64-bit division.
   std::uint64_t page_index = 0;
   std::uint32_t slot_base = 0;
@@ -170,12 +163,16 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
       v_raw[u] = make_uint4(0, 0, 0, 0);
       if (valid[u]) {
         const std::uint32_t in_page = slot_base + offset;
-        const std::uint64_t page = first + page_index + in_page / p.page_tokens;
-        const std::uint32_t slot = in_page % p.page_tokens;
-        const std::byte* k_row = p.page_base + static_cast<std::size_t>(p.indices[begin + page]) * p.page_stride +
-                                 slot * kRowBytes + dim0 * kElemBytes;
-        k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_row));
-        v_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_row + block_bytes));
+        const std::int64_t pos =
+            row_span.begin + static_cast<std::int64_t>(range.first + page_index + in_page / page_tokens);
+        const std::uint32_t slot = in_page % page_tokens;
+        valid[u] = slot < cursor.tokens_at(p.pages, pos);  // false past a run's last token mid-chunk
+        if (valid[u]) {
+          const std::byte* k_row = p.page_base + static_cast<std::size_t>(p.indices[pos]) * p.page_stride +
+                                   slot * kRowBytes + dim0 * kElemBytes;
+          k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_row));
+          v_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_row + block_bytes));
+        }
       }
     }
 #pragma unroll
@@ -209,8 +206,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
       }
     }
     const std::uint32_t advanced = slot_base + kStep;
-    page_index += advanced / p.page_tokens;
-    slot_base = advanced % p.page_tokens;
+    page_index += advanced / page_tokens;
+    slot_base = advanced % page_tokens;
   }
 
   // Merge the warp's subgroups (lanes kLanesPerRow, 2 kLanesPerRow, ... apart).
@@ -395,15 +392,14 @@ void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAtte
   float* ws_acc = static_cast<float*>(args.workspace);
   float* ws_max = ws_acc + std::size_t{split.chunks} * batch_q * shape.layout.head_dim;
   float* ws_sum = ws_max + std::size_t{split.chunks} * batch_q;
+  const DecodeAttentionPages pages{args.indptr, args.last_page_len, args.row_entries, shape.layout.page_tokens};
   const SplitParams sp{args.q,
                        args.page_base,
                        args.page_stride,
-                       args.indptr,
+                       pages,
                        args.indices,
-                       args.last_page_len,
                        args.scale,
                        shape.q_heads / shape.kv_heads,
-                       shape.layout.page_tokens,
                        split.chunk_pages,
                        split.chunks,
                        batch_q,

@@ -7,7 +7,6 @@
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/core/device.hpp"
 #include "sparsekv/core/error.hpp"
-#include "sparsekv/facade/attend_runs.hpp"
 
 namespace sparsekv::cuda {
 namespace {
@@ -23,7 +22,8 @@ CudaBackend::CudaBackend() : transfer_(std::make_unique<DevicePageTransfer>()) {
 CudaBackend::~CudaBackend() {
   // A destructor cannot report a failed synchronisation; the buffers go either way.
   cudaStreamSynchronize(static_cast<cudaStream_t>(transfer_->stream()));
-  for (DeviceBuffer* b : {&q_, &indptr_, &indices_, &last_page_len_, &out_, &lse_, &workspace_}) cudaFree(b->data);
+  for (DeviceBuffer* b : {&q_, &indptr_, &indices_, &last_page_len_, &head_entries_, &extra_, &out_, &workspace_})
+    cudaFree(b->data);
 }
 
 void* CudaBackend::device_bytes(DeviceBuffer& buffer, std::size_t bytes) {
@@ -46,48 +46,64 @@ void CudaBackend::check_attend(const PageLayout& layout, std::uint32_t q_heads, 
 }
 
 void CudaBackend::attend(const AttendCall& call) {
-  const AttendPlan& plan = *call.plan;
-  const std::size_t runs = plan.entries();
-  const auto stream = static_cast<cudaStream_t>(transfer_->stream());
-  gather_run_queries(call, runs_);
-  run_out_.assign(runs_.q.size(), 0.0f);
-  run_lse_.assign(runs * runs_.group, kNegativeInfinity);
-  if (runs > 0) {
-    DecodeAttentionShape shape;
-    shape.batch = static_cast<std::uint32_t>(runs);
-    shape.q_heads = runs_.group;
-    shape.kv_heads = 1;
-    shape.layout = call.layout;
-    shape.max_pages = runs_.max_pages;
-    const DecodeAttentionSplit split = plan_sparse_decode_attention(shape);
-    const auto upload = [&](DeviceBuffer& buffer, const void* data, std::size_t bytes) {
-      void* d = device_bytes(buffer, bytes);
-      check(cudaMemcpyAsync(d, data, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync H2D");
-      return d;
-    };
-    DecodeAttentionArgs args;
-    args.q = static_cast<const float*>(upload(q_, runs_.q.data(), runs_.q.size() * sizeof(float)));
-    args.indptr = static_cast<const std::int64_t*>(
-        upload(indptr_, plan.indptr.data(), plan.indptr.size() * sizeof(std::int64_t)));
-    args.indices = static_cast<const std::int64_t*>(
-        upload(indices_, plan.indices.data(), plan.indices.size() * sizeof(std::int64_t)));
-    args.last_page_len = static_cast<const std::int32_t*>(
-        upload(last_page_len_, plan.last_page_len.data(), runs * sizeof(std::int32_t)));
-    args.page_base = plan.gpu_tier_base;
-    args.page_stride = plan.page_bytes;
-    args.scale = call.scale;
-    args.out = static_cast<float*>(device_bytes(out_, run_out_.size() * sizeof(float)));
-    args.lse = static_cast<float*>(device_bytes(lse_, run_lse_.size() * sizeof(float)));
-    args.workspace = device_bytes(workspace_, std::max<std::size_t>(split.workspace_bytes, 16));
-    args.workspace_bytes = workspace_.bytes;
-    sparse_decode_attention(shape, args, stream);
-    check(cudaMemcpyAsync(run_out_.data(), args.out, run_out_.size() * sizeof(float), cudaMemcpyDeviceToHost, stream),
-          "cudaMemcpyAsync D2H");
-    check(cudaMemcpyAsync(run_lse_.data(), args.lse, run_lse_.size() * sizeof(float), cudaMemcpyDeviceToHost, stream),
-          "cudaMemcpyAsync D2H");
+  if (call.batch == 0) {
+    transfer_->synchronize();  // nothing to attend, but the stream is drained on return as after any step
+    return;
   }
+  const AttendPlan& plan = *call.plan;
+  const auto stream = static_cast<cudaStream_t>(transfer_->stream());
+  const std::uint32_t dim = call.layout.head_dim;
+  const std::size_t heads = std::size_t{call.batch} * call.q_heads;
+  DecodeAttentionShape shape;
+  shape.batch = call.batch;
+  shape.q_heads = call.q_heads;
+  shape.kv_heads = call.kv_heads;
+  shape.layout = call.layout;
+  // The plan is on the host here, so its longest row sizes the split (the
+  // device step passes a capacity instead).
+  for (std::size_t r = 0; r + 1 < plan.head_entries.size(); ++r) {
+    const std::int64_t pages = plan.indptr[plan.head_entries[r + 1]] - plan.indptr[plan.head_entries[r]];
+    shape.max_pages = std::max(shape.max_pages, static_cast<std::uint32_t>(pages));
+  }
+  const DecodeAttentionSplit split = plan_sparse_decode_attention(shape);
+  // At least 16 bytes each, so that an empty array (a plan with no pages) is still a valid pointer.
+  const auto upload = [&](DeviceBuffer& buffer, const void* data, std::size_t bytes) {
+    void* d = device_bytes(buffer, std::max<std::size_t>(bytes, 16));
+    if (bytes > 0) check(cudaMemcpyAsync(d, data, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync H2D");
+    return d;
+  };
+  const auto bytes_of = [](const auto& v) { return v.size() * sizeof(v[0]); };
+  DecodeAttentionArgs args;
+  args.q = static_cast<const float*>(upload(q_, call.q, heads * dim * sizeof(float)));
+  args.page_base = plan.gpu_tier_base;
+  args.page_stride = plan.page_bytes;
+  args.indptr = static_cast<const std::int64_t*>(upload(indptr_, plan.indptr.data(), bytes_of(plan.indptr)));
+  args.indices = static_cast<const std::int64_t*>(upload(indices_, plan.indices.data(), bytes_of(plan.indices)));
+  args.last_page_len =
+      static_cast<const std::int32_t*>(upload(last_page_len_, plan.last_page_len.data(), bytes_of(plan.last_page_len)));
+  args.row_entries =
+      static_cast<const std::int64_t*>(upload(head_entries_, plan.head_entries.data(), bytes_of(plan.head_entries)));
+  args.scale = call.scale;
+  if (!plan.extra.empty()) {
+    // An empty term (sum 0) may have no accumulator: its zeros are never read.
+    extra_host_.assign(heads * (std::size_t{dim} + 2), 0.0f);
+    for (std::size_t h = 0; h < heads; ++h) {
+      const AttentionPartial& e = plan.extra[h];
+      extra_host_[h] = e.max;
+      extra_host_[heads + h] = e.sum;
+      std::copy_n(e.acc.begin(), std::min<std::size_t>(e.acc.size(), dim),
+                  extra_host_.begin() + static_cast<std::ptrdiff_t>(2 * heads + h * dim));
+    }
+    const auto* extra = static_cast<const float*>(upload(extra_, extra_host_.data(), bytes_of(extra_host_)));
+    args.extra = {extra, extra + heads, extra + 2 * heads};
+  }
+  args.out = static_cast<float*>(device_bytes(out_, heads * dim * sizeof(float)));
+  args.workspace = device_bytes(workspace_, std::max<std::size_t>(split.workspace_bytes, 16));
+  args.workspace_bytes = workspace_.bytes;
+  sparse_decode_attention(shape, args, stream);
+  check(cudaMemcpyAsync(call.out, args.out, heads * dim * sizeof(float), cudaMemcpyDeviceToHost, stream),
+        "cudaMemcpyAsync D2H");
   transfer_->synchronize();
-  merge_run_outputs(call, run_out_, run_lse_);
 }
 
 std::unique_ptr<Backend> make_best_backend() {

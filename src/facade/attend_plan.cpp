@@ -1,6 +1,3 @@
-#include <algorithm>
-
-#include "sparsekv/facade/attend_runs.hpp"
 #include "sparsekv/facade/manager.hpp"
 
 namespace sparsekv::detail {
@@ -46,57 +43,6 @@ void HostBackend::attend(const AttendCall& call) {
         plan.extra.empty() ? std::span<const AttentionPartial>{}
                            : std::span(plan.extra).subspan(std::size_t{b} * call.q_heads, call.q_heads);
     decode_attention(call.layout, call.q_heads, call.scale, call.q + b * qd, kv, extra, call.out + b * qd);
-  }
-}
-
-}  // namespace sparsekv
-
-namespace sparsekv {
-
-void gather_run_queries(const AttendCall& call, RunQueries& out) {
-  const AttendPlan& plan = *call.plan;
-  const std::size_t dim = call.layout.head_dim;
-  out.group = call.q_heads / call.kv_heads;
-  out.max_pages = 0;
-  out.q.resize(plan.entries() * out.group * dim);
-  for (std::uint32_t b = 0; b < call.batch; ++b) {
-    for (std::uint32_t h = 0; h < call.kv_heads; ++h) {
-      const std::size_t head = std::size_t{b} * call.kv_heads + h;
-      const float* q = call.q + (std::size_t{b} * call.q_heads + std::size_t{h} * out.group) * dim;
-      for (auto e = plan.head_entries[head]; e < plan.head_entries[head + 1]; ++e) {
-        std::copy(q, q + out.group * dim, out.q.begin() + static_cast<std::ptrdiff_t>(e * out.group * dim));
-        out.max_pages = std::max(out.max_pages, static_cast<std::uint32_t>(plan.indptr[e + 1] - plan.indptr[e]));
-      }
-    }
-  }
-}
-
-void merge_run_outputs(const AttendCall& call, std::span<const float> run_out, std::span<const float> run_lse) {
-  const AttendPlan& plan = *call.plan;
-  const std::uint32_t dim = call.layout.head_dim;
-  const std::uint32_t group = call.q_heads / call.kv_heads;
-  if (run_lse.size() != plan.entries() * group || run_out.size() != run_lse.size() * dim) {
-    fail(ErrorCode::invalid_argument, "merge_run_outputs: {} outputs / {} lse for {} runs of {} q heads",
-         run_out.size(), run_lse.size(), plan.entries(), group);
-  }
-  AttentionPartial merged(dim), run(dim);
-  for (std::uint32_t b = 0; b < call.batch; ++b) {
-    for (std::uint32_t j = 0; j < call.q_heads; ++j) {
-      const std::size_t head = std::size_t{b} * call.kv_heads + j / group;
-      merged.max = kNegativeInfinity;
-      merged.sum = 0.0f;
-      std::fill(merged.acc.begin(), merged.acc.end(), 0.0f);
-      for (auto e = plan.head_entries[head]; e < plan.head_entries[head + 1]; ++e) {
-        const std::size_t row = static_cast<std::size_t>(e) * group + j % group;
-        if (run_lse[row] == kNegativeInfinity) continue;  // the run attended to nothing
-        run.max = run_lse[row];
-        run.sum = 1.0f;
-        std::copy_n(run_out.begin() + static_cast<std::ptrdiff_t>(row * dim), dim, run.acc.begin());
-        merged.merge(run);
-      }
-      if (!plan.extra.empty()) merged.merge(plan.extra[std::size_t{b} * call.q_heads + j]);
-      merged.write_output(call.out + (std::size_t{b} * call.q_heads + j) * dim);
-    }
   }
 }
 

@@ -3,7 +3,10 @@
 // kv head) including 0 and 1 page, partial last pages, GQA groups 1 / 3 / 4 /
 // 8 / 12, head_dim 64 / 128, fp32 / fp16 / bf16 pages, page strides wider
 // than a page, forced and automatic chunk sizes, with and without the extra
-// term. Both backends read the same page bytes; they differ only in fp32
+// term; and the runs form (row_entries: AttendPlan's several runs per row,
+// partial pages mid-row, empty rows and entries, tail-only rows) in one
+// launch, eagerly and replayed from a CUDA graph while the plan changes.
+// Both backends read the same page bytes; they differ only in fp32
 // summation order.
 //
 // Relative error of an output head (request, q head): max_d |kernel - host|
@@ -47,12 +50,16 @@ std::vector<T> download(const DeviceBytes& buffer, std::size_t count) {
 struct CaseSpec {
   std::uint32_t batch, kv_heads, group;
   PageLayout layout;
-  std::uint32_t max_row_pages;  // row page counts drawn from 0..max_row_pages
+  std::uint32_t max_row_pages;  // row page counts drawn from 0..max_row_pages (runs form: pages per run)
   bool extra;
   std::uint32_t chunk_pages;  // 0 = automatic
   std::size_t stride_pad;     // bytes added to page_bytes for the pool stride (multiple of 16)
   float scale_factor;         // scale = factor / sqrt(head_dim); 4 makes peaky softmaxes
   std::uint32_t understate;   // pages subtracted from the true max_pages passed to the kernel
+  // 0: one entry per row. Else the runs form: up to `runs` runs of
+  // 1..max_row_pages pages per row (random_run_shapes).
+  std::uint32_t runs;
+  std::uint32_t pool_pages;  // at least this many pool pages (a graph's fixed capacity); 0: just enough
 };
 
 // A random batch in a host pool laid out exactly like the device pool.
@@ -68,14 +75,26 @@ AttentionBatch make_batch(std::mt19937& rng, const CaseSpec& spec) {
   b.scale = spec.scale_factor / std::sqrt(float(layout.head_dim));
   const std::uint32_t rows = spec.batch * spec.kv_heads;
   std::vector<std::uint32_t> counts(rows);
-  for (std::uint32_t r = 0; r < rows; ++r)
-    counts[r] = r % 5 == 1 ? 0 : r % 5 == 3 ? 1 : std::uint32_t(rng() % (spec.max_row_pages + 1));
-  if (rows > 0) counts[rows - 1] = spec.max_row_pages;  // one row at the maximum
-  const std::uint32_t total = std::accumulate(counts.begin(), counts.end(), 0u);
-  const std::uint32_t pool_pages = total + 3;
+  std::vector<std::vector<std::uint32_t>> shapes;
+  std::uint32_t total = 0;
+  if (spec.runs == 0) {
+    for (std::uint32_t r = 0; r < rows; ++r)
+      counts[r] = r % 5 == 1 ? 0 : r % 5 == 3 ? 1 : std::uint32_t(rng() % (spec.max_row_pages + 1));
+    if (rows > 0) counts[rows - 1] = spec.max_row_pages;  // one row at the maximum
+    total = std::accumulate(counts.begin(), counts.end(), 0u);
+  } else {
+    shapes = random_run_shapes(rng, rows, spec.runs, spec.max_row_pages);
+    total = total_pages(shapes);
+  }
+  const std::uint32_t pool_pages = std::max(total + 3, spec.pool_pages);
   b.pool.assign(pool_pages * b.stride, std::byte{0xff});  // padding and unused rows hold NaN patterns
   fill_pages(b, pool_pages, normal, rng);
-  random_rows(b, counts, pool_pages, rng, true);  // rows past a partial last page are never read: NaN
+  // Slots past a partial last page are never read: NaN.
+  if (spec.runs == 0) {
+    random_rows(b, counts, pool_pages, rng, true);
+  } else {
+    random_runs(b, shapes, pool_pages, rng, true);
+  }
   random_queries(b, normal, rng);
   if (spec.extra) random_extra(b, normal, rng, 4, 2, 16);  // no term for heads 2, 6, 10, ...
   return b;
@@ -85,64 +104,11 @@ struct Errors {
   float out = 0, lse = 0;
 };
 
-Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
-  const AttentionBatch b = make_batch(rng, spec);
-  const std::uint32_t d = spec.layout.head_dim;
-  const std::size_t batch_q = std::size_t{spec.batch} * b.q_heads;
-  std::vector<float> want_out, want_lse;
-  reference_attention(b, want_out, want_lse);
-
-  cuda::DecodeAttentionShape shape;
-  shape.batch = spec.batch;
-  shape.q_heads = b.q_heads;
-  shape.kv_heads = spec.kv_heads;
-  shape.layout = spec.layout;
-  shape.max_pages = b.max_pages > spec.understate ? b.max_pages - spec.understate : 0;
-  shape.chunk_pages = spec.chunk_pages;
-  const cuda::DecodeAttentionSplit split = cuda::plan_sparse_decode_attention(shape);
-
-  const DeviceArray<std::byte> pool(b.pool);
-  const DeviceArray<float> q(b.q);
-  const DeviceArray<std::int64_t> indptr(b.indptr), indices(b.indices);
-  const DeviceArray<std::int32_t> last(b.last_page_len);
-  std::vector<float> extra_max, extra_sum, extra_acc;
-  for (const AttentionPartial& e : b.extra) {
-    extra_max.push_back(e.max);
-    extra_sum.push_back(e.sum);
-    extra_acc.insert(extra_acc.end(), e.acc.begin(), e.acc.end());
-  }
-  const DeviceArray<float> d_extra_max(extra_max), d_extra_sum(extra_sum), d_extra_acc(extra_acc);
-  DeviceBytes out(batch_q * d * sizeof(float)), lse(batch_q * sizeof(float)), workspace(split.workspace_bytes);
-  // NaN everywhere first: an output the kernel does not write fails the comparison.
-  check(cudaMemset(out.data, 0xff, batch_q * d * sizeof(float)));
-  check(cudaMemset(lse.data, 0xff, batch_q * sizeof(float)));
-  check(cudaMemset(workspace.data, 0xff, split.workspace_bytes));
-
-  cuda::DecodeAttentionArgs args;
-  args.q = q.data;
-  args.page_base = pool.data;
-  args.page_stride = b.stride;
-  args.indptr = indptr.data;
-  args.indices = indices.data;
-  args.last_page_len = last.data;
-  args.scale = b.scale;
-  if (spec.extra) args.extra = {d_extra_max.data, d_extra_sum.data, d_extra_acc.data};
-  args.out = out.as<float>();
-  args.lse = lse.as<float>();
-  args.workspace = workspace.data;
-  args.workspace_bytes = split.workspace_bytes;
-  // The uploads and fills above ran on the legacy default stream, which a
-  // cudaStreamNonBlocking stream does not wait for (a pageable cudaMemcpy may
-  // even return before its DMA lands): finish them before launching.
-  check(cudaDeviceSynchronize());
-  cuda::sparse_decode_attention(shape, args, stream);
-  check(cudaStreamSynchronize(stream));
-  check(cudaGetLastError());
-
-  const std::vector<float> got_out = download<float>(out, batch_q * d);
-  const std::vector<float> got_lse = download<float>(lse, batch_q);
+// The kernel's outputs against the host's, head by head (REQUIREs the bound).
+Errors compare(const std::vector<float>& got_out, const std::vector<float>& got_lse,
+               const std::vector<float>& want_out, const std::vector<float>& want_lse, std::uint32_t d) {
   Errors worst;
-  for (std::size_t h = 0; h < batch_q; ++h) {
+  for (std::size_t h = 0; h < want_lse.size(); ++h) {
     float num = 0, den = 0;
     bool finite = true;
     for (std::uint32_t i = 0; i < d; ++i) {
@@ -163,6 +129,86 @@ Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
     worst.lse = std::max(worst.lse, lse_error);
   }
   return worst;
+}
+
+// A batch's arrays on the device, each at least `capacity` of its kind so
+// that a captured launch keeps its pointers while later batches are loaded.
+struct DeviceBatch {
+  DeviceArray<std::byte> pool;
+  DeviceArray<float> q, extra_max, extra_sum, extra_acc, out, lse;
+  DeviceArray<std::int64_t> indptr, indices, row_entries;
+  DeviceArray<std::int32_t> last;
+  DeviceArray<std::byte> workspace;
+
+  // Uploads b (fills out and lse with NaN: an output the kernel does not write fails the comparison).
+  void load(const AttentionBatch& b, std::size_t workspace_bytes) {
+    pool.upload(b.pool);
+    q.upload(b.q);
+    indptr.upload(b.indptr);
+    indices.upload(b.indices);
+    last.upload(b.last_page_len);
+    row_entries.upload(b.row_entries);
+    std::vector<float> max, sum, acc;
+    for (const AttentionPartial& e : b.extra) {
+      max.push_back(e.max);
+      sum.push_back(e.sum);
+      acc.insert(acc.end(), e.acc.begin(), e.acc.end());
+    }
+    extra_max.upload(max);
+    extra_sum.upload(sum);
+    extra_acc.upload(acc);
+    const std::size_t heads = std::size_t{b.batch} * b.q_heads;
+    out.reserve(heads * b.layout.head_dim);
+    lse.reserve(heads);
+    workspace.reserve(workspace_bytes);
+    check(cudaMemset(out.data, 0xff, out.size * sizeof(float)));
+    check(cudaMemset(lse.data, 0xff, lse.size * sizeof(float)));
+    check(cudaMemset(workspace.data, 0xff, workspace_bytes));
+    // The fills ran on the legacy default stream, which a cudaStreamNonBlocking
+    // stream does not wait for: finish them before launching.
+    check(cudaDeviceSynchronize());
+  }
+
+  cuda::DecodeAttentionArgs args(const AttentionBatch& b, std::size_t workspace_bytes) const {
+    cuda::DecodeAttentionArgs a;
+    a.q = q.data;
+    a.page_base = pool.data;
+    a.page_stride = b.stride;
+    a.indptr = indptr.data;
+    a.indices = indices.data;
+    a.last_page_len = last.data;
+    a.row_entries = b.row_entries.empty() ? nullptr : row_entries.data;
+    a.scale = b.scale;
+    if (!b.extra.empty()) a.extra = {extra_max.data, extra_sum.data, extra_acc.data};
+    a.out = out.data;
+    a.lse = lse.data;
+    a.workspace = workspace.data;
+    a.workspace_bytes = workspace_bytes;
+    return a;
+  }
+};
+
+Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
+  const AttentionBatch b = make_batch(rng, spec);
+  const std::uint32_t d = spec.layout.head_dim;
+  std::vector<float> want_out, want_lse;
+  reference_attention(b, want_out, want_lse);
+
+  cuda::DecodeAttentionShape shape;
+  shape.batch = spec.batch;
+  shape.q_heads = b.q_heads;
+  shape.kv_heads = spec.kv_heads;
+  shape.layout = spec.layout;
+  shape.max_pages = b.max_pages > spec.understate ? b.max_pages - spec.understate : 0;
+  shape.chunk_pages = spec.chunk_pages;
+  const cuda::DecodeAttentionSplit split = cuda::plan_sparse_decode_attention(shape);
+
+  DeviceBatch dev;
+  dev.load(b, split.workspace_bytes);
+  cuda::sparse_decode_attention(shape, dev.args(b, split.workspace_bytes), stream);
+  check(cudaStreamSynchronize(stream));
+  check(cudaGetLastError());
+  return compare(dev.out.download(), dev.lse.download(), want_out, want_lse, d);
 }
 
 }  // namespace
@@ -208,7 +254,7 @@ TEST_CASE("sparse_decode_attention splits long selections over many chunks", "[g
   // 16), bf16, GQA 4, head_dim 128, automatic split (many chunks per row).
   for (const std::uint32_t batch : {1u, 4u}) {
     for (const bool extra : {false, true}) {
-      CaseSpec spec{batch, 8, 4, PageLayout{16, 128, DType::bf16}, 128, extra, 0, 0, 1.0f, 0};
+      CaseSpec spec{batch, 8, 4, PageLayout{16, 128, DType::bf16}, 128, extra, 0, 0, 1.0f, 0, 0, 0};
       CAPTURE(batch, extra);
       const Errors e = run_case(rng, spec, nullptr);
       std::printf("2048-token rows, batch %u, extra %d: max relative error out %.3g, lse %.3g\n", batch, int(extra),
@@ -217,6 +263,102 @@ TEST_CASE("sparse_decode_attention splits long selections over many chunks", "[g
   }
   cuda::DecodeAttentionShape shape{1, 32, 8, PageLayout{16, 128, DType::bf16}, 128, 0};
   REQUIRE(cuda::plan_sparse_decode_attention(shape).chunks > 1);
+}
+
+TEST_CASE("sparse_decode_attention attends a plan's runs in one launch", "[gpu][attention]") {
+  std::mt19937 rng(73);
+  Errors worst;
+  int cases = 0;
+  const Stream stream;
+  for (const DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+    for (const std::uint32_t head_dim : {64u, 128u}) {
+      for (const std::uint32_t group : {1u, 4u, 12u}) {
+        for (const std::uint32_t page_tokens : {16u, 5u}) {
+          CaseSpec spec{};
+          spec.batch = 2 + std::uint32_t(rng() % 4);
+          spec.kv_heads = group == 12 ? 2 : 2 + std::uint32_t(rng() % 3);  // >= 4 rows: every kind of row
+          spec.group = group;
+          spec.layout = PageLayout{page_tokens, head_dim, dtype};
+          spec.max_row_pages = 6;  // per run
+          spec.runs = 4;
+          spec.extra = rng() % 2 == 0;
+          spec.chunk_pages = std::uint32_t(rng() % 4);  // 0 (auto), or 1..3: chunks that cut runs anywhere
+          spec.stride_pad = rng() % 2 == 0 ? 0 : 16 * (1 + rng() % 3);
+          spec.scale_factor = rng() % 2 == 0 ? 1.0f : 4.0f;
+          spec.understate = rng() % 4 == 0 ? 5 : 0;
+          CAPTURE(to_string(dtype), head_dim, group, page_tokens, spec.batch, spec.kv_heads, spec.extra,
+                  spec.chunk_pages, spec.stride_pad, spec.scale_factor, spec.understate);
+          const Errors e = run_case(rng, spec, rng() % 2 == 0 ? stream.stream : nullptr);
+          worst.out = std::max(worst.out, e.out);
+          worst.lse = std::max(worst.lse, e.lse);
+          ++cases;
+        }
+      }
+    }
+  }
+  REQUIRE(cases == 3 * 2 * 3 * 2);
+  std::printf("sparse_decode_attention, runs form, vs host: %d cases, max relative error out %.3g, lse %.3g\n", cases,
+              double(worst.out), double(worst.lse));
+}
+
+TEST_CASE("sparse_decode_attention over runs captured once replays new plans", "[gpu][attention]") {
+  std::mt19937 rng(74);
+  // Fixed capacities: rows x (4 runs of <= 6 pages); every replay draws a new
+  // plan (counts, runs, pages, lengths, q, extra terms) into the same arrays.
+  CaseSpec spec{4, 4, 4, PageLayout{16, 128, DType::bf16}, 6, true, 0, 16, 1.0f, 0, 4, 0};
+  const std::uint32_t rows = spec.batch * spec.kv_heads;
+  const std::uint32_t max_pages = 4 * spec.max_row_pages;
+  spec.pool_pages = rows * max_pages + 3;
+  cuda::DecodeAttentionShape shape{spec.batch, spec.kv_heads * spec.group, spec.kv_heads, spec.layout, max_pages, 0};
+  const cuda::DecodeAttentionSplit split = cuda::plan_sparse_decode_attention(shape);
+  const Stream stream;
+  DeviceBatch dev;
+  // Reserve the capacities once: loads below never reallocate, so the graph's pointers stay valid.
+  dev.indptr.reserve(rows * 5 + 1);
+  dev.indices.reserve(rows * max_pages);
+  dev.last.reserve(rows * 5);
+  AttentionBatch b = make_batch(rng, spec);
+  dev.load(b, split.workspace_bytes);  // the warm-up reads what a real step would: never uninitialised memory
+  const cuda::DecodeAttentionArgs args = dev.args(b, split.workspace_bytes);
+  cuda::sparse_decode_attention(shape, args, stream.stream);  // warms the memoised device queries outside the capture
+  check(cudaStreamSynchronize(stream.stream));
+  cudaGraph_t graph = nullptr;
+  check(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeThreadLocal));
+  cuda::sparse_decode_attention(shape, args, stream.stream);
+  check(cudaStreamEndCapture(stream.stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  check(cudaGraphInstantiate(&exec, graph, 0));
+  const std::size_t heads = std::size_t{spec.batch} * shape.q_heads;
+  DeviceArray<float> eager_out(heads * spec.layout.head_dim), eager_lse(heads);
+  cuda::DecodeAttentionArgs eager = args;
+  eager.out = eager_out.data;
+  eager.lse = eager_lse.data;
+  Errors worst;
+  for (int replay = 0; replay < 12; ++replay) {
+    INFO("replay " << replay);
+    if (replay > 0) {
+      b = make_batch(rng, spec);
+      dev.load(b, split.workspace_bytes);
+    }
+    REQUIRE(dev.pool.data == args.page_base);
+    REQUIRE(dev.indices.data == args.indices);
+    std::vector<float> want_out, want_lse;
+    reference_attention(b, want_out, want_lse);
+    // The eager launch with the same shape, then the graph: the same split, so bit for bit the same outputs.
+    cuda::sparse_decode_attention(shape, eager, stream.stream);
+    check(cudaGraphLaunch(exec, stream.stream));
+    check(cudaStreamSynchronize(stream.stream));
+    const std::vector<float> got_out = dev.out.download(), got_lse = dev.lse.download();
+    REQUIRE(got_out == eager_out.download());
+    REQUIRE(got_lse == eager_lse.download());
+    const Errors e = compare(got_out, got_lse, want_out, want_lse, spec.layout.head_dim);
+    worst.out = std::max(worst.out, e.out);
+    worst.lse = std::max(worst.lse, e.lse);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  std::printf("sparse_decode_attention, runs form, graph replays: max relative error out %.3g, lse %.3g\n",
+              double(worst.out), double(worst.lse));
 }
 
 TEST_CASE("sparse_decode_attention rejects bad arguments before launching", "[gpu][attention]") {

@@ -6,20 +6,29 @@
 //
 // One query token per request. q head j of request b reads kv head
 // j / group (group = q_heads / kv_heads). The pages of each (request, kv
-// head) row are split into chunks of `chunk_pages` pages; one CTA per
-// (chunk, row, head slice) loads each K/V row once with 16-byte vector loads
-// for all q heads of its slice (up to kMaxGroupPerCta heads: the whole GQA
-// group when group <= 8) and folds them in fp32 with the online-softmax rules
-// of attention_partial.hpp. Chunk partials go to a caller-allocated
-// workspace; a second kernel merges them per q head with the optional extra
-// term and writes o and lse. The host backend is decode_attention
-// (decode_attention.hpp); both call the same softmax_* functions.
+// head) row -- one entry, or several entries (runs) in AttendPlan's form --
+// are walked as one list and split into chunks of `chunk_pages` pages; one
+// CTA per (chunk, row, head slice) loads each K/V row once with 16-byte
+// vector loads for all q heads of its slice (up to kMaxGroupPerCta heads: the
+// whole GQA group when group <= 8) and folds them in fp32 with the
+// online-softmax rules of attention_partial.hpp. A run's partial last page
+// mid-row only masks its unused slots, so a row's runs need no merge of
+// their own. Chunk partials go to a caller-allocated workspace; a second
+// kernel merges them per q head with the optional extra term and writes o
+// and lse. The host backend is decode_attention (decode_attention.hpp); both
+// call the same softmax_* functions.
+//
+// The grid is sized from capacities only (batch, max_pages): no count is
+// read on the host, so a launch can be captured in a CUDA graph and replayed
+// while the device-side plan changes.
 //
 // fmt-free: kernel translation units and their callers can include it. The
-// split planning below is plain inline C++ so host tests can emulate it.
+// split planning and the page walk below are plain inline C++ so host tests
+// can emulate them.
 #include <cstddef>
 #include <cstdint>
 
+#include "sparsekv/core/host_device.hpp"
 #include "sparsekv/memory/page_layout.hpp"
 
 namespace sparsekv::cuda {
@@ -35,9 +44,9 @@ struct DecodeAttentionShape {
   std::uint32_t q_heads = 0;   // per request
   std::uint32_t kv_heads = 0;  // per request; q_heads % kv_heads == 0
   PageLayout layout;           // page_tokens >= 1, head_dim 64 or 128, f32 / f16 / bf16
-  // The most pages any row holds (the host built the CSR, so it knows):
-  // sizes the split only. A row with more pages is still attended in full;
-  // its last chunk covers the excess.
+  // The most pages any row holds over all its entries, or a capacity of
+  // it: sizes the split only. A row with more pages is still attended in
+  // full; its last chunk covers the excess.
   std::uint32_t max_pages = 0;
   // Pages per split-K chunk; 0 = chosen from the row count and the device's
   // resident CTAs so the grid fills the GPU.
@@ -103,19 +112,146 @@ struct DecodeAttentionArgs {
   // then V block follow PageLayout (k_offset / v_offset).
   const std::byte* page_base = nullptr;
   std::size_t page_stride = 0;
-  // CSR over rows r = b * kv_heads + h, FlashInfer / AttendPlan style:
-  // indptr [batch * kv_heads + 1], indices (page ids), last_page_len
-  // [batch * kv_heads] in 1..page_tokens (every page of a row full except the
-  // last). A row with indptr[r + 1] == indptr[r] attends to nothing.
+  // Entries, FlashInfer / AttendPlan style: entry e is the pages
+  // indices[indptr[e] .. indptr[e + 1]), every one full except the last,
+  // which holds last_page_len[e] tokens (1..page_tokens). An entry may be
+  // empty.
   const std::int64_t* indptr = nullptr;
   const std::int64_t* indices = nullptr;
   const std::int32_t* last_page_len = nullptr;
+  // Rows r = b * kv_heads + h. Null: entry r is row r (indptr
+  // [batch * kv_heads + 1], last_page_len [batch * kv_heads]). Set
+  // ([batch * kv_heads + 1], AttendPlan::head_entries, non-decreasing): row r
+  // attends entries row_entries[r] .. row_entries[r + 1], in order, as one
+  // key set -- the runs a (request, kv head) splits into where a page mid-row
+  // is partial. A row with no entries or no pages attends to nothing.
+  const std::int64_t* row_entries = nullptr;
   float scale = 1.0f;  // scores = q . k * scale
   DecodeAttentionExtra extra;
   float* out = nullptr;  // [batch][q_heads][head_dim] fp32; 0 for a head that attended to nothing
   float* lse = nullptr;  // [batch][q_heads] fp32 log-sum-exp of the scores (-inf when empty); may be null
   void* workspace = nullptr;  // device memory, 16-byte aligned, plan's workspace_bytes
   std::size_t workspace_bytes = 0;
+};
+
+// The page walk of one launch, shared by the kernel and its host emulation.
+// Positions are indices into `indices`.
+struct DecodeAttentionPages {
+  const std::int64_t* indptr = nullptr;
+  const std::int32_t* last_page_len = nullptr;
+  const std::int64_t* row_entries = nullptr;  // null: entry r is row r
+  std::uint32_t page_tokens = 1;
+};
+
+// Row r's entries [first_entry, end_entry) and page positions [begin, end).
+struct DecodeAttentionRow {
+  std::int64_t first_entry = 0, end_entry = 0;
+  std::int64_t begin = 0, end = 0;
+  SPARSEKV_HOST_DEVICE std::uint64_t pages() const {
+    return end > begin ? static_cast<std::uint64_t>(end - begin) : 0;
+  }
+};
+
+SPARSEKV_HOST_DEVICE inline DecodeAttentionRow decode_attention_row(const DecodeAttentionPages& p, std::uint32_t row) {
+  DecodeAttentionRow r;
+  r.first_entry = p.row_entries == nullptr ? std::int64_t{row} : p.row_entries[row];
+  r.end_entry = p.row_entries == nullptr ? std::int64_t{row} + 1 : p.row_entries[row + 1];
+  r.begin = p.indptr[r.first_entry];
+  r.end = r.end_entry > r.first_entry ? p.indptr[r.end_entry] : r.begin;
+  return r;
+}
+
+// Pages [first, last) of a row of `row_pages` pages that chunk `chunk` of
+// `chunks` covers; the last chunk runs to the row's end so that no page is
+// dropped whatever max_pages the split assumed.
+struct DecodeAttentionChunk {
+  std::uint64_t first = 0, last = 0;
+};
+
+SPARSEKV_HOST_DEVICE inline DecodeAttentionChunk decode_attention_chunk(std::uint64_t row_pages, std::uint32_t chunk,
+                                                                        std::uint32_t chunk_pages,
+                                                                        std::uint32_t chunks) {
+  DecodeAttentionChunk c;
+  c.first = std::uint64_t{chunk} * chunk_pages;
+  c.last = c.first + chunk_pages;
+  if (chunk + 1 == chunks || c.last > row_pages) c.last = row_pages;
+  if (c.first > c.last) c.first = c.last;
+  return c;
+}
+
+// A last_page_len clamped into 1..page_tokens, so that reads stay inside the
+// page whatever the device data says.
+SPARSEKV_HOST_DEVICE inline std::uint32_t decode_attention_last_tokens(std::int32_t len, std::uint32_t page_tokens) {
+  const std::uint32_t n = len < 1 ? 1u : static_cast<std::uint32_t>(len);
+  return n < page_tokens ? n : page_tokens;
+}
+
+// The entry of `row` holding position pos (row.begin <= pos < row.end): the
+// last one starting at or before it, so that empty entries, which share
+// their start with the next, are passed over.
+SPARSEKV_HOST_DEVICE inline std::int64_t decode_attention_entry_of(const DecodeAttentionPages& p,
+                                                                   const DecodeAttentionRow& row, std::int64_t pos) {
+  std::int64_t lo = row.first_entry, hi = row.end_entry;  // indptr[lo] <= pos < indptr[hi]
+  while (hi - lo > 1) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    if (p.indptr[mid] <= pos) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Tokens of the page at position pos of entry `entry`.
+SPARSEKV_HOST_DEVICE inline std::uint32_t decode_attention_page_tokens(const DecodeAttentionPages& p,
+                                                                       std::int64_t entry, std::int64_t pos) {
+  return pos + 1 == p.indptr[entry + 1] ? decode_attention_last_tokens(p.last_page_len[entry], p.page_tokens)
+                                        : p.page_tokens;
+}
+
+// Token slots chunk c of a row walks: its pages x page_tokens, less the
+// unused slots of its last page, so the walk ends at the last token. The
+// unused slots of a partial page mid-chunk (a run's last page) are walked
+// and masked.
+SPARSEKV_HOST_DEVICE inline std::uint64_t decode_attention_chunk_slots(const DecodeAttentionPages& p,
+                                                                       const DecodeAttentionRow& row,
+                                                                       const DecodeAttentionChunk& c) {
+  if (c.first >= c.last) return 0;
+  const std::int64_t last_pos = row.begin + static_cast<std::int64_t>(c.last) - 1;
+  const std::int64_t last_entry = decode_attention_entry_of(p, row, last_pos);
+  const std::uint32_t last_tokens = decode_attention_page_tokens(p, last_entry, last_pos);
+  return (c.last - c.first) * p.page_tokens - (p.page_tokens - last_tokens);
+}
+
+// One thread's walk over the pages of a row in increasing positions (its
+// tokens of a chunk, in order): the entry holding the current page is found
+// by binary search once, then advanced past entry ends, so a token costs a
+// compare and an entry one load of its end and its last page's length.
+struct DecodeAttentionCursor {
+  std::int64_t entry = 0;
+  std::int64_t entry_end = 0;     // indptr[entry + 1]
+  std::uint32_t last_tokens = 0;  // tokens of the entry's last page
+
+  DecodeAttentionCursor() = default;  // a chunk with no pages walks nothing
+  // Starts at position pos of a row holding it.
+  SPARSEKV_HOST_DEVICE DecodeAttentionCursor(const DecodeAttentionPages& p, const DecodeAttentionRow& row,
+                                             std::int64_t pos)
+      : entry(decode_attention_entry_of(p, row, pos)),
+        entry_end(p.indptr[entry + 1]),
+        last_tokens(decode_attention_last_tokens(p.last_page_len[entry], p.page_tokens)) {}
+
+  // Tokens of the page at pos (no smaller than the last pos asked, inside the row).
+  SPARSEKV_HOST_DEVICE std::uint32_t tokens_at(const DecodeAttentionPages& p, std::int64_t pos) {
+    if (pos >= entry_end) {
+      do {
+        ++entry;
+        entry_end = p.indptr[entry + 1];
+      } while (pos >= entry_end);
+      last_tokens = decode_attention_last_tokens(p.last_page_len[entry], p.page_tokens);
+    }
+    return pos + 1 == entry_end ? last_tokens : p.page_tokens;
+  }
 };
 
 // The split sparse_decode_attention will use on the current device for
@@ -130,10 +266,11 @@ DecodeAttentionSplit plan_sparse_decode_attention(const DecodeAttentionShape& sh
 // >= page_bytes; q, out, indptr, indices, last_page_len and workspace
 // non-null when batch > 0, workspace 16-byte aligned with workspace_bytes >=
 // the plan's; extra pointers all null or all set; the plan's chunks <= 65535
-// (a forced chunk_pages too small for max_pages is rejected). Device
-// data (indptr monotone, page ids inside the pool) is not checked; a
-// last_page_len outside 1..page_tokens is clamped into it so reads stay
-// inside the page. batch == 0 enqueues nothing (only the shape is checked).
+// (a forced chunk_pages too small for max_pages is rejected). Device data
+// (row_entries and indptr non-decreasing, page ids inside the pool) is not
+// checked; a last_page_len outside 1..page_tokens is clamped into it so reads
+// stay inside the page. batch == 0 enqueues nothing (only the shape is
+// checked).
 // Throws ErrorCode::cuda_error if a device query or a launch fails.
 void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAttentionArgs& args, void* stream);
 

@@ -7,11 +7,12 @@
 //  - Transfers: DevicePageTransfer (gather kernel, async saves and writes) on
 //    the backend's stream; plan() leaves them in flight there (stream()).
 //  - Built-in Attend: the split-K sparse decode kernel
-//    (attention/sparse_decode_attention_cuda.hpp) over the plan's runs on the
-//    same stream, one launch per step. A (request, kv head) whose pages form
-//    several runs (a partial page mid-selection, the decode tail) gets one
-//    kernel row per run; the runs and the policy's extra term are merged by
-//    log-sum-exp on the host, where the output is due.
+//    (attention/sparse_decode_attention_cuda.hpp) on the same stream, one
+//    launch per step over the plan in its runs form (row_entries =
+//    head_entries), so a (request, kv head) whose pages form several runs (a
+//    partial page mid-selection, the decode tail) is one kernel row and its
+//    runs and the policy's extra term merge on the device. q goes up and the
+//    output comes down once: AttendCall's tensors are host memory.
 //
 // Construction throws ErrorCode::unavailable without a usable CUDA device.
 #include <cstddef>
@@ -19,7 +20,6 @@
 #include <memory>
 #include <vector>
 
-#include "sparsekv/facade/attend_runs.hpp"
 #include "sparsekv/facade/backend.hpp"
 #include "sparsekv/transfer/device_page_transfer.hpp"
 
@@ -53,10 +53,10 @@ class CudaBackend final : public Backend {
   HostMemoryResource pinned_{true};
   DeviceMemoryResource device_;
   std::unique_ptr<DevicePageTransfer> transfer_;
-  DeviceBuffer q_, indptr_, indices_, last_page_len_, out_, lse_, workspace_;
-  // Host staging of one launch: q of each run, the kernel's outputs.
-  RunQueries runs_;
-  std::vector<float> run_out_, run_lse_;
+  DeviceBuffer q_, indptr_, indices_, last_page_len_, head_entries_, extra_, out_, workspace_;
+  // The plan's extra terms as DecodeAttentionExtra's arrays: max, sum
+  // [batch * q_heads] then acc [batch * q_heads][head_dim].
+  std::vector<float> extra_host_;
 };
 
 // A CudaBackend when a CUDA device can be used, else a HostBackend.
