@@ -1,5 +1,5 @@
 #pragma once
-// Applies a list of ReplicaWordWrite (table_replica.hpp) on the device: the
+// Applies a list of ReplicaWordWrite (replica_word_write.hpp; TableReplica::entry_writes makes them) on the device: the
 // entries, lengths and directory slots the host appended to a replicated
 // table, handed over inside a decode step's arguments (docs/device-decode.md).
 // The count is read on the device and the grid sized from the capacity, so
@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "sparsekv/core/host_device.hpp"
-#include "sparsekv/metadata/table_replica.hpp"
+#include "sparsekv/metadata/replica_word_write.hpp"
 
 namespace sparsekv::cuda {
 

@@ -25,21 +25,11 @@
 #include <vector>
 
 #include "sparsekv/memory/memory_resource.hpp"
+#include "sparsekv/metadata/replica_word_write.hpp"
 #include "sparsekv/metadata/two_level_table.hpp"
 #include "sparsekv/transfer/page_transfer.hpp"
 
 namespace sparsekv {
-
-// One 32-bit word of a replica set to `value`: how the device decode step
-// hands the replica the entries the host appended, inside the step's own
-// arguments (docs/device-decode.md). The values are snapshots taken when the
-// step is planned, so the host may change the master again before the copy
-// runs; and only the words the host wrote are touched, never the residency
-// bits or timestamps the LRU kernel keeps in the replica's other entries.
-struct ReplicaWordWrite {
-  std::uint32_t* word = nullptr;  // in the replica (device memory on the device path)
-  std::uint32_t value = 0;
-};
 
 template <class Entry>
 class TableReplica {
