@@ -17,8 +17,8 @@
 // that the launch latency is not timed), manual time. Counters:
 //   us            kernel time per call (mean over the iterations)
 //   GBps          bytes the kernels must read / time: every summary, token
-//                 count and partition id once, q once, the offsets and
-//                 per-row scalars (RetroInfer's estimate: the value sums too)
+//                 count and partition id once, q once, first / count and
+//                 the per-row scalars (RetroInfer's estimate: the value sums too)
 //   d2d_GBps      a 256 MiB device-to-device cudaMemcpyAsync, measured once
 //                 per process (read + write bytes / time, as bench_lru_cuda)
 //   over_hbm      GBps / d2d_GBps
@@ -139,7 +139,7 @@ void parallel_rows(std::uint32_t rows, Fn fn) {
   for (auto& th : pool) th.join();
 }
 
-// One configuration: host inputs in the kernels' CSR layout (each row n
+// One configuration: host inputs as the kernels address them (each row n
 // candidates), their device copies, outputs, workspaces and the peer sort.
 struct Setup {
   Kind kind{};
@@ -148,11 +148,14 @@ struct Setup {
   // Host: per candidate tokens, ids, summaries (a: Quest min, ShadowKV
   // landmark, RetroInfer centroid; b: Quest max, ShadowKV outlier score,
   // RetroInfer value sum); per row RetroInfer's sink and recent count.
-  std::vector<std::uint32_t> h_offsets, h_tokens, h_sink_tokens, h_recent;
+  // h_first / h_count address the rows (row r's region is r * n: the arena
+  // of DeviceSummaries with request b in slot b and capacity n); h_offsets,
+  // the same rows as a CSR, is the peer sort's.
+  std::vector<std::uint32_t> h_first, h_count, h_offsets, h_tokens, h_sink_tokens, h_recent;
   std::vector<PartitionId> h_ids, h_sinks;
   std::vector<float> h_q, h_a, h_b;
 
-  Buffer<std::uint32_t> offsets, tokens, sink_tokens, recent, count;
+  Buffer<std::uint32_t> first, row_count, offsets, tokens, sink_tokens, recent, count;
   Buffer<PartitionId> ids, sinks, selected;
   Buffer<float> q, a, b;
   Buffer<std::byte> workspace, estimate_workspace;
@@ -207,6 +210,8 @@ void fill_inputs(Setup& s) {
   const std::size_t summary = s.candidates * kHeadDim;
   s.h_offsets.resize(s.rows + 1);
   for (std::uint32_t r = 0; r <= s.rows; ++r) s.h_offsets[r] = r * n;
+  s.h_first.assign(s.h_offsets.begin(), s.h_offsets.end() - 1);
+  s.h_count.assign(s.rows, n);
   s.h_tokens.resize(s.candidates);
   s.h_ids.resize(s.candidates);
   s.h_a.resize(summary);
@@ -427,6 +432,8 @@ std::unique_ptr<Setup> make_setup(Kind kind, std::uint32_t rows, std::uint32_t n
   s->candidates = std::size_t{rows} * n;
   fill_inputs(*s);
 
+  s->first = Buffer<std::uint32_t>(s->h_first);
+  s->row_count = Buffer<std::uint32_t>(s->h_count);
   s->offsets = Buffer<std::uint32_t>(s->h_offsets);
   s->tokens = Buffer<std::uint32_t>(s->h_tokens);
   s->ids = Buffer<PartitionId>(s->h_ids);
@@ -440,7 +447,8 @@ std::unique_ptr<Setup> make_setup(Kind kind, std::uint32_t rows, std::uint32_t n
   sr.head_dim = kHeadDim;
   sr.candidates = static_cast<std::uint32_t>(s->candidates);
   sr.max_row_candidates = n;
-  sr.offsets = s->offsets.data;
+  sr.first = s->first.data;
+  sr.count = s->row_count.data;
   sr.tokens = s->tokens.data;
   sr.partitions = s->ids.data;
   sr.q = s->q.data;
@@ -493,7 +501,7 @@ std::unique_ptr<Setup> make_setup(Kind kind, std::uint32_t rows, std::uint32_t n
   s->estimate.selected_count = s->count.data;
   s->estimate.max_selected = s->capacity;
   s->bytes = summaries + cand * 4 /* tokens */ + cand * 4 /* ids */ + double(s->h_q.size()) * 4 +
-             double(rows + 1) * 4 /* offsets */;
+             double(rows) * 8 /* first, count */;
 
   verify(*s);
 

@@ -71,6 +71,7 @@ inline void emulate(const DeviceAppend& a, const AppendSummaries& s, std::uint32
       const auto save = [&] {
         const cuda::PageKeyRows key{cuda::append_tail_page(a, b, h), l};
         const std::size_t row = s.kind == AppendSummary::none ? 0 : s.rows[item];
+        if (s.kind != AppendSummary::none && s.tokens != nullptr) s.tokens[row] = l.page_tokens;  // thread 0
         if (s.kind == AppendSummary::quest) {
           for (std::uint32_t t = 0; t < kAppendThreads; ++t) {
             for (std::uint32_t d = t; d < dim; d += kAppendThreads) {

@@ -1,11 +1,14 @@
 #pragma once
 // Random Select inputs shared by the Select rules tests (test_select_rules.cpp)
 // and the select kernels' GPU tests (gpu/test_select_cuda.cpp): policy layer
-// states with planted ties, and their rows in the kernels' CSR layout
-// (policy/select_cuda.hpp), built from the same states the host policies see;
+// states with planted ties, and their rows as the kernels address them
+// (policy/select_cuda.hpp: first / count into per-candidate arrays), laid
+// end to end or scattered over an arena, built from the same states the host
+// policies see;
 // RetroInfer's estimation terms as the host policy's attend() gives them.
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -133,28 +136,84 @@ inline SelectRequest<RetroInferPolicy::LayerState> retroinfer_request(const Laye
   return r;
 }
 
-// The rows of a batch in the kernels' CSR layout (policy/select_cuda.hpp):
-// per candidate its tokens, id and summaries (`a`: Quest min, ShadowKV
-// landmark, RetroInfer centroid; `b`: Quest max, ShadowKV outlier score,
-// RetroInfer value sum).
+// The rows of a batch as the kernels read them (policy/select_cuda.hpp):
+// row r = [first[r], first[r] + count[r]) of the per-candidate arrays, per
+// candidate its tokens, id and summaries (`a`: Quest min, ShadowKV landmark,
+// RetroInfer centroid; `b`: Quest max, ShadowKV outlier score, RetroInfer
+// value sum). The builders below lay the rows end to end in row order, from
+// the same states the host policies see; in_arena scatters them.
 struct HostRows {
   std::uint32_t kv_heads = 0, group = 0, head_dim = 0, max_row = 0;
-  std::vector<std::uint32_t> offsets{0}, tokens;
+  std::uint32_t b_width = 0;  // floats of `b` per candidate
+  std::vector<std::uint32_t> first, count, tokens;
   std::vector<PartitionId> partitions;
   std::vector<float> q, a, b;
   std::vector<PartitionId> sink_partitions;  // RetroInfer, per row
   std::vector<std::uint32_t> sink_tokens, recent;
 
-  std::uint32_t rows() const { return static_cast<std::uint32_t>(offsets.size() - 1); }
-  std::uint32_t row_size(std::uint32_t r) const { return offsets[r + 1] - offsets[r]; }
+  std::uint32_t rows() const { return static_cast<std::uint32_t>(first.size()); }
+  std::uint32_t candidates() const { return static_cast<std::uint32_t>(tokens.size()); }
+  // The candidates appended since the previous row closed become a row.
   void close_row() {
-    offsets.push_back(static_cast<std::uint32_t>(tokens.size()));
-    max_row = std::max(max_row, row_size(rows() - 1));
+    const std::uint32_t start = first.empty() ? 0 : first.back() + count.back();
+    first.push_back(start);
+    count.push_back(candidates() - start);
+    max_row = std::max(max_row, count.back());
   }
-  void append(std::vector<float>& to, const std::vector<float>& from, std::size_t first, std::size_t count) {
-    to.insert(to.end(), from.begin() + first, from.begin() + first + count);
+  void append(std::vector<float>& to, const std::vector<float>& from, std::size_t from_first, std::size_t n) {
+    to.insert(to.end(), from.begin() + from_first, from.begin() + from_first + n);
   }
 };
+
+// The same rows as the decode step's summary store keeps them
+// (policy/device_summaries.hpp): each row in a region of max_row + slack
+// candidates, the regions in a random order unrelated to the row order,
+// `spare` whole regions between them that belong to no row, and garbage
+// (random tokens, ids far from the real ones, large summaries) in every
+// candidate no row holds; max_row becomes the region capacity, above the
+// real counts, as a captured graph passes it.
+inline HostRows in_arena(const HostRows& rows, std::uint32_t slack, std::uint32_t spare, std::mt19937& rng) {
+  const std::uint32_t capacity = rows.max_row + slack;
+  const std::uint32_t regions = rows.rows() + spare;
+  const std::size_t a_width = rows.head_dim;
+  const std::size_t b_width = rows.b_width;
+  const std::size_t extent = std::size_t{regions} * capacity;
+  HostRows out = rows;
+  out.max_row = capacity;
+  out.tokens.resize(extent);
+  out.partitions.resize(extent);
+  // Garbage in [-64, 64) from a splitmix64 stream: arenas are large, and
+  // normal draws would dominate the sweeps' time.
+  const auto garbage = [&rng](std::size_t n) {
+    std::vector<float> v(n);
+    std::uint64_t state = rng();
+    for (float& x : v) {
+      std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+      x = static_cast<float>(static_cast<std::int32_t>(z >> 32)) * 0x1p-25f;
+    }
+    return v;
+  };
+  out.a = garbage(extent * a_width);
+  out.b = garbage(extent * b_width);
+  for (std::size_t c = 0; c < extent; ++c) {
+    out.tokens[c] = 1 + static_cast<std::uint32_t>(rng() % 1000);
+    out.partitions[c] = 1000000u + static_cast<PartitionId>(rng() % 1000);
+  }
+  std::vector<std::uint32_t> order(regions);
+  std::iota(order.begin(), order.end(), 0u);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (std::uint32_t r = 0; r < rows.rows(); ++r) {
+    const std::size_t from = rows.first[r], n = rows.count[r], to = std::size_t{order[r]} * capacity;
+    out.first[r] = static_cast<std::uint32_t>(to);
+    std::copy_n(rows.tokens.begin() + from, n, out.tokens.begin() + to);
+    std::copy_n(rows.partitions.begin() + from, n, out.partitions.begin() + to);
+    std::copy_n(rows.a.begin() + from * a_width, n * a_width, out.a.begin() + to * a_width);
+    std::copy_n(rows.b.begin() + from * b_width, n * b_width, out.b.begin() + to * b_width);
+  }
+  return out;
+}
 
 inline HostRows begin_rows(const LayerContext& ctx) {
   HostRows rows;
@@ -166,6 +225,7 @@ inline HostRows begin_rows(const LayerContext& ctx) {
 
 inline HostRows quest_rows(const LayerContext& ctx, const std::vector<SelectRequest<QuestPolicy::LayerState>>& batch) {
   HostRows rows = begin_rows(ctx);
+  rows.b_width = ctx.head_dim;
   for (const auto& req : batch) {
     rows.q.insert(rows.q.end(), req.q.begin(), req.q.end());
     const auto n = static_cast<std::uint32_t>(req.state.tokens.size());
@@ -183,6 +243,7 @@ inline HostRows quest_rows(const LayerContext& ctx, const std::vector<SelectRequ
 inline HostRows shadowkv_rows(const LayerContext& ctx,
                               const std::vector<SelectRequest<ShadowKVPolicy::LayerState>>& batch) {
   HostRows rows = begin_rows(ctx);
+  rows.b_width = 1;
   for (const auto& req : batch) {
     rows.q.insert(rows.q.end(), req.q.begin(), req.q.end());
     const auto n = static_cast<std::uint32_t>(req.state.tokens.size());
@@ -200,6 +261,7 @@ inline HostRows shadowkv_rows(const LayerContext& ctx,
 inline HostRows retroinfer_rows(const LayerContext& ctx,
                                 const std::vector<SelectRequest<RetroInferPolicy::LayerState>>& batch) {
   HostRows rows = begin_rows(ctx);
+  rows.b_width = ctx.head_dim;
   for (const auto& req : batch) {
     rows.q.insert(rows.q.end(), req.q.begin(), req.q.end());
     for (const auto& head : req.state.heads) {

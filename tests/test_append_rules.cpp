@@ -4,7 +4,8 @@
 // over dimensions and 16-byte vectors, the warp / block / atomicMin reduction
 // of the error word -- built from the per-thread steps the kernel calls,
 // against the host path: TieredKVBuffer::append (tail rows, the saved page),
-// QuestPolicy / ShadowKVPolicy::append (the page's summaries) and the
+// QuestPolicy / ShadowKVPolicy::append (the page's summaries and token
+// count) and the
 // facade's finiteness check (the first bad value it names). Planted mutations
 // of the emulation must be caught.
 #include <algorithm>
@@ -125,6 +126,8 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
   std::vector<float> q_out(qf.size(), -1.0f);
   const float sentinel = -7.0f;
   std::vector<float> first(std::size_t{items} * tr.dim, sentinel), second = first, score(items, sentinel);
+  const std::uint32_t no_tokens = 0xdeadu;
+  std::vector<std::uint32_t> tokens(items, no_tokens);
   std::uint64_t error = kNoAppendError;
   DeviceAppend a;
   a.batch = tr.batch;
@@ -147,6 +150,7 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
   s.min = s.mean = first.data();
   s.max = second.data();
   s.outlier_score = score.data();
+  s.tokens = rng() % 4 != 0 ? tokens.data() : nullptr;  // optional: mostly kept
   emulate(a, s, 1 + rng() % (items + 2), mutation);
 
   bool ok = true;
@@ -206,13 +210,15 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
       if (!clean[h]) {
         expect(std::memcmp(emulated, untouched, page_bytes) == 0, "a bad row is not written");
         expect(std::memcmp(emulated_cpu, fill.data(), page_bytes) == 0, "a bad row's page is not saved");
-        expect(first[rows[i] * tr.dim] == sentinel && score[rows[i]] == sentinel, "a bad row's page is not summarised");
+        expect(first[rows[i] * tr.dim] == sentinel && score[rows[i]] == sentinel && tokens[rows[i]] == no_tokens,
+               "a bad row's page is not summarised");
         continue;
       }
       // The host tail page: the rows up to the new one (later rows are unspecified; both kept the old bytes).
       expect(std::memcmp(emulated, tails[h], page_bytes) == 0, "tail page bytes");
       if (!fills) {
         expect(std::memcmp(emulated_cpu, fill.data(), page_bytes) == 0, "no save before the tail fills");
+        expect(tokens[rows[i]] == no_tokens, "no token count before the tail fills");
         continue;
       }
       std::vector<PageId> cpu_page;
@@ -229,6 +235,11 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
                "shadowkv landmark");
         expect(same_bits(score[rows[i]], shadow_state.outlier_score[h][1]), "shadowkv outlier score");
       }
+      // The page's token count, as the policy's state records it.
+      const std::uint32_t want_tokens = tr.kind == AppendSummary::quest      ? quest_state.tokens.at(1)
+                                        : tr.kind == AppendSummary::shadowkv ? shadow_state.tokens.at(1)
+                                                                             : no_tokens;
+      expect(tokens[rows[i]] == (s.tokens == nullptr ? no_tokens : want_tokens), "page token count");
     }
   }
   return ok;

@@ -5,11 +5,18 @@
 // a sort), thread 0's greedy fill, the output sort in runs merged by rank.
 // The emulation must equal the host policies' select bit for bit over random
 // batches with planted ties, budgets below one partition, covering budgets,
-// GQA groups 1..8 and rows longer than a tile; planted mutations (ties to the
-// higher index, a skip that stops the fill) must be caught. The same for
-// RetroInfer's estimate kernel against RetroInferPolicy::attend: every max,
-// sum and accumulator element bit for bit; planted mutations (retrieved
-// clusters estimated too, the zone folded in candidate order) caught.
+// GQA groups 1..8 and rows longer than a tile, with rows laid end to end and
+// scattered over an arena of fixed-capacity regions (another order, spare
+// regions and garbage between, a capacity above the counts: the decode
+// step's summary store); planted mutations (ties to the higher index, a skip
+// that stops the fill, a row read as a CSR up to the next row's first) must
+// be caught. The same for RetroInfer's estimate kernel against
+// RetroInferPolicy::attend: every max, sum and accumulator element bit for
+// bit; planted mutations (retrieved clusters estimated too, the zone folded
+// in candidate order) caught. And the summary store's host geometry
+// (policy/device_summaries.hpp): shapes and prompt pages checked, regions,
+// prompt page token counts, and rows over a store selecting as the host
+// policies.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -18,10 +25,14 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "select_test_data.hpp"
+#include "test_support.hpp"
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/policy/device_summaries.hpp"
+#include "sparsekv/policy/index_cuda.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 
@@ -42,6 +53,7 @@ struct Emulation {
   bool skip_stops = false;      // mutation: a candidate that does not fit ends the fill
   bool estimate_retrieved = false;  // mutation: the estimate ignores the selection
   bool candidate_order = false;     // mutation: the estimate folds its zone in candidate order
+  bool csr_extent = false;          // mutation: a row ends where the next row's first candidate is (a CSR habit)
 };
 
 std::uint64_t key_of(const Emulation& e, float score, std::uint32_t i) {
@@ -131,13 +143,21 @@ std::vector<PartitionId> emulated_sorted(const Emulation& e, std::vector<Partiti
   return out;
 }
 
-std::vector<PartitionId> row_partitions(const HostRows& rows, std::uint32_t r) {
-  return {rows.partitions.begin() + rows.offsets[r], rows.partitions.begin() + rows.offsets[r + 1]};
+// row_view's span: first / count through select_row_span, clamped to the
+// region capacity (max_row) and the arrays' extent.
+cuda::SelectRowSpan row_span(const Emulation& e, const HostRows& rows, std::uint32_t r) {
+  std::uint32_t count = rows.count[r];
+  if (e.csr_extent) count = (r + 1 < rows.rows() ? rows.first[r + 1] : rows.candidates()) - rows.first[r];
+  return cuda::select_row_span(rows.first[r], count, rows.max_row, rows.candidates());
 }
 
-std::uint64_t row_total(const HostRows& rows, std::uint32_t r) {
+std::vector<PartitionId> row_partitions(const HostRows& rows, cuda::SelectRowSpan span) {
+  return {rows.partitions.begin() + span.first, rows.partitions.begin() + span.first + span.n};
+}
+
+std::uint64_t row_total(const HostRows& rows, cuda::SelectRowSpan span) {
   std::uint64_t total = 0;
-  for (std::uint32_t i = rows.offsets[r]; i < rows.offsets[r + 1]; ++i) total += rows.tokens[i];
+  for (std::uint32_t i = span.first; i < span.first + span.n; ++i) total += rows.tokens[i];
   return total;
 }
 
@@ -147,8 +167,9 @@ const float* row_q(const HostRows& rows, std::uint32_t r) {
 
 std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows& rows, std::uint32_t r,
                                        const cuda::QuestSelect& quest) {
-  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r), dim = rows.head_dim;
-  if (quest.dense_layer || row_total(rows, r) <= quest.budget_tokens) return row_partitions(rows, r);
+  const cuda::SelectRowSpan span = row_span(e, rows, r);
+  const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
+  if (quest.dense_layer || row_total(rows, span) <= quest.budget_tokens) return row_partitions(rows, span);
   const std::uint32_t newest = n - 1;
   std::vector<float> scores(n);
   for (std::uint32_t i = 0; i < newest; ++i) {
@@ -165,8 +186,9 @@ std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows& rows,
 
 std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostRows& rows, std::uint32_t r,
                                           const cuda::ShadowKVSelect& shadowkv) {
-  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r), dim = rows.head_dim;
-  if (row_total(rows, r) <= shadowkv.budget_tokens) return row_partitions(rows, r);
+  const cuda::SelectRowSpan span = row_span(e, rows, r);
+  const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
+  if (row_total(rows, span) <= shadowkv.budget_tokens) return row_partitions(rows, span);
   const std::uint32_t* tokens = rows.tokens.data() + first;
   std::vector<char> taken(n, 0);
   std::vector<float> scores(n), scratch(n);
@@ -206,9 +228,9 @@ std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostRows& ro
 // retroinfer_rank: per q head g the logits of the candidates [0, m) (kept in
 // logits[g * m ..]), a strided block max, the warp-0 double lane sum, the
 // shares summed over the group into scores.
-void emulated_retroinfer_rank(const HostRows& rows, std::uint32_t r, std::uint32_t m, std::vector<float>& logits,
-                              std::vector<float>& scores) {
-  const std::uint32_t first = rows.offsets[r], dim = rows.head_dim;
+void emulated_retroinfer_rank(const HostRows& rows, std::uint32_t r, cuda::SelectRowSpan span, std::uint32_t m,
+                              std::vector<float>& logits, std::vector<float>& scores) {
+  const std::uint32_t first = span.first, dim = rows.head_dim;
   const float scale = logit_scale(dim);
   const auto all = [](std::uint32_t) { return true; };
   logits.assign(std::size_t{rows.group} * m, 0.0f);
@@ -229,10 +251,10 @@ void emulated_retroinfer_rank(const HostRows& rows, std::uint32_t r, std::uint32
   }
 }
 
-SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, const cuda::RetroInferSelect& retro,
-                                std::uint32_t window_tokens) {
-  const std::uint32_t* tokens = rows.tokens.data() + rows.offsets[r];
-  const std::uint32_t recent = rows.recent[r], older = rows.row_size(r) - recent;
+SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, cuda::SelectRowSpan span,
+                                const cuda::RetroInferSelect& retro, std::uint32_t window_tokens) {
+  const std::uint32_t* tokens = rows.tokens.data() + span.first;
+  const std::uint32_t recent = std::min(rows.recent[r], span.n), older = span.n - recent;
   return steady_zone(
       recent, [&](std::uint32_t i) { return tokens[older + i]; }, rows.sink_tokens[r], window_tokens,
       retro.budget_tokens);
@@ -240,24 +262,25 @@ SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, const cud
 
 std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const HostRows& rows, std::uint32_t r,
                                             const cuda::RetroInferSelect& retro, std::uint32_t window_tokens) {
-  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r);
+  const cuda::SelectRowSpan span = row_span(e, rows, r);
+  const std::uint32_t first = span.first, n = span.n;
   const std::uint32_t* tokens = rows.tokens.data() + first;
   const std::uint32_t sink_tokens = rows.sink_tokens[r];
-  if (retro.budget_tokens >= row_total(rows, r) + sink_tokens) {
+  if (retro.budget_tokens >= row_total(rows, span) + sink_tokens) {
     std::vector<PartitionId> all;
     if (sink_tokens > 0) all.push_back(rows.sink_partitions[r]);
-    const auto rest = row_partitions(rows, r);
+    const auto rest = row_partitions(rows, span);
     all.insert(all.end(), rest.begin(), rest.end());
     return all;
   }
-  const SteadyZone steady = emulated_steady_zone(rows, r, retro, window_tokens);
+  const SteadyZone steady = emulated_steady_zone(rows, r, span, retro, window_tokens);
   std::vector<PartitionId> chosen;
   if (steady.sink) chosen.push_back(rows.sink_partitions[r]);
   for (std::uint32_t i = n - steady.window_parts; i < n; ++i) chosen.push_back(rows.partitions[first + i]);
   const std::uint32_t m = n - steady.window_parts;
   if (m > 0) {
     std::vector<float> logits, scores;
-    emulated_retroinfer_rank(rows, r, m, logits, scores);
+    emulated_retroinfer_rank(rows, r, span, m, logits, scores);
     BreakFill fill{steady.tokens, retro.budget_tokens, fraction_count(retro.retrieval_fraction, m)};
     emulated_ranked_fill(
         e, m, tokens, fill, [&](std::uint32_t i) { return scores[i]; }, [](std::uint32_t) { return true; },
@@ -273,15 +296,16 @@ std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const HostRow
                                                const cuda::RetroInferSelect& retro,
                                                const cuda::RetroInferEstimate& estimate, std::uint32_t window_tokens,
                                                const std::vector<PartitionId>& selection) {
-  const std::uint32_t first = rows.offsets[r], n = rows.row_size(r), dim = rows.head_dim;
+  const cuda::SelectRowSpan span = row_span(e, rows, r);
+  const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
   const std::uint32_t* tokens = rows.tokens.data() + first;
   std::vector<AttentionPartial> terms(rows.group, AttentionPartial(dim));
-  const bool covered = retro.budget_tokens >= row_total(rows, r) + rows.sink_tokens[r];
+  const bool covered = retro.budget_tokens >= row_total(rows, span) + rows.sink_tokens[r];
   if (!estimate.estimation || covered) return terms;
-  const std::uint32_t m = n - emulated_steady_zone(rows, r, retro, window_tokens).window_parts;
+  const std::uint32_t m = n - emulated_steady_zone(rows, r, span, retro, window_tokens).window_parts;
   if (m == 0) return terms;
   std::vector<float> logits, scores;
-  emulated_retroinfer_rank(rows, r, m, logits, scores);
+  emulated_retroinfer_rank(rows, r, span, m, logits, scores);
   std::vector<char> taken(m);
   for (std::uint32_t i = 0; i < m; ++i) {
     taken[i] = !e.estimate_retrieved &&
@@ -317,6 +341,17 @@ std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const HostRow
 
 constexpr std::uint32_t kGroups[] = {1, 2, 4, 8};
 
+// How a sweep lays its rows out: end to end in row order (a CSR would
+// address them too), or scattered over an arena of fixed-capacity regions
+// as the decode step keeps them (in_arena: another order, spare regions and
+// garbage between, a capacity above the counts).
+enum class Layout { end_to_end, arena };
+
+HostRows laid_out(HostRows rows, Layout layout, std::mt19937& rng) {
+  if (layout == Layout::end_to_end) return rows;
+  return in_arena(rows, 1 + static_cast<std::uint32_t>(rng() % 9), 1 + rows.rows() / 2, rng);
+}
+
 // Rows where the emulation differs from the host policy.
 struct Sweep {
   std::uint32_t rows = 0, differing = 0;
@@ -332,8 +367,9 @@ std::uint32_t covering(const std::vector<std::uint32_t>& sizes) {
   return total;
 }
 
-Sweep quest_sweep(const Emulation& e, std::uint32_t seed) {
+Sweep quest_sweep(const Emulation& e, std::uint32_t seed, Layout layout = Layout::end_to_end) {
   std::mt19937 rng(seed);
+  std::mt19937 arena_rng(seed + 1000);  // apart: both layouts see the same batches
   Sweep sweep;
   for (const std::uint32_t group : kGroups) {
     for (const std::uint32_t n : {1u, 2u, 19u, 300u, 2300u}) {
@@ -341,6 +377,7 @@ Sweep quest_sweep(const Emulation& e, std::uint32_t seed) {
       std::vector<SelectRequest<QuestPolicy::LayerState>> batch;
       for (int b = 0; b < 2; ++b) batch.push_back(quest_request(base, n, 16, rng));
       const std::uint32_t total = covering(batch[0].state.tokens);
+      const HostRows rows = laid_out(quest_rows(base, batch), layout, arena_rng);
       for (const std::uint32_t budget : {1u, 8u, 64u, 700u, total, total + 5}) {
         for (const std::uint32_t layer : {0u, 5u}) {
           LayerContext ctx = base;
@@ -348,7 +385,6 @@ Sweep quest_sweep(const Emulation& e, std::uint32_t seed) {
           QuestPolicy::Options options;
           options.budget_tokens = budget;
           const auto want = host_select(QuestPolicy(options), ctx, batch);
-          const HostRows rows = quest_rows(ctx, batch);
           const cuda::QuestSelect quest{nullptr, nullptr, budget, layer < options.dense_layers};
           for (std::uint32_t r = 0; r < rows.rows(); ++r) sweep.compare(emulate_quest(e, rows, r, quest), want[r]);
         }
@@ -358,8 +394,9 @@ Sweep quest_sweep(const Emulation& e, std::uint32_t seed) {
   return sweep;
 }
 
-Sweep shadowkv_sweep(const Emulation& e, std::uint32_t seed) {
+Sweep shadowkv_sweep(const Emulation& e, std::uint32_t seed, Layout layout = Layout::end_to_end) {
   std::mt19937 rng(seed);
+  std::mt19937 arena_rng(seed + 1000);  // apart: both layouts see the same batches
   Sweep sweep;
   for (const std::uint32_t group : kGroups) {
     for (const std::uint32_t n : {1u, 3u, 40u, 500u, 2200u}) {
@@ -367,6 +404,7 @@ Sweep shadowkv_sweep(const Emulation& e, std::uint32_t seed) {
       std::vector<SelectRequest<ShadowKVPolicy::LayerState>> batch;
       for (int b = 0; b < 2; ++b) batch.push_back(shadowkv_request(ctx, n, rng));
       const std::uint32_t total = covering(batch[0].state.tokens);
+      const HostRows rows = laid_out(shadowkv_rows(ctx, batch), layout, arena_rng);
       for (const std::uint32_t budget : {1u, 4u, 16u, 200u, 2048u, total}) {
         for (const std::uint32_t recent : {0u, 32u}) {
           ShadowKVPolicy::Options options;
@@ -375,7 +413,6 @@ Sweep shadowkv_sweep(const Emulation& e, std::uint32_t seed) {
           options.outlier_pages = rng() % 2 == 0 ? 48 : 300;
           const ShadowKVPolicy policy(options);
           const auto want = host_select(policy, ctx, batch);
-          const HostRows rows = shadowkv_rows(ctx, batch);
           const cuda::ShadowKVSelect shadowkv{nullptr, nullptr, budget, recent, policy.outlier_count()};
           for (std::uint32_t r = 0; r < rows.rows(); ++r) {
             sweep.compare(emulate_shadowkv(e, rows, r, shadowkv), want[r]);
@@ -387,8 +424,9 @@ Sweep shadowkv_sweep(const Emulation& e, std::uint32_t seed) {
   return sweep;
 }
 
-Sweep retroinfer_sweep(const Emulation& e, std::uint32_t seed) {
+Sweep retroinfer_sweep(const Emulation& e, std::uint32_t seed, Layout layout = Layout::end_to_end) {
   std::mt19937 rng(seed);
+  std::mt19937 arena_rng(seed + 1000);  // apart: both layouts see the same batches
   Sweep sweep;
   for (const std::uint32_t group : kGroups) {
     for (const std::uint32_t clusters : {0u, 6u, 250u, 2400u}) {
@@ -398,6 +436,7 @@ Sweep retroinfer_sweep(const Emulation& e, std::uint32_t seed) {
         std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
         for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, recent, window, rng));
         const std::uint32_t total = std::max(1u, batch[0].state.heads[0].tokens);
+        const HostRows rows = laid_out(retroinfer_rows(ctx, batch), layout, arena_rng);
         for (const std::uint32_t budget : {1u, 3u, 40u, 300u, 2048u, total}) {
           for (const float fraction : {0.018f, 0.3f, 1.0f}) {
             RetroInferPolicy::Options options;
@@ -405,12 +444,146 @@ Sweep retroinfer_sweep(const Emulation& e, std::uint32_t seed) {
             options.retrieval_fraction = fraction;
             options.estimation_fraction = 0.0f;
             const auto want = host_select(RetroInferPolicy(options), ctx, batch);
-            const HostRows rows = retroinfer_rows(ctx, batch);
             const cuda::RetroInferSelect retro{nullptr, nullptr, nullptr, nullptr, budget, window, fraction};
             for (std::uint32_t r = 0; r < rows.rows(); ++r) {
               sweep.compare(emulate_retroinfer(e, rows, r, retro, window), want[r]);
             }
           }
+        }
+      }
+    }
+  }
+  return sweep;
+}
+
+// ---- the decode step's summary store (policy/device_summaries.hpp) ------------------
+
+// A request of the store: its slot and the host policy's state, indexed from
+// a random prompt and grown by `appended` decode pages, ids 0, 1, ... as the
+// store numbers a region's pages.
+template <class State>
+struct StoredRequest {
+  std::uint32_t slot = 0, prompt = 0;
+  std::vector<float> q;
+  State state;
+};
+
+template <class Policy, class State>
+StoredRequest<State> stored_request(const Policy& policy, const LayerContext& base, std::uint32_t slot,
+                                    std::uint32_t prompt, std::uint32_t appended, std::mt19937& rng) {
+  StoredRequest<State> r;
+  r.slot = slot;
+  r.prompt = prompt;
+  r.q = random_values(std::size_t{base.q_heads} * base.head_dim, rng);
+  LayerContext ctx = base;
+  ctx.tokens = prompt;
+  const std::vector<float> keys = random_values(std::size_t{prompt} * ctx.kv_heads * ctx.head_dim, rng);
+  policy.index(ctx, key_view(keys, prompt, ctx), r.state);
+  for (std::uint32_t page = 0; page < appended; ++page) {
+    ctx.tokens += ctx.page_tokens;
+    const std::vector<float> page_keys =
+        random_values(std::size_t{ctx.page_tokens} * ctx.kv_heads * ctx.head_dim, rng);
+    const auto id = static_cast<PartitionId>(r.state.tokens.size());
+    const AppendedPage appended{key_view(page_keys, ctx.page_tokens, ctx), std::vector<PartitionId>(ctx.kv_heads, id)};
+    policy.append(ctx, appended, r.state);
+  }
+  return r;
+}
+
+// One layer of the store on the host, garbage in every candidate first; then
+// per request and kv head what the device writes into region(slot, h):
+// write_prefill's token counts (prefill_page_tokens) and the append kernel's
+// (page_tokens), the summaries (the index and append kernels equal the
+// policies bit for bit: test_index_rules.cpp, test_append_rules.cpp), the
+// identity ids of construction. Rows (b, h) in batch order, first = the
+// region, count = the request's pages, max_row = the capacity.
+template <class State, class Summaries>
+HostRows store_rows(const cuda::SummaryShape& shape, const LayerContext& ctx,
+                    const std::vector<StoredRequest<State>>& batch, std::uint32_t b_width, Summaries summaries,
+                    std::mt19937& rng) {
+  HostRows rows = begin_rows(ctx);
+  rows.b_width = b_width;
+  const std::size_t extent = shape.candidates();
+  rows.max_row = shape.capacity;
+  rows.tokens.resize(extent);
+  rows.partitions.resize(extent);
+  for (std::size_t c = 0; c < extent; ++c) {
+    rows.tokens[c] = 1 + static_cast<std::uint32_t>(rng() % 1000);
+    rows.partitions[c] = static_cast<PartitionId>(c % shape.capacity);
+  }
+  rows.a = random_values(extent * ctx.head_dim, rng, 64.0f);
+  rows.b = random_values(extent * b_width, rng, 64.0f);
+  for (const auto& r : batch) {
+    rows.q.insert(rows.q.end(), r.q.begin(), r.q.end());
+    const auto n = static_cast<std::uint32_t>(r.state.tokens.size());
+    const std::uint32_t prompt_pages = cuda::page_count(r.prompt, ctx.page_tokens);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      const std::uint32_t first = shape.region(r.slot, h);
+      for (std::uint32_t p = 0; p < n; ++p) {
+        rows.tokens[first + p] =
+            p < prompt_pages ? cuda::prefill_page_tokens(p, r.prompt, ctx.page_tokens) : ctx.page_tokens;
+      }
+      const auto [a, b] = summaries(r.state, h);
+      std::copy(a.begin(), a.end(), rows.a.begin() + std::size_t{first} * ctx.head_dim);
+      std::copy(b.begin(), b.end(), rows.b.begin() + std::size_t{first} * b_width);
+      rows.first.push_back(first);
+      rows.count.push_back(n);
+    }
+  }
+  return rows;
+}
+
+// Requests in slots out of row order (other slots garbage), prompts with a
+// partial last page and whole pages, a few appended pages; Quest and ShadowKV
+// over the store's rows against their host select.
+Sweep store_sweep(const Emulation& e, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  Sweep sweep;
+  for (const std::uint32_t group : {1u, 2u, 4u}) {
+    LayerContext ctx = layer_context(2, 32, 8, group);
+    ctx.layer = 5;  // past Quest's dense layers
+    ctx.layers = 8;
+    const cuda::SummaryShape shape{cuda::AppendSummary::quest, 1, 5, ctx.kv_heads, ctx.head_dim, 80};
+    const std::uint32_t slots[] = {3, 0, 4}, prompts[] = {9, 64, 555}, appended[] = {3, 0, 6};
+    QuestPolicy::Options quest_options;
+    quest_options.page_tokens_per_partition = ctx.page_tokens;
+    const QuestPolicy quest_indexer(quest_options);
+    std::vector<StoredRequest<QuestPolicy::LayerState>> quest_batch;
+    std::vector<StoredRequest<ShadowKVPolicy::LayerState>> shadowkv_batch;
+    for (int b = 0; b < 3; ++b) {
+      quest_batch.push_back(stored_request<QuestPolicy, QuestPolicy::LayerState>(quest_indexer, ctx, slots[b],
+                                                                                 prompts[b], appended[b], rng));
+      shadowkv_batch.push_back(stored_request<ShadowKVPolicy, ShadowKVPolicy::LayerState>(
+          ShadowKVPolicy(), ctx, slots[b], prompts[b], appended[b], rng));
+    }
+    const HostRows quest_rows = store_rows(
+        shape, ctx, quest_batch, ctx.head_dim,
+        [](const QuestPolicy::LayerState& s, std::uint32_t h) { return std::pair{s.min[h], s.max[h]}; }, rng);
+    const HostRows shadowkv_rows = store_rows(
+        shape, ctx, shadowkv_batch, 1,
+        [](const ShadowKVPolicy::LayerState& s, std::uint32_t h) {
+          return std::pair{s.landmarks[h], s.outlier_score[h]};
+        },
+        rng);
+    for (const std::uint32_t budget : {1u, 16u, 100u, 400u, 100000u}) {
+      QuestPolicy::Options q = quest_options;
+      q.budget_tokens = budget;
+      ShadowKVPolicy::Options o;
+      o.budget_tokens = budget;
+      const QuestPolicy quest(q);
+      const ShadowKVPolicy shadowkv(o);
+      const cuda::QuestSelect quest_select{nullptr, nullptr, budget, false};
+      const cuda::ShadowKVSelect shadowkv_select{nullptr, nullptr, budget, o.recent_tokens, shadowkv.outlier_count()};
+      for (std::uint32_t b = 0; b < 3; ++b) {
+        LayerContext at = ctx;
+        at.tokens = prompts[b] + appended[b] * ctx.page_tokens;
+        Selection want_quest, want_shadowkv;
+        quest.select(at, DecodeQuery{quest_batch[b].q, 0}, quest_batch[b].state, want_quest);
+        shadowkv.select(at, DecodeQuery{shadowkv_batch[b].q, 0}, shadowkv_batch[b].state, want_shadowkv);
+        for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+          const std::uint32_t r = b * ctx.kv_heads + h;
+          sweep.compare(emulate_quest(e, quest_rows, r, quest_select), want_quest.partitions[h]);
+          sweep.compare(emulate_shadowkv(e, shadowkv_rows, r, shadowkv_select), want_shadowkv.partitions[h]);
         }
       }
     }
@@ -430,12 +603,13 @@ bool same_term(const AttentionPartial& a, const AttentionPartial& b) {
 
 // RetroInfer rows with budgets from 1 token to covering, zones from the
 // default split to everything, estimation on and off.
-EstimateSweep estimate_sweep(const Emulation& e, std::uint32_t seed) {
+EstimateSweep estimate_sweep(const Emulation& e, std::uint32_t seed, Layout layout = Layout::end_to_end) {
   struct Zones {
     float retrieval, estimation;
   };
   constexpr Zones kZones[] = {{0.018f, 0.232f}, {0.3f, 0.7f}, {0.0f, 1.0f}};
   std::mt19937 rng(seed);
+  std::mt19937 arena_rng(seed + 1000);  // apart: both layouts see the same batches
   EstimateSweep sweep;
   for (const std::uint32_t group : kGroups) {
     for (const std::uint32_t clusters : {0u, 7u, 300u, 2400u}) {
@@ -444,7 +618,7 @@ EstimateSweep estimate_sweep(const Emulation& e, std::uint32_t seed) {
         const std::uint32_t window = recent == 3 ? 16 : 64;
         std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
         for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, recent, window, rng));
-        const HostRows rows = retroinfer_rows(ctx, batch);
+        const HostRows rows = laid_out(retroinfer_rows(ctx, batch), layout, arena_rng);
         const std::uint32_t total = std::max(1u, batch[0].state.heads[0].tokens);
         for (const std::uint32_t budget : {1u, 40u, 300u, 2048u, total}) {
           for (const Zones zones : kZones) {
@@ -601,11 +775,11 @@ namespace {
 // A policy's sweep through the emulation at the kernel's tile and at a tiny
 // one (many ranking rounds): no row may differ from the host policy.
 template <class SweepFn>
-void require_sweep_equal_at_both_tiles(SweepFn sweep_fn, std::uint32_t seed) {
+void require_sweep_equal_at_both_tiles(SweepFn sweep_fn, std::uint32_t seed, Layout layout = Layout::end_to_end) {
   for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
     Emulation e;
     e.tile = tile;
-    const Sweep sweep = sweep_fn(e, seed);
+    const Sweep sweep = sweep_fn(e, seed, layout);
     CAPTURE(tile, sweep.rows);
     CHECK(sweep.differing == 0);
   }
@@ -625,6 +799,107 @@ TEST_CASE("the select kernels' decomposition equals RetroInferPolicy::select", "
   require_sweep_equal_at_both_tiles(retroinfer_sweep, 33);
 }
 
+TEST_CASE("rows in scattered fixed-capacity regions of an arena select as the host policies", "[select-rules]") {
+  require_sweep_equal_at_both_tiles(quest_sweep, 31, Layout::arena);
+  require_sweep_equal_at_both_tiles(shadowkv_sweep, 32, Layout::arena);
+  require_sweep_equal_at_both_tiles(retroinfer_sweep, 33, Layout::arena);
+  // The estimate at the small tile only: the layout is independent of the tile, and this sweep is the slow one.
+  Emulation e;
+  e.tile = 16;
+  const EstimateSweep sweep = estimate_sweep(e, 34, Layout::arena);
+  CAPTURE(sweep.rows, sweep.nonempty);
+  CHECK(sweep.differing == 0);
+  CHECK(sweep.nonempty > sweep.terms / 4);
+}
+
+TEST_CASE("the summary store's regions select as the host policies", "[select-rules]") {
+  for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
+    Emulation e;
+    e.tile = tile;
+    const Sweep sweep = store_sweep(e, 35);
+    CAPTURE(tile, sweep.rows);
+    CHECK(sweep.differing == 0);
+  }
+  Emulation csr;
+  csr.csr_extent = true;
+  CHECK(store_sweep(csr, 35).differing > 0);
+}
+
+TEST_CASE("the summary store's geometry is checked on the host", "[select-rules]") {
+  using cuda::AppendSummary;
+  using cuda::SummaryShape;
+  const SummaryShape shape{AppendSummary::shadowkv, 2, 3, 4, 64, 5};
+  cuda::check_summary_shape("test", shape);
+  CHECK(shape.candidates() == 60);
+  // Regions tile the layer in (slot, head) order, `capacity` candidates each.
+  std::uint32_t next = 0;
+  for (std::uint32_t slot = 0; slot < shape.slots; ++slot) {
+    for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
+      CHECK(shape.region(slot, h) == next);
+      next += shape.capacity;
+    }
+  }
+  CHECK(next == shape.candidates());
+  const auto refused_shape = [](SummaryShape s) {
+    REQUIRE_SPARSEKV_ERROR(cuda::check_summary_shape("test", s), ErrorCode::invalid_argument);
+  };
+  SummaryShape bad = shape;
+  bad.kind = AppendSummary::none;
+  refused_shape(bad);
+  for (std::uint32_t SummaryShape::*field : {&SummaryShape::layers, &SummaryShape::slots, &SummaryShape::kv_heads,
+                                             &SummaryShape::head_dim, &SummaryShape::capacity}) {
+    bad = shape;
+    bad.*field = 0;
+    refused_shape(bad);
+  }
+  bad = SummaryShape{AppendSummary::quest, 1, 65536, 256, 8, 256};  // 2^32 candidates
+  refused_shape(bad);
+  bad.capacity = 255;
+  cuda::check_summary_shape("test", bad);
+
+  // Prompt pages: page_count, within the capacity, for a slot and layer of the store.
+  CHECK(cuda::prefill_pages("test", shape, 2, 1, 40, 8) == 5);
+  CHECK(cuda::prefill_pages("test", shape, 0, 0, 33, 8) == 5);
+  CHECK(cuda::prefill_pages("test", shape, 0, 0, 0, 8) == 0);
+  REQUIRE_SPARSEKV_ERROR(cuda::prefill_pages("test", shape, 0, 0, 41, 8), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(cuda::prefill_pages("test", shape, 3, 0, 8, 8), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(cuda::prefill_pages("test", shape, 0, 2, 8, 8), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(cuda::prefill_pages("test", shape, 0, 0, 8, 0), ErrorCode::invalid_argument);
+
+  // Each prompt page's token count is what the policies' index records.
+  std::mt19937 rng(36);
+  for (const std::uint32_t tokens : {1u, 7u, 8u, 9u, 64u, 555u}) {
+    LayerContext ctx = layer_context(2, 4, 8, 1);
+    ctx.tokens = tokens;
+    const std::vector<float> keys = random_values(std::size_t{tokens} * 2 * 4, rng);
+    ShadowKVPolicy::LayerState state;
+    ShadowKVPolicy().index(ctx, key_view(keys, tokens, ctx), state);
+    std::vector<std::uint32_t> pages;
+    for (std::uint32_t p = 0; p < cuda::page_count(tokens, 8); ++p) {
+      pages.push_back(cuda::prefill_page_tokens(p, tokens, 8));
+    }
+    CAPTURE(tokens);
+    CHECK(pages == state.tokens);
+  }
+}
+
+TEST_CASE("select_row_span clamps a row to the capacity and the arrays", "[select-rules]") {
+  struct Case {
+    std::uint32_t first, count, max_row, candidates, want_first, want_n;
+  };
+  for (const Case c : {Case{40, 7, 10, 100, 40, 7},
+                       Case{40, 17, 10, 100, 40, 10},  // a count above the capacity
+                       Case{95, 10, 10, 100, 95, 5},   // past the arrays
+                       Case{100, 3, 10, 100, 100, 0},
+                       Case{0xfffffff0u, 0x20u, 0x40u, 100, 100, 0},  // no wrap
+                       Case{0, 0, 10, 100, 0, 0}}) {
+    const cuda::SelectRowSpan span = cuda::select_row_span(c.first, c.count, c.max_row, c.candidates);
+    CAPTURE(c.first, c.count, c.max_row, c.candidates, span.first, span.n);
+    CHECK(span.first == c.want_first);
+    CHECK(span.n == c.want_n);
+  }
+}
+
 TEST_CASE("planted mutations of the decomposition are caught", "[select-rules]") {
   Emulation ties;
   ties.ties_to_higher = true;
@@ -641,6 +916,19 @@ TEST_CASE("planted mutations of the decomposition are caught", "[select-rules]")
   CHECK(shadowkv_ties.differing > 0);
   CHECK(shadowkv_stops.differing > 0);
   CHECK(retro_ties.differing > 0);
+  // Rows read as a CSR ([first[r], first[r + 1])): invisible on rows laid end
+  // to end, caught on the arena.
+  Emulation csr;
+  csr.csr_extent = true;
+  CHECK(quest_sweep(csr, 31).differing == 0);
+  const Sweep quest_csr = quest_sweep(csr, 31, Layout::arena), shadowkv_csr = shadowkv_sweep(csr, 32, Layout::arena);
+  const Sweep retro_csr = retroinfer_sweep(csr, 33, Layout::arena);
+  const EstimateSweep estimate_csr = estimate_sweep(csr, 34, Layout::arena);
+  CAPTURE(quest_csr.differing, shadowkv_csr.differing, retro_csr.differing, estimate_csr.differing);
+  CHECK(quest_csr.differing > 0);
+  CHECK(shadowkv_csr.differing > 0);
+  CHECK(retro_csr.differing > 0);
+  CHECK(estimate_csr.differing > 0);
 }
 
 TEST_CASE("the estimation rules fold like softmax_fold and skip empty sides", "[select-rules]") {

@@ -15,15 +15,23 @@
 namespace sparsekv::cuda {
 namespace {
 
+// The full page's token count, when the caller keeps them (thread 0).
+__device__ void write_page_tokens(std::uint32_t* tokens, std::size_t row, const DeviceAppend& a) {
+  if (tokens != nullptr && threadIdx.x == 0) tokens[row] = a.layout.page_tokens;
+}
+
 // Threads over dimensions, each folding its channel over the page's tokens.
 struct QuestPageSummary {
   const std::uint32_t* rows;
   float* min;
   float* max;
+  std::uint32_t* tokens;
   std::size_t shared_bytes(const PageLayout&) const { return 0; }
   __device__ void operator()(const DeviceAppend& a, std::uint32_t b, std::uint32_t h, float*) const {
     const PageKeyRows key{append_tail_page(a, b, h), a.layout};
-    const std::size_t first = rows[std::size_t{b} * a.kv_heads + h] * std::size_t{a.layout.head_dim};
+    const std::size_t row = rows[std::size_t{b} * a.kv_heads + h];
+    write_page_tokens(tokens, row, a);
+    const std::size_t first = row * a.layout.head_dim;
     for (std::uint32_t d = threadIdx.x; d < a.layout.head_dim; d += blockDim.x) {
       float lo, hi;
       page_min_max_channel(key, a.layout.page_tokens, d, a.layout.dtype, lo, hi);
@@ -39,6 +47,7 @@ struct ShadowKVPageSummary {
   const std::uint32_t* rows;
   float* mean;
   float* outlier_score;
+  std::uint32_t* tokens;
   std::size_t shared_bytes(const PageLayout& l) const { return mean_outlier_shared_bytes(l.head_dim, l.page_tokens); }
   __device__ void operator()(const DeviceAppend& a, std::uint32_t b, std::uint32_t h, float* shared) const {
     __shared__ float landmark_norm;
@@ -48,6 +57,7 @@ struct ShadowKVPageSummary {
     float* cosine = shared + mean_outlier_cosine_offset(dim);  // [page_tokens]
     const PageKeyRows key{append_tail_page(a, b, h), a.layout};
     const std::size_t row = rows[std::size_t{b} * a.kv_heads + h];
+    write_page_tokens(tokens, row, a);
     for (std::uint32_t d = threadIdx.x; d < dim; d += blockDim.x) {
       landmark[d] = page_mean_channel(key, count, d, a.layout.dtype);
       mean[row * dim + d] = landmark[d];
@@ -81,7 +91,8 @@ void append_tokens(const DeviceAppend& args, const AppendSummaries& summaries, v
       if (!rows || (args.batch > 0 && (summaries.min == nullptr || summaries.max == nullptr))) {
         detail::throw_invalid(kFunction, "quest summaries need rows, min and max");
       }
-      detail::launch_append(kFunction, args, QuestPageSummary{summaries.rows, summaries.min, summaries.max}, stream);
+      detail::launch_append(kFunction, args,
+                            QuestPageSummary{summaries.rows, summaries.min, summaries.max, summaries.tokens}, stream);
       return;
     case AppendSummary::shadowkv:
       if (!rows || (args.batch > 0 && (summaries.mean == nullptr || summaries.outlier_score == nullptr))) {
@@ -91,8 +102,9 @@ void append_tokens(const DeviceAppend& args, const AppendSummaries& summaries, v
         detail::throw_invalid(kFunction, "shadowkv summaries take head_dim <= " + std::to_string(kMaxIndexDim) +
                                              " and page_tokens <= " + std::to_string(kMaxIndexPageTokens));
       }
-      detail::launch_append(kFunction, args,
-                            ShadowKVPageSummary{summaries.rows, summaries.mean, summaries.outlier_score}, stream);
+      detail::launch_append(
+          kFunction, args,
+          ShadowKVPageSummary{summaries.rows, summaries.mean, summaries.outlier_score, summaries.tokens}, stream);
       return;
   }
   detail::throw_invalid(kFunction, "unknown summary kind " + std::to_string(static_cast<int>(summaries.kind)));

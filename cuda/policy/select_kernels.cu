@@ -43,10 +43,12 @@ using IdSort = cub::BlockRadixSort<std::uint32_t, kThreads, kItems>;
 using MaxReduce = cub::BlockReduce<float, kThreads>;
 using CountReduce = cub::BlockReduce<std::uint64_t, kThreads>;
 
-// The workspace: per candidate a score, `logits` scratch floats (Select
+// The workspace: one slice per row, so its size follows the batch and the
+// region capacity (max_row_candidates), not the arena the rows point into.
+// A row's slice: per candidate a score, `logits` scratch floats (Select
 // reuses one per candidate for every q head; the estimate keeps the group's,
-// [group][candidates]) and a taken flag; per candidate plus one per row
-// (RetroInfer's sink) a chosen id.
+// [group][max_row_candidates]) and a taken flag; max_row_candidates + 1
+// chosen ids (RetroInfer's sink is one more).
 constexpr std::size_t kAlign = 256;
 constexpr std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 struct Workspace {
@@ -54,21 +56,26 @@ struct Workspace {
   float* scratch;
   std::uint8_t* taken;
   std::uint32_t* ids;
+  std::size_t slice;  // candidates per row: max_row_candidates
+  std::size_t logits;
 };
-std::size_t workspace_bytes(std::uint32_t candidates, std::uint32_t rows, std::uint32_t logits) {
-  return aligned(std::size_t{candidates} * sizeof(float)) +
-         aligned(std::size_t{candidates} * logits * sizeof(float)) + aligned(candidates) +
-         aligned((std::size_t{candidates} + rows) * sizeof(std::uint32_t));
+std::size_t workspace_bytes(std::uint32_t rows, std::uint32_t max_row_candidates, std::uint32_t logits) {
+  const std::size_t slots = std::size_t{rows} * max_row_candidates;
+  return aligned(slots * sizeof(float)) + aligned(slots * logits * sizeof(float)) + aligned(slots) +
+         aligned((slots + rows) * sizeof(std::uint32_t));
 }
-Workspace carve(void* base, std::uint32_t candidates, std::uint32_t logits) {
+Workspace carve(void* base, std::uint32_t rows, std::uint32_t max_row_candidates, std::uint32_t logits) {
+  const std::size_t slots = std::size_t{rows} * max_row_candidates;
   auto* p = static_cast<std::byte*>(base);
   Workspace w;
+  w.slice = max_row_candidates;
+  w.logits = logits;
   w.scores = reinterpret_cast<float*>(p);
-  p += aligned(std::size_t{candidates} * sizeof(float));
+  p += aligned(slots * sizeof(float));
   w.scratch = reinterpret_cast<float*>(p);
-  p += aligned(std::size_t{candidates} * logits * sizeof(float));
+  p += aligned(slots * logits * sizeof(float));
   w.taken = reinterpret_cast<std::uint8_t*>(p);
-  p += aligned(candidates);
+  p += aligned(slots);
   w.ids = reinterpret_cast<std::uint32_t*>(p);
   return w;
 }
@@ -90,29 +97,32 @@ struct Shared {
   bool done;
 };
 
-// One row's view: its candidates [0, n) and where its chosen ids go.
+// One row's view: its candidates [0, n) (candidate i of the per-candidate
+// arrays at first + i), its workspace slice and where its chosen ids go.
 struct Row {
   std::uint32_t index, first, n;
   const std::uint32_t* tokens;
   const PartitionId* partitions;
   float* scores;
-  float* scratch;
+  float* scratch;  // [logits][max_row_candidates]
   std::uint8_t* taken;
-  std::uint32_t* ids;  // capacity n + 1
+  std::uint32_t* ids;  // capacity max_row_candidates + 1
   const float* q;      // [group][head_dim]
 };
 
 __device__ Row row_view(const SelectRows& rows, const Workspace& w) {
   Row r;
   r.index = blockIdx.x;
-  r.first = rows.offsets[r.index];
-  r.n = rows.offsets[r.index + 1] - r.first;
+  const SelectRowSpan span =
+      select_row_span(rows.first[r.index], rows.count[r.index], rows.max_row_candidates, rows.candidates);
+  r.first = span.first;
+  r.n = span.n;
   r.tokens = rows.tokens + r.first;
   r.partitions = rows.partitions + r.first;
-  r.scores = w.scores + r.first;
-  r.scratch = w.scratch + r.first;
-  r.taken = w.taken + r.first;
-  r.ids = w.ids + r.first + r.index;
+  r.scores = w.scores + r.index * w.slice;
+  r.scratch = w.scratch + r.index * w.slice * w.logits;
+  r.taken = w.taken + r.index * w.slice;
+  r.ids = w.ids + r.index * (w.slice + 1);
   r.q = rows.q + static_cast<std::size_t>(r.index) * rows.group * rows.head_dim;
   return r;
 }
@@ -227,7 +237,7 @@ __device__ void block_ranked_fill(Shared& s, const Row& row, Filler& fill, Score
   }
 }
 
-// Thread 0 appends a chosen id (the row's scratch holds n + 1).
+// Thread 0 appends a chosen id (the row's slice holds max_row_candidates + 1 >= n + 1).
 __device__ void choose(Shared& s, const Row& row, PartitionId id) { row.ids[s.chosen++] = id; }
 
 // Writes the s.chosen ids of the row sorted ascending: runs of kSelectTile
@@ -463,7 +473,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const std::uint32_t m = row.n - window_parts;
-  const std::size_t stride = rows.candidates;
+  const std::size_t stride = rows.max_row_candidates;
   if (m > 0) {
     retroinfer_rank(s, row, rows, retro.centroids, m, stride);
     const PartitionId* selected = estimate.selected + static_cast<std::size_t>(row.index) * estimate.max_selected;
@@ -534,10 +544,10 @@ void check_rows(const char* function, const SelectRows& rows, std::uint32_t budg
     throw_invalid(function, "max_selected " + std::to_string(max_selected) + " is below the " +
                                 std::to_string(needed) + " partitions a row may select");
   }
-  if (rows.offsets == nullptr || rows.q == nullptr || selected_count == nullptr ||
+  if (rows.first == nullptr || rows.count == nullptr || rows.q == nullptr || selected_count == nullptr ||
       (max_selected > 0 && selected == nullptr) ||
       (rows.candidates > 0 && (rows.tokens == nullptr || rows.partitions == nullptr))) {
-    throw_invalid(function, "null offsets, tokens, partitions, q or selection");
+    throw_invalid(function, "null first, count, tokens, partitions, q or selection");
   }
   if (workspace == nullptr || bytes < needed_bytes) {
     throw_invalid(function, "workspace of " + std::to_string(bytes) + " bytes, " + std::to_string(needed_bytes) +
@@ -559,9 +569,11 @@ void check_retroinfer(const char* function, const SelectRows& rows, const RetroI
 
 }  // namespace
 
-std::size_t select_workspace_bytes(const SelectRows& rows) { return workspace_bytes(rows.candidates, rows.rows, 1); }
+std::size_t select_workspace_bytes(const SelectRows& rows) {
+  return workspace_bytes(rows.rows, rows.max_row_candidates, 1);
+}
 std::size_t estimate_workspace_bytes(const SelectRows& rows) {
-  return workspace_bytes(rows.candidates, rows.rows, rows.group);
+  return workspace_bytes(rows.rows, rows.max_row_candidates, rows.group);
 }
 
 std::uint32_t quest_select_capacity(const SelectRows& rows, const QuestSelect& quest) {
@@ -583,7 +595,7 @@ void quest_select(const SelectRows& rows, const QuestSelect& quest, const Select
     throw_invalid("quest_select", "null min or max");
   }
   quest_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, quest, out, carve(workspace, rows.candidates, 1));
+      rows, quest, out, carve(workspace, rows.rows, rows.max_row_candidates, 1));
   check_launch("quest_select");
 }
 
@@ -596,7 +608,7 @@ void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, con
     throw_invalid("shadowkv_select", "null landmarks or outlier scores");
   }
   shadowkv_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, shadowkv, out, carve(workspace, rows.candidates, 1));
+      rows, shadowkv, out, carve(workspace, rows.rows, rows.max_row_candidates, 1));
   check_launch("shadowkv_select");
 }
 
@@ -608,7 +620,7 @@ void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfe
   check_retroinfer("retroinfer_select", rows, retroinfer);
   if (rows.rows == 0) return;
   retroinfer_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, retroinfer, out, carve(workspace, rows.candidates, 1));
+      rows, retroinfer, out, carve(workspace, rows.rows, rows.max_row_candidates, 1));
   check_launch("retroinfer_select");
 }
 
@@ -631,7 +643,7 @@ void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroin
     throw_invalid("retroinfer_estimate", "null value sums or output");
   }
   retroinfer_estimate_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, retroinfer, estimate, out, carve(workspace, rows.candidates, rows.group));
+      rows, retroinfer, estimate, out, carve(workspace, rows.rows, rows.max_row_candidates, rows.group));
   check_launch("retroinfer_estimate");
 }
 

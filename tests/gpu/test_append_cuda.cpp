@@ -1,8 +1,8 @@
 // The append kernel (buffer/device_append_cuda.hpp and
 // policy/append_summaries_cuda.hpp) against its host emulation
 // (append_test_data.hpp), which test_append_rules.cpp checks against the host
-// path: tail pages, saved CPU pages (mapped pinned memory), fp32 q, summaries
-// and the error word, bit for bit, for every dtype and summary kind; and bad
+// path: tail pages, saved CPU pages (mapped pinned memory), fp32 q, summaries,
+// their token counts and the error word, bit for bit, for every dtype and summary kind; and bad
 // arguments refused before anything is enqueued.
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
@@ -71,15 +71,17 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     std::vector<std::byte*> cpu_host(items);
     for (std::size_t i = 0; i < items; ++i) cpu_host[i] = reinterpret_cast<std::byte*>(saved.data()) + i * page;
     std::vector<float> q_out(qn), first(items * dim, -3.0f), second = first, score(items, -3.0f);
+    std::vector<std::uint32_t> tokens(items, 0xdeadu);
     std::uint64_t error = kNoAppendError;
     DeviceAppend a{batch, q_heads, kv_heads, layout, q.data(), k.data(), v.data(), q_out.data(),
                    reinterpret_cast<std::byte*>(tier.data()), page, tails.data(), slots.data(), cpu_host.data(), &error};
-    AppendSummaries s{kind, rows.data(), first.data(), second.data(), first.data(), score.data()};
+    AppendSummaries s{kind, rows.data(), first.data(), second.data(), first.data(), score.data(), tokens.data()};
     emulate(a, s, 7, Mutation::none);
 
     // The kernel: inputs and the error word in device memory, CPU pages in mapped pinned memory.
     DeviceArray<std::byte> dq(q), dk(k), dv(v), dtier(tier_init);
     DeviceArray<float> dq_out(qn), dfirst(first), dsecond(second), dscore(std::vector<float>(items, -3.0f));
+    DeviceArray<std::uint32_t> dtokens(std::vector<std::uint32_t>(items, 0xdeadu));
     check(cudaMemset(dq_out.data, 0, qn * sizeof(float)));
     DeviceArray<PageId> dtails(tails);
     DeviceArray<std::uint32_t> dslots(slots), drows(rows);
@@ -91,7 +93,7 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     DeviceArray<std::byte*> dcpu(cpu_device);
     DeviceAppend d{batch, q_heads, kv_heads, layout, dq.data, dk.data, dv.data, dq_out.data, dtier.data, page,
                    dtails.data, dslots.data, dcpu.data, word.data};
-    AppendSummaries ds{kind, drows.data, dfirst.data, dsecond.data, dfirst.data, dscore.data};
+    AppendSummaries ds{kind, drows.data, dfirst.data, dsecond.data, dfirst.data, dscore.data, dtokens.data};
     if (kind == AppendSummary::none && trial % 2 == 0) {
       append_tokens(d, stream.stream);  // the buffer layer's entry point
     } else {
@@ -106,6 +108,7 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     CHECK(same_bits(dfirst.download(), first));
     CHECK(same_bits(dsecond.download(), second));
     CHECK(same_bits(dscore.download(), score));
+    CHECK(dtokens.download() == tokens);
   }
 }
 

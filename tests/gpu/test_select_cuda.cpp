@@ -1,7 +1,8 @@
 // Select kernels (policy/select_cuda.hpp) against the host policies' select
 // on random batches with planted ties, budgets below one partition, covering
-// budgets, GQA groups 1..8 and rows longer than one tile: the same
-// partitions, bit for bit. retroinfer_estimate on retroinfer_select's
+// budgets, GQA groups 1..8 and rows longer than one tile, laid end to end and
+// scattered over an arena of fixed-capacity regions: the same partitions,
+// bit for bit. retroinfer_estimate on retroinfer_select's
 // device output against RetroInferPolicy::attend: every term bit for bit,
 // and the attention with the device terms as its extra term within 2e-3 of
 // the host decode_attention with the host's. Bad arguments are refused
@@ -32,14 +33,15 @@ namespace {
 // HostRows on the device, and the kernel's output read back row by row.
 struct DeviceRows {
   explicit DeviceRows(const HostRows& h)
-      : offsets(h.offsets), tokens(h.tokens), partitions(h.partitions), q(h.q), a(h.a), b(h.b) {
+      : first(h.first), count(h.count), tokens(h.tokens), partitions(h.partitions), q(h.q), a(h.a), b(h.b) {
     rows.rows = h.rows();
     rows.kv_heads = h.kv_heads;
     rows.group = h.group;
     rows.head_dim = h.head_dim;
-    rows.candidates = h.offsets.back();
+    rows.candidates = h.candidates();
     rows.max_row_candidates = h.max_row;
-    rows.offsets = offsets.data;
+    rows.first = first.data;
+    rows.count = count.data;
     rows.tokens = tokens.data;
     rows.partitions = partitions.data;
     rows.q = q.data;
@@ -65,7 +67,7 @@ struct DeviceRows {
     }
     return out;
   }
-  DeviceArray<std::uint32_t> offsets, tokens;
+  DeviceArray<std::uint32_t> first, count, tokens;
   DeviceArray<PartitionId> partitions;
   DeviceArray<float> q, a, b;
   DeviceArray<std::byte> workspace;
@@ -207,26 +209,30 @@ float attention_with_terms(const DeviceRetro& retro, const std::vector<float>& q
 
 TEST_CASE("quest_select equals QuestPolicy::select", "[gpu][select]") {
   std::mt19937 rng(41);
-  for (const std::uint32_t group : kGroups) {
-    for (const std::uint32_t n : {1u, 19u, 300u, 5000u}) {
-      LayerContext ctx = layer_context(4, 128, 8, group);
-      std::vector<SelectRequest<QuestPolicy::LayerState>> batch;
-      for (int b = 0; b < 3; ++b) batch.push_back(quest_request(ctx, n, 16, rng));
-      const HostRows host = quest_rows(ctx, batch);
-      DeviceRows dev(host);
-      for (const std::uint32_t budget : {1u, 8u, 2048u, 100000u}) {
-        for (const std::uint32_t layer : {0u, 5u}) {
-          CAPTURE(group, n, budget, layer);
-          ctx.layer = layer;
-          QuestPolicy::Options options;
-          options.budget_tokens = budget;
-          const auto want = host_select(QuestPolicy(options), ctx, batch);
-          const cuda::QuestSelect quest{dev.a.data, dev.b.data, budget, layer < options.dense_layers};
-          const auto got = dev.run(cuda::quest_select_capacity(dev.rows, quest), [&](const cuda::SelectOutput& out,
-                                                                                     cudaStream_t s) {
-            cuda::quest_select(dev.rows, quest, out, dev.workspace.data, dev.workspace.size, s);
-          });
-          require_same(got, want);
+  // Rows end to end, then scattered over an arena of fixed-capacity regions (select_test_data.hpp).
+  for (const bool arena : {false, true}) {
+    for (const std::uint32_t group : kGroups) {
+      for (const std::uint32_t n : {1u, 19u, 300u, 5000u}) {
+        LayerContext ctx = layer_context(4, 128, 8, group);
+        std::vector<SelectRequest<QuestPolicy::LayerState>> batch;
+        for (int b = 0; b < 3; ++b) batch.push_back(quest_request(ctx, n, 16, rng));
+        const HostRows host = arena ? in_arena(quest_rows(ctx, batch), 5, 3, rng)
+                                    : quest_rows(ctx, batch);
+        DeviceRows dev(host);
+        for (const std::uint32_t budget : {1u, 8u, 2048u, 100000u}) {
+          for (const std::uint32_t layer : {0u, 5u}) {
+            CAPTURE(arena, group, n, budget, layer);
+            ctx.layer = layer;
+            QuestPolicy::Options options;
+            options.budget_tokens = budget;
+            const auto want = host_select(QuestPolicy(options), ctx, batch);
+            const cuda::QuestSelect quest{dev.a.data, dev.b.data, budget, layer < options.dense_layers};
+            const auto got = dev.run(cuda::quest_select_capacity(dev.rows, quest), [&](const cuda::SelectOutput& out,
+                                                                                       cudaStream_t s) {
+              cuda::quest_select(dev.rows, quest, out, dev.workspace.data, dev.workspace.size, s);
+            });
+            require_same(got, want);
+          }
         }
       }
     }
@@ -235,27 +241,31 @@ TEST_CASE("quest_select equals QuestPolicy::select", "[gpu][select]") {
 
 TEST_CASE("shadowkv_select equals ShadowKVPolicy::select", "[gpu][select]") {
   std::mt19937 rng(42);
-  for (const std::uint32_t group : kGroups) {
-    for (const std::uint32_t n : {1u, 40u, 1500u, 16384u}) {
-      const LayerContext ctx = layer_context(2, 128, 8, group);
-      std::vector<SelectRequest<ShadowKVPolicy::LayerState>> batch;
-      for (int b = 0; b < 2; ++b) batch.push_back(shadowkv_request(ctx, n, rng));
-      const HostRows host = shadowkv_rows(ctx, batch);
-      DeviceRows dev(host);
-      for (const std::uint32_t budget : {1u, 16u, 2048u, 200000u}) {
-        CAPTURE(group, n, budget);
-        ShadowKVPolicy::Options options;
-        options.budget_tokens = budget;
-        const ShadowKVPolicy policy(options);
-        const auto want = host_select(policy, ctx, batch);
-        const cuda::ShadowKVSelect shadowkv{dev.a.data, dev.b.data, budget, options.recent_tokens,
-                                            policy.outlier_count()};
-        const auto got = dev.run(cuda::shadowkv_select_capacity(dev.rows, shadowkv),
-                                 [&](const cuda::SelectOutput& out, cudaStream_t s) {
-                                   cuda::shadowkv_select(dev.rows, shadowkv, out, dev.workspace.data,
-                                                         dev.workspace.size, s);
-                                 });
-        require_same(got, want);
+  // Rows end to end, then scattered over an arena of fixed-capacity regions (select_test_data.hpp).
+  for (const bool arena : {false, true}) {
+    for (const std::uint32_t group : kGroups) {
+      for (const std::uint32_t n : {1u, 40u, 1500u, 16384u}) {
+        const LayerContext ctx = layer_context(2, 128, 8, group);
+        std::vector<SelectRequest<ShadowKVPolicy::LayerState>> batch;
+        for (int b = 0; b < 2; ++b) batch.push_back(shadowkv_request(ctx, n, rng));
+        const HostRows host = arena ? in_arena(shadowkv_rows(ctx, batch), 5, 3, rng)
+                                    : shadowkv_rows(ctx, batch);
+        DeviceRows dev(host);
+        for (const std::uint32_t budget : {1u, 16u, 2048u, 200000u}) {
+          CAPTURE(arena, group, n, budget);
+          ShadowKVPolicy::Options options;
+          options.budget_tokens = budget;
+          const ShadowKVPolicy policy(options);
+          const auto want = host_select(policy, ctx, batch);
+          const cuda::ShadowKVSelect shadowkv{dev.a.data, dev.b.data, budget, options.recent_tokens,
+                                              policy.outlier_count()};
+          const auto got = dev.run(cuda::shadowkv_select_capacity(dev.rows, shadowkv),
+                                   [&](const cuda::SelectOutput& out, cudaStream_t s) {
+                                     cuda::shadowkv_select(dev.rows, shadowkv, out, dev.workspace.data,
+                                                           dev.workspace.size, s);
+                                   });
+          require_same(got, want);
+        }
       }
     }
   }
@@ -263,31 +273,35 @@ TEST_CASE("shadowkv_select equals ShadowKVPolicy::select", "[gpu][select]") {
 
 TEST_CASE("retroinfer_select equals RetroInferPolicy::select", "[gpu][select]") {
   std::mt19937 rng(43);
-  for (const std::uint32_t group : kGroups) {
-    for (const std::uint32_t clusters : {0u, 250u, 8000u}) {
-      const LayerContext ctx = layer_context(2, 128, 8, group);
-      std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
-      for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, 12, 64, rng));
-      const HostRows host = retroinfer_rows(ctx, batch);
-      DeviceRows dev(host);
-      DeviceArray<PartitionId> sinks(host.sink_partitions);
-      DeviceArray<std::uint32_t> sink_tokens(host.sink_tokens), recent(host.recent);
-      for (const std::uint32_t budget : {1u, 40u, 2048u, 1000000u}) {
-        for (const float fraction : {0.018f, 1.0f}) {
-          CAPTURE(group, clusters, budget, fraction);
-          RetroInferPolicy::Options options;
-          options.budget_tokens = budget;
-          options.retrieval_fraction = fraction;
-          options.estimation_fraction = 0.0f;
-          const auto want = host_select(RetroInferPolicy(options), ctx, batch);
-          const cuda::RetroInferSelect retro{dev.a.data, sinks.data, sink_tokens.data, recent.data, budget, 64,
-                                             fraction};
-          const auto got = dev.run(cuda::retroinfer_select_capacity(dev.rows, retro),
-                                   [&](const cuda::SelectOutput& out, cudaStream_t s) {
-                                     cuda::retroinfer_select(dev.rows, retro, out, dev.workspace.data,
-                                                             dev.workspace.size, s);
-                                   });
-          require_same(got, want);
+  // Rows end to end, then scattered over an arena of fixed-capacity regions (select_test_data.hpp).
+  for (const bool arena : {false, true}) {
+    for (const std::uint32_t group : kGroups) {
+      for (const std::uint32_t clusters : {0u, 250u, 8000u}) {
+        const LayerContext ctx = layer_context(2, 128, 8, group);
+        std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
+        for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, 12, 64, rng));
+        const HostRows host = arena ? in_arena(retroinfer_rows(ctx, batch), 5, 3, rng)
+                                    : retroinfer_rows(ctx, batch);
+        DeviceRows dev(host);
+        DeviceArray<PartitionId> sinks(host.sink_partitions);
+        DeviceArray<std::uint32_t> sink_tokens(host.sink_tokens), recent(host.recent);
+        for (const std::uint32_t budget : {1u, 40u, 2048u, 1000000u}) {
+          for (const float fraction : {0.018f, 1.0f}) {
+            CAPTURE(arena, group, clusters, budget, fraction);
+            RetroInferPolicy::Options options;
+            options.budget_tokens = budget;
+            options.retrieval_fraction = fraction;
+            options.estimation_fraction = 0.0f;
+            const auto want = host_select(RetroInferPolicy(options), ctx, batch);
+            const cuda::RetroInferSelect retro{dev.a.data, sinks.data, sink_tokens.data, recent.data, budget, 64,
+                                               fraction};
+            const auto got = dev.run(cuda::retroinfer_select_capacity(dev.rows, retro),
+                                     [&](const cuda::SelectOutput& out, cudaStream_t s) {
+                                       cuda::retroinfer_select(dev.rows, retro, out, dev.workspace.data,
+                                                               dev.workspace.size, s);
+                                     });
+            require_same(got, want);
+          }
         }
       }
     }
@@ -300,32 +314,36 @@ TEST_CASE("retroinfer_estimate equals RetroInferPolicy::attend", "[gpu][select]"
   };
   std::mt19937 rng(45);
   float worst = 0.0f;
-  for (const std::uint32_t group : kGroups) {
-    for (const std::uint32_t clusters : {0u, 250u, 8000u}) {
-      const LayerContext ctx = layer_context(2, 128, 8, group);
-      std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
-      for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, 12, 64, rng));
-      const HostRows host = retroinfer_rows(ctx, batch);
-      DeviceRetro dev(host);
-      for (const std::uint32_t budget : {1u, 40u, 2048u, 1000000u}) {
-        for (const Zones zones : {Zones{0.018f, 0.232f}, Zones{0.3f, 0.7f}}) {
-          for (const bool estimation : {true, false}) {
-            CAPTURE(group, clusters, budget, zones.retrieval, estimation);
-            RetroInferPolicy::Options options;
-            options.budget_tokens = budget;
-            options.retrieval_fraction = zones.retrieval;
-            options.estimation_fraction = zones.estimation;
-            options.estimation = estimation;
-            const auto want = host_estimate(RetroInferPolicy(options), ctx, batch);
-            const auto got = dev.run(dev.select_params(budget, 64, zones.retrieval), zones.estimation, estimation);
-            REQUIRE(got.size() == want.size());
-            for (std::size_t j = 0; j < got.size(); ++j) {
-              CAPTURE(j, got[j].max, want[j].max, got[j].sum, want[j].sum);
-              REQUIRE(same_term(got[j], want[j]));
-            }
-            if (estimation && budget == 2048u) {
-              worst = std::max(worst, attention_with_terms(dev, host.q, want, ctx.kv_heads, rng));
-              REQUIRE(worst <= 2e-3f);
+  // Rows end to end, then scattered over an arena of fixed-capacity regions (select_test_data.hpp).
+  for (const bool arena : {false, true}) {
+    for (const std::uint32_t group : kGroups) {
+      for (const std::uint32_t clusters : {0u, 250u, 8000u}) {
+        const LayerContext ctx = layer_context(2, 128, 8, group);
+        std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
+        for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, 12, 64, rng));
+        const HostRows host = arena ? in_arena(retroinfer_rows(ctx, batch), 5, 3, rng)
+                                    : retroinfer_rows(ctx, batch);
+        DeviceRetro dev(host);
+        for (const std::uint32_t budget : {1u, 40u, 2048u, 1000000u}) {
+          for (const Zones zones : {Zones{0.018f, 0.232f}, Zones{0.3f, 0.7f}}) {
+            for (const bool estimation : {true, false}) {
+              CAPTURE(arena, group, clusters, budget, zones.retrieval, estimation);
+              RetroInferPolicy::Options options;
+              options.budget_tokens = budget;
+              options.retrieval_fraction = zones.retrieval;
+              options.estimation_fraction = zones.estimation;
+              options.estimation = estimation;
+              const auto want = host_estimate(RetroInferPolicy(options), ctx, batch);
+              const auto got = dev.run(dev.select_params(budget, 64, zones.retrieval), zones.estimation, estimation);
+              REQUIRE(got.size() == want.size());
+              for (std::size_t j = 0; j < got.size(); ++j) {
+                CAPTURE(j, got[j].max, want[j].max, got[j].sum, want[j].sum);
+                REQUIRE(same_term(got[j], want[j]));
+              }
+              if (estimation && budget == 2048u) {
+                worst = std::max(worst, attention_with_terms(dev, host.q, want, ctx.kv_heads, rng));
+                REQUIRE(worst <= 2e-3f);
+              }
             }
           }
         }
@@ -360,6 +378,12 @@ TEST_CASE("select entry points refuse bad arguments before launching", "[gpu][se
   CHECK(quest_call(rows, quest, out, bytes) == ErrorCode::invalid_argument);
   rows = dev.rows;
   rows.q = nullptr;
+  CHECK(quest_call(rows, quest, out, bytes) == ErrorCode::invalid_argument);
+  rows = dev.rows;
+  rows.first = nullptr;
+  CHECK(quest_call(rows, quest, out, bytes) == ErrorCode::invalid_argument);
+  rows = dev.rows;
+  rows.count = nullptr;
   CHECK(quest_call(rows, quest, out, bytes) == ErrorCode::invalid_argument);
   CHECK(quest_call(dev.rows, quest, out, bytes - 1) == ErrorCode::invalid_argument);
   CHECK(quest_call(dev.rows, quest, cuda::SelectOutput{49, selected.data, count.data}, bytes) ==

@@ -3,9 +3,9 @@
 // launch of buffer/device_append_cuda.hpp (write, convert q, test for
 // non-finite values, save full pages) that also computes, for every (b, h)
 // whose tail fills and whose row is clean, the page's Quest min / max or
-// ShadowKV landmark and outlier score -- the rules and order of
-// QuestPolicy::append / ShadowKVPolicy::append (page_summaries.hpp), so the
-// results equal theirs bit for bit.
+// ShadowKV landmark and outlier score, and optionally its token count -- the
+// rules and order of QuestPolicy::append / ShadowKVPolicy::append
+// (page_summaries.hpp), so the results equal theirs bit for bit.
 //
 // Why here and not in the buffer layer: the summary rules belong to the
 // policies, and the buffer sits below the policy layer. The kernel lives in
@@ -33,6 +33,11 @@ struct AppendSummaries {
   float* max = nullptr;            // quest: [row][head_dim]
   float* mean = nullptr;           // shadowkv: [row][head_dim], the landmark
   float* outlier_score = nullptr;  // shadowkv: [row]
+  // quest and shadowkv, optional: [row], set to page_tokens (the full page's
+  // token count, what the policies' append records), so that Select reads a
+  // decode partition's size from the same store as its summaries
+  // (device_summaries.hpp); nullptr: not written.
+  std::uint32_t* tokens = nullptr;
 };
 
 // Key row t of a page: what the per-thread summary steps of page_summaries.hpp read.

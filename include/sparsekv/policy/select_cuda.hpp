@@ -19,28 +19,59 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "sparsekv/core/host_device.hpp"
 #include "sparsekv/core/ids.hpp"
 
 namespace sparsekv::cuda {
 
 // One row per (request, kv head): row r = b * kv_heads + h reads the q heads
 // [h * group, (h + 1) * group) of request b, i.e. q + r * group * head_dim.
-// Its candidates are [offsets[r], offsets[r + 1]) of the flat per-candidate
+// Its candidates are [first[r], first[r] + count[r]) of the per-candidate
 // arrays, in the order the host policy's LayerState keeps them (Quest and
 // ShadowKV: the kv head's partitions, the newest last; RetroInfer: clusters,
-// then recent partitions oldest first).
+// then recent partitions oldest first). Rows are addressed by first / count,
+// not by CSR offsets, because on the decode step the summaries stay on the
+// device in fixed-capacity regions, one per (request slot, layer, kv head)
+// (device_summaries.hpp): a batch's rows are then scattered over the arena,
+// in any order and with other slots' regions between them, and a per-step
+// compact copy would move the whole arena.
+//
+// max_row_candidates bounds every count: the workspace keeps one slice of
+// that many candidates per row, so it grows with the batch and the region
+// capacity, not with the arena. It may exceed the real counts (a captured
+// graph passes the host-known capacity); the counts are device data the host
+// cannot check, so the kernels clamp a count to max_row_candidates and a row
+// to the arrays' extent (select_row_span) rather than read past either.
 struct SelectRows {
   std::uint32_t rows = 0;
   std::uint32_t kv_heads = 0;
   std::uint32_t group = 0;               // q heads per kv head
   std::uint32_t head_dim = 0;
-  std::uint32_t candidates = 0;          // offsets[rows]
-  std::uint32_t max_row_candidates = 0;  // the largest row's count
-  const std::uint32_t* offsets = nullptr;   // [rows + 1], offsets[0] = 0
-  const std::uint32_t* tokens = nullptr;    // [candidates], each >= 1
+  std::uint32_t candidates = 0;          // the per-candidate arrays' extent: first[r] + count[r] <= candidates
+  std::uint32_t max_row_candidates = 0;  // >= every count[r]
+  const std::uint32_t* first = nullptr;     // [rows]: row r's first candidate
+  const std::uint32_t* count = nullptr;     // [rows]: row r's candidates
+  const std::uint32_t* tokens = nullptr;    // [candidates], each >= 1 inside a row
   const PartitionId* partitions = nullptr;  // [candidates]
   const float* q = nullptr;                 // [rows / kv_heads][kv_heads * group][head_dim]
 };
+
+// Row r's candidates as the kernels read them: count clamped to the
+// workspace's slice (max_row_candidates) and the row to the arrays' extent.
+// Shared with the CI emulation (tests/test_select_rules.cpp).
+struct SelectRowSpan {
+  std::uint32_t first = 0;
+  std::uint32_t n = 0;
+};
+SPARSEKV_HOST_DEVICE inline SelectRowSpan select_row_span(std::uint32_t first, std::uint32_t count,
+                                                          std::uint32_t max_row_candidates,
+                                                          std::uint32_t candidates) {
+  const std::uint32_t start = first < candidates ? first : candidates;
+  const std::uint32_t room = candidates - start;
+  std::uint32_t n = count < max_row_candidates ? count : max_row_candidates;
+  if (n > room) n = room;
+  return {start, n};
+}
 
 // selected[r * max_selected, + selected_count[r]): row r's partitions, sorted
 // ascending, or in candidate order where the policy selects everything (as
@@ -53,7 +84,9 @@ struct SelectOutput {
 };
 
 // QuestPolicy with budget_tokens; `dense_layer` (ctx.layer < dense_layers)
-// selects everything. min / max: [candidates][head_dim].
+// selects everything. min / max: [candidates][head_dim]; candidate c's row
+// at c * head_dim, so row r's candidate i at (first[r] + i) * head_dim (as
+// every per-candidate array below).
 struct QuestSelect {
   const float* min = nullptr;
   const float* max = nullptr;
@@ -115,14 +148,17 @@ struct EstimateOutput {
 inline constexpr std::uint32_t kSelectTile = 2048;
 
 // Bytes of the caller-owned workspace the select entry points take for
-// `rows`; retroinfer_estimate keeps every q head's logits and takes more.
+// `rows`: per row a slice of max_row_candidates slots (a score, a logit, a
+// taken flag and a chosen id each) and one more id (RetroInfer's sink),
+// independent of `candidates`. retroinfer_estimate keeps every q head's
+// logits (group per slot) and takes more.
 std::size_t select_workspace_bytes(const SelectRows& rows);
 std::size_t estimate_workspace_bytes(const SelectRows& rows);
 
 // The smallest max_selected the entry points accept: a selection covers at
 // most max(budget, one candidate) tokens, so it holds at most budget_tokens
-// candidates (tokens >= 1), or the whole row (plus RetroInfer's sink) when
-// the row fits the budget or the layer is dense.
+// candidates (tokens >= 1), or the whole row (max_row_candidates, plus
+// RetroInfer's sink) when the row fits the budget or the layer is dense.
 std::uint32_t quest_select_capacity(const SelectRows& rows, const QuestSelect& quest);
 std::uint32_t shadowkv_select_capacity(const SelectRows& rows, const ShadowKVSelect& shadowkv);
 std::uint32_t retroinfer_select_capacity(const SelectRows& rows, const RetroInferSelect& retroinfer);
@@ -131,7 +167,8 @@ std::uint32_t retroinfer_select_capacity(const SelectRows& rows, const RetroInfe
 // of 0, rows not a multiple of kv_heads, max_row_candidates > candidates, a
 // budget of 0, a retrieval fraction outside [0, 1], max_selected below the
 // capacity above, a workspace smaller than select_workspace_bytes, or a null
-// pointer the call reads or writes. rows == 0 enqueues nothing.
+// pointer the call reads or writes (first and count whenever rows > 0).
+// rows == 0 enqueues nothing.
 void quest_select(const SelectRows& rows, const QuestSelect& quest, const SelectOutput& out, void* workspace,
                   std::size_t workspace_bytes, void* stream);
 void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, const SelectOutput& out,

@@ -1,0 +1,223 @@
+// The decode step's summary store (policy/device_summaries.hpp): per layer
+// one allocation carved into its arrays, the partition ids written once, and
+// the prefill: the Index kernels into a caller-owned workspace, then one
+// strided device-to-device copy per array into the slot's regions and a
+// small kernel for the pages' token counts.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/launch_support.cuh"
+#include "sparsekv/core/device.hpp"
+#include "sparsekv/core/error_code.hpp"
+#include "sparsekv/policy/device_summaries.hpp"
+#include "sparsekv/policy/index_cuda.hpp"
+
+namespace sparsekv::cuda {
+namespace {
+
+using detail::check_launch;
+using detail::throw_cuda;
+using detail::throw_invalid;
+
+constexpr std::uint32_t kThreads = 256;
+constexpr std::uint64_t kMaxBlocks = 4096;  // blocks stride: a capped grid covers every item
+
+constexpr std::size_t kAlign = 256;
+constexpr std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+unsigned grid_for(std::uint64_t items) {
+  const std::uint64_t blocks = (items + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+// Candidate c of every region holds partition c % capacity: the region's c-th page.
+__global__ void identity_partitions_kernel(PartitionId* partitions, std::uint32_t candidates,
+                                           std::uint32_t capacity) {
+  for (std::uint64_t c = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; c < candidates;
+       c += std::uint64_t{gridDim.x} * blockDim.x) {
+    partitions[c] = static_cast<PartitionId>(c % capacity);
+  }
+}
+
+// Prompt page p of kv head h: tokens[region0 + h * capacity + p].
+struct PrefillTokens {
+  std::uint32_t* tokens;
+  std::uint32_t region0, capacity, kv_heads, pages, prompt_tokens, page_tokens;
+};
+__global__ void prefill_tokens_kernel(PrefillTokens a) {
+  const std::uint64_t items = std::uint64_t{a.kv_heads} * a.pages;
+  for (std::uint64_t item = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; item < items;
+       item += std::uint64_t{gridDim.x} * blockDim.x) {
+    const auto h = static_cast<std::uint32_t>(item / a.pages);
+    const auto p = static_cast<std::uint32_t>(item % a.pages);
+    a.tokens[a.region0 + std::size_t{h} * a.capacity + p] = prefill_page_tokens(p, a.prompt_tokens, a.page_tokens);
+  }
+}
+
+// Checked before any member that needs a device is built, so bad arguments
+// read as invalid_argument on any machine.
+SummaryShape checked_shape(const SummaryShape& shape) {
+  constexpr const char* kFunction = "DeviceSummaries";
+  check_summary_shape(kFunction, shape);
+  if (cuda_device_count() == 0) {
+    throw Error(ErrorCode::unavailable, std::string(kFunction) + ": no CUDA device is available for the store");
+  }
+  return shape;
+}
+
+// A prefill's workspace: the first array ([kv_heads][pages][head_dim]: Quest
+// min, ShadowKV mean) then the second (Quest max alike, ShadowKV outlier
+// scores [kv_heads][pages]).
+struct PrefillWorkspace {
+  std::size_t first_bytes, second_bytes;
+};
+PrefillWorkspace prefill_workspace(const SummaryShape& s, std::uint32_t pages) {
+  const std::size_t rows = std::size_t{s.kv_heads} * pages;
+  const std::size_t vectors = rows * s.head_dim * sizeof(float);
+  return {aligned(vectors), aligned(s.kind == AppendSummary::quest ? vectors : rows * sizeof(float))};
+}
+
+// Head h's `width` bytes from src + h * width to dst + h * dst_pitch, every head in one call.
+void copy_heads(void* dst, std::size_t dst_pitch, const void* src, std::size_t width, std::uint32_t heads,
+                cudaStream_t stream) {
+  const cudaError_t status =
+      cudaMemcpy2DAsync(dst, dst_pitch, src, width, width, heads, cudaMemcpyDeviceToDevice, stream);
+  if (status != cudaSuccess) throw_cuda("DeviceSummaries::write_prefill", "cudaMemcpy2DAsync", status);
+}
+
+}  // namespace
+
+DeviceSummaries::DeviceSummaries(AppendSummary kind, std::uint32_t layers, std::uint32_t slots,
+                                 std::uint32_t kv_heads, std::uint32_t head_dim, std::uint32_t capacity)
+    : shape_(checked_shape(SummaryShape{kind, layers, slots, kv_heads, head_dim, capacity})) {
+  const std::size_t candidates = shape_.candidates();
+  const std::size_t vectors = aligned(candidates * head_dim * sizeof(float));
+  const std::size_t scalars = aligned(candidates * sizeof(float));
+  const std::size_t second = kind == AppendSummary::quest ? vectors : scalars;
+  try {
+    layers_.reserve(layers);
+    for (std::uint32_t l = 0; l < layers; ++l) {
+      Layer layer;
+      layer.bytes = vectors + second + scalars;
+      layer.base = memory_.allocate(layer.bytes);
+      auto* p = static_cast<std::byte*>(layer.base);
+      layer.first = reinterpret_cast<float*>(p);
+      layer.second = reinterpret_cast<float*>(p + vectors);
+      layer.tokens = reinterpret_cast<std::uint32_t*>(p + vectors + second);
+      layers_.push_back(layer);
+    }
+    partitions_ = static_cast<PartitionId*>(memory_.allocate(candidates * sizeof(PartitionId)));
+    identity_partitions_kernel<<<grid_for(candidates), kThreads>>>(partitions_, shape_.candidates(), capacity);
+    check_launch("DeviceSummaries");
+    // Every stream, non-blocking ones included, may read the ids once construction returns.
+    const cudaError_t status = cudaDeviceSynchronize();
+    if (status != cudaSuccess) throw_cuda("DeviceSummaries", "cudaDeviceSynchronize", status);
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+DeviceSummaries::~DeviceSummaries() { release(); }
+
+void DeviceSummaries::release() noexcept {
+  for (const Layer& layer : layers_) memory_.deallocate(layer.base, layer.bytes);
+  layers_.clear();
+  memory_.deallocate(partitions_, std::size_t{shape_.candidates()} * sizeof(PartitionId));
+  partitions_ = nullptr;
+}
+
+const DeviceSummaries::Layer& DeviceSummaries::layer_at(const char* function, std::uint32_t layer) const {
+  if (layer >= layers_.size()) {
+    throw_invalid(function, "layer " + std::to_string(layer) + " outside " + std::to_string(layers_.size()));
+  }
+  return layers_[layer];
+}
+
+float* DeviceSummaries::min(std::uint32_t layer) const {
+  const Layer& l = layer_at("DeviceSummaries::min", layer);
+  return shape_.kind == AppendSummary::quest ? l.first : nullptr;
+}
+float* DeviceSummaries::max(std::uint32_t layer) const {
+  const Layer& l = layer_at("DeviceSummaries::max", layer);
+  return shape_.kind == AppendSummary::quest ? l.second : nullptr;
+}
+float* DeviceSummaries::landmarks(std::uint32_t layer) const {
+  const Layer& l = layer_at("DeviceSummaries::landmarks", layer);
+  return shape_.kind == AppendSummary::shadowkv ? l.first : nullptr;
+}
+float* DeviceSummaries::outlier_scores(std::uint32_t layer) const {
+  const Layer& l = layer_at("DeviceSummaries::outlier_scores", layer);
+  return shape_.kind == AppendSummary::shadowkv ? l.second : nullptr;
+}
+std::uint32_t* DeviceSummaries::tokens(std::uint32_t layer) const {
+  return layer_at("DeviceSummaries::tokens", layer).tokens;
+}
+
+AppendSummaries DeviceSummaries::append_summaries(std::uint32_t layer, const std::uint32_t* rows) const {
+  const Layer& l = layer_at("DeviceSummaries::append_summaries", layer);
+  AppendSummaries s;
+  s.kind = shape_.kind;
+  s.rows = rows;
+  if (shape_.kind == AppendSummary::quest) {
+    s.min = l.first;
+    s.max = l.second;
+  } else {
+    s.mean = l.first;
+    s.outlier_score = l.second;
+  }
+  s.tokens = l.tokens;
+  return s;
+}
+
+std::size_t DeviceSummaries::prefill_workspace_bytes(std::uint32_t tokens, std::uint32_t page_tokens) const {
+  const PrefillWorkspace w = prefill_workspace(shape_, page_count(tokens, page_tokens));
+  return w.first_bytes + w.second_bytes;
+}
+
+void DeviceSummaries::write_prefill(std::uint32_t slot, std::uint32_t layer, const KeyBlock& keys,
+                                    std::uint32_t page_tokens, void* workspace, std::size_t workspace_bytes,
+                                    void* stream) {
+  constexpr const char* kFunction = "DeviceSummaries::write_prefill";
+  const std::uint32_t pages = prefill_pages(kFunction, shape_, slot, layer, keys.tokens, page_tokens);
+  if (keys.kv_heads != shape_.kv_heads || keys.head_dim != shape_.head_dim) {
+    throw_invalid(kFunction, "keys of " + std::to_string(keys.kv_heads) + " kv heads x " +
+                                 std::to_string(keys.head_dim) + " dims, the store's are " +
+                                 std::to_string(shape_.kv_heads) + " x " + std::to_string(shape_.head_dim));
+  }
+  if (pages == 0) return;
+  const PrefillWorkspace w = prefill_workspace(shape_, pages);
+  if (workspace == nullptr || workspace_bytes < w.first_bytes + w.second_bytes) {
+    throw_invalid(kFunction, "workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                                 std::to_string(w.first_bytes + w.second_bytes) + " needed");
+  }
+  const Layer& l = layers_[layer];
+  auto* first = static_cast<float*>(workspace);
+  auto* second = reinterpret_cast<float*>(static_cast<std::byte*>(workspace) + w.first_bytes);
+  const auto s = static_cast<cudaStream_t>(stream);
+  // The Index kernel checks its own arguments before enqueuing: the first enqueue.
+  if (shape_.kind == AppendSummary::quest) {
+    page_min_max(keys, page_tokens, first, second, stream);
+  } else {
+    page_mean_outlier(keys, page_tokens, first, second, stream);
+  }
+  const std::size_t dim = shape_.head_dim;
+  const std::size_t region0 = shape_.region(slot, 0);
+  const std::size_t vector_width = std::size_t{pages} * dim * sizeof(float);
+  const std::size_t vector_pitch = std::size_t{shape_.capacity} * dim * sizeof(float);
+  copy_heads(l.first + region0 * dim, vector_pitch, first, vector_width, shape_.kv_heads, s);
+  if (shape_.kind == AppendSummary::quest) {
+    copy_heads(l.second + region0 * dim, vector_pitch, second, vector_width, shape_.kv_heads, s);
+  } else {
+    copy_heads(l.second + region0, std::size_t{shape_.capacity} * sizeof(float), second, pages * sizeof(float),
+               shape_.kv_heads, s);
+  }
+  const PrefillTokens t{l.tokens, shape_.region(slot, 0), shape_.capacity, shape_.kv_heads,
+                        pages,    keys.tokens,            page_tokens};
+  prefill_tokens_kernel<<<grid_for(std::uint64_t{shape_.kv_heads} * pages), kThreads, 0, s>>>(t);
+  check_launch(kFunction);
+}
+
+}  // namespace sparsekv::cuda

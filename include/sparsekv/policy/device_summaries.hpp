@@ -1,0 +1,176 @@
+#pragma once
+// The decode step's summary store ("The decode step on the GPU" in
+// ARCHITECTURE.md, docs/device-decode.md): the Index summaries (Spin §4.1) of
+// every (request slot, layer, kv head) kept in device memory for the
+// request's life, each in a fixed-capacity region, so that Select reads them
+// in place -- a row's SelectRows first / count point into its region
+// (policy/select_cuda.hpp) -- and no step copies them. Quest (Tang et al.
+// 2024): per partition the key min / max; ShadowKV (Sun et al. 2024; Spin
+// §4.2): the landmark (mean key) and outlier score. Per candidate also its
+// token count and partition id, the other arrays SelectRows reads.
+//
+// Who writes what: write_prefill, a slot's prompt pages (the Index kernels of
+// index_cuda.hpp, then device-to-device copies into the slot's regions); the
+// append kernel, each decode page that fills (append_summaries: the
+// AppendSummaries of a layer, rows[b][h] = region(slot of b, h) + the page's
+// index in the region, which the host knows without device data).
+//
+// Layout of a layer, one array per field: candidate c = region(slot, h) + i
+// is partition i of (slot, h); min / max / landmarks [c][head_dim],
+// outlier_scores / tokens [c]. Partition i is the region's i-th page (Quest
+// with one page per partition and ShadowKV number a kv head's pages 0, 1,
+// ...), so the partition ids are the identity within every region and the
+// same in every layer: one array, written at construction, serves them all.
+//
+// Same conventions as the kernels' C API: work enqueued on `stream` (a
+// cudaStream_t; nullptr = the default stream), no allocation and no
+// synchronisation after construction, host-side checks before anything is
+// enqueued (ErrorCode::invalid_argument), a failed runtime call throws
+// ErrorCode::cuda_error. fmt-free: the geometry below is inline host code
+// that CI checks without a device (tests/test_select_rules.cpp).
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sparsekv/core/error_code.hpp"
+#include "sparsekv/core/host_device.hpp"
+#include "sparsekv/core/ids.hpp"
+#include "sparsekv/memory/memory_resource.hpp"
+#include "sparsekv/policy/append_summaries_cuda.hpp"
+#include "sparsekv/policy/index_cuda.hpp"
+
+namespace sparsekv::cuda {
+
+// The store's shape and geometry.
+struct SummaryShape {
+  AppendSummary kind = AppendSummary::none;  // quest or shadowkv
+  std::uint32_t layers = 0;
+  std::uint32_t slots = 0;     // concurrent requests
+  std::uint32_t kv_heads = 0;
+  std::uint32_t head_dim = 0;
+  std::uint32_t capacity = 0;  // partitions (pages) per (slot, layer, kv head)
+
+  // One layer's candidates: what SelectRows::candidates is over the store.
+  std::uint32_t candidates() const noexcept { return slots * kv_heads * capacity; }
+  // The first candidate of (slot, head) in a layer's arrays: SelectRows::first of its row.
+  std::uint32_t region(std::uint32_t slot, std::uint32_t head) const noexcept {
+    return (slot * kv_heads + head) * capacity;
+  }
+};
+
+// Throws invalid_argument for a kind other than quest / shadowkv, a count of
+// 0, or more candidates per layer than SelectRows' 32-bit indices address.
+inline void check_summary_shape(const char* function, const SummaryShape& s) {
+  const auto fail = [function](const std::string& what) {
+    throw Error(ErrorCode::invalid_argument, std::string(function) + ": " + what);
+  };
+  if (s.kind != AppendSummary::quest && s.kind != AppendSummary::shadowkv) {
+    fail("summary kind " + std::to_string(static_cast<int>(s.kind)) + " is not quest or shadowkv");
+  }
+  if (s.layers == 0 || s.slots == 0 || s.kv_heads == 0 || s.head_dim == 0 || s.capacity == 0) {
+    fail("layers " + std::to_string(s.layers) + ", slots " + std::to_string(s.slots) + ", kv_heads " +
+         std::to_string(s.kv_heads) + ", head_dim " + std::to_string(s.head_dim) + " and capacity " +
+         std::to_string(s.capacity) + " must be > 0");
+  }
+  const std::uint64_t candidates = std::uint64_t{s.slots} * s.kv_heads * s.capacity;
+  if (candidates > 0xffffffffu) {
+    fail(std::to_string(candidates) + " candidates per layer exceed SelectRows' 32-bit indices");
+  }
+}
+
+// The pages of a prompt of `tokens` tokens (page_count: the last may be
+// short), checked against the store: throws invalid_argument for a slot or
+// layer out of range, page_tokens of 0, or more pages than a region holds.
+inline std::uint32_t prefill_pages(const char* function, const SummaryShape& s, std::uint32_t slot,
+                                   std::uint32_t layer, std::uint32_t tokens, std::uint32_t page_tokens) {
+  const auto fail = [function](const std::string& what) {
+    throw Error(ErrorCode::invalid_argument, std::string(function) + ": " + what);
+  };
+  if (slot >= s.slots || layer >= s.layers) {
+    fail("slot " + std::to_string(slot) + " / layer " + std::to_string(layer) + " outside " +
+         std::to_string(s.slots) + " slots x " + std::to_string(s.layers) + " layers");
+  }
+  if (page_tokens == 0) fail("page_tokens must be > 0");
+  const std::uint32_t pages = page_count(tokens, page_tokens);
+  if (pages > s.capacity) {
+    fail(std::to_string(tokens) + " tokens make " + std::to_string(pages) + " pages, above the capacity of " +
+         std::to_string(s.capacity));
+  }
+  return pages;
+}
+
+// Prompt page p's token count: page_tokens, the last page the remainder (as
+// the policies' index records it). p < page_count(tokens, page_tokens).
+SPARSEKV_HOST_DEVICE inline std::uint32_t prefill_page_tokens(std::uint32_t p, std::uint32_t tokens,
+                                                              std::uint32_t page_tokens) {
+  const std::uint32_t left = tokens - p * page_tokens;
+  return left < page_tokens ? left : page_tokens;
+}
+
+class DeviceSummaries {
+ public:
+  // Allocates every layer's arrays (zero-filled) and writes the partition
+  // ids; synchronises the device once (construction is off the step's path).
+  // Throws what check_summary_shape throws, then ErrorCode::unavailable
+  // without a usable CUDA device, cuda_error when an allocation fails.
+  DeviceSummaries(AppendSummary kind, std::uint32_t layers, std::uint32_t slots, std::uint32_t kv_heads,
+                  std::uint32_t head_dim, std::uint32_t capacity);
+  ~DeviceSummaries();
+  DeviceSummaries(const DeviceSummaries&) = delete;
+  DeviceSummaries& operator=(const DeviceSummaries&) = delete;
+
+  const SummaryShape& shape() const noexcept { return shape_; }
+  std::uint32_t candidates() const noexcept { return shape_.candidates(); }
+  std::uint32_t region(std::uint32_t slot, std::uint32_t head) const noexcept { return shape_.region(slot, head); }
+
+  // A layer's device arrays, [candidates()] rows each; the other kind's are
+  // null. Throw invalid_argument for a layer out of range.
+  float* min(std::uint32_t layer) const;             // quest: [c][head_dim]
+  float* max(std::uint32_t layer) const;             // quest: [c][head_dim]
+  float* landmarks(std::uint32_t layer) const;       // shadowkv: [c][head_dim]
+  float* outlier_scores(std::uint32_t layer) const;  // shadowkv: [c]
+  std::uint32_t* tokens(std::uint32_t layer) const;  // [c]
+  const PartitionId* partitions() const noexcept { return partitions_; }  // [c], every layer
+
+  // The append kernel's AppendSummaries for `layer`: this store's arrays
+  // (tokens included) and the caller's device rows [batch][kv_heads].
+  AppendSummaries append_summaries(std::uint32_t layer, const std::uint32_t* rows) const;
+
+  // Workspace write_prefill takes for a prompt of `tokens` tokens: the Index
+  // kernels' outputs, [kv_heads][pages][head_dim] (and [kv_heads][pages]).
+  std::size_t prefill_workspace_bytes(std::uint32_t tokens, std::uint32_t page_tokens) const;
+
+  // Writes the prompt's pages into partitions [0, pages) of (slot, h) for
+  // every kv head h of `layer`: page_min_max or page_mean_outlier (one
+  // partition per page: Quest with page_tokens_per_partition == page_tokens,
+  // ShadowKV with ctx.page_tokens == page_tokens) into the workspace, one
+  // strided device-to-device copy per array into the slot's regions, and the
+  // pages' token counts (prefill_page_tokens). `keys` is the whole prompt on
+  // the device (kv_heads and head_dim the store's). Partitions past the
+  // prompt keep what they held. tokens == 0 enqueues nothing. Throws
+  // invalid_argument, enqueuing nothing, for what prefill_pages refuses, keys
+  // of another shape, a workspace below prefill_workspace_bytes, and what the
+  // Index kernel refuses.
+  void write_prefill(std::uint32_t slot, std::uint32_t layer, const KeyBlock& keys, std::uint32_t page_tokens,
+                     void* workspace, std::size_t workspace_bytes, void* stream);
+
+ private:
+  // One layer's arrays, carved from one allocation.
+  struct Layer {
+    void* base = nullptr;
+    std::size_t bytes = 0;
+    float* first = nullptr;   // quest min, shadowkv landmarks
+    float* second = nullptr;  // quest max, shadowkv outlier scores
+    std::uint32_t* tokens = nullptr;
+  };
+  const Layer& layer_at(const char* function, std::uint32_t layer) const;
+  void release() noexcept;
+
+  SummaryShape shape_;
+  DeviceMemoryResource memory_;
+  std::vector<Layer> layers_;
+  PartitionId* partitions_ = nullptr;
+};
+
+}  // namespace sparsekv::cuda
