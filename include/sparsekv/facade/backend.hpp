@@ -12,10 +12,12 @@
 // In both, the CPU tier is host memory (pinned when a device exists) and the
 // metadata tables are host-accessible: the replacement step runs on the host.
 #include <cstdint>
+#include <memory>
 #include <string_view>
 
 #include "sparsekv/attention/decode_attention.hpp"
 #include "sparsekv/facade/attend_plan.hpp"
+#include "sparsekv/facade/device_decoder.hpp"
 #include "sparsekv/memory/memory_resource.hpp"
 #include "sparsekv/memory/page_layout.hpp"
 #include "sparsekv/transfer/page_transfer.hpp"
@@ -54,6 +56,12 @@ class Backend {
   // nothing in flight). An engine running its own kernel over an AttendPlan
   // orders it after this stream.
   virtual void* stream() const noexcept { return nullptr; }
+  // The device half of the device-tensor API (facade/device_decoder.hpp)
+  // for a buffer made on this backend's memory, or null: host tensors only.
+  virtual std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderSetup& /*setup*/,
+                                                             TieredKVBuffer& /*buffer*/) {
+    return nullptr;
+  }
 };
 
 class HostBackend final : public Backend {

@@ -41,6 +41,9 @@ class CudaBackend final : public Backend {
   // The kernel's instantiations: head_dim 64 or 128 (plan() serves any shape).
   void check_attend(const PageLayout& layout, std::uint32_t q_heads, std::uint32_t kv_heads) const override;
   void* stream() const noexcept override { return transfer_->stream(); }
+  // The device-tensor API's decoder (cuda/facade/device_decoder.cpp).
+  std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderSetup& setup,
+                                                     TieredKVBuffer& buffer) override;
 
  private:
   // A device buffer that only grows.

@@ -53,6 +53,7 @@
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/attend_plan.hpp"
 #include "sparsekv/facade/backend.hpp"
+#include "sparsekv/facade/device_decoder.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 
 namespace sparsekv {
@@ -175,7 +176,16 @@ class Manager {
     if (std::string bad = max_tokens_refusal(max_tokens); !bad.empty()) {
       fail(ErrorCode::invalid_argument, "request {}: {}", request, bad);
     }
-    buffer_->add_request(request, budget(max_tokens));
+    if (device_) {
+      // add_request may reclaim buffering pages of other requests, whose
+      // current GPU page tables the device holds: bring them back first.
+      for (const auto& [id, unused] : requests_) device_->download_tables(id);
+      buffer_->add_request(request, budget(max_tokens));
+      for (const auto& [id, unused] : requests_) device_->upload_tables(id);
+      device_->upload_tables(request);
+    } else {
+      buffer_->add_request(request, budget(max_tokens));
+    }
     RequestState& s = requests_[request];
     s.max_tokens = max_tokens;
     s.layers.resize(shape_.layers);
@@ -183,6 +193,62 @@ class Manager {
   }
 
   void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens) {
+    use_api(Api::host);
+    host_prefill(request, layer, k, v, tokens);
+  }
+
+  // ---- Device tensors (docs/integration.md, "Device tensors") ---------------
+  // The same calls with device pointers in the model dtype and the engine's
+  // cudaStream_t: everything is enqueued on `stream`. A Manager serves one
+  // kind of tensor: its first prefill picks (the other kind is then refused).
+  // Needs a backend with a device decoder (CudaBackend) and a policy with a
+  // device Select (policy/device_select.hpp: Quest with one-page partitions,
+  // ShadowKV); others throw invalid_argument / unavailable before anything
+  // changes. prefill() waits for its copies (the prompt is offloaded to the
+  // CPU tier); decode() and plan() return without waiting.
+  void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
+               void* stream) {
+    DeviceDecoder& device = device_decoder();
+    state(request);
+    check_index("layer", layer, shape_.layers);
+    check_device_pointer(device, "prefill k", k);
+    check_device_pointer(device, "prefill v", v);
+    if (tokens == 0) fail(ErrorCode::invalid_argument, "prefill of request {}: tokens must be > 0", request);
+    const std::size_t bytes = std::size_t{tokens} * shape_.kv_heads * shape_.head_dim * dtype_size(shape_.dtype);
+    staged_k_.resize(bytes);
+    staged_v_.resize(bytes);
+    device.copy_to_host(staged_k_.data(), k, bytes, stream);
+    device.copy_to_host(staged_v_.data(), v, bytes, stream);
+    use_api(Api::device);
+    host_prefill(request, layer, staged_k_.data(), staged_v_.data(), tokens);
+    const auto t0 = Clock::now();
+    device.index_prompt(table_slot(request), layer, k, tokens, device_select(policy_, context(layer, tokens)), stream);
+    device.upload_tables(request);
+    stats_.index_s += seconds(Clock::now() - t0);
+  }
+
+  // decode() on device tensors: q [batch][q_heads][head_dim] and k_new / v_new
+  // [batch][kv_heads][head_dim] in the model dtype, out [batch][q_heads][head_dim]
+  // fp32, all device memory. Returns once the step is enqueued on `stream`.
+  void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
+              const void* v_new, float* out, void* stream) {
+    DeviceDecoder& device = device_decoder();
+    check_device_pointer(device, "decode out", out);
+    device_step(device, batch, layer, q, k_new, v_new, out, stream);
+  }
+
+  // plan() on device tensors: the step up to the plan, which stays in device
+  // memory (DeviceAttendPlan) for the engine's kernel on `stream`; valid
+  // until the next call on this Manager.
+  DeviceAttendPlan plan(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
+                        const void* v_new, void* stream) {
+    DeviceDecoder& device = device_decoder();
+    device_step(device, batch, layer, q, k_new, v_new, nullptr, stream);
+    return device.plan();
+  }
+
+ private:
+  void host_prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens) {
     RequestState& s = state(request);
     check_index("layer", layer, shape_.layers);
     if (k == nullptr || v == nullptr || tokens == 0) {
@@ -212,9 +278,12 @@ class Manager {
     ls.prefilled = true;
   }
 
+ public:
+
   // Built-in Attend: out[b] = attention of q[b] over request b's selected pages and tail.
   void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
               const void* v_new, float* out) {
+    use_api(Api::host);
     if (out == nullptr) fail(ErrorCode::invalid_argument, "decode: out must not be null");
     backend_->check_attend(PageLayout{config_.page_tokens, shape_.head_dim, shape_.dtype}, shape_.q_heads,
                            shape_.kv_heads);
@@ -237,6 +306,7 @@ class Manager {
   // Retrieve without Attend: the engine runs its own paged kernel over the plan.
   const AttendPlan& plan(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
                          const void* v_new) {
+    use_api(Api::host);
     step(batch, layer, q, k_new, v_new);
     build_plan(batch.size());
     return plan_;
@@ -245,6 +315,7 @@ class Manager {
 
   void finish(RequestId request) {
     state(request);
+    if (device_) device_->download_tables(request);  // waits for the request's steps
     buffer_->finish(request);
     requests_.erase(request);
   }
@@ -262,6 +333,15 @@ class Manager {
     return retrievals_[b];
   }
   const ManagerStats& stats() const noexcept { return stats_; }
+  // Device-tensor API: waits for every step enqueued so far and brings the
+  // device's hit / miss totals into stats().cache; reports a non-finite value
+  // a step found (check_values). Nothing to do with host tensors.
+  void synchronize() {
+    if (!device_) return;
+    device_->synchronize();
+    stats_.cache = device_->cache_stats();
+    device_->check_values(nullptr);
+  }
   const TieredKVBuffer& buffer() const noexcept { return *buffer_; }
   const Policy& policy() const noexcept { return policy_; }
   const Backend& backend() const noexcept { return *backend_; }
@@ -516,6 +596,138 @@ class Manager {
     }
   }
 
+  enum class Api : std::uint8_t { unset, host, device };
+  void use_api(Api api) {
+    if (api_ == Api::unset) api_ = api;
+    if (api_ != api) {
+      fail(ErrorCode::failed_precondition, "this Manager serves {} tensors (its first prefill chose); got {} tensors",
+           api_ == Api::host ? "host" : "device", api == Api::host ? "host" : "device");
+    }
+  }
+
+  // The device decoder, made at the first device-tensor call.
+  DeviceDecoder& device_decoder() {
+    if (api_ == Api::host) use_api(Api::device);  // throws: this Manager serves host tensors
+    if (device_) return *device_;
+    DeviceDecoderSetup setup;
+    setup.shape = shape_;
+    setup.page_tokens = config_.page_tokens;
+    setup.max_batch = config_.max_requests;  // a batch names distinct requests
+    setup.max_requests = config_.max_requests;
+    setup.max_partitions_per_head = head_capacity().partitions;
+    setup.max_pages_per_head = budget(config_.max_context_tokens).mandatory_pages;
+    setup.max_selected_per_head = setup.max_pages_per_head;  // every partition holds a page at least
+    setup.timestamp_buckets = config_.timestamp_buckets;
+    setup.scale = scale();
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      const DeviceSelectSpec spec = device_select(policy_, context(l, config_.max_context_tokens));
+      if (spec.kind == DeviceSelectSpec::Kind::none) {
+        fail(ErrorCode::invalid_argument,
+             "policy {} has no device Select in layer {} (policy/device_select.hpp); use the host-tensor API", policy_name(), l);
+      }
+      setup.select = spec.kind;
+    }
+    if (!requests_.empty()) {
+      fail(ErrorCode::failed_precondition, "the device-tensor API starts before the first add_request");
+    }
+    device_ = backend_->make_device_decoder(setup, *buffer_);
+    if (!device_) {
+      fail(ErrorCode::unavailable, "backend {} serves host tensors only; device tensors need the CUDA backend",
+           backend_->name());
+    }
+    return *device_;
+  }
+
+  static void check_device_pointer(const DeviceDecoder& device, std::string_view what, const void* p) {
+    if (p == nullptr) fail(ErrorCode::invalid_argument, "{} must not be null", what);
+    if (!device.is_device_pointer(p)) fail(ErrorCode::invalid_argument, "{} is not device memory", what);
+  }
+
+  std::uint32_t table_slot(RequestId request) const {
+    const std::size_t per_request = std::size_t{shape_.layers} * shape_.kv_heads;
+    return static_cast<std::uint32_t>(buffer_->table().instance(request, 0, 0) / per_request);
+  }
+
+  // The host's part of a device step (DeviceStep), then the decoder's launch.
+  // Everything is checked before anything changes, as in step().
+  void device_step(DeviceDecoder& device, std::span<const RequestId> batch, std::uint32_t layer, const void* q,
+                   const void* k_new, const void* v_new, float* out, void* stream) {
+    check_index("layer", layer, shape_.layers);
+    if (batch.empty()) fail(ErrorCode::invalid_argument, "decode: empty batch");
+    check_device_pointer(device, "decode q", q);
+    check_device_pointer(device, "decode k_new", k_new);
+    check_device_pointer(device, "decode v_new", v_new);
+    device.check_values(stream);
+    std::uint64_t cpu_free = buffer_->cpu_pool().available();
+    SegmentDemand segments;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestState& s = state(batch[b]);
+      if (std::find(batch.begin(), batch.begin() + b, batch[b]) != batch.begin() + b) {
+        fail(ErrorCode::invalid_argument, "decode: request {} appears twice in the batch", batch[b]);
+      }
+      if (!s.layers[layer].prefilled) {
+        fail(ErrorCode::failed_precondition, "decode of request {} layer {} before its prefill", batch[b], layer);
+      }
+      if (buffer_->sequence_length(batch[b], layer) >= s.max_tokens) {
+        fail(ErrorCode::resource_exhausted, "request {} reached its max_tokens {}", batch[b], s.max_tokens);
+      }
+      if (buffer_->tail_tokens(batch[b], layer) + 1 < config_.page_tokens) continue;
+      const SaveDemand demand = buffer_->save_demand(batch[b], layer);
+      if (demand.saved_pages > cpu_free) {
+        fail(ErrorCode::resource_exhausted, "decode: saving the full tail of request {} needs {} CPU pages, {} free",
+             batch[b], demand.saved_pages, cpu_free);
+      }
+      cpu_free -= demand.saved_pages;
+      segments += demand.segments;
+    }
+    buffer_->table().check_segments(segments);
+
+    const auto t0 = Clock::now();
+    const std::size_t rows = batch.size() * shape_.kv_heads;
+    DeviceStepScratch& d = device_scratch_;
+    d.request_slots.resize(batch.size());
+    d.tail_slots.resize(batch.size());
+    for (auto* v : {&d.tail_tokens, &d.candidates}) v->resize(rows);
+    d.tail_pages.resize(rows);
+    d.save_pages.assign(rows, kInvalidPage);
+    d.instances.resize(rows);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestId id = batch[b];
+      d.request_slots[b] = table_slot(id);
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        const std::size_t r = b * shape_.kv_heads + h;
+        d.candidates[r] = buffer_->table().partition_count(id, layer, h);  // Select sees the state before the save
+        d.instances[r] = buffer_->table().instance(id, layer, h);
+        d.tail_pages[r] = buffer_->tail_page(id, layer, h);
+      }
+      const auto slot = buffer_->append_on_device(
+          id, layer, std::span<PageId>(d.save_pages).subspan(b * shape_.kv_heads, shape_.kv_heads));
+      d.tail_slots[b] = slot.tail_slot;
+      // A filled page is saved but still whole in the tail page: this step's tail.
+      std::fill_n(d.tail_tokens.begin() + b * shape_.kv_heads, shape_.kv_heads, slot.tail_slot + 1);
+      if (slot.fills_tail) stats_.pages_saved += shape_.kv_heads;
+    }
+    DeviceStep step;
+    step.layer = layer;
+    step.batch = static_cast<std::uint32_t>(batch.size());
+    step.q = q;
+    step.k_new = k_new;
+    step.v_new = v_new;
+    step.out = out;
+    step.stream = stream;
+    step.select = device_select(policy_, context(layer, config_.max_context_tokens));
+    step.request_slots = d.request_slots;
+    step.tail_slots = d.tail_slots;
+    step.tail_pages = d.tail_pages;
+    step.tail_tokens = d.tail_tokens;
+    step.candidates = d.candidates;
+    step.save_pages = d.save_pages;
+    step.instances = d.instances;
+    device.step(step);
+    stats_.decode_steps += batch.size();
+    stats_.append_s += seconds(Clock::now() - t0);  // host time to plan and enqueue the whole step
+  }
+
   // A regroup the policy asks for must describe the head as it will be once
   // the page is saved (checked before anything changes: a policy bug must not
   // leave a request half-stepped).
@@ -565,6 +777,16 @@ class Manager {
     std::optional<Repartition> regroup;
   };
   std::vector<Pending> pending_;
+  // The device-tensor API (docs/device-decode.md).
+  Api api_ = Api::unset;
+  std::unique_ptr<DeviceDecoder> device_;
+  struct DeviceStepScratch {
+    std::vector<std::uint32_t> request_slots, tail_slots, tail_tokens, candidates;
+    std::vector<PageId> tail_pages, save_pages;
+    std::vector<std::size_t> instances;
+  };
+  DeviceStepScratch device_scratch_;
+  std::vector<std::byte> staged_k_, staged_v_;  // a device prompt on its way to the CPU tier
 };
 
 using RuntimeManager = Manager<AnyPolicy>;

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
 namespace sparsekv {
@@ -42,6 +43,8 @@ class AnyPolicy {
   std::uint32_t mandatory_pages(const LayerContext& ctx) const { return impl_->mandatory_pages(ctx); }
   // The policy's HeadCapacity; nullopt when it declares none.
   std::optional<HeadCapacity> head_capacity(const LayerContext& ctx) const { return impl_->head_capacity(ctx); }
+  // The wrapped policy's device Select (policy/device_select.hpp).
+  DeviceSelectSpec device_select(const LayerContext& ctx) const { return impl_->device_select(ctx); }
 
  private:
   struct Concept {
@@ -57,6 +60,7 @@ class AnyPolicy {
                         std::span<AttentionPartial>) const = 0;
     virtual std::uint32_t mandatory_pages(const LayerContext&) const = 0;
     virtual std::optional<HeadCapacity> head_capacity(const LayerContext&) const = 0;
+    virtual DeviceSelectSpec device_select(const LayerContext&) const = 0;
   };
 
   template <class P>
@@ -88,6 +92,9 @@ class AnyPolicy {
         return std::nullopt;
       }
     }
+    DeviceSelectSpec device_select(const LayerContext& c) const override {
+      return sparsekv::device_select(policy, c);
+    }
     P policy;
   };
 
@@ -102,4 +109,8 @@ AnyPolicy make_policy(std::string_view name, std::uint32_t budget_tokens);
 // The names make_policy accepts.
 std::vector<std::string> policy_names();
 
+}  // namespace sparsekv
+
+namespace sparsekv {
+inline DeviceSelectSpec device_select(const AnyPolicy& p, const LayerContext& ctx) { return p.device_select(ctx); }
 }  // namespace sparsekv

@@ -1,0 +1,509 @@
+// The CUDA DeviceDecoder (facade/device_decoder.hpp; docs/device-decode.md):
+// one layer's decode step enqueued on the engine's stream as a fixed chain of
+// launches over fixed-capacity device arrays, with the host's part of the step
+// handed over in one block of arguments copied from a ring of pinned slots.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
+#include "sparsekv/buffer/tiered_kv_buffer.hpp"
+#include "sparsekv/cache/bucketed_lru_cuda.hpp"
+#include "sparsekv/cache/lru_batch_cuda.hpp"
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/facade/attend_plan_cuda.hpp"
+#include "sparsekv/facade/cuda_backend.hpp"
+#include "sparsekv/metadata/gpu_tables_replica.hpp"
+#include "sparsekv/metadata/replica_writes_cuda.hpp"
+#include "sparsekv/policy/append_summaries_cuda.hpp"
+#include "sparsekv/policy/device_summaries.hpp"
+#include "sparsekv/policy/index_cuda.hpp"
+#include "sparsekv/policy/select_cuda.hpp"
+#include "sparsekv/transfer/page_gather_cuda.hpp"
+
+namespace sparsekv::cuda {
+namespace {
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) fail(ErrorCode::cuda_error, "DeviceDecoder: {} failed: {}", what, cudaGetErrorString(status));
+}
+
+// Device memory of a fixed size, freed with the decoder.
+class DeviceBytes {
+ public:
+  DeviceBytes() = default;
+  explicit DeviceBytes(std::size_t bytes) : bytes_(std::max<std::size_t>(bytes, 16)) {
+    check(cudaMalloc(&data_, bytes_), "cudaMalloc");
+  }
+  ~DeviceBytes() { cudaFree(data_); }
+  DeviceBytes(DeviceBytes&& o) noexcept : data_(std::exchange(o.data_, nullptr)), bytes_(o.bytes_) {}
+  DeviceBytes& operator=(DeviceBytes&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  template <class T>
+  T* as() const noexcept {
+    return static_cast<T*>(data_);
+  }
+  std::size_t bytes() const noexcept { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Pinned host memory (device-accessible through UVA).
+class PinnedBytes {
+ public:
+  PinnedBytes() = default;
+  explicit PinnedBytes(std::size_t bytes) { check(cudaHostAlloc(&data_, std::max<std::size_t>(bytes, 16), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc"); }
+  ~PinnedBytes() { cudaFreeHost(data_); }
+  PinnedBytes(PinnedBytes&& o) noexcept : data_(std::exchange(o.data_, nullptr)) {}
+  PinnedBytes& operator=(PinnedBytes&& o) noexcept {
+    std::swap(data_, o.data_);
+    return *this;
+  }
+  template <class T>
+  T* as() const noexcept {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+};
+
+constexpr std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
+
+// Where each array of the step's argument block sits (the same offsets in the
+// pinned ring slots and in the device copy).
+struct ArgsLayout {
+  std::size_t write_count, tail_slots, tail_pages, tail_tokens, first, count, summary_rows, instances, cpu_pages,
+      writes, bytes;
+  std::uint32_t max_writes;
+  ArgsLayout(std::uint32_t batch, std::uint32_t rows) {
+    // A filling row appends one meta entry: its word, its length and at most
+    // one new directory slot.
+    max_writes = 3 * rows;
+    std::size_t at = 0;
+    const auto take = [&](std::size_t bytes) {
+      const std::size_t here = at;
+      at += align16(bytes);
+      return here;
+    };
+    write_count = take(sizeof(std::uint32_t));
+    tail_slots = take(sizeof(std::uint32_t) * batch);
+    tail_pages = take(sizeof(PageId) * rows);
+    tail_tokens = take(sizeof(std::uint32_t) * rows);
+    first = take(sizeof(std::uint32_t) * rows);
+    count = take(sizeof(std::uint32_t) * rows);
+    summary_rows = take(sizeof(std::uint32_t) * rows);
+    instances = take(sizeof(std::size_t) * rows);
+    cpu_pages = take(sizeof(std::byte*) * rows);
+    writes = take(sizeof(ReplicaWordWrite) * max_writes);
+    bytes = at;
+  }
+};
+
+template <class T>
+T* at(std::byte* base, std::size_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+constexpr std::size_t kRing = 4;  // step argument slots in flight
+
+class CudaDeviceDecoder final : public DeviceDecoder {
+ public:
+  CudaDeviceDecoder(const DeviceDecoderSetup& setup, TieredKVBuffer& buffer, DeviceMemoryResource& device_memory)
+      : setup_(setup),
+        buffer_(buffer),
+        layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
+        rows_(setup.max_batch * setup.shape.kv_heads),
+        args_(setup.max_batch, rows_),
+        replica_(buffer.table(), device_memory, buffer.transfer()),
+        summaries_(setup.select == DeviceSelectSpec::Kind::quest ? AppendSummary::quest : AppendSummary::shadowkv,
+                   setup.shape.layers, setup.max_requests, setup.shape.kv_heads, setup.shape.head_dim,
+                   setup.max_partitions_per_head) {
+    buffer_.transfer().synchronize();  // the replica's directory copy
+    const ModelShape& s = setup.shape;
+    const std::size_t max_selected = std::size_t{rows_} * setup.max_selected_per_head;
+    const std::size_t max_pages = std::size_t{rows_} * setup.max_pages_per_head;
+    args_device_ = DeviceBytes(args_.bytes);
+    for (auto& slot : ring_) slot = PinnedBytes(args_.bytes);
+    for (auto& e : events_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    q_ = DeviceBytes(sizeof(float) * setup.max_batch * s.q_heads * s.head_dim);
+    selected_ = DeviceBytes(sizeof(PartitionId) * max_selected);
+    selected_count_ = DeviceBytes(sizeof(std::uint32_t) * rows_);
+    select_rows_ = rows_template(rows_);
+    select_workspace_ = DeviceBytes(select_workspace_bytes(select_rows_));
+    selection_offsets_ = DeviceBytes(sizeof(std::uint32_t) * (rows_ + 1));
+    page_offsets_ = DeviceBytes(sizeof(std::uint32_t) * (rows_ + 1));
+    compact_ = DeviceBytes(sizeof(PartitionId) * max_selected);
+    partition_tokens_ = DeviceBytes(sizeof(std::uint32_t) * max_selected);
+    lru_batch_workspace_ = DeviceBytes(lru_batch_workspace_bytes(rows_));
+    partition_offsets_ = DeviceBytes(sizeof(std::uint32_t) * (max_selected + 1));
+    gpu_pages_ = DeviceBytes(sizeof(PageId) * max_pages);
+    copy_cpu_ = DeviceBytes(sizeof(PageId) * max_pages);
+    copy_gpu_ = DeviceBytes(sizeof(PageId) * max_pages);
+    stats_ = DeviceBytes(sizeof(CacheStepStats) * rows_);
+    totals_ = DeviceBytes(sizeof(CacheStepStats));
+    check(cudaMemset(totals_.as<void>(), 0, sizeof(CacheStepStats)), "cudaMemset");
+    if (setup.max_selected_per_head > kLruSharedSelection) {
+      lru_scratch_ = DeviceBytes(sizeof(std::uint32_t) * 4 * max_selected);
+    }
+    // The plan: a row attends its selection's pages and the tail, each page a run at worst.
+    plan_row_pages_ = setup.max_pages_per_head + 1;
+    indptr_ = DeviceBytes(sizeof(std::int64_t) * (std::size_t{rows_} * plan_row_pages_ + 1));
+    indices_ = DeviceBytes(sizeof(std::int64_t) * rows_ * plan_row_pages_);
+    last_page_len_ = DeviceBytes(sizeof(std::int32_t) * rows_ * plan_row_pages_);
+    head_entries_ = DeviceBytes(sizeof(std::int64_t) * (rows_ + 1));
+    overflow_ = DeviceBytes(sizeof(std::uint32_t));
+    plan_workspace_ = DeviceBytes(device_plan_workspace_bytes(rows_));
+    error_ = DeviceBytes(sizeof(std::uint64_t));
+    check(cudaMemset(error_.as<void>(), 0xff, sizeof(std::uint64_t)), "cudaMemset");
+    errors_ = PinnedBytes(sizeof(std::uint64_t) * kRing);
+    std::fill_n(errors_.as<std::uint64_t>(), kRing, kNoAppendError);
+    // Every CPU-tier chunk the pool may ever reserve, device-readable.
+    const PagePool& cpu = buffer.cpu_pool();
+    const std::size_t max_chunks = (std::size_t{cpu.capacity()} + cpu.pages_per_chunk() - 1) / cpu.pages_per_chunk();
+    chunk_bases_ = PinnedBytes(sizeof(std::byte*) * max_chunks);
+    if (setup.shape.head_dim == 64 || setup.shape.head_dim == 128) {
+      DecodeAttentionShape shape = attention_shape(setup.max_batch);
+      attention_workspace_ = DeviceBytes(plan_sparse_decode_attention(shape).workspace_bytes);
+    }
+  }
+
+  ~CudaDeviceDecoder() override {
+    cudaDeviceSynchronize();  // a destructor cannot report; the memory goes either way
+    for (auto& e : events_) cudaEventDestroy(e);
+  }
+
+  bool is_device_pointer(const void* p) const override {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      cudaGetLastError();  // an unregistered host pointer is not an error to keep
+      return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  }
+
+  void upload_tables(RequestId request) override {
+    synchronize();
+    replica_.upload(buffer_.table(), request, buffer_.transfer());
+    buffer_.transfer().synchronize();
+  }
+  void download_tables(RequestId request) override {
+    synchronize();
+    replica_.download(buffer_.table(), request, buffer_.transfer());
+  }
+
+  void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) override {
+    const auto s = static_cast<cudaStream_t>(stream);
+    check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync D2H");
+    check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  }
+
+  void index_prompt(std::uint32_t slot, std::uint32_t layer, const void* keys, std::uint32_t tokens,
+                    const DeviceSelectSpec& select, void* stream) override {
+    const KeyBlock block{keys, setup_.shape.dtype, tokens, setup_.shape.kv_heads, setup_.shape.head_dim};
+    const std::size_t bytes = summaries_.prefill_workspace_bytes(tokens, select.partition_tokens);
+    if (index_workspace_.bytes() < bytes) {
+      check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+      index_workspace_ = DeviceBytes(bytes);
+    }
+    summaries_.write_prefill(slot, layer, block, select.partition_tokens, index_workspace_.as<void>(),
+                             index_workspace_.bytes(), stream);
+  }
+
+  void step(const DeviceStep& step) override {
+    const ModelShape& s = setup_.shape;
+    const std::uint32_t rows = step.batch * s.kv_heads;
+    if (step.batch == 0 || step.batch > setup_.max_batch) {
+      fail(ErrorCode::invalid_argument, "decode: batch of {} outside [1, {}]", step.batch, setup_.max_batch);
+    }
+    const auto stream = static_cast<cudaStream_t>(step.stream);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+
+    // 0. The step's arguments, written into a ring slot no launch still reads.
+    const std::size_t k = next_++ % kRing;
+    if (!capturing && pending_[k]) {
+      check(cudaEventSynchronize(events_[k]), "cudaEventSynchronize");  // only when kRing steps are in flight
+      harvest(k);
+    }
+    std::byte* slot = ring_[k].as<std::byte>();
+    fill_arguments(step, slot);
+    refresh_chunks();
+    std::byte* args = args_device_.as<std::byte>();
+    check(cudaMemcpyAsync(args, slot, args_.bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync H2D");
+
+    // 1. The meta entries of last steps' saved pages into the device tables.
+    apply_replica_writes(at<ReplicaWordWrite>(args, args_.writes), at<std::uint32_t>(args, args_.write_count),
+                         args_.max_writes, stream);
+
+    // 2. Append (+ summaries and save of full tails).
+    DeviceAppend append;
+    append.batch = step.batch;
+    append.q_heads = s.q_heads;
+    append.kv_heads = s.kv_heads;
+    append.layout = layout_;
+    append.q = step.q;
+    append.k_new = step.k_new;
+    append.v_new = step.v_new;
+    append.q_out = q_.as<float>();
+    append.gpu_tier = const_cast<std::byte*>(buffer_.gpu_pool().base());
+    append.page_stride = buffer_.gpu_pool().page_bytes();
+    append.tail_pages = at<PageId>(args, args_.tail_pages);
+    append.tail_slots = at<std::uint32_t>(args, args_.tail_slots);
+    append.cpu_pages = at<std::byte* const>(args, args_.cpu_pages);
+    append.error = error_.as<std::uint64_t>();
+    append_tokens(append, summaries_.append_summaries(step.layer, at<std::uint32_t>(args, args_.summary_rows)),
+                  stream);
+
+    // 3. Select over the summaries, on the state before this step's save.
+    SelectRows select = select_rows_;
+    select.rows = rows;
+    select.first = at<std::uint32_t>(args, args_.first);
+    select.count = at<std::uint32_t>(args, args_.count);
+    select.tokens = summaries_.tokens(step.layer);
+    select.partitions = summaries_.partitions();
+    select.q = q_.as<float>();
+    const SelectOutput selected{setup_.max_selected_per_head, selected_.as<PartitionId>(),
+                                selected_count_.as<std::uint32_t>()};
+    if (step.select.kind == DeviceSelectSpec::Kind::quest) {
+      const QuestSelect quest{summaries_.min(step.layer), summaries_.max(step.layer), step.select.budget_tokens,
+                              step.select.dense_layer};
+      quest_select(select, quest, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
+    } else {
+      const ShadowKVSelect shadow{summaries_.landmarks(step.layer), summaries_.outlier_scores(step.layer),
+                                  step.select.budget_tokens, step.select.recent_tokens, step.select.outlier_pages};
+      shadowkv_select(select, shadow, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
+    }
+
+    // 4. Retrieve: the selection as the LRU batch, the LRU step on the device
+    //    tables, the gather of its misses straight from its output.
+    const PartitionLookup lookup = replica_.lookup(buffer_.table());
+    const LruBatchInput lru_in{rows, selected.max_selected, selected.selected, selected.selected_count,
+                               at<std::size_t>(args, args_.instances)};
+    const LruBatchOutput lru_csr{selection_offsets_.as<std::uint32_t>(), compact_.as<PartitionId>(),
+                                 page_offsets_.as<std::uint32_t>(), partition_tokens_.as<std::uint32_t>()};
+    build_lru_batch(lookup, lru_in, lru_csr, lru_batch_workspace_.as<void>(), lru_batch_workspace_.bytes(), stream);
+    const LruStepBatch lru = lru_step_batch(lru_in, lru_csr, lru_scratch_.as<std::uint32_t>());
+    LruStepOutput lru_out;
+    lru_out.partition_offsets = partition_offsets_.as<std::uint32_t>();
+    lru_out.gpu_pages = gpu_pages_.as<PageId>();
+    lru_out.copy_cpu_pages = copy_cpu_.as<PageId>();
+    lru_out.copy_gpu_pages = copy_gpu_.as<PageId>();
+    lru_out.stats = stats_.as<CacheStepStats>();
+    bucketed_lru_step(replica_.gpu_page_view(), lookup, lru, lru_out, setup_.timestamp_buckets, stream);
+    DeviceMissList misses;
+    misses.heads = rows;
+    misses.max_entries = rows * setup_.max_pages_per_head;
+    misses.page_offsets = lru_csr.page_offsets;
+    misses.counts = &lru_out.stats->miss_pages;
+    misses.count_stride = sizeof(CacheStepStats) / sizeof(std::uint64_t);
+    misses.cpu_pages = copy_cpu_.as<PageId>();
+    misses.gpu_pages = copy_gpu_.as<PageId>();
+    const PagePool& cpu = buffer_.cpu_pool();
+    const ChunkedPages cpu_tier{chunk_bases_.as<const std::byte* const>(), cpu.pages_per_chunk(), cpu.page_bytes()};
+    gather_miss_list(misses, cpu_tier, const_cast<std::byte*>(buffer_.gpu_pool().base()),
+                     buffer_.gpu_pool().page_bytes(), buffer_.gpu_pool().page_bytes(), GatherConfig{}, stream);
+    accumulate_step_stats(lru_out.stats, rows, totals_.as<CacheStepStats>(), stream);
+
+    // 5. Plan: FlashInfer's CSR over the runs, in device memory.
+    DevicePlanInput in;
+    in.rows = rows;
+    in.selection_offsets = lru_csr.selection_offsets;
+    in.partition_offsets = lru_out.partition_offsets;
+    in.gpu_pages = lru_out.gpu_pages;
+    in.partition_tokens = lru_csr.partition_tokens;
+    in.tail_pages = at<PageId>(args, args_.tail_pages);
+    in.tail_tokens = at<std::uint32_t>(args, args_.tail_tokens);
+    in.page_tokens = setup_.page_tokens;
+    in.max_pages_per_row = plan_row_pages_;
+    in.max_entries_per_row = plan_row_pages_;
+    DevicePlanOutput out;
+    out.indptr = indptr_.as<std::int64_t>();
+    out.indices = indices_.as<std::int64_t>();
+    out.last_page_len = last_page_len_.as<std::int32_t>();
+    out.head_entries = head_entries_.as<std::int64_t>();
+    out.overflow_rows = overflow_.as<std::uint32_t>();
+    build_device_plan(in, out, plan_workspace_.as<void>(), plan_workspace_.bytes(), stream);
+    plan_rows_ = rows;
+
+    // 6. Attend.
+    if (step.out != nullptr) {
+      const DecodeAttentionShape shape = attention_shape(step.batch);
+      DecodeAttentionArgs a;
+      a.q = q_.as<float>();
+      a.page_base = buffer_.gpu_pool().base();
+      a.page_stride = buffer_.gpu_pool().page_bytes();
+      a.row_entries = out.head_entries;
+      a.indptr = out.indptr;
+      a.indices = out.indices;
+      a.last_page_len = out.last_page_len;
+      a.scale = setup_.scale;
+      a.out = step.out;
+      a.workspace = attention_workspace_.as<void>();
+      a.workspace_bytes = attention_workspace_.bytes();
+      sparse_decode_attention(shape, a, stream);
+    }
+
+    // 7. The append's error word, read by check_values() once the step is past.
+    check(cudaMemcpyAsync(errors_.as<std::uint64_t>() + k, error_.as<void>(), sizeof(std::uint64_t),
+                          cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpyAsync D2H");
+    check(cudaMemsetAsync(error_.as<void>(), 0xff, sizeof(std::uint64_t), stream), "cudaMemsetAsync");
+    if (!capturing) {
+      check(cudaEventRecord(events_[k], stream), "cudaEventRecord");
+      pending_[k] = true;
+    }
+    last_stream_ = stream;
+  }
+
+  DeviceAttendPlan plan() const override {
+    DeviceAttendPlan p;
+    p.head_entries = head_entries_.as<std::int64_t>();
+    p.indptr = indptr_.as<std::int64_t>();
+    p.indices = indices_.as<std::int64_t>();
+    p.last_page_len = last_page_len_.as<std::int32_t>();
+    p.gpu_tier_base = buffer_.gpu_pool().base();
+    p.page_bytes = buffer_.gpu_pool().page_bytes();
+    p.rows = plan_rows_;
+    return p;
+  }
+
+  CacheStepStats cache_stats() override {
+    synchronize();
+    CacheStepStats total;
+    check(cudaMemcpy(&total, totals_.as<void>(), sizeof total, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+    return total;
+  }
+
+  void check_values(void* stream) override {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture), "cudaStreamIsCapturing");
+    if (capture != cudaStreamCaptureStatusNone) return;
+    for (std::size_t k = 0; k < kRing; ++k) {
+      if (pending_[k] && cudaEventQuery(events_[k]) == cudaSuccess) harvest(k);
+    }
+    if (!bad_) return;
+    const AppendError e = decode_append_error(std::exchange(bad_word_, kNoAppendError));
+    bad_ = false;
+    const char* tensor = e.tensor == AppendTensor::q ? "q" : e.tensor == AppendTensor::k ? "k_new" : "v_new";
+    fail(ErrorCode::invalid_argument,
+         "an earlier decode step's {} of batch entry {} (head {}, dim {}) was not finite; that row was not appended",
+         tensor, e.entry, e.head, e.dim);
+  }
+
+  void synchronize() override {
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    for (std::size_t k = 0; k < kRing; ++k) {
+      if (pending_[k]) harvest(k);
+    }
+  }
+
+ private:
+  DecodeAttentionShape attention_shape(std::uint32_t batch) const {
+    DecodeAttentionShape shape;
+    shape.batch = batch;
+    shape.q_heads = setup_.shape.q_heads;
+    shape.kv_heads = setup_.shape.kv_heads;
+    shape.layout = layout_;
+    shape.max_pages = plan_row_pages_;
+    return shape;
+  }
+
+  SelectRows rows_template(std::uint32_t rows) const {
+    SelectRows r;
+    r.rows = rows;
+    r.kv_heads = setup_.shape.kv_heads;
+    r.group = setup_.shape.q_heads / setup_.shape.kv_heads;
+    r.head_dim = setup_.shape.head_dim;
+    r.candidates = summaries_.candidates();
+    r.max_row_candidates = setup_.max_partitions_per_head;
+    return r;
+  }
+
+  // A completed step's error word: kept until check_values() reports it.
+  void harvest(std::size_t k) {
+    pending_[k] = false;
+    std::uint64_t& word = errors_.as<std::uint64_t>()[k];
+    if (word != kNoAppendError && (!bad_ || word < bad_word_)) {
+      bad_ = true;
+      bad_word_ = word;
+    }
+    word = kNoAppendError;
+  }
+
+  void refresh_chunks() {
+    const auto chunks = buffer_.cpu_pool().chunks();
+    std::copy(chunks.begin(), chunks.end(), chunk_bases_.as<std::byte*>());
+  }
+
+  void fill_arguments(const DeviceStep& step, std::byte* slot) {
+    const ModelShape& s = setup_.shape;
+    const std::uint32_t rows = step.batch * s.kv_heads;
+    std::copy(step.tail_slots.begin(), step.tail_slots.end(), at<std::uint32_t>(slot, args_.tail_slots));
+    std::copy(step.tail_pages.begin(), step.tail_pages.end(), at<PageId>(slot, args_.tail_pages));
+    std::copy(step.tail_tokens.begin(), step.tail_tokens.end(), at<std::uint32_t>(slot, args_.tail_tokens));
+    std::copy(step.candidates.begin(), step.candidates.end(), at<std::uint32_t>(slot, args_.count));
+    std::copy(step.instances.begin(), step.instances.end(), at<std::size_t>(slot, args_.instances));
+    writes_.clear();
+    for (std::uint32_t r = 0; r < rows; ++r) {
+      const std::uint32_t b = r / s.kv_heads;
+      const std::uint32_t region = summaries_.region(step.request_slots[b], r % s.kv_heads);
+      at<std::uint32_t>(slot, args_.first)[r] = region;
+      at<std::uint32_t>(slot, args_.summary_rows)[r] = region + step.candidates[r];
+      const bool saves = step.save_pages[r] != kInvalidPage;
+      at<std::byte*>(slot, args_.cpu_pages)[r] = saves ? const_cast<std::byte*>(buffer_.cpu_pool().data(step.save_pages[r])) : nullptr;
+      if (saves) replica_.meta_entry_writes(buffer_.table(), step.instances[r], step.candidates[r], 1, writes_);
+    }
+    if (writes_.size() > args_.max_writes) {
+      fail(ErrorCode::resource_exhausted, "decode: {} table writes exceed the step's {}", writes_.size(), args_.max_writes);
+    }
+    *at<std::uint32_t>(slot, args_.write_count) = static_cast<std::uint32_t>(writes_.size());
+    std::copy(writes_.begin(), writes_.end(), at<ReplicaWordWrite>(slot, args_.writes));
+  }
+
+  DeviceDecoderSetup setup_;
+  TieredKVBuffer& buffer_;
+  PageLayout layout_;
+  std::uint32_t rows_;
+  ArgsLayout args_;
+  GpuTablesReplica replica_;
+  DeviceSummaries summaries_;
+  DeviceBytes args_device_;
+  std::array<PinnedBytes, kRing> ring_;
+  std::array<cudaEvent_t, kRing> events_{};
+  std::array<bool, kRing> pending_{};
+  std::size_t next_ = 0;
+  DeviceBytes q_, selected_, selected_count_, select_workspace_;
+  SelectRows select_rows_;
+  DeviceBytes selection_offsets_, page_offsets_, compact_, partition_tokens_, lru_batch_workspace_;
+  DeviceBytes partition_offsets_, gpu_pages_, copy_cpu_, copy_gpu_, stats_, totals_, lru_scratch_;
+  std::uint32_t plan_row_pages_ = 0;
+  std::uint32_t plan_rows_ = 0;
+  DeviceBytes indptr_, indices_, last_page_len_, head_entries_, overflow_, plan_workspace_;
+  DeviceBytes attention_workspace_, index_workspace_;
+  DeviceBytes error_;
+  PinnedBytes errors_, chunk_bases_;
+  bool bad_ = false;
+  std::uint64_t bad_word_ = kNoAppendError;
+  std::vector<ReplicaWordWrite> writes_;
+  cudaStream_t last_stream_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceDecoder> CudaBackend::make_device_decoder(const DeviceDecoderSetup& setup,
+                                                               TieredKVBuffer& buffer) {
+  return std::make_unique<CudaDeviceDecoder>(setup, buffer, device_);
+}
+
+}  // namespace sparsekv::cuda

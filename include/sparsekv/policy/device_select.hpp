@@ -1,0 +1,54 @@
+#pragma once
+// Which policies select on the device, and with what (the device decode step,
+// docs/device-decode.md): Quest (Tang et al. 2024, min / max bound) and
+// ShadowKV (Sun et al. 2024; Spin §4.2, landmarks + outliers) run the kernels
+// of policy/select_cuda.hpp over summaries kept on the device, equal to their
+// host select() bit for bit. Every other policy answers Kind::none and is
+// served by the host-tensor API.
+#include <cstdint>
+
+#include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/shadowkv.hpp"
+#include "sparsekv/policy/sparse_attention.hpp"
+
+namespace sparsekv {
+
+struct DeviceSelectSpec {
+  enum class Kind : std::uint8_t { none, quest, shadowkv };
+  Kind kind = Kind::none;
+  std::uint32_t budget_tokens = 0;
+  std::uint32_t partition_tokens = 0;  // tokens of each prompt partition (the last may be short)
+  bool dense_layer = false;            // quest: a layer below dense_layers selects everything
+  std::uint32_t recent_tokens = 0;     // shadowkv
+  std::uint32_t outlier_pages = 0;     // shadowkv: outlier_count()
+};
+
+template <class P>
+DeviceSelectSpec device_select(const P&, const LayerContext&) {
+  return {};
+}
+
+// Quest's decode partitions are single pages (its append), so its prompt
+// partitions must be too for one summary per partition on the device; a
+// coarser page_tokens_per_partition keeps it on the host-tensor API.
+inline DeviceSelectSpec device_select(const QuestPolicy& p, const LayerContext& ctx) {
+  DeviceSelectSpec s;
+  if (p.options().page_tokens_per_partition != ctx.page_tokens) return s;
+  s.kind = DeviceSelectSpec::Kind::quest;
+  s.budget_tokens = p.options().budget_tokens;
+  s.partition_tokens = ctx.page_tokens;
+  s.dense_layer = ctx.layer < p.options().dense_layers;
+  return s;
+}
+
+inline DeviceSelectSpec device_select(const ShadowKVPolicy& p, const LayerContext& ctx) {
+  DeviceSelectSpec s;
+  s.kind = DeviceSelectSpec::Kind::shadowkv;
+  s.budget_tokens = p.options().budget_tokens;
+  s.partition_tokens = ctx.page_tokens;
+  s.recent_tokens = p.options().recent_tokens;
+  s.outlier_pages = p.outlier_count();
+  return s;
+}
+
+}  // namespace sparsekv

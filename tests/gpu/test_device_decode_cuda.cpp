@@ -1,0 +1,243 @@
+// The device-tensor API (facade/device_decoder.hpp) against the host backend:
+// the same requests, arriving and finishing at random, through a Manager on
+// HostBackend with host tensors and one on CudaBackend with device tensors on
+// the test's stream. Every step: the plans (selections, LRU page ids, runs)
+// identical, outputs within 2e-3; hit / miss totals identical. Then one
+// layer's step captured in a CUDA graph (which fails on any host sync) and
+// replayed equals the eager step of a twin manager.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "gpu_support.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/cuda_backend.hpp"
+#include "sparsekv/facade/manager.hpp"
+
+using namespace sparsekv;
+using namespace sparsekv::gpu_test;
+
+namespace {
+
+ModelShape device_shape() {
+  ModelShape s;
+  s.layers = 3;
+  s.q_heads = 8;
+  s.kv_heads = 2;
+  s.head_dim = 64;
+  s.dtype = DType::bf16;
+  return s;
+}
+
+Config device_config() {
+  Config c;
+  c.page_tokens = 16;
+  c.cpu_tier_bytes = std::size_t{64} << 20;
+  c.gpu_tier_bytes = std::size_t{8} << 20;
+  c.max_requests = 6;
+  c.max_context_tokens = 2048;
+  c.host_chunk_bytes = std::size_t{4} << 20;
+  return c;
+}
+
+std::vector<std::uint16_t> random_bf16(std::size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<std::uint16_t> out(n);
+  for (auto& x : out) {
+    const float f = d(rng);
+    std::uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    x = static_cast<std::uint16_t>(bits >> 16);
+  }
+  return out;
+}
+
+struct PlanCopy {
+  std::vector<std::int64_t> head_entries, indptr, indices;
+  std::vector<std::int32_t> last_page_len;
+};
+
+PlanCopy download_plan(const DeviceAttendPlan& p) {
+  PlanCopy c;
+  c.head_entries.resize(p.rows + 1);
+  check(cudaMemcpy(c.head_entries.data(), p.head_entries, c.head_entries.size() * 8, cudaMemcpyDeviceToHost));
+  const std::int64_t entries = c.head_entries.back();
+  c.indptr.resize(entries + 1);
+  c.last_page_len.resize(entries);
+  check(cudaMemcpy(c.indptr.data(), p.indptr, c.indptr.size() * 8, cudaMemcpyDeviceToHost));
+  check(cudaMemcpy(c.last_page_len.data(), p.last_page_len, c.last_page_len.size() * 4, cudaMemcpyDeviceToHost));
+  c.indices.resize(c.indptr.back());
+  check(cudaMemcpy(c.indices.data(), p.indices, c.indices.size() * 8, cudaMemcpyDeviceToHost));
+  return c;
+}
+
+template <class Policy>
+void run_lockstep(const Policy& policy, std::uint32_t seed) {
+  const ModelShape shape = device_shape();
+  const Config config = device_config();
+  Manager<Policy> host(shape, config, policy);
+  Manager<Policy> device(shape, config, policy, std::make_unique<cuda::CudaBackend>());
+  Stream stream;
+  std::mt19937 rng(seed);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::size_t q_row = std::size_t{shape.q_heads} * shape.head_dim;
+  std::vector<RequestId> live;
+  RequestId next = 1;
+  CacheStepStats host_cache;
+  for (int step = 0; step < 160; ++step) {
+    INFO("seed " << seed << " step " << step);
+    if (live.size() < 4 && rng() % 4 == 0) {
+      const std::uint32_t prompt = 40 + rng() % 400;
+      const RequestId id = next++;
+      if (host.can_admit(prompt, 1024).admit) {
+        host.add_request(id, 1024);
+        device.add_request(id, 1024);
+        for (std::uint32_t l = 0; l < shape.layers; ++l) {
+          const auto k = random_bf16(prompt * kv_row, rng);
+          const auto v = random_bf16(prompt * kv_row, rng);
+          host.prefill(id, l, k.data(), v.data(), prompt);
+          DeviceArray<std::uint16_t> dk(k), dv(v);
+          device.prefill(id, l, dk.data, dv.data, prompt, stream.stream);
+        }
+        live.push_back(id);
+      }
+    }
+    if (!live.empty() && rng() % 23 == 0) {
+      const std::size_t i = rng() % live.size();
+      host.finish(live[i]);
+      device.finish(live[i]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    if (live.empty()) continue;
+    std::vector<RequestId> batch = live;
+    std::shuffle(batch.begin(), batch.end(), rng);
+    batch.resize(1 + rng() % batch.size());
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      const auto q = random_bf16(batch.size() * q_row, rng);
+      const auto k = random_bf16(batch.size() * kv_row, rng);
+      const auto v = random_bf16(batch.size() * kv_row, rng);
+      DeviceArray<std::uint16_t> dq(q), dk(k), dv(v);
+      if (step % 2 == 1) {
+        // plan(): selections, LRU page ids and runs identical to the host plan.
+        const AttendPlan& want = host.plan(batch, l, q.data(), k.data(), v.data());
+        for (std::size_t b = 0; b < batch.size(); ++b) host_cache += host.retrieval(b).stats;
+        const PlanCopy got = download_plan(device.plan(batch, l, dq.data, dk.data, dv.data, stream.stream));
+        REQUIRE(got.head_entries == want.head_entries);
+        REQUIRE(got.indptr == want.indptr);
+        REQUIRE(got.indices == want.indices);
+        REQUIRE(got.last_page_len == want.last_page_len);
+        continue;
+      }
+      std::vector<float> want(batch.size() * q_row);
+      host.decode(batch, l, q.data(), k.data(), v.data(), want.data());
+      for (std::size_t b = 0; b < batch.size(); ++b) host_cache += host.retrieval(b).stats;
+      DeviceArray<float> out(want.size());
+      device.decode(batch, l, dq.data, dk.data, dv.data, out.data, stream.stream);
+      const std::vector<float> got = out.download();  // a sync copy: after the step
+      for (std::size_t i = 0; i < want.size(); ++i) REQUIRE(std::abs(got[i] - want[i]) <= 2e-3f);
+    }
+  }
+  device.synchronize();
+  REQUIRE(device.stats().cache.hit_pages == host_cache.hit_pages);
+  REQUIRE(device.stats().cache.miss_pages == host_cache.miss_pages);
+}
+
+}  // namespace
+
+TEST_CASE("device-tensor decode equals the host backend (Quest, ShadowKV)", "[gpu][device-decode]") {
+  QuestPolicy::Options quest;
+  quest.budget_tokens = 256;
+  quest.page_tokens_per_partition = 16;
+  run_lockstep(QuestPolicy(quest), 1);
+  ShadowKVPolicy::Options shadow;
+  shadow.budget_tokens = 256;
+  run_lockstep(ShadowKVPolicy(shadow), 2);
+}
+
+TEST_CASE("device-tensor decode: one layer's step captured in a CUDA graph equals the eager step",
+          "[gpu][device-decode]") {
+  const ModelShape shape = device_shape();
+  const Config config = device_config();
+  QuestPolicy::Options options;
+  options.budget_tokens = 128;
+  options.page_tokens_per_partition = 16;
+  Manager<QuestPolicy> eager(shape, config, QuestPolicy(options), std::make_unique<cuda::CudaBackend>());
+  Manager<QuestPolicy> graph(shape, config, QuestPolicy(options), std::make_unique<cuda::CudaBackend>());
+  Stream stream;
+  std::mt19937 rng(9);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::size_t q_row = std::size_t{shape.q_heads} * shape.head_dim;
+  const std::vector<RequestId> batch = {4, 7};
+  for (RequestId id : batch) {
+    eager.add_request(id, 1024);
+    graph.add_request(id, 1024);
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      const std::uint32_t prompt = 300 + 17 * id;
+      DeviceArray<std::uint16_t> k(random_bf16(prompt * kv_row, rng)), v(random_bf16(prompt * kv_row, rng));
+      eager.prefill(id, l, k.data, v.data, prompt, stream.stream);
+      graph.prefill(id, l, k.data, v.data, prompt, stream.stream);
+    }
+  }
+  // Steps up to one that fills a tail (a save and a new partition in the captured step).
+  for (int step = 0; step < 40; ++step) {
+    const std::uint32_t l = static_cast<std::uint32_t>(step) % shape.layers;
+    DeviceArray<std::uint16_t> q(random_bf16(batch.size() * q_row, rng)), k(random_bf16(batch.size() * kv_row, rng)),
+        v(random_bf16(batch.size() * kv_row, rng));
+    DeviceArray<float> a(batch.size() * q_row), b(batch.size() * q_row);
+    eager.decode(batch, l, q.data, k.data, v.data, a.data, stream.stream);
+    if (step < 36) {
+      graph.decode(batch, l, q.data, k.data, v.data, b.data, stream.stream);
+      check(cudaStreamSynchronize(stream.stream));
+      continue;
+    }
+    cudaGraph_t captured = nullptr;
+    // Global mode: any synchronizing call during the capture fails it.
+    check(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeGlobal));
+    graph.decode(batch, l, q.data, k.data, v.data, b.data, stream.stream);
+    check(cudaStreamEndCapture(stream.stream, &captured));
+    cudaGraphExec_t exec = nullptr;
+    check(cudaGraphInstantiate(&exec, captured, 0));
+    check(cudaGraphLaunch(exec, stream.stream));
+    check(cudaStreamSynchronize(stream.stream));
+    REQUIRE(a.download() == b.download());
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(captured);
+  }
+  eager.synchronize();
+  graph.synchronize();
+  REQUIRE(eager.stats().cache.hit_pages == graph.stats().cache.hit_pages);
+  REQUIRE(eager.stats().cache.miss_pages == graph.stats().cache.miss_pages);
+}
+
+TEST_CASE("device-tensor API: bad input is refused before anything is enqueued", "[gpu][device-decode]") {
+  const ModelShape shape = device_shape();
+  QuestPolicy::Options options;
+  options.page_tokens_per_partition = 16;
+  Manager<QuestPolicy> m(shape, device_config(), QuestPolicy(options), std::make_unique<cuda::CudaBackend>());
+  Stream stream;
+  std::mt19937 rng(3);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  m.add_request(1, 512);
+  std::vector<std::uint16_t> host_k = random_bf16(64 * kv_row, rng);
+  REQUIRE(code_of([&] { m.prefill(1, 0, host_k.data(), host_k.data(), 64, stream.stream); }) ==
+          ErrorCode::invalid_argument);  // host pointers where device ones are required
+  DeviceArray<std::uint16_t> k(host_k);
+  for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data, k.data, 64, stream.stream);
+  DeviceArray<std::uint16_t> q(random_bf16(shape.q_heads * shape.head_dim, rng));
+  DeviceArray<float> out(shape.q_heads * shape.head_dim);
+  const std::vector<RequestId> unknown = {2};
+  REQUIRE(code_of([&] { m.decode(unknown, 0, q.data, k.data, k.data, out.data, stream.stream); }) ==
+          ErrorCode::not_found);
+  const std::vector<RequestId> one = {1};
+  REQUIRE(code_of([&] { m.decode(one, 0, host_k.data(), k.data, k.data, out.data, stream.stream); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(code_of([&] { m.decode(one, 0, q.data, k.data, k.data, out.data); }) == ErrorCode::failed_precondition);
+  REQUIRE(m.buffer().sequence_length(1, 0) == 64);  // nothing changed
+  m.decode(one, 0, q.data, k.data, k.data, out.data, stream.stream);
+  m.synchronize();
+  REQUIRE(m.buffer().sequence_length(1, 0) == 65);
+}
