@@ -1,15 +1,27 @@
 // decode_loop: a standalone decode loop over synthetic K/V through the
-// sparsekv facade (host or CUDA backend). Prints tokens/s, hit ratio, pages and
-// bytes moved and the time per operation.
+// sparsekv facade. Prints tokens/s, hit ratio, pages and bytes moved and the
+// time per operation.
 //
-//   decode_loop --context N --batch B --policy NAME --budget TOKENS --steps S [--json]
-//               [--layers L --q-heads H --kv-heads K --head-dim D --seed S] [--backend host|cuda]
+//   --backend host   HostBackend, host tensors.
+//   --backend cuda   CudaBackend with the device-tensor API: the loop plays the
+//                    engine, holding q / k / v / out in its own device buffers
+//                    on its own stream (tools/backend_choice.hpp).
+//
+// Timing: each step's activations are made on the host and (cuda) uploaded
+// before the clock starts; the clock covers the step's Manager calls for
+// every layer and, on cuda, the synchronize() that ends the step -- what an
+// engine waits for before it samples the token.
+//
+// The issue-13 configuration, both policies in one run:
+//   decode_loop --backend cuda --policy quest,shadowkv --context 16384 --batch 8 --budget 2048 --steps 16
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <fmt/format.h>
@@ -18,6 +30,9 @@
 #include "command_line.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/sparsekv.hpp"
+#if SPARSEKV_EXAMPLE_CUDA
+#include "engine_device.hpp"
+#endif
 
 namespace {
 
@@ -25,18 +40,198 @@ void usage() {
   std::fputs(
       "usage: decode_loop [--context 8192] [--batch 4] [--policy shadowkv] [--budget 2048] [--steps 64] [--json]\n"
       "                   [--layers 4] [--q-heads 32] [--kv-heads 8] [--head-dim 128] [--seed 1]\n"
-      "                   [--backend host|cuda]   (default: cuda when built with it and a GPU is present)\n"
+      "                   [--page-tokens N]   (default: 16 for quest -- one-page partitions, which its device\n"
+      "                                        Select needs -- else 8)\n"
+      "                   [--backend host|cuda]   (default: cuda -- device tensors on a stream -- when built with\n"
+      "                                            it, a GPU is present and the policy has a device Select)\n"
+      "  --policy takes a comma-separated list (quest,shadowkv): one run per policy.\n"
       "  policies: dense, streaming, quest, shadowkv, retroinfer, retroinfer_no_estimation\n",
       stderr);
 }
 
 // bf16 noise from a fast generator: synthetic K/V need volume, not quality.
-void fill(std::vector<std::uint16_t>& out, std::size_t n, std::mt19937_64& rng) {
-  out.resize(n);
-  for (auto& x : out) {
+void fill(std::uint16_t* out, std::size_t n, std::mt19937_64& rng) {
+  for (std::size_t i = 0; i < n; ++i) {
     const double u = (double(rng() >> 11) + 0.5) * 0x1p-53;
-    x = sparsekv::float_to_bf16(static_cast<float>((u - 0.5) * 3.4641));  // unit variance
+    out[i] = sparsekv::float_to_bf16(static_cast<float>((u - 0.5) * 3.4641));  // unit variance
   }
+}
+
+struct Run {
+  std::uint32_t context, batch, steps, budget, page_tokens;
+  sparsekv::ModelShape shape;
+  std::uint64_t seed;
+  std::string backend;
+  bool json;
+};
+
+// The last step's output must be finite and not all zero: attention always
+// covers at least the tail, so an all-zero `out` means nothing ran. Returns
+// what is wrong, or nothing.
+std::string output_fault(const std::vector<float>& out) {
+  if (const auto bad = std::find_if(out.begin(), out.end(), [](float x) { return !std::isfinite(x); });
+      bad != out.end()) {
+    return fmt::format("output value {} of the last step is not finite", bad - out.begin());
+  }
+  if (std::all_of(out.begin(), out.end(), [](float x) { return x == 0.0f; })) {
+    return "the last step's output is all zero: attention did not run";
+  }
+  return {};
+}
+
+// One policy's run; false when its output is wrong.
+bool run_policy(const Run& r, const std::string& policy_name) {
+  const sparsekv::ModelShape& shape = r.shape;
+  sparsekv::AnyPolicy policy = sparsekv::make_policy(policy_name, r.budget);
+  sparsekv::Config config;
+  config.page_tokens = r.page_tokens;
+  config.max_requests = r.batch;
+  config.max_context_tokens = r.context + r.steps;
+  const std::size_t page = config.page_bytes(shape);
+  const std::size_t heads = std::size_t{shape.layers} * shape.kv_heads * r.batch;
+  // CPU tier: the whole context (clusters pad their pages: 2x); GPU tier:
+  // each request's mandatory pages, the 5x minimum buffer and its tails.
+  config.cpu_tier_bytes = heads * (2 * std::size_t{r.context + r.steps} / config.page_tokens + 64) * page;
+  std::uint32_t need = 1;
+  for (std::uint32_t l = 0; l < shape.layers; ++l) {
+    need = std::max(need, policy.mandatory_pages({l, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim,
+                                                  config.page_tokens, r.context + r.steps}));
+  }
+  config.gpu_tier_bytes = heads * (std::size_t{need} * 6 + 2) * page;
+  sparsekv::tools::BackendChoice choice = sparsekv::tools::choose_backend(r.backend, policy, shape, config);
+  if (!choice.note.empty()) std::fprintf(stderr, "decode_loop: %s\n", choice.note.c_str());
+  const bool device = choice.device_tensors;
+  sparsekv::RuntimeManager manager(shape, config, policy, std::move(choice.backend));
+  const std::string backend(manager.backend().name());
+
+  const std::size_t prompt_n = std::size_t{r.context} * shape.kv_heads * shape.head_dim;
+  const std::size_t qn = std::size_t{r.batch} * shape.q_heads * shape.head_dim;
+  const std::size_t kvn = std::size_t{r.batch} * shape.kv_heads * shape.head_dim;
+#if SPARSEKV_EXAMPLE_CUDA
+  // The engine's device side: its stream, one layer's prompt K/V, and per
+  // layer the step's q / k_new / v_new (uploaded together before the clock
+  // starts); one `out`, consumed by the next op in stream order.
+  std::optional<sparsekv::tools::EngineStream> stream;
+  sparsekv::tools::DeviceArray<std::uint16_t> d_prompt_k, d_prompt_v, d_q, d_k, d_v;
+  sparsekv::tools::DeviceArray<float> d_out;
+  if (device) {
+    stream.emplace();
+    d_prompt_k = sparsekv::tools::DeviceArray<std::uint16_t>(prompt_n);
+    d_prompt_v = sparsekv::tools::DeviceArray<std::uint16_t>(prompt_n);
+    d_q = sparsekv::tools::DeviceArray<std::uint16_t>(shape.layers * qn);
+    d_k = sparsekv::tools::DeviceArray<std::uint16_t>(shape.layers * kvn);
+    d_v = sparsekv::tools::DeviceArray<std::uint16_t>(shape.layers * kvn);
+    d_out = sparsekv::tools::DeviceArray<float>(qn);
+  }
+#endif
+
+  std::mt19937_64 rng(r.seed);
+  std::vector<sparsekv::RequestId> batch;
+  std::vector<std::uint16_t> k(prompt_n), v(prompt_n);
+  const auto prefill_start = std::chrono::steady_clock::now();
+  for (std::uint32_t b = 0; b < r.batch; ++b) {
+    const sparsekv::RequestId id = b + 1;
+    manager.add_request(id, r.context + r.steps);
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      fill(k.data(), k.size(), rng);
+      fill(v.data(), v.size(), rng);
+      if (!device) {
+        manager.prefill(id, l, k.data(), v.data(), r.context);
+        continue;
+      }
+#if SPARSEKV_EXAMPLE_CUDA
+      // One layer's prompt K/V on the device at a time; prefill returns done with it.
+      d_prompt_k.upload(k.data(), prompt_n, stream->get());
+      d_prompt_v.upload(v.data(), prompt_n, stream->get());
+      manager.prefill(id, l, d_prompt_k.data(), d_prompt_v.data(), r.context, stream->handle());
+#endif
+    }
+    batch.push_back(id);
+  }
+  const double prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - prefill_start).count();
+
+  // Queries drift slowly, as consecutive decode steps do, so selections overlap step to step.
+  std::vector<float> drift(qn);
+  std::normal_distribution<float> normal;
+  for (auto& x : drift) x = normal(rng);
+  std::vector<std::uint16_t> q(shape.layers * qn), k_new(shape.layers * kvn), v_new(shape.layers * kvn);
+  std::vector<float> out(qn);
+  double seconds = 0;
+  for (std::uint32_t s = 0; s < r.steps; ++s) {
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      for (std::size_t i = 0; i < qn; ++i) {
+        drift[i] = 0.95f * drift[i] + 0.31f * normal(rng);
+        q[l * qn + i] = sparsekv::float_to_bf16(drift[i]);
+      }
+    }
+    fill(k_new.data(), k_new.size(), rng);
+    fill(v_new.data(), v_new.size(), rng);
+#if SPARSEKV_EXAMPLE_CUDA
+    if (device) {
+      d_q.upload(q.data(), q.size(), stream->get());
+      d_k.upload(k_new.data(), k_new.size(), stream->get());
+      d_v.upload(v_new.data(), v_new.size(), stream->get());
+      stream->wait();  // the uploads stay out of the timed step
+    }
+#endif
+    const auto start = std::chrono::steady_clock::now();
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      if (!device) {
+        manager.decode(batch, l, q.data() + l * qn, k_new.data() + l * kvn, v_new.data() + l * kvn, out.data());
+        continue;
+      }
+#if SPARSEKV_EXAMPLE_CUDA
+      manager.decode(batch, l, d_q.data() + l * qn, d_k.data() + l * kvn, d_v.data() + l * kvn, d_out.data(),
+                     stream->handle());
+#endif
+    }
+    if (device) manager.synchronize();  // the step is done: an engine would sample here
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+#if SPARSEKV_EXAMPLE_CUDA
+  if (device) out = d_out.download(qn, stream->get());
+#endif
+  if (const std::string fault = output_fault(out); !fault.empty()) {
+    std::fprintf(stderr, "decode_loop: policy %s: %s\n", policy_name.c_str(), fault.c_str());
+    return false;
+  }
+
+  const sparsekv::ManagerStats& st = manager.stats();
+  const double tokens_per_s = double(r.steps) * r.batch / seconds;
+  // The device path gathers exactly its miss pages; the host path counts its copies.
+  const std::uint64_t pages_moved = device ? st.cache.miss_pages : st.pages_moved;
+  const std::uint64_t bytes_moved = device ? st.cache.miss_pages * page : st.bytes_moved;
+  const std::string_view api = device ? "device" : "host";
+  if (r.json) {
+    fmt::print(
+        "{{\"backend\": \"{}\", \"api\": \"{}\", \"policy\": \"{}\", \"context\": {}, \"batch\": {}, \"budget\": {}, "
+        "\"page_tokens\": {}, \"steps\": {}, \"tokens_per_s\": {:.3f}, \"hit_ratio\": {:.4f}, \"pages_moved\": {}, "
+        "\"bytes_moved\": {}, \"append_s\": {:.4f}, \"select_s\": {:.4f}, \"retrieve_s\": {:.4f}, \"attend_s\": {:.4f}, "
+        "\"prefill_s\": {:.3f}, \"cpu_tier_reserved_bytes\": {}}}\n",
+        backend, api, policy_name, r.context, r.batch, r.budget, config.page_tokens, r.steps, tokens_per_s,
+        st.hit_ratio(), pages_moved, bytes_moved, st.append_s, st.select_s, st.retrieve_s, st.attend_s, prefill_s,
+        manager.cpu_tier_reserved_bytes());
+    return true;
+  }
+  fmt::print("decode_loop: {} x {}-token context, policy {} (budget {} tokens, {}-token pages), {} steps, {} layers, "
+             "{} backend, {} tensors\n",
+             r.batch, r.context, policy_name, r.budget, config.page_tokens, r.steps, shape.layers, backend, api);
+  fmt::print("  tokens/s        {:.2f}\n  hit ratio       {:.2f}%\n  pages moved     {}\n  bytes moved     {:.1f} MiB\n",
+             tokens_per_s, 100 * st.hit_ratio(), pages_moved, bytes_moved / double(1 << 20));
+  if (device) {
+    // Select, Retrieve and Attend run on the device, inside the step's time:
+    // sparsekv-bench-decode splits them. What the host spends per step:
+    fmt::print("  host time to check, plan and enqueue a (request, layer) step: {:.1f} us\n",
+               1e6 * st.append_s / st.decode_steps);
+  } else {
+    fmt::print(
+        "  time per (request, layer) step: append {:.1f} us, select {:.1f} us, retrieve {:.1f} us, attend {:.1f} us\n",
+        1e6 * st.append_s / st.decode_steps, 1e6 * st.select_s / st.decode_steps,
+        1e6 * st.retrieve_s / st.decode_steps, 1e6 * st.attend_s / st.decode_steps);
+  }
+  fmt::print("  prefill {:.2f} s (index {:.2f} s, offload {:.2f} s); CPU tier reserved {:.1f} MiB\n", prefill_s,
+             st.index_s, st.offload_s, manager.cpu_tier_reserved_bytes() / double(1 << 20));
+  return true;
 }
 
 }  // namespace
@@ -46,98 +241,37 @@ int main(int argc, char** argv) {
     const sparsekv::tools::CommandLine args(
         argc, argv,
         {"--context", "--batch", "--policy", "--budget", "--steps", "--layers", "--q-heads", "--kv-heads", "--head-dim",
-         "--seed", "--backend"},
+         "--seed", "--backend", "--page-tokens"},
         {"--json", "--help"});
     if (args.has("--help")) {
       usage();
       return 0;
     }
-    const auto context = args.number<std::uint32_t>("--context", 8192);
-    const auto batch_size = args.number<std::uint32_t>("--batch", 4);
-    const auto steps = args.number<std::uint32_t>("--steps", 64);
-    const auto budget = args.number<std::uint32_t>("--budget", 2048);
-    const std::string policy_name = args.text("--policy", "shadowkv");
-    const sparsekv::ModelShape shape{args.number<std::uint32_t>("--layers", 4), args.number<std::uint32_t>("--q-heads", 32),
-                                     args.number<std::uint32_t>("--kv-heads", 8),
-                                     args.number<std::uint32_t>("--head-dim", 128), sparsekv::DType::bf16};
-    shape.validate();
-    if (context == 0 || batch_size == 0 || steps == 0) throw std::invalid_argument("context, batch and steps must be > 0");
-
-    sparsekv::AnyPolicy policy = sparsekv::make_policy(policy_name, budget);
-    sparsekv::Config config;
-    config.max_requests = batch_size;
-    config.max_context_tokens = context + steps;
-    const std::size_t page = config.page_bytes(shape);
-    const std::size_t heads = std::size_t{shape.layers} * shape.kv_heads * batch_size;
-    // CPU tier: the whole context (clusters pad their pages: 2x); GPU tier:
-    // each request's mandatory pages, the 5x minimum buffer and its tails.
-    config.cpu_tier_bytes = heads * (2 * std::size_t{context + steps} / config.page_tokens + 64) * page;
-    std::uint32_t need = 1;
-    for (std::uint32_t l = 0; l < shape.layers; ++l) {
-      need = std::max(need, policy.mandatory_pages({l, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim,
-                                                    config.page_tokens, context + steps}));
+    Run r;
+    r.context = args.number<std::uint32_t>("--context", 8192);
+    r.batch = args.number<std::uint32_t>("--batch", 4);
+    r.steps = args.number<std::uint32_t>("--steps", 64);
+    r.budget = args.number<std::uint32_t>("--budget", 2048);
+    r.shape = sparsekv::ModelShape{args.number<std::uint32_t>("--layers", 4), args.number<std::uint32_t>("--q-heads", 32),
+                                   args.number<std::uint32_t>("--kv-heads", 8),
+                                   args.number<std::uint32_t>("--head-dim", 128), sparsekv::DType::bf16};
+    r.shape.validate();
+    r.seed = args.number<std::uint64_t>("--seed", 1);
+    r.backend = args.text("--backend", "");
+    r.json = args.has("--json");
+    if (r.context == 0 || r.batch == 0 || r.steps == 0) throw std::invalid_argument("context, batch and steps must be > 0");
+    bool ok = true;
+    for (const std::string& name : args.list("--policy", "shadowkv")) {
+      r.page_tokens = args.number<std::uint32_t>("--page-tokens", name == "quest" ? 16 : sparsekv::Config{}.page_tokens);
+      ok = run_policy(r, name) && ok;
     }
-    config.gpu_tier_bytes = heads * (std::size_t{need} * 6 + 2) * page;
-    sparsekv::RuntimeManager manager(shape, config, policy, sparsekv::tools::make_backend(args.text("--backend", "")));
-    const std::string backend(manager.backend().name());
-
-    std::mt19937_64 rng(args.number<std::uint64_t>("--seed", 1));
-    std::vector<sparsekv::RequestId> batch;
-    std::vector<std::uint16_t> k, v;
-    for (std::uint32_t b = 0; b < batch_size; ++b) {
-      const sparsekv::RequestId id = b + 1;
-      manager.add_request(id, context + steps);
-      for (std::uint32_t l = 0; l < shape.layers; ++l) {
-        fill(k, std::size_t{context} * shape.kv_heads * shape.head_dim, rng);
-        fill(v, k.size(), rng);
-        manager.prefill(id, l, k.data(), v.data(), context);
-      }
-      batch.push_back(id);
-    }
-    // Queries drift slowly, as consecutive decode steps do, so selections overlap step to step.
-    const std::size_t qn = std::size_t{batch_size} * shape.q_heads * shape.head_dim;
-    std::vector<float> drift(qn);
-    std::normal_distribution<float> normal;
-    for (auto& x : drift) x = normal(rng);
-    std::vector<std::uint16_t> q(qn), k_new, v_new;
-    std::vector<float> out(qn);
-    const auto start = std::chrono::steady_clock::now();
-    for (std::uint32_t s = 0; s < steps; ++s) {
-      for (std::uint32_t l = 0; l < shape.layers; ++l) {
-        for (std::size_t i = 0; i < qn; ++i) {
-          drift[i] = 0.95f * drift[i] + 0.31f * normal(rng);
-          q[i] = sparsekv::float_to_bf16(drift[i]);
-        }
-        fill(k_new, std::size_t{batch_size} * shape.kv_heads * shape.head_dim, rng);
-        fill(v_new, k_new.size(), rng);
-        manager.decode(batch, l, q.data(), k_new.data(), v_new.data(), out.data());
-      }
-    }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const sparsekv::ManagerStats& st = manager.stats();
-    const double tokens_per_s = double(steps) * batch_size / seconds;
-    if (args.has("--json")) {
-      fmt::print(
-          "{{\"backend\": \"{}\", \"policy\": \"{}\", \"context\": {}, \"batch\": {}, \"budget\": {}, \"steps\": {}, \"tokens_per_s\": {:.3f}, "
-          "\"hit_ratio\": {:.4f}, \"pages_moved\": {}, \"bytes_moved\": {}, \"select_s\": {:.4f}, \"retrieve_s\": {:.4f}, "
-          "\"attend_s\": {:.4f}, \"cpu_tier_reserved_bytes\": {}}}\n",
-          backend, policy_name, context, batch_size, budget, steps, tokens_per_s, st.hit_ratio(), st.pages_moved, st.bytes_moved,
-          st.select_s, st.retrieve_s, st.attend_s, manager.cpu_tier_reserved_bytes());
-    } else {
-      fmt::print("decode_loop: {} x {}-token context, policy {} (budget {} tokens), {} steps, {} layers, {} backend\n",
-                 batch_size, context, policy_name, budget, steps, shape.layers, backend);
-      fmt::print("  tokens/s        {:.2f}\n  hit ratio       {:.2f}%\n  pages moved     {}\n  bytes moved     {:.1f} MiB\n",
-                 tokens_per_s, 100 * st.hit_ratio(), st.pages_moved, st.bytes_moved / double(1 << 20));
-      fmt::print("  time per (request, layer) step: append {:.1f} us, select {:.1f} us, retrieve {:.1f} us, attend {:.1f} us\n",
-                 1e6 * st.append_s / st.decode_steps, 1e6 * st.select_s / st.decode_steps,
-                 1e6 * st.retrieve_s / st.decode_steps, 1e6 * st.attend_s / st.decode_steps);
-      fmt::print("  prefill: index {:.2f} s, offload {:.2f} s; CPU tier reserved {:.1f} MiB\n", st.index_s, st.offload_s,
-                 manager.cpu_tier_reserved_bytes() / double(1 << 20));
-    }
-    return 0;
-  } catch (const std::exception& e) {
+    return ok ? 0 : 1;
+  } catch (const std::invalid_argument& e) {  // the command line
     std::fprintf(stderr, "decode_loop: %s\n", e.what());
     usage();
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "decode_loop: %s\n", e.what());
     return 2;
   }
 }
