@@ -101,14 +101,12 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   sparsekv::tools::BackendChoice choice = sparsekv::tools::choose_backend(r.backend, policy, shape, config);
   if (!choice.note.empty()) std::fprintf(stderr, "decode_loop: %s\n", choice.note.c_str());
   const bool device = choice.device_tensors;
-  sparsekv::RuntimeManager manager(shape, config, policy, std::move(choice.backend));
-  const std::string backend(manager.backend().name());
-
   const std::size_t prompt_n = std::size_t{r.context} * shape.kv_heads * shape.head_dim;
   const std::size_t qn = std::size_t{r.batch} * shape.q_heads * shape.head_dim;
   const std::size_t kvn = std::size_t{r.batch} * shape.kv_heads * shape.head_dim;
 #if SPARSEKV_EXAMPLE_CUDA
-  // The engine's device side: its stream, one layer's prompt K/V, and per
+  // The engine's device side, declared before the Manager so that it outlives
+  // every step the Manager enqueues: its stream, one layer's prompt K/V, and per
   // layer the step's q / k_new / v_new (uploaded together before the clock
   // starts); one `out`, consumed by the next op in stream order.
   std::optional<sparsekv::tools::EngineStream> stream;
@@ -124,6 +122,8 @@ bool run_policy(const Run& r, const std::string& policy_name) {
     d_out = sparsekv::tools::DeviceArray<float>(qn);
   }
 #endif
+  sparsekv::RuntimeManager manager(shape, config, policy, std::move(choice.backend));
+  const std::string backend(manager.backend().name());
 
   std::mt19937_64 rng(r.seed);
   std::vector<sparsekv::RequestId> batch;
@@ -229,8 +229,8 @@ bool run_policy(const Run& r, const std::string& policy_name) {
         1e6 * st.append_s / st.decode_steps, 1e6 * st.select_s / st.decode_steps,
         1e6 * st.retrieve_s / st.decode_steps, 1e6 * st.attend_s / st.decode_steps);
   }
-  fmt::print("  prefill {:.2f} s (index {:.2f} s, offload {:.2f} s); CPU tier reserved {:.1f} MiB\n", prefill_s,
-             st.index_s, st.offload_s, manager.cpu_tier_reserved_bytes() / double(1 << 20));
+  fmt::print("  prefill {:.2f} s with the synthetic K/V (index {:.2f} s, offload {:.2f} s); CPU tier reserved {:.1f} MiB\n",
+             prefill_s, st.index_s, st.offload_s, manager.cpu_tier_reserved_bytes() / double(1 << 20));
   return true;
 }
 
