@@ -231,12 +231,26 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     const bool capturing = capture != cudaStreamCaptureStatusNone;
 
     // 0. The step's arguments, written into a ring slot no launch still reads.
-    const std::size_t k = next_++ % kRing;
-    if (!capturing && pending_[k]) {
-      check(cudaEventSynchronize(events_[k]), "cudaEventSynchronize");  // only when kRing steps are in flight
-      harvest(k);
+    //    A captured step gets a slot of its own, kept for the decoder's life:
+    //    its graph copies from it at every replay, long after the ring has
+    //    moved on, and reports its error word there (read by synchronize()).
+    std::size_t k = 0;
+    std::byte* slot = nullptr;
+    std::uint64_t* error_word = nullptr;
+    if (capturing) {
+      captured_.emplace_back(args_.bytes + sizeof(std::uint64_t));
+      slot = captured_.back().as<std::byte>();
+      error_word = at<std::uint64_t>(slot, args_.bytes);
+      *error_word = kNoAppendError;
+    } else {
+      k = next_++ % kRing;
+      if (pending_[k]) {
+        check(cudaEventSynchronize(events_[k]), "cudaEventSynchronize");  // only when kRing steps are in flight
+        harvest(k);
+      }
+      slot = ring_[k].as<std::byte>();
+      error_word = errors_.as<std::uint64_t>() + k;
     }
-    std::byte* slot = ring_[k].as<std::byte>();
     fill_arguments(step, slot);
     refresh_chunks();
     std::byte* args = args_device_.as<std::byte>();
@@ -355,8 +369,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     }
 
     // 7. The append's error word, read by check_values() once the step is past.
-    check(cudaMemcpyAsync(errors_.as<std::uint64_t>() + k, error_.as<void>(), sizeof(std::uint64_t),
-                          cudaMemcpyDeviceToHost, stream),
+    check(cudaMemcpyAsync(error_word, error_.as<void>(), sizeof(std::uint64_t), cudaMemcpyDeviceToHost, stream),
           "cudaMemcpyAsync D2H");
     check(cudaMemsetAsync(error_.as<void>(), 0xff, sizeof(std::uint64_t), stream), "cudaMemsetAsync");
     if (!capturing) {
@@ -406,6 +419,9 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     for (std::size_t k = 0; k < kRing; ++k) {
       if (pending_[k]) harvest(k);
     }
+    for (const PinnedBytes& captured : captured_) {
+      note_error(std::exchange(*at<std::uint64_t>(captured.as<std::byte>(), args_.bytes), kNoAppendError));
+    }
   }
 
  private:
@@ -433,12 +449,15 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   // A completed step's error word: kept until check_values() reports it.
   void harvest(std::size_t k) {
     pending_[k] = false;
-    std::uint64_t& word = errors_.as<std::uint64_t>()[k];
+    note_error(std::exchange(errors_.as<std::uint64_t>()[k], kNoAppendError));
+  }
+
+  // Keeps the first (lowest) error word until check_values() reports it.
+  void note_error(std::uint64_t word) {
     if (word != kNoAppendError && (!bad_ || word < bad_word_)) {
       bad_ = true;
       bad_word_ = word;
     }
-    word = kNoAppendError;
   }
 
   void refresh_chunks() {
@@ -483,6 +502,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   std::array<cudaEvent_t, kRing> events_{};
   std::array<bool, kRing> pending_{};
   std::size_t next_ = 0;
+  std::vector<PinnedBytes> captured_;  // the argument slots of captured steps
   DeviceBytes q_, selected_, selected_count_, select_workspace_;
   SelectRows select_rows_;
   DeviceBytes selection_offsets_, page_offsets_, compact_, partition_tokens_, lru_batch_workspace_;
