@@ -1,13 +1,16 @@
 // "Nothing lost": random interleavings of every TieredKVBuffer operation
 // against a plain dense reference store of every token's K/V rows.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "sparsekv/buffer/prompt_check_cuda.hpp"
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
+#include "sparsekv/transfer/prompt_offload.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;
@@ -438,4 +441,107 @@ TEST_CASE("append_on_device keeps the host append's bookkeeping, refusing alike"
   REQUIRE_SPARSEKV_ERROR(device.append_on_device(3, 1, one), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(device.append_on_device(4, 1, saved), ErrorCode::not_found);
   REQUIRE(device.sequence_length(3, 1) == host.sequence_length(3, 1));
+}
+
+// The device prefill's Offload (Manager::prefill with device tensors) on the
+// host path of the same code: offload_on_device's placements turned into
+// StagedSaver targets (transfer/prompt_offload.hpp) and scattered by its
+// workers write the bytes, page ids and table entries offload() writes, for
+// one-page and multi-page partitions, across chunk boundaries of the pool.
+TEST_CASE("offload_on_device + staged save equals offload", "[buffer][staged-save]") {
+  HostMemoryResource memory(false);
+  const std::size_t row = std::size_t{kShape.kv_heads} * kShape.head_dim;
+  for (const std::uint32_t partition_tokens : {kPageTokens, 3 * kPageTokens}) {
+    INFO("partition tokens " << partition_tokens);
+    TieredKVBuffer host(kShape, small_config(1.0), memory, memory);
+    TieredKVBuffer device(kShape, small_config(1.0), memory, memory);
+    StagedSaver saver(StagedSaverConfig{3, 2, 0, std::size_t{1} << 20});
+    std::vector<TokenPlacement> placements;
+    std::vector<RowTarget> targets;
+    for (const RequestId id : {RequestId{3}, RequestId{5}}) {
+      for (TieredKVBuffer* b : {&host, &device}) b->add_request(id, RequestBudget{2, 0});
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        const std::uint32_t tokens = 150 + 37 * l + static_cast<std::uint32_t>(id);  // pages span the 64-page chunks
+        std::vector<float> k(tokens * row), v(tokens * row);
+        for (std::uint32_t t = 0; t < tokens; ++t) {
+          for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+            for (std::uint32_t d = 0; d < kShape.head_dim; ++d) {
+              k[(t * kShape.kv_heads + h) * kShape.head_dim + d] = value(id, l, h, t, d, false);
+              v[(t * kShape.kv_heads + h) * kShape.head_dim + d] = value(id, l, h, t, d, true);
+            }
+          }
+        }
+        const std::vector<PartitionSpec> specs{PartitionSpec::uniform(tokens, partition_tokens)};
+        host.offload(id, l, KvChunk{k.data(), v.data(), tokens, DType::f32}, specs);
+        device.offload_on_device(id, l, tokens, specs, placements);
+        REQUIRE(placements.size() == std::size_t{tokens} * kShape.kv_heads);
+        saver.set_destination(cpu_tier_destination(device.cpu_pool()));
+        prompt_row_targets(placements, KvBlock::k, targets);
+        saver.save(reinterpret_cast<const std::byte*>(k.data()), k.size() * 4, targets, nullptr);
+        prompt_row_targets(placements, KvBlock::v, targets);
+        saver.save(reinterpret_cast<const std::byte*>(v.data()), v.size() * 4, targets, nullptr);
+        saver.wait();
+        REQUIRE(device.sequence_length(id, l) == host.sequence_length(id, l));
+        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+          const std::uint32_t n = host.table().partition_count(id, l, h);
+          REQUIRE(device.table().partition_count(id, l, h) == n);
+          for (PartitionId p = 0; p < n; ++p) {
+            REQUIRE(device.table().meta(id, l, h, p).bits == host.table().meta(id, l, h, p).bits);
+            std::vector<PageId> want, got;
+            host.table().cpu_pages(id, l, h, p, want);
+            device.table().cpu_pages(id, l, h, p, got);
+            REQUIRE(got == want);
+          }
+          for (std::uint32_t t = 0; t < tokens; ++t) {
+            const TokenPlacement where = placements[std::size_t{t} * kShape.kv_heads + h];
+            REQUIRE(row_matches(device.cpu_pool().data(where.cpu_page), where.slot, id, l, h, t));
+            REQUIRE(row_matches(host.cpu_pool().data(where.cpu_page), where.slot, id, l, h, t));
+          }
+        }
+      }
+    }
+    REQUIRE(device.cpu_pool().used() == host.cpu_pool().used());
+    REQUIRE(device.stats().bytes_offloaded == host.stats().bytes_offloaded);
+    device.validate();
+    // Refusals change nothing.
+    const std::uint32_t used = device.cpu_pool().used();
+    REQUIRE_SPARSEKV_ERROR(device.offload_on_device(9, 0, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)},
+                                                    placements),
+                           ErrorCode::not_found);
+    REQUIRE_SPARSEKV_ERROR(device.offload_on_device(3, 0, 5, std::vector{PartitionSpec::uniform(4, kPageTokens)},
+                                                    placements),
+                           ErrorCode::invalid_argument);
+    REQUIRE_SPARSEKV_ERROR(device.offload_on_device(3, 0, 0, std::vector{PartitionSpec::uniform(4, kPageTokens)},
+                                                    placements),
+                           ErrorCode::invalid_argument);
+    REQUIRE_SPARSEKV_ERROR(device.offload_on_device(3, 7, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)},
+                                                    placements),
+                           ErrorCode::out_of_range);
+    REQUIRE(device.cpu_pool().used() == used);
+  }
+}
+
+// The device prefill's per-element finiteness rule (buffer/prompt_check_cuda.hpp)
+// agrees with the host prefill's check (std::isfinite of the fp32 value) on
+// every dtype, over random bit patterns and the edge encodings.
+TEST_CASE("element_is_finite matches the host prefill's check", "[buffer]") {
+  std::mt19937 rng(5);
+  for (const DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+    std::vector<std::uint32_t> words(4096);
+    for (auto& w : words) w = static_cast<std::uint32_t>(rng());
+    // Infinities, NaNs, the largest finite and zero in each encoding.
+    for (const std::uint32_t w : {0x7f800000u, 0xff800000u, 0x7fc00001u, 0x7f7fffffu, 0u, 0x7c00u, 0xfc00u, 0x7e01u,
+                                  0x7bffu, 0x7f80u, 0xff80u, 0x7fc1u, 0x7f7fu}) {
+      words.push_back(w);
+    }
+    std::vector<std::byte> data(words.size() * dtype_size(dtype));
+    for (std::size_t i = 0; i < words.size(); ++i) std::memcpy(&data[i * dtype_size(dtype)], &words[i], dtype_size(dtype));
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < words.size(); ++i) {
+      const bool want = std::isfinite(load_element(data.data(), static_cast<std::uint32_t>(i), dtype));
+      REQUIRE(cuda::element_is_finite(data.data(), i, dtype) == want);
+      bad += !want;
+    }
+    REQUIRE(bad > 0);  // the sweep did reach non-finite values
+  }
 }

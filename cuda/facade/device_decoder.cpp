@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
+#include "sparsekv/buffer/prompt_check_cuda.hpp"
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
 #include "sparsekv/cache/bucketed_lru_cuda.hpp"
 #include "sparsekv/cache/lru_batch_cuda.hpp"
@@ -24,6 +25,8 @@
 #include "sparsekv/policy/index_cuda.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
+#include "sparsekv/transfer/prompt_offload.hpp"
+#include "sparsekv/transfer/staged_save.hpp"
 
 namespace sparsekv::cuda {
 namespace {
@@ -115,6 +118,12 @@ T* at(std::byte* base, std::size_t offset) {
 }
 
 constexpr std::size_t kRing = 4;  // step argument slots in flight
+// Stage timing marks: the step's start, then the end of append, select, lru,
+// gather and attend (DeviceStageTimes).
+constexpr std::size_t kStageMarks = 6;
+// Bytes of one staged D2H save of a prompt: pieces bound the pinned staging
+// (two slots) and let the copy of one piece overlap the scatter of the last.
+constexpr std::size_t kPromptPieceBytes = std::size_t{32} << 20;
 
 class CudaDeviceDecoder final : public DeviceDecoder {
  public:
@@ -180,6 +189,11 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   ~CudaDeviceDecoder() override {
     cudaDeviceSynchronize();  // a destructor cannot report; the memory goes either way
     for (auto& e : events_) cudaEventDestroy(e);
+    for (auto& marks : stage_events_) {
+      for (auto& e : marks) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
+    }
   }
 
   bool is_device_pointer(const void* p) const override {
@@ -201,10 +215,33 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     replica_.download(buffer_.table(), request, buffer_.transfer());
   }
 
-  void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) override {
+  std::uint64_t first_non_finite(const void* data, std::uint64_t count, void* stream) override {
     const auto s = static_cast<cudaStream_t>(stream);
-    check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync D2H");
+    if (!finite_word_.bytes()) finite_word_ = DeviceBytes(sizeof(std::uint64_t));
+    cuda::first_non_finite(data, count, setup_.shape.dtype, finite_word_.as<std::uint64_t>(), stream);
+    std::uint64_t first = kAllFinite;
+    check(cudaMemcpyAsync(&first, finite_word_.as<void>(), sizeof first, cudaMemcpyDeviceToHost, s),
+          "cudaMemcpyAsync D2H");
     check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    return first == kAllFinite ? kNoNonFinite : first;
+  }
+
+  void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements,
+                      void* stream) override {
+    if (!saver_) saver_ = std::make_unique<StagedSaver>();
+    saver_->set_destination(cpu_tier_destination(buffer_.cpu_pool()));
+    const std::size_t row = layout_.row_bytes();
+    const std::size_t piece_rows = std::max<std::size_t>(1, kPromptPieceBytes / row);
+    for (const auto& [source, block] : {std::pair{k, KvBlock::k}, std::pair{v, KvBlock::v}}) {
+      prompt_row_targets(placements, block, block == KvBlock::k ? k_targets_ : v_targets_);
+      const std::vector<RowTarget>& targets = block == KvBlock::k ? k_targets_ : v_targets_;
+      for (std::size_t first = 0; first < targets.size(); first += piece_rows) {
+        const std::size_t rows = std::min(piece_rows, targets.size() - first);
+        saver_->save(static_cast<const std::byte*>(source) + first * row, rows * row,
+                     std::span(targets).subspan(first, rows), stream);
+      }
+    }
+    saver_->wait();
   }
 
   void index_prompt(std::uint32_t slot, std::uint32_t layer, const void* keys, std::uint32_t tokens,
@@ -251,6 +288,11 @@ class CudaDeviceDecoder final : public DeviceDecoder {
       slot = ring_[k].as<std::byte>();
       error_word = errors_.as<std::uint64_t>() + k;
     }
+    const bool timed = time_stages_ && !capturing;
+    const auto mark = [&](std::size_t i) {
+      if (timed) check(cudaEventRecord(stage_events_[k][i], stream), "cudaEventRecord");
+    };
+    mark(0);
     fill_arguments(step, slot);
     refresh_chunks();
     std::byte* args = args_device_.as<std::byte>();
@@ -278,6 +320,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     append.error = error_.as<std::uint64_t>();
     append_tokens(append, summaries_.append_summaries(step.layer, at<std::uint32_t>(args, args_.summary_rows)),
                   stream);
+    mark(1);
 
     // 3. Select over the summaries, on the state before this step's save.
     SelectRows select = select_rows_;
@@ -298,6 +341,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
                                   step.select.budget_tokens, step.select.recent_tokens, step.select.outlier_pages};
       shadowkv_select(select, shadow, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
     }
+    mark(2);
 
     // 4. Retrieve: the selection as the LRU batch, the LRU step on the device
     //    tables, the gather of its misses straight from its output.
@@ -315,6 +359,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     lru_out.copy_gpu_pages = copy_gpu_.as<PageId>();
     lru_out.stats = stats_.as<CacheStepStats>();
     bucketed_lru_step(replica_.gpu_page_view(), lookup, lru, lru_out, setup_.timestamp_buckets, stream);
+    mark(3);
     DeviceMissList misses;
     misses.heads = rows;
     misses.max_entries = rows * setup_.max_pages_per_head;
@@ -328,6 +373,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     gather_miss_list(misses, cpu_tier, const_cast<std::byte*>(buffer_.gpu_pool().base()),
                      buffer_.gpu_pool().page_bytes(), buffer_.gpu_pool().page_bytes(), GatherConfig{}, stream);
     accumulate_step_stats(lru_out.stats, rows, totals_.as<CacheStepStats>(), stream);
+    mark(4);
 
     // 5. Plan: FlashInfer's CSR over the runs, in device memory.
     DevicePlanInput in;
@@ -367,6 +413,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
       a.workspace_bytes = attention_workspace_.bytes();
       sparse_decode_attention(shape, a, stream);
     }
+    mark(5);
 
     // 7. The append's error word, read by check_values() once the step is past.
     check(cudaMemcpyAsync(error_word, error_.as<void>(), sizeof(std::uint64_t), cudaMemcpyDeviceToHost, stream),
@@ -375,6 +422,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     if (!capturing) {
       check(cudaEventRecord(events_[k], stream), "cudaEventRecord");
       pending_[k] = true;
+      timed_[k] = timed;
     }
     last_stream_ = stream;
   }
@@ -424,6 +472,20 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     }
   }
 
+  void time_stages(bool on) override {
+    if (on && stage_events_[0][0] == nullptr) {
+      for (auto& marks : stage_events_) {
+        for (auto& e : marks) check(cudaEventCreate(&e), "cudaEventCreate");
+      }
+    }
+    time_stages_ = on;
+  }
+
+  DeviceStageTimes stage_times() override {
+    synchronize();
+    return stage_totals_;
+  }
+
  private:
   DecodeAttentionShape attention_shape(std::uint32_t batch) const {
     DecodeAttentionShape shape;
@@ -446,9 +508,22 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     return r;
   }
 
-  // A completed step's error word: kept until check_values() reports it.
+  // A completed step's error word, kept until check_values() reports it, and
+  // its stage times (its marks precede events_[k] on its stream: complete).
   void harvest(std::size_t k) {
     pending_[k] = false;
+    if (std::exchange(timed_[k], false)) {
+      std::array<float, kStageMarks - 1> ms{};
+      for (std::size_t i = 0; i + 1 < kStageMarks; ++i) {
+        check(cudaEventElapsedTime(&ms[i], stage_events_[k][i], stage_events_[k][i + 1]), "cudaEventElapsedTime");
+      }
+      stage_totals_.append_ms += ms[0];
+      stage_totals_.select_ms += ms[1];
+      stage_totals_.lru_ms += ms[2];
+      stage_totals_.gather_ms += ms[3];
+      stage_totals_.attend_ms += ms[4];
+      ++stage_totals_.steps;
+    }
     note_error(std::exchange(errors_.as<std::uint64_t>()[k], kNoAppendError));
   }
 
@@ -501,6 +576,15 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   std::array<PinnedBytes, kRing> ring_;
   std::array<cudaEvent_t, kRing> events_{};
   std::array<bool, kRing> pending_{};
+  // Stage timing (time_stages): marks per ring slot, made on first use.
+  bool time_stages_ = false;
+  std::array<std::array<cudaEvent_t, kStageMarks>, kRing> stage_events_{};
+  std::array<bool, kRing> timed_{};
+  DeviceStageTimes stage_totals_;
+  // The device prefill: its finiteness word and staged D2H saver, made on first use.
+  DeviceBytes finite_word_;
+  std::unique_ptr<StagedSaver> saver_;
+  std::vector<RowTarget> k_targets_, v_targets_;
   std::size_t next_ = 0;
   std::vector<PinnedBytes> captured_;  // the argument slots of captured steps
   DeviceBytes q_, selected_, selected_count_, select_workspace_;

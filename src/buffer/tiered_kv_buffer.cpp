@@ -299,8 +299,46 @@ void TieredKVBuffer::check_chunk(const KvChunk& kv, std::uint32_t layer) const {
 
 void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChunk& kv,
                              std::span<const PartitionSpec> specs) {
-  RequestState& s = state(request);
+  state(request);
   check_chunk(kv, layer);
+  check_offload(request, layer, kv.tokens, specs);
+  const std::size_t row = layout_.row_bytes();
+  const auto* k = static_cast<const std::byte*>(kv.k);
+  const auto* v = static_cast<const std::byte*>(kv.v);
+  transfer_->synchronize();  // a page freed by finish() may still be a save's target
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const MappedPartitions mapped = partitions_.map(request, layer, h, specs[specs.size() == 1 ? 0 : h]);
+    for (std::uint32_t t = 0; t < kv.tokens; ++t) {
+      const TokenPlacement where = mapped.placements[t];
+      std::byte* page = cpu_pool_.data(where.cpu_page);
+      const std::size_t source = (std::size_t{t} * shape_.kv_heads + h) * row;
+      std::memcpy(page + layout_.k_offset(where.slot), k + source, row);
+      std::memcpy(page + layout_.v_offset(where.slot), v + source, row);
+    }
+  }
+  state(request).tokens[layer] += kv.tokens;
+  stats_.bytes_offloaded += 2 * std::uint64_t{kv.tokens} * shape_.kv_heads * row;
+}
+
+void TieredKVBuffer::offload_on_device(RequestId request, std::uint32_t layer, std::uint32_t tokens,
+                                       std::span<const PartitionSpec> specs, std::vector<TokenPlacement>& placements) {
+  state(request);
+  check_index("layer", layer, shape_.layers);
+  if (tokens == 0) fail(ErrorCode::invalid_argument, "a K/V chunk needs at least one token");
+  check_offload(request, layer, tokens, specs);
+  placements.resize(std::size_t{tokens} * shape_.kv_heads);
+  transfer_->synchronize();  // a page freed by finish() may still be a save's target
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const MappedPartitions mapped = partitions_.map(request, layer, h, specs[specs.size() == 1 ? 0 : h]);
+    for (std::uint32_t t = 0; t < tokens; ++t) placements[std::size_t{t} * shape_.kv_heads + h] = mapped.placements[t];
+  }
+  state(request).tokens[layer] += tokens;
+  stats_.bytes_offloaded += 2 * std::uint64_t{tokens} * shape_.kv_heads * layout_.row_bytes();
+}
+
+void TieredKVBuffer::check_offload(RequestId request, std::uint32_t layer, std::uint32_t tokens,
+                                   std::span<const PartitionSpec> specs) const {
+  const RequestState& s = state(request);
   if (specs.size() != 1 && specs.size() != shape_.kv_heads) {
     fail(ErrorCode::invalid_argument, "{} partition specs given; expected 1 (shared) or {} (one per kv head)",
          specs.size(), shape_.kv_heads);
@@ -308,9 +346,9 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
   // Arguments first, then state, then resources.
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
-    if (spec.token_count() != kv.tokens) {
+    if (spec.token_count() != tokens) {
       fail(ErrorCode::invalid_argument, "the spec of kv head {} covers {} tokens, the chunk has {}", h,
-           spec.token_count(), kv.tokens);
+           spec.token_count(), tokens);
     }
   }
   if (s.tail_tokens[layer] != 0) {
@@ -336,23 +374,6 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
          pages, cpu_pool_.available());
   }
   table_.check_segments(demand);
-
-  const std::size_t row = layout_.row_bytes();
-  const auto* k = static_cast<const std::byte*>(kv.k);
-  const auto* v = static_cast<const std::byte*>(kv.v);
-  transfer_->synchronize();  // a page freed by finish() may still be a save's target
-  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    const MappedPartitions mapped = partitions_.map(request, layer, h, specs[specs.size() == 1 ? 0 : h]);
-    for (std::uint32_t t = 0; t < kv.tokens; ++t) {
-      const TokenPlacement where = mapped.placements[t];
-      std::byte* page = cpu_pool_.data(where.cpu_page);
-      const std::size_t source = (std::size_t{t} * shape_.kv_heads + h) * row;
-      std::memcpy(page + layout_.k_offset(where.slot), k + source, row);
-      std::memcpy(page + layout_.v_offset(where.slot), v + source, row);
-    }
-  }
-  s.tokens[layer] += kv.tokens;
-  stats_.bytes_offloaded += 2 * std::uint64_t{kv.tokens} * shape_.kv_heads * row;
 }
 
 void TieredKVBuffer::check_tail_save(RequestId request, std::uint32_t layer) const {

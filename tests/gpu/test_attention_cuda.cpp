@@ -211,29 +211,43 @@ Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
   return compare(dev.out.download(), dev.lse.download(), want_out, want_lse, d);
 }
 
-}  // namespace
+// What a sweep of one form varies: both forms run the same loop (sweep below).
+struct SweepForm {
+  const char* name;
+  std::vector<std::uint32_t> groups, page_tokens;
+  std::uint32_t min_batch, batch_choices;      // batch = min_batch + rng() % batch_choices
+  std::uint32_t min_kv_heads, kv_choices;      // likewise; group 12 takes min_kv_heads
+  std::uint32_t max_row_pages;                 // per row (runs form: per run); 64-token pages at most 6
+  std::uint32_t runs;                          // 0: one entry per row
+  std::uint32_t chunk_choices;                 // chunk_pages = rng() % chunk_choices (0 = automatic)
+  std::uint32_t understate;                    // pages understated in max_pages, a quarter of the cases
+};
 
-TEST_CASE("sparse_decode_attention matches the host decode_attention", "[gpu][attention]") {
-  std::mt19937 rng(71);
+// dtype x head_dim x group x page_tokens, each combination one random case of
+// `form` (batch, heads, extra term, chunking, stride, scale, understated
+// max_pages, stream), against the host; returns the cases run.
+int sweep(std::uint32_t seed, const SweepForm& form) {
+  std::mt19937 rng(seed);
   const Stream stream;
   Errors worst;
   int cases = 0;
   for (const DType dtype : {DType::bf16, DType::f16, DType::f32}) {
     for (const std::uint32_t head_dim : {64u, 128u}) {
-      for (const std::uint32_t group : {1u, 3u, 4u, 8u, 12u}) {
-        for (const std::uint32_t page_tokens : {16u, 5u, 64u}) {
+      for (const std::uint32_t group : form.groups) {
+        for (const std::uint32_t page_tokens : form.page_tokens) {
           CaseSpec spec{};
-          spec.batch = 1 + std::uint32_t(rng() % 6);
-          spec.kv_heads = group == 12 ? 1 : 1 + std::uint32_t(rng() % 4);
+          spec.batch = form.min_batch + std::uint32_t(rng() % form.batch_choices);
+          spec.kv_heads = group == 12 ? form.min_kv_heads : form.min_kv_heads + std::uint32_t(rng() % form.kv_choices);
           spec.group = group;
           spec.layout = PageLayout{page_tokens, head_dim, dtype};
-          spec.max_row_pages = page_tokens == 64 ? 6 : 20;
+          spec.max_row_pages = page_tokens == 64 ? std::min(6u, form.max_row_pages) : form.max_row_pages;
+          spec.runs = form.runs;
           spec.extra = rng() % 2 == 0;
-          spec.chunk_pages = std::uint32_t(rng() % 3);  // 0 (auto), 1 or 2 pages per chunk
+          spec.chunk_pages = std::uint32_t(rng() % form.chunk_choices);
           spec.stride_pad = rng() % 2 == 0 ? 0 : 16 * (1 + rng() % 3);
           spec.scale_factor = rng() % 2 == 0 ? 1.0f : 4.0f;
-          spec.understate = rng() % 4 == 0 ? 3 : 0;
-          CAPTURE(to_string(dtype), head_dim, group, page_tokens, spec.batch, spec.kv_heads, spec.extra,
+          spec.understate = rng() % 4 == 0 ? form.understate : 0;
+          CAPTURE(form.name, to_string(dtype), head_dim, group, page_tokens, spec.batch, spec.kv_heads, spec.extra,
                   spec.chunk_pages, spec.stride_pad, spec.scale_factor, spec.understate);
           const Errors e = run_case(rng, spec, rng() % 2 == 0 ? stream.stream : nullptr);
           worst.out = std::max(worst.out, e.out);
@@ -243,9 +257,18 @@ TEST_CASE("sparse_decode_attention matches the host decode_attention", "[gpu][at
       }
     }
   }
-  REQUIRE(cases == 3 * 2 * 5 * 3);
-  std::printf("sparse_decode_attention vs host: %d cases, max relative error out %.3g, lse %.3g\n", cases,
-              double(worst.out), double(worst.lse));
+  std::printf("sparse_decode_attention, %s, vs host: %d cases, max relative error out %.3g, lse %.3g\n", form.name,
+              cases, double(worst.out), double(worst.lse));
+  return cases;
+}
+
+}  // namespace
+
+TEST_CASE("sparse_decode_attention matches the host decode_attention", "[gpu][attention]") {
+  // Row page counts 0..20 (0..6 with 64-token pages), 1 or 2 pages per chunk
+  // forced or automatic.
+  const SweepForm entries{"one entry per row", {1, 3, 4, 8, 12}, {16, 5, 64}, 1, 6, 1, 4, 20, 0, 3, 3};
+  REQUIRE(sweep(71, entries) == 3 * 2 * 5 * 3);
 }
 
 TEST_CASE("sparse_decode_attention splits long selections over many chunks", "[gpu][attention]") {
@@ -266,39 +289,10 @@ TEST_CASE("sparse_decode_attention splits long selections over many chunks", "[g
 }
 
 TEST_CASE("sparse_decode_attention attends a plan's runs in one launch", "[gpu][attention]") {
-  std::mt19937 rng(73);
-  Errors worst;
-  int cases = 0;
-  const Stream stream;
-  for (const DType dtype : {DType::bf16, DType::f16, DType::f32}) {
-    for (const std::uint32_t head_dim : {64u, 128u}) {
-      for (const std::uint32_t group : {1u, 4u, 12u}) {
-        for (const std::uint32_t page_tokens : {16u, 5u}) {
-          CaseSpec spec{};
-          spec.batch = 2 + std::uint32_t(rng() % 4);
-          spec.kv_heads = group == 12 ? 2 : 2 + std::uint32_t(rng() % 3);  // >= 4 rows: every kind of row
-          spec.group = group;
-          spec.layout = PageLayout{page_tokens, head_dim, dtype};
-          spec.max_row_pages = 6;  // per run
-          spec.runs = 4;
-          spec.extra = rng() % 2 == 0;
-          spec.chunk_pages = std::uint32_t(rng() % 4);  // 0 (auto), or 1..3: chunks that cut runs anywhere
-          spec.stride_pad = rng() % 2 == 0 ? 0 : 16 * (1 + rng() % 3);
-          spec.scale_factor = rng() % 2 == 0 ? 1.0f : 4.0f;
-          spec.understate = rng() % 4 == 0 ? 5 : 0;
-          CAPTURE(to_string(dtype), head_dim, group, page_tokens, spec.batch, spec.kv_heads, spec.extra,
-                  spec.chunk_pages, spec.stride_pad, spec.scale_factor, spec.understate);
-          const Errors e = run_case(rng, spec, rng() % 2 == 0 ? stream.stream : nullptr);
-          worst.out = std::max(worst.out, e.out);
-          worst.lse = std::max(worst.lse, e.lse);
-          ++cases;
-        }
-      }
-    }
-  }
-  REQUIRE(cases == 3 * 2 * 3 * 2);
-  std::printf("sparse_decode_attention, runs form, vs host: %d cases, max relative error out %.3g, lse %.3g\n", cases,
-              double(worst.out), double(worst.lse));
+  // >= 4 rows (every kind of row); up to 4 runs of 1..6 pages; chunks of 1..3
+  // pages that cut runs anywhere, or automatic.
+  const SweepForm runs{"runs form", {1, 4, 12}, {16, 5}, 2, 4, 2, 3, 6, 4, 4, 5};
+  REQUIRE(sweep(73, runs) == 3 * 2 * 3 * 2);
 }
 
 TEST_CASE("sparse_decode_attention over runs captured once replays new plans", "[gpu][attention]") {

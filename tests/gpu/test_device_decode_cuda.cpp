@@ -4,7 +4,9 @@
 // the test's stream. Every step: the plans (selections, LRU page ids, runs)
 // identical, outputs within 2e-3; hit / miss totals identical. Then one
 // layer's step captured in a CUDA graph (which fails on any host sync) and
-// replayed equals the eager step of a twin manager.
+// replayed equals the eager step of a twin manager. The device manager's
+// prefill offloads through the staged D2H path (no host copy of the prompt),
+// so equal plans and outputs also check the CPU pages it wrote.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -226,7 +228,15 @@ TEST_CASE("device-tensor API: bad input is refused before anything is enqueued",
   REQUIRE(code_of([&] { m.prefill(1, 0, host_k.data(), host_k.data(), 64, stream.stream); }) ==
           ErrorCode::invalid_argument);  // host pointers where device ones are required
   DeviceArray<std::uint16_t> k(host_k);
+  // A non-finite prompt value is found on the device and refused before the CPU tier changes.
+  std::vector<std::uint16_t> nan_v = host_k;
+  nan_v[(37 * shape.kv_heads + 1) * shape.head_dim + 5] = 0x7fc0;  // token 37, kv head 1, dim 5: a bf16 NaN
+  DeviceArray<std::uint16_t> bad_v(nan_v);
+  REQUIRE(code_of([&] { m.prefill(1, 0, k.data, bad_v.data, 64, stream.stream); }) == ErrorCode::invalid_argument);
+  REQUIRE(m.buffer().sequence_length(1, 0) == 0);
+  REQUIRE(m.buffer().cpu_pool().used() == 0);
   for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data, k.data, 64, stream.stream);
+  REQUIRE(code_of([&] { m.prefill(1, 0, k.data, k.data, 64, stream.stream); }) == ErrorCode::failed_precondition);
   DeviceArray<std::uint16_t> q(random_bf16(shape.q_heads * shape.head_dim, rng));
   DeviceArray<float> out(shape.q_heads * shape.head_dim);
   const std::vector<RequestId> unknown = {2};
@@ -240,4 +250,47 @@ TEST_CASE("device-tensor API: bad input is refused before anything is enqueued",
   m.decode(one, 0, q.data, k.data, k.data, out.data, stream.stream);
   m.synchronize();
   REQUIRE(m.buffer().sequence_length(1, 0) == 65);
+}
+
+TEST_CASE("device-tensor decode: opt-in stage timing splits the steps' stream time", "[gpu][device-decode]") {
+  const ModelShape shape = device_shape();
+  QuestPolicy::Options options;
+  options.budget_tokens = 128;
+  options.page_tokens_per_partition = 16;
+  Manager<QuestPolicy> m(shape, device_config(), QuestPolicy(options), std::make_unique<cuda::CudaBackend>());
+  m.time_device_stages(false);  // makes the decoder before the first add_request
+  Stream stream;
+  std::mt19937 rng(11);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::size_t q_row = std::size_t{shape.q_heads} * shape.head_dim;
+  const std::vector<RequestId> batch = {1, 2};
+  for (RequestId id : batch) {
+    m.add_request(id, 1024);
+    DeviceArray<std::uint16_t> k(random_bf16(600 * kv_row, rng)), v(random_bf16(600 * kv_row, rng));
+    for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(id, l, k.data, v.data, 600, stream.stream);
+  }
+  DeviceArray<std::uint16_t> q(random_bf16(batch.size() * q_row, rng)), k(random_bf16(batch.size() * kv_row, rng)),
+      v(random_bf16(batch.size() * kv_row, rng));
+  DeviceArray<float> out(batch.size() * q_row);
+  m.decode(batch, 0, q.data, k.data, v.data, out.data, stream.stream);  // untimed
+  REQUIRE(m.device_stage_times().steps == 0);
+  m.time_device_stages(true);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  check(cudaEventCreate(&start));
+  check(cudaEventCreate(&stop));
+  check(cudaEventRecord(start, stream.stream));
+  for (int s = 0; s < 6; ++s) m.decode(batch, s % 3, q.data, k.data, v.data, out.data, stream.stream);
+  check(cudaEventRecord(stop, stream.stream));
+  const DeviceStageTimes t = m.device_stage_times();
+  float wall = 0;
+  check(cudaEventElapsedTime(&wall, start, stop));
+  REQUIRE(t.steps == 6);
+  for (const double ms : {t.append_ms, t.select_ms, t.lru_ms, t.gather_ms, t.attend_ms}) REQUIRE(ms > 0);
+  // The stages tile each step's stream time, which the events around all steps contain.
+  REQUIRE(t.append_ms + t.select_ms + t.lru_ms + t.gather_ms + t.attend_ms <= double(wall) * 1.001 + 1e-3);
+  m.time_device_stages(false);
+  m.decode(batch, 1, q.data, k.data, v.data, out.data, stream.stream);
+  REQUIRE(m.device_stage_times().steps == 6);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
 }

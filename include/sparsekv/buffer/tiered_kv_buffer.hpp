@@ -159,6 +159,14 @@ class TieredKVBuffer {
   void finish(RequestId request);
 
   void offload(RequestId request, std::uint32_t layer, const KvChunk& kv, std::span<const PartitionSpec> specs);
+  // The device prefill's Offload (docs/device-decode.md): the checks and
+  // mapping of offload() with no byte moved; placements[t * kv_heads + h]
+  // ([tokens][kv_heads], the engine layout's row order) is where token t of
+  // kv head h goes, for the caller to write (DeviceDecoder::offload_prompt,
+  // through the staged D2H path) before anything reads those pages. Throws
+  // what offload() throws, changing nothing.
+  void offload_on_device(RequestId request, std::uint32_t layer, std::uint32_t tokens,
+                         std::span<const PartitionSpec> specs, std::vector<TokenPlacement>& placements);
   void append(RequestId request, std::uint32_t layer, const KvChunk& token);
   // The device decode step's append (docs/device-decode.md): the checks and
   // bookkeeping of append() with no byte moved, the device writing the row
@@ -254,6 +262,9 @@ class TieredKVBuffer {
   std::uint64_t heads() const noexcept { return std::uint64_t{shape_.layers} * shape_.kv_heads; }
   std::uint64_t reclaimable_slots(const RequestState& s) const;
   void check_chunk(const KvChunk& kv, std::uint32_t layer) const;
+  // offload()'s checks of the request's state, the specs and the pools.
+  void check_offload(RequestId request, std::uint32_t layer, std::uint32_t tokens,
+                     std::span<const PartitionSpec> specs) const;
   void check_tail_save(RequestId request, std::uint32_t layer) const;
   void grow_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void shrink_slots(RequestId request, RequestState& s, std::uint32_t slots);

@@ -19,6 +19,7 @@
 #include "sparsekv/cache/cache_step.hpp"
 #include "sparsekv/core/ids.hpp"
 #include "sparsekv/core/model_shape.hpp"
+#include "sparsekv/partition/partition_map.hpp"
 #include "sparsekv/policy/device_select.hpp"
 
 namespace sparsekv {
@@ -75,6 +76,19 @@ struct DeviceAttendPlan {
   std::uint32_t rows = 0;
 };
 
+// Accumulated device time of the timed steps' stages (DeviceDecoder::time_stages),
+// milliseconds between cudaEvents recorded on the step's stream at the stage
+// boundaries: append = the step's argument upload, the table writes and the
+// append launch; select; lru = the LRU batch and the LRU step; gather = the
+// miss gather and the stats totals; attend = the plan and the attention (or
+// the plan alone for plan()). Their sum is the step's stream time from its
+// first enqueue to its last; the host work before that (Manager's part of
+// the step) is not in it.
+struct DeviceStageTimes {
+  std::uint64_t steps = 0;  // timed steps completed
+  double append_ms = 0, select_ms = 0, lru_ms = 0, gather_ms = 0, attend_ms = 0;
+};
+
 class DeviceDecoder {
  public:
   virtual ~DeviceDecoder() = default;
@@ -92,8 +106,22 @@ class DeviceDecoder {
   // device keys [tokens][kv_heads][head_dim], enqueued on `stream`.
   virtual void index_prompt(std::uint32_t slot, std::uint32_t layer, const void* keys, std::uint32_t tokens,
                             const DeviceSelectSpec& select, void* stream) = 0;
-  // Copies `bytes` of device memory to host memory on `stream` and waits.
-  virtual void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) = 0;
+  // The index of the first non-finite value among `count` model-dtype values
+  // at device `data`, or kNoNonFinite, read on `stream` after the work
+  // enqueued there; waits (prefill is off the step's path): a prompt's
+  // non-finite K/V must never reach the CPU tier, the source of truth.
+  static constexpr std::uint64_t kNoNonFinite = ~std::uint64_t{0};
+  virtual std::uint64_t first_non_finite(const void* data, std::uint64_t count, void* stream) = 0;
+  // Offload of a prompt's device K / V into the CPU tier through the staged
+  // D2H path (transfer/staged_save.hpp; SparseServe §3.2.2 FlashD2H, §3.4
+  // layer-segmented prefill): one contiguous copy per tensor into pinned
+  // staging after the work enqueued on `stream`, host workers scattering the
+  // rows into their pages. Row t * kv_heads + h of K and of V goes to
+  // placements[t * kv_heads + h] (TieredKVBuffer::offload_on_device). Returns
+  // with every row written: the caller may free or reuse k and v at once,
+  // and no device copy of the prompt is kept.
+  virtual void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements,
+                              void* stream) = 0;
   // Enqueues one layer's step on step.stream; returns without waiting.
   virtual void step(const DeviceStep& step) = 0;
   virtual DeviceAttendPlan plan() const = 0;
@@ -105,6 +133,14 @@ class DeviceDecoder {
   // while `stream` is being captured into a graph.
   virtual void check_values(void* stream) = 0;
   virtual void synchronize() = 0;
+  // Opt-in stage timing of later eager steps (off by default): timing
+  // events recorded on the step's stream between its stages, read when the
+  // step's ring slot is harvested -- no host sync added to the step. Steps
+  // captured into a CUDA graph are not timed.
+  virtual void time_stages(bool on) = 0;
+  // Totals over the timed steps so far (waits for them: for inspection, not
+  // the loop).
+  virtual DeviceStageTimes stage_times() = 0;
 };
 
 }  // namespace sparsekv

@@ -43,6 +43,7 @@
 #include <optional>
 #include <type_traits>
 #include <span>
+#include <utility>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -204,27 +205,52 @@ class Manager {
   // Needs a backend with a device decoder (CudaBackend) and a policy with a
   // device Select (policy/device_select.hpp: Quest with one-page partitions,
   // ShadowKV); others throw invalid_argument / unavailable before anything
-  // changes. prefill() waits for its copies (the prompt is offloaded to the
-  // CPU tier); decode() and plan() return without waiting.
+  // changes. prefill() waits for its copies; decode() and plan() return
+  // without waiting.
+  //
+  // prefill(): Index on the device (the policy's summaries, written where the
+  // device Select reads them) and Offload through the staged D2H path
+  // (DeviceDecoder::offload_prompt; SparseServe §3.2.2 FlashD2H, §3.4
+  // layer-segmented prefill): the layer's K/V leave HBM once, into pinned
+  // staging, and host workers scatter them into the CPU pages; no copy of the
+  // layer stays on the GPU and none is made in pageable host memory. The
+  // partitions are the policy's uniform ones, known from the token count;
+  // the host policy state is not indexed, since with device tensors no call
+  // reads it (Select runs on the device). Non-finite K/V is refused first.
   void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
                void* stream) {
     DeviceDecoder& device = device_decoder();
-    state(request);
+    RequestState& s = state(request);
     check_index("layer", layer, shape_.layers);
     check_device_pointer(device, "prefill k", k);
     check_device_pointer(device, "prefill v", v);
     if (tokens == 0) fail(ErrorCode::invalid_argument, "prefill of request {}: tokens must be > 0", request);
-    const std::size_t bytes = std::size_t{tokens} * shape_.kv_heads * shape_.head_dim * dtype_size(shape_.dtype);
-    staged_k_.resize(bytes);
-    staged_v_.resize(bytes);
-    device.copy_to_host(staged_k_.data(), k, bytes, stream);
-    device.copy_to_host(staged_v_.data(), v, bytes, stream);
+    LayerState& ls = s.layers[layer];
+    if (ls.prefilled) fail(ErrorCode::failed_precondition, "request {} layer {} is already prefilled", request, layer);
+    if (tokens > s.max_tokens) {
+      fail(ErrorCode::invalid_argument, "request {}: a {}-token prompt exceeds its max_tokens {}", request, tokens,
+           s.max_tokens);
+    }
+    const std::uint64_t row = std::uint64_t{shape_.kv_heads} * shape_.head_dim;
+    for (const auto& [what, data] : {std::pair{"prefill k", k}, std::pair{"prefill v", v}}) {
+      const std::uint64_t bad = device.first_non_finite(data, tokens * row, stream);
+      if (bad != DeviceDecoder::kNoNonFinite) {
+        fail(ErrorCode::invalid_argument, "{} of request {}: token {} kv head {} (dim {}) is not finite", what,
+             request, bad / row, bad % row / shape_.head_dim, bad % shape_.head_dim);
+      }
+    }
     use_api(Api::device);
-    host_prefill(request, layer, staged_k_.data(), staged_v_.data(), tokens);
+    const DeviceSelectSpec select = device_select(policy_, context(layer, tokens));
+    const PartitionSpec spec = PartitionSpec::uniform(tokens, select.partition_tokens);
     const auto t0 = Clock::now();
-    device.index_prompt(table_slot(request), layer, k, tokens, device_select(policy_, context(layer, tokens)), stream);
+    buffer_->offload_on_device(request, layer, tokens, std::span(&spec, 1), device_placements_);
+    device.offload_prompt(k, v, device_placements_, stream);
+    const auto t1 = Clock::now();
+    device.index_prompt(table_slot(request), layer, k, tokens, select, stream);
     device.upload_tables(request);
-    stats_.index_s += seconds(Clock::now() - t0);
+    stats_.offload_s += seconds(t1 - t0);
+    stats_.index_s += seconds(Clock::now() - t1);
+    ls.prefilled = true;
   }
 
   // decode() on device tensors: q [batch][q_heads][head_dim] and k_new / v_new
@@ -342,6 +368,12 @@ class Manager {
     stats_.cache = device_->cache_stats();
     device_->check_values(nullptr);
   }
+  // Device-tensor API: opt-in per-stage timing of later decode steps
+  // (DeviceDecoder::time_stages, docs/device-decode.md; off by default, no
+  // host sync added to a step) and its totals (waits for the steps).
+  // Makes the device decoder: the first call precedes the first add_request.
+  void time_device_stages(bool on) { device_decoder().time_stages(on); }
+  DeviceStageTimes device_stage_times() { return device_decoder().stage_times(); }
   const TieredKVBuffer& buffer() const noexcept { return *buffer_; }
   const Policy& policy() const noexcept { return policy_; }
   const Backend& backend() const noexcept { return *backend_; }
@@ -786,7 +818,7 @@ class Manager {
     std::vector<std::size_t> instances;
   };
   DeviceStepScratch device_scratch_;
-  std::vector<std::byte> staged_k_, staged_v_;  // a device prompt on its way to the CPU tier
+  std::vector<TokenPlacement> device_placements_;  // a device prompt's rows in the CPU tier
 };
 
 using RuntimeManager = Manager<AnyPolicy>;
