@@ -260,6 +260,9 @@ class Manager {
               const void* v_new, float* out, void* stream) {
     DeviceDecoder& device = device_decoder();
     check_device_pointer(device, "decode out", out);
+    // The attention kernel's shapes, refused before the step changes the buffer.
+    backend_->check_attend(PageLayout{config_.page_tokens, shape_.head_dim, shape_.dtype}, shape_.q_heads,
+                           shape_.kv_heads);
     device_step(device, batch, layer, q, k_new, v_new, out, stream);
   }
 
@@ -366,6 +369,9 @@ class Manager {
     if (!device_) return;
     device_->synchronize();
     stats_.cache = device_->cache_stats();
+    // Every miss the device gathered is one page moved CPU -> GPU, as Retrieve counts them.
+    stats_.pages_moved = stats_.cache.miss_pages;
+    stats_.bytes_moved = stats_.cache.miss_pages * buffer_->cpu_pool().page_bytes();
     device_->check_values(nullptr);
   }
   // Device-tensor API: opt-in per-stage timing of later decode steps
