@@ -203,7 +203,7 @@ class Manager {
   // kind of tensor: its first prefill picks (the other kind is then refused).
   // Needs a backend with a device decoder (CudaBackend) and a policy with a
   // device Select (policy/device_select.hpp: Quest with one-page partitions,
-  // ShadowKV); others throw invalid_argument / unavailable before anything
+  // ShadowKV, StreamingWindow, Dense; not RetroInfer yet); others throw invalid_argument / unavailable before anything
   // changes. prefill() waits for its copies (the prompt is offloaded to the
   // CPU tier); decode() and plan() return without waiting.
   void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
