@@ -5,7 +5,8 @@
 // (policy/select_cuda.hpp: first / count into per-candidate arrays), laid
 // end to end or scattered over an arena, built from the same states the host
 // policies see;
-// RetroInfer's estimation terms as the host policy's attend() gives them.
+// RetroInfer's estimation terms as the host policy's attend() gives them;
+// StreamingWindow and Dense requests in a token-counts-only summary store.
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -13,9 +14,12 @@
 #include <vector>
 
 #include "index_test_data.hpp"
+#include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/device_summaries.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/shadowkv.hpp"
+#include "sparsekv/policy/streaming_window.hpp"
 
 namespace sparsekv::test {
 
@@ -310,6 +314,89 @@ inline std::vector<AttentionPartial> host_estimate(const RetroInferPolicy& polic
     std::vector<AttentionPartial> extra(ctx.q_heads);
     policy.attend(ctx, DecodeQuery{req.q, 0}, req.state, s, extra);
     out.insert(out.end(), extra.begin(), extra.end());
+  }
+  return out;
+}
+
+// ---- StreamingWindow and Dense over the summary store ----------------------------
+
+// A request of a positional policy (StreamingWindow, Dense) as the decode
+// step's store keeps it: its slot, a prompt of `prompt` tokens (the last
+// page may be short) indexed by the host policy, then `appended` full decode
+// pages appended to it. The policies read no key, so the keys are zeros.
+template <class Policy>
+struct PositionalRequest {
+  std::uint32_t slot = 0, prompt = 0, appended = 0;
+  typename Policy::LayerState state;
+};
+
+template <class Policy>
+PositionalRequest<Policy> positional_request(const Policy& policy, const LayerContext& base, std::uint32_t slot,
+                                             std::uint32_t prompt, std::uint32_t appended) {
+  PositionalRequest<Policy> r;
+  r.slot = slot;
+  r.prompt = prompt;
+  r.appended = appended;
+  LayerContext ctx = base;
+  ctx.tokens = prompt;
+  const std::vector<float> keys(std::size_t{prompt} * ctx.kv_heads * ctx.head_dim, 0.0f);
+  policy.index(ctx, key_view(keys, prompt, ctx), r.state);
+  const std::vector<float> page(std::size_t{ctx.page_tokens} * ctx.kv_heads * ctx.head_dim, 0.0f);
+  const std::uint32_t prompt_pages = cuda::page_count(prompt, ctx.page_tokens);
+  for (std::uint32_t p = 0; p < appended; ++p) {
+    ctx.tokens += ctx.page_tokens;
+    const AppendedPage a{key_view(page, ctx.page_tokens, ctx), std::vector<PartitionId>(ctx.kv_heads, prompt_pages + p)};
+    policy.append(ctx, a, r.state);
+  }
+  return r;
+}
+
+// One layer of a tokens-kind store (policy/device_summaries.hpp) on the host:
+// random token counts everywhere and the identity ids of construction, then
+// what the device writes into each request's region(slot, h): its prompt
+// pages' prefill_page_tokens (write_prefill) and page_tokens for every
+// appended page (the append kernel). Rows (b, h) in batch order, first = the
+// region, count = the request's pages, max_row = the capacity: the batch's
+// rows scattered over the arena with garbage between, as the decoder passes them.
+template <class Policy>
+HostRows positional_rows(const cuda::SummaryShape& shape, const LayerContext& ctx,
+                         const std::vector<PositionalRequest<Policy>>& batch, std::mt19937& rng) {
+  HostRows rows = begin_rows(ctx);
+  const std::size_t extent = shape.candidates();
+  rows.max_row = shape.capacity;
+  rows.tokens.resize(extent);
+  rows.partitions.resize(extent);
+  for (std::size_t c = 0; c < extent; ++c) {
+    rows.tokens[c] = 1 + static_cast<std::uint32_t>(rng() % 1000);
+    rows.partitions[c] = static_cast<PartitionId>(c % shape.capacity);
+  }
+  for (const auto& r : batch) {
+    const std::vector<float> q = random_values(std::size_t{ctx.q_heads} * ctx.head_dim, rng);
+    rows.q.insert(rows.q.end(), q.begin(), q.end());
+    const std::uint32_t prompt_pages = cuda::page_count(r.prompt, ctx.page_tokens);
+    const std::uint32_t n = prompt_pages + r.appended;
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      const std::uint32_t first = shape.region(r.slot, h);
+      for (std::uint32_t p = 0; p < n; ++p) {
+        rows.tokens[first + p] =
+            p < prompt_pages ? cuda::prefill_page_tokens(p, r.prompt, ctx.page_tokens) : ctx.page_tokens;
+      }
+      rows.first.push_back(first);
+      rows.count.push_back(n);
+    }
+  }
+  return rows;
+}
+
+// The host policy's selections of a positional batch, row by row.
+template <class Policy>
+std::vector<std::vector<PartitionId>> host_select(const Policy& policy, const LayerContext& ctx,
+                                                  const std::vector<PositionalRequest<Policy>>& batch) {
+  std::vector<std::vector<PartitionId>> out;
+  for (const auto& req : batch) {
+    Selection s;
+    policy.select(ctx, DecodeQuery{}, req.state, s);
+    out.insert(out.end(), s.partitions.begin(), s.partitions.end());
   }
   return out;
 }

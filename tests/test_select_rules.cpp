@@ -16,7 +16,8 @@
 // in candidate order) caught. And the summary store's host geometry
 // (policy/device_summaries.hpp): shapes and prompt pages checked, regions,
 // prompt page token counts, and rows over a store selecting as the host
-// policies.
+// policies. StreamingWindow's and Dense's positional selections over a
+// token-counts-only store against their host select, bit for bit.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -31,6 +32,8 @@
 #include "select_test_data.hpp"
 #include "test_support.hpp"
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/policy/any_policy.hpp"
+#include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/device_summaries.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
@@ -591,6 +594,83 @@ Sweep store_sweep(const Emulation& e, std::uint32_t seed) {
   return sweep;
 }
 
+// ---- the positional selections: StreamingWindow and Dense ---------------------------
+
+// positional_select_kernel for row r: the row's span, thread 0's zone
+// (streaming_zone; Dense: {0, 0}), then the zone's j-th candidate's id at j.
+std::vector<PartitionId> emulate_positional(const Emulation& e, const HostRows& rows, std::uint32_t r,
+                                            const cuda::StreamingSelect* streaming) {
+  const cuda::SelectRowSpan span = row_span(e, rows, r);
+  PositionalZone zone;
+  if (streaming != nullptr) {
+    const std::uint32_t* tokens = rows.tokens.data() + span.first;
+    zone = streaming_zone(
+        span.n, [&](std::uint32_t i) { return tokens[i]; }, streaming->sink_pages, streaming->budget_tokens);
+  }
+  std::vector<PartitionId> out(positional_count(zone, span.n));
+  for (std::uint32_t j = 0; j < out.size(); ++j) out[j] = rows.partitions[span.first + positional_candidate(zone, j)];
+  return out;
+}
+
+// The shapes of the streaming selections a sweep met: a gap between the
+// sinks and the window (the policy's point), a window alone, everything.
+struct PositionalSweep {
+  Sweep sweep;
+  std::uint32_t gapped = 0, window_only = 0, whole = 0;
+};
+
+// Requests in slots out of row order (other slots garbage), prompts of one
+// token, a partial last page, whole pages and a long one, 0..10 appended
+// pages; page_tokens 1, 4 and 8; sinks within a page, on a boundary, past it;
+// budgets below one page up to covering. StreamingWindow with the spec
+// device_select gives, and Dense, against their host select.
+PositionalSweep positional_sweep(const Emulation& e, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  PositionalSweep out;
+  for (const std::uint32_t page_tokens : {1u, 4u, 8u}) {
+    const LayerContext ctx = layer_context(2, 8, page_tokens, 2);
+    const cuda::SummaryShape shape{cuda::AppendSummary::tokens, 1, 6, ctx.kv_heads, ctx.head_dim, 320};
+    const std::uint32_t slots[] = {4, 0, 2, 5}, prompts[] = {1, 7, 9, 300}, appended[] = {0, 3, 10, 1};
+    std::vector<PositionalRequest<StreamingWindowPolicy>> streaming_batch;
+    std::vector<PositionalRequest<DensePolicy>> dense_batch;
+    for (int b = 0; b < 4; ++b) {
+      streaming_batch.push_back(positional_request(StreamingWindowPolicy(), ctx, slots[b], prompts[b], appended[b]));
+      dense_batch.push_back(positional_request(DensePolicy(), ctx, slots[b], prompts[b], appended[b]));
+    }
+    const HostRows rows = positional_rows(shape, ctx, streaming_batch, rng);
+    const DensePolicy dense;
+    const auto want_dense = host_select(dense, ctx, dense_batch);
+    const DeviceSelectSpec dense_spec = device_select(dense, ctx);
+    REQUIRE(dense_spec.kind == DeviceSelectSpec::Kind::dense);
+    for (std::uint32_t r = 0; r < rows.rows(); ++r) out.sweep.compare(emulate_positional(e, rows, r, nullptr), want_dense[r]);
+    for (const std::uint32_t budget : {1u, 2u, 3u, 5u, 8u, 17u, 64u, 100u, 1000u, 100000u}) {
+      for (const std::uint32_t sinks : {0u, 1u, 3u, 4u, 8u, 9u, 40u}) {
+        StreamingWindowPolicy::Options options;
+        options.budget_tokens = budget;
+        options.sink_tokens = sinks;
+        const StreamingWindowPolicy policy(options);
+        const DeviceSelectSpec spec = device_select(policy, ctx);
+        REQUIRE(spec.kind == DeviceSelectSpec::Kind::streaming);
+        const cuda::StreamingSelect streaming{spec.budget_tokens, spec.sink_pages, ctx.page_tokens};
+        const auto want = host_select(policy, ctx, streaming_batch);
+        for (std::uint32_t r = 0; r < rows.rows(); ++r) {
+          const auto got = emulate_positional(e, rows, r, &streaming);
+          out.sweep.compare(got, want[r]);
+          // Within the capacity the decoder sizes its selection for.
+          CHECK(got.size() <= std::max(1u, (budget + page_tokens - 1) / page_tokens));
+          const std::uint32_t n = rows.count[r];
+          bool gap = false;
+          for (std::size_t j = 1; j < got.size(); ++j) gap = gap || got[j] != got[j - 1] + 1;
+          if (gap) ++out.gapped;
+          if (!got.empty() && got.front() != 0 && got.back() == n - 1) ++out.window_only;
+          if (got.size() == n) ++out.whole;
+        }
+      }
+    }
+  }
+  return out;
+}
+
 // Rows of estimation terms that differ from the host's in any bit, and how
 // many terms were not empty.
 struct EstimateSweep {
@@ -825,6 +905,61 @@ TEST_CASE("the summary store's regions select as the host policies", "[select-ru
   CHECK(store_sweep(csr, 35).differing > 0);
 }
 
+TEST_CASE("the positional selections equal StreamingWindowPolicy / DensePolicy::select", "[select-rules]") {
+  const PositionalSweep sweep = positional_sweep(Emulation{}, 37);
+  CAPTURE(sweep.sweep.rows, sweep.gapped, sweep.window_only, sweep.whole);
+  CHECK(sweep.sweep.differing == 0);
+  // Every shape of selection was met, not only the trivial ones.
+  CHECK(sweep.gapped > 20);
+  CHECK(sweep.window_only > 20);
+  CHECK(sweep.whole > 20);
+  // Rows read as a CSR up to the next row's region: caught on the store's scattered regions.
+  Emulation csr;
+  csr.csr_extent = true;
+  CHECK(positional_sweep(csr, 37).sweep.differing > 0);
+}
+
+TEST_CASE("the positional zones keep the sinks' and the window's budget rules", "[select-rules]") {
+  // Pages of 4 tokens but a short third one (3 tokens) -- the prompt's last.
+  const std::vector<std::uint32_t> sizes{4, 4, 3, 4, 4, 4, 4};
+  const auto tokens = [&](std::uint32_t i) { return sizes[i]; };
+  struct Case {
+    std::uint32_t sink_pages, budget, sinks, window;
+  };
+  for (const Case c : {Case{1, 12, 1, 5},    // one sink page, two newest pages
+                       Case{1, 3, 0, 7},     // the sink does not fit: nothing fits
+                       Case{2, 11, 2, 7},    // both sinks, 3 left: no window page
+                       Case{0, 100, 0, 0},   // covering: everything
+                       Case{9, 100, 7, 7},   // more sink pages than candidates
+                       Case{1, 7, 1, 7},     // 3 left after the sink: a full page does not fit
+                       Case{0, 19, 0, 2},    // the short page ends the window
+                       Case{3, 27, 3, 3}}) { // the window meets the sinks
+    const PositionalZone z = streaming_zone(7, tokens, c.sink_pages, c.budget);
+    CAPTURE(c.sink_pages, c.budget, z.sinks, z.window);
+    CHECK(z.sinks == c.sinks);
+    CHECK(z.window == c.window);
+    CHECK(positional_count(z, 7) == c.sinks + 7 - c.window);
+  }
+  const PositionalZone z{2, 5};
+  CHECK(positional_candidate(z, 0) == 0);
+  CHECK(positional_candidate(z, 1) == 1);
+  CHECK(positional_candidate(z, 2) == 5);
+  CHECK(positional_candidate(z, 3) == 6);
+  // The specs: one page per partition, ceil(sink_tokens / page_tokens) sink pages.
+  StreamingWindowPolicy::Options options;
+  options.budget_tokens = 96;
+  options.sink_tokens = 9;
+  const LayerContext ctx = layer_context(2, 8, 4, 1);
+  const DeviceSelectSpec spec = device_select(StreamingWindowPolicy(options), ctx);
+  CHECK(spec.budget_tokens == 96);
+  CHECK(spec.sink_pages == 3);
+  CHECK(spec.partition_tokens == 4);
+  CHECK(device_select(AnyPolicy(StreamingWindowPolicy(options)), ctx).kind == DeviceSelectSpec::Kind::streaming);
+  CHECK(device_select(AnyPolicy(DensePolicy()), ctx).kind == DeviceSelectSpec::Kind::dense);
+  // RetroInfer keeps no device state for its Select yet: the host-tensor API serves it.
+  CHECK(device_select(AnyPolicy(RetroInferPolicy()), ctx).kind == DeviceSelectSpec::Kind::none);
+}
+
 TEST_CASE("the summary store's geometry is checked on the host", "[select-rules]") {
   using cuda::AppendSummary;
   using cuda::SummaryShape;
@@ -846,6 +981,8 @@ TEST_CASE("the summary store's geometry is checked on the host", "[select-rules]
   SummaryShape bad = shape;
   bad.kind = AppendSummary::none;
   refused_shape(bad);
+  bad.kind = AppendSummary::tokens;  // the positional policies' token counts alone
+  cuda::check_summary_shape("test", bad);
   for (std::uint32_t SummaryShape::*field : {&SummaryShape::layers, &SummaryShape::slots, &SummaryShape::kv_heads,
                                              &SummaryShape::head_dim, &SummaryShape::capacity}) {
     bad = shape;

@@ -125,6 +125,22 @@ constexpr std::size_t kStageMarks = 6;
 // (two slots) and let the copy of one piece overlap the scatter of the last.
 constexpr std::size_t kPromptPieceBytes = std::size_t{32} << 20;
 
+// The summaries a Select kind reads: the positional kinds only token counts.
+AppendSummary summary_kind(DeviceSelectSpec::Kind kind) {
+  switch (kind) {
+    case DeviceSelectSpec::Kind::quest:
+      return AppendSummary::quest;
+    case DeviceSelectSpec::Kind::shadowkv:
+      return AppendSummary::shadowkv;
+    case DeviceSelectSpec::Kind::streaming:
+    case DeviceSelectSpec::Kind::dense:
+      return AppendSummary::tokens;
+    case DeviceSelectSpec::Kind::none:
+      break;
+  }
+  fail(ErrorCode::invalid_argument, "DeviceDecoder: Select kind {} has no device Select", static_cast<int>(kind));
+}
+
 class CudaDeviceDecoder final : public DeviceDecoder {
  public:
   CudaDeviceDecoder(const DeviceDecoderSetup& setup, TieredKVBuffer& buffer, DeviceMemoryResource& device_memory)
@@ -134,8 +150,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
         rows_(setup.max_batch * setup.shape.kv_heads),
         args_(setup.max_batch, rows_),
         replica_(buffer.table(), device_memory, buffer.transfer()),
-        summaries_(setup.select == DeviceSelectSpec::Kind::quest ? AppendSummary::quest : AppendSummary::shadowkv,
-                   setup.shape.layers, setup.max_requests, setup.shape.kv_heads, setup.shape.head_dim,
+        summaries_(summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads, setup.shape.head_dim,
                    setup.max_partitions_per_head) {
     buffer_.transfer().synchronize();  // the replica's directory copy
     const ModelShape& s = setup.shape;
@@ -262,6 +277,10 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     if (step.batch == 0 || step.batch > setup_.max_batch) {
       fail(ErrorCode::invalid_argument, "decode: batch of {} outside [1, {}]", step.batch, setup_.max_batch);
     }
+    if (summary_kind(step.select.kind) != summaries_.shape().kind) {
+      fail(ErrorCode::invalid_argument, "decode: layer {}'s Select reads other summaries than the decoder keeps",
+           step.layer);
+    }
     const auto stream = static_cast<cudaStream_t>(step.stream);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
@@ -332,14 +351,29 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     select.q = q_.as<float>();
     const SelectOutput selected{setup_.max_selected_per_head, selected_.as<PartitionId>(),
                                 selected_count_.as<std::uint32_t>()};
-    if (step.select.kind == DeviceSelectSpec::Kind::quest) {
-      const QuestSelect quest{summaries_.min(step.layer), summaries_.max(step.layer), step.select.budget_tokens,
-                              step.select.dense_layer};
-      quest_select(select, quest, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
-    } else {
-      const ShadowKVSelect shadow{summaries_.landmarks(step.layer), summaries_.outlier_scores(step.layer),
-                                  step.select.budget_tokens, step.select.recent_tokens, step.select.outlier_pages};
-      shadowkv_select(select, shadow, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
+    switch (step.select.kind) {
+      case DeviceSelectSpec::Kind::quest: {
+        const QuestSelect quest{summaries_.min(step.layer), summaries_.max(step.layer), step.select.budget_tokens,
+                                step.select.dense_layer};
+        quest_select(select, quest, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
+        break;
+      }
+      case DeviceSelectSpec::Kind::shadowkv: {
+        const ShadowKVSelect shadow{summaries_.landmarks(step.layer), summaries_.outlier_scores(step.layer),
+                                    step.select.budget_tokens, step.select.recent_tokens, step.select.outlier_pages};
+        shadowkv_select(select, shadow, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
+        break;
+      }
+      case DeviceSelectSpec::Kind::streaming: {
+        const StreamingSelect streaming{step.select.budget_tokens, step.select.sink_pages, setup_.page_tokens};
+        streaming_select(select, streaming, selected, stream);
+        break;
+      }
+      case DeviceSelectSpec::Kind::dense:
+        dense_select(select, selected, stream);
+        break;
+      case DeviceSelectSpec::Kind::none:
+        break;  // refused before anything was enqueued
     }
     mark(2);
 

@@ -1,7 +1,8 @@
-// Appends on the device with the full pages' Quest or ShadowKV summaries
-// (policy/append_summaries_cuda.hpp): the buffer layer's append kernel
-// instantiated with the per-thread summary steps of page_summaries.hpp, split
-// over the block as the index kernels split them (index_kernels.cu).
+// Appends on the device with the full pages' Quest or ShadowKV summaries, or
+// their token counts alone (policy/append_summaries_cuda.hpp): the buffer
+// layer's append kernel instantiated with the per-thread summary steps of
+// page_summaries.hpp, split over the block as the index kernels split them
+// (index_kernels.cu).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -77,6 +78,16 @@ struct ShadowKVPageSummary {
   }
 };
 
+// No key summary: the full page's token count alone.
+struct TokensPageSummary {
+  const std::uint32_t* rows;
+  std::uint32_t* tokens;
+  std::size_t shared_bytes(const PageLayout&) const { return 0; }
+  __device__ void operator()(const DeviceAppend& a, std::uint32_t b, std::uint32_t h, float*) const {
+    write_page_tokens(tokens, rows[std::size_t{b} * a.kv_heads + h], a);
+  }
+};
+
 }  // namespace
 
 void append_tokens(const DeviceAppend& args, const AppendSummaries& summaries, void* stream) {
@@ -105,6 +116,12 @@ void append_tokens(const DeviceAppend& args, const AppendSummaries& summaries, v
       detail::launch_append(
           kFunction, args,
           ShadowKVPageSummary{summaries.rows, summaries.mean, summaries.outlier_score, summaries.tokens}, stream);
+      return;
+    case AppendSummary::tokens:
+      if (!rows || (args.batch > 0 && summaries.tokens == nullptr)) {
+        detail::throw_invalid(kFunction, "token-count summaries need rows and tokens");
+      }
+      detail::launch_append(kFunction, args, TokensPageSummary{summaries.rows, summaries.tokens}, stream);
       return;
   }
   detail::throw_invalid(kFunction, "unknown summary kind " + std::to_string(static_cast<int>(summaries.kind)));

@@ -1,8 +1,8 @@
 // The decode step's summary store (policy/device_summaries.hpp): per layer
 // one allocation carved into its arrays, the partition ids written once, and
 // the prefill: the Index kernels into a caller-owned workspace, then one
-// strided device-to-device copy per array into the slot's regions and a
-// small kernel for the pages' token counts.
+// strided device-to-device copy per array into the slot's regions (neither
+// for the tokens kind) and a small kernel for the pages' token counts.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -74,6 +74,7 @@ struct PrefillWorkspace {
   std::size_t first_bytes, second_bytes;
 };
 PrefillWorkspace prefill_workspace(const SummaryShape& s, std::uint32_t pages) {
+  if (s.kind == AppendSummary::tokens) return {0, 0};
   const std::size_t rows = std::size_t{s.kv_heads} * pages;
   const std::size_t vectors = rows * s.head_dim * sizeof(float);
   return {aligned(vectors), aligned(s.kind == AppendSummary::quest ? vectors : rows * sizeof(float))};
@@ -95,17 +96,20 @@ DeviceSummaries::DeviceSummaries(AppendSummary kind, std::uint32_t layers, std::
   const std::size_t candidates = shape_.candidates();
   const std::size_t vectors = aligned(candidates * head_dim * sizeof(float));
   const std::size_t scalars = aligned(candidates * sizeof(float));
-  const std::size_t second = kind == AppendSummary::quest ? vectors : scalars;
+  // The tokens kind keeps no summary: its layers hold the token counts alone.
+  const bool summaries = kind != AppendSummary::tokens;
+  const std::size_t first = summaries ? vectors : 0;
+  const std::size_t second = kind == AppendSummary::quest ? vectors : summaries ? scalars : 0;
   try {
     layers_.reserve(layers);
     for (std::uint32_t l = 0; l < layers; ++l) {
       Layer layer;
-      layer.bytes = vectors + second + scalars;
+      layer.bytes = first + second + scalars;
       layer.base = memory_.allocate(layer.bytes);
       auto* p = static_cast<std::byte*>(layer.base);
-      layer.first = reinterpret_cast<float*>(p);
-      layer.second = reinterpret_cast<float*>(p + vectors);
-      layer.tokens = reinterpret_cast<std::uint32_t*>(p + vectors + second);
+      layer.first = summaries ? reinterpret_cast<float*>(p) : nullptr;
+      layer.second = summaries ? reinterpret_cast<float*>(p + first) : nullptr;
+      layer.tokens = reinterpret_cast<std::uint32_t*>(p + first + second);
       layers_.push_back(layer);
     }
     partitions_ = static_cast<PartitionId*>(memory_.allocate(candidates * sizeof(PartitionId)));
@@ -164,7 +168,7 @@ AppendSummaries DeviceSummaries::append_summaries(std::uint32_t layer, const std
   if (shape_.kind == AppendSummary::quest) {
     s.min = l.first;
     s.max = l.second;
-  } else {
+  } else if (shape_.kind == AppendSummary::shadowkv) {
     s.mean = l.first;
     s.outlier_score = l.second;
   }
@@ -188,31 +192,33 @@ void DeviceSummaries::write_prefill(std::uint32_t slot, std::uint32_t layer, con
                                  std::to_string(shape_.kv_heads) + " x " + std::to_string(shape_.head_dim));
   }
   if (pages == 0) return;
-  const PrefillWorkspace w = prefill_workspace(shape_, pages);
-  if (workspace == nullptr || workspace_bytes < w.first_bytes + w.second_bytes) {
-    throw_invalid(kFunction, "workspace of " + std::to_string(workspace_bytes) + " bytes, " +
-                                 std::to_string(w.first_bytes + w.second_bytes) + " needed");
-  }
   const Layer& l = layers_[layer];
-  auto* first = static_cast<float*>(workspace);
-  auto* second = reinterpret_cast<float*>(static_cast<std::byte*>(workspace) + w.first_bytes);
   const auto s = static_cast<cudaStream_t>(stream);
-  // The Index kernel checks its own arguments before enqueuing: the first enqueue.
-  if (shape_.kind == AppendSummary::quest) {
-    page_min_max(keys, page_tokens, first, second, stream);
-  } else {
-    page_mean_outlier(keys, page_tokens, first, second, stream);
-  }
-  const std::size_t dim = shape_.head_dim;
-  const std::size_t region0 = shape_.region(slot, 0);
-  const std::size_t vector_width = std::size_t{pages} * dim * sizeof(float);
-  const std::size_t vector_pitch = std::size_t{shape_.capacity} * dim * sizeof(float);
-  copy_heads(l.first + region0 * dim, vector_pitch, first, vector_width, shape_.kv_heads, s);
-  if (shape_.kind == AppendSummary::quest) {
-    copy_heads(l.second + region0 * dim, vector_pitch, second, vector_width, shape_.kv_heads, s);
-  } else {
-    copy_heads(l.second + region0, std::size_t{shape_.capacity} * sizeof(float), second, pages * sizeof(float),
-               shape_.kv_heads, s);
+  if (shape_.kind != AppendSummary::tokens) {
+    const PrefillWorkspace w = prefill_workspace(shape_, pages);
+    if (workspace == nullptr || workspace_bytes < w.first_bytes + w.second_bytes) {
+      throw_invalid(kFunction, "workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                                   std::to_string(w.first_bytes + w.second_bytes) + " needed");
+    }
+    auto* first = static_cast<float*>(workspace);
+    auto* second = reinterpret_cast<float*>(static_cast<std::byte*>(workspace) + w.first_bytes);
+    // The Index kernel checks its own arguments before enqueuing: the first enqueue.
+    if (shape_.kind == AppendSummary::quest) {
+      page_min_max(keys, page_tokens, first, second, stream);
+    } else {
+      page_mean_outlier(keys, page_tokens, first, second, stream);
+    }
+    const std::size_t dim = shape_.head_dim;
+    const std::size_t region0 = shape_.region(slot, 0);
+    const std::size_t vector_width = std::size_t{pages} * dim * sizeof(float);
+    const std::size_t vector_pitch = std::size_t{shape_.capacity} * dim * sizeof(float);
+    copy_heads(l.first + region0 * dim, vector_pitch, first, vector_width, shape_.kv_heads, s);
+    if (shape_.kind == AppendSummary::quest) {
+      copy_heads(l.second + region0 * dim, vector_pitch, second, vector_width, shape_.kv_heads, s);
+    } else {
+      copy_heads(l.second + region0, std::size_t{shape_.capacity} * sizeof(float), second, pages * sizeof(float),
+                 shape_.kv_heads, s);
+    }
   }
   const PrefillTokens t{l.tokens, shape_.region(slot, 0), shape_.capacity, shape_.kv_heads,
                         pages,    keys.tokens,            page_tokens};

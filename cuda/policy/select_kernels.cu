@@ -1,6 +1,6 @@
-// CUDA kernels of the Select stage (Spin §4.1): Quest, ShadowKV (Spin §4.2)
-// and RetroInfer (RetroInfer §4.2) selections, one block per (request, kv
-// head) row. Scores come from the rules of select_rules.hpp, one candidate
+// CUDA kernels of the Select stage (Spin §4.1): Quest, ShadowKV (Spin §4.2),
+// RetroInfer (RetroInfer §4.2), StreamingWindow (StreamingLLM) and Dense
+// selections, one block per (request, kv head) row. Scores come from the rules of select_rules.hpp, one candidate
 // per thread; sums over candidates run in the lane order those rules define
 // (warp 0, strided, then a __shfl_down tree); the ranked list is produced in
 // rounds of kSelectTile keys (a radix-select threshold pass when more keys
@@ -513,12 +513,39 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// StreamingWindow (everything false) and Dense (true, the zone {0, 0}): thread
+// 0 walks the zone (streaming_zone stops at the budget, so it reads only the
+// candidates it selects and the two that end its loops), then every thread
+// writes its share of [0, sinks) then [window, n), ascending as the host's.
+__global__ void __launch_bounds__(kThreads)
+    positional_select_kernel(SelectRows rows, StreamingSelect streaming, bool everything, SelectOutput out) {
+  __shared__ std::uint32_t sinks, window;
+  const std::uint32_t r = blockIdx.x;
+  const SelectRowSpan span = select_row_span(rows.first[r], rows.count[r], rows.max_row_candidates, rows.candidates);
+  if (threadIdx.x == 0) {
+    PositionalZone zone;
+    if (!everything) {
+      const std::uint32_t* tokens = rows.tokens + span.first;
+      zone = streaming_zone(
+          span.n, [&](std::uint32_t i) { return tokens[i]; }, streaming.sink_pages, streaming.budget_tokens);
+    }
+    sinks = zone.sinks;
+    window = zone.window;
+  }
+  __syncthreads();
+  const PositionalZone zone{sinks, window};
+  const std::uint32_t count = positional_count(zone, span.n);
+  PartitionId* selected = out.selected + static_cast<std::size_t>(r) * out.max_selected;
+  for (std::uint32_t j = threadIdx.x; j < count && j < out.max_selected; j += kThreads) {
+    selected[j] = rows.partitions[span.first + positional_candidate(zone, j)];
+  }
+  if (threadIdx.x == 0) out.selected_count[r] = count;
+}
+
 // ---- host side ---------------------------------------------------------------
 
 std::uint32_t capacity(const SelectRows& rows, std::uint32_t budget, bool everything, std::uint32_t extra) {
-  const std::uint64_t whole = std::uint64_t{rows.max_row_candidates} + extra;
-  const std::uint64_t most = everything ? whole : (budget < whole ? budget : whole);
-  return static_cast<std::uint32_t>(most);
+  return select_capacity(rows.max_row_candidates, budget, everything, extra);
 }
 
 // `selected`, `selected_count` and `max_selected`: a select call's output or
@@ -567,6 +594,35 @@ void check_retroinfer(const char* function, const SelectRows& rows, const RetroI
   }
 }
 
+// The positional selections' checks (streaming: its parameters and the
+// tokens it reads; null: Dense, which reads neither q nor tokens).
+void check_positional(const char* function, const SelectRows& rows, const StreamingSelect* streaming,
+                      const SelectOutput& out, std::uint32_t needed) {
+  if (rows.kv_heads == 0) throw_invalid(function, "kv_heads must be > 0");
+  if (rows.rows % rows.kv_heads != 0) {
+    throw_invalid(function, std::to_string(rows.rows) + " rows are not a whole number of requests of " +
+                                std::to_string(rows.kv_heads) + " kv heads");
+  }
+  if (rows.max_row_candidates > rows.candidates) {
+    throw_invalid(function, "max_row_candidates " + std::to_string(rows.max_row_candidates) + " exceeds " +
+                                std::to_string(rows.candidates) + " candidates");
+  }
+  if (streaming != nullptr && (streaming->budget_tokens == 0 || streaming->page_tokens == 0)) {
+    throw_invalid(function, "budget_tokens " + std::to_string(streaming->budget_tokens) + " and page_tokens " +
+                                std::to_string(streaming->page_tokens) + " must be > 0");
+  }
+  if (rows.rows == 0) return;
+  if (out.max_selected < needed) {
+    throw_invalid(function, "max_selected " + std::to_string(out.max_selected) + " is below the " +
+                                std::to_string(needed) + " partitions a row may select");
+  }
+  if (rows.first == nullptr || rows.count == nullptr || out.selected_count == nullptr ||
+      (out.max_selected > 0 && out.selected == nullptr) ||
+      (rows.candidates > 0 && (rows.partitions == nullptr || (streaming != nullptr && rows.tokens == nullptr)))) {
+    throw_invalid(function, "null first, count, tokens, partitions or selection");
+  }
+}
+
 }  // namespace
 
 std::size_t select_workspace_bytes(const SelectRows& rows) {
@@ -585,6 +641,13 @@ std::uint32_t shadowkv_select_capacity(const SelectRows& rows, const ShadowKVSel
 std::uint32_t retroinfer_select_capacity(const SelectRows& rows, const RetroInferSelect& retroinfer) {
   return capacity(rows, retroinfer.budget_tokens, false, 1);
 }
+
+std::uint32_t streaming_select_capacity(const SelectRows& rows, const StreamingSelect& streaming) {
+  if (streaming.page_tokens == 0) return rows.max_row_candidates;
+  const std::uint64_t pages = (std::uint64_t{streaming.budget_tokens} + streaming.page_tokens - 1) / streaming.page_tokens;
+  return capacity(rows, static_cast<std::uint32_t>(pages), false, 0);
+}
+std::uint32_t dense_select_capacity(const SelectRows& rows) { return capacity(rows, 0, true, 0); }
 
 void quest_select(const SelectRows& rows, const QuestSelect& quest, const SelectOutput& out, void* workspace,
                   std::size_t workspace_bytes, void* stream) {
@@ -622,6 +685,23 @@ void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfe
   retroinfer_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       rows, retroinfer, out, carve(workspace, rows.rows, rows.max_row_candidates, 1));
   check_launch("retroinfer_select");
+}
+
+void streaming_select(const SelectRows& rows, const StreamingSelect& streaming, const SelectOutput& out,
+                      void* stream) {
+  check_positional("streaming_select", rows, &streaming, out, streaming_select_capacity(rows, streaming));
+  if (rows.rows == 0) return;
+  positional_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(rows, streaming, false,
+                                                                                         out);
+  check_launch("streaming_select");
+}
+
+void dense_select(const SelectRows& rows, const SelectOutput& out, void* stream) {
+  check_positional("dense_select", rows, nullptr, out, dense_select_capacity(rows));
+  if (rows.rows == 0) return;
+  positional_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(rows, StreamingSelect{},
+                                                                                         true, out);
+  check_launch("dense_select");
 }
 
 void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroinfer,

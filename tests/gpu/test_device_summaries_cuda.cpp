@@ -284,6 +284,62 @@ TEST_CASE("DeviceSummaries: prefill and appends select as the host policies", "[
   }
 }
 
+TEST_CASE("DeviceSummaries of token counts alone: prefill and appends write the pages' tokens",
+          "[gpu][device-summaries]") {
+  std::mt19937 rng(52);
+  DeviceSummaries ds(AppendSummary::tokens, kLayers, kSlots, kKvHeads, kDim, kCapacity);
+  for (std::uint32_t layer = 0; layer < kLayers; ++layer) {
+    CHECK(ds.min(layer) == nullptr);
+    CHECK(ds.landmarks(layer) == nullptr);
+    CHECK(ds.outlier_scores(layer) == nullptr);
+    CHECK(ds.tokens(layer) != nullptr);
+  }
+  CHECK(ds.prefill_workspace_bytes(170, kPageTokens) == 0);
+  Stream stream;
+  const std::uint32_t slot = 2, prompt = 171;  // 22 pages, the last of 3 tokens
+  const std::uint32_t pages = page_count(prompt, kPageTokens);
+  const Keys keys(DType::f32, prompt, rng);
+  ds.write_prefill(slot, 1, keys.block, kPageTokens, nullptr, 0, stream.stream);  // no Index kernel: no workspace
+  // One decode page filled for every kv head of the request: its row is the region's next page.
+  const PageLayout layout{kPageTokens, kDim, DType::f32};
+  const std::uint32_t q_heads = kKvHeads * kGroup;
+  PinnedBytes cpu(kKvHeads * layout.page_bytes());
+  std::vector<std::byte*> cpu_pages{cpu.data, cpu.data + layout.page_bytes()};
+  const DeviceArray<std::byte*> dcpu(cpu_pages);
+  const DeviceArray<PageId> dtails(std::vector<PageId>{0, 1});
+  DeviceArray<std::uint64_t> error(std::vector<std::uint64_t>{kNoAppendError});
+  DeviceArray<float> q_out(std::size_t{q_heads} * kDim);
+  DeviceArray<std::byte> tier(kKvHeads * layout.page_bytes());
+  const DeviceArray<std::uint32_t> drows(std::vector<std::uint32_t>{ds.region(slot, 0) + pages, ds.region(slot, 1) + pages});
+  for (std::uint32_t t = 0; t < kPageTokens; ++t) {
+    const DeviceArray<std::uint32_t> tail_slots(std::vector<std::uint32_t>{t});
+    const DeviceArray<float> dq(random_values(std::size_t{q_heads} * kDim, rng));
+    const DeviceArray<float> dk(random_values(std::size_t{kKvHeads} * kDim, rng));
+    const DeviceArray<float> dv(random_values(std::size_t{kKvHeads} * kDim, rng));
+    const DeviceAppend a{1, q_heads, kKvHeads, layout, dq.data, dk.data, dv.data, q_out.data, tier.data,
+                         layout.page_bytes(), dtails.data, tail_slots.data, dcpu.data, error.data};
+    append_tokens(a, ds.append_summaries(1, drows.data), stream.stream);
+  }
+  check(cudaStreamSynchronize(stream.stream));
+  REQUIRE(error.download()[0] == kNoAppendError);
+  const std::vector<std::uint32_t> tokens = download(ds.tokens(1), ds.candidates());
+  for (std::uint32_t h = 0; h < kKvHeads; ++h) {
+    for (std::uint32_t p = 0; p <= pages; ++p) {
+      CAPTURE(h, p);
+      CHECK(tokens[ds.region(slot, h) + p] == (p < pages ? prefill_page_tokens(p, prompt, kPageTokens) : kPageTokens));
+    }
+  }
+  CHECK(tokens[ds.region(slot, 0) + pages - 1] == 3);
+  // The append refuses a tokens kind without its array.
+  AppendSummaries no_tokens = ds.append_summaries(1, drows.data);
+  no_tokens.tokens = nullptr;
+  const DeviceArray<std::uint32_t> tail0(std::vector<std::uint32_t>{0});
+  const DeviceArray<float> d(random_values(std::size_t{q_heads} * kDim, rng));
+  const DeviceAppend a{1, q_heads, kKvHeads, layout, d.data, d.data, d.data, q_out.data, tier.data,
+                       layout.page_bytes(), dtails.data, tail0.data, dcpu.data, error.data};
+  CHECK(code_of([&] { append_tokens(a, no_tokens, stream.stream); }) == ErrorCode::invalid_argument);
+}
+
 TEST_CASE("DeviceSummaries refuses bad arguments before enqueuing anything", "[gpu][device-summaries]") {
   CHECK(code_of([] { DeviceSummaries(AppendSummary::none, 1, 1, 1, 8, 4); }) == ErrorCode::invalid_argument);
   CHECK(code_of([] { DeviceSummaries(AppendSummary::quest, 1, 0, 1, 8, 4); }) == ErrorCode::invalid_argument);

@@ -5,8 +5,9 @@
 // bit for bit. retroinfer_estimate on retroinfer_select's
 // device output against RetroInferPolicy::attend: every term bit for bit,
 // and the attention with the device terms as its extra term within 2e-3 of
-// the host decode_attention with the host's. Bad arguments are refused
-// before any launch.
+// the host decode_attention with the host's. streaming_select / dense_select
+// over a tokens-only summary store against StreamingWindowPolicy /
+// DensePolicy::select. Bad arguments are refused before any launch.
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
@@ -22,6 +23,7 @@
 #include "../select_test_data.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
+#include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
 
 using namespace sparsekv;
@@ -353,6 +355,50 @@ TEST_CASE("retroinfer_estimate equals RetroInferPolicy::attend", "[gpu][select]"
   std::printf("attention with retroinfer_estimate's terms vs host: max relative error %.3g\n", double(worst));
 }
 
+TEST_CASE("streaming_select and dense_select equal StreamingWindowPolicy / DensePolicy::select", "[gpu][select]") {
+  std::mt19937 rng(45);
+  // Requests scattered over a tokens-kind store (select_test_data.hpp): prompts
+  // with a partial last page, appended pages, other slots garbage; one row
+  // longer than a block of threads.
+  for (const std::uint32_t page_tokens : {1u, 8u}) {
+    const LayerContext ctx = layer_context(4, 64, page_tokens, 2);
+    const cuda::SummaryShape shape{cuda::AppendSummary::tokens, 1, 5, ctx.kv_heads, ctx.head_dim, 1200};
+    const std::uint32_t slots[] = {3, 0, 4}, prompts[] = {5, 77, 1100}, appended[] = {2, 0, 40};
+    std::vector<PositionalRequest<StreamingWindowPolicy>> streaming_batch;
+    std::vector<PositionalRequest<DensePolicy>> dense_batch;
+    for (int b = 0; b < 3; ++b) {
+      streaming_batch.push_back(positional_request(StreamingWindowPolicy(), ctx, slots[b], prompts[b], appended[b]));
+      dense_batch.push_back(positional_request(DensePolicy(), ctx, slots[b], prompts[b], appended[b]));
+    }
+    DeviceRows dev(positional_rows(shape, ctx, streaming_batch, rng));
+    {
+      CAPTURE(page_tokens);
+      const auto want = host_select(DensePolicy(), ctx, dense_batch);
+      const auto got = dev.run(cuda::dense_select_capacity(dev.rows), [&](const cuda::SelectOutput& out, cudaStream_t s) {
+        cuda::dense_select(dev.rows, out, s);
+      });
+      require_same(got, want);
+    }
+    for (const std::uint32_t budget : {1u, 3u, 8u, 100u, 2048u, 100000u}) {
+      for (const std::uint32_t sinks : {0u, 4u, 9u}) {
+        CAPTURE(page_tokens, budget, sinks);
+        StreamingWindowPolicy::Options options;
+        options.budget_tokens = budget;
+        options.sink_tokens = sinks;
+        const StreamingWindowPolicy policy(options);
+        const DeviceSelectSpec spec = device_select(policy, ctx);
+        const cuda::StreamingSelect streaming{spec.budget_tokens, spec.sink_pages, page_tokens};
+        const auto want = host_select(policy, ctx, streaming_batch);
+        const auto got = dev.run(cuda::streaming_select_capacity(dev.rows, streaming),
+                                 [&](const cuda::SelectOutput& out, cudaStream_t s) {
+                                   cuda::streaming_select(dev.rows, streaming, out, s);
+                                 });
+        require_same(got, want);
+      }
+    }
+  }
+}
+
 TEST_CASE("select entry points refuse bad arguments before launching", "[gpu][select]") {
   std::mt19937 rng(44);
   const LayerContext ctx = layer_context(2, 64, 8, 2);
@@ -428,7 +474,47 @@ TEST_CASE("select entry points refuse bad arguments before launching", "[gpu][se
   const cuda::ShadowKVSelect shadowkv{dev.a.data, nullptr, 64, 32, 2};
   CHECK(code_of([&] { cuda::shadowkv_select(dev.rows, shadowkv, out, dev.workspace.data, bytes, nullptr); }) ==
         ErrorCode::invalid_argument);
-  // Nothing was launched: the stream has no error and the counts are untouched.
+  // The positional selections.
+  const cuda::StreamingSelect streaming{64, 1, 8};
+  const auto streaming_call = [&](cuda::SelectRows r, cuda::StreamingSelect params, cuda::SelectOutput o) {
+    return code_of([&] { cuda::streaming_select(r, params, o, nullptr); });
+  };
+  const cuda::SelectOutput positional_out{50, selected.data, count.data};  // 50 candidates, budget 8 pages
+  REQUIRE_NOTHROW(cuda::streaming_select(dev.rows, streaming, positional_out, nullptr));
+  check(cudaDeviceSynchronize());
+  auto zero = streaming;
+  zero.budget_tokens = 0;
+  CHECK(streaming_call(dev.rows, zero, positional_out) == ErrorCode::invalid_argument);
+  zero = streaming;
+  zero.page_tokens = 0;
+  CHECK(streaming_call(dev.rows, zero, positional_out) == ErrorCode::invalid_argument);
+  CHECK(streaming_call(dev.rows, streaming, cuda::SelectOutput{7, selected.data, count.data}) ==
+        ErrorCode::invalid_argument);
+  rows = dev.rows;
+  rows.tokens = nullptr;
+  CHECK(streaming_call(rows, streaming, positional_out) == ErrorCode::invalid_argument);
+  rows = dev.rows;
+  rows.rows = 3;
+  CHECK(streaming_call(rows, streaming, positional_out) == ErrorCode::invalid_argument);
+  CHECK(streaming_call(dev.rows, streaming, cuda::SelectOutput{64, selected.data, nullptr}) ==
+        ErrorCode::invalid_argument);
+  const auto dense_call = [&](cuda::SelectRows r, cuda::SelectOutput o) {
+    return code_of([&] { cuda::dense_select(r, o, nullptr); });
+  };
+  CHECK(dense_call(dev.rows, cuda::SelectOutput{49, selected.data, count.data}) == ErrorCode::invalid_argument);
+  rows = dev.rows;
+  rows.partitions = nullptr;
+  CHECK(dense_call(rows, positional_out) == ErrorCode::invalid_argument);
+  rows = dev.rows;
+  rows.max_row_candidates = rows.candidates + 1;
+  CHECK(dense_call(rows, positional_out) == ErrorCode::invalid_argument);
+  // Dense reads neither q nor tokens.
+  rows = dev.rows;
+  rows.q = nullptr;
+  rows.tokens = nullptr;
+  REQUIRE_NOTHROW(cuda::dense_select(rows, positional_out, nullptr));
+  check(cudaDeviceSynchronize());
+  // Nothing else was launched: the stream has no error and the counts are untouched.
   check(cudaDeviceSynchronize());
   check(cudaGetLastError());
 }

@@ -204,7 +204,7 @@ class Manager {
   // kind of tensor: its first prefill picks (the other kind is then refused).
   // Needs a backend with a device decoder (CudaBackend) and a policy with a
   // device Select (policy/device_select.hpp: Quest with one-page partitions,
-  // ShadowKV); others throw invalid_argument / unavailable before anything
+  // ShadowKV, StreamingWindow, Dense; not RetroInfer yet); others throw invalid_argument / unavailable before anything
   // changes. prefill() waits for its copies; decode() and plan() return
   // without waiting.
   //
@@ -654,7 +654,6 @@ class Manager {
     setup.max_requests = config_.max_requests;
     setup.max_partitions_per_head = head_capacity().partitions;
     setup.max_pages_per_head = budget(config_.max_context_tokens).mandatory_pages;
-    setup.max_selected_per_head = setup.max_pages_per_head;  // every partition holds a page at least
     setup.timestamp_buckets = config_.timestamp_buckets;
     setup.scale = scale();
     for (std::uint32_t l = 0; l < shape_.layers; ++l) {
@@ -664,6 +663,8 @@ class Manager {
              "policy {} has no device Select in layer {} (policy/device_select.hpp); use the host-tensor API", policy_name(), l);
       }
       setup.select = spec.kind;
+      setup.max_selected_per_head =
+          std::max(setup.max_selected_per_head, device_select_capacity(spec, setup.max_partitions_per_head));
     }
     if (!requests_.empty()) {
       fail(ErrorCode::failed_precondition, "the device-tensor API starts before the first add_request");

@@ -3,7 +3,8 @@
 // launch of buffer/device_append_cuda.hpp (write, convert q, test for
 // non-finite values, save full pages) that also computes, for every (b, h)
 // whose tail fills and whose row is clean, the page's Quest min / max or
-// ShadowKV landmark and outlier score, and optionally its token count -- the
+// ShadowKV landmark and outlier score, and optionally its token count (or
+// only the token count) -- the
 // rules and order of QuestPolicy::append / ShadowKVPolicy::append
 // (page_summaries.hpp), so the results equal theirs bit for bit.
 //
@@ -22,7 +23,9 @@
 
 namespace sparsekv::cuda {
 
-enum class AppendSummary : std::uint8_t { none, quest, shadowkv };
+// tokens: no key summary, only the full page's token count (the positional
+// policies, StreamingWindow and Dense, select from token counts alone).
+enum class AppendSummary : std::uint8_t { none, quest, shadowkv, tokens };
 
 struct AppendSummaries {
   AppendSummary kind = AppendSummary::none;
@@ -36,7 +39,7 @@ struct AppendSummaries {
   // quest and shadowkv, optional: [row], set to page_tokens (the full page's
   // token count, what the policies' append records), so that Select reads a
   // decode partition's size from the same store as its summaries
-  // (device_summaries.hpp); nullptr: not written.
+  // (device_summaries.hpp); nullptr: not written. tokens: required.
   std::uint32_t* tokens = nullptr;
 };
 
@@ -49,7 +52,7 @@ struct PageKeyRows {
 
 // append_tokens(args, stream) plus the summaries of `summaries.kind`. Throws
 // what that throws, and invalid_argument for an unknown kind, null rows or
-// outputs of the kind while batch > 0, and (shadowkv) head_dim >
+// outputs of the kind (tokens for AppendSummary::tokens) while batch > 0, and (shadowkv) head_dim >
 // kMaxIndexDim or page_tokens > kMaxIndexPageTokens (policy/index_cuda.hpp).
 void append_tokens(const DeviceAppend& args, const AppendSummaries& summaries, void* stream);
 

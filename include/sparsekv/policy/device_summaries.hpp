@@ -6,8 +6,9 @@
 // in place -- a row's SelectRows first / count point into its region
 // (policy/select_cuda.hpp) -- and no step copies them. Quest (Tang et al.
 // 2024): per partition the key min / max; ShadowKV (Sun et al. 2024; Spin
-// §4.2): the landmark (mean key) and outlier score. Per candidate also its
-// token count and partition id, the other arrays SelectRows reads.
+// §4.2): the landmark (mean key) and outlier score; the positional policies
+// (StreamingWindow, Dense: AppendSummary::tokens) none. Per candidate also
+// its token count and partition id, the other arrays SelectRows reads.
 //
 // Who writes what: write_prefill, a slot's prompt pages (the Index kernels of
 // index_cuda.hpp, then device-to-device copies into the slot's regions); the
@@ -44,7 +45,7 @@ namespace sparsekv::cuda {
 
 // The store's shape and geometry.
 struct SummaryShape {
-  AppendSummary kind = AppendSummary::none;  // quest or shadowkv
+  AppendSummary kind = AppendSummary::none;  // quest, shadowkv or tokens (token counts only)
   std::uint32_t layers = 0;
   std::uint32_t slots = 0;     // concurrent requests
   std::uint32_t kv_heads = 0;
@@ -59,14 +60,14 @@ struct SummaryShape {
   }
 };
 
-// Throws invalid_argument for a kind other than quest / shadowkv, a count of
+// Throws invalid_argument for a kind other than quest / shadowkv / tokens, a count of
 // 0, or more candidates per layer than SelectRows' 32-bit indices address.
 inline void check_summary_shape(const char* function, const SummaryShape& s) {
   const auto fail = [function](const std::string& what) {
     throw Error(ErrorCode::invalid_argument, std::string(function) + ": " + what);
   };
-  if (s.kind != AppendSummary::quest && s.kind != AppendSummary::shadowkv) {
-    fail("summary kind " + std::to_string(static_cast<int>(s.kind)) + " is not quest or shadowkv");
+  if (s.kind != AppendSummary::quest && s.kind != AppendSummary::shadowkv && s.kind != AppendSummary::tokens) {
+    fail("summary kind " + std::to_string(static_cast<int>(s.kind)) + " is not quest, shadowkv or tokens");
   }
   if (s.layers == 0 || s.slots == 0 || s.kv_heads == 0 || s.head_dim == 0 || s.capacity == 0) {
     fail("layers " + std::to_string(s.layers) + ", slots " + std::to_string(s.slots) + ", kv_heads " +
@@ -124,8 +125,8 @@ class DeviceSummaries {
   std::uint32_t candidates() const noexcept { return shape_.candidates(); }
   std::uint32_t region(std::uint32_t slot, std::uint32_t head) const noexcept { return shape_.region(slot, head); }
 
-  // A layer's device arrays, [candidates()] rows each; the other kind's are
-  // null. Throw invalid_argument for a layer out of range.
+  // A layer's device arrays, [candidates()] rows each; the other kinds' are
+  // null (tokens: all but tokens()). Throw invalid_argument for a layer out of range.
   float* min(std::uint32_t layer) const;             // quest: [c][head_dim]
   float* max(std::uint32_t layer) const;             // quest: [c][head_dim]
   float* landmarks(std::uint32_t layer) const;       // shadowkv: [c][head_dim]
@@ -138,7 +139,8 @@ class DeviceSummaries {
   AppendSummaries append_summaries(std::uint32_t layer, const std::uint32_t* rows) const;
 
   // Workspace write_prefill takes for a prompt of `tokens` tokens: the Index
-  // kernels' outputs, [kv_heads][pages][head_dim] (and [kv_heads][pages]).
+  // kernels' outputs, [kv_heads][pages][head_dim] (and [kv_heads][pages]);
+  // 0 for the tokens kind, which runs no Index kernel.
   std::size_t prefill_workspace_bytes(std::uint32_t tokens, std::uint32_t page_tokens) const;
 
   // Writes the prompt's pages into partitions [0, pages) of (slot, h) for
@@ -146,7 +148,8 @@ class DeviceSummaries {
   // partition per page: Quest with page_tokens_per_partition == page_tokens,
   // ShadowKV with ctx.page_tokens == page_tokens) into the workspace, one
   // strided device-to-device copy per array into the slot's regions, and the
-  // pages' token counts (prefill_page_tokens). `keys` is the whole prompt on
+  // pages' token counts (prefill_page_tokens; the tokens kind writes only
+  // these, and takes a null workspace). `keys` is the whole prompt on
   // the device (kv_heads and head_dim the store's). Partitions past the
   // prompt keep what they held. tokens == 0 enqueues nothing. Throws
   // invalid_argument, enqueuing nothing, for what prefill_pages refuses, keys

@@ -3,9 +3,11 @@
 // in ARCHITECTURE.md): the partitions each (request, kv head) needs for a
 // decode query, chosen on the device from the summaries the Index kernels
 // keep there, for Quest (Tang et al. 2024), ShadowKV (Sun et al. 2024; Spin
-// §4.2) and RetroInfer (Chen et al. 2025, §4.2). Each kernel applies the
-// rules of select_rules.hpp in the host policies' order, so its selections
-// equal QuestPolicy / ShadowKVPolicy / RetroInferPolicy::select bit for bit
+// §4.2) and RetroInfer (Chen et al. 2025, §4.2), and from the candidates'
+// token counts alone for StreamingWindow (StreamingLLM) and Dense. Each
+// kernel applies the rules of select_rules.hpp in the host policies' order,
+// so its selections equal QuestPolicy / ShadowKVPolicy / RetroInferPolicy /
+// StreamingWindowPolicy / DensePolicy::select bit for bit
 // (docs/policies/select-gpu.md). retroinfer_estimate then writes RetroInfer's
 // estimation terms (RetroInferPolicy::attend's, bit for bit) in the layout
 // the attention kernel merges (DecodeAttentionExtra).
@@ -143,6 +145,19 @@ struct EstimateOutput {
   float* acc = nullptr;
 };
 
+// StreamingWindowPolicy with budget_tokens (StreamingLLM's sinks and recent
+// window) over the candidates' token counts only: sink_pages =
+// streaming_sink_pages(sink_tokens, page_tokens). page_tokens is a full
+// candidate's tokens: every candidate of a row holds page_tokens tokens but
+// at most one (the prompt's last page, as the summary store keeps them), so a
+// selection holds at most ceil(budget / page_tokens) candidates. Dense
+// (dense_select) takes no parameters: every candidate, in candidate order.
+struct StreamingSelect {
+  std::uint32_t budget_tokens = 0;
+  std::uint32_t sink_pages = 0;
+  std::uint32_t page_tokens = 0;
+};
+
 // Candidates ranked per round: rows up to this many are sorted in one pass;
 // longer rows take a radix-select pass per round of this many.
 inline constexpr std::uint32_t kSelectTile = 2048;
@@ -159,9 +174,20 @@ std::size_t estimate_workspace_bytes(const SelectRows& rows);
 // most max(budget, one candidate) tokens, so it holds at most budget_tokens
 // candidates (tokens >= 1), or the whole row (max_row_candidates, plus
 // RetroInfer's sink) when the row fits the budget or the layer is dense.
+// select_capacity is that rule, inline so the facade sizes its arrays by it
+// (device_select_capacity in policy/device_select.hpp) without the CUDA library.
+inline std::uint32_t select_capacity(std::uint32_t max_row_candidates, std::uint32_t budget_candidates,
+                                     bool whole_row, std::uint32_t extra) {
+  const std::uint64_t whole = std::uint64_t{max_row_candidates} + extra;
+  const std::uint64_t most = whole_row || budget_candidates >= whole ? whole : budget_candidates;
+  return static_cast<std::uint32_t>(most);
+}
 std::uint32_t quest_select_capacity(const SelectRows& rows, const QuestSelect& quest);
 std::uint32_t shadowkv_select_capacity(const SelectRows& rows, const ShadowKVSelect& shadowkv);
 std::uint32_t retroinfer_select_capacity(const SelectRows& rows, const RetroInferSelect& retroinfer);
+// min(max_row_candidates, ceil(budget / page_tokens)); Dense: max_row_candidates.
+std::uint32_t streaming_select_capacity(const SelectRows& rows, const StreamingSelect& streaming);
+std::uint32_t dense_select_capacity(const SelectRows& rows);
 
 // Throw invalid_argument, enqueuing nothing, for kv_heads, group or head_dim
 // of 0, rows not a multiple of kv_heads, max_row_candidates > candidates, a
@@ -175,6 +201,19 @@ void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, con
                      void* workspace, std::size_t workspace_bytes, void* stream);
 void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfer, const SelectOutput& out,
                        void* workspace, std::size_t workspace_bytes, void* stream);
+
+// The positional selections (select_rules.hpp's streaming_zone): no
+// summaries, no query (q, group and head_dim are not read), no workspace;
+// one block per row writes [0, sinks) then [window, n) of its candidates'
+// partition ids, equal to StreamingWindowPolicy / DensePolicy::select. Throw
+// invalid_argument, enqueuing nothing, for kv_heads of 0, rows not a
+// multiple of kv_heads, max_row_candidates > candidates, a budget or
+// page_tokens of 0 (streaming), max_selected below the capacity above, or a
+// null pointer the call reads or writes (dense reads no tokens). rows == 0
+// enqueues nothing.
+void streaming_select(const SelectRows& rows, const StreamingSelect& streaming, const SelectOutput& out,
+                      void* stream);
+void dense_select(const SelectRows& rows, const SelectOutput& out, void* stream);
 
 // Writes each q head's estimation term: the values RetroInferPolicy::attend
 // gives, bit for bit (docs/policies/select-gpu.md). Rows whose budget covers

@@ -5,6 +5,8 @@
 //  - Quest (Tang et al. 2024): a partition's bound, summed over the GQA group;
 //  - ShadowKV (Sun et al. 2024; Spin §4.2): the landmark logit, its softmax
 //    over the non-static pages, the recent window;
+//  - StreamingWindow (StreamingLLM) and Dense: the sink pages and the recent
+//    window, positional (no summaries);
 //  - RetroInfer (Chen et al. 2025, §4.2): the centroid logit, the group-summed
 //    softmax rank, the steady zone and the retrieval count, and the
 //    estimation zone's fold (eqs. 2-4) that attend() and the estimate kernel
@@ -307,6 +309,40 @@ SPARSEKV_HOST_DEVICE ShadowKVWindow shadowkv_window(std::uint32_t n, Tokens toke
     ++w.pages;
   }
   return w;
+}
+
+// ---- StreamingWindow and Dense: positional zones --------------------------------
+
+// StreamingWindowPolicy::select's selection of one head (StreamingLLM's
+// attention sinks and recent window; RetroInfer §4.2's steady zone): the sink
+// candidates [0, sinks) -- the first sink_pages, oldest first, each while it
+// fits the budget -- then the window [window, n): the newest candidates,
+// newest first, each while it fits what is left. Dense selects everything:
+// the zone {0, 0}. Either way the selection is [0, sinks) then [window, n),
+// ascending, with tokens(i) the candidate's token count.
+struct PositionalZone {
+  std::uint32_t sinks = 0;
+  std::uint32_t window = 0;  // the window is [window, n)
+};
+
+template <class Tokens>
+SPARSEKV_HOST_DEVICE PositionalZone streaming_zone(std::uint32_t n, Tokens tokens, std::uint32_t sink_pages,
+                                                   std::uint32_t budget) {
+  PositionalZone z;
+  std::uint64_t left = budget;
+  const std::uint32_t sinks = sink_pages < n ? sink_pages : n;
+  for (; z.sinks < sinks && tokens(z.sinks) <= left; ++z.sinks) left -= tokens(z.sinks);
+  z.window = n;
+  for (; z.window > z.sinks && tokens(z.window - 1) <= left; --z.window) left -= tokens(z.window - 1);
+  return z;
+}
+
+// The zone's selection size and its j-th candidate (j < positional_count).
+SPARSEKV_HOST_DEVICE inline std::uint32_t positional_count(PositionalZone z, std::uint32_t n) {
+  return z.sinks + (n - z.window);
+}
+SPARSEKV_HOST_DEVICE inline std::uint32_t positional_candidate(PositionalZone z, std::uint32_t j) {
+  return j < z.sinks ? j : z.window + (j - z.sinks);
 }
 
 // ---- RetroInfer: steady zone and retrieval count ---------------------------------

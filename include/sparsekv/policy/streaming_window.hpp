@@ -33,6 +33,8 @@ class StreamingWindowPolicy {
     if (options.budget_tokens == 0) fail(ErrorCode::invalid_argument, "streaming: budget_tokens must be > 0");
   }
 
+  const Options& options() const noexcept { return options_; }
+
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
     const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, ctx.page_tokens);
     state.partitions.assign(ctx.kv_heads, spec.partition_count());
