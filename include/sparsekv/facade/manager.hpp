@@ -616,7 +616,6 @@ class Manager {
     setup.max_requests = config_.max_requests;
     setup.max_partitions_per_head = head_capacity().partitions;
     setup.max_pages_per_head = budget(config_.max_context_tokens).mandatory_pages;
-    setup.max_selected_per_head = setup.max_pages_per_head;  // every partition holds a page at least
     setup.timestamp_buckets = config_.timestamp_buckets;
     setup.scale = scale();
     for (std::uint32_t l = 0; l < shape_.layers; ++l) {
@@ -626,15 +625,21 @@ class Manager {
              "policy {} has no device Select in layer {} (policy/device_select.hpp); use the host-tensor API", policy_name(), l);
       }
       setup.select = spec.kind;
-    }
-    if (!requests_.empty()) {
-      fail(ErrorCode::failed_precondition, "the device-tensor API starts before the first add_request");
+      // The room a Select launch demands (select_cuda.hpp, *_select_capacity):
+      // a whole region where the layer is dense, else one partition per
+      // budget token at most (every partition holds a token at least).
+      const std::uint32_t most = spec.dense_layer ? setup.max_partitions_per_head
+                                                  : std::min(spec.budget_tokens, setup.max_partitions_per_head);
+      setup.max_selected_per_head = std::max(setup.max_selected_per_head, most);
     }
     device_ = backend_->make_device_decoder(setup, *buffer_);
     if (!device_) {
       fail(ErrorCode::unavailable, "backend {} serves host tensors only; device tensors need the CUDA backend",
            backend_->name());
     }
+    // Requests added before the first device call (none prefilled: that
+    // would have chosen host tensors) get their tables on the device too.
+    for (const auto& [id, unused] : requests_) device_->upload_tables(id);
     return *device_;
   }
 
