@@ -613,3 +613,19 @@ TEST_CASE("device-tensor API: a backend or policy without a device path is refus
   o.page_tokens_per_partition = 32;
   refuses(QuestPolicy(o));
 }
+
+TEST_CASE("device decode emulation: the lockstep catches planted mutations", "[device-decode-rules]") {
+  DecoderEmulation save_first;
+  save_first.append = Mutation::save_before_write;  // a full page summarised and saved without its last token
+  DecoderEmulation newest;
+  newest.summary_row_of_newest = true;  // a full page's summary lands on the previous partition's row
+  for (const auto& [name, emulation] :
+       {std::pair{"save_before_write", save_first}, std::pair{"summary_row_of_newest", newest}}) {
+    INFO(name);
+    const LockstepReport quest = device_lockstep(quest_policy(0), 1, emulation, 160);
+    const LockstepReport shadow = device_lockstep(shadowkv_policy(), 4, emulation, 160);
+    UNSCOPED_INFO(name << ": Quest " << quest.difference << "; ShadowKV " << shadow.difference);
+    CHECK_FALSE(quest.difference.empty());
+    CHECK_FALSE(shadow.difference.empty());
+  }
+}
