@@ -31,6 +31,7 @@ struct AttentionBatch {
   std::size_t stride = 0;  // page_bytes, or wider
   float scale = 0;
   std::vector<std::byte> pool;
+  const std::byte* base = nullptr;  // non-null: the pages are an outside pool's (a GPU tier), not `pool`
   std::vector<std::int64_t> indptr{0}, indices;
   std::vector<std::int32_t> last_page_len;
   std::vector<std::int64_t> row_entries;  // empty, or [batch * kv_heads + 1]
@@ -38,7 +39,7 @@ struct AttentionBatch {
   std::vector<AttentionPartial> extra;  // empty or [batch * q_heads]
   std::uint32_t max_pages = 0;          // pages of the longest row, over all its entries
 
-  const std::byte* page(std::int64_t id) const { return pool.data() + id * stride; }
+  const std::byte* page(std::int64_t id) const { return (base != nullptr ? base : pool.data()) + id * stride; }
   std::uint32_t group() const { return q_heads / kv_heads; }
   // The kernel's view of the entries (host pointers).
   cuda::DecodeAttentionPages pages() const {
@@ -188,16 +189,16 @@ inline void reference_attention(const AttentionBatch& b, std::vector<float>& out
 }
 
 // One head's state with its accumulator, folded and merged only through the shared functions.
-struct Head {
+struct SoftmaxHead {
   SoftmaxState state;
   std::vector<float> acc;
-  explicit Head(std::uint32_t d) : acc(d, 0.0f) {}
+  explicit SoftmaxHead(std::uint32_t d) : acc(d, 0.0f) {}
 
   void fold(float score, float weight, const float* value) {
     const RescaleStep step = softmax_fold(state, score, weight);
     for (std::size_t i = 0; i < acc.size(); ++i) acc[i] = softmax_rescale_add(acc[i], step, value[i]);
   }
-  void merge(const Head& other) {
+  void merge(const SoftmaxHead& other) {
     const RescaleStep step = softmax_merge(state, other.state);
     for (std::size_t i = 0; i < acc.size(); ++i) acc[i] = softmax_rescale_add(acc[i], step, other.acc[i]);
   }
@@ -237,7 +238,7 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
       for (std::uint32_t g = 0; g < group; ++g) {
         const std::size_t q_head = std::size_t{row} * group + g;
         const float* qg = b.q.data() + q_head * d;
-        std::vector<Head> sub(subgroups, Head(d));
+        std::vector<SoftmaxHead> sub(subgroups, SoftmaxHead(d));
         std::vector<cuda::DecodeAttentionCursor> walk = cursors;
         for (std::uint64_t t = 0; t < tokens; ++t) {
           const std::int64_t pos = rp.begin + std::int64_t(range.first + t / page_tokens);
@@ -250,8 +251,8 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
           for (std::uint32_t i = 0; i < d; ++i) dot += qg[i] * k[i];
           sub[t % subgroups].fold(dot * b.scale, 1.0f, v.data());
         }
-        Head cta(d);
-        for (const Head& s : sub) cta.merge(s);
+        SoftmaxHead cta(d);
+        for (const SoftmaxHead& s : sub) cta.merge(s);
         const std::size_t slot = chunk * batch_q + q_head;
         std::copy(cta.acc.begin(), cta.acc.end(), ws_acc.begin() + slot * d);
         ws_max[slot] = cta.state.max;
@@ -262,16 +263,16 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
   out.assign(batch_q * d, 0.0f);
   lse.assign(batch_q, 0.0f);
   for (std::size_t h = 0; h < batch_q; ++h) {
-    Head total(d);
+    SoftmaxHead total(d);
     for (std::uint32_t c = 0; c < split.chunks; ++c) {
-      Head part(d);
+      SoftmaxHead part(d);
       const std::size_t slot = c * batch_q + h;
       part.state = SoftmaxState{ws_max[slot], ws_sum[slot]};
       std::copy(ws_acc.begin() + slot * d, ws_acc.begin() + (slot + 1) * d, part.acc.begin());
       total.merge(part);
     }
     if (!b.extra.empty()) {
-      Head extra(d);
+      SoftmaxHead extra(d);
       extra.state = b.extra[h].state();
       if (!b.extra[h].acc.empty()) extra.acc = b.extra[h].acc;
       total.merge(extra);

@@ -1,13 +1,15 @@
 #pragma once
 // Select's fixed-stride output built from per-row selections, the glue's
-// arrays and the comparisons against the host, shared by the host emulation
-// of the Select -> LRU glue (test_lru_batch_rules.cpp) and its GPU test
-// (gpu/test_lru_batch_cuda.cpp).
+// arrays, the comparisons against the host and the host emulations of the
+// glue and stats kernels, shared by the Select -> LRU glue's rules
+// (test_lru_batch_rules.cpp), its GPU test (gpu/test_lru_batch_cuda.cpp) and
+// the emulated device decoder (device_decoder_emulation.hpp).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <random>
 #include <utility>
 #include <vector>
@@ -99,6 +101,71 @@ inline void require_same_csr(const LruBatchArrays& got, const std::vector<std::u
   };
   REQUIRE(untouched(got.selected, n));
   REQUIRE(untouched(got.partition_tokens, n));
+}
+
+// 0 .. n - 1 in a random order: blocks or threads run in any order.
+inline std::vector<std::uint32_t> shuffled_indices(std::uint32_t n, std::mt19937& rng) {
+  std::vector<std::uint32_t> order(n);
+  std::iota(order.begin(), order.end(), 0u);
+  std::shuffle(order.begin(), order.end(), rng);
+  return order;
+}
+
+// build_lru_batch in plain C++: count blocks in any order, each of `threads`
+// threads summing its strided selections' pages (any order) before the
+// block's reduction; the two inclusive scans; fill blocks, selections in any order.
+inline LruBatchArrays emulate_lru_batch(const PartitionLookup& lookup, const cuda::LruBatchInput& in,
+                                        std::uint32_t threads, std::mt19937& rng) {
+  LruBatchArrays a(in.rows, in.max_selected);
+  if (in.rows == 0) return a;  // nothing enqueued
+  const cuda::LruBatchOutput out = a.output();
+  std::vector<std::uint32_t> row_counts(in.rows), row_pages(in.rows);
+  for (const std::uint32_t row : shuffled_indices(in.rows, rng)) {
+    if (row == 0) {
+      out.selection_offsets[0] = 0;
+      out.page_offsets[0] = 0;
+    }
+    const std::uint32_t n = cuda::lru_batch_count(in, row);
+    std::vector<std::uint32_t> partial(threads, 0);
+    for (const std::uint32_t t : shuffled_indices(threads, rng)) {
+      for (std::uint32_t i = t; i < n; i += threads) partial[t] += cuda::lru_batch_selection(lookup, in, row, i).pages;
+    }
+    row_counts[row] = n;
+    row_pages[row] = std::accumulate(partial.begin(), partial.end(), 0u);
+  }
+  std::inclusive_scan(row_counts.begin(), row_counts.end(), a.selection_offsets.begin() + 1);
+  std::inclusive_scan(row_pages.begin(), row_pages.end(), a.page_offsets.begin() + 1);
+  if (in.max_selected == 0) return a;  // no fill launch
+  for (const std::uint32_t row : shuffled_indices(in.rows, rng)) {
+    const std::uint32_t first = out.selection_offsets[row];
+    for (const std::uint32_t i : shuffled_indices(cuda::lru_batch_count(in, row), rng)) {
+      cuda::lru_batch_emit(out, cuda::lru_batch_selection(lookup, in, row, i), first + i);
+    }
+  }
+  return a;
+}
+
+// accumulate_step_stats in plain C++: per-thread strided partial sums, a
+// reduction tree in any order, then the block's sum added to the total.
+inline void emulate_accumulate(const std::vector<CacheStepStats>& stats, CacheStepStats& total, std::mt19937& rng) {
+  const auto heads = static_cast<std::uint32_t>(stats.size());
+  if (heads == 0) return;  // nothing enqueued
+  std::vector<CacheStepStats> partial(cuda::kStepStatsThreads);
+  for (const std::uint32_t t : shuffled_indices(cuda::kStepStatsThreads, rng)) {
+    for (std::uint32_t h = t; h < heads; h += cuda::kStepStatsThreads) {
+      partial[t] = cuda::step_stats_sum(partial[t], stats[h]);
+    }
+  }
+  while (partial.size() > 1) {
+    std::shuffle(partial.begin(), partial.end(), rng);
+    std::vector<CacheStepStats> next;
+    for (std::size_t i = 0; i + 1 < partial.size(); i += 2) {
+      next.push_back(cuda::step_stats_sum(partial[i], partial[i + 1]));
+    }
+    if (partial.size() % 2 == 1) next.push_back(partial.back());
+    partial = std::move(next);
+  }
+  total = cuda::step_stats_sum(total, partial[0]);
 }
 
 }  // namespace sparsekv::test

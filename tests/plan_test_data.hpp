@@ -1,17 +1,20 @@
 #pragma once
 // Random retrievals, the device Plan step's input built from them, the host
-// plan (detail::append_head_runs, as Manager::build_plan) and the comparison,
-// shared by the host emulation of the plan kernels (test_plan_rules.cpp) and
-// their GPU test (gpu/test_plan_cuda.cpp).
+// plan (detail::append_head_runs, as Manager::build_plan), the comparison and
+// the host emulations of the plan and miss-list gather kernels, shared by
+// their rules (test_plan_rules.cpp), their GPU test (gpu/test_plan_cuda.cpp)
+// and the emulated device decoder (device_decoder_emulation.hpp).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <random>
 #include <vector>
 
 #include "sparsekv/facade/attend_plan_cuda.hpp"
 #include "sparsekv/facade/manager.hpp"
+#include "sparsekv/transfer/miss_list.hpp"
 
 namespace sparsekv::test {
 
@@ -131,6 +134,95 @@ inline void require_same_plan(const PlanArrays& got, const AttendPlan& host, std
                       [&](std::int32_t v) { return v == static_cast<std::int32_t>(sentinel); }));
   REQUIRE(std::all_of(got.indices.begin() + static_cast<std::ptrdiff_t>(indices), got.indices.end(),
                       [&](std::int64_t v) { return v == sentinel; }));
+}
+
+// plan_kernels.cu in plain C++: counts (overflowing rows zeroed), the two
+// inclusive scans, then each row's pages in tiles of `tile` threads visited
+// in a random order, run ends numbered by an exclusive scan carried over tiles;
+// every array starts as `sentinel`.
+inline PlanArrays emulate_plan(const cuda::DevicePlanInput& in, std::uint32_t tile, std::mt19937& rng,
+                               std::int64_t sentinel) {
+  PlanArrays a;
+  a.indptr.assign(std::size_t{in.rows} * in.max_entries_per_row + 1, sentinel);
+  a.indices.assign(std::size_t{in.rows} * in.max_pages_per_row, sentinel);
+  a.last_page_len.assign(std::size_t{in.rows} * in.max_entries_per_row, static_cast<std::int32_t>(sentinel));
+  a.head_entries.assign(std::size_t{in.rows} + 1, sentinel);
+  const cuda::DevicePlanOutput out{a.indptr.data(), a.indices.data(), a.last_page_len.data(), a.head_entries.data(),
+                                   &a.overflow_rows};
+  std::vector<std::int64_t> row_runs(in.rows), row_pages(in.rows), page_ends(in.rows);
+  out.indptr[0] = 0;
+  out.head_entries[0] = 0;
+  for (std::uint32_t row = 0; row < in.rows; ++row) {
+    cuda::PlanRowCounts c = cuda::plan_row_counts(in, row);
+    if (!cuda::plan_row_fits(c, in)) {
+      ++a.overflow_rows;
+      c = {};
+    }
+    row_runs[row] = c.runs;
+    row_pages[row] = c.pages;
+  }
+  std::inclusive_scan(row_runs.begin(), row_runs.end(), a.head_entries.begin() + 1);
+  std::inclusive_scan(row_pages.begin(), row_pages.end(), page_ends.begin());
+  std::vector<std::uint32_t> threads(tile);
+  std::iota(threads.begin(), threads.end(), 0u);
+  for (std::uint32_t row = 0; row < in.rows; ++row) {
+    const auto pages = static_cast<std::uint32_t>(row_pages[row]);
+    const std::int64_t first_page = page_ends[row] - pages;
+    const std::int64_t first_entry = a.head_entries[row];
+    std::uint32_t runs_before = 0;
+    for (std::uint32_t t0 = 0; t0 < pages; t0 += tile) {
+      std::vector<cuda::PlanPage> page(tile);
+      std::vector<std::uint32_t> flag(tile, 0), rank(tile, 0);
+      for (std::uint32_t t = 0; t < tile && t0 + t < pages; ++t) {
+        page[t] = cuda::plan_row_page(in, row, t0 + t);
+        flag[t] = cuda::plan_run_end(page[t], t0 + t, pages, in.page_tokens) ? 1 : 0;
+      }
+      std::exclusive_scan(flag.begin(), flag.end(), rank.begin(), 0u);
+      std::shuffle(threads.begin(), threads.end(), rng);
+      for (const std::uint32_t t : threads) {
+        if (t0 + t < pages)
+          cuda::plan_emit_page(out, page[t], flag[t] != 0, first_page + t0 + t, first_entry + runs_before + rank[t]);
+      }
+      runs_before += rank[tile - 1] + flag[tile - 1];
+    }
+  }
+  return a;
+}
+
+struct Copy {
+  std::uint64_t flat;
+  PageId cpu, gpu;
+  bool operator<(const Copy& o) const { return flat < o.flat; }
+};
+
+// gather_miss_list_kernel in plain C++: each of `warps` warps walks the heads
+// 32 at a time (lanes), scans their counts, and takes its round-robin share
+// of each head's entries. Returns every copy made, tagged with its flattened
+// index, in warp order.
+inline std::vector<Copy> emulate_gather(const DeviceMissList& m, std::uint32_t warps) {
+  std::vector<Copy> copies;
+  for (std::uint32_t warp = 0; warp < warps; ++warp) {
+    std::uint64_t before = 0;
+    for (std::uint32_t group = 0; group < m.heads; group += 32) {
+      std::uint64_t entries[32] = {}, start[32] = {};
+      std::uint32_t offset[32] = {};
+      for (std::uint32_t lane = 0; lane < 32 && group + lane < m.heads; ++lane) {
+        offset[lane] = m.page_offsets[group + lane];
+        entries[lane] = miss_list_entries(offset[lane], m.counts[std::size_t{group + lane} * m.count_stride],
+                                          m.max_entries);
+      }
+      std::exclusive_scan(entries, entries + 32, start, std::uint64_t{0});
+      for (std::uint32_t lane = 0; lane < 32; ++lane) {
+        start[lane] += before;
+        for (std::uint64_t j = miss_list_first(start[lane], warp, warps); j < start[lane] + entries[lane]; j += warps) {
+          const std::size_t e = offset[lane] + (j - start[lane]);
+          copies.push_back({j, m.cpu_pages[e], m.gpu_pages[e]});
+        }
+      }
+      before = start[31] + entries[31];
+    }
+  }
+  return copies;
 }
 
 }  // namespace sparsekv::test

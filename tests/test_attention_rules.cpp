@@ -87,7 +87,7 @@ TEST_CASE("merging partials of any split of a key set equals the one-pass fold",
     for (int trial = 0; trial < 20; ++trial) {
       const std::size_t n = 1 + rng() % 48;
       const Keys keys = random_keys(rng, n, d, spread);
-      Head whole(d);
+      SoftmaxHead whole(d);
       for (std::size_t t = 0; t < n; ++t) whole.fold(keys.scores[t], keys.weights[t], &keys.values[t * d]);
       const std::vector<float> want = whole.output();
       const float want_lse = softmax_lse(whole.state);
@@ -99,13 +99,13 @@ TEST_CASE("merging partials of any split of a key set equals the one-pass fold",
 
       // Any split: each key to a random part (some parts empty), parts merged in random order.
       const std::size_t parts = 1 + rng() % 6;
-      std::vector<Head> part(parts, Head(d));
+      std::vector<SoftmaxHead> part(parts, SoftmaxHead(d));
       for (std::size_t t = 0; t < n; ++t)
         part[rng() % parts].fold(keys.scores[t], keys.weights[t], &keys.values[t * d]);
       std::vector<std::size_t> order(parts);
       std::iota(order.begin(), order.end(), 0);
       std::shuffle(order.begin(), order.end(), rng);
-      Head merged(d);
+      SoftmaxHead merged(d);
       for (std::size_t p : order) merged.merge(part[p]);
       CAPTURE(spread, n, parts);
       const std::vector<float> got = merged.output();
@@ -120,40 +120,40 @@ TEST_CASE("merging partials of any split of a key set equals the one-pass fold",
 TEST_CASE("empty and -inf partials change nothing", "[attention-rules]") {
   const std::uint32_t d = 4;
   const float v1[d] = {1, 2, 3, 4}, v2[d] = {-1, 0.5f, 2, 8};
-  Head a(d);
+  SoftmaxHead a(d);
   a.fold(0.25f, 1.0f, v1);
   a.fold(1.5f, 2.0f, v2);
-  const Head before = a;
+  const SoftmaxHead before = a;
 
   SECTION("an empty state is s == 0, m == -inf, lse -inf, output 0") {
-    const Head empty(d);
+    const SoftmaxHead empty(d);
     REQUIRE(softmax_empty(empty.state));
     REQUIRE(empty.state.max == -kInf);
     REQUIRE(softmax_lse(empty.state) == -kInf);
     REQUIRE(softmax_output(5.0f, empty.state) == 0.0f);
   }
   SECTION("merging an empty state is bit-exact identity, both ways") {
-    Head empty(d);
+    SoftmaxHead empty(d);
     // An empty side's accumulator is never read into the result, even when it holds inf / NaN.
     empty.acc = {kInf, -kInf, std::nanf(""), 7.0f};
-    Head x = a;
+    SoftmaxHead x = a;
     x.merge(empty);
     REQUIRE(std::memcmp(&x.state, &before.state, sizeof(SoftmaxState)) == 0);
     REQUIRE(x.acc == before.acc);
-    Head y(d);
+    SoftmaxHead y(d);
     y.acc = {kInf, std::nanf(""), -kInf, 3.0f};
     y.state = SoftmaxState{};
     y.merge(a);
     REQUIRE(y.state.max == before.state.max);
     REQUIRE(y.state.sum == before.state.sum);
     REQUIRE(y.acc == before.acc);
-    Head both(d);
-    both.merge(Head(d));
+    SoftmaxHead both(d);
+    both.merge(SoftmaxHead(d));
     REQUIRE(softmax_empty(both.state));
     REQUIRE(both.acc == std::vector<float>(d, 0.0f));
   }
   SECTION("a -inf score, a zero or negative weight, or a NaN weight folds nothing") {
-    Head x = a;
+    SoftmaxHead x = a;
     x.fold(-kInf, 1.0f, v1);
     x.fold(3.0f, 0.0f, v1);
     x.fold(3.0f, -1.0f, v1);
@@ -161,12 +161,12 @@ TEST_CASE("empty and -inf partials change nothing", "[attention-rules]") {
     REQUIRE(x.state.max == before.state.max);
     REQUIRE(x.state.sum == before.state.sum);
     REQUIRE(x.acc == before.acc);
-    Head e(d);
+    SoftmaxHead e(d);
     e.fold(-kInf, 1.0f, v1);
     REQUIRE(softmax_empty(e.state));
   }
   SECTION("very negative finite scores and a later huge max stay finite") {
-    Head x(d);
+    SoftmaxHead x(d);
     x.fold(-1e30f, 1.0f, v1);
     REQUIRE(x.state.max == -1e30f);
     REQUIRE(x.state.sum == 1.0f);
@@ -196,7 +196,7 @@ TEST_CASE("the extra term merges like any disjoint key set", "[attention-rules]"
     const Keys pages = random_keys(rng, 1 + rng() % 30, d, 2.0f);
     const Keys estimated = random_keys(rng, 1 + rng() % 10, d, 2.0f);
     // One pass over everything vs pages, then the extra term merged (the kernel's order), vs extra first.
-    Head all(d), exact_part(d), extra(d);
+    SoftmaxHead all(d), exact_part(d), extra(d);
     for (std::size_t t = 0; t < pages.scores.size(); ++t) {
       all.fold(pages.scores[t], pages.weights[t], &pages.values[t * d]);
       exact_part.fold(pages.scores[t], pages.weights[t], &pages.values[t * d]);
@@ -205,16 +205,16 @@ TEST_CASE("the extra term merges like any disjoint key set", "[attention-rules]"
       all.fold(estimated.scores[t], estimated.weights[t], &estimated.values[t * d]);
       extra.fold(estimated.scores[t], estimated.weights[t], &estimated.values[t * d]);
     }
-    Head after = exact_part;
+    SoftmaxHead after = exact_part;
     after.merge(extra);
-    Head before = extra;
+    SoftmaxHead before = extra;
     before.merge(exact_part);
     const std::vector<float> want = all.output();
     REQUIRE(head_relative_error(after.output().data(), want.data(), d) <= 1e-6f);
     REQUIRE(head_relative_error(before.output().data(), want.data(), d) <= 1e-6f);
     REQUIRE(lse_relative_error(softmax_lse(after.state), softmax_lse(all.state)) <= 1e-6f);
     // Only an extra term (no pages): the output is the term's own normalised value.
-    Head only(d);
+    SoftmaxHead only(d);
     only.merge(extra);
     REQUIRE(only.output() == extra.output());
   }

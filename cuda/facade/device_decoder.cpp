@@ -244,19 +244,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements,
                       void* stream) override {
     if (!saver_) saver_ = std::make_unique<StagedSaver>();
-    saver_->set_destination(cpu_tier_destination(buffer_.cpu_pool()));
-    const std::size_t row = layout_.row_bytes();
-    const std::size_t piece_rows = std::max<std::size_t>(1, kPromptPieceBytes / row);
-    for (const auto& [source, block] : {std::pair{k, KvBlock::k}, std::pair{v, KvBlock::v}}) {
-      prompt_row_targets(placements, block, block == KvBlock::k ? k_targets_ : v_targets_);
-      const std::vector<RowTarget>& targets = block == KvBlock::k ? k_targets_ : v_targets_;
-      for (std::size_t first = 0; first < targets.size(); first += piece_rows) {
-        const std::size_t rows = std::min(piece_rows, targets.size() - first);
-        saver_->save(static_cast<const std::byte*>(source) + first * row, rows * row,
-                     std::span(targets).subspan(first, rows), stream);
-      }
-    }
-    saver_->wait();
+    save_prompt(*saver_, buffer_.cpu_pool(), k, v, placements, kPromptPieceBytes, stream, k_targets_, v_targets_);
   }
 
   void index_prompt(std::uint32_t slot, std::uint32_t layer, const void* keys, std::uint32_t tokens,

@@ -666,14 +666,14 @@ class Manager {
       setup.max_selected_per_head =
           std::max(setup.max_selected_per_head, device_select_capacity(spec, setup.max_partitions_per_head));
     }
-    if (!requests_.empty()) {
-      fail(ErrorCode::failed_precondition, "the device-tensor API starts before the first add_request");
-    }
     device_ = backend_->make_device_decoder(setup, *buffer_);
     if (!device_) {
       fail(ErrorCode::unavailable, "backend {} serves host tensors only; device tensors need the CUDA backend",
            backend_->name());
     }
+    // Requests added before the first device call (none prefilled: that
+    // would have chosen host tensors) get their tables on the device too.
+    for (const auto& [id, unused] : requests_) device_->upload_tables(id);
     return *device_;
   }
 

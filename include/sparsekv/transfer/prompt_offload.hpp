@@ -41,4 +41,28 @@ inline SaveDestination cpu_tier_destination(const PagePool& pool) {
   return d;
 }
 
+// Offloads a prompt's K and V (engine layout, one row per placement) into the
+// CPU tier through `saver`: the pool as its destination, each tensor in
+// pieces of at most `piece_bytes` (staging stays bounded while the workers
+// scatter the previous piece), then waits until every row is written.
+// `k_targets` / `v_targets` are the caller's reusable scratch. The CUDA
+// decoder passes device K / V; the CI emulation the same call on host ones.
+inline void save_prompt(StagedSaver& saver, const PagePool& pool, const void* k, const void* v,
+                        std::span<const TokenPlacement> placements, std::size_t piece_bytes, void* stream,
+                        std::vector<RowTarget>& k_targets, std::vector<RowTarget>& v_targets) {
+  saver.set_destination(cpu_tier_destination(pool));
+  const std::size_t row = pool.layout().row_bytes();
+  const std::size_t piece_rows = std::max<std::size_t>(1, piece_bytes / row);
+  prompt_row_targets(placements, KvBlock::k, k_targets);
+  prompt_row_targets(placements, KvBlock::v, v_targets);
+  for (const auto& [source, targets] : {std::pair{k, &k_targets}, std::pair{v, &v_targets}}) {
+    for (std::size_t first = 0; first < targets->size(); first += piece_rows) {
+      const std::size_t rows = std::min(piece_rows, targets->size() - first);
+      saver.save(static_cast<const std::byte*>(source) + first * row, rows * row,
+                 std::span<const RowTarget>(*targets).subspan(first, rows), stream);
+    }
+  }
+  saver.wait();
+}
+
 }  // namespace sparsekv

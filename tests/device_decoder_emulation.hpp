@@ -1,0 +1,490 @@
+#pragma once
+// A host emulation of the CUDA DeviceDecoder (cuda/facade/device_decoder.cpp),
+// so CI runs the device-tensor API (facade/device_decoder.hpp,
+// docs/device-decode.md) end to end without a device: the same step, in the
+// same order, each launch replaced by the host emulation of its kernel that
+// the kernel's own rules test checks:
+//   0. the step's arguments (first / count / summary rows per row, the save
+//      pages' addresses, the replica writes of the saved pages' meta entries);
+//   1. apply_replica_write on a GpuTablesReplica kept in host memory;
+//   2. the append kernel with its summaries (append_test_data.hpp) into a
+//      DeviceSummaries-shaped store (one HostRows per layer: SummaryShape's
+//      regions, identity partition ids);
+//   3. the Select kernels (select_emulation.hpp) over the rows' regions;
+//   4. the Select -> LRU glue (lru_batch_test_data.hpp), the bucketed-LRU step
+//      on the replica (lru_step_emulation.hpp), the miss-list gather and the
+//      device plan (plan_test_data.hpp), the stats accumulation;
+//   5. the split-K attention over the plan's runs (attention_test_data.hpp).
+// Prompt summaries follow the Index kernels' per-thread rules
+// (page_summaries.hpp), as DeviceSummaries::write_prefill launches them.
+//
+// "Device memory" is host memory that EmulatedDeviceMemory hands out and
+// remembers: is_device_pointer answers from that registry, so any other
+// pointer (a plain host vector) is refused as a host pointer would be by the
+// CUDA decoder. EmulatedBackend hands a Manager this decoder.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string_view>
+#include <vector>
+
+#include "append_test_data.hpp"
+#include "attention_test_data.hpp"
+#include "lru_batch_test_data.hpp"
+#include "lru_step_emulation.hpp"
+#include "sparsekv/buffer/prompt_check_cuda.hpp"
+#include "sparsekv/transfer/prompt_offload.hpp"
+#include "plan_test_data.hpp"
+#include "select_emulation.hpp"
+#include "sparsekv/buffer/tiered_kv_buffer.hpp"
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/facade/backend.hpp"
+#include "sparsekv/facade/device_decoder.hpp"
+#include "sparsekv/metadata/gpu_tables_replica.hpp"
+#include "sparsekv/metadata/replica_writes_cuda.hpp"
+#include "sparsekv/policy/device_summaries.hpp"
+#include "sparsekv/policy/page_summaries.hpp"
+
+namespace sparsekv::test {
+
+// Host allocations standing in for device memory: only what allocate() gave
+// and release() has not taken back counts as device memory.
+class EmulatedDeviceMemory {
+ public:
+  void* allocate(std::size_t bytes) {
+    auto block = std::make_unique<std::byte[]>(std::max<std::size_t>(bytes, 1));
+    std::byte* p = block.get();
+    blocks_[p] = Block{std::move(block), bytes};
+    return p;
+  }
+  void release(const void* p) { blocks_.erase(static_cast<const std::byte*>(p)); }
+  bool contains(const void* p) const {
+    const auto* b = static_cast<const std::byte*>(p);
+    auto it = blocks_.upper_bound(b);
+    if (it == blocks_.begin()) return false;
+    --it;
+    return b < it->first + std::max<std::size_t>(it->second.bytes, 1);
+  }
+
+ private:
+  struct Block {
+    std::unique_ptr<std::byte[]> data;
+    std::size_t bytes = 0;
+  };
+  std::map<const std::byte*, Block> blocks_;
+};
+
+// An array in emulated device memory, freed with the object.
+template <class T>
+class EmulatedArray {
+ public:
+  EmulatedArray(EmulatedDeviceMemory& memory, std::size_t n)
+      : memory_(&memory), data(static_cast<T*>(memory.allocate(n * sizeof(T)))), size(n) {
+    std::fill_n(data, n, T{});
+  }
+  EmulatedArray(EmulatedDeviceMemory& memory, const std::vector<T>& host) : EmulatedArray(memory, host.size()) {
+    std::copy(host.begin(), host.end(), data);
+  }
+  ~EmulatedArray() { memory_->release(data); }
+  EmulatedArray(const EmulatedArray&) = delete;
+  EmulatedArray& operator=(const EmulatedArray&) = delete;
+  std::vector<T> download() const { return {data, data + size}; }
+
+ private:
+  EmulatedDeviceMemory* memory_;
+
+ public:
+  T* data;
+  std::size_t size;
+};
+
+// How the emulated launches run, and the mutations the tests plant.
+struct DecoderEmulation {
+  Emulation select;                    // the select kernels (and their mutations)
+  Mutation append = Mutation::none;    // the append kernel's mutations
+  bool summary_row_of_newest = false;  // mutation: a full page's summary overwrites the newest partition's
+  std::uint32_t seed = 1;              // block / thread orders, tiles and warps
+};
+
+// Prompt key row t of page `page` of kv head `head`: keys are [tokens][kv_heads][head_dim].
+struct PromptKeyRows {
+  const std::byte* keys;
+  std::size_t token_bytes;  // kv_heads * head_dim * element size
+  std::size_t first;        // byte offset of the page's first key of the head
+  const std::byte* operator()(std::uint32_t t) const { return keys + first + std::size_t{t} * token_bytes; }
+};
+
+class EmulatedDeviceDecoder final : public DeviceDecoder {
+ public:
+  EmulatedDeviceDecoder(const DeviceDecoderSetup& setup, TieredKVBuffer& buffer, EmulatedDeviceMemory& memory,
+                        const DecoderEmulation& emulation)
+      : setup_(setup),
+        buffer_(buffer),
+        memory_(memory),
+        emulation_(emulation),
+        rng_(emulation.seed),
+        layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
+        replica_(buffer.table(), table_memory_, buffer.transfer()),
+        shape_{setup.select == DeviceSelectSpec::Kind::quest ? cuda::AppendSummary::quest
+                                                             : cuda::AppendSummary::shadowkv,
+               setup.shape.layers, setup.max_requests, setup.shape.kv_heads, setup.shape.head_dim,
+               setup.max_partitions_per_head} {
+    cuda::check_summary_shape("DeviceSummaries", shape_);
+    buffer_.transfer().synchronize();
+    const ModelShape& s = setup.shape;
+    const std::size_t candidates = shape_.candidates();
+    const std::size_t b_width = shape_.kind == cuda::AppendSummary::quest ? s.head_dim : 1;
+    for (std::uint32_t l = 0; l < s.layers; ++l) {
+      HostRows store;
+      store.kv_heads = s.kv_heads;
+      store.group = s.q_heads / s.kv_heads;
+      store.head_dim = s.head_dim;
+      store.b_width = static_cast<std::uint32_t>(b_width);
+      store.max_row = setup.max_partitions_per_head;
+      store.a.assign(candidates * s.head_dim, 0.0f);
+      store.b.assign(candidates * b_width, 0.0f);
+      store.tokens.assign(candidates, 0);
+      store.partitions.resize(candidates);
+      for (std::size_t c = 0; c < candidates; ++c) store.partitions[c] = static_cast<PartitionId>(c % shape_.capacity);
+      stores_.push_back(std::move(store));
+    }
+    q_.assign(std::size_t{setup.max_batch} * s.q_heads * s.head_dim, 0.0f);
+    plan_row_pages_ = setup.max_pages_per_head + 1;
+  }
+
+  bool is_device_pointer(const void* p) const override { return memory_.contains(p); }
+
+  void upload_tables(RequestId request) override {
+    replica_.upload(buffer_.table(), request, buffer_.transfer());
+    buffer_.transfer().synchronize();
+  }
+  void download_tables(RequestId request) override { replica_.download(buffer_.table(), request, buffer_.transfer()); }
+
+  // first_non_finite's kernel: the smallest index element_is_finite refuses.
+  std::uint64_t first_non_finite(const void* data, std::uint64_t count, void* /*stream*/) override {
+    for (std::uint64_t i = 0; i < count; ++i) {
+      if (!cuda::element_is_finite(data, i, setup_.shape.dtype)) return i;
+    }
+    return kNoNonFinite;
+  }
+
+  // The CUDA decoder's offload: the same save_prompt, on StagedSaver's host path.
+  void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements,
+                      void* stream) override {
+    StagedSaver saver;
+    std::vector<RowTarget> k_targets, v_targets;
+    // Small pieces, so a prompt crosses several of them as a long one does on the device.
+    save_prompt(saver, buffer_.cpu_pool(), k, v, placements, 3 * buffer_.cpu_pool().layout().row_bytes(), stream,
+                k_targets, v_targets);
+  }
+
+  // Stage timing needs device events: the emulation times nothing.
+  void time_stages(bool /*on*/) override {}
+  DeviceStageTimes stage_times() override { return {}; }
+
+  // DeviceSummaries::write_prefill: the Index kernels' per-thread rules for
+  // every (kv head, page), then the copy into the slot's regions.
+  void index_prompt(std::uint32_t slot, std::uint32_t layer, const void* keys, std::uint32_t tokens,
+                    const DeviceSelectSpec& select, void* /*stream*/) override {
+    ++calls_;
+    const std::uint32_t page_tokens = select.partition_tokens;
+    const std::uint32_t pages =
+        cuda::prefill_pages("DeviceSummaries::write_prefill", shape_, slot, layer, tokens, page_tokens);
+    const ModelShape& s = setup_.shape;
+    const std::uint32_t dim = s.head_dim;
+    const std::size_t element = dtype_size(s.dtype);
+    const std::size_t token_bytes = std::size_t{s.kv_heads} * dim * element;
+    HostRows& store = stores_[layer];
+    std::vector<float> landmark(dim);
+    for (std::uint32_t h = 0; h < s.kv_heads; ++h) {
+      for (std::uint32_t p = 0; p < pages; ++p) {
+        const std::size_t c = shape_.region(slot, h) + p;
+        const std::uint32_t count = cuda::prefill_page_tokens(p, tokens, page_tokens);
+        const PromptKeyRows key{static_cast<const std::byte*>(keys), token_bytes,
+                                std::size_t{p} * page_tokens * token_bytes + std::size_t{h} * dim * element};
+        if (shape_.kind == cuda::AppendSummary::quest) {
+          for (std::uint32_t d = 0; d < dim; ++d) {
+            page_min_max_channel(key, count, d, s.dtype, store.a[c * dim + d], store.b[c * dim + d]);
+          }
+        } else {
+          for (std::uint32_t d = 0; d < dim; ++d) landmark[d] = store.a[c * dim + d] = page_mean_channel(key, count, d, s.dtype);
+          const float norm = sqrt_rn(dot_in_order(landmark.data(), landmark.data(), dim));
+          float lowest = kOutlierScoreStart;
+          for (std::uint32_t t = 0; t < count; ++t) {
+            lowest = fold_min(lowest, page_key_cosine(key, t, landmark.data(), norm, dim, s.dtype));
+          }
+          store.b[c] = lowest;
+        }
+        store.tokens[c] = count;
+      }
+    }
+  }
+
+  void step(const DeviceStep& step) override {
+    ++calls_;
+    const ModelShape& s = setup_.shape;
+    if (step.batch == 0 || step.batch > setup_.max_batch) {
+      fail(ErrorCode::invalid_argument, "decode: batch of {} outside [1, {}]", step.batch, setup_.max_batch);
+    }
+    const std::uint32_t rows = step.batch * s.kv_heads;
+    const std::uint32_t max_writes = 3 * setup_.max_batch * s.kv_heads;
+
+    // 0. The step's arguments (CudaDeviceDecoder::fill_arguments).
+    std::vector<std::uint32_t> first(rows), summary_rows(rows);
+    std::vector<std::byte*> cpu_pages(rows, nullptr);
+    writes_.clear();
+    for (std::uint32_t r = 0; r < rows; ++r) {
+      const std::uint32_t b = r / s.kv_heads;
+      const std::uint32_t region = shape_.region(step.request_slots[b], r % s.kv_heads);
+      first[r] = region;
+      summary_rows[r] = region + step.candidates[r] - (emulation_.summary_row_of_newest ? 1 : 0);
+      const bool saves = step.save_pages[r] != kInvalidPage;
+      cpu_pages[r] = saves ? const_cast<std::byte*>(buffer_.cpu_pool().data(step.save_pages[r])) : nullptr;
+      if (saves) replica_.meta_entry_writes(buffer_.table(), step.instances[r], step.candidates[r], 1, writes_);
+    }
+    if (writes_.size() > max_writes) {
+      fail(ErrorCode::resource_exhausted, "decode: {} table writes exceed the step's {}", writes_.size(), max_writes);
+    }
+    const std::vector<std::uint32_t> tail_slots(step.tail_slots.begin(), step.tail_slots.end());
+    const std::vector<PageId> tail_pages(step.tail_pages.begin(), step.tail_pages.end());
+    const std::vector<std::uint32_t> tail_tokens(step.tail_tokens.begin(), step.tail_tokens.end());
+    const std::vector<std::size_t> instances(step.instances.begin(), step.instances.end());
+    HostRows& store = stores_[step.layer];
+    const DeviceSelectSpec& spec = step.select;
+    const std::uint32_t max_selected = setup_.max_selected_per_head;
+    // The select entry points' host check (select_kernels.cu: capacity()).
+    const std::uint32_t whole = store.max_row;
+    const std::uint32_t needed = spec.kind == DeviceSelectSpec::Kind::quest && spec.dense_layer
+                                     ? whole
+                                     : std::min(spec.budget_tokens, whole);
+    if (max_selected < needed) {
+      fail(ErrorCode::invalid_argument, "select: max_selected {} below the {} a selection may hold", max_selected,
+           needed);
+    }
+
+    // 1. The meta entries of the saved pages into the replica.
+    const auto write_count = static_cast<std::uint32_t>(writes_.size());
+    for (std::uint32_t i = 0; i < max_writes; ++i) cuda::apply_replica_write(writes_.data(), write_count, max_writes, i);
+
+    // 2. Append (+ summaries and save of full tails).
+    cuda::DeviceAppend append;
+    append.batch = step.batch;
+    append.q_heads = s.q_heads;
+    append.kv_heads = s.kv_heads;
+    append.layout = layout_;
+    append.q = step.q;
+    append.k_new = step.k_new;
+    append.v_new = step.v_new;
+    append.q_out = q_.data();
+    append.gpu_tier = const_cast<std::byte*>(buffer_.gpu_pool().base());
+    append.page_stride = buffer_.gpu_pool().page_bytes();
+    append.tail_pages = tail_pages.data();
+    append.tail_slots = tail_slots.data();
+    append.cpu_pages = cpu_pages.data();
+    std::uint64_t error = kNoAppendError;
+    append.error = &error;
+    cuda::AppendSummaries summaries;
+    summaries.kind = shape_.kind;
+    summaries.rows = summary_rows.data();
+    summaries.tokens = store.tokens.data();
+    if (shape_.kind == cuda::AppendSummary::quest) {
+      summaries.min = store.a.data();
+      summaries.max = store.b.data();
+    } else {
+      summaries.mean = store.a.data();
+      summaries.outlier_score = store.b.data();
+    }
+    emulate(append, summaries, 1 + static_cast<std::uint32_t>(rng_() % 7), emulation_.append);
+    if (error != kNoAppendError && (!bad_ || error < bad_word_)) {
+      bad_ = true;
+      bad_word_ = error;
+    }
+
+    // 3. Select over the summaries, on the state before this step's save.
+    store.first = first;
+    store.count.assign(step.candidates.begin(), step.candidates.end());
+    store.q.assign(q_.begin(), q_.begin() + std::ptrdiff_t{step.batch} * s.q_heads * s.head_dim);
+    std::vector<PartitionId> selected(std::size_t{rows} * max_selected, kInvalidPartition);
+    std::vector<std::uint32_t> selected_count(rows);
+    selections_.assign(rows, {});
+    for (std::uint32_t r = 0; r < rows; ++r) {
+      std::vector<PartitionId> chosen;
+      if (spec.kind == DeviceSelectSpec::Kind::quest) {
+        chosen = emulate_quest(emulation_.select, store, r,
+                               cuda::QuestSelect{nullptr, nullptr, spec.budget_tokens, spec.dense_layer});
+      } else {
+        chosen = emulate_shadowkv(
+            emulation_.select, store, r,
+            cuda::ShadowKVSelect{nullptr, nullptr, spec.budget_tokens, spec.recent_tokens, spec.outlier_pages});
+      }
+      // A kernel writes at most max_selected (its capacity check above guarantees the room).
+      if (chosen.size() > max_selected) chosen.resize(max_selected);
+      std::copy(chosen.begin(), chosen.end(), selected.begin() + std::ptrdiff_t{r} * max_selected);
+      selected_count[r] = static_cast<std::uint32_t>(chosen.size());
+      selections_[r] = std::move(chosen);
+    }
+
+    // 4. Retrieve: the LRU batch, the LRU step on the replica, the gather of its misses.
+    const PartitionLookup lookup = replica_.lookup(buffer_.table());
+    const cuda::LruBatchInput lru_in{rows, max_selected, selected.data(), selected_count.data(), instances.data()};
+    const LruBatchArrays glue = emulate_lru_batch(lookup, lru_in, 1 + static_cast<std::uint32_t>(rng_() % 128), rng_);
+    LaunchOutput lru;
+    emulate_lru_step(replica_.gpu_page_view(), lookup, setup_.timestamp_buckets, instances, glue.selection_offsets,
+                     glue.selected, glue.page_offsets, 1 + static_cast<std::uint32_t>(rng_() % 256), rng_, lru);
+    DeviceMissList misses;
+    misses.heads = rows;
+    misses.max_entries = rows * setup_.max_pages_per_head;
+    misses.page_offsets = glue.page_offsets.data();
+    misses.counts = &lru.stats.data()->miss_pages;
+    misses.count_stride = sizeof(CacheStepStats) / sizeof(std::uint64_t);
+    misses.cpu_pages = lru.copy_cpu_pages.data();
+    misses.gpu_pages = lru.copy_gpu_pages.data();
+    const PagePool& cpu = buffer_.cpu_pool();
+    const ChunkedPages cpu_tier{cpu.chunks().data(), cpu.pages_per_chunk(), cpu.page_bytes()};
+    const std::size_t page_bytes = buffer_.gpu_pool().page_bytes();
+    auto* gpu_base = const_cast<std::byte*>(buffer_.gpu_pool().base());
+    for (const Copy& c : emulate_gather(misses, 1 + static_cast<std::uint32_t>(rng_() % 200))) {
+      std::memcpy(gpu_base + std::size_t{c.gpu} * page_bytes, cpu_tier.address(c.cpu), page_bytes);
+    }
+    emulate_accumulate(lru.stats, totals_, rng_);
+    row_stats_ = lru.stats;
+
+    // 5. Plan: FlashInfer's CSR over the runs.
+    cuda::DevicePlanInput in;
+    in.rows = rows;
+    in.selection_offsets = glue.selection_offsets.data();
+    in.partition_offsets = lru.partition_offsets.data();
+    in.gpu_pages = lru.gpu_pages.data();
+    in.partition_tokens = glue.partition_tokens.data();
+    in.tail_pages = tail_pages.data();
+    in.tail_tokens = tail_tokens.data();
+    in.page_tokens = setup_.page_tokens;
+    in.max_pages_per_row = plan_row_pages_;
+    in.max_entries_per_row = plan_row_pages_;
+    plan_ = emulate_plan(in, cuda::kPlanFillThreads, rng_, kPlanSentinel);
+    plan_rows_ = rows;
+
+    // 6. Attend.
+    if (step.out != nullptr) {
+      AttentionBatch batch;
+      batch.batch = step.batch;
+      batch.q_heads = s.q_heads;
+      batch.kv_heads = s.kv_heads;
+      batch.layout = layout_;
+      batch.stride = page_bytes;
+      batch.scale = setup_.scale;
+      batch.base = gpu_base;
+      batch.indptr = plan_.indptr;
+      batch.indices = plan_.indices;
+      batch.last_page_len = plan_.last_page_len;
+      batch.row_entries = plan_.head_entries;
+      batch.q = store.q;
+      batch.max_pages = plan_row_pages_;
+      cuda::DecodeAttentionShape shape;
+      shape.batch = step.batch;
+      shape.q_heads = s.q_heads;
+      shape.kv_heads = s.kv_heads;
+      shape.layout = layout_;
+      shape.max_pages = plan_row_pages_;
+      std::vector<float> out, lse;
+      emulate_split_k(batch, cuda::split_decode_attention(shape, 528), 8, out, lse);
+      std::copy(out.begin(), out.end(), step.out);
+    }
+  }
+
+  DeviceAttendPlan plan() const override {
+    DeviceAttendPlan p;
+    p.head_entries = plan_.head_entries.data();
+    p.indptr = plan_.indptr.data();
+    p.indices = plan_.indices.data();
+    p.last_page_len = plan_.last_page_len.data();
+    p.gpu_tier_base = buffer_.gpu_pool().base();
+    p.page_bytes = buffer_.gpu_pool().page_bytes();
+    p.rows = plan_rows_;
+    return p;
+  }
+
+  CacheStepStats cache_stats() override { return totals_; }
+
+  void check_values(void* /*stream*/) override {
+    if (!bad_) return;
+    const cuda::AppendError e = cuda::decode_append_error(std::exchange(bad_word_, kNoAppendError));
+    bad_ = false;
+    const char* tensor = e.tensor == cuda::AppendTensor::q ? "q" : e.tensor == cuda::AppendTensor::k ? "k_new" : "v_new";
+    fail(ErrorCode::invalid_argument,
+         "an earlier decode step's {} of batch entry {} (head {}, dim {}) was not finite; that row was not appended",
+         tensor, e.entry, e.head, e.dim);
+  }
+
+  void synchronize() override {}
+
+  // What the last step did, row r = b * kv_heads + h: Select's partitions and the LRU step's stats.
+  const std::vector<std::vector<PartitionId>>& selections() const noexcept { return selections_; }
+  const std::vector<CacheStepStats>& row_stats() const noexcept { return row_stats_; }
+  std::uint32_t plan_overflow_rows() const noexcept { return plan_.overflow_rows; }
+  // step() and index_prompt() calls so far: what the CUDA decoder would have enqueued.
+  std::uint64_t calls() const noexcept { return calls_; }
+  // The replica of the device tables (what the LRU kernel owns between downloads).
+  const GpuTablesReplica& replica() const noexcept { return replica_; }
+
+  static constexpr std::int64_t kPlanSentinel = -7;
+
+ private:
+  DeviceDecoderSetup setup_;
+  TieredKVBuffer& buffer_;
+  EmulatedDeviceMemory& memory_;
+  DecoderEmulation emulation_;
+  std::mt19937 rng_;
+  PageLayout layout_;
+  HostMemoryResource table_memory_{false};  // the "device" tables
+  GpuTablesReplica replica_;
+  cuda::SummaryShape shape_;
+  std::vector<HostRows> stores_;  // per layer: the summary store's arrays, rows set per step
+  std::vector<float> q_;
+  std::uint32_t plan_row_pages_ = 0;
+  std::uint32_t plan_rows_ = 0;
+  PlanArrays plan_;
+  std::vector<ReplicaWordWrite> writes_;
+  std::vector<std::vector<PartitionId>> selections_;
+  std::vector<CacheStepStats> row_stats_;
+  CacheStepStats totals_;
+  bool bad_ = false;
+  std::uint64_t bad_word_ = kNoAppendError;
+  std::uint64_t calls_ = 0;
+};
+
+// HostBackend's tiers and Attend with the emulated decoder for device tensors.
+class EmulatedBackend final : public Backend {
+ public:
+  explicit EmulatedBackend(EmulatedDeviceMemory& memory, DecoderEmulation emulation = {})
+      : memory_(memory), emulation_(emulation) {}
+  std::string_view name() const noexcept override { return "emulated-device"; }
+  MemoryResource& cpu_tier() override { return host_.cpu_tier(); }
+  MemoryResource& gpu_pages() override { return host_.gpu_pages(); }
+  MemoryResource& gpu_tables() override { return host_.gpu_tables(); }
+  PageTransfer& transfer() override { return host_.transfer(); }
+  void attend(const AttendCall& call) override { host_.attend(call); }
+  std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderSetup& setup,
+                                                     TieredKVBuffer& buffer) override {
+    auto decoder = std::make_unique<EmulatedDeviceDecoder>(setup, buffer, memory_, emulation_);
+    decoder_ = decoder.get();
+    setup_ = setup;
+    return decoder;
+  }
+  // The decoder the Manager made (null before its first device-tensor call).
+  EmulatedDeviceDecoder* decoder() const noexcept { return decoder_; }
+  const DeviceDecoderSetup& setup() const noexcept { return setup_; }
+
+ private:
+  HostBackend host_;
+  EmulatedDeviceMemory& memory_;
+  DecoderEmulation emulation_;
+  EmulatedDeviceDecoder* decoder_ = nullptr;
+  DeviceDecoderSetup setup_;
+};
+
+}  // namespace sparsekv::test

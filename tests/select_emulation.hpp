@@ -1,0 +1,324 @@
+#pragma once
+// A host emulation of the select kernels' parallel decomposition
+// (cuda/policy/select_kernels.cu) over rows as the kernels address them
+// (HostRows, select_test_data.hpp): per-thread scores, strided block maxima,
+// warp-0 lane sums, ranking rounds of a tile (radix-select threshold passes
+// over 8-bit digit histograms, then a sort), thread 0's greedy fill, the
+// output sort in runs merged by rank; RetroInfer's estimate kernel. Shared by
+// the Select rules (test_select_rules.cpp: emulation = host policies) and the
+// emulated device decoder (device_decoder_emulation.hpp), with the mutations
+// those tests plant.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "select_test_data.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/policy/select_cuda.hpp"
+#include "sparsekv/policy/select_rules.hpp"
+
+namespace sparsekv::test {
+
+// ---- the emulation ---------------------------------------------------------------
+
+constexpr std::uint32_t kSelectThreads = 256;  // the kernels' block
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+constexpr std::uint64_t kNoKey = std::numeric_limits<std::uint64_t>::max();
+
+struct Emulation {
+  std::uint32_t tile = cuda::kSelectTile;
+  bool ties_to_higher = false;  // mutation: ties rank the higher index first
+  bool skip_stops = false;      // mutation: a candidate that does not fit ends the fill
+  bool estimate_retrieved = false;  // mutation: the estimate ignores the selection
+  bool candidate_order = false;     // mutation: the estimate folds its zone in candidate order
+  bool csr_extent = false;          // mutation: a row ends where the next row's first candidate is (a CSR habit)
+};
+
+inline std::uint64_t key_of(const Emulation& e, float score, std::uint32_t i) {
+  return e.ties_to_higher ? (rank_key(score, i) & ~std::uint64_t{0xffffffffu}) | ~i : rank_key(score, i);
+}
+inline std::uint32_t index_of(const Emulation& e, std::uint64_t key) {
+  return e.ties_to_higher ? ~rank_key_index(key) : rank_key_index(key);
+}
+
+// block_max: 256 strided thread partials, then merged as a tree (not in order).
+template <class Value, class Include>
+inline float emulated_max(std::uint32_t n, Value value, Include include) {
+  std::vector<float> partial(kSelectThreads, kMinusInf);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (include(i)) partial[i % kSelectThreads] = fold_max_score(partial[i % kSelectThreads], value(i));
+  }
+  for (std::uint32_t width = kSelectThreads / 2; width > 0; width /= 2) {
+    for (std::uint32_t t = 0; t < width; ++t) partial[t] = fold_max_score(partial[t + width], partial[t]);
+  }
+  return partial[0];
+}
+
+// block_lane_sum: lane l of warp 0 adds i = l, l + 32, ... in order; __shfl_down tree.
+template <class T, class Value, class Include>
+T emulated_lane_sum(std::uint32_t n, Value value, Include include) {
+  T lanes[kSumLanes] = {};
+  for (std::uint32_t l = 0; l < kSumLanes; ++l) {
+    for (std::uint32_t i = l; i < n; i += kSumLanes) {
+      if (include(i)) lanes[l] = lanes[l] + value(i);
+    }
+  }
+  return tree_combine(lanes);
+}
+
+// block_ranked_fill, round by round.
+template <class Filler, class Score, class Eligible, class Take>
+inline void emulated_ranked_fill(const Emulation& e, std::uint32_t n, const std::uint32_t* tokens, Filler& fill,
+                          Score score, Eligible eligible, Take take) {
+  std::uint64_t bound = 0;
+  for (;;) {
+    std::vector<std::uint64_t> left;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (!eligible(i)) continue;
+      const std::uint64_t key = key_of(e, score(i), i);
+      if (key > bound) left.push_back(key);
+    }
+    if (left.empty()) return;
+    std::uint64_t last = kNoKey;
+    if (left.size() > e.tile) {
+      TileThreshold t;
+      t.needed = e.tile;
+      while (!t.done) {
+        std::uint32_t histogram[kRadixBins] = {};
+        for (const std::uint64_t key : left) {
+          if (t.matches(key)) ++histogram[t.digit(key)];
+        }
+        t.step(histogram);
+      }
+      last = t.threshold();
+    }
+    std::vector<std::uint64_t> tile;
+    for (const std::uint64_t key : left) {
+      if (key <= last) tile.push_back(key);
+    }
+    REQUIRE(tile.size() == std::min<std::size_t>(left.size(), e.tile));
+    std::sort(tile.begin(), tile.end());
+    for (const std::uint64_t key : tile) {
+      const std::uint32_t i = index_of(e, key);
+      Fill f = fill.offer(tokens[i]);
+      if (e.skip_stops && f == Fill::skip) f = Fill::stop;
+      if (f == Fill::stop) return;
+      if (f == Fill::take) take(i);
+    }
+    if (left.size() <= e.tile) return;
+    bound = tile.back();
+  }
+}
+
+// write_sorted: runs of a tile sorted, placed by merged_position.
+inline std::vector<PartitionId> emulated_sorted(const Emulation& e, std::vector<PartitionId> ids) {
+  const auto count = static_cast<std::uint32_t>(ids.size());
+  for (std::uint32_t first = 0; first < count; first += e.tile) {
+    std::sort(ids.begin() + first, ids.begin() + std::min(count, first + e.tile));
+  }
+  std::vector<PartitionId> out(count, kInvalidPartition);
+  for (std::uint32_t j = 0; j < count; ++j) out[merged_position(ids.data(), count, e.tile, j)] = ids[j];
+  return out;
+}
+
+// row_view's span: first / count through select_row_span, clamped to the
+// region capacity (max_row) and the arrays' extent.
+inline cuda::SelectRowSpan row_span(const Emulation& e, const HostRows& rows, std::uint32_t r) {
+  std::uint32_t count = rows.count[r];
+  if (e.csr_extent) count = (r + 1 < rows.rows() ? rows.first[r + 1] : rows.candidates()) - rows.first[r];
+  return cuda::select_row_span(rows.first[r], count, rows.max_row, rows.candidates());
+}
+
+inline std::vector<PartitionId> row_partitions(const HostRows& rows, cuda::SelectRowSpan span) {
+  return {rows.partitions.begin() + span.first, rows.partitions.begin() + span.first + span.n};
+}
+
+inline std::uint64_t row_total(const HostRows& rows, cuda::SelectRowSpan span) {
+  std::uint64_t total = 0;
+  for (std::uint32_t i = span.first; i < span.first + span.n; ++i) total += rows.tokens[i];
+  return total;
+}
+
+inline const float* row_q(const HostRows& rows, std::uint32_t r) {
+  return rows.q.data() + std::size_t{r} * rows.group * rows.head_dim;
+}
+
+inline std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows& rows, std::uint32_t r,
+                                       const cuda::QuestSelect& quest) {
+  const cuda::SelectRowSpan span = row_span(e, rows, r);
+  const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
+  if (quest.dense_layer || row_total(rows, span) <= quest.budget_tokens) return row_partitions(rows, span);
+  const std::uint32_t newest = n - 1;
+  std::vector<float> scores(n);
+  for (std::uint32_t i = 0; i < newest; ++i) {
+    const std::size_t at = (std::size_t{first} + i) * dim;
+    scores[i] = quest_group_bound(row_q(rows, r), rows.group, rows.a.data() + at, rows.b.data() + at, dim);
+  }
+  std::vector<PartitionId> chosen{rows.partitions[first + newest]};
+  SkipFill fill{std::int64_t{quest.budget_tokens} - rows.tokens[first + newest]};
+  emulated_ranked_fill(
+      e, n, rows.tokens.data() + first, fill, [&](std::uint32_t i) { return scores[i]; },
+      [&](std::uint32_t i) { return i < newest; }, [&](std::uint32_t i) { chosen.push_back(rows.partitions[first + i]); });
+  return emulated_sorted(e, chosen);
+}
+
+inline std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostRows& rows, std::uint32_t r,
+                                          const cuda::ShadowKVSelect& shadowkv) {
+  const cuda::SelectRowSpan span = row_span(e, rows, r);
+  const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
+  if (row_total(rows, span) <= shadowkv.budget_tokens) return row_partitions(rows, span);
+  const std::uint32_t* tokens = rows.tokens.data() + first;
+  std::vector<char> taken(n, 0);
+  std::vector<float> scores(n), scratch(n);
+  std::vector<PartitionId> chosen;
+  const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
+  const auto take = [&](std::uint32_t i) {
+    taken[i] = 1;
+    chosen.push_back(rows.partitions[first + i]);
+  };
+  const ShadowKVWindow window =
+      shadowkv_window(n, [&](std::uint32_t i) { return tokens[i]; }, shadowkv.recent_tokens, shadowkv.budget_tokens);
+  for (std::uint32_t i = n - window.pages; i < n; ++i) take(i);
+  SkipFill outliers{window.left, shadowkv.outlier_pages};
+  emulated_ranked_fill(
+      e, n, tokens, outliers, [&](std::uint32_t i) { return -rows.b[first + i]; }, untaken, take);
+  const float scale = logit_scale(dim);
+  for (std::uint32_t g = 0; g < rows.group; ++g) {
+    const float* qh = row_q(rows, r) + std::size_t{g} * dim;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (untaken(i)) scratch[i] = shadowkv_logit(qh, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale);
+    }
+    const float top = emulated_max(n, [&](std::uint32_t i) { return scratch[i]; }, untaken);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (untaken(i)) scratch[i] = portable_exp(add_rn(scratch[i], -top));
+    }
+    const float sum = emulated_lane_sum<float>(n, [&](std::uint32_t i) { return scratch[i]; }, untaken);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (untaken(i)) scores[i] = fold_max_score(g == 0 ? kMinusInf : scores[i], div_rn(scratch[i], sum));
+    }
+  }
+  SkipFill top_k{outliers.left};
+  emulated_ranked_fill(
+      e, n, tokens, top_k, [&](std::uint32_t i) { return scores[i]; }, untaken, take);
+  return emulated_sorted(e, chosen);
+}
+
+// retroinfer_rank: per q head g the logits of the candidates [0, m) (kept in
+// logits[g * m ..]), a strided block max, the warp-0 double lane sum, the
+// shares summed over the group into scores.
+inline void emulated_retroinfer_rank(const HostRows& rows, std::uint32_t r, cuda::SelectRowSpan span, std::uint32_t m,
+                              std::vector<float>& logits, std::vector<float>& scores) {
+  const std::uint32_t first = span.first, dim = rows.head_dim;
+  const float scale = logit_scale(dim);
+  const auto all = [](std::uint32_t) { return true; };
+  logits.assign(std::size_t{rows.group} * m, 0.0f);
+  scores.assign(m, 0.0f);
+  for (std::uint32_t g = 0; g < rows.group; ++g) {
+    const float* qh = row_q(rows, r) + std::size_t{g} * dim;
+    float* s = logits.data() + std::size_t{g} * m;
+    for (std::uint32_t i = 0; i < m; ++i) {
+      s[i] = retroinfer_logit(qh, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale);
+    }
+    const float top = emulated_max(m, [&](std::uint32_t i) { return s[i]; }, all);
+    const double sum = emulated_lane_sum<double>(
+        m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(s[i], -top))); }, all);
+    const float inverse = retroinfer_inverse_sum(sum);
+    for (std::uint32_t i = 0; i < m; ++i) {
+      scores[i] = add_rn(g == 0 ? 0.0f : scores[i], retroinfer_share(s[i], top, inverse));
+    }
+  }
+}
+
+inline SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, cuda::SelectRowSpan span,
+                                const cuda::RetroInferSelect& retro, std::uint32_t window_tokens) {
+  const std::uint32_t* tokens = rows.tokens.data() + span.first;
+  const std::uint32_t recent = std::min(rows.recent[r], span.n), older = span.n - recent;
+  return steady_zone(
+      recent, [&](std::uint32_t i) { return tokens[older + i]; }, rows.sink_tokens[r], window_tokens,
+      retro.budget_tokens);
+}
+
+inline std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const HostRows& rows, std::uint32_t r,
+                                            const cuda::RetroInferSelect& retro, std::uint32_t window_tokens) {
+  const cuda::SelectRowSpan span = row_span(e, rows, r);
+  const std::uint32_t first = span.first, n = span.n;
+  const std::uint32_t* tokens = rows.tokens.data() + first;
+  const std::uint32_t sink_tokens = rows.sink_tokens[r];
+  if (retro.budget_tokens >= row_total(rows, span) + sink_tokens) {
+    std::vector<PartitionId> all;
+    if (sink_tokens > 0) all.push_back(rows.sink_partitions[r]);
+    const auto rest = row_partitions(rows, span);
+    all.insert(all.end(), rest.begin(), rest.end());
+    return all;
+  }
+  const SteadyZone steady = emulated_steady_zone(rows, r, span, retro, window_tokens);
+  std::vector<PartitionId> chosen;
+  if (steady.sink) chosen.push_back(rows.sink_partitions[r]);
+  for (std::uint32_t i = n - steady.window_parts; i < n; ++i) chosen.push_back(rows.partitions[first + i]);
+  const std::uint32_t m = n - steady.window_parts;
+  if (m > 0) {
+    std::vector<float> logits, scores;
+    emulated_retroinfer_rank(rows, r, span, m, logits, scores);
+    BreakFill fill{steady.tokens, retro.budget_tokens, fraction_count(retro.retrieval_fraction, m)};
+    emulated_ranked_fill(
+        e, m, tokens, fill, [&](std::uint32_t i) { return scores[i]; }, [](std::uint32_t) { return true; },
+        [&](std::uint32_t i) { chosen.push_back(rows.partitions[first + i]); });
+  }
+  return emulated_sorted(e, chosen);
+}
+
+// retroinfer_estimate_kernel for row r: the rank, the selection's candidates
+// marked, thread 0's zone list in rank order, then each (q head, dimension)
+// thread's fold over the list. Returns the row's group of terms.
+inline std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const HostRows& rows, std::uint32_t r,
+                                               const cuda::RetroInferSelect& retro,
+                                               const cuda::RetroInferEstimate& estimate, std::uint32_t window_tokens,
+                                               const std::vector<PartitionId>& selection) {
+  const cuda::SelectRowSpan span = row_span(e, rows, r);
+  const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
+  const std::uint32_t* tokens = rows.tokens.data() + first;
+  std::vector<AttentionPartial> terms(rows.group, AttentionPartial(dim));
+  const bool covered = retro.budget_tokens >= row_total(rows, span) + rows.sink_tokens[r];
+  if (!estimate.estimation || covered) return terms;
+  const std::uint32_t m = n - emulated_steady_zone(rows, r, span, retro, window_tokens).window_parts;
+  if (m == 0) return terms;
+  std::vector<float> logits, scores;
+  emulated_retroinfer_rank(rows, r, span, m, logits, scores);
+  std::vector<char> taken(m);
+  for (std::uint32_t i = 0; i < m; ++i) {
+    taken[i] = !e.estimate_retrieved &&
+               std::binary_search(selection.begin(), selection.end(), rows.partitions[first + i]);
+  }
+  std::vector<std::uint32_t> members;
+  BreakFill zone{0, std::numeric_limits<std::uint32_t>::max(),
+                 retroinfer_zone_count(retro.retrieval_fraction, estimate.estimation_fraction, m)};
+  emulated_ranked_fill(
+      e, m, tokens, zone, [&](std::uint32_t i) { return scores[i]; }, [](std::uint32_t) { return true; },
+      [&](std::uint32_t i) {
+        if (!taken[i]) members.push_back(i);
+      });
+  if (e.candidate_order) std::sort(members.begin(), members.end());
+  for (std::uint32_t p = 0; p < rows.group * dim; ++p) {
+    const std::uint32_t g = p / dim, d = p % dim;
+    SoftmaxState state;
+    float acc = 0.0f;
+    for (const std::uint32_t i : members) {
+      const RescaleStep step = estimation_fold(state, logits[std::size_t{g} * m + i], static_cast<float>(tokens[i]));
+      acc = estimation_rescale_add(acc, step, rows.b[(std::size_t{first} + i) * dim + d]);
+    }
+    terms[g].acc[d] = acc;
+    if (d == 0) {
+      terms[g].max = state.max;
+      terms[g].sum = state.sum;
+    }
+  }
+  return terms;
+}
+
+}  // namespace sparsekv::test

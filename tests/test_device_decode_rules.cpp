@@ -1,0 +1,631 @@
+// The device-tensor API (facade/device_decoder.hpp, docs/device-decode.md)
+// proven in CI: a Manager on device tensors with the host emulation of the
+// CUDA decoder (device_decoder_emulation.hpp: every launch replaced by its
+// kernel's host emulation, in cuda/facade/device_decoder.cpp's order) against
+// a Manager on host tensors with HostBackend, same requests arriving and
+// finishing at random over several layers, batches of varying size, tails
+// filling across page boundaries. Every step: Select's partitions, hits /
+// misses, the plan (LRU page ids, runs) identical; outputs within 2e-3; the
+// device tables (the replica the LRU kernel owns) equal the host's; the saved
+// CPU pages byte-equal. Planted mutations are caught. And bad input is
+// refused with a clear sparsekv::Error before anything changes.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "device_decoder_emulation.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/manager.hpp"
+#include "test_support.hpp"
+
+using namespace sparsekv;
+using namespace sparsekv::test;
+
+namespace {
+
+ModelShape device_shape() {
+  ModelShape s;
+  s.layers = 3;
+  s.q_heads = 8;
+  s.kv_heads = 2;
+  s.head_dim = 64;
+  s.dtype = DType::bf16;
+  return s;
+}
+
+// Small tiers, so the LRU evicts and the GPU tier refuses late arrivals.
+Config device_config() {
+  Config c;
+  c.page_tokens = 16;
+  c.cpu_tier_bytes = std::size_t{16} << 20;
+  c.gpu_tier_bytes = std::size_t{3} << 20;
+  c.min_buffer_ratio = 1.5;
+  c.max_requests = 6;
+  c.max_context_tokens = 1024;
+  c.host_chunk_bytes = std::size_t{1} << 20;
+  return c;
+}
+
+std::vector<std::uint16_t> random_bf16(std::size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<std::uint16_t> out(n);
+  for (auto& x : out) x = float_to_bf16(d(rng));
+  return out;
+}
+
+// The host plan of a step's retrievals (Manager::build_plan).
+AttendPlan host_plan(const std::vector<const Retrieval*>& retrievals, std::uint32_t kv_heads,
+                     std::uint32_t page_tokens) {
+  AttendPlan plan;
+  std::vector<PageId> pages;
+  std::vector<std::uint32_t> tokens;
+  for (const Retrieval* r : retrievals) {
+    for (std::uint32_t h = 0; h < kv_heads; ++h) {
+      plan.head_entries.push_back(plan.head_entries.back() +
+                                  detail::append_head_runs(plan, *r, h, page_tokens, pages, tokens));
+    }
+  }
+  return plan;
+}
+
+// The first difference between the device step and the host step, or "".
+template <class Policy>
+std::string step_difference(const Manager<Policy>& host, const EmulatedDeviceDecoder& decoder, std::size_t batch,
+                            std::uint32_t kv_heads, std::uint32_t page_tokens) {
+  std::ostringstream why;
+  std::vector<const Retrieval*> retrievals;
+  for (std::size_t b = 0; b < batch; ++b) {
+    const Retrieval& r = host.retrieval(b);
+    retrievals.push_back(&r);
+    CacheStepStats device;
+    for (std::uint32_t h = 0; h < kv_heads; ++h) {
+      const std::size_t row = b * kv_heads + h;
+      const std::vector<PartitionId> want(r.partitions.begin() + r.head_offsets[h],
+                                          r.partitions.begin() + r.head_offsets[h + 1]);
+      if (decoder.selections()[row] != want) {
+        why << "row " << row << ": Select chose " << decoder.selections()[row].size() << " partitions, the host "
+            << want.size();
+        return why.str();
+      }
+      device += decoder.row_stats()[row];
+    }
+    if (device.hit_partitions != r.stats.hit_partitions || device.miss_partitions != r.stats.miss_partitions ||
+        device.hit_pages != r.stats.hit_pages || device.miss_pages != r.stats.miss_pages ||
+        device.evicted_pages != r.stats.evicted_pages) {
+      why << "entry " << b << ": hits / misses differ (device miss pages " << device.miss_pages << ", host "
+          << r.stats.miss_pages << ")";
+      return why.str();
+    }
+  }
+  const AttendPlan want = host_plan(retrievals, kv_heads, page_tokens);
+  const DeviceAttendPlan got = decoder.plan();
+  if (decoder.plan_overflow_rows() != 0) return "the device plan overflowed a row";
+  if (got.rows != batch * kv_heads) return "the device plan has another row count";
+  const std::int64_t entries = got.head_entries[got.rows];
+  if (!std::equal(want.head_entries.begin(), want.head_entries.end(), got.head_entries) ||
+      entries != static_cast<std::int64_t>(want.entries()) ||
+      !std::equal(want.indptr.begin(), want.indptr.end(), got.indptr) ||
+      !std::equal(want.last_page_len.begin(), want.last_page_len.end(), got.last_page_len) ||
+      !std::equal(want.indices.begin(), want.indices.end(), got.indices)) {
+    return "the plans differ (GPU page ids or runs)";
+  }
+  return {};
+}
+
+// The device tables (the replica) equal the host manager's tables for every head of `id`.
+template <class Policy>
+std::string table_difference(const Manager<Policy>& host, const Manager<Policy>& device,
+                             const EmulatedDeviceDecoder& decoder, RequestId id, const ModelShape& shape) {
+  const PartitionLookup want = host.buffer().table().lookup();
+  const PartitionLookup got = decoder.replica().lookup(device.buffer().table());
+  const TwoLevelView<GpuPageEntry> want_slots = host.buffer().table().gpu_page_view();
+  const TwoLevelView<GpuPageEntry> got_slots = decoder.replica().gpu_page_view();
+  for (std::uint32_t l = 0; l < shape.layers; ++l) {
+    for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
+      const std::size_t inst = host.buffer().table().instance(id, l, h);
+      if (device.buffer().table().instance(id, l, h) != inst) return "the requests' table instances differ";
+      if (want.meta.length(inst) != got.meta.length(inst)) return "meta-partition table lengths differ";
+      for (std::uint32_t p = 0; p < want.meta.length(inst); ++p) {
+        if (want.meta.find(inst, p)->bits != got.meta.find(inst, p)->bits) {
+          return "meta entry " + std::to_string(p) + " of layer " + std::to_string(l) + " head " +
+                 std::to_string(h) + " differs";
+        }
+      }
+      if (want_slots.length(inst) != got_slots.length(inst)) return "GPU page table lengths differ";
+      for (std::uint32_t s = 0; s < want_slots.length(inst); ++s) {
+        const GpuPageEntry& a = *want_slots.find(inst, s);
+        const GpuPageEntry& b = *got_slots.find(inst, s);
+        if (a.partition != b.partition || a.gpu_page != b.gpu_page || a.page_in_partition != b.page_in_partition ||
+            a.timestamp != b.timestamp) {
+          return "GPU page slot " + std::to_string(s) + " of layer " + std::to_string(l) + " differs";
+        }
+      }
+    }
+  }
+  return {};
+}
+
+// Every CPU page of `id` (prompt and saved decode pages) byte-equal in both managers.
+template <class Policy>
+std::string cpu_page_difference(const Manager<Policy>& host, const Manager<Policy>& device, RequestId id,
+                                const ModelShape& shape) {
+  const PartitionLookup want = host.buffer().table().lookup();
+  const PartitionLookup got = device.buffer().table().lookup();
+  const std::size_t bytes = host.buffer().cpu_pool().page_bytes();
+  for (std::uint32_t l = 0; l < shape.layers; ++l) {
+    for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
+      const std::size_t inst = host.buffer().table().instance(id, l, h);
+      for (std::uint32_t p = 0; p < want.meta.length(inst); ++p) {
+        for (std::uint32_t k = 0; k < want.page_count(inst, p); ++k) {
+          const PageId a = *want.cpu_pages.find(inst, *want.offsets.find(inst, p) + k);
+          const PageId b = *got.cpu_pages.find(inst, *got.offsets.find(inst, p) + k);
+          if (std::memcmp(host.buffer().cpu_pool().data(a), device.buffer().cpu_pool().data(b), bytes) != 0) {
+            return "CPU page " + std::to_string(k) + " of partition " + std::to_string(p) + " differs";
+          }
+        }
+      }
+    }
+  }
+  return {};
+}
+
+struct LockstepReport {
+  std::string difference;  // the first, with its step; empty: none
+  std::uint64_t steps = 0, plan_steps = 0, fills = 0, admitted = 0, finished = 0, refused = 0;
+  std::uint64_t hit_pages = 0, miss_pages = 0, evicted_pages = 0;
+  std::size_t largest_batch = 0;
+  double worst_error = 0;
+};
+
+// Both managers through the same calls; stops at the first difference.
+template <class Policy>
+LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const DecoderEmulation& emulation,
+                               int steps) {
+  const ModelShape shape = device_shape();
+  const Config config = device_config();
+  EmulatedDeviceMemory memory;
+  auto owned = std::make_unique<EmulatedBackend>(memory, emulation);
+  EmulatedBackend& backend = *owned;
+  Manager<Policy> host(shape, config, policy);
+  Manager<Policy> device(shape, config, policy, std::move(owned));
+  std::mt19937 rng(seed);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::size_t q_row = std::size_t{shape.q_heads} * shape.head_dim;
+  std::vector<RequestId> live;
+  std::map<RequestId, std::uint32_t> left;  // decode tokens each live request has left
+  RequestId next = 1;
+  LockstepReport report;
+  const auto differ = [&](int step, std::uint32_t layer, const std::string& what) {
+    if (what.empty()) return false;
+    report.difference = "step " + std::to_string(step) + " layer " + std::to_string(layer) + ": " + what;
+    return true;
+  };
+  const auto finish = [&](std::size_t i, int step) {
+    const RequestId id = live[i];
+    device.synchronize();
+    if (differ(step, 0, cpu_page_difference(host, device, id, shape))) return false;
+    host.finish(id);
+    device.finish(id);
+    live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    left.erase(id);
+    ++report.finished;
+    return true;
+  };
+  for (int step = 0; step < steps; ++step) {
+    if (live.size() < config.max_requests && (live.size() < 2 || rng() % 2 == 0)) {
+      const std::uint32_t prompt = 20 + rng() % 300;
+      const std::uint32_t decode = 30 + rng() % 90;
+      const std::uint32_t max_tokens = prompt + decode;
+      const RequestId id = next++;
+      const bool admit = host.can_admit(prompt, max_tokens).admit;
+      REQUIRE(device.can_admit(prompt, max_tokens).admit == admit);
+      if (admit) {
+        host.add_request(id, max_tokens);
+        device.add_request(id, max_tokens);
+        for (std::uint32_t l = 0; l < shape.layers; ++l) {
+          const auto k = random_bf16(prompt * kv_row, rng);
+          const auto v = random_bf16(prompt * kv_row, rng);
+          host.prefill(id, l, k.data(), v.data(), prompt);
+          const EmulatedArray<std::uint16_t> dk(memory, k), dv(memory, v);
+          device.prefill(id, l, dk.data, dv.data, prompt, nullptr);
+        }
+        live.push_back(id);
+        left[id] = decode;
+        ++report.admitted;
+      } else {
+        ++report.refused;
+      }
+    }
+    // Now and then a request finishes early; the others when their tokens run out (below).
+    if (!live.empty() && rng() % 29 == 0) {
+      if (!finish(rng() % live.size(), step)) return report;
+    }
+    if (live.empty()) continue;
+    std::vector<RequestId> batch = live;
+    std::shuffle(batch.begin(), batch.end(), rng);
+    batch.resize(1 + rng() % batch.size());
+    report.largest_batch = std::max(report.largest_batch, batch.size());
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      const auto q = random_bf16(batch.size() * q_row, rng);
+      const auto k = random_bf16(batch.size() * kv_row, rng);
+      const auto v = random_bf16(batch.size() * kv_row, rng);
+      const EmulatedArray<std::uint16_t> dq(memory, q), dk(memory, k), dv(memory, v);
+      for (RequestId id : batch) report.fills += host.buffer().tail_tokens(id, l) + 1 == config.page_tokens ? 1 : 0;
+      bool refused_host = false, refused_device = false;
+      std::optional<ErrorCode> host_code, device_code;
+      std::vector<float> want(batch.size() * q_row);
+      EmulatedArray<float> out(memory, want.size());
+      const bool plan_only = rng() % 3 == 0;
+      try {
+        if (plan_only) {
+          host.plan(batch, l, q.data(), k.data(), v.data());
+        } else {
+          host.decode(batch, l, q.data(), k.data(), v.data(), want.data());
+        }
+      } catch (const Error& e) {
+        refused_host = true;
+        host_code = e.code();
+      }
+      try {
+        if (plan_only) {
+          device.plan(batch, l, dq.data, dk.data, dv.data, nullptr);
+        } else {
+          device.decode(batch, l, dq.data, dk.data, dv.data, out.data, nullptr);
+        }
+      } catch (const Error& e) {
+        refused_device = true;
+        device_code = e.code();
+        if (!refused_host) {
+          report.difference = "step " + std::to_string(step) + ": the device refused: " + e.what();
+          return report;
+        }
+      }
+      if (refused_host != refused_device || host_code != device_code) {
+        report.difference = "step " + std::to_string(step) + ": only the host refused";
+        return report;
+      }
+      if (refused_host) {
+        ++report.refused;
+        continue;
+      }
+      ++report.steps;
+      report.plan_steps += plan_only ? 1 : 0;
+      if (differ(step, l, step_difference(host, *backend.decoder(), batch.size(), shape.kv_heads, config.page_tokens))) {
+        return report;
+      }
+      for (RequestId id : batch) {
+        if (differ(step, l, table_difference(host, device, *backend.decoder(), id, shape))) return report;
+      }
+      if (!plan_only) {
+        const std::vector<float> got = out.download();
+        for (std::size_t i = 0; i < want.size(); ++i) {
+          report.worst_error = std::max(report.worst_error, double(std::abs(got[i] - want[i])));
+        }
+        if (report.worst_error > 2e-3) {
+          report.difference = "step " + std::to_string(step) + ": outputs differ by " +
+                              std::to_string(report.worst_error);
+          return report;
+        }
+      }
+    }
+    for (RequestId id : batch) {
+      if (--left[id] > 0) continue;
+      left.erase(id);
+      if (!finish(static_cast<std::size_t>(std::find(live.begin(), live.end(), id) - live.begin()), step)) {
+        return report;
+      }
+    }
+  }
+  while (!live.empty()) {
+    if (!finish(live.size() - 1, steps)) return report;
+  }
+  device.synchronize();
+  report.hit_pages = device.stats().cache.hit_pages;
+  report.miss_pages = device.stats().cache.miss_pages;
+  report.evicted_pages = device.stats().cache.evicted_pages;
+  CacheStepStats host_total = host.stats().cache;
+  if (host_total.hit_pages != report.hit_pages || host_total.miss_pages != report.miss_pages ||
+      host_total.evicted_pages != report.evicted_pages) {
+    report.difference = "the device's hit / miss totals differ from the host's";
+  }
+  if (device.stats().pages_saved != host.stats().pages_saved) report.difference = "pages saved differ";
+  if (device.buffer().gpu_pool().used() != 0 || device.buffer().cpu_pool().used() != 0) {
+    report.difference = "pages left in the pools after every finish";
+  }
+  return report;
+}
+
+QuestPolicy quest_policy(std::uint32_t dense_layers) {
+  QuestPolicy::Options o;
+  o.budget_tokens = 96;
+  o.page_tokens_per_partition = 16;
+  o.dense_layers = dense_layers;
+  return QuestPolicy(o);
+}
+
+ShadowKVPolicy shadowkv_policy() {
+  ShadowKVPolicy::Options o;
+  o.budget_tokens = 96;
+  return ShadowKVPolicy(o);
+}
+
+void require_clean(const LockstepReport& r, bool evicts = true) {
+  INFO(r.difference);
+  REQUIRE(r.difference.empty());
+  INFO("steps " << r.steps << ", plan steps " << r.plan_steps << ", fills " << r.fills << ", admitted "
+                << r.admitted << ", finished " << r.finished << ", largest batch " << r.largest_batch
+                << ", hit / miss / evicted pages " << r.hit_pages << " / " << r.miss_pages << " / "
+                << r.evicted_pages << ", worst error " << r.worst_error);
+  // The run covered what it claims: many steps of both kinds, tails filling,
+  // requests arriving and finishing, batches of several, misses and evictions.
+  CHECK(r.steps > 150);
+  CHECK(r.plan_steps > 30);
+  CHECK(r.fills > 50);
+  CHECK(r.finished > 4);
+  CHECK(r.largest_batch >= 3);
+  CHECK(r.miss_pages > 0);
+  CHECK(r.hit_pages > 0);
+  if (evicts) CHECK(r.evicted_pages > 0);
+}
+
+}  // namespace
+
+TEST_CASE("device decode emulation equals the host backend: Quest", "[device-decode-rules]") {
+  for (std::uint32_t seed : {1u, 2u}) {
+    INFO("seed " << seed);
+    require_clean(device_lockstep(quest_policy(0), seed, {}, 160));
+  }
+}
+
+TEST_CASE("device decode emulation equals the host backend: Quest with dense layers", "[device-decode-rules]") {
+  require_clean(device_lockstep(quest_policy(1), 3, {}, 160), false);  // a dense layer's heads hold their context
+}
+
+TEST_CASE("device decode emulation equals the host backend: ShadowKV", "[device-decode-rules]") {
+  for (std::uint32_t seed : {4u, 5u}) {
+    INFO("seed " << seed);
+    require_clean(device_lockstep(shadowkv_policy(), seed, {}, 160));
+  }
+}
+
+// ---- bad input ---------------------------------------------------------------
+
+namespace {
+
+// Everything a refused call must leave as it was: the buffer's bookkeeping,
+// the pools, the host tables, the device tables (the replica), the decoder's
+// launches and totals.
+struct Snapshot {
+  std::vector<std::uint32_t> lengths, tails, partitions;
+  std::uint64_t cpu_used = 0, gpu_used = 0, calls = 0, hit_pages = 0, miss_pages = 0, decode_steps = 0;
+  std::vector<std::uint32_t> meta_bits, replica_bits;
+  std::vector<PageId> slots, replica_slots;
+
+  bool operator==(const Snapshot&) const = default;
+};
+
+template <class Policy>
+Snapshot snapshot(Manager<Policy>& m, const EmulatedBackend& backend, const std::vector<RequestId>& ids) {
+  Snapshot s;
+  const ModelShape& shape = m.buffer().shape();
+  const HierarchicalPageTable& table = m.buffer().table();
+  for (RequestId id : ids) {
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      s.lengths.push_back(m.buffer().sequence_length(id, l));
+      s.tails.push_back(m.buffer().tail_tokens(id, l));
+      for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
+        s.partitions.push_back(table.partition_count(id, l, h));
+        const std::size_t inst = table.instance(id, l, h);
+        const PartitionLookup host = table.lookup();
+        for (std::uint32_t p = 0; p < host.meta.length(inst); ++p) s.meta_bits.push_back(host.meta.find(inst, p)->bits);
+        const TwoLevelView<GpuPageEntry> slots = table.gpu_page_view();
+        for (std::uint32_t i = 0; i < slots.length(inst); ++i) s.slots.push_back(slots.find(inst, i)->gpu_page);
+        if (const EmulatedDeviceDecoder* d = backend.decoder()) {
+          const PartitionLookup replica = d->replica().lookup(table);
+          for (std::uint32_t p = 0; p < replica.meta.length(inst); ++p) {
+            s.replica_bits.push_back(replica.meta.find(inst, p)->bits);
+          }
+          const TwoLevelView<GpuPageEntry> r = d->replica().gpu_page_view();
+          for (std::uint32_t i = 0; i < r.length(inst); ++i) s.replica_slots.push_back(r.find(inst, i)->gpu_page);
+        }
+      }
+    }
+  }
+  s.cpu_used = m.buffer().cpu_pool().used();
+  s.gpu_used = m.buffer().gpu_pool().used();
+  if (EmulatedDeviceDecoder* d = backend.decoder()) {
+    s.calls = d->calls();
+    s.hit_pages = d->cache_stats().hit_pages;
+    s.miss_pages = d->cache_stats().miss_pages;
+  }
+  s.decode_steps = m.stats().decode_steps;
+  return s;
+}
+
+// The code `call` throws (a sparsekv::Error naming what is wrong), or nullopt.
+template <class Call>
+std::optional<ErrorCode> refusal(Call&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    UNSCOPED_INFO("refused: " << e.what());
+    return e.code();
+  }
+  return std::nullopt;
+}
+
+// A policy with only a host Select: QuestPolicy's rules under another type,
+// which device_select() does not know (policy/device_select.hpp).
+struct HostOnlyQuest : QuestPolicy {
+  using QuestPolicy::QuestPolicy;
+};
+
+}  // namespace
+
+TEST_CASE("device-tensor API: bad input is refused before anything changes or is enqueued",
+          "[device-decode-rules]") {
+  const ModelShape shape = device_shape();
+  const Config config = device_config();
+  EmulatedDeviceMemory memory;
+  auto owned = std::make_unique<EmulatedBackend>(memory);
+  EmulatedBackend& backend = *owned;
+  Manager<QuestPolicy> m(shape, config, quest_policy(0), std::move(owned));
+  std::mt19937 rng(11);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::size_t q_row = std::size_t{shape.q_heads} * shape.head_dim;
+  const std::uint32_t prompt = 47;
+  m.add_request(1, 200);
+  m.add_request(2, 200);
+  const std::vector<std::uint16_t> host_k = random_bf16(prompt * kv_row, rng), host_v = random_bf16(prompt * kv_row, rng);
+  const EmulatedArray<std::uint16_t> k(memory, host_k), v(memory, host_v);
+
+  // Prefill: host or null pointers where device ones are required.
+  std::vector<RequestId> ids = {1, 2};
+  // The first device call makes the decoder (with both requests' tables), then refuses.
+  REQUIRE(refusal([&] { m.prefill(1, 0, host_k.data(), v.data, prompt, nullptr); }) == ErrorCode::invalid_argument);
+  REQUIRE(backend.decoder() != nullptr);
+  Snapshot before = snapshot(m, backend, ids);
+  REQUIRE(before.replica_slots == before.slots);
+  REQUIRE(refusal([&] { m.prefill(1, 0, k.data, host_v.data(), prompt, nullptr); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.prefill(1, 0, nullptr, v.data, prompt, nullptr); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.prefill(1, 0, k.data, v.data, 0, nullptr); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.prefill(9, 0, k.data, v.data, prompt, nullptr); }) == ErrorCode::not_found);
+  REQUIRE(refusal([&] { m.prefill(1, shape.layers, k.data, v.data, prompt, nullptr); }) ==
+          ErrorCode::out_of_range);
+  REQUIRE(snapshot(m, backend, ids) == before);
+
+  for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data, v.data, prompt, nullptr);
+  // Request 2 is prefilled in layer 0 only.
+  m.prefill(2, 0, k.data, v.data, prompt, nullptr);
+  REQUIRE(refusal([&] { m.prefill(1, 0, k.data, v.data, prompt, nullptr); }) == ErrorCode::failed_precondition);
+
+  const std::vector<std::uint16_t> host_q = random_bf16(2 * q_row, rng), host_new = random_bf16(2 * kv_row, rng);
+  const EmulatedArray<std::uint16_t> q(memory, host_q), kn(memory, host_new), vn(memory, host_new);
+  EmulatedArray<float> out(memory, 2 * q_row);
+  std::vector<float> host_out(2 * q_row);
+  const std::vector<RequestId> one = {1}, both = {1, 2}, twice = {1, 1}, unknown = {1, 3}, none = {};
+  // A step that succeeds first, so the replica and totals hold something.
+  m.decode(one, 0, q.data, kn.data, vn.data, out.data, nullptr);
+  before = snapshot(m, backend, ids);
+  REQUIRE(before.calls > 0);
+
+  // Host pointers where device ones are required, and null pointers.
+  REQUIRE(refusal([&] { m.decode(one, 0, host_q.data(), kn.data, vn.data, out.data, nullptr); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, host_new.data(), vn.data, out.data, nullptr); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, host_new.data(), out.data, nullptr); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, host_out.data(), nullptr); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.decode(one, 0, nullptr, kn.data, vn.data, out.data, nullptr); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, nullptr, nullptr); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.plan(one, 0, q.data, nullptr, vn.data, nullptr); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.plan(one, 0, q.data, kn.data, host_new.data(), nullptr); }) ==
+          ErrorCode::invalid_argument);
+  // Batches: empty, a request twice, an unknown request, a layer out of range.
+  REQUIRE(refusal([&] { m.decode(none, 0, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.decode(twice, 0, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.decode(unknown, 0, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+          ErrorCode::not_found);
+  REQUIRE(refusal([&] { m.decode(one, shape.layers, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+          ErrorCode::out_of_range);
+  // Decode before prefill (request 2 in layer 1), after request 1's layer 1 is fine.
+  REQUIRE(refusal([&] { m.decode(both, 1, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+          ErrorCode::failed_precondition);
+  // Mixing the APIs: this Manager serves device tensors.
+  REQUIRE(refusal([&] { m.decode(one, 0, host_q.data(), host_new.data(), host_new.data(), host_out.data()); }) ==
+          ErrorCode::failed_precondition);
+  REQUIRE(refusal([&] { m.plan(one, 0, host_q.data(), host_new.data(), host_new.data()); }) ==
+          ErrorCode::failed_precondition);
+  REQUIRE(refusal([&] { m.prefill(2, 1, host_k.data(), host_v.data(), prompt); }) == ErrorCode::failed_precondition);
+  REQUIRE(snapshot(m, backend, ids) == before);
+
+  // Batch over capacity: a batch names distinct known requests, so the
+  // Manager cannot pass more than max_requests entries; the decoder's own
+  // check (the CUDA decoder's) refuses a larger step before enqueuing.
+  DeviceStep too_big;
+  too_big.batch = config.max_requests + 1;
+  REQUIRE(refusal([&] { backend.decoder()->step(too_big); }) == ErrorCode::invalid_argument);
+  too_big.batch = 0;
+  REQUIRE(refusal([&] { backend.decoder()->step(too_big); }) == ErrorCode::invalid_argument);
+
+  // A non-finite value a step met is reported at the next call, before that
+  // call changes anything; its row was not appended.
+  std::vector<std::uint16_t> bad_new = host_new;
+  bad_new[3] = float_to_bf16(std::numeric_limits<float>::quiet_NaN());
+  const EmulatedArray<std::uint16_t> bad(memory, bad_new);
+  const std::uint32_t tail = m.buffer().tail_tokens(1, 0);
+  m.decode(one, 0, q.data, bad.data, vn.data, out.data, nullptr);
+  REQUIRE(m.buffer().tail_tokens(1, 0) == tail + 1);  // the host's bookkeeping ran: the error is the device's
+  before = snapshot(m, backend, ids);
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+          ErrorCode::invalid_argument);
+  REQUIRE(snapshot(m, backend, ids) == before);
+  m.decode(one, 0, q.data, kn.data, vn.data, out.data, nullptr);  // reported once
+}
+
+TEST_CASE("device-tensor API: a backend or policy without a device path is refused, changing nothing",
+          "[device-decode-rules]") {
+  const ModelShape shape = device_shape();
+  const Config config = device_config();
+  std::mt19937 rng(12);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::vector<std::uint16_t> host_k = random_bf16(40 * kv_row, rng);
+  EmulatedDeviceMemory memory;
+  const EmulatedArray<std::uint16_t> k(memory, host_k);
+
+  // HostBackend has no decoder: unavailable; the host API still serves.
+  Manager<QuestPolicy> plain(shape, config, quest_policy(0));
+  plain.add_request(1, 100);
+  REQUIRE(refusal([&] { plain.prefill(1, 0, k.data, k.data, 40, nullptr); }) == ErrorCode::unavailable);
+  REQUIRE(plain.buffer().sequence_length(1, 0) == 0);
+  plain.prefill(1, 0, host_k.data(), host_k.data(), 40);
+
+  // A policy with only a host Select, and Quest with multi-page partitions:
+  // invalid_argument at the first device call, before a decoder exists.
+  const auto refuses = [&](auto policy) {
+    auto owned = std::make_unique<EmulatedBackend>(memory);
+    EmulatedBackend& backend = *owned;
+    Manager<decltype(policy)> m(shape, config, policy, std::move(owned));
+    m.add_request(1, 100);
+    REQUIRE(refusal([&] { m.prefill(1, 0, k.data, k.data, 40, nullptr); }) == ErrorCode::invalid_argument);
+    REQUIRE(backend.decoder() == nullptr);
+    REQUIRE(m.buffer().sequence_length(1, 0) == 0);
+    m.prefill(1, 0, host_k.data(), host_k.data(), 40);  // the host-tensor API still serves it
+    REQUIRE(m.buffer().sequence_length(1, 0) == 40);
+  };
+  QuestPolicy::Options o;
+  o.page_tokens_per_partition = 16;
+  refuses(HostOnlyQuest(o));
+  o.page_tokens_per_partition = 32;
+  refuses(QuestPolicy(o));
+}
+
+TEST_CASE("device decode emulation: the lockstep catches planted mutations", "[device-decode-rules]") {
+  DecoderEmulation save_first;
+  save_first.append = Mutation::save_before_write;  // a full page summarised and saved without its last token
+  DecoderEmulation newest;
+  newest.summary_row_of_newest = true;  // a full page's summary lands on the previous partition's row
+  for (const auto& [name, emulation] :
+       {std::pair{"save_before_write", save_first}, std::pair{"summary_row_of_newest", newest}}) {
+    INFO(name);
+    const LockstepReport quest = device_lockstep(quest_policy(0), 1, emulation, 160);
+    const LockstepReport shadow = device_lockstep(shadowkv_policy(), 4, emulation, 160);
+    UNSCOPED_INFO(name << ": Quest " << quest.difference << "; ShadowKV " << shadow.difference);
+    CHECK_FALSE(quest.difference.empty());
+    CHECK_FALSE(shadow.difference.empty());
+  }
+}
