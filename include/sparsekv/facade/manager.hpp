@@ -488,16 +488,7 @@ class Manager {
       fail(ErrorCode::invalid_argument, "decode: q, k_new and v_new must not be null");
     }
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      const RequestState& s = state(batch[b]);
-      if (std::find(batch.begin(), batch.begin() + b, batch[b]) != batch.begin() + b) {
-        fail(ErrorCode::invalid_argument, "decode: request {} appears twice in the batch", batch[b]);
-      }
-      if (!s.layers[layer].prefilled) {
-        fail(ErrorCode::failed_precondition, "decode of request {} layer {} before its prefill", batch[b], layer);
-      }
-      if (buffer_->sequence_length(batch[b], layer) >= s.max_tokens) {
-        fail(ErrorCode::resource_exhausted, "request {} reached its max_tokens {}", batch[b], s.max_tokens);
-      }
+      check_batch_entry(batch, b, layer);
     }
     const std::size_t row = std::size_t{shape_.kv_heads} * shape_.head_dim;
     const std::size_t qd = std::size_t{shape_.q_heads} * shape_.head_dim;
@@ -687,6 +678,21 @@ class Manager {
     return static_cast<std::uint32_t>(buffer_->table().instance(request, 0, 0) / per_request);
   }
 
+  // Entry b of a decode batch, for either tensor kind: a known request, once
+  // in the batch, prefilled in `layer` and below its max_tokens.
+  void check_batch_entry(std::span<const RequestId> batch, std::size_t b, std::uint32_t layer) const {
+    const RequestState& s = state(batch[b]);
+    if (std::find(batch.begin(), batch.begin() + b, batch[b]) != batch.begin() + b) {
+      fail(ErrorCode::invalid_argument, "decode: request {} appears twice in the batch", batch[b]);
+    }
+    if (!s.layers[layer].prefilled) {
+      fail(ErrorCode::failed_precondition, "decode of request {} layer {} before its prefill", batch[b], layer);
+    }
+    if (buffer_->sequence_length(batch[b], layer) >= s.max_tokens) {
+      fail(ErrorCode::resource_exhausted, "request {} reached its max_tokens {}", batch[b], s.max_tokens);
+    }
+  }
+
   // The host's part of a device step (DeviceStep), then the decoder's launch.
   // Everything is checked before anything changes, as in step().
   void device_step(DeviceDecoder& device, std::span<const RequestId> batch, std::uint32_t layer, const void* q,
@@ -700,16 +706,7 @@ class Manager {
     std::uint64_t cpu_free = buffer_->cpu_pool().available();
     SegmentDemand segments;
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      const RequestState& s = state(batch[b]);
-      if (std::find(batch.begin(), batch.begin() + b, batch[b]) != batch.begin() + b) {
-        fail(ErrorCode::invalid_argument, "decode: request {} appears twice in the batch", batch[b]);
-      }
-      if (!s.layers[layer].prefilled) {
-        fail(ErrorCode::failed_precondition, "decode of request {} layer {} before its prefill", batch[b], layer);
-      }
-      if (buffer_->sequence_length(batch[b], layer) >= s.max_tokens) {
-        fail(ErrorCode::resource_exhausted, "request {} reached its max_tokens {}", batch[b], s.max_tokens);
-      }
+      check_batch_entry(batch, b, layer);
       if (buffer_->tail_tokens(batch[b], layer) + 1 < config_.page_tokens) continue;
       const SaveDemand demand = buffer_->save_demand(batch[b], layer);
       if (demand.saved_pages > cpu_free) {
