@@ -131,8 +131,8 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
         rng_(emulation.seed),
         layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
         replica_(buffer.table(), table_memory_, buffer.transfer()),
-        shape_{device_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads, setup.shape.head_dim,
-               setup.max_partitions_per_head} {
+        shape_{device_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads,
+               setup.shape.head_dim, setup.max_partitions_per_head} {
     cuda::check_summary_shape("DeviceSummaries", shape_);
     buffer_.transfer().synchronize();
     const ModelShape& s = setup.shape;
@@ -261,7 +261,9 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     const std::uint32_t whole = store.max_row;
     const cuda::StreamingSelect streaming{spec.budget_tokens, spec.sink_pages, setup_.page_tokens};
     std::uint32_t needed = std::min(spec.budget_tokens, whole);
-    if (spec.kind == DeviceSelectSpec::Kind::dense || (spec.kind == DeviceSelectSpec::Kind::quest && spec.dense_layer)) {
+    const bool whole_row =
+        spec.kind == DeviceSelectSpec::Kind::dense || (spec.kind == DeviceSelectSpec::Kind::quest && spec.dense_layer);
+    if (whole_row) {
       needed = whole;
     } else if (spec.kind == DeviceSelectSpec::Kind::streaming) {
       needed = static_cast<std::uint32_t>(std::min<std::uint64_t>(
