@@ -5,7 +5,8 @@
 // same order, each launch replaced by the host emulation of its kernel that
 // the kernel's own rules test checks:
 //   0. the step's arguments (first / count / summary rows per row, the save
-//      pages' addresses, the replica writes of the saved pages' meta entries);
+//      pages' addresses, the replica writes of the saved pages' meta entries),
+//      by the CUDA decoder's own fill_device_step_arguments;
 //   1. apply_replica_write on a GpuTablesReplica kept in host memory;
 //   2. the append kernel with its summaries (append_test_data.hpp) into a
 //      DeviceSummaries-shaped store (one HostRows per layer: SummaryShape's
@@ -44,6 +45,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/facade/backend.hpp"
 #include "sparsekv/facade/device_decoder.hpp"
+#include "sparsekv/facade/device_step_arguments.hpp"
 #include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "sparsekv/metadata/replica_writes_cuda.hpp"
 #include "sparsekv/policy/device_summaries.hpp"
@@ -129,14 +131,14 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
         rng_(emulation.seed),
         layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
         replica_(buffer.table(), table_memory_, buffer.transfer()),
-        shape_{setup.select == DeviceSelectSpec::Kind::quest ? cuda::AppendSummary::quest
-                                                             : cuda::AppendSummary::shadowkv,
-               setup.shape.layers, setup.max_requests, setup.shape.kv_heads, setup.shape.head_dim,
-               setup.max_partitions_per_head} {
+        shape_{device_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads,
+               setup.shape.head_dim, setup.max_partitions_per_head} {
     cuda::check_summary_shape("DeviceSummaries", shape_);
     buffer_.transfer().synchronize();
     const ModelShape& s = setup.shape;
     const std::size_t candidates = shape_.candidates();
+    // The tokens kind keeps token counts alone (no summary arrays).
+    const bool summarized = shape_.kind != cuda::AppendSummary::tokens;
     const std::size_t b_width = shape_.kind == cuda::AppendSummary::quest ? s.head_dim : 1;
     for (std::uint32_t l = 0; l < s.layers; ++l) {
       HostRows store;
@@ -145,8 +147,10 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
       store.head_dim = s.head_dim;
       store.b_width = static_cast<std::uint32_t>(b_width);
       store.max_row = setup.max_partitions_per_head;
-      store.a.assign(candidates * s.head_dim, 0.0f);
-      store.b.assign(candidates * b_width, 0.0f);
+      if (summarized) {
+        store.a.assign(candidates * s.head_dim, 0.0f);
+        store.b.assign(candidates * b_width, 0.0f);
+      }
       store.tokens.assign(candidates, 0);
       store.partitions.resize(candidates);
       for (std::size_t c = 0; c < candidates; ++c) store.partitions[c] = static_cast<PartitionId>(c % shape_.capacity);
@@ -210,7 +214,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
           for (std::uint32_t d = 0; d < dim; ++d) {
             page_min_max_channel(key, count, d, s.dtype, store.a[c * dim + d], store.b[c * dim + d]);
           }
-        } else {
+        } else if (shape_.kind == cuda::AppendSummary::shadowkv) {
           for (std::uint32_t d = 0; d < dim; ++d) landmark[d] = store.a[c * dim + d] = page_mean_channel(key, count, d, s.dtype);
           const float norm = sqrt_rn(dot_in_order(landmark.data(), landmark.data(), dim));
           float lowest = kOutlierScoreStart;
@@ -230,45 +234,48 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     if (step.batch == 0 || step.batch > setup_.max_batch) {
       fail(ErrorCode::invalid_argument, "decode: batch of {} outside [1, {}]", step.batch, setup_.max_batch);
     }
+    if (device_summary_kind(step.select.kind) != shape_.kind) {
+      fail(ErrorCode::invalid_argument, "decode: layer {}'s Select reads other summaries than the decoder keeps",
+           step.layer);
+    }
     const std::uint32_t rows = step.batch * s.kv_heads;
-    const std::uint32_t max_writes = 3 * setup_.max_batch * s.kv_heads;
+    const std::uint32_t max_writes = device_step_max_writes(setup_.max_batch * s.kv_heads);
 
-    // 0. The step's arguments (CudaDeviceDecoder::fill_arguments).
-    std::vector<std::uint32_t> first(rows), summary_rows(rows);
+    // 0. The step's arguments: the CUDA decoder's own fill_device_step_arguments.
+    std::vector<std::uint32_t> tail_slots(step.batch), tail_tokens(rows), first(rows), count(rows), summary_rows(rows);
+    std::vector<PageId> tail_pages(rows);
+    std::vector<std::size_t> instances(rows);
     std::vector<std::byte*> cpu_pages(rows, nullptr);
-    writes_.clear();
-    for (std::uint32_t r = 0; r < rows; ++r) {
-      const std::uint32_t b = r / s.kv_heads;
-      const std::uint32_t region = shape_.region(step.request_slots[b], r % s.kv_heads);
-      first[r] = region;
-      summary_rows[r] = region + step.candidates[r] - (emulation_.summary_row_of_newest ? 1 : 0);
-      const bool saves = step.save_pages[r] != kInvalidPage;
-      cpu_pages[r] = saves ? const_cast<std::byte*>(buffer_.cpu_pool().data(step.save_pages[r])) : nullptr;
-      if (saves) replica_.meta_entry_writes(buffer_.table(), step.instances[r], step.candidates[r], 1, writes_);
+    std::vector<ReplicaWordWrite> writes(max_writes);
+    std::uint32_t write_count = 0;
+    fill_device_step_arguments(step, s.kv_heads, shape_, buffer_.cpu_pool(), replica_, buffer_.table(), writes_,
+                               DeviceStepArguments{tail_slots, tail_pages, tail_tokens, first, count, summary_rows,
+                                                   instances, cpu_pages, writes, &write_count});
+    if (emulation_.summary_row_of_newest) {
+      for (std::uint32_t r = 0; r < rows; ++r) --summary_rows[r];
     }
-    if (writes_.size() > max_writes) {
-      fail(ErrorCode::resource_exhausted, "decode: {} table writes exceed the step's {}", writes_.size(), max_writes);
-    }
-    const std::vector<std::uint32_t> tail_slots(step.tail_slots.begin(), step.tail_slots.end());
-    const std::vector<PageId> tail_pages(step.tail_pages.begin(), step.tail_pages.end());
-    const std::vector<std::uint32_t> tail_tokens(step.tail_tokens.begin(), step.tail_tokens.end());
-    const std::vector<std::size_t> instances(step.instances.begin(), step.instances.end());
     HostRows& store = stores_[step.layer];
     const DeviceSelectSpec& spec = step.select;
     const std::uint32_t max_selected = setup_.max_selected_per_head;
     // The select entry points' host check (select_kernels.cu: capacity()).
     const std::uint32_t whole = store.max_row;
-    const std::uint32_t needed = spec.kind == DeviceSelectSpec::Kind::quest && spec.dense_layer
-                                     ? whole
-                                     : std::min(spec.budget_tokens, whole);
+    const cuda::StreamingSelect streaming{spec.budget_tokens, spec.sink_pages, setup_.page_tokens};
+    std::uint32_t needed = std::min(spec.budget_tokens, whole);
+    const bool whole_row =
+        spec.kind == DeviceSelectSpec::Kind::dense || (spec.kind == DeviceSelectSpec::Kind::quest && spec.dense_layer);
+    if (whole_row) {
+      needed = whole;
+    } else if (spec.kind == DeviceSelectSpec::Kind::streaming) {
+      needed = static_cast<std::uint32_t>(std::min<std::uint64_t>(
+          whole, (std::uint64_t{spec.budget_tokens} + streaming.page_tokens - 1) / streaming.page_tokens));
+    }
     if (max_selected < needed) {
       fail(ErrorCode::invalid_argument, "select: max_selected {} below the {} a selection may hold", max_selected,
            needed);
     }
 
     // 1. The meta entries of the saved pages into the replica.
-    const auto write_count = static_cast<std::uint32_t>(writes_.size());
-    for (std::uint32_t i = 0; i < max_writes; ++i) cuda::apply_replica_write(writes_.data(), write_count, max_writes, i);
+    for (std::uint32_t i = 0; i < max_writes; ++i) cuda::apply_replica_write(writes.data(), write_count, max_writes, i);
 
     // 2. Append (+ summaries and save of full tails).
     cuda::DeviceAppend append;
@@ -294,7 +301,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     if (shape_.kind == cuda::AppendSummary::quest) {
       summaries.min = store.a.data();
       summaries.max = store.b.data();
-    } else {
+    } else if (shape_.kind == cuda::AppendSummary::shadowkv) {
       summaries.mean = store.a.data();
       summaries.outlier_score = store.b.data();
     }
@@ -306,20 +313,31 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
 
     // 3. Select over the summaries, on the state before this step's save.
     store.first = first;
-    store.count.assign(step.candidates.begin(), step.candidates.end());
+    store.count = count;
     store.q.assign(q_.begin(), q_.begin() + std::ptrdiff_t{step.batch} * s.q_heads * s.head_dim);
     std::vector<PartitionId> selected(std::size_t{rows} * max_selected, kInvalidPartition);
     std::vector<std::uint32_t> selected_count(rows);
     selections_.assign(rows, {});
     for (std::uint32_t r = 0; r < rows; ++r) {
       std::vector<PartitionId> chosen;
-      if (spec.kind == DeviceSelectSpec::Kind::quest) {
-        chosen = emulate_quest(emulation_.select, store, r,
-                               cuda::QuestSelect{nullptr, nullptr, spec.budget_tokens, spec.dense_layer});
-      } else {
-        chosen = emulate_shadowkv(
-            emulation_.select, store, r,
-            cuda::ShadowKVSelect{nullptr, nullptr, spec.budget_tokens, spec.recent_tokens, spec.outlier_pages});
+      switch (spec.kind) {
+        case DeviceSelectSpec::Kind::quest:
+          chosen = emulate_quest(emulation_.select, store, r,
+                                 cuda::QuestSelect{nullptr, nullptr, spec.budget_tokens, spec.dense_layer});
+          break;
+        case DeviceSelectSpec::Kind::shadowkv:
+          chosen = emulate_shadowkv(
+              emulation_.select, store, r,
+              cuda::ShadowKVSelect{nullptr, nullptr, spec.budget_tokens, spec.recent_tokens, spec.outlier_pages});
+          break;
+        case DeviceSelectSpec::Kind::streaming:
+          chosen = emulate_positional(emulation_.select, store, r, &streaming);
+          break;
+        case DeviceSelectSpec::Kind::dense:
+          chosen = emulate_positional(emulation_.select, store, r, nullptr);
+          break;
+        case DeviceSelectSpec::Kind::none:
+          break;  // refused above (device_summary_kind)
       }
       // A kernel writes at most max_selected (its capacity check above guarantees the room).
       if (chosen.size() > max_selected) chosen.resize(max_selected);

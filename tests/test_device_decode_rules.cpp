@@ -357,6 +357,15 @@ ShadowKVPolicy shadowkv_policy() {
   return ShadowKVPolicy(o);
 }
 
+// A window smaller than most contexts, sinks reaching into a second page:
+// selections with a gap between the sinks and the window.
+StreamingWindowPolicy streaming_policy() {
+  StreamingWindowPolicy::Options o;
+  o.budget_tokens = 96;
+  o.sink_tokens = 20;
+  return StreamingWindowPolicy(o);
+}
+
 void require_clean(const LockstepReport& r, bool evicts = true) {
   INFO(r.difference);
   REQUIRE(r.difference.empty());
@@ -394,6 +403,21 @@ TEST_CASE("device decode emulation equals the host backend: ShadowKV", "[device-
     INFO("seed " << seed);
     require_clean(device_lockstep(shadowkv_policy(), seed, {}, 160));
   }
+}
+
+TEST_CASE("device decode emulation equals the host backend: StreamingWindow", "[device-decode-rules]") {
+  for (std::uint32_t seed : {6u, 7u}) {
+    INFO("seed " << seed);
+    // The heads' windows fit their GPU buffers: the LRU never evicts here
+    // (the Quest and ShadowKV cases cover eviction).
+    require_clean(device_lockstep(streaming_policy(), seed, {}, 160), false);
+  }
+}
+
+TEST_CASE("device decode emulation equals the host backend: Dense", "[device-decode-rules]") {
+  // No eviction, as for StreamingWindow; 200 steps, as 160 fill too few tails
+  // (fewer requests are admitted at once).
+  require_clean(device_lockstep(DensePolicy(), 8, {}, 200), false);
 }
 
 // ---- bad input ---------------------------------------------------------------

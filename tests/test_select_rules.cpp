@@ -302,22 +302,6 @@ Sweep store_sweep(const Emulation& e, std::uint32_t seed) {
 
 // ---- the positional selections: StreamingWindow and Dense ---------------------------
 
-// positional_select_kernel for row r: the row's span, thread 0's zone
-// (streaming_zone; Dense: {0, 0}), then the zone's j-th candidate's id at j.
-std::vector<PartitionId> emulate_positional(const Emulation& e, const HostRows& rows, std::uint32_t r,
-                                            const cuda::StreamingSelect* streaming) {
-  const cuda::SelectRowSpan span = row_span(e, rows, r);
-  PositionalZone zone;
-  if (streaming != nullptr) {
-    const std::uint32_t* tokens = rows.tokens.data() + span.first;
-    zone = streaming_zone(
-        span.n, [&](std::uint32_t i) { return tokens[i]; }, streaming->sink_pages, streaming->budget_tokens);
-  }
-  std::vector<PartitionId> out(positional_count(zone, span.n));
-  for (std::uint32_t j = 0; j < out.size(); ++j) out[j] = rows.partitions[span.first + positional_candidate(zone, j)];
-  return out;
-}
-
 // The shapes of the streaming selections a sweep met: a gap between the
 // sinks and the window (the policy's point), a window alone, everything.
 struct PositionalSweep {

@@ -18,6 +18,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/facade/attend_plan_cuda.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
+#include "sparsekv/facade/device_step_arguments.hpp"
 #include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "sparsekv/metadata/replica_writes_cuda.hpp"
 #include "sparsekv/policy/append_summaries_cuda.hpp"
@@ -89,9 +90,7 @@ struct ArgsLayout {
       writes, bytes;
   std::uint32_t max_writes;
   ArgsLayout(std::uint32_t batch, std::uint32_t rows) {
-    // A filling row appends one meta entry: its word, its length and at most
-    // one new directory slot.
-    max_writes = 3 * rows;
+    max_writes = device_step_max_writes(rows);
     std::size_t at = 0;
     const auto take = [&](std::size_t bytes) {
       const std::size_t here = at;
@@ -125,22 +124,6 @@ constexpr std::size_t kStageMarks = 6;
 // (two slots) and let the copy of one piece overlap the scatter of the last.
 constexpr std::size_t kPromptPieceBytes = std::size_t{32} << 20;
 
-// The summaries a Select kind reads: the positional kinds only token counts.
-AppendSummary summary_kind(DeviceSelectSpec::Kind kind) {
-  switch (kind) {
-    case DeviceSelectSpec::Kind::quest:
-      return AppendSummary::quest;
-    case DeviceSelectSpec::Kind::shadowkv:
-      return AppendSummary::shadowkv;
-    case DeviceSelectSpec::Kind::streaming:
-    case DeviceSelectSpec::Kind::dense:
-      return AppendSummary::tokens;
-    case DeviceSelectSpec::Kind::none:
-      break;
-  }
-  fail(ErrorCode::invalid_argument, "DeviceDecoder: Select kind {} has no device Select", static_cast<int>(kind));
-}
-
 class CudaDeviceDecoder final : public DeviceDecoder {
  public:
   CudaDeviceDecoder(const DeviceDecoderSetup& setup, TieredKVBuffer& buffer, DeviceMemoryResource& device_memory)
@@ -150,7 +133,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
         rows_(setup.max_batch * setup.shape.kv_heads),
         args_(setup.max_batch, rows_),
         replica_(buffer.table(), device_memory, buffer.transfer()),
-        summaries_(summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads, setup.shape.head_dim,
+        summaries_(device_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads, setup.shape.head_dim,
                    setup.max_partitions_per_head) {
     buffer_.transfer().synchronize();  // the replica's directory copy
     const ModelShape& s = setup.shape;
@@ -265,7 +248,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     if (step.batch == 0 || step.batch > setup_.max_batch) {
       fail(ErrorCode::invalid_argument, "decode: batch of {} outside [1, {}]", step.batch, setup_.max_batch);
     }
-    if (summary_kind(step.select.kind) != summaries_.shape().kind) {
+    if (device_summary_kind(step.select.kind) != summaries_.shape().kind) {
       fail(ErrorCode::invalid_argument, "decode: layer {}'s Select reads other summaries than the decoder keeps",
            step.layer);
     }
@@ -562,29 +545,22 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     std::copy(chunks.begin(), chunks.end(), chunk_bases_.as<std::byte*>());
   }
 
+  // The step's arguments into a slot, laid out as args_ says.
   void fill_arguments(const DeviceStep& step, std::byte* slot) {
-    const ModelShape& s = setup_.shape;
-    const std::uint32_t rows = step.batch * s.kv_heads;
-    std::copy(step.tail_slots.begin(), step.tail_slots.end(), at<std::uint32_t>(slot, args_.tail_slots));
-    std::copy(step.tail_pages.begin(), step.tail_pages.end(), at<PageId>(slot, args_.tail_pages));
-    std::copy(step.tail_tokens.begin(), step.tail_tokens.end(), at<std::uint32_t>(slot, args_.tail_tokens));
-    std::copy(step.candidates.begin(), step.candidates.end(), at<std::uint32_t>(slot, args_.count));
-    std::copy(step.instances.begin(), step.instances.end(), at<std::size_t>(slot, args_.instances));
-    writes_.clear();
-    for (std::uint32_t r = 0; r < rows; ++r) {
-      const std::uint32_t b = r / s.kv_heads;
-      const std::uint32_t region = summaries_.region(step.request_slots[b], r % s.kv_heads);
-      at<std::uint32_t>(slot, args_.first)[r] = region;
-      at<std::uint32_t>(slot, args_.summary_rows)[r] = region + step.candidates[r];
-      const bool saves = step.save_pages[r] != kInvalidPage;
-      at<std::byte*>(slot, args_.cpu_pages)[r] = saves ? const_cast<std::byte*>(buffer_.cpu_pool().data(step.save_pages[r])) : nullptr;
-      if (saves) replica_.meta_entry_writes(buffer_.table(), step.instances[r], step.candidates[r], 1, writes_);
-    }
-    if (writes_.size() > args_.max_writes) {
-      fail(ErrorCode::resource_exhausted, "decode: {} table writes exceed the step's {}", writes_.size(), args_.max_writes);
-    }
-    *at<std::uint32_t>(slot, args_.write_count) = static_cast<std::uint32_t>(writes_.size());
-    std::copy(writes_.begin(), writes_.end(), at<ReplicaWordWrite>(slot, args_.writes));
+    const std::uint32_t batch = setup_.max_batch;
+    DeviceStepArguments a;
+    a.tail_slots = {at<std::uint32_t>(slot, args_.tail_slots), batch};
+    a.tail_pages = {at<PageId>(slot, args_.tail_pages), rows_};
+    a.tail_tokens = {at<std::uint32_t>(slot, args_.tail_tokens), rows_};
+    a.first = {at<std::uint32_t>(slot, args_.first), rows_};
+    a.count = {at<std::uint32_t>(slot, args_.count), rows_};
+    a.summary_rows = {at<std::uint32_t>(slot, args_.summary_rows), rows_};
+    a.instances = {at<std::size_t>(slot, args_.instances), rows_};
+    a.cpu_pages = {at<std::byte*>(slot, args_.cpu_pages), rows_};
+    a.writes = {at<ReplicaWordWrite>(slot, args_.writes), args_.max_writes};
+    a.write_count = at<std::uint32_t>(slot, args_.write_count);
+    fill_device_step_arguments(step, setup_.shape.kv_heads, summaries_.shape(), buffer_.cpu_pool(), replica_,
+                               buffer_.table(), writes_, a);
   }
 
   DeviceDecoderSetup setup_;

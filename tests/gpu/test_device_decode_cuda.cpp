@@ -160,6 +160,14 @@ TEST_CASE("device-tensor decode equals the host backend (Quest, ShadowKV)", "[gp
   run_lockstep(ShadowKVPolicy(shadow), 2);
 }
 
+TEST_CASE("device-tensor decode equals the host backend (StreamingWindow, Dense)", "[gpu][device-decode]") {
+  StreamingWindowPolicy::Options streaming;
+  streaming.budget_tokens = 256;
+  streaming.sink_tokens = 20;  // sinks reaching into a second page
+  run_lockstep(StreamingWindowPolicy(streaming), 3);
+  run_lockstep(DensePolicy(), 4);
+}
+
 TEST_CASE("device-tensor decode: one layer's step captured in a CUDA graph equals the eager step",
           "[gpu][device-decode]") {
   const ModelShape shape = device_shape();

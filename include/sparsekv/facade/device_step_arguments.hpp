@@ -1,0 +1,89 @@
+#pragma once
+// The host's part of a device decode step (facade/device_decoder.hpp): the
+// per-row arguments its launches read, computed from the DeviceStep, the
+// summary store's regions, the CPU tier and the page table. Host-only; the
+// CUDA decoder (cuda/facade/device_decoder.cpp) writes them into a pinned
+// slot and the CI emulation (tests/device_decoder_emulation.hpp) into host
+// vectors, so the emulation runs this very code rather than a copy of it.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/facade/device_decoder.hpp"
+#include "sparsekv/memory/page_pool.hpp"
+#include "sparsekv/metadata/gpu_tables_replica.hpp"
+#include "sparsekv/policy/device_summaries.hpp"
+
+namespace sparsekv {
+
+// The summaries a Select kind reads: the positional kinds only token counts.
+// Throws invalid_argument for a kind with no device Select.
+inline cuda::AppendSummary device_summary_kind(DeviceSelectSpec::Kind kind) {
+  switch (kind) {
+    case DeviceSelectSpec::Kind::quest:
+      return cuda::AppendSummary::quest;
+    case DeviceSelectSpec::Kind::shadowkv:
+      return cuda::AppendSummary::shadowkv;
+    case DeviceSelectSpec::Kind::streaming:
+    case DeviceSelectSpec::Kind::dense:
+      return cuda::AppendSummary::tokens;
+    case DeviceSelectSpec::Kind::none:
+      break;
+  }
+  fail(ErrorCode::invalid_argument, "DeviceDecoder: Select kind {} has no device Select", static_cast<int>(kind));
+}
+
+// Replica writes one step may carry: a filling row appends one meta entry --
+// its word, its length and at most one new directory slot.
+constexpr std::uint32_t device_step_max_writes(std::uint32_t rows) noexcept { return 3 * rows; }
+
+// Where the arguments go, rows = batch * kv_heads of the decoder's largest
+// batch (a step fills the first batch / rows entries).
+struct DeviceStepArguments {
+  std::span<std::uint32_t> tail_slots;    // [batch]
+  std::span<PageId> tail_pages;           // [rows]
+  std::span<std::uint32_t> tail_tokens;   // [rows]
+  std::span<std::uint32_t> first;         // [rows]: SelectRows::first, the row's summary region
+  std::span<std::uint32_t> count;         // [rows]: SelectRows::count, the candidates
+  std::span<std::uint32_t> summary_rows;  // [rows]: AppendSummaries::rows, the tail page's candidate
+  std::span<std::size_t> instances;       // [rows]
+  std::span<std::byte*> cpu_pages;        // [rows]: the save page's CPU address, null when none
+  std::span<ReplicaWordWrite> writes;     // [max_writes]
+  std::uint32_t* write_count = nullptr;
+};
+
+// Fills `out` for `step`; `scratch` holds the writes while they are counted.
+// Throws resource_exhausted when the saved pages' meta entries need more
+// writes than out.writes holds (before anything is written there).
+inline void fill_device_step_arguments(const DeviceStep& step, std::uint32_t kv_heads,
+                                       const cuda::SummaryShape& summaries, const PagePool& cpu,
+                                       const GpuTablesReplica& replica, const HierarchicalPageTable& table,
+                                       std::vector<ReplicaWordWrite>& scratch, const DeviceStepArguments& out) {
+  const std::uint32_t rows = step.batch * kv_heads;
+  std::copy(step.tail_slots.begin(), step.tail_slots.end(), out.tail_slots.begin());
+  std::copy(step.tail_pages.begin(), step.tail_pages.end(), out.tail_pages.begin());
+  std::copy(step.tail_tokens.begin(), step.tail_tokens.end(), out.tail_tokens.begin());
+  std::copy(step.candidates.begin(), step.candidates.end(), out.count.begin());
+  std::copy(step.instances.begin(), step.instances.end(), out.instances.begin());
+  scratch.clear();
+  for (std::uint32_t r = 0; r < rows; ++r) {
+    const std::uint32_t region = summaries.region(step.request_slots[r / kv_heads], r % kv_heads);
+    out.first[r] = region;
+    // The tail page is the row's next partition: the one after its candidates.
+    out.summary_rows[r] = region + step.candidates[r];
+    const bool saves = step.save_pages[r] != kInvalidPage;
+    out.cpu_pages[r] = saves ? const_cast<std::byte*>(cpu.data(step.save_pages[r])) : nullptr;
+    if (saves) replica.meta_entry_writes(table, step.instances[r], step.candidates[r], 1, scratch);
+  }
+  if (scratch.size() > out.writes.size()) {
+    fail(ErrorCode::resource_exhausted, "decode: {} table writes exceed the step's {}", scratch.size(),
+         out.writes.size());
+  }
+  *out.write_count = static_cast<std::uint32_t>(scratch.size());
+  std::copy(scratch.begin(), scratch.end(), out.writes.begin());
+}
+
+}  // namespace sparsekv
