@@ -94,6 +94,14 @@ inline void emulate(const DeviceAppend& a, const AppendSummaries& s, std::uint32
           float lowest = kOutlierScoreStart;
           for (float c : cosine) lowest = fold_min(lowest, c);
           s.outlier_score[row] = lowest;
+        } else if (s.kind == AppendSummary::retroinfer) {
+          const cuda::PageValueRows value{cuda::append_tail_page(a, b, h), l};
+          for (std::uint32_t t = 0; t < kAppendThreads; ++t) {
+            for (std::uint32_t d = t; d < dim; d += kAppendThreads) {
+              page_key_mean_value_sum_channel(key, value, l.page_tokens, d, l.dtype, s.centroid[row * dim + d],
+                                              s.value_sum[row * dim + d]);
+            }
+          }
         }
         for (std::uint32_t t = 0; t < kAppendThreads; ++t) {
           for (std::size_t v = t; v < cuda::append_page_vectors(l); v += kAppendThreads) cuda::append_save_vector(a, b, h, v);

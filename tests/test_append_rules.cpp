@@ -4,9 +4,8 @@
 // over dimensions and 16-byte vectors, the warp / block / atomicMin reduction
 // of the error word -- built from the per-thread steps the kernel calls,
 // against the host path: TieredKVBuffer::append (tail rows, the saved page),
-// QuestPolicy / ShadowKVPolicy::append (the page's summaries and token
-// count) and the
-// facade's finiteness check (the first bad value it names). Planted mutations
+// QuestPolicy / ShadowKVPolicy / RetroInferPolicy::append (the page's
+// summaries and token count) and the facade's finiteness check (the first bad value it names). Planted mutations
 // of the emulation must be caught.
 #include <algorithm>
 #include <array>
@@ -25,6 +24,7 @@
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/policy/append_summaries_cuda.hpp"
 #include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/shadowkv.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "test_support.hpp"
@@ -147,8 +147,8 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
   AppendSummaries s;
   s.kind = tr.kind;
   s.rows = rows.data();
-  s.min = s.mean = first.data();
-  s.max = second.data();
+  s.min = s.mean = s.centroid = first.data();
+  s.max = s.value_sum = second.data();
   s.outlier_score = score.data();
   s.tokens = rng() % 4 != 0 ? tokens.data() : nullptr;  // optional: mostly kept
   emulate(a, s, 1 + rng() % (items + 2), mutation);
@@ -194,12 +194,18 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
     const QuestPolicy quest(quest_options);
     QuestPolicy::LayerState quest_state;
     ShadowKVPolicy::LayerState shadow_state;
+    RetroInferPolicy::LayerState retro_state;
     if (fills && tr.kind == AppendSummary::quest) {
       quest.index(first_ctx, indexed, quest_state);
       quest.append(ctx, appended, quest_state);
     } else if (fills && tr.kind == AppendSummary::shadowkv) {
       ShadowKVPolicy().index(first_ctx, indexed, shadow_state);
       ShadowKVPolicy().append(ctx, appended, shadow_state);
+    } else if (fills && tr.kind == AppendSummary::retroinfer) {
+      // The prompt is the sink and one recent page (or the sink alone): the page takes the next id.
+      RetroInferPolicy().index(first_ctx, indexed, retro_state);
+      const AppendedPage next{page, std::vector<PartitionId>(tr.kv_heads, retro_state.heads[0].partitions)};
+      RetroInferPolicy().append(ctx, next, retro_state);
     }
     for (std::uint32_t h = 0; h < tr.kv_heads; ++h) {
       const std::uint32_t i = b * tr.kv_heads + h;
@@ -234,11 +240,19 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
         expect(same_bits(summary_row(first, rows[i], tr.dim), summary_row(shadow_state.landmarks[h], 1, tr.dim)),
                "shadowkv landmark");
         expect(same_bits(score[rows[i]], shadow_state.outlier_score[h][1]), "shadowkv outlier score");
+      } else if (tr.kind == AppendSummary::retroinfer) {
+        const RetroInferPolicy::HeadState& head = retro_state.heads[h];
+        const std::size_t last = head.recent.size() - 1;
+        expect(same_bits(summary_row(first, rows[i], tr.dim), summary_row(head.recent_centroids, last, tr.dim)),
+               "retroinfer centroid");
+        expect(same_bits(summary_row(second, rows[i], tr.dim), summary_row(head.recent_value_sums, last, tr.dim)),
+               "retroinfer value sum");
       }
       // The page's token count, as the policy's state records it.
-      const std::uint32_t want_tokens = tr.kind == AppendSummary::quest      ? quest_state.tokens.at(1)
-                                        : tr.kind == AppendSummary::shadowkv ? shadow_state.tokens.at(1)
-                                                                             : no_tokens;
+      std::uint32_t want_tokens = no_tokens;
+      if (tr.kind == AppendSummary::quest) want_tokens = quest_state.tokens.at(1);
+      if (tr.kind == AppendSummary::shadowkv) want_tokens = shadow_state.tokens.at(1);
+      if (tr.kind == AppendSummary::retroinfer) want_tokens = retro_state.heads[h].recent.back().tokens;
       expect(tokens[rows[i]] == (s.tokens == nullptr ? no_tokens : want_tokens), "page token count");
     }
   }
@@ -247,18 +261,66 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
 
 Trial random_trial(std::mt19937& rng, bool with_errors) {
   const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
-  const AppendSummary kinds[] = {AppendSummary::none, AppendSummary::quest, AppendSummary::shadowkv};
+  const AppendSummary kinds[] = {AppendSummary::none, AppendSummary::quest, AppendSummary::shadowkv,
+                                 AppendSummary::retroinfer};
   return Trial{dtypes[rng() % 3],
                1 + static_cast<std::uint32_t>(rng() % 5),
                1u << (rng() % 3),
                1 + static_cast<std::uint32_t>(rng() % 2),
                rng() % 2 ? 64u : 128u,
                1u << (rng() % 6),  // Config takes powers of two up to 32 here
-               kinds[rng() % 3],
+               kinds[rng() % 4],
                with_errors ? 1 + static_cast<std::uint32_t>(rng() % 4) : 0};
 }
 
 }  // namespace
+
+// The append kernel's pages hold a power of two of tokens (Config), where
+// sum * float(1 / n) and sum / n agree; the step itself takes any count.
+TEST_CASE("RetroInfer's page summary step equals RetroInferPolicy::append at any page size", "[append-rules]") {
+  std::mt19937 rng(16);
+  const std::uint32_t kv_heads = 2, dim = 24;
+  for (const DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+    for (const std::uint32_t page_tokens : {1u, 3u, 5u, 7u, 12u, 31u}) {
+      CAPTURE(to_string(dtype), page_tokens);
+      const std::size_t n = std::size_t{page_tokens} * kv_heads * dim;
+      // [token][kv head][dim], as stored: what the policy sees.
+      const auto keys_stored = encode(test::random_values(n, rng), dtype);
+      const auto values_stored = encode(test::random_values(n, rng, 4.0f), dtype);
+      const std::vector<float> keys = decode(keys_stored.data(), n, dtype);
+      const std::vector<float> values = decode(values_stored.data(), n, dtype);
+      const LayerContext first_ctx{0, 1, kv_heads, kv_heads, dim, page_tokens, page_tokens};
+      const LayerContext ctx{0, 1, kv_heads, kv_heads, dim, page_tokens, 2 * page_tokens};
+      RetroInferPolicy::LayerState state;
+      RetroInferPolicy().index(first_ctx, KvView{keys, values, page_tokens, kv_heads, dim, 0}, state);
+      const AppendedPage page{KvView{keys, values, page_tokens, kv_heads, dim, page_tokens},
+                              std::vector<PartitionId>(kv_heads, state.heads[0].partitions)};
+      RetroInferPolicy().append(ctx, page, state);
+      const PageLayout layout{page_tokens, dim, dtype};
+      std::vector<std::byte> bytes(layout.page_bytes());
+      for (std::uint32_t h = 0; h < kv_heads; ++h) {
+        for (std::uint32_t t = 0; t < page_tokens; ++t) {
+          for (std::uint32_t d = 0; d < dim; ++d) {
+            const std::size_t at = (std::size_t{t} * kv_heads + h) * dim + d;
+            store_element(bytes.data() + layout.k_offset(t), d, dtype, keys[at]);
+            store_element(bytes.data() + layout.v_offset(t), d, dtype, values[at]);
+          }
+        }
+        std::vector<float> centroid(dim), value_sum(dim);
+        for (std::uint32_t d = 0; d < dim; ++d) {
+          page_key_mean_value_sum_channel(PageKeyRows{bytes.data(), layout}, PageValueRows{bytes.data(), layout},
+                                          page_tokens, d, dtype, centroid[d], value_sum[d]);
+        }
+        const RetroInferPolicy::HeadState& head = state.heads[h];
+        const auto last = static_cast<std::ptrdiff_t>((head.recent.size() - 1) * dim);
+        CHECK(same_bits(centroid, std::vector<float>(head.recent_centroids.begin() + last,
+                                                     head.recent_centroids.begin() + last + dim)));
+        CHECK(same_bits(value_sum, std::vector<float>(head.recent_value_sums.begin() + last,
+                                                      head.recent_value_sums.begin() + last + dim)));
+      }
+    }
+  }
+}
 
 TEST_CASE("error word: keys order as the facade scans and decode back", "[append-rules]") {
   const auto q = append_error_key(3, AppendTensor::q, 5, 7);

@@ -2,9 +2,10 @@
 // The append kernel of buffer/device_append_cuda.hpp, templated on what it
 // computes for a full tail page before saving it. The buffer layer
 // instantiates it with NoPageSummary (cuda/buffer/append_kernels.cu); the
-// policy layer, which owns the summary rules, with Quest's and ShadowKV's
-// (cuda/policy/append_summaries_kernels.cu). So one launch still does the
-// whole step, and no buffer-layer file includes a policy header.
+// policy layer, which owns the summary rules, with Quest's, ShadowKV's and
+// RetroInfer's (cuda/policy/append_summaries_kernels.cu). So one launch
+// still does the whole step, and no buffer-layer file includes a policy
+// header.
 //
 // A Summary has `std::size_t shared_bytes(const PageLayout&) const` (dynamic
 // shared memory) and `__device__ void operator()(const DeviceAppend&, b, h,

@@ -1,8 +1,8 @@
-// Appends on the device with the full pages' Quest or ShadowKV summaries, or
-// their token counts alone (policy/append_summaries_cuda.hpp): the buffer
-// layer's append kernel instantiated with the per-thread summary steps of
-// page_summaries.hpp, split over the block as the index kernels split them
-// (index_kernels.cu).
+// Appends on the device with the full pages' Quest, ShadowKV or RetroInfer
+// summaries, or their token counts alone (policy/append_summaries_cuda.hpp):
+// the buffer layer's append kernel instantiated with the per-thread summary
+// steps of page_summaries.hpp, split over the block as the index kernels
+// split them (index_kernels.cu).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -78,6 +78,27 @@ struct ShadowKVPageSummary {
   }
 };
 
+// Threads over dimensions, each folding its channel of keys and values over the page's tokens.
+struct RetroInferPageSummary {
+  const std::uint32_t* rows;
+  float* centroid;
+  float* value_sum;
+  std::uint32_t* tokens;
+  std::size_t shared_bytes(const PageLayout&) const { return 0; }
+  __device__ void operator()(const DeviceAppend& a, std::uint32_t b, std::uint32_t h, float*) const {
+    const std::byte* page = append_tail_page(a, b, h);
+    const PageKeyRows key{page, a.layout};
+    const PageValueRows value{page, a.layout};
+    const std::size_t row = rows[std::size_t{b} * a.kv_heads + h];
+    write_page_tokens(tokens, row, a);
+    const std::size_t first = row * a.layout.head_dim;
+    for (std::uint32_t d = threadIdx.x; d < a.layout.head_dim; d += blockDim.x) {
+      page_key_mean_value_sum_channel(key, value, a.layout.page_tokens, d, a.layout.dtype, centroid[first + d],
+                                      value_sum[first + d]);
+    }
+  }
+};
+
 // No key summary: the full page's token count alone.
 struct TokensPageSummary {
   const std::uint32_t* rows;
@@ -122,6 +143,14 @@ void append_tokens(const DeviceAppend& args, const AppendSummaries& summaries, v
         detail::throw_invalid(kFunction, "token-count summaries need rows and tokens");
       }
       detail::launch_append(kFunction, args, TokensPageSummary{summaries.rows, summaries.tokens}, stream);
+      return;
+    case AppendSummary::retroinfer:
+      if (!rows || (args.batch > 0 && (summaries.centroid == nullptr || summaries.value_sum == nullptr))) {
+        detail::throw_invalid(kFunction, "retroinfer summaries need rows, centroid and value_sum");
+      }
+      detail::launch_append(
+          kFunction, args,
+          RetroInferPageSummary{summaries.rows, summaries.centroid, summaries.value_sum, summaries.tokens}, stream);
       return;
   }
   detail::throw_invalid(kFunction, "unknown summary kind " + std::to_string(static_cast<int>(summaries.kind)));

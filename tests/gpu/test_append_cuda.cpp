@@ -37,10 +37,11 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
   std::mt19937 rng(21);
   Stream stream;
   const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
-  const AppendSummary kinds[] = {AppendSummary::none, AppendSummary::quest, AppendSummary::shadowkv};
-  for (int trial = 0; trial < 90; ++trial) {
+  const AppendSummary kinds[] = {AppendSummary::none, AppendSummary::quest, AppendSummary::shadowkv,
+                                 AppendSummary::retroinfer};
+  for (int trial = 0; trial < 120; ++trial) {
     const DType dtype = dtypes[trial % 3];
-    const AppendSummary kind = kinds[(trial / 3) % 3];
+    const AppendSummary kind = kinds[(trial / 3) % 4];
     const std::uint32_t batch = 1 + rng() % 9, kv_heads = 1u << (rng() % 3), group = 1 + rng() % 4;
     const std::uint32_t dim = rng() % 2 ? 64 : 128, page_tokens = 1 + rng() % 32, q_heads = kv_heads * group;
     CAPTURE(trial, to_string(dtype), static_cast<int>(kind), batch, kv_heads, group, dim, page_tokens);
@@ -76,6 +77,8 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     DeviceAppend a{batch, q_heads, kv_heads, layout, q.data(), k.data(), v.data(), q_out.data(),
                    reinterpret_cast<std::byte*>(tier.data()), page, tails.data(), slots.data(), cpu_host.data(), &error};
     AppendSummaries s{kind, rows.data(), first.data(), second.data(), first.data(), score.data(), tokens.data()};
+    s.centroid = first.data();
+    s.value_sum = second.data();
     emulate(a, s, 7, Mutation::none);
 
     // The kernel: inputs and the error word in device memory, CPU pages in mapped pinned memory.
@@ -94,6 +97,8 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     DeviceAppend d{batch, q_heads, kv_heads, layout, dq.data, dk.data, dv.data, dq_out.data, dtier.data, page,
                    dtails.data, dslots.data, dcpu.data, word.data};
     AppendSummaries ds{kind, drows.data, dfirst.data, dsecond.data, dfirst.data, dscore.data, dtokens.data};
+    ds.centroid = dfirst.data;
+    ds.value_sum = dsecond.data;
     if (kind == AppendSummary::none && trial % 2 == 0) {
       append_tokens(d, stream.stream);  // the buffer layer's entry point
     } else {
@@ -155,6 +160,17 @@ TEST_CASE("append_tokens refuses bad arguments before enqueuing anything", "[app
   refused(a);
   refused(good, AppendSummaries{AppendSummary::quest, rows.data, out.data, nullptr, nullptr, nullptr});
   refused(good, AppendSummaries{AppendSummary::shadowkv, nullptr, nullptr, nullptr, out.data, out.data});
+  AppendSummaries retro{AppendSummary::retroinfer, rows.data};
+  retro.centroid = retro.value_sum = out.data;
+  AppendSummaries bad = retro;
+  bad.rows = nullptr;
+  refused(good, bad);
+  bad = retro;
+  bad.centroid = nullptr;
+  refused(good, bad);
+  bad = retro;
+  bad.value_sum = nullptr;
+  refused(good, bad);
   refused(good, AppendSummaries{static_cast<AppendSummary>(9), rows.data, out.data, out.data, out.data, out.data});
   a = good;
   a.layout.head_dim = 1024;

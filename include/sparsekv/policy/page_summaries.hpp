@@ -5,9 +5,10 @@
 //  - Quest (Tang et al. 2024): a page's channel-wise min / max of its keys;
 //  - ShadowKV (Sun et al. 2024; Spin §4.2): a page's mean key (landmark) and
 //    the lowest cosine between one of its keys and the landmark;
-//  - RetroInfer (Chen et al. 2025, §4.2): the assignment and update steps of
-//    spherical k-means (a row goes to its most similar centroid; a centroid
-//    becomes its members' renormalised sum).
+//  - RetroInfer (Chen et al. 2025, §4.2): a decode page's mean key and value
+//    sum, and the assignment and update steps of spherical k-means (a row
+//    goes to its most similar centroid; a centroid becomes its members'
+//    renormalised sum).
 //
 // Bit-identical results need the same roundings in the same order on both
 // sides. Every sum runs in a fixed order (tokens / rows in order, dimensions
@@ -146,6 +147,24 @@ SPARSEKV_HOST_DEVICE inline float page_key_cosine(const KeyRow& key, std::uint32
     km = dot_step(km, x, landmark[d]);
   }
   return landmark_cosine(kk, km, landmark_norm);
+}
+
+// RetroInfer: channel d of a decode page's summary (thread over dimensions),
+// as RetroInferPolicy::append records it: the mean key (the keys summed in
+// token order from +0, times float(1 / count)) and the summed values.
+// `value(t)` is the address of the page's t-th value row.
+template <class KeyRow, class ValueRow>
+SPARSEKV_HOST_DEVICE inline void page_key_mean_value_sum_channel(const KeyRow& key, const ValueRow& value,
+                                                                 std::uint32_t count, std::uint32_t d, DType dtype,
+                                                                 float& mean, float& value_sum) {
+  float keys = 0.0f;
+  float values = 0.0f;
+  for (std::uint32_t t = 0; t < count; ++t) {
+    keys = add_rn(keys, load_element(key(t), d, dtype));
+    values = add_rn(values, load_element(value(t), d, dtype));
+  }
+  mean = mul_rn(keys, div_rn(1.0f, static_cast<float>(count)));
+  value_sum = values;
 }
 
 // ---- RetroInfer: spherical k-means -----------------------------------------
