@@ -16,8 +16,8 @@
 // bit; planted mutations (retrieved clusters estimated too, the zone folded
 // in candidate order) caught. And the summary store's host geometry
 // (policy/device_summaries.hpp): shapes and prompt pages checked, regions,
-// prompt page token counts, and rows over a store selecting as the host
-// policies. StreamingWindow's and Dense's positional selections over a
+// prompt page token counts, RetroInfer's host rows, and rows over a store
+// selecting as the host policies. StreamingWindow's and Dense's positional selections over a
 // token-counts-only store against their host select, bit for bit.
 #include <catch2/catch.hpp>
 
@@ -683,6 +683,31 @@ TEST_CASE("the summary store's geometry is checked on the host", "[select-rules]
   refused_shape(bad);
   bad.capacity = 255;
   cuda::check_summary_shape("test", bad);
+  // RetroInfer's candidates start at partition 1 (its sink, 0, is no candidate); ids stay within 32 bits.
+  SummaryShape retro{AppendSummary::retroinfer, 2, 3, 4, 64, 5, 1};
+  cuda::check_summary_shape("test", retro);
+  retro.first_partition = 0xffffffffu - 5;
+  cuda::check_summary_shape("test", retro);
+  ++retro.first_partition;
+  refused_shape(retro);
+
+  // write_rows: RetroInfer's host rows, within a region, centroids and value sums of rows x head_dim.
+  retro.first_partition = 1;
+  cuda::check_summary_rows("test", retro, 2, 1, 3, 5, 5 * 64, 5 * 64);
+  cuda::check_summary_rows("test", retro, 0, 0, 0, 0, 0, 0);
+  const auto refused_rows = [](const SummaryShape& s, std::uint32_t slot, std::uint32_t layer, std::uint32_t head,
+                               std::size_t rows, std::size_t centroids, std::size_t value_sums) {
+    REQUIRE_SPARSEKV_ERROR(cuda::check_summary_rows("test", s, slot, layer, head, rows, centroids, value_sums),
+                           ErrorCode::invalid_argument);
+  };
+  refused_rows(shape, 0, 0, 0, 1, 64, 64);  // shadowkv: no host rows
+  refused_rows(retro, 3, 0, 0, 1, 64, 64);
+  refused_rows(retro, 0, 2, 0, 1, 64, 64);
+  refused_rows(retro, 0, 0, 4, 1, 64, 64);
+  refused_rows(retro, 0, 0, 0, 6, 6 * 64, 6 * 64);  // above the capacity
+  refused_rows(retro, 0, 0, 0, 2, 64, 2 * 64);
+  refused_rows(retro, 0, 0, 0, 2, 2 * 64, 2 * 64 + 1);
+
 
   // Prompt pages: page_count, within the capacity, for a slot and layer of the store.
   CHECK(cuda::prefill_pages("test", shape, 2, 1, 40, 8) == 5);

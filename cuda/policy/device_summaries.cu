@@ -2,10 +2,12 @@
 // one allocation carved into its arrays, the partition ids written once, and
 // the prefill: the Index kernels into a caller-owned workspace, then one
 // strided device-to-device copy per array into the slot's regions (neither
-// for the tokens kind) and a small kernel for the pages' token counts.
+// for the tokens kind) and a small kernel for the pages' token counts;
+// RetroInfer's rows copied from the host instead.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "core/launch_support.cuh"
@@ -32,12 +34,12 @@ unsigned grid_for(std::uint64_t items) {
   return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
 }
 
-// Candidate c of every region holds partition c % capacity: the region's c-th page.
-__global__ void identity_partitions_kernel(PartitionId* partitions, std::uint32_t candidates,
-                                           std::uint32_t capacity) {
+// Candidate i of every region holds partition i + first_partition.
+__global__ void region_partitions_kernel(PartitionId* partitions, std::uint32_t candidates, std::uint32_t capacity,
+                                         std::uint32_t first_partition) {
   for (std::uint64_t c = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; c < candidates;
        c += std::uint64_t{gridDim.x} * blockDim.x) {
-    partitions[c] = static_cast<PartitionId>(c % capacity);
+    partitions[c] = static_cast<PartitionId>(c % capacity + first_partition);
   }
 }
 
@@ -74,7 +76,7 @@ struct PrefillWorkspace {
   std::size_t first_bytes, second_bytes;
 };
 PrefillWorkspace prefill_workspace(const SummaryShape& s, std::uint32_t pages) {
-  if (s.kind == AppendSummary::tokens) return {0, 0};
+  if (s.kind != AppendSummary::quest && s.kind != AppendSummary::shadowkv) return {0, 0};
   const std::size_t rows = std::size_t{s.kv_heads} * pages;
   const std::size_t vectors = rows * s.head_dim * sizeof(float);
   return {aligned(vectors), aligned(s.kind == AppendSummary::quest ? vectors : rows * sizeof(float))};
@@ -88,18 +90,25 @@ void copy_heads(void* dst, std::size_t dst_pitch, const void* src, std::size_t w
   if (status != cudaSuccess) throw_cuda("DeviceSummaries::write_prefill", "cudaMemcpy2DAsync", status);
 }
 
+void copy_to_device(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
+  const cudaError_t status = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
+  if (status != cudaSuccess) throw_cuda("DeviceSummaries::write_rows", "cudaMemcpyAsync", status);
+}
+
 }  // namespace
 
 DeviceSummaries::DeviceSummaries(AppendSummary kind, std::uint32_t layers, std::uint32_t slots,
-                                 std::uint32_t kv_heads, std::uint32_t head_dim, std::uint32_t capacity)
-    : shape_(checked_shape(SummaryShape{kind, layers, slots, kv_heads, head_dim, capacity})) {
+                                 std::uint32_t kv_heads, std::uint32_t head_dim, std::uint32_t capacity,
+                                 std::uint32_t first_partition)
+    : shape_(checked_shape(SummaryShape{kind, layers, slots, kv_heads, head_dim, capacity, first_partition})) {
   const std::size_t candidates = shape_.candidates();
   const std::size_t vectors = aligned(candidates * head_dim * sizeof(float));
   const std::size_t scalars = aligned(candidates * sizeof(float));
   // The tokens kind keeps no summary: its layers hold the token counts alone.
   const bool summaries = kind != AppendSummary::tokens;
+  const bool vector_second = kind == AppendSummary::quest || kind == AppendSummary::retroinfer;
   const std::size_t first = summaries ? vectors : 0;
-  const std::size_t second = kind == AppendSummary::quest ? vectors : summaries ? scalars : 0;
+  const std::size_t second = vector_second ? vectors : summaries ? scalars : 0;
   try {
     layers_.reserve(layers);
     for (std::uint32_t l = 0; l < layers; ++l) {
@@ -113,7 +122,8 @@ DeviceSummaries::DeviceSummaries(AppendSummary kind, std::uint32_t layers, std::
       layers_.push_back(layer);
     }
     partitions_ = static_cast<PartitionId*>(memory_.allocate(candidates * sizeof(PartitionId)));
-    identity_partitions_kernel<<<grid_for(candidates), kThreads>>>(partitions_, shape_.candidates(), capacity);
+    region_partitions_kernel<<<grid_for(candidates), kThreads>>>(partitions_, shape_.candidates(), capacity,
+                                                                  first_partition);
     check_launch("DeviceSummaries");
     // Every stream, non-blocking ones included, may read the ids once construction returns.
     const cudaError_t status = cudaDeviceSynchronize();
@@ -156,6 +166,14 @@ float* DeviceSummaries::outlier_scores(std::uint32_t layer) const {
   const Layer& l = layer_at("DeviceSummaries::outlier_scores", layer);
   return shape_.kind == AppendSummary::shadowkv ? l.second : nullptr;
 }
+float* DeviceSummaries::centroids(std::uint32_t layer) const {
+  const Layer& l = layer_at("DeviceSummaries::centroids", layer);
+  return shape_.kind == AppendSummary::retroinfer ? l.first : nullptr;
+}
+float* DeviceSummaries::value_sums(std::uint32_t layer) const {
+  const Layer& l = layer_at("DeviceSummaries::value_sums", layer);
+  return shape_.kind == AppendSummary::retroinfer ? l.second : nullptr;
+}
 std::uint32_t* DeviceSummaries::tokens(std::uint32_t layer) const {
   return layer_at("DeviceSummaries::tokens", layer).tokens;
 }
@@ -171,6 +189,9 @@ AppendSummaries DeviceSummaries::append_summaries(std::uint32_t layer, const std
   } else if (shape_.kind == AppendSummary::shadowkv) {
     s.mean = l.first;
     s.outlier_score = l.second;
+  } else if (shape_.kind == AppendSummary::retroinfer) {
+    s.centroid = l.first;
+    s.value_sum = l.second;
   }
   s.tokens = l.tokens;
   return s;
@@ -185,6 +206,9 @@ void DeviceSummaries::write_prefill(std::uint32_t slot, std::uint32_t layer, con
                                     std::uint32_t page_tokens, void* workspace, std::size_t workspace_bytes,
                                     void* stream) {
   constexpr const char* kFunction = "DeviceSummaries::write_prefill";
+  if (shape_.kind == AppendSummary::retroinfer) {
+    throw_invalid(kFunction, "retroinfer's prompt summaries come from its host index (write_rows)");
+  }
   const std::uint32_t pages = prefill_pages(kFunction, shape_, slot, layer, keys.tokens, page_tokens);
   if (keys.kv_heads != shape_.kv_heads || keys.head_dim != shape_.head_dim) {
     throw_invalid(kFunction, "keys of " + std::to_string(keys.kv_heads) + " kv heads x " +
@@ -224,6 +248,24 @@ void DeviceSummaries::write_prefill(std::uint32_t slot, std::uint32_t layer, con
                         pages,    keys.tokens,            page_tokens};
   prefill_tokens_kernel<<<grid_for(std::uint64_t{shape_.kv_heads} * pages), kThreads, 0, s>>>(t);
   check_launch(kFunction);
+}
+
+void DeviceSummaries::write_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head,
+                                 std::span<const float> centroids, std::span<const float> value_sums,
+                                 std::span<const std::uint32_t> tokens, void* stream) {
+  constexpr const char* kFunction = "DeviceSummaries::write_rows";
+  check_summary_rows(kFunction, shape_, slot, layer, head, tokens.size(), centroids.size(), value_sums.size());
+  if (tokens.empty()) return;
+  const Layer& l = layers_[layer];
+  const auto s = static_cast<cudaStream_t>(stream);
+  const std::size_t first = shape_.region(slot, head);
+  const std::size_t dim = shape_.head_dim;
+  copy_to_device(l.first + first * dim, centroids.data(), centroids.size_bytes(), s);
+  copy_to_device(l.second + first * dim, value_sums.data(), value_sums.size_bytes(), s);
+  copy_to_device(l.tokens + first, tokens.data(), tokens.size_bytes(), s);
+  // The caller may reuse or free its (possibly pageable) rows once this returns.
+  const cudaError_t status = cudaStreamSynchronize(s);
+  if (status != cudaSuccess) throw_cuda(kFunction, "cudaStreamSynchronize", status);
 }
 
 }  // namespace sparsekv::cuda

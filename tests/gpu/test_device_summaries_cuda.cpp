@@ -6,13 +6,16 @@
 // requests' regions -- SelectRows first = region(slot, h), count = the pages
 // so far, max_row_candidates = the capacity -- against QuestPolicy /
 // ShadowKVPolicy fed the same keys: every summary, token count and selection
-// bit for bit. Bad arguments are refused before anything is enqueued.
+// bit for bit. RetroInfer's store: the host index's rows (write_rows) and an
+// appended page's summaries against RetroInferPolicy, bit for bit. Bad
+// arguments are refused before anything is enqueued.
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <random>
 #include <span>
+#include <tuple>
 #include <vector>
 
 #include "../append_test_data.hpp"
@@ -20,6 +23,7 @@
 #include "gpu_support.hpp"
 #include "sparsekv/policy/device_summaries.hpp"
 #include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
 #include "sparsekv/policy/shadowkv.hpp"
 
@@ -338,6 +342,110 @@ TEST_CASE("DeviceSummaries of token counts alone: prefill and appends write the 
   const DeviceAppend a{1, q_heads, kKvHeads, layout, d.data, d.data, d.data, q_out.data, tier.data,
                        layout.page_bytes(), dtails.data, tail0.data, dcpu.data, error.data};
   CHECK(code_of([&] { append_tokens(a, no_tokens, stream.stream); }) == ErrorCode::invalid_argument);
+}
+
+TEST_CASE("DeviceSummaries of RetroInfer: the host index's rows, then decode pages summarised by the append",
+          "[gpu][device-summaries]") {
+  std::mt19937 rng(53);
+  DeviceSummaries ds(AppendSummary::retroinfer, kLayers, kSlots, kKvHeads, kDim, kCapacity, 1);
+  CHECK(ds.min(0) == nullptr);
+  CHECK(ds.landmarks(0) == nullptr);
+  CHECK(ds.centroids(1) != nullptr);
+  CHECK(ds.value_sums(1) != nullptr);
+  CHECK(ds.prefill_workspace_bytes(170, kPageTokens) == 0);
+  // Candidate i of every region is partition i + 1: the sink, 0, is no candidate.
+  const std::vector<PartitionId> ids = download(ds.partitions(), ds.candidates());
+  for (std::uint32_t c = 0; c < ds.candidates(); ++c) REQUIRE(ids[c] == c % kCapacity + 1);
+  Stream stream;
+  const std::uint32_t slot = 1, layer = 1, prompt = 171;
+  const Keys keys(DType::f32, prompt, rng);
+  CHECK(code_of([&] { ds.write_prefill(slot, layer, keys.block, kPageTokens, nullptr, 0, stream.stream); }) ==
+        ErrorCode::invalid_argument);  // RetroInfer's prompt summaries come from its host index
+
+  // The host index, its rows per kv head (clusters, then recent partitions) written into the store.
+  const std::vector<float> values = random_values(keys.fp32.size(), rng);
+  const RetroInferPolicy policy;
+  LayerContext ctx = context(prompt);
+  RetroInferPolicy::LayerState state;
+  policy.index(ctx, KvView{keys.fp32, values, prompt, kKvHeads, kDim, 0}, state);
+  const auto head_rows = [&](const RetroInferPolicy::HeadState& head) {
+    std::vector<float> centroids = head.centroids, value_sums = head.value_sums;
+    centroids.insert(centroids.end(), head.recent_centroids.begin(), head.recent_centroids.end());
+    value_sums.insert(value_sums.end(), head.recent_value_sums.begin(), head.recent_value_sums.end());
+    std::vector<std::uint32_t> tokens;
+    for (const auto& g : head.clusters) tokens.push_back(g.tokens);
+    for (const auto& g : head.recent) tokens.push_back(g.tokens);
+    return std::tuple{centroids, value_sums, tokens};
+  };
+  for (std::uint32_t h = 0; h < kKvHeads; ++h) {
+    const auto [centroids, value_sums, tokens] = head_rows(state.heads[h]);
+    ds.write_rows(slot, layer, h, centroids, value_sums, tokens, stream.stream);
+  }
+
+  // One decode page filled for every kv head: its row is the region's next candidate.
+  const auto stored = static_cast<std::uint32_t>(state.heads[0].clusters.size() + state.heads[0].recent.size());
+  const PageLayout layout{kPageTokens, kDim, DType::f32};
+  const std::uint32_t q_heads = kKvHeads * kGroup;
+  PinnedBytes cpu(kKvHeads * layout.page_bytes());
+  std::vector<std::byte*> cpu_pages{cpu.data, cpu.data + layout.page_bytes()};
+  const DeviceArray<std::byte*> dcpu(cpu_pages);
+  const DeviceArray<PageId> dtails(std::vector<PageId>{0, 1});
+  DeviceArray<std::uint64_t> error(std::vector<std::uint64_t>{kNoAppendError});
+  DeviceArray<float> q_out(std::size_t{q_heads} * kDim);
+  DeviceArray<std::byte> tier(kKvHeads * layout.page_bytes());
+  const DeviceArray<std::uint32_t> drows(
+      std::vector<std::uint32_t>{ds.region(slot, 0) + stored, ds.region(slot, 1) + stored});
+  std::vector<float> page_keys, page_values;  // [token][kv head][dim]
+  for (std::uint32_t t = 0; t < kPageTokens; ++t) {
+    const DeviceArray<std::uint32_t> tail_slots(std::vector<std::uint32_t>{t});
+    const std::vector<float> k = random_values(std::size_t{kKvHeads} * kDim, rng);
+    const std::vector<float> v = random_values(std::size_t{kKvHeads} * kDim, rng);
+    page_keys.insert(page_keys.end(), k.begin(), k.end());
+    page_values.insert(page_values.end(), v.begin(), v.end());
+    const DeviceArray<float> dq(random_values(std::size_t{q_heads} * kDim, rng)), dk(k), dv(v);
+    const DeviceAppend a{1, q_heads, kKvHeads, layout, dq.data, dk.data, dv.data, q_out.data, tier.data,
+                         layout.page_bytes(), dtails.data, tail_slots.data, dcpu.data, error.data};
+    append_tokens(a, ds.append_summaries(layer, drows.data), stream.stream);
+  }
+  check(cudaStreamSynchronize(stream.stream));
+  REQUIRE(error.download()[0] == kNoAppendError);
+  ctx.tokens += kPageTokens;
+  policy.append(ctx,
+                AppendedPage{KvView{page_keys, page_values, kPageTokens, kKvHeads, kDim, prompt},
+                             std::vector<PartitionId>(kKvHeads, state.heads[0].partitions)},
+                state);
+
+  // The store holds the policy's rows, the appended page's included, bit for bit.
+  const std::vector<float> centroids = download(ds.centroids(layer), std::size_t{ds.candidates()} * kDim);
+  const std::vector<float> value_sums = download(ds.value_sums(layer), std::size_t{ds.candidates()} * kDim);
+  const std::vector<std::uint32_t> tokens = download(ds.tokens(layer), ds.candidates());
+  for (std::uint32_t h = 0; h < kKvHeads; ++h) {
+    CAPTURE(h);
+    const auto [want_centroids, want_value_sums, want_tokens] = head_rows(state.heads[h]);
+    REQUIRE(want_tokens.size() == stored + 1);
+    const std::size_t first = ds.region(slot, h);
+    const auto floats = [&](const std::vector<float>& v) {
+      return std::vector<float>(v.begin() + first * kDim, v.begin() + (first + stored + 1) * kDim);
+    };
+    CHECK(same_bits(floats(centroids), want_centroids));
+    CHECK(same_bits(floats(value_sums), want_value_sums));
+    CHECK(std::vector<std::uint32_t>(tokens.begin() + first, tokens.begin() + first + stored + 1) == want_tokens);
+  }
+  CHECK(std::all_of(tokens.begin() + ds.region(slot + 1, 0), tokens.end(), [](std::uint32_t t) { return t == 0; }));
+
+  // write_rows refuses bad rows, enqueuing nothing.
+  const std::vector<float> row(kDim, 1.0f);
+  const std::vector<std::uint32_t> one{8};
+  CHECK(code_of([&] { ds.write_rows(kSlots, 0, 0, row, row, one, nullptr); }) == ErrorCode::invalid_argument);
+  CHECK(code_of([&] { ds.write_rows(0, 0, kKvHeads, row, row, one, nullptr); }) == ErrorCode::invalid_argument);
+  CHECK(code_of([&] { ds.write_rows(0, 0, 0, row, std::span<const float>(row).first(kDim - 1), one, nullptr); }) ==
+        ErrorCode::invalid_argument);
+  DeviceSummaries quest(AppendSummary::quest, 1, 1, kKvHeads, kDim, 4);
+  CHECK(code_of([&] { quest.write_rows(0, 0, 0, row, row, one, nullptr); }) == ErrorCode::invalid_argument);
+  CHECK(quest.centroids(0) == nullptr);
+  CHECK(quest.value_sums(0) == nullptr);
+  check(cudaDeviceSynchronize());
+  CHECK(download(ds.tokens(0), ds.candidates()) == std::vector<std::uint32_t>(ds.candidates(), 0));
 }
 
 TEST_CASE("DeviceSummaries refuses bad arguments before enqueuing anything", "[gpu][device-summaries]") {

@@ -6,22 +6,28 @@
 // in place -- a row's SelectRows first / count point into its region
 // (policy/select_cuda.hpp) -- and no step copies them. Quest (Tang et al.
 // 2024): per partition the key min / max; ShadowKV (Sun et al. 2024; Spin
-// §4.2): the landmark (mean key) and outlier score; the positional policies
-// (StreamingWindow, Dense: AppendSummary::tokens) none. Per candidate also
-// its token count and partition id, the other arrays SelectRows reads.
+// §4.2): the landmark (mean key) and outlier score; RetroInfer (Chen et al.
+// 2025, §4.2): per cluster or recent page the centroid (mean key) and value
+// sum; the positional policies (StreamingWindow, Dense:
+// AppendSummary::tokens) none. Per candidate also its token count and
+// partition id, the other arrays SelectRows reads.
 //
 // Who writes what: write_prefill, a slot's prompt pages (the Index kernels of
-// index_cuda.hpp, then device-to-device copies into the slot's regions); the
-// append kernel, each decode page that fills (append_summaries: the
-// AppendSummaries of a layer, rows[b][h] = region(slot of b, h) + the page's
-// index in the region, which the host knows without device data).
+// index_cuda.hpp, then device-to-device copies into the slot's regions);
+// write_rows, RetroInfer's rows from its host index (at prefill and at each
+// index update); the append kernel, each decode page that fills
+// (append_summaries: the AppendSummaries of a layer, rows[b][h] =
+// region(slot of b, h) + the page's index in the region, which the host
+// knows without device data).
 //
 // Layout of a layer, one array per field: candidate c = region(slot, h) + i
-// is partition i of (slot, h); min / max / landmarks [c][head_dim],
-// outlier_scores / tokens [c]. Partition i is the region's i-th page (Quest
+// holds partition i + first_partition of (slot, h); min / max / landmarks /
+// centroids / value_sums [c][head_dim], outlier_scores / tokens [c]. Quest
 // with one page per partition and ShadowKV number a kv head's pages 0, 1,
-// ...), so the partition ids are the identity within every region and the
-// same in every layer: one array, written at construction, serves them all.
+// ... (first_partition 0); RetroInfer numbers its sink 0, kept out of the
+// candidates, and its clusters then recent pages 1, 2, ... (first_partition
+// 1). So the partition ids are the same in every region and every layer: one
+// array, written at construction, serves them all.
 //
 // Same conventions as the kernels' C API: work enqueued on `stream` (a
 // cudaStream_t; nullptr = the default stream), no allocation and no
@@ -31,6 +37,7 @@
 // that CI checks without a device (tests/test_select_rules.cpp).
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -45,12 +52,15 @@ namespace sparsekv::cuda {
 
 // The store's shape and geometry.
 struct SummaryShape {
-  AppendSummary kind = AppendSummary::none;  // quest, shadowkv or tokens (token counts only)
+  AppendSummary kind = AppendSummary::none;  // quest, shadowkv, retroinfer or tokens (token counts only)
   std::uint32_t layers = 0;
   std::uint32_t slots = 0;     // concurrent requests
   std::uint32_t kv_heads = 0;
   std::uint32_t head_dim = 0;
   std::uint32_t capacity = 0;  // partitions (pages) per (slot, layer, kv head)
+  // The partition id of a region's candidate 0: RetroInfer numbers its sink 0
+  // and keeps it out of the candidates, so its candidate i is partition i + 1.
+  std::uint32_t first_partition = 0;
 
   // One layer's candidates: what SelectRows::candidates is over the store.
   std::uint32_t candidates() const noexcept { return slots * kv_heads * capacity; }
@@ -60,14 +70,16 @@ struct SummaryShape {
   }
 };
 
-// Throws invalid_argument for a kind other than quest / shadowkv / tokens, a count of
-// 0, or more candidates per layer than SelectRows' 32-bit indices address.
+// Throws invalid_argument for a kind other than quest / shadowkv / retroinfer
+// / tokens, a count of 0, more candidates per layer than SelectRows' 32-bit
+// indices address, or partition ids past 32 bits.
 inline void check_summary_shape(const char* function, const SummaryShape& s) {
   const auto fail = [function](const std::string& what) {
     throw Error(ErrorCode::invalid_argument, std::string(function) + ": " + what);
   };
-  if (s.kind != AppendSummary::quest && s.kind != AppendSummary::shadowkv && s.kind != AppendSummary::tokens) {
-    fail("summary kind " + std::to_string(static_cast<int>(s.kind)) + " is not quest, shadowkv or tokens");
+  if (s.kind != AppendSummary::quest && s.kind != AppendSummary::shadowkv && s.kind != AppendSummary::retroinfer &&
+      s.kind != AppendSummary::tokens) {
+    fail("summary kind " + std::to_string(static_cast<int>(s.kind)) + " is not quest, shadowkv, retroinfer or tokens");
   }
   if (s.layers == 0 || s.slots == 0 || s.kv_heads == 0 || s.head_dim == 0 || s.capacity == 0) {
     fail("layers " + std::to_string(s.layers) + ", slots " + std::to_string(s.slots) + ", kv_heads " +
@@ -77,6 +89,10 @@ inline void check_summary_shape(const char* function, const SummaryShape& s) {
   const std::uint64_t candidates = std::uint64_t{s.slots} * s.kv_heads * s.capacity;
   if (candidates > 0xffffffffu) {
     fail(std::to_string(candidates) + " candidates per layer exceed SelectRows' 32-bit indices");
+  }
+  if (std::uint64_t{s.first_partition} + s.capacity > 0xffffffffu) {
+    fail("partition ids from " + std::to_string(s.first_partition) + " over a capacity of " +
+         std::to_string(s.capacity) + " exceed 32 bits");
   }
 }
 
@@ -101,6 +117,33 @@ inline std::uint32_t prefill_pages(const char* function, const SummaryShape& s, 
   return pages;
 }
 
+// write_rows' checks: the retroinfer kind, slot / layer / head in range, at
+// most `capacity` rows, and centroids / value_sums of rows * head_dim floats
+// each; throws invalid_argument otherwise.
+inline void check_summary_rows(const char* function, const SummaryShape& s, std::uint32_t slot, std::uint32_t layer,
+                               std::uint32_t head, std::size_t rows, std::size_t centroid_floats,
+                               std::size_t value_sum_floats) {
+  const auto fail = [function](const std::string& what) {
+    throw Error(ErrorCode::invalid_argument, std::string(function) + ": " + what);
+  };
+  if (s.kind != AppendSummary::retroinfer) {
+    fail("summary kind " + std::to_string(static_cast<int>(s.kind)) + " takes no rows from the host");
+  }
+  if (slot >= s.slots || layer >= s.layers || head >= s.kv_heads) {
+    fail("slot " + std::to_string(slot) + " / layer " + std::to_string(layer) + " / kv head " +
+         std::to_string(head) + " outside " + std::to_string(s.slots) + " slots x " + std::to_string(s.layers) +
+         " layers x " + std::to_string(s.kv_heads) + " kv heads");
+  }
+  if (rows > s.capacity) {
+    fail(std::to_string(rows) + " rows, above the capacity of " + std::to_string(s.capacity));
+  }
+  const std::size_t floats = rows * s.head_dim;
+  if (centroid_floats != floats || value_sum_floats != floats) {
+    fail(std::to_string(centroid_floats) + " centroid and " + std::to_string(value_sum_floats) +
+         " value-sum floats for " + std::to_string(rows) + " rows of " + std::to_string(s.head_dim) + " dims");
+  }
+}
+
 // Prompt page p's token count: page_tokens, the last page the remainder (as
 // the policies' index records it). p < page_count(tokens, page_tokens).
 SPARSEKV_HOST_DEVICE inline std::uint32_t prefill_page_tokens(std::uint32_t p, std::uint32_t tokens,
@@ -112,11 +155,12 @@ SPARSEKV_HOST_DEVICE inline std::uint32_t prefill_page_tokens(std::uint32_t p, s
 class DeviceSummaries {
  public:
   // Allocates every layer's arrays (zero-filled) and writes the partition
-  // ids; synchronises the device once (construction is off the step's path).
+  // ids (partitions[region(slot, h) + i] = i + first_partition);
+  // synchronises the device once (construction is off the step's path).
   // Throws what check_summary_shape throws, then ErrorCode::unavailable
   // without a usable CUDA device, cuda_error when an allocation fails.
   DeviceSummaries(AppendSummary kind, std::uint32_t layers, std::uint32_t slots, std::uint32_t kv_heads,
-                  std::uint32_t head_dim, std::uint32_t capacity);
+                  std::uint32_t head_dim, std::uint32_t capacity, std::uint32_t first_partition = 0);
   ~DeviceSummaries();
   DeviceSummaries(const DeviceSummaries&) = delete;
   DeviceSummaries& operator=(const DeviceSummaries&) = delete;
@@ -131,6 +175,8 @@ class DeviceSummaries {
   float* max(std::uint32_t layer) const;             // quest: [c][head_dim]
   float* landmarks(std::uint32_t layer) const;       // shadowkv: [c][head_dim]
   float* outlier_scores(std::uint32_t layer) const;  // shadowkv: [c]
+  float* centroids(std::uint32_t layer) const;       // retroinfer: [c][head_dim]
+  float* value_sums(std::uint32_t layer) const;      // retroinfer: [c][head_dim]
   std::uint32_t* tokens(std::uint32_t layer) const;  // [c]
   const PartitionId* partitions() const noexcept { return partitions_; }  // [c], every layer
 
@@ -140,7 +186,7 @@ class DeviceSummaries {
 
   // Workspace write_prefill takes for a prompt of `tokens` tokens: the Index
   // kernels' outputs, [kv_heads][pages][head_dim] (and [kv_heads][pages]);
-  // 0 for the tokens kind, which runs no Index kernel.
+  // 0 for the tokens and retroinfer kinds, which run no Index kernel.
   std::size_t prefill_workspace_bytes(std::uint32_t tokens, std::uint32_t page_tokens) const;
 
   // Writes the prompt's pages into partitions [0, pages) of (slot, h) for
@@ -152,19 +198,31 @@ class DeviceSummaries {
   // these, and takes a null workspace). `keys` is the whole prompt on
   // the device (kv_heads and head_dim the store's). Partitions past the
   // prompt keep what they held. tokens == 0 enqueues nothing. Throws
-  // invalid_argument, enqueuing nothing, for what prefill_pages refuses, keys
-  // of another shape, a workspace below prefill_workspace_bytes, and what the
-  // Index kernel refuses.
+  // invalid_argument, enqueuing nothing, for the retroinfer kind (its prompt
+  // summaries come from the host index: write_rows), what prefill_pages
+  // refuses, keys of another shape, a workspace below
+  // prefill_workspace_bytes, and what the Index kernel refuses.
   void write_prefill(std::uint32_t slot, std::uint32_t layer, const KeyBlock& keys, std::uint32_t page_tokens,
                      void* workspace, std::size_t workspace_bytes, void* stream);
+
+  // RetroInfer: host rows into candidates [0, n) of region(slot, head) of
+  // `layer`, n = tokens.size() (a head's clusters then recent partitions, as
+  // its HeadState keeps them; centroids and value_sums [n][head_dim]), then
+  // waits for them: the host memory may be pageable and reused once this
+  // returns. At prefill and at RetroInfer's index update, off the step's
+  // path. Candidates past n keep what they held; n == 0 enqueues nothing.
+  // Throws invalid_argument, enqueuing nothing, for what check_summary_rows
+  // refuses.
+  void write_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head, std::span<const float> centroids,
+                  std::span<const float> value_sums, std::span<const std::uint32_t> tokens, void* stream);
 
  private:
   // One layer's arrays, carved from one allocation.
   struct Layer {
     void* base = nullptr;
     std::size_t bytes = 0;
-    float* first = nullptr;   // quest min, shadowkv landmarks
-    float* second = nullptr;  // quest max, shadowkv outlier scores
+    float* first = nullptr;   // quest min, shadowkv landmarks, retroinfer centroids
+    float* second = nullptr;  // quest max, shadowkv outlier scores, retroinfer value sums
     std::uint32_t* tokens = nullptr;
   };
   const Layer& layer_at(const char* function, std::uint32_t layer) const;
