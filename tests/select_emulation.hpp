@@ -252,16 +252,16 @@ inline void emulated_retroinfer_rank(const HostRows& rows, std::uint32_t r, cuda
 }
 
 inline SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, cuda::SelectRowSpan span,
-                                const cuda::RetroInferSelect& retro, std::uint32_t window_tokens) {
+                                const cuda::RetroInferSelect& retro) {
   const std::uint32_t* tokens = rows.tokens.data() + span.first;
   const std::uint32_t recent = std::min(rows.recent[r], span.n), older = span.n - recent;
   return steady_zone(
-      recent, [&](std::uint32_t i) { return tokens[older + i]; }, rows.sink_tokens[r], window_tokens,
-      retro.budget_tokens);
+      recent, [&](std::uint32_t i) { return tokens[older + i]; }, rows.sink_tokens[r],
+      cuda::retroinfer_row_window(retro, r), retro.budget_tokens);
 }
 
 inline std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const HostRows& rows, std::uint32_t r,
-                                            const cuda::RetroInferSelect& retro, std::uint32_t window_tokens) {
+                                            const cuda::RetroInferSelect& retro) {
   const cuda::SelectRowSpan span = row_span(e, rows, r);
   const std::uint32_t first = span.first, n = span.n;
   const std::uint32_t* tokens = rows.tokens.data() + first;
@@ -273,7 +273,7 @@ inline std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const Hos
     all.insert(all.end(), rest.begin(), rest.end());
     return all;
   }
-  const SteadyZone steady = emulated_steady_zone(rows, r, span, retro, window_tokens);
+  const SteadyZone steady = emulated_steady_zone(rows, r, span, retro);
   std::vector<PartitionId> chosen;
   if (steady.sink) chosen.push_back(rows.sink_partitions[r]);
   for (std::uint32_t i = n - steady.window_parts; i < n; ++i) chosen.push_back(rows.partitions[first + i]);
@@ -294,7 +294,7 @@ inline std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const Hos
 // thread's fold over the list. Returns the row's group of terms.
 inline std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const HostRows& rows, std::uint32_t r,
                                                const cuda::RetroInferSelect& retro,
-                                               const cuda::RetroInferEstimate& estimate, std::uint32_t window_tokens,
+                                               const cuda::RetroInferEstimate& estimate,
                                                const std::vector<PartitionId>& selection) {
   const cuda::SelectRowSpan span = row_span(e, rows, r);
   const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
@@ -302,7 +302,7 @@ inline std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const 
   std::vector<AttentionPartial> terms(rows.group, AttentionPartial(dim));
   const bool covered = retro.budget_tokens >= row_total(rows, span) + rows.sink_tokens[r];
   if (!estimate.estimation || covered) return terms;
-  const std::uint32_t m = n - emulated_steady_zone(rows, r, span, retro, window_tokens).window_parts;
+  const std::uint32_t m = n - emulated_steady_zone(rows, r, span, retro).window_parts;
   if (m == 0) return terms;
   std::vector<float> logits, scores;
   emulated_retroinfer_rank(rows, r, span, m, logits, scores);

@@ -154,6 +154,7 @@ struct HostRows {
   std::vector<float> q, a, b;
   std::vector<PartitionId> sink_partitions;  // RetroInfer, per row
   std::vector<std::uint32_t> sink_tokens, recent;
+  std::vector<std::uint32_t> windows;  // RetroInfer, per row: its request's LayerState::window
 
   std::uint32_t rows() const { return static_cast<std::uint32_t>(first.size()); }
   std::uint32_t candidates() const { return static_cast<std::uint32_t>(tokens.size()); }
@@ -284,6 +285,7 @@ inline HostRows retroinfer_rows(const LayerContext& ctx,
       rows.sink_partitions.push_back(head.sink.id);
       rows.sink_tokens.push_back(head.sink.tokens);
       rows.recent.push_back(static_cast<std::uint32_t>(head.recent.size()));
+      rows.windows.push_back(req.state.window);
       rows.close_row();
     }
   }

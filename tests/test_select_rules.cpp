@@ -17,8 +17,11 @@
 // in candidate order) caught. And the summary store's host geometry
 // (policy/device_summaries.hpp): shapes and prompt pages checked, regions,
 // prompt page token counts, RetroInfer's host rows, and rows over a store
-// selecting as the host policies. StreamingWindow's and Dense's positional selections over a
-// token-counts-only store against their host select, bit for bit.
+// selecting as the host policies. RetroInfer rows with per-row steady
+// windows (RetroInferSelect::windows) against the host policy's select and
+// attend on each request's own window. StreamingWindow's and Dense's
+// positional selections over a token-counts-only store against their host
+// select, bit for bit.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -155,7 +158,7 @@ Sweep retroinfer_sweep(const Emulation& e, std::uint32_t seed, Layout layout = L
             const auto want = host_select(RetroInferPolicy(options), ctx, batch);
             const cuda::RetroInferSelect retro{nullptr, nullptr, nullptr, nullptr, budget, window, fraction};
             for (std::uint32_t r = 0; r < rows.rows(); ++r) {
-              sweep.compare(emulate_retroinfer(e, rows, r, retro, window), want[r]);
+              sweep.compare(emulate_retroinfer(e, rows, r, retro), want[r]);
             }
           }
         }
@@ -405,7 +408,7 @@ EstimateSweep estimate_sweep(const Emulation& e, std::uint32_t seed, Layout layo
               const cuda::RetroInferSelect retro{nullptr, nullptr, nullptr, nullptr, budget, window, zones.retrieval};
               const cuda::RetroInferEstimate estimate{nullptr, nullptr, nullptr, 0, zones.estimation, estimation};
               for (std::uint32_t r = 0; r < rows.rows(); ++r) {
-                const auto got = emulate_estimate(e, rows, r, retro, estimate, window, selections[r]);
+                const auto got = emulate_estimate(e, rows, r, retro, estimate, selections[r]);
                 bool same = true;
                 for (std::uint32_t j = 0; j < group; ++j) {
                   const AttentionPartial& host = want[std::size_t{r} * group + j];
@@ -708,7 +711,6 @@ TEST_CASE("the summary store's geometry is checked on the host", "[select-rules]
   refused_rows(retro, 0, 0, 0, 2, 64, 2 * 64);
   refused_rows(retro, 0, 0, 0, 2, 2 * 64, 2 * 64 + 1);
 
-
   // Prompt pages: page_count, within the capacity, for a slot and layer of the store.
   CHECK(cuda::prefill_pages("test", shape, 2, 1, 40, 8) == 5);
   CHECK(cuda::prefill_pages("test", shape, 0, 0, 33, 8) == 5);
@@ -824,6 +826,74 @@ TEST_CASE("the estimate kernel's decomposition equals RetroInferPolicy::attend",
     CHECK(sweep.nonempty > sweep.terms / 4);
     CHECK(sweep.nonempty < sweep.terms);
   }
+}
+
+// Requests whose LayerState windows differ (a short prompt's whole tail
+// until the first update), rows reading them through
+// RetroInferSelect::windows: selections and estimation terms against
+// RetroInferPolicy::select / attend on each request's own state.
+struct WindowsSweep {
+  std::uint32_t rows = 0, differing_selections = 0, differing_terms = 0, nonempty = 0;
+};
+
+WindowsSweep windows_sweep(const Emulation& e, bool per_row_windows, std::uint32_t seed) {
+  constexpr std::uint32_t kWindows[] = {0, 11, 40, 150};  // window_tokens below is none of them
+  std::mt19937 rng(seed);
+  WindowsSweep sweep;
+  for (const std::uint32_t group : {1u, 4u}) {
+    for (const std::uint32_t clusters : {0u, 9u, 300u}) {
+      for (const std::uint32_t recent : {3u, 20u}) {
+        const LayerContext ctx = layer_context(2, 36, 8, group);
+        std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
+        for (const std::uint32_t window : kWindows) {
+          batch.push_back(retroinfer_request(ctx, clusters, recent, window, rng));
+        }
+        std::shuffle(batch.begin(), batch.end(), rng);
+        const HostRows rows = retroinfer_rows(ctx, batch);
+        const std::uint32_t total = std::max(1u, batch[0].state.heads[0].tokens);
+        for (const std::uint32_t budget : {1u, 30u, 200u, total}) {
+          RetroInferPolicy::Options options;
+          options.budget_tokens = budget;
+          options.retrieval_fraction = 0.3f;
+          options.estimation_fraction = 0.5f;
+          const RetroInferPolicy policy(options);
+          const auto selections = host_select(policy, ctx, batch);
+          const auto terms = host_estimate(policy, ctx, batch);
+          cuda::RetroInferSelect retro{nullptr, nullptr, nullptr, nullptr, budget, 64, options.retrieval_fraction};
+          if (per_row_windows) retro.windows = rows.windows.data();
+          const cuda::RetroInferEstimate estimate{nullptr, nullptr, nullptr, 0, options.estimation_fraction, true};
+          for (std::uint32_t r = 0; r < rows.rows(); ++r) {
+            ++sweep.rows;
+            if (emulate_retroinfer(e, rows, r, retro) != selections[r]) ++sweep.differing_selections;
+            const auto got = emulate_estimate(e, rows, r, retro, estimate, selections[r]);
+            for (std::uint32_t j = 0; j < group; ++j) {
+              const AttentionPartial& host = terms[std::size_t{r} * group + j];
+              if (!same_term(got[j], host)) ++sweep.differing_terms;
+              if (!host.empty()) ++sweep.nonempty;
+            }
+          }
+        }
+      }
+    }
+  }
+  return sweep;
+}
+
+TEST_CASE("RetroInfer's select and estimate kernels read each row's own window", "[select-rules]") {
+  for (const std::uint32_t tile : {cuda::kSelectTile, 16u}) {
+    Emulation e;
+    e.tile = tile;
+    const WindowsSweep sweep = windows_sweep(e, true, 37);
+    CAPTURE(tile, sweep.rows, sweep.nonempty);
+    CHECK(sweep.differing_selections == 0);
+    CHECK(sweep.differing_terms == 0);
+    CHECK(sweep.nonempty > 0);
+  }
+  // One window for every row (RetroInferSelect::window_tokens) reads other zones: the windows matter here.
+  const WindowsSweep shared = windows_sweep(Emulation{}, false, 37);
+  CAPTURE(shared.rows);
+  CHECK(shared.differing_selections > 0);
+  CHECK(shared.differing_terms > 0);
 }
 
 TEST_CASE("planted mutations of the estimate's decomposition are caught", "[select-rules]") {

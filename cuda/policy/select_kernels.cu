@@ -374,8 +374,8 @@ __device__ SteadyZone row_steady_zone(const Row& row, const RetroInferSelect& re
   const std::uint32_t recent = retro.recent[row.index] < row.n ? retro.recent[row.index] : row.n;
   const std::uint32_t older = row.n - recent;
   return steady_zone(
-      recent, [&](std::uint32_t i) { return row.tokens[older + i]; }, sink_tokens, retro.window_tokens,
-      retro.budget_tokens);
+      recent, [&](std::uint32_t i) { return row.tokens[older + i]; }, sink_tokens,
+      retroinfer_row_window(retro, row.index), retro.budget_tokens);
 }
 
 // RetroInferPolicy's score() over the candidates [0, m): q head g's logits at

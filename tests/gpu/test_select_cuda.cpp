@@ -2,8 +2,8 @@
 // on random batches with planted ties, budgets below one partition, covering
 // budgets, GQA groups 1..8 and rows longer than one tile, laid end to end and
 // scattered over an arena of fixed-capacity regions: the same partitions,
-// bit for bit. retroinfer_estimate on retroinfer_select's
-// device output against RetroInferPolicy::attend: every term bit for bit,
+// bit for bit, RetroInfer's rows each with its request's steady window.
+// retroinfer_estimate on retroinfer_select's device output against RetroInferPolicy::attend: every term bit for bit,
 // and the attention with the device terms as its extra term within 2e-3 of
 // the host decode_attention with the host's. streaming_select / dense_select
 // over a tokens-only summary store against StreamingWindowPolicy /
@@ -88,15 +88,17 @@ constexpr std::uint32_t kGroups[] = {1, 2, 4, 8};
 
 // RetroInfer rows on the device with both workspaces, the selection and the terms.
 struct DeviceRetro {
-  explicit DeviceRetro(const HostRows& h) : dev(h), sinks(h.sink_partitions), sink_tokens(h.sink_tokens), recent(h.recent) {
+  explicit DeviceRetro(const HostRows& h)
+      : dev(h), sinks(h.sink_partitions), sink_tokens(h.sink_tokens), recent(h.recent), windows(h.windows) {
     estimate_workspace.reserve(cuda::estimate_workspace_bytes(dev.rows));
     const std::size_t terms = std::size_t{dev.rows.rows} * dev.rows.group;
     max.reserve(terms);
     sum.reserve(terms);
     acc.reserve(terms * dev.rows.head_dim);
   }
-  cuda::RetroInferSelect select_params(std::uint32_t budget, std::uint32_t window, float fraction) const {
-    return {dev.a.data, sinks.data, sink_tokens.data, recent.data, budget, window, fraction};
+  // Each row's window from its request's state (RetroInferSelect::windows).
+  cuda::RetroInferSelect select_params(std::uint32_t budget, float fraction) const {
+    return {dev.a.data, sinks.data, sink_tokens.data, recent.data, budget, 0, fraction, windows.data};
   }
   // retroinfer_select then retroinfer_estimate on one stream; the terms read back.
   std::vector<AttentionPartial> run(const cuda::RetroInferSelect& retro, float estimation_fraction, bool estimation) {
@@ -129,7 +131,7 @@ struct DeviceRetro {
   }
   DeviceRows dev;
   DeviceArray<PartitionId> sinks, selected;
-  DeviceArray<std::uint32_t> sink_tokens, recent, count;
+  DeviceArray<std::uint32_t> sink_tokens, recent, windows, count;
   DeviceArray<std::byte> estimate_workspace;
   DeviceArray<float> max, sum, acc;
 };
@@ -281,12 +283,15 @@ TEST_CASE("retroinfer_select equals RetroInferPolicy::select", "[gpu][select]") 
       for (const std::uint32_t clusters : {0u, 250u, 8000u}) {
         const LayerContext ctx = layer_context(2, 128, 8, group);
         std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
-        for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, 12, 64, rng));
+        // Steady windows per request (a short prompt's whole tail until the first update).
+        for (const std::uint32_t window : {64u, 19u}) {
+          batch.push_back(retroinfer_request(ctx, clusters, 12, window, rng));
+        }
         const HostRows host = arena ? in_arena(retroinfer_rows(ctx, batch), 5, 3, rng)
                                     : retroinfer_rows(ctx, batch);
         DeviceRows dev(host);
         DeviceArray<PartitionId> sinks(host.sink_partitions);
-        DeviceArray<std::uint32_t> sink_tokens(host.sink_tokens), recent(host.recent);
+        DeviceArray<std::uint32_t> sink_tokens(host.sink_tokens), recent(host.recent), windows(host.windows);
         for (const std::uint32_t budget : {1u, 40u, 2048u, 1000000u}) {
           for (const float fraction : {0.018f, 1.0f}) {
             CAPTURE(arena, group, clusters, budget, fraction);
@@ -296,7 +301,7 @@ TEST_CASE("retroinfer_select equals RetroInferPolicy::select", "[gpu][select]") 
             options.estimation_fraction = 0.0f;
             const auto want = host_select(RetroInferPolicy(options), ctx, batch);
             const cuda::RetroInferSelect retro{dev.a.data, sinks.data, sink_tokens.data, recent.data, budget, 64,
-                                               fraction};
+                                               fraction, windows.data};
             const auto got = dev.run(cuda::retroinfer_select_capacity(dev.rows, retro),
                                      [&](const cuda::SelectOutput& out, cudaStream_t s) {
                                        cuda::retroinfer_select(dev.rows, retro, out, dev.workspace.data,
@@ -322,7 +327,9 @@ TEST_CASE("retroinfer_estimate equals RetroInferPolicy::attend", "[gpu][select]"
       for (const std::uint32_t clusters : {0u, 250u, 8000u}) {
         const LayerContext ctx = layer_context(2, 128, 8, group);
         std::vector<SelectRequest<RetroInferPolicy::LayerState>> batch;
-        for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, 12, 64, rng));
+        for (const std::uint32_t window : {64u, 19u}) {
+          batch.push_back(retroinfer_request(ctx, clusters, 12, window, rng));
+        }
         const HostRows host = arena ? in_arena(retroinfer_rows(ctx, batch), 5, 3, rng)
                                     : retroinfer_rows(ctx, batch);
         DeviceRetro dev(host);
@@ -336,7 +343,7 @@ TEST_CASE("retroinfer_estimate equals RetroInferPolicy::attend", "[gpu][select]"
               options.estimation_fraction = zones.estimation;
               options.estimation = estimation;
               const auto want = host_estimate(RetroInferPolicy(options), ctx, batch);
-              const auto got = dev.run(dev.select_params(budget, 64, zones.retrieval), zones.estimation, estimation);
+              const auto got = dev.run(dev.select_params(budget, zones.retrieval), zones.estimation, estimation);
               REQUIRE(got.size() == want.size());
               for (std::size_t j = 0; j < got.size(); ++j) {
                 CAPTURE(j, got[j].max, want[j].max, got[j].sum, want[j].sum);

@@ -106,10 +106,11 @@ struct ShadowKVSelect {
   std::uint32_t outlier_pages = 0;
 };
 
-// RetroInferPolicy with budget_tokens and retrieval_fraction; window_tokens
-// is the LayerState's window. centroids: [candidates][head_dim]; per row the
-// sink's partition and tokens (0: none) and how many of its last candidates
-// are recent partitions (the steady window is taken from them).
+// RetroInferPolicy with budget_tokens and retrieval_fraction; a row's steady
+// window is its LayerState's window (retroinfer_row_window). centroids:
+// [candidates][head_dim]; per row the sink's partition and tokens (0: none)
+// and how many of its last candidates are recent partitions (the steady
+// window is taken from them).
 struct RetroInferSelect {
   const float* centroids = nullptr;
   const PartitionId* sink_partitions = nullptr;  // [rows]
@@ -118,7 +119,17 @@ struct RetroInferSelect {
   std::uint32_t budget_tokens = 0;
   std::uint32_t window_tokens = 0;
   float retrieval_fraction = 0.0f;
+  // [rows]: row r's steady window in tokens (LayerState::window, which
+  // differs per request: a short prompt's whole tail until the first index
+  // update); null: window_tokens for every row.
+  const std::uint32_t* windows = nullptr;
 };
+
+// Row r's steady window in tokens, as the kernels and the CI emulation read it.
+SPARSEKV_HOST_DEVICE inline std::uint32_t retroinfer_row_window(const RetroInferSelect& retroinfer,
+                                                               std::uint32_t row) {
+  return retroinfer.windows != nullptr ? retroinfer.windows[row] : retroinfer.window_tokens;
+}
 
 // RetroInferPolicy::attend's estimation zone (RetroInfer §4.2 eqs. 2-4) for
 // rows ranked with a RetroInferSelect: the clusters ranked within
