@@ -11,11 +11,13 @@
 //   2. the append kernel with its summaries (append_test_data.hpp) into a
 //      DeviceSummaries-shaped store (one HostRows per layer: SummaryShape's
 //      regions, identity partition ids);
-//   3. the Select kernels (select_emulation.hpp) over the rows' regions;
+//   3. the Select kernels (select_emulation.hpp) over the rows' regions, and
+//      RetroInfer's estimate kernel;
 //   4. the Select -> LRU glue (lru_batch_test_data.hpp), the bucketed-LRU step
 //      on the replica (lru_step_emulation.hpp), the miss-list gather and the
 //      device plan (plan_test_data.hpp), the stats accumulation;
-//   5. the split-K attention over the plan's runs (attention_test_data.hpp).
+//   5. the split-K attention over the plan's runs (attention_test_data.hpp),
+//      merging RetroInfer's estimation terms.
 // Prompt summaries follow the Index kernels' per-thread rules
 // (page_summaries.hpp), as DeviceSummaries::write_prefill launches them.
 //
@@ -132,14 +134,17 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
         layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
         replica_(buffer.table(), table_memory_, buffer.transfer()),
         shape_{device_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads,
-               setup.shape.head_dim, setup.max_partitions_per_head} {
+               setup.shape.head_dim, setup.max_partitions_per_head, setup.first_partition} {
     cuda::check_summary_shape("DeviceSummaries", shape_);
     buffer_.transfer().synchronize();
     const ModelShape& s = setup.shape;
     const std::size_t candidates = shape_.candidates();
     // The tokens kind keeps token counts alone (no summary arrays).
     const bool summarized = shape_.kind != cuda::AppendSummary::tokens;
-    const std::size_t b_width = shape_.kind == cuda::AppendSummary::quest ? s.head_dim : 1;
+    // Quest's max and RetroInfer's value sums are vectors, ShadowKV's outlier score one value.
+    const std::size_t b_width = shape_.kind == cuda::AppendSummary::quest || shape_.kind == cuda::AppendSummary::retroinfer
+                                    ? s.head_dim
+                                    : 1;
     for (std::uint32_t l = 0; l < s.layers; ++l) {
       HostRows store;
       store.kv_heads = s.kv_heads;
@@ -153,10 +158,17 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
       }
       store.tokens.assign(candidates, 0);
       store.partitions.resize(candidates);
-      for (std::size_t c = 0; c < candidates; ++c) store.partitions[c] = static_cast<PartitionId>(c % shape_.capacity);
+      for (std::size_t c = 0; c < candidates; ++c) {
+        store.partitions[c] = static_cast<PartitionId>(c % shape_.capacity + shape_.first_partition);
+      }
       stores_.push_back(std::move(store));
     }
     q_.assign(std::size_t{setup.max_batch} * s.q_heads * s.head_dim, 0.0f);
+    if (setup.select == DeviceSelectSpec::Kind::retroinfer) {
+      extra_max_.assign(std::size_t{setup.max_batch} * s.q_heads, 0.0f);
+      extra_sum_.assign(extra_max_.size(), 0.0f);
+      extra_acc_.assign(extra_max_.size() * s.head_dim, 0.0f);
+    }
     plan_row_pages_ = setup.max_pages_per_head + 1;
   }
 
@@ -246,11 +258,14 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     std::vector<PageId> tail_pages(rows);
     std::vector<std::size_t> instances(rows);
     std::vector<std::byte*> cpu_pages(rows, nullptr);
+    std::vector<PartitionId> sink_partitions(rows);
+    std::vector<std::uint32_t> sink_tokens(rows), recent(rows), windows(rows);
     std::vector<ReplicaWordWrite> writes(max_writes);
     std::uint32_t write_count = 0;
     fill_device_step_arguments(step, s.kv_heads, shape_, buffer_.cpu_pool(), replica_, buffer_.table(), writes_,
                                DeviceStepArguments{tail_slots, tail_pages, tail_tokens, first, count, summary_rows,
-                                                   instances, cpu_pages, writes, &write_count});
+                                                   instances, cpu_pages, sink_partitions, sink_tokens, recent,
+                                                   windows, writes, &write_count});
     if (emulation_.summary_row_of_newest) {
       for (std::uint32_t r = 0; r < rows; ++r) --summary_rows[r];
     }
@@ -265,6 +280,8 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
         spec.kind == DeviceSelectSpec::Kind::dense || (spec.kind == DeviceSelectSpec::Kind::quest && spec.dense_layer);
     if (whole_row) {
       needed = whole;
+    } else if (spec.kind == DeviceSelectSpec::Kind::retroinfer) {
+      needed = cuda::select_capacity(whole, spec.budget_tokens, false, 1);
     } else if (spec.kind == DeviceSelectSpec::Kind::streaming) {
       needed = static_cast<std::uint32_t>(std::min<std::uint64_t>(
           whole, (std::uint64_t{spec.budget_tokens} + streaming.page_tokens - 1) / streaming.page_tokens));
@@ -304,6 +321,9 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     } else if (shape_.kind == cuda::AppendSummary::shadowkv) {
       summaries.mean = store.a.data();
       summaries.outlier_score = store.b.data();
+    } else if (shape_.kind == cuda::AppendSummary::retroinfer) {
+      summaries.centroid = store.a.data();
+      summaries.value_sum = store.b.data();
     }
     emulate(append, summaries, 1 + static_cast<std::uint32_t>(rng_() % 7), emulation_.append);
     if (error != kNoAppendError && (!bad_ || error < bad_word_)) {
@@ -314,6 +334,19 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     // 3. Select over the summaries, on the state before this step's save.
     store.first = first;
     store.count = count;
+    store.sink_partitions = sink_partitions;
+    store.sink_tokens = sink_tokens;
+    store.recent = recent;
+    cuda::RetroInferSelect retro;
+    retro.sink_partitions = sink_partitions.data();
+    retro.sink_tokens = sink_tokens.data();
+    retro.recent = recent.data();
+    retro.windows = windows.data();
+    retro.budget_tokens = spec.budget_tokens;
+    retro.retrieval_fraction = spec.retrieval_fraction;
+    estimated_ = spec.kind == DeviceSelectSpec::Kind::retroinfer && spec.estimation;
+    std::vector<AttentionPartial> extra;
+    if (estimated_) extra.assign(std::size_t{step.batch} * s.q_heads, AttentionPartial(s.head_dim));
     store.q.assign(q_.begin(), q_.begin() + std::ptrdiff_t{step.batch} * s.q_heads * s.head_dim);
     std::vector<PartitionId> selected(std::size_t{rows} * max_selected, kInvalidPartition);
     std::vector<std::uint32_t> selected_count(rows);
@@ -336,6 +369,9 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
         case DeviceSelectSpec::Kind::dense:
           chosen = emulate_positional(emulation_.select, store, r, nullptr);
           break;
+        case DeviceSelectSpec::Kind::retroinfer:
+          chosen = emulate_retroinfer(emulation_.select, store, r, retro);
+          break;
         case DeviceSelectSpec::Kind::none:
           break;  // refused above (device_summary_kind)
       }
@@ -344,6 +380,22 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
       std::copy(chosen.begin(), chosen.end(), selected.begin() + std::ptrdiff_t{r} * max_selected);
       selected_count[r] = static_cast<std::uint32_t>(chosen.size());
       selections_[r] = std::move(chosen);
+    }
+    // The estimation zone's terms (retroinfer_estimate), each row after its selection.
+    if (estimated_) {
+      cuda::RetroInferEstimate estimate;
+      estimate.estimation_fraction = spec.estimation_fraction;
+      const std::uint32_t group = s.q_heads / s.kv_heads;
+      for (std::uint32_t r = 0; r < rows; ++r) {
+        const auto terms = emulate_estimate(emulation_.select, store, r, retro, estimate, selections_[r]);
+        for (std::uint32_t j = 0; j < group; ++j) {
+          const std::size_t t = std::size_t{r} * group + j;
+          extra[t] = terms[j];
+          extra_max_[t] = terms[j].max;
+          extra_sum_[t] = terms[j].sum;
+          std::copy(terms[j].acc.begin(), terms[j].acc.end(), extra_acc_.begin() + std::ptrdiff_t(t * s.head_dim));
+        }
+      }
     }
 
     // 4. Retrieve: the LRU batch, the LRU step on the replica, the gather of its misses.
@@ -401,6 +453,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
       batch.last_page_len = plan_.last_page_len;
       batch.row_entries = plan_.head_entries;
       batch.q = store.q;
+      batch.extra = std::move(extra);
       batch.max_pages = plan_row_pages_;
       cuda::DecodeAttentionShape shape;
       shape.batch = step.batch;
@@ -423,7 +476,38 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     p.gpu_tier_base = buffer_.gpu_pool().base();
     p.page_bytes = buffer_.gpu_pool().page_bytes();
     p.rows = plan_rows_;
+    if (estimated_) {
+      p.extra_max = extra_max_.data();
+      p.extra_sum = extra_sum_.data();
+      p.extra_acc = extra_acc_.data();
+    }
     return p;
+  }
+
+  bool capturing(void* /*stream*/) const override { return false; }
+
+  void copy_to_host(void* host, const void* device, std::size_t bytes, void* /*stream*/) override {
+    std::memcpy(host, device, bytes);
+  }
+
+  // DeviceSummaries::write_rows: the host rows into the region's first candidates.
+  void write_summary_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head, const DeviceSummaryRows& rows,
+                          void* /*stream*/) override {
+    ++calls_;
+    ++summary_row_writes_;
+    const std::uint32_t dim = setup_.shape.head_dim;
+    const std::size_t n = rows.tokens.size();
+    if (shape_.kind != cuda::AppendSummary::retroinfer || slot >= shape_.slots || layer >= shape_.layers ||
+        head >= shape_.kv_heads || n > shape_.capacity || rows.centroids.size() != n * dim ||
+        rows.value_sums.size() != n * dim) {
+      fail(ErrorCode::invalid_argument, "DeviceSummaries::write_rows: {} rows for slot {} layer {} head {}", n, slot,
+           layer, head);
+    }
+    HostRows& store = stores_[layer];
+    const std::size_t c = shape_.region(slot, head);
+    std::copy(rows.centroids.begin(), rows.centroids.end(), store.a.begin() + std::ptrdiff_t(c * dim));
+    std::copy(rows.value_sums.begin(), rows.value_sums.end(), store.b.begin() + std::ptrdiff_t(c * dim));
+    std::copy(rows.tokens.begin(), rows.tokens.end(), store.tokens.begin() + std::ptrdiff_t(c));
   }
 
   CacheStepStats cache_stats() override { return totals_; }
@@ -446,6 +530,8 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
   std::uint32_t plan_overflow_rows() const noexcept { return plan_.overflow_rows; }
   // step() and index_prompt() calls so far: what the CUDA decoder would have enqueued.
   std::uint64_t calls() const noexcept { return calls_; }
+  // write_summary_rows() calls so far (a host-state policy's prefills and regroups, per kv head).
+  std::uint64_t summary_row_writes() const noexcept { return summary_row_writes_; }
   // The replica of the device tables (what the LRU kernel owns between downloads).
   const GpuTablesReplica& replica() const noexcept { return replica_; }
 
@@ -463,6 +549,9 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
   cuda::SummaryShape shape_;
   std::vector<HostRows> stores_;  // per layer: the summary store's arrays, rows set per step
   std::vector<float> q_;
+  // RetroInfer's estimation terms as the CUDA decoder keeps them, and whether the last step wrote them.
+  std::vector<float> extra_max_, extra_sum_, extra_acc_;
+  bool estimated_ = false;
   std::uint32_t plan_row_pages_ = 0;
   std::uint32_t plan_rows_ = 0;
   PlanArrays plan_;
@@ -473,6 +562,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
   bool bad_ = false;
   std::uint64_t bad_word_ = kNoAppendError;
   std::uint64_t calls_ = 0;
+  std::uint64_t summary_row_writes_ = 0;
 };
 
 // HostBackend's tiers and Attend with the emulated decoder for device tensors.

@@ -153,21 +153,32 @@ std::string table_difference(const Manager<Policy>& host, const Manager<Policy>&
   return {};
 }
 
-// Every CPU page of `id` (prompt and saved decode pages) byte-equal in both managers.
+// Every token's K and V rows in the CPU pages of `id` (prompt and saved
+// decode pages) byte-equal in both managers. The rows past a partition's last
+// token are not compared: what a reused page held before is not K/V, and the
+// device path may take its CPU pages in another order than the host path (a
+// step's saves all precede its regroups there).
 template <class Policy>
 std::string cpu_page_difference(const Manager<Policy>& host, const Manager<Policy>& device, RequestId id,
                                 const ModelShape& shape) {
   const PartitionLookup want = host.buffer().table().lookup();
   const PartitionLookup got = device.buffer().table().lookup();
-  const std::size_t bytes = host.buffer().cpu_pool().page_bytes();
+  const PageLayout& layout = host.buffer().cpu_pool().layout();
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
       const std::size_t inst = host.buffer().table().instance(id, l, h);
       for (std::uint32_t p = 0; p < want.meta.length(inst); ++p) {
+        std::uint32_t left = want.meta.find(inst, p)->token_count();
         for (std::uint32_t k = 0; k < want.page_count(inst, p); ++k) {
           const PageId a = *want.cpu_pages.find(inst, *want.offsets.find(inst, p) + k);
           const PageId b = *got.cpu_pages.find(inst, *got.offsets.find(inst, p) + k);
-          if (std::memcmp(host.buffer().cpu_pool().data(a), device.buffer().cpu_pool().data(b), bytes) != 0) {
+          const std::uint32_t rows = std::min(left, layout.page_tokens);
+          left -= rows;
+          const std::byte* x = host.buffer().cpu_pool().data(a);
+          const std::byte* y = device.buffer().cpu_pool().data(b);
+          const std::size_t n = rows * layout.row_bytes();
+          if (std::memcmp(x + layout.k_offset(0), y + layout.k_offset(0), n) != 0 ||
+              std::memcmp(x + layout.v_offset(0), y + layout.v_offset(0), n) != 0) {
             return "CPU page " + std::to_string(k) + " of partition " + std::to_string(p) + " differs";
           }
         }
@@ -183,14 +194,16 @@ struct LockstepReport {
   std::uint64_t hit_pages = 0, miss_pages = 0, evicted_pages = 0;
   std::size_t largest_batch = 0;
   double worst_error = 0;
+  std::uint64_t index_updates = 0;  // host-state policies: (request, layer) regroups, their regions rewritten
 };
 
 // Both managers through the same calls; stops at the first difference.
+// short_prompts: half the prompts short enough that a policy may keep a
+// window of its own until its first index update (RetroInfer).
 template <class Policy>
 LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const DecoderEmulation& emulation,
-                               int steps) {
+                               int steps, const Config& config = device_config(), bool short_prompts = false) {
   const ModelShape shape = device_shape();
-  const Config config = device_config();
   EmulatedDeviceMemory memory;
   auto owned = std::make_unique<EmulatedBackend>(memory, emulation);
   EmulatedBackend& backend = *owned;
@@ -221,7 +234,8 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const D
   };
   for (int step = 0; step < steps; ++step) {
     if (live.size() < config.max_requests && (live.size() < 2 || rng() % 2 == 0)) {
-      const std::uint32_t prompt = 20 + rng() % 300;
+      // short_prompts: every other prompt within 20..59 tokens.
+      const std::uint32_t prompt = short_prompts && rng() % 2 == 0 ? 20 + rng() % 40 : 20 + rng() % 300;
       const std::uint32_t decode = 30 + rng() % 90;
       const std::uint32_t max_tokens = prompt + decode;
       const RequestId id = next++;
@@ -328,6 +342,9 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const D
     if (!finish(live.size() - 1, steps)) return report;
   }
   device.synchronize();
+  // Beyond the prefills' one write per (request, layer, kv head): the regroups'.
+  report.index_updates =
+      (backend.decoder()->summary_row_writes() - report.admitted * shape.layers * shape.kv_heads) / shape.kv_heads;
   report.hit_pages = device.stats().cache.hit_pages;
   report.miss_pages = device.stats().cache.miss_pages;
   report.evicted_pages = device.stats().cache.evicted_pages;
@@ -364,6 +381,24 @@ StreamingWindowPolicy streaming_policy() {
   o.budget_tokens = 96;
   o.sink_tokens = 20;
   return StreamingWindowPolicy(o);
+}
+
+// RetroInfer with short index updates (every 3 pages) and a two-page window,
+// so the run regroups often; prompts under 4 + 32 + 16 tokens keep their
+// whole tail as the window until the first update, and a budget of 64 tokens
+// makes those windows count before it (per-row windows).
+RetroInferPolicy retroinfer_policy(bool estimation) {
+  RetroInferPolicy::Options o;
+  o.budget_tokens = 64;
+  o.segment_tokens = 128;
+  o.tokens_per_cluster = 16;
+  o.kmeans_iterations = 3;
+  o.window_tokens = 32;
+  o.update_tokens = 48;
+  o.retrieval_fraction = 0.1f;
+  o.estimation_fraction = 0.3f;
+  o.estimation = estimation;
+  return RetroInferPolicy(o);
 }
 
 void require_clean(const LockstepReport& r, bool evicts = true) {
@@ -411,6 +446,24 @@ TEST_CASE("device decode emulation equals the host backend: StreamingWindow", "[
     // The heads' windows fit their GPU buffers: the LRU never evicts here
     // (the Quest and ShadowKV cases cover eviction).
     require_clean(device_lockstep(streaming_policy(), seed, {}, 160), false);
+  }
+}
+
+TEST_CASE("device decode emulation equals the host backend: RetroInfer", "[device-decode-rules]") {
+  // Index updates on the host between steps, regrouped tables and summaries
+  // uploaded; the estimation zone merged by the attention.
+  for (const bool estimation : {true, false}) {
+    INFO("estimation " << estimation);
+    // Clusters pad their last page, so a RetroInfer head holds more pages than
+    // its tokens fill: a larger CPU tier admits as many requests as above.
+    Config config = device_config();
+    config.cpu_tier_bytes = std::size_t{64} << 20;
+    config.gpu_tier_bytes = std::size_t{4} << 20;
+    const LockstepReport r = device_lockstep(retroinfer_policy(estimation), estimation ? 9 : 10, {}, 240, config, true);
+    // Its mandatory pages (clusters of any size within the budget) cover
+    // these contexts' GPU buffers: no eviction (Quest and ShadowKV cover it).
+    require_clean(r, false);
+    CHECK(r.index_updates > 10);
   }
 }
 

@@ -649,8 +649,21 @@ TEST_CASE("the positional zones keep the sinks' and the window's budget rules", 
   CHECK(spec.partition_tokens == 4);
   CHECK(device_select(AnyPolicy(StreamingWindowPolicy(options)), ctx).kind == DeviceSelectSpec::Kind::streaming);
   CHECK(device_select(AnyPolicy(DensePolicy()), ctx).kind == DeviceSelectSpec::Kind::dense);
-  // RetroInfer keeps no device state for its Select yet: the host-tensor API serves it.
-  CHECK(device_select(AnyPolicy(RetroInferPolicy()), ctx).kind == DeviceSelectSpec::Kind::none);
+  // RetroInfer: its sink is no candidate, its rows read the host state, and
+  // an index update is due once the fed tokens reach update_tokens.
+  RetroInferPolicy::Options retro;
+  retro.update_tokens = 48;
+  const DeviceSelectSpec r = device_select(AnyPolicy(RetroInferPolicy(retro)), ctx);
+  CHECK(r.kind == DeviceSelectSpec::Kind::retroinfer);
+  CHECK(r.first_partition == 1);
+  CHECK(r.host_state);
+  CHECK(r.estimation);
+  CHECK(r.retrieval_fraction == retro.retrieval_fraction);
+  RetroInferPolicy::LayerState state;
+  state.generated = 16;
+  CHECK_FALSE(device_index_update_due(RetroInferPolicy(retro), state, 16));
+  CHECK(device_index_update_due(RetroInferPolicy(retro), state, 32));
+  CHECK_FALSE(device_index_update_due(QuestPolicy(), QuestPolicy::LayerState{}, 1u << 30));
 }
 
 TEST_CASE("the summary store's geometry is checked on the host", "[select-rules]") {

@@ -87,7 +87,7 @@ constexpr std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
 // pinned ring slots and in the device copy).
 struct ArgsLayout {
   std::size_t write_count, tail_slots, tail_pages, tail_tokens, first, count, summary_rows, instances, cpu_pages,
-      writes, bytes;
+      sink_partitions, sink_tokens, recent, windows, writes, bytes;
   std::uint32_t max_writes;
   ArgsLayout(std::uint32_t batch, std::uint32_t rows) {
     max_writes = device_step_max_writes(rows);
@@ -106,6 +106,10 @@ struct ArgsLayout {
     summary_rows = take(sizeof(std::uint32_t) * rows);
     instances = take(sizeof(std::size_t) * rows);
     cpu_pages = take(sizeof(std::byte*) * rows);
+    sink_partitions = take(sizeof(PartitionId) * rows);
+    sink_tokens = take(sizeof(std::uint32_t) * rows);
+    recent = take(sizeof(std::uint32_t) * rows);
+    windows = take(sizeof(std::uint32_t) * rows);
     writes = take(sizeof(ReplicaWordWrite) * max_writes);
     bytes = at;
   }
@@ -134,7 +138,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
         args_(setup.max_batch, rows_),
         replica_(buffer.table(), device_memory, buffer.transfer()),
         summaries_(device_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads, setup.shape.head_dim,
-                   setup.max_partitions_per_head) {
+                   setup.max_partitions_per_head, setup.first_partition) {
     buffer_.transfer().synchronize();  // the replica's directory copy
     const ModelShape& s = setup.shape;
     const std::size_t max_selected = std::size_t{rows_} * setup.max_selected_per_head;
@@ -146,7 +150,16 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     selected_ = DeviceBytes(sizeof(PartitionId) * max_selected);
     selected_count_ = DeviceBytes(sizeof(std::uint32_t) * rows_);
     select_rows_ = rows_template(rows_);
-    select_workspace_ = DeviceBytes(select_workspace_bytes(select_rows_));
+    select_workspace_ = DeviceBytes(setup.select == DeviceSelectSpec::Kind::retroinfer
+                                        ? std::max(select_workspace_bytes(select_rows_),
+                                                   estimate_workspace_bytes(select_rows_))
+                                        : select_workspace_bytes(select_rows_));
+    if (setup.select == DeviceSelectSpec::Kind::retroinfer) {
+      const std::size_t terms = std::size_t{setup.max_batch} * s.q_heads;
+      extra_max_ = DeviceBytes(sizeof(float) * terms);
+      extra_sum_ = DeviceBytes(sizeof(float) * terms);
+      extra_acc_ = DeviceBytes(sizeof(float) * terms * s.head_dim);
+    }
     selection_offsets_ = DeviceBytes(sizeof(std::uint32_t) * (rows_ + 1));
     page_offsets_ = DeviceBytes(sizeof(std::uint32_t) * (rows_ + 1));
     compact_ = DeviceBytes(sizeof(PartitionId) * max_selected);
@@ -343,6 +356,31 @@ class CudaDeviceDecoder final : public DeviceDecoder {
       case DeviceSelectSpec::Kind::dense:
         dense_select(select, selected, stream);
         break;
+      case DeviceSelectSpec::Kind::retroinfer: {
+        RetroInferSelect retro;
+        retro.centroids = summaries_.centroids(step.layer);
+        retro.sink_partitions = at<PartitionId>(args, args_.sink_partitions);
+        retro.sink_tokens = at<std::uint32_t>(args, args_.sink_tokens);
+        retro.recent = at<std::uint32_t>(args, args_.recent);
+        retro.windows = at<std::uint32_t>(args, args_.windows);
+        retro.budget_tokens = step.select.budget_tokens;
+        retro.retrieval_fraction = step.select.retrieval_fraction;
+        retroinfer_select(select, retro, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
+        // The estimation zone's terms, for the attention (or the engine's kernel) to merge.
+        estimated_ = step.select.estimation;
+        if (estimated_) {
+          RetroInferEstimate estimate;
+          estimate.value_sums = summaries_.value_sums(step.layer);
+          estimate.selected = selected.selected;
+          estimate.selected_count = selected.selected_count;
+          estimate.max_selected = selected.max_selected;
+          estimate.estimation_fraction = step.select.estimation_fraction;
+          const EstimateOutput terms{extra_max_.as<float>(), extra_sum_.as<float>(), extra_acc_.as<float>()};
+          retroinfer_estimate(select, retro, estimate, terms, select_workspace_.as<void>(), select_workspace_.bytes(),
+                              stream);
+        }
+        break;
+      }
       case DeviceSelectSpec::Kind::none:
         break;  // refused before anything was enqueued
     }
@@ -413,6 +451,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
       a.indices = out.indices;
       a.last_page_len = out.last_page_len;
       a.scale = setup_.scale;
+      if (estimated_) a.extra = {extra_max_.as<float>(), extra_sum_.as<float>(), extra_acc_.as<float>()};
       a.out = step.out;
       a.workspace = attention_workspace_.as<void>();
       a.workspace_bytes = attention_workspace_.bytes();
@@ -441,7 +480,29 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     p.gpu_tier_base = buffer_.gpu_pool().base();
     p.page_bytes = buffer_.gpu_pool().page_bytes();
     p.rows = plan_rows_;
+    if (estimated_) {
+      p.extra_max = extra_max_.as<float>();
+      p.extra_sum = extra_sum_.as<float>();
+      p.extra_acc = extra_acc_.as<float>();
+    }
     return p;
+  }
+
+  bool capturing(void* stream) const override {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture), "cudaStreamIsCapturing");
+    return capture != cudaStreamCaptureStatusNone;
+  }
+
+  void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) override {
+    const auto s = static_cast<cudaStream_t>(stream);
+    check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync D2H");
+    check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  }
+
+  void write_summary_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head, const DeviceSummaryRows& rows,
+                          void* stream) override {
+    summaries_.write_rows(slot, layer, head, rows.centroids, rows.value_sums, rows.tokens, stream);
   }
 
   CacheStepStats cache_stats() override {
@@ -557,6 +618,10 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     a.summary_rows = {at<std::uint32_t>(slot, args_.summary_rows), rows_};
     a.instances = {at<std::size_t>(slot, args_.instances), rows_};
     a.cpu_pages = {at<std::byte*>(slot, args_.cpu_pages), rows_};
+    a.sink_partitions = {at<PartitionId>(slot, args_.sink_partitions), rows_};
+    a.sink_tokens = {at<std::uint32_t>(slot, args_.sink_tokens), rows_};
+    a.recent = {at<std::uint32_t>(slot, args_.recent), rows_};
+    a.windows = {at<std::uint32_t>(slot, args_.windows), rows_};
     a.writes = {at<ReplicaWordWrite>(slot, args_.writes), args_.max_writes};
     a.write_count = at<std::uint32_t>(slot, args_.write_count);
     fill_device_step_arguments(step, setup_.shape.kv_heads, summaries_.shape(), buffer_.cpu_pool(), replica_,
@@ -586,6 +651,9 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   std::size_t next_ = 0;
   std::vector<PinnedBytes> captured_;  // the argument slots of captured steps
   DeviceBytes q_, selected_, selected_count_, select_workspace_;
+  // RetroInfer's estimation terms (DecodeAttentionExtra), and whether the last step wrote them.
+  DeviceBytes extra_max_, extra_sum_, extra_acc_;
+  bool estimated_ = false;
   SelectRows select_rows_;
   DeviceBytes selection_offsets_, page_offsets_, compact_, partition_tokens_, lru_batch_workspace_;
   DeviceBytes partition_offsets_, gpu_pages_, copy_cpu_, copy_gpu_, stats_, totals_, lru_scratch_;

@@ -2,11 +2,13 @@
 // the same requests, arriving and finishing at random, through a Manager on
 // HostBackend with host tensors and one on CudaBackend with device tensors on
 // the test's stream. Every step: the plans (selections, LRU page ids, runs)
-// identical, outputs within 2e-3; hit / miss totals identical. Then one
-// layer's step captured in a CUDA graph (which fails on any host sync) and
-// replayed equals the eager step of a twin manager. The device manager's
-// prefill offloads through the staged D2H path (no host copy of the prompt),
-// so equal plans and outputs also check the CPU pages it wrote.
+// identical, outputs within 2e-3; hit / miss totals identical -- for every
+// built-in policy, RetroInfer's index updates included. Then one layer's step
+// captured in a CUDA graph (which fails on any host sync) and replayed equals
+// the eager step of a twin manager. The device manager's prefill offloads
+// through the staged D2H path (no host copy of the prompt; RetroInfer's comes
+// down once, to cluster), so equal plans and outputs also check the CPU pages
+// it wrote.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -166,6 +168,23 @@ TEST_CASE("device-tensor decode equals the host backend (StreamingWindow, Dense)
   streaming.sink_tokens = 20;  // sinks reaching into a second page
   run_lockstep(StreamingWindowPolicy(streaming), 3);
   run_lockstep(DensePolicy(), 4);
+}
+
+TEST_CASE("device-tensor decode equals the host backend (RetroInfer)", "[gpu][device-decode]") {
+  // Short index updates: the host regroups between steps and re-uploads the
+  // regions; the estimation zone is merged by the attention kernel.
+  RetroInferPolicy::Options retro;
+  retro.budget_tokens = 256;
+  retro.segment_tokens = 256;
+  retro.tokens_per_cluster = 8;
+  retro.kmeans_iterations = 3;
+  retro.window_tokens = 32;
+  retro.update_tokens = 64;
+  retro.retrieval_fraction = 0.1f;
+  retro.estimation_fraction = 0.3f;
+  run_lockstep(RetroInferPolicy(retro), 5);
+  retro.estimation = false;
+  run_lockstep(RetroInferPolicy(retro), 6);
 }
 
 TEST_CASE("device-tensor decode: one layer's step captured in a CUDA graph equals the eager step",

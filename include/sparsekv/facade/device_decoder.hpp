@@ -38,6 +38,7 @@ struct DeviceDecoderSetup {
   std::uint32_t max_pages_per_head = 0;      // pages one selection covers at most (mandatory pages)
   std::uint32_t timestamp_buckets = 0;
   DeviceSelectSpec::Kind select = DeviceSelectSpec::Kind::none;
+  std::uint32_t first_partition = 0;         // DeviceSelectSpec::first_partition
   float scale = 1.0f;
 };
 
@@ -62,6 +63,9 @@ struct DeviceStep {
   // this step's arguments); unread for entries whose tail does not fill.
   std::span<const PageId> save_pages;
   std::span<const std::size_t> instances;        // [rows]: HierarchicalPageTable::instance
+  // [rows]: what each row reads of the host policy state (device_select_row);
+  // empty for the kinds whose rows read none.
+  std::span<const DeviceSelectRow> select_rows;
 };
 
 // Where the last step's AttendPlan lives (device memory), FlashInfer's CSR
@@ -74,6 +78,13 @@ struct DeviceAttendPlan {
   const std::byte* gpu_tier_base = nullptr;
   std::size_t page_bytes = 0;
   std::uint32_t rows = 0;
+  // RetroInfer's estimation zone (its Attend term, RetroInfer §4.2 eqs. 2-4),
+  // for the engine's kernel to merge by log-sum-exp as
+  // DecodeAttentionExtra: max, sum [rows * group] and acc [rows * group][head_dim];
+  // null for the other policies and without estimation.
+  const float* extra_max = nullptr;
+  const float* extra_sum = nullptr;
+  const float* extra_acc = nullptr;
 };
 
 // Accumulated device time of the timed steps' stages (DeviceDecoder::time_stages),
@@ -122,6 +133,18 @@ class DeviceDecoder {
   // and no device copy of the prompt is kept.
   virtual void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements,
                               void* stream) = 0;
+  // Whether `stream` is being captured into a CUDA graph (a step that must
+  // wait for the device, RetroInfer's index update, cannot be captured).
+  virtual bool capturing(void* stream) const = 0;
+  // Copies `bytes` of device memory into host memory after the work enqueued
+  // on `stream`; waits. Off the step's path: RetroInfer clusters on the host,
+  // so its prompt and the pages of an index update come down once.
+  virtual void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) = 0;
+  // Candidates [0, rows.tokens.size()) of (slot, layer, head)'s summary
+  // region from the host state's rows (device_summary_rows); waits. At
+  // prefill and after an index update, off the step's path.
+  virtual void write_summary_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head,
+                                  const DeviceSummaryRows& rows, void* stream) = 0;
   // Enqueues one layer's step on step.stream; returns without waiting.
   virtual void step(const DeviceStep& step) = 0;
   virtual DeviceAttendPlan plan() const = 0;

@@ -30,6 +30,8 @@ inline cuda::AppendSummary device_summary_kind(DeviceSelectSpec::Kind kind) {
     case DeviceSelectSpec::Kind::streaming:
     case DeviceSelectSpec::Kind::dense:
       return cuda::AppendSummary::tokens;
+    case DeviceSelectSpec::Kind::retroinfer:
+      return cuda::AppendSummary::retroinfer;
     case DeviceSelectSpec::Kind::none:
       break;
   }
@@ -51,6 +53,12 @@ struct DeviceStepArguments {
   std::span<std::uint32_t> summary_rows;  // [rows]: AppendSummaries::rows, the tail page's candidate
   std::span<std::size_t> instances;       // [rows]
   std::span<std::byte*> cpu_pages;        // [rows]: the save page's CPU address, null when none
+  // [rows]: DeviceStep::select_rows unpacked as RetroInferSelect reads them
+  // (zero when the step has none).
+  std::span<PartitionId> sink_partitions;
+  std::span<std::uint32_t> sink_tokens;
+  std::span<std::uint32_t> recent;
+  std::span<std::uint32_t> windows;
   std::span<ReplicaWordWrite> writes;     // [max_writes]
   std::uint32_t* write_count = nullptr;
 };
@@ -66,14 +74,20 @@ inline void fill_device_step_arguments(const DeviceStep& step, std::uint32_t kv_
   std::copy(step.tail_slots.begin(), step.tail_slots.end(), out.tail_slots.begin());
   std::copy(step.tail_pages.begin(), step.tail_pages.end(), out.tail_pages.begin());
   std::copy(step.tail_tokens.begin(), step.tail_tokens.end(), out.tail_tokens.begin());
-  std::copy(step.candidates.begin(), step.candidates.end(), out.count.begin());
   std::copy(step.instances.begin(), step.instances.end(), out.instances.begin());
   scratch.clear();
   for (std::uint32_t r = 0; r < rows; ++r) {
     const std::uint32_t region = summaries.region(step.request_slots[r / kv_heads], r % kv_heads);
     out.first[r] = region;
+    // Partitions below first_partition (RetroInfer's sink) are no candidates.
+    out.count[r] = step.candidates[r] - summaries.first_partition;
     // The tail page is the row's next partition: the one after its candidates.
-    out.summary_rows[r] = region + step.candidates[r];
+    out.summary_rows[r] = region + out.count[r];
+    const DeviceSelectRow row = step.select_rows.empty() ? DeviceSelectRow{} : step.select_rows[r];
+    out.sink_partitions[r] = row.sink_partition;
+    out.sink_tokens[r] = row.sink_tokens;
+    out.recent[r] = row.recent;
+    out.windows[r] = row.window;
     const bool saves = step.save_pages[r] != kInvalidPage;
     out.cpu_pages[r] = saves ? const_cast<std::byte*>(cpu.data(step.save_pages[r])) : nullptr;
     if (saves) replica.meta_entry_writes(table, step.instances[r], step.candidates[r], 1, scratch);

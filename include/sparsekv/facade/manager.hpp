@@ -91,6 +91,15 @@ struct PolicyOps {
       return std::nullopt;
     }
   }
+  static DeviceSelectRow device_select_row(const P& p, const State& s, std::uint32_t head, std::uint32_t unfed) {
+    return sparsekv::device_select_row(p, s, head, unfed);
+  }
+  static bool device_index_update_due(const P& p, const State& s, std::uint32_t pending_tokens) {
+    return sparsekv::device_index_update_due(p, s, pending_tokens);
+  }
+  static void device_summary_rows(const P& p, const State& s, std::uint32_t head, DeviceSummaryRows& out) {
+    sparsekv::device_summary_rows(p, s, head, out);
+  }
 };
 template <>
 struct PolicyOps<AnyPolicy> {
@@ -103,6 +112,16 @@ struct PolicyOps<AnyPolicy> {
   }
   static std::optional<HeadCapacity> head_capacity(const AnyPolicy& p, const LayerContext& c) {
     return p.head_capacity(c);
+  }
+  static DeviceSelectRow device_select_row(const AnyPolicy& p, const State& s, std::uint32_t head,
+                                           std::uint32_t unfed) {
+    return p.device_select_row(s, head, unfed);
+  }
+  static bool device_index_update_due(const AnyPolicy& p, const State& s, std::uint32_t pending_tokens) {
+    return p.device_index_update_due(s, pending_tokens);
+  }
+  static void device_summary_rows(const AnyPolicy& p, const State& s, std::uint32_t head, DeviceSummaryRows& out) {
+    p.device_summary_rows(s, head, out);
   }
 };
 
@@ -204,8 +223,8 @@ class Manager {
   // kind of tensor: its first prefill picks (the other kind is then refused).
   // Needs a backend with a device decoder (CudaBackend) and a policy with a
   // device Select (policy/device_select.hpp: Quest with one-page partitions,
-  // ShadowKV, StreamingWindow, Dense; not RetroInfer yet); others throw invalid_argument / unavailable before anything
-  // changes. prefill() waits for its copies; decode() and plan() return
+  // ShadowKV, StreamingWindow, Dense, RetroInfer); others throw
+  // invalid_argument / unavailable before anything changes. prefill() waits for its copies; decode() and plan() return
   // without waiting.
   //
   // prefill(): Index on the device (the policy's summaries, written where the
@@ -216,7 +235,10 @@ class Manager {
   // layer stays on the GPU and none is made in pageable host memory. The
   // partitions are the policy's uniform ones, known from the token count;
   // the host policy state is not indexed, since with device tensors no call
-  // reads it (Select runs on the device). Non-finite K/V is refused first.
+  // reads it (Select runs on the device). A policy that clusters on the host
+  // (RetroInfer: DeviceSelectSpec::host_state) instead has the prompt copied
+  // down once, indexed and offloaded as on the host path, and its summaries
+  // uploaded. Non-finite K/V is refused first.
   void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
                void* stream) {
     DeviceDecoder& device = device_decoder();
@@ -241,6 +263,22 @@ class Manager {
     }
     use_api(Api::device);
     const DeviceSelectSpec select = device_select(policy_, context(layer, tokens));
+    if (select.host_state) {
+      // A policy that clusters on the host (RetroInfer): the prompt comes down
+      // once, is indexed and offloaded as on the host path, and the state's
+      // summaries go up into the device store.
+      const std::size_t bytes = tokens * row * dtype_size(shape_.dtype);
+      prompt_k_.resize(bytes);
+      prompt_v_.resize(bytes);
+      device.copy_to_host(prompt_k_.data(), k, bytes, stream);
+      device.copy_to_host(prompt_v_.data(), v, bytes, stream);
+      to_float(prompt_k_.data(), tokens * row, keys_);
+      to_float(prompt_v_.data(), tokens * row, values_);
+      index_and_offload(request, layer, prompt_k_.data(), prompt_v_.data(), tokens);
+      upload_summary_rows(device, request, layer, stream);
+      device.upload_tables(request);
+      return;
+    }
     const PartitionSpec spec = PartitionSpec::uniform(tokens, select.partition_tokens);
     const auto t0 = Clock::now();
     buffer_->offload_on_device(request, layer, tokens, std::span(&spec, 1), device_placements_);
@@ -294,6 +332,13 @@ class Manager {
     to_float(v, n, values_);
     check_finite("prefill k", request, keys_, 0);
     check_finite("prefill v", request, values_, 0);
+    index_and_offload(request, layer, k, v, tokens);
+  }
+
+  // Index of the prompt in keys_ / values_ (fp32) and Offload of k / v (host,
+  // model dtype) into the CPU tier; the layer is then prefilled.
+  void index_and_offload(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens) {
+    LayerState& ls = state(request).layers[layer];
     const auto t0 = Clock::now();
     const KvView view{keys_, values_, tokens, shape_.kv_heads, shape_.head_dim, 0};
     // Indexed into a copy: a policy's state changes only if the offload succeeds.
@@ -392,6 +437,9 @@ class Manager {
     typename Ops::State policy;
     bool prefilled = false;
     std::vector<float> recent_k, recent_v;  // decode tokens since the last saved page, fp32
+    // Device path, a host-state policy: decode pages saved since the state
+    // was last fed (device_select_row, device_index_update_due).
+    std::uint32_t unfed_pages = 0;
   };
   struct RequestState {
     std::uint32_t max_tokens = 0;
@@ -654,6 +702,7 @@ class Manager {
              "policy {} has no device Select in layer {} (policy/device_select.hpp); use the host-tensor API", policy_name(), l);
       }
       setup.select = spec.kind;
+      setup.first_partition = spec.first_partition;
       setup.max_selected_per_head =
           std::max(setup.max_selected_per_head, device_select_capacity(spec, setup.max_partitions_per_head));
     }
@@ -694,7 +743,13 @@ class Manager {
   }
 
   // The host's part of a device step (DeviceStep), then the decoder's launch.
-  // Everything is checked before anything changes, as in step().
+  // Everything is checked before anything changes, as in step(). A policy
+  // whose rows read its host state (RetroInfer) learns of its decode pages
+  // only at its index updates: a step whose page reaches one first waits for
+  // the device, feeds the state the pages saved since the last update and
+  // this one, and sizes the regroup against the pools; after the step is
+  // enqueued it applies the regroup to the tables and the summary store
+  // (docs/device-decode.md, "RetroInfer").
   void device_step(DeviceDecoder& device, std::span<const RequestId> batch, std::uint32_t layer, const void* q,
                    const void* k_new, const void* v_new, float* out, void* stream) {
     check_index("layer", layer, shape_.layers);
@@ -703,18 +758,56 @@ class Manager {
     check_device_pointer(device, "decode k_new", k_new);
     check_device_pointer(device, "decode v_new", v_new);
     device.check_values(stream);
+    const DeviceSelectSpec select = device_select(policy_, context(layer, config_.max_context_tokens));
     std::uint64_t cpu_free = buffer_->cpu_pool().available();
     SegmentDemand segments;
+    pending_.resize(batch.size());
+    bool synced = false;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       check_batch_entry(batch, b, layer);
-      if (buffer_->tail_tokens(batch[b], layer) + 1 < config_.page_tokens) continue;
-      const SaveDemand demand = buffer_->save_demand(batch[b], layer);
+      Pending& next = pending_[b];
+      next.saves = buffer_->tail_tokens(batch[b], layer) + 1 == config_.page_tokens;
+      next.regroup.reset();
+      next.feeds = false;
+      if (!next.saves) continue;
+      const LayerState& ls = state(batch[b]).layers[layer];
+      SaveDemand demand;
+      if (select.host_state &&
+          Ops::device_index_update_due(policy_, ls.policy, (ls.unfed_pages + 1) * config_.page_tokens)) {
+        if (device.capturing(stream)) {
+          fail(ErrorCode::failed_precondition,
+               "decode: request {} layer {} reaches its policy's index update, which waits for the device: "
+               "this step cannot be captured into a CUDA graph",
+               batch[b], layer);
+        }
+        if (!std::exchange(synced, true)) device.synchronize();  // the unfed pages' saves and the tail
+        feed_pages(device, batch, b, layer, k_new, v_new, stream);
+        demand = next.regroup ? buffer_->save_demand(batch[b], layer, next.regroup->first_partitions,
+                                                     next.regroup->specs)
+                              : buffer_->save_demand(batch[b], layer);
+      } else {
+        demand = buffer_->save_demand(batch[b], layer);
+      }
       if (demand.saved_pages > cpu_free) {
         fail(ErrorCode::resource_exhausted, "decode: saving the full tail of request {} needs {} CPU pages, {} free",
              batch[b], demand.saved_pages, cpu_free);
       }
       cpu_free -= demand.saved_pages;
+      next.regroup_pages = demand.regroup_pages;
+      next.freed_pages = demand.freed_pages;
       segments += demand.segments;
+    }
+    // Here every save precedes the regroups (applied once the step is
+    // enqueued, in batch order): replayed on the free count in that order.
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const Pending& next = pending_[b];
+      if (!next.regroup) continue;
+      if (next.regroup_pages > cpu_free + next.freed_pages) {
+        fail(ErrorCode::resource_exhausted,
+             "decode: the regroup of request {} needs {} CPU pages; {} free plus {} freed by its run", batch[b],
+             next.regroup_pages, cpu_free, next.freed_pages);
+      }
+      cpu_free = cpu_free + next.freed_pages - next.regroup_pages;
     }
     buffer_->table().check_segments(segments);
 
@@ -727,14 +820,17 @@ class Manager {
     d.tail_pages.resize(rows);
     d.save_pages.assign(rows, kInvalidPage);
     d.instances.resize(rows);
+    d.select_rows.assign(select.host_state ? rows : 0, DeviceSelectRow{});
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const RequestId id = batch[b];
+      LayerState& ls = state(id).layers[layer];
       d.request_slots[b] = table_slot(id);
       for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
         const std::size_t r = b * shape_.kv_heads + h;
         d.candidates[r] = buffer_->table().partition_count(id, layer, h);  // Select sees the state before the save
         d.instances[r] = buffer_->table().instance(id, layer, h);
         d.tail_pages[r] = buffer_->tail_page(id, layer, h);
+        if (select.host_state) d.select_rows[r] = Ops::device_select_row(policy_, ls.policy, h, ls.unfed_pages);
       }
       const auto slot = buffer_->append_on_device(
           id, layer, std::span<PageId>(d.save_pages).subspan(b * shape_.kv_heads, shape_.kv_heads));
@@ -751,7 +847,7 @@ class Manager {
     step.v_new = v_new;
     step.out = out;
     step.stream = stream;
-    step.select = device_select(policy_, context(layer, config_.max_context_tokens));
+    step.select = select;
     step.request_slots = d.request_slots;
     step.tail_slots = d.tail_slots;
     step.tail_pages = d.tail_pages;
@@ -759,9 +855,116 @@ class Manager {
     step.candidates = d.candidates;
     step.save_pages = d.save_pages;
     step.instances = d.instances;
+    step.select_rows = d.select_rows;
     device.step(step);
+    // The host state after the step: fed (and regrouped), or one page behind.
+    for (std::size_t b = 0; b < batch.size() && select.host_state; ++b) {
+      Pending& next = pending_[b];
+      LayerState& ls = state(batch[b]).layers[layer];
+      if (!next.saves) continue;
+      if (!next.feeds) {
+        ++ls.unfed_pages;
+        continue;
+      }
+      ls.policy = std::move(next.state);
+      ls.unfed_pages = 0;
+      if (next.regroup) {
+        device.download_tables(batch[b]);  // waits for the step
+        buffer_->repartition(batch[b], layer, next.regroup->first_partitions, next.regroup->specs);
+        device.upload_tables(batch[b]);
+        upload_summary_rows(device, batch[b], layer, stream);
+      }
+    }
     stats_.decode_steps += batch.size();
     stats_.append_s += seconds(Clock::now() - t0);  // host time to plan and enqueue the whole step
+  }
+
+  // Feeds batch entry b's state copy (pending_[b].state) the decode pages
+  // saved since its last index update, read from the CPU tier, then the page
+  // this step fills: the device tail page's tokens and k_new / v_new of the
+  // entry. The device must be idle (the saves and the tail complete). The
+  // last page's append returns the policy's regroup, checked as step()
+  // checks it; an earlier page asking for one is a policy bug.
+  void feed_pages(DeviceDecoder& device, std::span<const RequestId> batch, std::size_t b, std::uint32_t layer,
+                  const void* k_new, const void* v_new, void* stream) {
+    const RequestId id = batch[b];
+    const LayerState& ls = state(id).layers[layer];
+    Pending& next = pending_[b];
+    next.feeds = true;
+    next.state = ls.policy;
+    const PageLayout layout{config_.page_tokens, shape_.head_dim, shape_.dtype};
+    const std::uint32_t page = config_.page_tokens;
+    const std::size_t row = std::size_t{shape_.kv_heads} * shape_.head_dim;
+    const std::size_t elem = dtype_size(shape_.dtype);
+    std::vector<std::byte>& bytes = page_bytes_;
+    next.page_k.resize(page * row);
+    next.page_v.resize(page * row);
+    // Head h's rows of one page (its bytes in `bytes`), tokens [0, n), into the page's floats.
+    const auto unpack = [&](std::uint32_t h, std::uint32_t n) {
+      for (std::uint32_t t = 0; t < n; ++t) {
+        for (std::uint32_t i = 0; i < shape_.head_dim; ++i) {
+          const std::size_t at = t * row + std::size_t{h} * shape_.head_dim + i;
+          next.page_k[at] = load_element(bytes.data() + layout.k_offset(t), i, shape_.dtype);
+          next.page_v[at] = load_element(bytes.data() + layout.v_offset(t), i, shape_.dtype);
+        }
+      }
+    };
+    const std::uint32_t saved = buffer_->sequence_length(id, layer) - buffer_->tail_tokens(id, layer);
+    AppendedPage appended;
+    appended.partitions.resize(shape_.kv_heads);
+    for (std::uint32_t u = 0; u <= ls.unfed_pages; ++u) {
+      const bool last = u == ls.unfed_pages;
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        const PartitionId p = buffer_->table().partition_count(id, layer, h) - ls.unfed_pages + u;
+        appended.partitions[h] = p;
+        bytes.resize(layout.page_bytes());
+        if (!last) {
+          cpu_pages_.clear();
+          buffer_->table().cpu_pages(id, layer, h, p, cpu_pages_);  // a decode page: one-page partition
+          std::memcpy(bytes.data(), buffer_->cpu_pool().data(cpu_pages_.at(0)), layout.page_bytes());
+          unpack(h, page);
+        } else {
+          const std::byte* tail = buffer_->gpu_pool().base() + std::size_t{buffer_->tail_page(id, layer, h)} *
+                                                                   buffer_->gpu_pool().page_bytes();
+          device.copy_to_host(bytes.data(), tail, layout.page_bytes(), stream);
+          unpack(h, page - 1);
+        }
+      }
+      if (last) {  // the token this step appends: row b of k_new / v_new
+        bytes.resize(2 * row * elem);
+        device.copy_to_host(bytes.data(), static_cast<const std::byte*>(k_new) + b * row * elem, row * elem, stream);
+        device.copy_to_host(bytes.data() + row * elem, static_cast<const std::byte*>(v_new) + b * row * elem,
+                            row * elem, stream);
+        for (std::size_t i = 0; i < row; ++i) {
+          next.page_k[(page - 1) * row + i] = load_element(bytes.data(), static_cast<std::uint32_t>(i), shape_.dtype);
+          next.page_v[(page - 1) * row + i] =
+              load_element(bytes.data() + row * elem, static_cast<std::uint32_t>(i), shape_.dtype);
+        }
+        check_finite("decode k_new", id, std::span(next.page_k).subspan((page - 1) * row, row), saved + page - 1);
+        check_finite("decode v_new", id, std::span(next.page_v).subspan((page - 1) * row, row), saved + page - 1);
+      }
+      const std::uint32_t tokens = saved - (ls.unfed_pages - u) * page + page;
+      appended.page = KvView{next.page_k, next.page_v, page, shape_.kv_heads, shape_.head_dim, tokens - page};
+      next.regroup = policy_.append(context(layer, tokens), appended, next.state);
+      if (next.regroup && !last) {
+        fail(ErrorCode::failed_precondition, "policy {}: request {} layer {} regroups before its update was due",
+             policy_name(), id, layer);
+      }
+    }
+    if (next.regroup) {
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        check_regroup(id, layer, h, *next.regroup, appended.partitions[h]);
+      }
+    }
+  }
+
+  // The host state's summaries of every kv head of (request, layer) into the device store.
+  void upload_summary_rows(DeviceDecoder& device, RequestId request, std::uint32_t layer, void* stream) {
+    const LayerState& ls = state(request).layers[layer];
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+      Ops::device_summary_rows(policy_, ls.policy, h, summary_rows_);
+      device.write_summary_rows(table_slot(request), layer, h, summary_rows_, stream);
+    }
   }
 
   // A regroup the policy asks for must describe the head as it will be once
@@ -811,6 +1014,8 @@ class Manager {
     std::vector<float> page_k, page_v;
     typename Ops::State state;
     std::optional<Repartition> regroup;
+    bool feeds = false;  // device path: the state was fed the pages since its last update
+    std::uint64_t regroup_pages = 0, freed_pages = 0;  // device path: the regroup's SaveDemand
   };
   std::vector<Pending> pending_;
   // The device-tensor API (docs/device-decode.md).
@@ -820,9 +1025,14 @@ class Manager {
     std::vector<std::uint32_t> request_slots, tail_slots, tail_tokens, candidates;
     std::vector<PageId> tail_pages, save_pages;
     std::vector<std::size_t> instances;
+    std::vector<DeviceSelectRow> select_rows;
   };
   DeviceStepScratch device_scratch_;
   std::vector<TokenPlacement> device_placements_;  // a device prompt's rows in the CPU tier
+  std::vector<std::byte> prompt_k_, prompt_v_;      // a host-state policy's prompt, come down
+  std::vector<std::byte> page_bytes_;               // ... and one page of its index update
+  std::vector<PageId> cpu_pages_;
+  DeviceSummaryRows summary_rows_;
 };
 
 using RuntimeManager = Manager<AnyPolicy>;

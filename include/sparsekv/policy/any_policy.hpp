@@ -45,6 +45,15 @@ class AnyPolicy {
   std::optional<HeadCapacity> head_capacity(const LayerContext& ctx) const { return impl_->head_capacity(ctx); }
   // The wrapped policy's device Select (policy/device_select.hpp).
   DeviceSelectSpec device_select(const LayerContext& ctx) const { return impl_->device_select(ctx); }
+  DeviceSelectRow device_select_row(const std::any& state, std::uint32_t head, std::uint32_t unfed_pages) const {
+    return impl_->device_select_row(state, head, unfed_pages);
+  }
+  bool device_index_update_due(const std::any& state, std::uint32_t pending_tokens) const {
+    return impl_->device_index_update_due(state, pending_tokens);
+  }
+  void device_summary_rows(const std::any& state, std::uint32_t head, DeviceSummaryRows& out) const {
+    impl_->device_summary_rows(state, head, out);
+  }
 
  private:
   struct Concept {
@@ -61,6 +70,9 @@ class AnyPolicy {
     virtual std::uint32_t mandatory_pages(const LayerContext&) const = 0;
     virtual std::optional<HeadCapacity> head_capacity(const LayerContext&) const = 0;
     virtual DeviceSelectSpec device_select(const LayerContext&) const = 0;
+    virtual DeviceSelectRow device_select_row(const std::any&, std::uint32_t, std::uint32_t) const = 0;
+    virtual bool device_index_update_due(const std::any&, std::uint32_t) const = 0;
+    virtual void device_summary_rows(const std::any&, std::uint32_t, DeviceSummaryRows&) const = 0;
   };
 
   template <class P>
@@ -94,6 +106,15 @@ class AnyPolicy {
     }
     DeviceSelectSpec device_select(const LayerContext& c) const override {
       return sparsekv::device_select(policy, c);
+    }
+    DeviceSelectRow device_select_row(const std::any& s, std::uint32_t head, std::uint32_t unfed) const override {
+      return sparsekv::device_select_row(policy, std::any_cast<const State&>(s), head, unfed);
+    }
+    bool device_index_update_due(const std::any& s, std::uint32_t pending_tokens) const override {
+      return sparsekv::device_index_update_due(policy, std::any_cast<const State&>(s), pending_tokens);
+    }
+    void device_summary_rows(const std::any& s, std::uint32_t head, DeviceSummaryRows& out) const override {
+      sparsekv::device_summary_rows(policy, std::any_cast<const State&>(s), head, out);
     }
     P policy;
   };
