@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "device_decode_test_data.hpp"
 #include "device_decoder_emulation.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/manager.hpp"
@@ -30,16 +31,6 @@ using namespace sparsekv;
 using namespace sparsekv::test;
 
 namespace {
-
-ModelShape device_shape() {
-  ModelShape s;
-  s.layers = 3;
-  s.q_heads = 8;
-  s.kv_heads = 2;
-  s.head_dim = 64;
-  s.dtype = DType::bf16;
-  return s;
-}
 
 // Small tiers, so the LRU evicts and the GPU tier refuses late arrivals.
 Config device_config() {
@@ -52,13 +43,6 @@ Config device_config() {
   c.max_context_tokens = 1024;
   c.host_chunk_bytes = std::size_t{1} << 20;
   return c;
-}
-
-std::vector<std::uint16_t> random_bf16(std::size_t n, std::mt19937& rng) {
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<std::uint16_t> out(n);
-  for (auto& x : out) x = float_to_bf16(d(rng));
-  return out;
 }
 
 // The host plan of a step's retrievals (Manager::build_plan).
@@ -383,22 +367,10 @@ StreamingWindowPolicy streaming_policy() {
   return StreamingWindowPolicy(o);
 }
 
-// RetroInfer with short index updates (every 3 pages) and a two-page window,
-// so the run regroups often; prompts under 4 + 32 + 16 tokens keep their
-// whole tail as the window until the first update, and a budget of 64 tokens
-// makes those windows count before it (per-row windows).
+// A budget of 64 tokens makes the short prompts' own windows count before
+// their first index update (per-row windows).
 RetroInferPolicy retroinfer_policy(bool estimation) {
-  RetroInferPolicy::Options o;
-  o.budget_tokens = 64;
-  o.segment_tokens = 128;
-  o.tokens_per_cluster = 16;
-  o.kmeans_iterations = 3;
-  o.window_tokens = 32;
-  o.update_tokens = 48;
-  o.retrieval_fraction = 0.1f;
-  o.estimation_fraction = 0.3f;
-  o.estimation = estimation;
-  return RetroInferPolicy(o);
+  return RetroInferPolicy(frequent_update_retroinfer(64, estimation));
 }
 
 void require_clean(const LockstepReport& r, bool evicts = true) {

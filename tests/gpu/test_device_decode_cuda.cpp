@@ -17,6 +17,7 @@
 #include <random>
 #include <vector>
 
+#include "../device_decode_test_data.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
@@ -24,18 +25,9 @@
 
 using namespace sparsekv;
 using namespace sparsekv::gpu_test;
+using namespace sparsekv::test;
 
 namespace {
-
-ModelShape device_shape() {
-  ModelShape s;
-  s.layers = 3;
-  s.q_heads = 8;
-  s.kv_heads = 2;
-  s.head_dim = 64;
-  s.dtype = DType::bf16;
-  return s;
-}
 
 Config device_config() {
   Config c;
@@ -46,18 +38,6 @@ Config device_config() {
   c.max_context_tokens = 2048;
   c.host_chunk_bytes = std::size_t{4} << 20;
   return c;
-}
-
-std::vector<std::uint16_t> random_bf16(std::size_t n, std::mt19937& rng) {
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<std::uint16_t> out(n);
-  for (auto& x : out) {
-    const float f = d(rng);
-    std::uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    x = static_cast<std::uint16_t>(bits >> 16);
-  }
-  return out;
 }
 
 struct PlanCopy {
@@ -173,18 +153,8 @@ TEST_CASE("device-tensor decode equals the host backend (StreamingWindow, Dense)
 TEST_CASE("device-tensor decode equals the host backend (RetroInfer)", "[gpu][device-decode]") {
   // Short index updates: the host regroups between steps and re-uploads the
   // regions; the estimation zone is merged by the attention kernel.
-  RetroInferPolicy::Options retro;
-  retro.budget_tokens = 256;
-  retro.segment_tokens = 256;
-  retro.tokens_per_cluster = 8;
-  retro.kmeans_iterations = 3;
-  retro.window_tokens = 32;
-  retro.update_tokens = 64;
-  retro.retrieval_fraction = 0.1f;
-  retro.estimation_fraction = 0.3f;
-  run_lockstep(RetroInferPolicy(retro), 5);
-  retro.estimation = false;
-  run_lockstep(RetroInferPolicy(retro), 6);
+  run_lockstep(RetroInferPolicy(frequent_update_retroinfer(256, true)), 5);
+  run_lockstep(RetroInferPolicy(frequent_update_retroinfer(256, false)), 6);
 }
 
 TEST_CASE("device-tensor decode: one layer's step captured in a CUDA graph equals the eager step",
