@@ -22,9 +22,9 @@
 // (page_summaries.hpp), as DeviceSummaries::write_prefill launches them.
 //
 // "Device memory" is host memory that EmulatedDeviceMemory hands out and
-// remembers: is_device_pointer answers from that registry, so any other
-// pointer (a plain host vector) is refused as a host pointer would be by the
-// CUDA decoder. EmulatedBackend hands a Manager this decoder.
+// remembers: EmulatedBackend::is_device_pointer answers from that registry,
+// so any other pointer (a plain host vector) is refused as a host pointer
+// would be by CudaBackend. EmulatedBackend hands a Manager this decoder.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -171,8 +171,6 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     }
     plan_row_pages_ = setup.max_pages_per_head + 1;
   }
-
-  bool is_device_pointer(const void* p) const override { return memory_.contains(p); }
 
   void upload_tables(RequestId request) override {
     replica_.upload(buffer_.table(), request, buffer_.transfer());
@@ -486,10 +484,6 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
 
   bool capturing(void* /*stream*/) const override { return false; }
 
-  void copy_to_host(void* host, const void* device, std::size_t bytes, void* /*stream*/) override {
-    std::memcpy(host, device, bytes);
-  }
-
   // DeviceSummaries::write_rows: the host rows into the region's first candidates.
   void write_summary_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head, const DeviceSummaryRows& rows,
                           void* /*stream*/) override {
@@ -576,6 +570,14 @@ class EmulatedBackend final : public Backend {
   MemoryResource& gpu_tables() override { return host_.gpu_tables(); }
   PageTransfer& transfer() override { return host_.transfer(); }
   void attend(const AttendCall& call) override { host_.attend(call); }
+  bool has_device_memory() const noexcept override { return true; }
+  bool is_device_pointer(const void* p) const override { return memory_.contains(p); }
+  void copy_to_host(void* host, const void* device, std::size_t bytes, void* /*stream*/) override {
+    std::memcpy(host, device, bytes);
+  }
+  void copy_to_device(void* device, const void* host, std::size_t bytes, void* /*stream*/) override {
+    std::memcpy(device, host, bytes);
+  }
   std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderSetup& setup,
                                                      TieredKVBuffer& buffer) override {
     auto decoder = std::make_unique<EmulatedDeviceDecoder>(setup, buffer, memory_, emulation_);

@@ -626,7 +626,7 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   m.decode(one, 0, q.data, kn.data, vn.data, out.data, nullptr);  // reported once
 }
 
-TEST_CASE("device-tensor API: a backend or policy without a device path is refused, changing nothing",
+TEST_CASE("device-tensor API: a backend without device memory is refused, changing nothing",
           "[device-decode-rules]") {
   const ModelShape shape = device_shape();
   const Config config = device_config();
@@ -635,32 +635,85 @@ TEST_CASE("device-tensor API: a backend or policy without a device path is refus
   const std::vector<std::uint16_t> host_k = random_bf16(40 * kv_row, rng);
   EmulatedDeviceMemory memory;
   const EmulatedArray<std::uint16_t> k(memory, host_k);
-
-  // HostBackend has no decoder: unavailable; the host API still serves.
-  Manager<QuestPolicy> plain(shape, config, quest_policy(0));
-  plain.add_request(1, 100);
-  REQUIRE(refusal([&] { plain.prefill(1, 0, k.data, k.data, 40, nullptr); }) == ErrorCode::unavailable);
-  REQUIRE(plain.buffer().sequence_length(1, 0) == 0);
-  plain.prefill(1, 0, host_k.data(), host_k.data(), 40);
-
-  // A policy with only a host Select, and Quest with multi-page partitions:
-  // invalid_argument at the first device call, before a decoder exists.
-  const auto refuses = [&](auto policy) {
-    auto owned = std::make_unique<EmulatedBackend>(memory);
-    EmulatedBackend& backend = *owned;
-    Manager<decltype(policy)> m(shape, config, policy, std::move(owned));
-    m.add_request(1, 100);
-    REQUIRE(refusal([&] { m.prefill(1, 0, k.data, k.data, 40, nullptr); }) == ErrorCode::invalid_argument);
-    REQUIRE(backend.decoder() == nullptr);
-    REQUIRE(m.buffer().sequence_length(1, 0) == 0);
-    m.prefill(1, 0, host_k.data(), host_k.data(), 40);  // the host-tensor API still serves it
-    REQUIRE(m.buffer().sequence_length(1, 0) == 40);
+  // HostBackend: unavailable, for a policy with a device Select and one
+  // without; the host API still serves both.
+  const auto unavailable = [&](auto policy) {
+    Manager<decltype(policy)> plain(shape, config, policy);
+    plain.add_request(1, 100);
+    REQUIRE(refusal([&] { plain.prefill(1, 0, k.data, k.data, 40, nullptr); }) == ErrorCode::unavailable);
+    REQUIRE(plain.buffer().sequence_length(1, 0) == 0);
+    plain.prefill(1, 0, host_k.data(), host_k.data(), 40);
+    REQUIRE(plain.buffer().sequence_length(1, 0) == 40);
   };
   QuestPolicy::Options o;
   o.page_tokens_per_partition = 16;
-  refuses(HostOnlyQuest(o));
+  unavailable(quest_policy(0));
+  unavailable(HostOnlyQuest(o));
+}
+
+TEST_CASE("device-tensor API: a policy with only a host Select takes the slower host-Select path",
+          "[device-decode-rules]") {
+  // HostOnlyQuest, and Quest with two-page partitions (no device Select at
+  // that shape): every call copies its tensors down, runs the host-tensor
+  // call and copies out up. Outputs equal the host manager's exactly (the
+  // same host code on the same bytes); no decoder is made; plan() is refused.
+  const ModelShape shape = device_shape();
+  const Config config = device_config();
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::size_t q_row = std::size_t{shape.q_heads} * shape.head_dim;
+  const auto slower_path = [&](auto policy, std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    EmulatedDeviceMemory memory;
+    auto owned = std::make_unique<EmulatedBackend>(memory);
+    EmulatedBackend& backend = *owned;
+    Manager<decltype(policy)> host(shape, config, policy);
+    Manager<decltype(policy)> device(shape, config, policy, std::move(owned));
+    const std::vector<RequestId> batch{1, 2, 3};
+    for (RequestId id : batch) {
+      const std::uint32_t prompt = 40 + 40 * static_cast<std::uint32_t>(id);
+      host.add_request(id, prompt + 64);
+      device.add_request(id, prompt + 64);
+      for (std::uint32_t l = 0; l < shape.layers; ++l) {
+        const auto k = random_bf16(prompt * kv_row, rng), v = random_bf16(prompt * kv_row, rng);
+        host.prefill(id, l, k.data(), v.data(), prompt);
+        const EmulatedArray<std::uint16_t> dk(memory, k), dv(memory, v);
+        device.prefill(id, l, dk.data, dv.data, prompt, nullptr);
+      }
+    }
+    for (int step = 0; step < 40; ++step) {
+      for (std::uint32_t l = 0; l < shape.layers; ++l) {
+        const auto q = random_bf16(batch.size() * q_row, rng);
+        const auto k = random_bf16(batch.size() * kv_row, rng), v = random_bf16(batch.size() * kv_row, rng);
+        const EmulatedArray<std::uint16_t> dq(memory, q), dk(memory, k), dv(memory, v);
+        std::vector<float> want(batch.size() * q_row);
+        EmulatedArray<float> out(memory, want.size());
+        host.decode(batch, l, q.data(), k.data(), v.data(), want.data());
+        device.decode(batch, l, dq.data, dk.data, dv.data, out.data, nullptr);
+        REQUIRE(out.download() == want);
+        if (step == 0 && l == 0) {
+          // plan() needs a device Select; a host pointer is refused; neither changes anything.
+          const std::uint32_t length = device.buffer().sequence_length(1, 0);
+          REQUIRE(refusal([&] { device.plan(batch, 0, dq.data, dk.data, dv.data, nullptr); }) ==
+                  ErrorCode::invalid_argument);
+          REQUIRE(refusal([&] { device.decode(batch, 0, q.data(), dk.data, dv.data, out.data, nullptr); }) ==
+                  ErrorCode::invalid_argument);
+          REQUIRE(device.buffer().sequence_length(1, 0) == length);
+        }
+      }
+    }
+    REQUIRE(backend.decoder() == nullptr);
+    REQUIRE(device.stats().cache.miss_pages == host.stats().cache.miss_pages);
+    REQUIRE(device.stats().cache.miss_pages > 0);
+    // The Manager serves device tensors now: host tensors are refused.
+    REQUIRE(refusal([&] { device.decode(batch, 0, nullptr, nullptr, nullptr, nullptr); }) ==
+            ErrorCode::failed_precondition);
+  };
+  QuestPolicy::Options o;
+  o.budget_tokens = 96;
+  o.page_tokens_per_partition = 16;
+  slower_path(HostOnlyQuest(o), 13);
   o.page_tokens_per_partition = 32;
-  refuses(QuestPolicy(o));
+  slower_path(QuestPolicy(o), 14);
 }
 
 TEST_CASE("device decode emulation: the lockstep catches planted mutations", "[device-decode-rules]") {

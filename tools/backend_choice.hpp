@@ -4,9 +4,12 @@
 //
 //   host  HostBackend, host tensors (the host-tensor API).
 //   cuda  CudaBackend, device tensors on the engine's stream (the
-//         device-tensor API, docs/integration.md). Needs a policy with a
-//         device Select (policy/device_select.hpp) at this shape and page
-//         size; for any other policy it is an error naming --backend host.
+//         device-tensor API, docs/integration.md). The examples show its
+//         device path, so they ask for a policy with a device Select
+//         (policy/device_select.hpp) at this shape and page size; for any
+//         other policy -- which the library serves through its slower
+//         host-Select path, no faster than host tensors -- it is an error
+//         naming --backend host.
 //   none  cuda when sparsekv::cuda is linked (SPARSEKV_EXAMPLE_CUDA), a
 //         device can be used and the policy has a device Select; else host,
 //         with a note saying why when a device was there to use.
@@ -43,7 +46,7 @@ inline std::string device_select_refusal(const AnyPolicy& policy, const ModelSha
                            config.max_context_tokens};
     if (device_select(policy, ctx).kind == DeviceSelectSpec::Kind::none) {
       return fmt::format("policy {} has no device Select at {}-token pages (layer {}; policy/device_select.hpp: "
-                         "Quest with one-page partitions, ShadowKV)",
+                         "Quest with one-page partitions, ShadowKV, StreamingWindow, Dense, RetroInfer)",
                          policy.name(), config.page_tokens, l);
     }
   }

@@ -36,6 +36,27 @@ void* CudaBackend::device_bytes(DeviceBuffer& buffer, std::size_t bytes) {
   return buffer.data;
 }
 
+bool CudaBackend::is_device_pointer(const void* p) const {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // an unregistered host pointer is not an error to keep
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+void CudaBackend::copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync D2H");
+  check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+}
+
+void CudaBackend::copy_to_device(void* device, const void* host, std::size_t bytes, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync H2D");
+  check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+}
+
 void CudaBackend::check_attend(const PageLayout& layout, std::uint32_t q_heads, std::uint32_t kv_heads) const {
   DecodeAttentionShape shape;
   shape.batch = 1;

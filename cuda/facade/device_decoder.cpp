@@ -207,15 +207,6 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     }
   }
 
-  bool is_device_pointer(const void* p) const override {
-    cudaPointerAttributes a{};
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-      cudaGetLastError();  // an unregistered host pointer is not an error to keep
-      return false;
-    }
-    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
-  }
-
   void upload_tables(RequestId request) override {
     synchronize();
     replica_.upload(buffer_.table(), request, buffer_.transfer());
@@ -492,12 +483,6 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     check(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture), "cudaStreamIsCapturing");
     return capture != cudaStreamCaptureStatusNone;
-  }
-
-  void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) override {
-    const auto s = static_cast<cudaStream_t>(stream);
-    check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync D2H");
-    check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   }
 
   void write_summary_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head, const DeviceSummaryRows& rows,

@@ -11,11 +11,13 @@
 //
 // In both, the CPU tier is host memory (pinned when a device exists) and the
 // metadata tables are host-accessible: the replacement step runs on the host.
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string_view>
 
 #include "sparsekv/attention/decode_attention.hpp"
+#include "sparsekv/core/error.hpp"
 #include "sparsekv/facade/attend_plan.hpp"
 #include "sparsekv/facade/device_decoder.hpp"
 #include "sparsekv/memory/memory_resource.hpp"
@@ -56,6 +58,20 @@ class Backend {
   // nothing in flight). An engine running its own kernel over an AttendPlan
   // orders it after this stream.
   virtual void* stream() const noexcept { return nullptr; }
+  // Device tensors at the facade edge: whether `p` is device memory this
+  // backend's kernels may read or write, and copies between device and host
+  // memory ordered after the work enqueued on `stream`, returning once
+  // complete (off the step's path: a prompt that clusters on the host, the
+  // slower path of a policy with only a host Select). A backend without
+  // device memory (HostBackend) knows none: copies throw unavailable.
+  virtual bool has_device_memory() const noexcept { return false; }
+  virtual bool is_device_pointer(const void* /*p*/) const { return false; }
+  virtual void copy_to_host(void* /*host*/, const void* /*device*/, std::size_t /*bytes*/, void* /*stream*/) {
+    fail(ErrorCode::unavailable, "backend {} has no device memory", name());
+  }
+  virtual void copy_to_device(void* /*device*/, const void* /*host*/, std::size_t /*bytes*/, void* /*stream*/) {
+    fail(ErrorCode::unavailable, "backend {} has no device memory", name());
+  }
   // The device half of the device-tensor API (facade/device_decoder.hpp)
   // for a buffer made on this backend's memory, or null: host tensors only.
   virtual std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderSetup& /*setup*/,

@@ -41,6 +41,11 @@ class CudaBackend final : public Backend {
   // The kernel's instantiations: head_dim 64 or 128 (plan() serves any shape).
   void check_attend(const PageLayout& layout, std::uint32_t q_heads, std::uint32_t kv_heads) const override;
   void* stream() const noexcept override { return transfer_->stream(); }
+  bool has_device_memory() const noexcept override { return true; }
+  // Device memory (or managed), asked of cudaPointerGetAttributes.
+  bool is_device_pointer(const void* p) const override;
+  void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) override;
+  void copy_to_device(void* device, const void* host, std::size_t bytes, void* stream) override;
   // The device-tensor API's decoder (cuda/facade/device_decoder.cpp).
   std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderSetup& setup,
                                                      TieredKVBuffer& buffer) override;

@@ -104,8 +104,6 @@ class DeviceDecoder {
  public:
   virtual ~DeviceDecoder() = default;
 
-  // Whether `p` is device memory the decoder's kernels may read or write.
-  virtual bool is_device_pointer(const void* p) const = 0;
   // The request's device tables made equal to the master's (after
   // add_request, prefill, resize); returns with the copies complete.
   virtual void upload_tables(RequestId request) = 0;
@@ -136,10 +134,6 @@ class DeviceDecoder {
   // Whether `stream` is being captured into a CUDA graph (a step that must
   // wait for the device, RetroInfer's index update, cannot be captured).
   virtual bool capturing(void* stream) const = 0;
-  // Copies `bytes` of device memory into host memory after the work enqueued
-  // on `stream`; waits. Off the step's path: RetroInfer clusters on the host,
-  // so its prompt and the pages of an index update come down once.
-  virtual void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) = 0;
   // Candidates [0, rows.tokens.size()) of (slot, layer, head)'s summary
   // region from the host state's rows (device_summary_rows); waits. At
   // prefill and after an index update, off the step's path.

@@ -221,11 +221,14 @@ class Manager {
   // The same calls with device pointers in the model dtype and the engine's
   // cudaStream_t: everything is enqueued on `stream`. A Manager serves one
   // kind of tensor: its first prefill picks (the other kind is then refused).
-  // Needs a backend with a device decoder (CudaBackend) and a policy with a
-  // device Select (policy/device_select.hpp: Quest with one-page partitions,
-  // ShadowKV, StreamingWindow, Dense, RetroInfer); others throw
-  // invalid_argument / unavailable before anything changes. prefill() waits for its copies; decode() and plan() return
-  // without waiting.
+  // Needs a backend with device memory and a decoder (CudaBackend; others
+  // throw unavailable before anything changes). A policy with a device
+  // Select (policy/device_select.hpp: Quest with one-page partitions,
+  // ShadowKV, StreamingWindow, Dense, RetroInfer) runs the whole step there;
+  // prefill() waits for its copies, decode() and plan() return without
+  // waiting. Any other policy (a custom one with only a host Select) takes
+  // the slower host-Select path: every call copies its tensors down, runs the
+  // host-tensor call, copies `out` up and waits; plan() is refused there.
   //
   // prefill(): Index on the device (the policy's summaries, written where the
   // device Select reads them) and Offload through the staged D2H path
@@ -241,11 +244,15 @@ class Manager {
   // uploaded. Non-finite K/V is refused first.
   void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
                void* stream) {
+    if (!device_selects()) {
+      host_select_prefill(request, layer, k, v, tokens, stream);
+      return;
+    }
     DeviceDecoder& device = device_decoder();
     RequestState& s = state(request);
     check_index("layer", layer, shape_.layers);
-    check_device_pointer(device, "prefill k", k);
-    check_device_pointer(device, "prefill v", v);
+    check_device_pointer("prefill k", k);
+    check_device_pointer("prefill v", v);
     if (tokens == 0) fail(ErrorCode::invalid_argument, "prefill of request {}: tokens must be > 0", request);
     LayerState& ls = s.layers[layer];
     if (ls.prefilled) fail(ErrorCode::failed_precondition, "request {} layer {} is already prefilled", request, layer);
@@ -270,8 +277,8 @@ class Manager {
       const std::size_t bytes = tokens * row * dtype_size(shape_.dtype);
       prompt_k_.resize(bytes);
       prompt_v_.resize(bytes);
-      device.copy_to_host(prompt_k_.data(), k, bytes, stream);
-      device.copy_to_host(prompt_v_.data(), v, bytes, stream);
+      backend_->copy_to_host(prompt_k_.data(), k, bytes, stream);
+      backend_->copy_to_host(prompt_v_.data(), v, bytes, stream);
       to_float(prompt_k_.data(), tokens * row, keys_);
       to_float(prompt_v_.data(), tokens * row, values_);
       index_and_offload(request, layer, prompt_k_.data(), prompt_v_.data(), tokens);
@@ -296,8 +303,12 @@ class Manager {
   // fp32, all device memory. Returns once the step is enqueued on `stream`.
   void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
               const void* v_new, float* out, void* stream) {
+    if (!device_selects()) {
+      host_select_decode(batch, layer, q, k_new, v_new, out, stream);
+      return;
+    }
     DeviceDecoder& device = device_decoder();
-    check_device_pointer(device, "decode out", out);
+    check_device_pointer("decode out", out);
     // The attention kernel's shapes, refused before the step changes the buffer.
     backend_->check_attend(PageLayout{config_.page_tokens, shape_.head_dim, shape_.dtype}, shape_.q_heads,
                            shape_.kv_heads);
@@ -309,6 +320,13 @@ class Manager {
   // until the next call on this Manager.
   DeviceAttendPlan plan(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
                         const void* v_new, void* stream) {
+    if (!device_selects()) {
+      require_device_tensors();
+      fail(ErrorCode::invalid_argument,
+           "policy {} selects on the host: plan() on device tensors needs a device Select "
+           "(policy/device_select.hpp); use decode(), or plan() on host tensors",
+           policy_name());
+    }
     DeviceDecoder& device = device_decoder();
     device_step(device, batch, layer, q, k_new, v_new, nullptr, stream);
     return device.plan();
@@ -358,6 +376,12 @@ class Manager {
   void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
               const void* v_new, float* out) {
     use_api(Api::host);
+    host_decode(batch, layer, q, k_new, v_new, out);
+  }
+
+ private:
+  void host_decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
+                   const void* v_new, float* out) {
     if (out == nullptr) fail(ErrorCode::invalid_argument, "decode: out must not be null");
     backend_->check_attend(PageLayout{config_.page_tokens, shape_.head_dim, shape_.dtype}, shape_.q_heads,
                            shape_.kv_heads);
@@ -376,6 +400,49 @@ class Manager {
     backend_->attend(call);
     stats_.attend_s += seconds(Clock::now() - t0);
   }
+
+  // The host-Select path of the device-tensor API: the tensors come down,
+  // the host-tensor call runs, `out` goes up; each call waits. Checked as
+  // the host calls check them, after the copies (which change nothing).
+  void host_select_prefill(RequestId request, std::uint32_t layer, const void* k, const void* v,
+                           std::uint32_t tokens, void* stream) {
+    require_device_tensors();
+    state(request);
+    check_index("layer", layer, shape_.layers);
+    check_device_pointer("prefill k", k);
+    check_device_pointer("prefill v", v);
+    if (tokens == 0) fail(ErrorCode::invalid_argument, "prefill of request {}: tokens must be > 0", request);
+    const std::size_t bytes = std::size_t{tokens} * shape_.kv_heads * shape_.head_dim * dtype_size(shape_.dtype);
+    prompt_k_.resize(bytes);
+    prompt_v_.resize(bytes);
+    backend_->copy_to_host(prompt_k_.data(), k, bytes, stream);
+    backend_->copy_to_host(prompt_v_.data(), v, bytes, stream);
+    host_prefill(request, layer, prompt_k_.data(), prompt_v_.data(), tokens);
+    use_api(Api::device);
+  }
+  void host_select_decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
+                          const void* v_new, float* out, void* stream) {
+    require_device_tensors();
+    for (const auto& [what, p] : {std::pair{"decode q", q}, std::pair{"decode k_new", k_new},
+                                  std::pair{"decode v_new", v_new}, std::pair{"decode out", static_cast<const void*>(out)}}) {
+      check_device_pointer(what, p);
+    }
+    const std::size_t elem = dtype_size(shape_.dtype);
+    const std::size_t q_values = batch.size() * shape_.q_heads * shape_.head_dim;
+    const std::size_t kv_bytes = batch.size() * shape_.kv_heads * shape_.head_dim * elem;
+    step_q_.resize(q_values * elem);
+    prompt_k_.resize(kv_bytes);
+    prompt_v_.resize(kv_bytes);
+    backend_->copy_to_host(step_q_.data(), q, step_q_.size(), stream);
+    backend_->copy_to_host(prompt_k_.data(), k_new, kv_bytes, stream);
+    backend_->copy_to_host(prompt_v_.data(), v_new, kv_bytes, stream);
+    step_out_.resize(q_values);
+    host_decode(batch, layer, step_q_.data(), prompt_k_.data(), prompt_v_.data(), step_out_.data());
+    backend_->copy_to_device(out, step_out_.data(), q_values * sizeof(float), stream);
+    use_api(Api::device);
+  }
+
+ public:
 
   // Retrieve without Attend: the engine runs its own paged kernel over the plan.
   const AttendPlan& plan(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
@@ -717,9 +784,27 @@ class Manager {
     return *device_;
   }
 
-  static void check_device_pointer(const DeviceDecoder& device, std::string_view what, const void* p) {
+  void check_device_pointer(std::string_view what, const void* p) const {
     if (p == nullptr) fail(ErrorCode::invalid_argument, "{} must not be null", what);
-    if (!device.is_device_pointer(p)) fail(ErrorCode::invalid_argument, "{} is not device memory", what);
+    if (!backend_->is_device_pointer(p)) fail(ErrorCode::invalid_argument, "{} is not device memory", what);
+  }
+  // Whether every layer's policy selects on the device (policy/device_select.hpp).
+  bool device_selects() const {
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      if (device_select(policy_, context(l, config_.max_context_tokens)).kind == DeviceSelectSpec::Kind::none) {
+        return false;
+      }
+    }
+    return true;
+  }
+  // The device-tensor API's precondition on the host-Select path (the
+  // decoder's path refuses the same in device_decoder()).
+  void require_device_tensors() const {
+    if (api_ == Api::host) const_cast<Manager*>(this)->use_api(Api::device);  // throws
+    if (!backend_->has_device_memory()) {
+      fail(ErrorCode::unavailable, "backend {} serves host tensors only; device tensors need the CUDA backend",
+           backend_->name());
+    }
   }
 
   std::uint32_t table_slot(RequestId request) const {
@@ -754,9 +839,9 @@ class Manager {
                    const void* k_new, const void* v_new, float* out, void* stream) {
     check_index("layer", layer, shape_.layers);
     if (batch.empty()) fail(ErrorCode::invalid_argument, "decode: empty batch");
-    check_device_pointer(device, "decode q", q);
-    check_device_pointer(device, "decode k_new", k_new);
-    check_device_pointer(device, "decode v_new", v_new);
+    check_device_pointer("decode q", q);
+    check_device_pointer("decode k_new", k_new);
+    check_device_pointer("decode v_new", v_new);
     device.check_values(stream);
     const DeviceSelectSpec select = device_select(policy_, context(layer, config_.max_context_tokens));
     std::uint64_t cpu_free = buffer_->cpu_pool().available();
@@ -926,15 +1011,16 @@ class Manager {
         } else {
           const std::byte* tail = buffer_->gpu_pool().base() + std::size_t{buffer_->tail_page(id, layer, h)} *
                                                                    buffer_->gpu_pool().page_bytes();
-          device.copy_to_host(bytes.data(), tail, layout.page_bytes(), stream);
+          backend_->copy_to_host(bytes.data(), tail, layout.page_bytes(), stream);
           unpack(h, page - 1);
         }
       }
       if (last) {  // the token this step appends: row b of k_new / v_new
         bytes.resize(2 * row * elem);
-        device.copy_to_host(bytes.data(), static_cast<const std::byte*>(k_new) + b * row * elem, row * elem, stream);
-        device.copy_to_host(bytes.data() + row * elem, static_cast<const std::byte*>(v_new) + b * row * elem,
-                            row * elem, stream);
+        backend_->copy_to_host(bytes.data(), static_cast<const std::byte*>(k_new) + b * row * elem, row * elem,
+                               stream);
+        backend_->copy_to_host(bytes.data() + row * elem, static_cast<const std::byte*>(v_new) + b * row * elem,
+                               row * elem, stream);
         for (std::size_t i = 0; i < row; ++i) {
           next.page_k[(page - 1) * row + i] = load_element(bytes.data(), static_cast<std::uint32_t>(i), shape_.dtype);
           next.page_v[(page - 1) * row + i] =
@@ -1029,7 +1115,9 @@ class Manager {
   };
   DeviceStepScratch device_scratch_;
   std::vector<TokenPlacement> device_placements_;  // a device prompt's rows in the CPU tier
-  std::vector<std::byte> prompt_k_, prompt_v_;      // a host-state policy's prompt, come down
+  std::vector<std::byte> prompt_k_, prompt_v_;      // a prompt or step's K / V, come down
+  std::vector<std::byte> step_q_;                   // the host-Select path: a step's q, come down ...
+  std::vector<float> step_out_;                     // ... and its output, going up
   std::vector<std::byte> page_bytes_;               // ... and one page of its index update
   std::vector<PageId> cpu_pages_;
   DeviceSummaryRows summary_rows_;
