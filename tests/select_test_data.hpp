@@ -353,6 +353,22 @@ PositionalRequest<Policy> positional_request(const Policy& policy, const LayerCo
   return r;
 }
 
+// One layer of a summary store (policy/device_summaries.hpp) on the host as
+// construction leaves it, before any request: random token counts in every
+// candidate and the identity ids, max_row = the region capacity.
+inline HostRows store_layer(const cuda::SummaryShape& shape, const LayerContext& ctx, std::mt19937& rng) {
+  HostRows rows = begin_rows(ctx);
+  const std::size_t extent = shape.candidates();
+  rows.max_row = shape.capacity;
+  rows.tokens.resize(extent);
+  rows.partitions.resize(extent);
+  for (std::size_t c = 0; c < extent; ++c) {
+    rows.tokens[c] = 1 + static_cast<std::uint32_t>(rng() % 1000);
+    rows.partitions[c] = static_cast<PartitionId>(c % shape.capacity);
+  }
+  return rows;
+}
+
 // One layer of a tokens-kind store (policy/device_summaries.hpp) on the host:
 // random token counts everywhere and the identity ids of construction, then
 // what the device writes into each request's region(slot, h): its prompt
@@ -363,15 +379,7 @@ PositionalRequest<Policy> positional_request(const Policy& policy, const LayerCo
 template <class Policy>
 HostRows positional_rows(const cuda::SummaryShape& shape, const LayerContext& ctx,
                          const std::vector<PositionalRequest<Policy>>& batch, std::mt19937& rng) {
-  HostRows rows = begin_rows(ctx);
-  const std::size_t extent = shape.candidates();
-  rows.max_row = shape.capacity;
-  rows.tokens.resize(extent);
-  rows.partitions.resize(extent);
-  for (std::size_t c = 0; c < extent; ++c) {
-    rows.tokens[c] = 1 + static_cast<std::uint32_t>(rng() % 1000);
-    rows.partitions[c] = static_cast<PartitionId>(c % shape.capacity);
-  }
+  HostRows rows = store_layer(shape, ctx, rng);
   for (const auto& r : batch) {
     const std::vector<float> q = random_values(std::size_t{ctx.q_heads} * ctx.head_dim, rng);
     rows.q.insert(rows.q.end(), q.begin(), q.end());

@@ -213,16 +213,9 @@ template <class State, class Summaries>
 HostRows store_rows(const cuda::SummaryShape& shape, const LayerContext& ctx,
                     const std::vector<StoredRequest<State>>& batch, std::uint32_t b_width, Summaries summaries,
                     std::mt19937& rng) {
-  HostRows rows = begin_rows(ctx);
+  HostRows rows = store_layer(shape, ctx, rng);
   rows.b_width = b_width;
   const std::size_t extent = shape.candidates();
-  rows.max_row = shape.capacity;
-  rows.tokens.resize(extent);
-  rows.partitions.resize(extent);
-  for (std::size_t c = 0; c < extent; ++c) {
-    rows.tokens[c] = 1 + static_cast<std::uint32_t>(rng() % 1000);
-    rows.partitions[c] = static_cast<PartitionId>(c % shape.capacity);
-  }
   rows.a = random_values(extent * ctx.head_dim, rng, 64.0f);
   rows.b = random_values(extent * b_width, rng, 64.0f);
   for (const auto& r : batch) {

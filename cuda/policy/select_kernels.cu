@@ -548,15 +548,10 @@ std::uint32_t capacity(const SelectRows& rows, std::uint32_t budget, bool everyt
   return select_capacity(rows.max_row_candidates, budget, everything, extra);
 }
 
-// `selected`, `selected_count` and `max_selected`: a select call's output or
-// the estimate's input selection.
-void check_rows(const char* function, const SelectRows& rows, std::uint32_t budget, const void* selected,
-                const void* selected_count, std::uint32_t max_selected, std::uint32_t needed, const void* workspace,
-                std::size_t bytes, std::size_t needed_bytes) {
-  if (rows.kv_heads == 0 || rows.group == 0 || rows.head_dim == 0) {
-    throw_invalid(function, "kv_heads " + std::to_string(rows.kv_heads) + ", group " + std::to_string(rows.group) +
-                                " and head_dim " + std::to_string(rows.head_dim) + " must be > 0");
-  }
+// The rows' shape, as every entry point checks it: whole requests of
+// kv_heads rows, and a row capacity within the candidates.
+void check_row_shape(const char* function, const SelectRows& rows) {
+  if (rows.kv_heads == 0) throw_invalid(function, "kv_heads must be > 0");
   if (rows.rows % rows.kv_heads != 0) {
     throw_invalid(function, std::to_string(rows.rows) + " rows are not a whole number of requests of " +
                                 std::to_string(rows.kv_heads) + " kv heads");
@@ -565,6 +560,18 @@ void check_rows(const char* function, const SelectRows& rows, std::uint32_t budg
     throw_invalid(function, "max_row_candidates " + std::to_string(rows.max_row_candidates) + " exceeds " +
                                 std::to_string(rows.candidates) + " candidates");
   }
+}
+
+// `selected`, `selected_count` and `max_selected`: a select call's output or
+// the estimate's input selection.
+void check_rows(const char* function, const SelectRows& rows, std::uint32_t budget, const void* selected,
+                const void* selected_count, std::uint32_t max_selected, std::uint32_t needed, const void* workspace,
+                std::size_t bytes, std::size_t needed_bytes) {
+  if (rows.group == 0 || rows.head_dim == 0) {
+    throw_invalid(function, "group " + std::to_string(rows.group) + " and head_dim " +
+                                std::to_string(rows.head_dim) + " must be > 0");
+  }
+  check_row_shape(function, rows);
   if (budget == 0) throw_invalid(function, "budget_tokens must be > 0");
   if (rows.rows == 0) return;
   if (max_selected < needed) {
@@ -598,15 +605,7 @@ void check_retroinfer(const char* function, const SelectRows& rows, const RetroI
 // tokens it reads; null: Dense, which reads neither q nor tokens).
 void check_positional(const char* function, const SelectRows& rows, const StreamingSelect* streaming,
                       const SelectOutput& out, std::uint32_t needed) {
-  if (rows.kv_heads == 0) throw_invalid(function, "kv_heads must be > 0");
-  if (rows.rows % rows.kv_heads != 0) {
-    throw_invalid(function, std::to_string(rows.rows) + " rows are not a whole number of requests of " +
-                                std::to_string(rows.kv_heads) + " kv heads");
-  }
-  if (rows.max_row_candidates > rows.candidates) {
-    throw_invalid(function, "max_row_candidates " + std::to_string(rows.max_row_candidates) + " exceeds " +
-                                std::to_string(rows.candidates) + " candidates");
-  }
+  check_row_shape(function, rows);
   if (streaming != nullptr && (streaming->budget_tokens == 0 || streaming->page_tokens == 0)) {
     throw_invalid(function, "budget_tokens " + std::to_string(streaming->budget_tokens) + " and page_tokens " +
                                 std::to_string(streaming->page_tokens) + " must be > 0");

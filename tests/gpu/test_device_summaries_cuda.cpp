@@ -276,6 +276,36 @@ void run_store(AppendSummary kind, DType dtype, std::mt19937& rng) {
   }
 }
 
+// One decode page filled for every kv head of a request through the append
+// kernel, a token at a time: the page's summary row of head h is rows[h].
+struct DecodePage {
+  explicit DecodePage(const std::vector<std::uint32_t>& rows) : rows(rows) {
+    const std::vector<std::byte*> pages{cpu.data, cpu.data + layout.page_bytes()};
+    dcpu.upload(pages);
+  }
+  // Token t of the page: k / v [kv_heads][dim], a random q.
+  void append(std::uint32_t t, const std::vector<float>& k, const std::vector<float>& v,
+              const AppendSummaries& summaries, std::mt19937& rng, cudaStream_t stream) {
+    const DeviceArray<std::uint32_t> tail_slots(std::vector<std::uint32_t>{t});
+    const DeviceArray<float> dq(random_values(std::size_t{q_heads} * kDim, rng)), dk(k), dv(v);
+    append_tokens(device_append(dq.data, dk.data, dv.data, tail_slots.data), summaries, stream);
+  }
+  DeviceAppend device_append(const float* q, const float* k, const float* v, const std::uint32_t* tail_slots) {
+    return DeviceAppend{1, q_heads, kKvHeads, layout, q, k, v, q_out.data, tier.data, layout.page_bytes(),
+                        tails.data, tail_slots, dcpu.data, error.data};
+  }
+
+  const PageLayout layout{kPageTokens, kDim, DType::f32};
+  const std::uint32_t q_heads = kKvHeads * kGroup;
+  PinnedBytes cpu{kKvHeads * layout.page_bytes()};
+  DeviceArray<std::byte*> dcpu;
+  const DeviceArray<PageId> tails{std::vector<PageId>{0, 1}};
+  DeviceArray<std::uint64_t> error{std::vector<std::uint64_t>{kNoAppendError}};
+  DeviceArray<float> q_out{std::size_t{kKvHeads * kGroup} * kDim};
+  DeviceArray<std::byte> tier{kKvHeads * layout.page_bytes()};
+  const DeviceArray<std::uint32_t> rows;
+};
+
 }  // namespace
 
 TEST_CASE("DeviceSummaries: prefill and appends select as the host policies", "[gpu][device-summaries]") {
@@ -305,27 +335,13 @@ TEST_CASE("DeviceSummaries of token counts alone: prefill and appends write the 
   const Keys keys(DType::f32, prompt, rng);
   ds.write_prefill(slot, 1, keys.block, kPageTokens, nullptr, 0, stream.stream);  // no Index kernel: no workspace
   // One decode page filled for every kv head of the request: its row is the region's next page.
-  const PageLayout layout{kPageTokens, kDim, DType::f32};
-  const std::uint32_t q_heads = kKvHeads * kGroup;
-  PinnedBytes cpu(kKvHeads * layout.page_bytes());
-  std::vector<std::byte*> cpu_pages{cpu.data, cpu.data + layout.page_bytes()};
-  const DeviceArray<std::byte*> dcpu(cpu_pages);
-  const DeviceArray<PageId> dtails(std::vector<PageId>{0, 1});
-  DeviceArray<std::uint64_t> error(std::vector<std::uint64_t>{kNoAppendError});
-  DeviceArray<float> q_out(std::size_t{q_heads} * kDim);
-  DeviceArray<std::byte> tier(kKvHeads * layout.page_bytes());
-  const DeviceArray<std::uint32_t> drows(std::vector<std::uint32_t>{ds.region(slot, 0) + pages, ds.region(slot, 1) + pages});
+  DecodePage page({ds.region(slot, 0) + pages, ds.region(slot, 1) + pages});
   for (std::uint32_t t = 0; t < kPageTokens; ++t) {
-    const DeviceArray<std::uint32_t> tail_slots(std::vector<std::uint32_t>{t});
-    const DeviceArray<float> dq(random_values(std::size_t{q_heads} * kDim, rng));
-    const DeviceArray<float> dk(random_values(std::size_t{kKvHeads} * kDim, rng));
-    const DeviceArray<float> dv(random_values(std::size_t{kKvHeads} * kDim, rng));
-    const DeviceAppend a{1, q_heads, kKvHeads, layout, dq.data, dk.data, dv.data, q_out.data, tier.data,
-                         layout.page_bytes(), dtails.data, tail_slots.data, dcpu.data, error.data};
-    append_tokens(a, ds.append_summaries(1, drows.data), stream.stream);
+    page.append(t, random_values(std::size_t{kKvHeads} * kDim, rng), random_values(std::size_t{kKvHeads} * kDim, rng),
+                ds.append_summaries(1, page.rows.data), rng, stream.stream);
   }
   check(cudaStreamSynchronize(stream.stream));
-  REQUIRE(error.download()[0] == kNoAppendError);
+  REQUIRE(page.error.download()[0] == kNoAppendError);
   const std::vector<std::uint32_t> tokens = download(ds.tokens(1), ds.candidates());
   for (std::uint32_t h = 0; h < kKvHeads; ++h) {
     for (std::uint32_t p = 0; p <= pages; ++p) {
@@ -335,12 +351,11 @@ TEST_CASE("DeviceSummaries of token counts alone: prefill and appends write the 
   }
   CHECK(tokens[ds.region(slot, 0) + pages - 1] == 3);
   // The append refuses a tokens kind without its array.
-  AppendSummaries no_tokens = ds.append_summaries(1, drows.data);
+  AppendSummaries no_tokens = ds.append_summaries(1, page.rows.data);
   no_tokens.tokens = nullptr;
   const DeviceArray<std::uint32_t> tail0(std::vector<std::uint32_t>{0});
-  const DeviceArray<float> d(random_values(std::size_t{q_heads} * kDim, rng));
-  const DeviceAppend a{1, q_heads, kKvHeads, layout, d.data, d.data, d.data, q_out.data, tier.data,
-                       layout.page_bytes(), dtails.data, tail0.data, dcpu.data, error.data};
+  const DeviceArray<float> d(random_values(std::size_t{page.q_heads} * kDim, rng));
+  const DeviceAppend a = page.device_append(d.data, d.data, d.data, tail0.data);
   CHECK(code_of([&] { append_tokens(a, no_tokens, stream.stream); }) == ErrorCode::invalid_argument);
 }
 
@@ -384,31 +399,17 @@ TEST_CASE("DeviceSummaries of RetroInfer: the host index's rows, then decode pag
 
   // One decode page filled for every kv head: its row is the region's next candidate.
   const auto stored = static_cast<std::uint32_t>(state.heads[0].clusters.size() + state.heads[0].recent.size());
-  const PageLayout layout{kPageTokens, kDim, DType::f32};
-  const std::uint32_t q_heads = kKvHeads * kGroup;
-  PinnedBytes cpu(kKvHeads * layout.page_bytes());
-  std::vector<std::byte*> cpu_pages{cpu.data, cpu.data + layout.page_bytes()};
-  const DeviceArray<std::byte*> dcpu(cpu_pages);
-  const DeviceArray<PageId> dtails(std::vector<PageId>{0, 1});
-  DeviceArray<std::uint64_t> error(std::vector<std::uint64_t>{kNoAppendError});
-  DeviceArray<float> q_out(std::size_t{q_heads} * kDim);
-  DeviceArray<std::byte> tier(kKvHeads * layout.page_bytes());
-  const DeviceArray<std::uint32_t> drows(
-      std::vector<std::uint32_t>{ds.region(slot, 0) + stored, ds.region(slot, 1) + stored});
+  DecodePage page({ds.region(slot, 0) + stored, ds.region(slot, 1) + stored});
   std::vector<float> page_keys, page_values;  // [token][kv head][dim]
   for (std::uint32_t t = 0; t < kPageTokens; ++t) {
-    const DeviceArray<std::uint32_t> tail_slots(std::vector<std::uint32_t>{t});
     const std::vector<float> k = random_values(std::size_t{kKvHeads} * kDim, rng);
     const std::vector<float> v = random_values(std::size_t{kKvHeads} * kDim, rng);
     page_keys.insert(page_keys.end(), k.begin(), k.end());
     page_values.insert(page_values.end(), v.begin(), v.end());
-    const DeviceArray<float> dq(random_values(std::size_t{q_heads} * kDim, rng)), dk(k), dv(v);
-    const DeviceAppend a{1, q_heads, kKvHeads, layout, dq.data, dk.data, dv.data, q_out.data, tier.data,
-                         layout.page_bytes(), dtails.data, tail_slots.data, dcpu.data, error.data};
-    append_tokens(a, ds.append_summaries(layer, drows.data), stream.stream);
+    page.append(t, k, v, ds.append_summaries(layer, page.rows.data), rng, stream.stream);
   }
   check(cudaStreamSynchronize(stream.stream));
-  REQUIRE(error.download()[0] == kNoAppendError);
+  REQUIRE(page.error.download()[0] == kNoAppendError);
   ctx.tokens += kPageTokens;
   policy.append(ctx,
                 AppendedPage{KvView{page_keys, page_values, kPageTokens, kKvHeads, kDim, prompt},

@@ -788,14 +788,18 @@ class Manager {
     if (p == nullptr) fail(ErrorCode::invalid_argument, "{} must not be null", what);
     if (!backend_->is_device_pointer(p)) fail(ErrorCode::invalid_argument, "{} is not device memory", what);
   }
-  // Whether every layer's policy selects on the device (policy/device_select.hpp).
-  bool device_selects() const {
-    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
-      if (device_select(policy_, context(l, config_.max_context_tokens)).kind == DeviceSelectSpec::Kind::none) {
-        return false;
+  // Whether every layer's policy selects on the device (policy/device_select.hpp):
+  // fixed by the policy and Config, asked once.
+  bool device_selects() {
+    if (!device_selects_) {
+      device_selects_ = true;
+      for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+        if (device_select(policy_, context(l, config_.max_context_tokens)).kind == DeviceSelectSpec::Kind::none) {
+          device_selects_ = false;
+        }
       }
     }
-    return true;
+    return *device_selects_;
   }
   // The device-tensor API's precondition on the host-Select path (the
   // decoder's path refuses the same in device_decoder()).
@@ -1106,6 +1110,7 @@ class Manager {
   std::vector<Pending> pending_;
   // The device-tensor API (docs/device-decode.md).
   Api api_ = Api::unset;
+  std::optional<bool> device_selects_;  // device_selects(), once asked
   std::unique_ptr<DeviceDecoder> device_;
   struct DeviceStepScratch {
     std::vector<std::uint32_t> request_slots, tail_slots, tail_tokens, candidates;
