@@ -457,11 +457,14 @@ std::unique_ptr<Setup> make_setup(Kind kind, std::uint32_t rows, std::uint32_t n
   const double cand = double(s->candidates);
   double summaries = 0;
   switch (kind) {
-    case Kind::quest:
-      s->quest = {s->a.data, s->b.data, kBudget, false};
+    case Kind::quest: {
+      QuestPolicy::Options o;
+      o.budget_tokens = kBudget;
+      s->quest = {s->a.data, s->b.data, kBudget, false, o.sink_tokens, QuestPolicy(o).window_tokens()};
       s->capacity = cuda::quest_select_capacity(sr, s->quest);
       summaries = 2 * cand * kHeadDim * 4;
       break;
+    }
     case Kind::shadowkv: {
       s->shadowkv_options.budget_tokens = kBudget;
       const ShadowKVPolicy policy(s->shadowkv_options);

@@ -354,7 +354,8 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
       switch (spec.kind) {
         case DeviceSelectSpec::Kind::quest:
           chosen = emulate_quest(emulation_.select, store, r,
-                                 cuda::QuestSelect{nullptr, nullptr, spec.budget_tokens, spec.dense_layer});
+                                 cuda::QuestSelect{nullptr, nullptr, spec.budget_tokens, spec.dense_layer,
+                                                   spec.sink_tokens, spec.window_tokens});
           break;
         case DeviceSelectSpec::Kind::shadowkv:
           chosen = emulate_shadowkv(

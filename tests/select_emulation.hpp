@@ -160,11 +160,17 @@ inline std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows
     const std::size_t at = (std::size_t{first} + i) * dim;
     scores[i] = quest_group_bound(row_q(rows, r), rows.group, rows.a.data() + at, rows.b.data() + at, dim);
   }
-  std::vector<PartitionId> chosen{rows.partitions[first + newest]};
-  SkipFill fill{std::int64_t{quest.budget_tokens} - rows.tokens[first + newest]};
+  const QuestSteady steady = quest_steady(
+      n, [&](std::uint32_t i) { return rows.tokens[first + i]; }, quest.budget_tokens, quest.sink_tokens,
+      quest.window_tokens);
+  std::vector<PartitionId> chosen;
+  for (std::uint32_t i = 0; i < steady.sinks; ++i) chosen.push_back(rows.partitions[first + i]);
+  for (std::uint32_t i = steady.window_first; i < n; ++i) chosen.push_back(rows.partitions[first + i]);
+  SkipFill fill{steady.left};
   emulated_ranked_fill(
       e, n, rows.tokens.data() + first, fill, [&](std::uint32_t i) { return scores[i]; },
-      [&](std::uint32_t i) { return i < newest; }, [&](std::uint32_t i) { chosen.push_back(rows.partitions[first + i]); });
+      [&](std::uint32_t i) { return i >= steady.sinks && i < steady.window_first; },
+      [&](std::uint32_t i) { chosen.push_back(rows.partitions[first + i]); });
   return emulated_sorted(e, chosen);
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/oracle.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/shadowkv.hpp"
 #include "test_support.hpp"
@@ -14,6 +15,7 @@ using namespace sparsekv;
 
 static_assert(SparseAttention<QuestPolicy>);
 static_assert(SparseAttention<ShadowKVPolicy>);
+static_assert(SparseAttention<OraclePolicy>);
 
 namespace {
 
@@ -157,7 +159,7 @@ TEST_CASE("Quest finds planted critical tokens", "[policy][quest]") {
   for (std::uint32_t h = 0; h < 2; ++h) {
     for (std::uint32_t t : planted[h]) kv.set(t, h, group_direction(ctx, q, h), 4.0f);
   }
-  const QuestPolicy quest({.budget_tokens = 64});  // k = 4: the newest and the three planted
+  const QuestPolicy quest({.budget_tokens = 64, .sink_tokens = 0, .recent_fraction = 0.0f});  // k = 4: the newest and the three planted
   Run run(quest, ctx, kv);
   const Selection s = run.select(q);
   run.check(s, 64);
@@ -178,7 +180,7 @@ TEST_CASE("Quest always keeps the newest partition and handles decode pages", "[
   for (std::uint32_t t = 240; t < 256; ++t) {
     for (std::uint32_t h = 0; h < 2; ++h) kv.set(t, h, group_direction(ctx, q, h), -4.0f);
   }
-  const QuestPolicy quest({.budget_tokens = 32});
+  const QuestPolicy quest({.budget_tokens = 32, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run run(quest, ctx, kv);
   Selection s = run.select(q);
   run.check(s, 32);
@@ -213,7 +215,7 @@ TEST_CASE("Quest sums the bounds of a group's q heads", "[policy][quest]") {
   Chunk kv(ctx, 256, 5);
   kv.set(3 * 16 + 2, 0, both, 1.0f);
   kv.set(8 * 16 + 9, 0, first, 1.0f);
-  const QuestPolicy quest({.budget_tokens = 32});
+  const QuestPolicy quest({.budget_tokens = 32, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run run(quest, ctx, kv);
   CHECK(run.select(q).partitions[0] == std::vector<PartitionId>{3, 15});
 }
@@ -221,7 +223,7 @@ TEST_CASE("Quest sums the bounds of a group's q heads", "[policy][quest]") {
 TEST_CASE("Quest keeps the first layers dense", "[policy][quest]") {
   const Vec q = random_query(context(), 5);
   const Chunk kv(context(), 512, 4);
-  const QuestPolicy quest({.budget_tokens = 32});
+  const QuestPolicy quest({.budget_tokens = 32, .sink_tokens = 0, .recent_fraction = 0.0f});
   for (std::uint32_t layer : {0u, 1u}) {
     Run run(quest, context(layer), kv);
     const Selection s = run.select(q);
@@ -233,9 +235,77 @@ TEST_CASE("Quest keeps the first layers dense", "[policy][quest]") {
   CHECK(quest.mandatory_pages(sparse.ctx) == 32 / 8);
   for (const auto& chosen : sparse.select(q).partitions) CHECK(chosen.size() == 2);
 
-  const QuestPolicy all_sparse({.budget_tokens = 32, .dense_layers = 0});
+  const QuestPolicy all_sparse({.budget_tokens = 32, .dense_layers = 0, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run layer0(all_sparse, context(0), kv);
   for (const auto& chosen : layer0.select(q).partitions) CHECK(chosen.size() == 2);
+}
+
+TEST_CASE("Quest keeps the attention sink and a recent window before ranking", "[policy][quest]") {
+  // Every key but one points away from q, so the bound alone would take the
+  // newest partition and the planted one. The defaults (sink 4 tokens, a
+  // window of a quarter of the budget) keep partition 0 and the partitions
+  // before the newest first: budget 128 = newest (16) + sink (16) + window
+  // 32 (two partitions) + the planted partition + three more by bound.
+  const LayerContext ctx = context();
+  const Vec q = random_query(ctx, 11);
+  Chunk kv(ctx, 512, 12);
+  for (std::uint32_t h = 0; h < 2; ++h) {
+    for (std::uint32_t t = 0; t < 512; ++t) kv.set(t, h, group_direction(ctx, q, h), -2.0f, true);
+    kv.set(200, h, group_direction(ctx, q, h), 6.0f);
+  }
+  const QuestPolicy quest({.budget_tokens = 128});
+  CHECK(quest.window_tokens() == 32);
+  Run run(quest, ctx, kv);
+  const Selection s = run.select(q);
+  run.check(s, 128);
+  for (const auto& chosen : s.partitions) {
+    REQUIRE(chosen.size() == 8);
+    for (PartitionId p : {0u, 12u, 29u, 30u, 31u}) CHECK(has(chosen, p));  // 12 holds token 200
+  }
+  // The paper's rule on the same keys: the sink and the window are dropped
+  // for partitions ranked by bound.
+  const QuestPolicy paper({.budget_tokens = 128, .sink_tokens = 0, .recent_fraction = 0.0f});
+  Run plain(paper, ctx, kv);
+  const Selection p = plain.select(q);
+  for (const auto& chosen : p.partitions) {
+    CHECK(has(chosen, 12));
+    CHECK(has(chosen, 31));
+  }
+  CHECK(p.partitions != s.partitions);
+}
+
+TEST_CASE("Quest finds the needle the oracle finds, with a heavy attention sink", "[policy][quest][oracle]") {
+  // A 2K context of coherent pages, an attention sink at token 0 (a key the
+  // group's queries all favour) and one needle token the query looks for.
+  // The oracle (dense attention mass) selects the needle's page and the
+  // sink's; Quest must select both within the same budget, with the defaults
+  // and with the paper's rule.
+  const LayerContext ctx = context();
+  const std::uint32_t tokens = 2048, needle = 1337, budget = 128;
+  const Vec q = random_query(ctx, 21);
+  Chunk kv(ctx, tokens, 22, /*coherent=*/true);
+  for (std::uint32_t h = 0; h < 2; ++h) {
+    kv.set(needle, h, group_direction(ctx, q, h), 3.0f);
+    kv.set(0, h, group_direction(ctx, q, h), 4.0f);
+  }
+  const OraclePolicy oracle({.budget_tokens = budget});
+  Run oracle_run(oracle, ctx, kv);
+  const Selection best = oracle_run.select(q);
+  oracle_run.check(best, budget);
+  for (const auto& chosen : best.partitions) {
+    REQUIRE(has(chosen, needle / 8));  // the oracle's partitions are 8-token pages
+    REQUIRE(has(chosen, 0));
+  }
+  for (const QuestPolicy& quest :
+       {QuestPolicy({.budget_tokens = budget}), QuestPolicy({.budget_tokens = budget, .sink_tokens = 0, .recent_fraction = 0.0f})}) {
+    Run run(quest, ctx, kv);
+    const Selection got = run.select(q);
+    run.check(got, budget);
+    for (const auto& chosen : got.partitions) {
+      CHECK(has(chosen, needle / 16));  // Quest's are 16-token pages
+      CHECK(has(chosen, 0));
+    }
+  }
 }
 
 TEST_CASE("Quest respects its budget", "[policy][quest]") {
@@ -264,6 +334,9 @@ TEST_CASE("Quest respects its budget", "[policy][quest]") {
 TEST_CASE("Quest rejects bad input", "[policy][quest]") {
   REQUIRE_SPARSEKV_ERROR(QuestPolicy({.budget_tokens = 0}), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(QuestPolicy({.page_tokens_per_partition = 0}), ErrorCode::invalid_argument);
+  for (const float bad_fraction : {-0.1f, 1.5f, std::nanf("")}) {
+    REQUIRE_SPARSEKV_ERROR(QuestPolicy({.recent_fraction = bad_fraction}), ErrorCode::invalid_argument);
+  }
   const LayerContext ctx = context();
   const QuestPolicy quest;
   const Chunk kv(ctx, 64, 1);
@@ -442,6 +515,68 @@ TEST_CASE("ShadowKV rejects bad input", "[policy][shadowkv]") {
 }
 
 // ---- Both -------------------------------------------------------------------
+
+// ---- Oracle ---------------------------------------------------------------
+
+TEST_CASE("The oracle selects the pages with the most dense softmax mass", "[policy][oracle]") {
+  const LayerContext ctx = context();
+  const Chunk prompt(ctx, 300, 31, /*coherent=*/true);  // 37 full pages and a 4-token one
+  const Chunk decode(ctx, 8, 32, /*coherent=*/true);
+  const OraclePolicy oracle({.budget_tokens = 64});
+  Run run(oracle, ctx, prompt);
+  run.append(decode);
+  REQUIRE(run.sizes.size() == 39);
+  const std::uint32_t group = ctx.group_size(), d = ctx.head_dim;
+  const auto key = [&](std::uint32_t t, std::uint32_t h) {
+    const Chunk& c = t < 300 ? prompt : decode;
+    return c.keys.data() + (std::size_t{t < 300 ? t : t - 300} * ctx.kv_heads + h) * d;
+  };
+  for (std::uint32_t seed = 0; seed < 6; ++seed) {
+    const Vec q = random_query(ctx, 40 + seed);
+    const Selection s = run.select(q);
+    run.check(s, 64);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      // The group's softmax mass per page, from scratch.
+      std::vector<double> mass(run.sizes.size(), 0.0);
+      for (std::uint32_t g = 0; g < group; ++g) {
+        const float* qh = q.data() + std::size_t{h * group + g} * d;
+        std::vector<double> p(308);
+        double sum = 0;
+        for (std::uint32_t t = 0; t < 308; ++t) {
+          double dot = 0;
+          for (std::uint32_t i = 0; i < d; ++i) dot += double(qh[i]) * key(t, h)[i];
+          sum += p[t] = std::exp(dot / std::sqrt(double(d)));
+        }
+        for (std::uint32_t t = 0; t < 308; ++t) mass[t < 296 ? t / 8 : t < 300 ? 37 : 38] += p[t] / sum;
+      }
+      // 64 tokens: the 8 heaviest pages when they are all full; the short
+      // page (4 tokens) is taken where it ranks only if it still fits.
+      std::vector<PartitionId> order(mass.size());
+      std::iota(order.begin(), order.end(), 0u);
+      std::stable_sort(order.begin(), order.end(), [&](PartitionId a, PartitionId b) { return mass[a] > mass[b]; });
+      std::vector<PartitionId> want;
+      std::int64_t left = 64;
+      for (PartitionId p : order) {
+        if (left <= 0) break;
+        if (run.sizes[p] > left) continue;
+        want.push_back(p);
+        left -= run.sizes[p];
+      }
+      std::sort(want.begin(), want.end());
+      CHECK(s.partitions[h] == want);
+    }
+  }
+  // A budget covering the context selects everything; a zero budget is refused.
+  const OraclePolicy all({.budget_tokens = 308});
+  Run whole(all, ctx, prompt);
+  whole.append(decode);
+  for (const auto& chosen : whole.select(random_query(ctx, 9)).partitions) CHECK(chosen == whole.all());
+  REQUIRE_SPARSEKV_ERROR(OraclePolicy({.budget_tokens = 0}), ErrorCode::invalid_argument);
+  OraclePolicy::LayerState empty;
+  Selection none;
+  REQUIRE_SPARSEKV_ERROR(oracle.select(ctx, DecodeQuery{random_query(ctx, 1), 8}, empty, none),
+                         ErrorCode::invalid_argument);
+}
 
 TEST_CASE("A budget covering the context makes Quest and ShadowKV select what Dense selects", "[policy]") {
   const LayerContext ctx = context();

@@ -92,13 +92,21 @@ Sweep quest_sweep(const Emulation& e, std::uint32_t seed, Layout layout = Layout
       const HostRows rows = laid_out(quest_rows(base, batch), layout, arena_rng);
       for (const std::uint32_t budget : {1u, 8u, 64u, 700u, total, total + 5}) {
         for (const std::uint32_t layer : {0u, 5u}) {
-          LayerContext ctx = base;
-          ctx.layer = layer;
-          QuestPolicy::Options options;
-          options.budget_tokens = budget;
-          const auto want = host_select(QuestPolicy(options), ctx, batch);
-          const cuda::QuestSelect quest{nullptr, nullptr, budget, layer < options.dense_layers};
-          for (std::uint32_t r = 0; r < rows.rows(); ++r) sweep.compare(emulate_quest(e, rows, r, quest), want[r]);
+          // The steady zone: the paper's none, the defaults, and a sink over
+          // two partitions with a window of most of the budget.
+          for (const auto& [sink, recent] : {std::pair{0u, 0.0f}, std::pair{4u, 0.25f}, std::pair{20u, 0.75f}}) {
+            LayerContext ctx = base;
+            ctx.layer = layer;
+            QuestPolicy::Options options;
+            options.budget_tokens = budget;
+            options.sink_tokens = sink;
+            options.recent_fraction = recent;
+            const QuestPolicy policy(options);
+            const auto want = host_select(policy, ctx, batch);
+            const cuda::QuestSelect quest{nullptr, nullptr, budget, layer < options.dense_layers, sink,
+                                          policy.window_tokens()};
+            for (std::uint32_t r = 0; r < rows.rows(); ++r) sweep.compare(emulate_quest(e, rows, r, quest), want[r]);
+          }
         }
       }
     }
@@ -277,7 +285,7 @@ Sweep store_sweep(const Emulation& e, std::uint32_t seed) {
       o.budget_tokens = budget;
       const QuestPolicy quest(q);
       const ShadowKVPolicy shadowkv(o);
-      const cuda::QuestSelect quest_select{nullptr, nullptr, budget, false};
+      const cuda::QuestSelect quest_select{nullptr, nullptr, budget, false, q.sink_tokens, quest.window_tokens()};
       const cuda::ShadowKVSelect shadowkv_select{nullptr, nullptr, budget, o.recent_tokens, shadowkv.outlier_count()};
       for (std::uint32_t b = 0; b < 3; ++b) {
         LayerContext at = ctx;

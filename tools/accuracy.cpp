@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <exception>
 #include <mutex>
+#include <numeric>
 #include <set>
 #include <string>
 #include <thread>
@@ -41,10 +42,13 @@ void usage() {
       "  --write-trace DIR    also save the trace that was evaluated\n"
       "  --budgets LIST       token budgets per kv head and step (default 256,512,1024,2048)\n"
       "  --policies LIST      default: all built-in (dense, streaming, quest, shadowkv, retroinfer,\n"
-      "                       retroinfer_no_estimation)\n"
+      "                       retroinfer_no_estimation, oracle)\n"
       "  --page-tokens N      KV page size in tokens (default 8)\n"
+      "  --first-steps N      evaluate the first N decode steps only (default: all)\n"
       "  --threads N          runs in parallel (default: the hardware threads)\n"
-      "  --json               print [{policy, budget_tokens, rel_error, mass_recall, pages_selected}, ...]\n",
+      "  --per-layer          also print each policy's mass recall per layer (mean over kv heads)\n"
+      "  --json               print [{policy, budget_tokens, rel_error, mass_recall, pages_selected,\n"
+      "                       mass_recall_by_layer_head: [layer][kv head]}, ...]\n",
       stderr);
 }
 
@@ -81,6 +85,7 @@ struct Result {
   double mass_recall = 0;      // mean over (step, layer, q head)
   double pages_selected = 0;   // mean over (step, layer, kv head), the decode tail excluded
   double tokens_attended = 0;  // mean over (step, layer, kv head), the decode tail included
+  std::vector<double> head_recall;  // [layer][kv head]: mass recall, mean over (step, the group's q heads)
 };
 
 // One policy at one budget through the pipeline, every decode step and layer.
@@ -93,6 +98,7 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
   for (std::uint32_t l = 0; l < h.layers; ++l) pipeline.prefill(l, trace.prompt(l));
 
   Result r{policy, budget};
+  r.head_recall.assign(std::size_t{h.layers} * h.kv_heads, 0.0);
   std::vector<float> out(std::size_t{h.q_heads} * d);
   std::vector<double> mass(h.q_heads);
   const sparsekv::PageLayout& layout = pipeline.buffer().gpu_pool().layout();
@@ -136,7 +142,11 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
         got.for_each_page(kv, page_tokens, [&](sparsekv::PageId page, std::uint32_t tokens) { add_page(kv, page, tokens); });
         r.pages_selected += got.plan.partition_offsets[got.head_offsets[kv + 1]] - got.plan.partition_offsets[got.head_offsets[kv]];
       }
-      for (double m : mass) r.mass_recall += std::min(m, 1.0);  // rounding can pass 1 by an ulp
+      for (std::uint32_t qh = 0; qh < h.q_heads; ++qh) {
+        const double m = std::min(mass[qh], 1.0);  // rounding can pass 1 by an ulp
+        r.mass_recall += m;
+        r.head_recall[std::size_t{l} * h.kv_heads + qh / group] += m;
+      }
     }
   }
   const double qn = double(h.decode_steps) * h.layers * h.q_heads, kn = double(h.decode_steps) * h.layers * h.kv_heads;
@@ -144,6 +154,7 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
   r.mass_recall /= qn;
   r.pages_selected /= kn;
   r.tokens_attended /= kn;
+  for (double& m : r.head_recall) m /= double(h.decode_steps) * group;
   return r;
 }
 
@@ -186,8 +197,8 @@ int main(int argc, char** argv) {
         "--topic-logit",  "--topic-dwell",   "--blend-steps",  "--query-noise",   "--head-noise",  "--heavy-hitters",
         "--heavy-logit",  "--sink-tokens",   "--sink-logit",   "--recency-logit", "--recency-tokens", "--value-topic"};
     std::set<std::string> flags = knobs;
-    flags.insert({"--trace", "--write-trace", "--budgets", "--policies", "--page-tokens", "--threads"});
-    const sparsekv::tools::CommandLine args(argc, argv, flags, {"--synthetic", "--json", "--help"});
+    flags.insert({"--trace", "--write-trace", "--budgets", "--policies", "--page-tokens", "--threads", "--first-steps"});
+    const sparsekv::tools::CommandLine args(argc, argv, flags, {"--synthetic", "--json", "--per-layer", "--help"});
     if (args.has("--help")) {
       usage();
       return 0;
@@ -221,6 +232,22 @@ int main(int argc, char** argv) {
       trace = sparsekv::synthetic_qkv_trace(synthetic_options(args));
     }
     trace.validate();
+    if (args.has("--first-steps")) {
+      // The first N decode steps only: the prompt and every layer's arrays as
+      // if the trace had stopped there.
+      const auto steps = args.number<std::uint32_t>("--first-steps", 0);
+      if (steps == 0 || steps > trace.header.decode_steps) {
+        throw std::invalid_argument(
+            fmt::format("--first-steps {}: the trace has {} decode steps", steps, trace.header.decode_steps));
+      }
+      trace.header.decode_steps = steps;
+      for (sparsekv::QkvLayer& layer : trace.layers) {
+        layer.keys.resize(trace.header.kv_floats());
+        layer.values.resize(trace.header.kv_floats());
+        layer.queries.resize(trace.header.q_floats());
+      }
+      trace.validate();
+    }
     if (args.has("--write-trace")) sparsekv::write_qkv_trace(args.text("--write-trace", ""), trace);
 
     // Jobs: dense ignores the budget, so it runs once and fills every budget's row.
@@ -280,10 +307,16 @@ int main(int argc, char** argv) {
       out = "[\n";
       for (std::size_t i = 0; i < rows.size(); ++i) {
         const Result& r = rows[i];
+        std::vector<std::string> layers;
+        for (std::uint32_t l = 0; l < trace.header.layers; ++l) {
+          const auto first = r.head_recall.begin() + std::ptrdiff_t{l} * trace.header.kv_heads;
+          layers.push_back(fmt::format("[{:.4f}]", fmt::join(first, first + trace.header.kv_heads, ", ")));
+        }
         out += fmt::format(
             "  {{\"policy\": \"{}\", \"budget_tokens\": {}, \"rel_error\": {:.6g}, \"mass_recall\": {:.6f}, "
-            "\"pages_selected\": {:.2f}}}{}\n",
-            r.policy, r.budget, r.rel_error, r.mass_recall, r.pages_selected, i + 1 < rows.size() ? "," : "");
+            "\"pages_selected\": {:.2f}, \"mass_recall_by_layer_head\": [{}]}}{}\n",
+            r.policy, r.budget, r.rel_error, r.mass_recall, r.pages_selected, fmt::join(layers, ", "),
+            i + 1 < rows.size() ? "," : "");
       }
       out += "]\n";
     } else {
@@ -303,6 +336,26 @@ int main(int argc, char** argv) {
         const Result& r = rows[i];
         out += fmt::format("{:<7} {:<25} {:>10.4f} {:>11.2f}% {:>8.1f} {:>8.1f}\n", r.budget, r.policy, r.rel_error,
                            100 * r.mass_recall, r.pages_selected, r.tokens_attended);
+      }
+      if (args.has("--per-layer")) {
+        // Per budget: one line per layer, each policy's mass recall (mean over kv heads).
+        const std::uint32_t kv = h.kv_heads;
+        for (std::size_t i = 0; i < rows.size();) {
+          std::size_t end = i;
+          while (end < rows.size() && rows[end].budget == rows[i].budget) ++end;
+          out += fmt::format("\nmass recall by layer, budget {}\n{:<6}", rows[i].budget, "layer");
+          for (std::size_t j = i; j < end; ++j) out += fmt::format(" {:>12.12}", rows[j].policy);
+          out += "\n";
+          for (std::uint32_t l = 0; l < h.layers; ++l) {
+            out += fmt::format("{:<6}", l);
+            for (std::size_t j = i; j < end; ++j) {
+              const auto first = rows[j].head_recall.begin() + std::ptrdiff_t{l} * kv;
+              out += fmt::format(" {:>11.2f}%", 100 * std::accumulate(first, first + kv, 0.0) / kv);
+            }
+            out += "\n";
+          }
+          i = end;
+        }
       }
     }
     std::fputs(out.c_str(), stdout);

@@ -329,7 +329,8 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     switch (step.select.kind) {
       case DeviceSelectSpec::Kind::quest: {
         const QuestSelect quest{summaries_.min(step.layer), summaries_.max(step.layer), step.select.budget_tokens,
-                                step.select.dense_layer};
+                                step.select.dense_layer,                    step.select.sink_tokens,
+                                step.select.window_tokens};
         quest_select(select, quest, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
         break;
       }

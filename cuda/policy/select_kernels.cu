@@ -298,14 +298,20 @@ __global__ void __launch_bounds__(kThreads)
     const std::size_t at = (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
     row.scores[i] = quest_group_bound(row.q, rows.group, quest.min + at, quest.max + at, rows.head_dim);
   }
+  __shared__ QuestSteady steady;
   if (threadIdx.x == 0) {
     s.chosen = 0;
-    choose(s, row, row.partitions[newest]);
+    steady = quest_steady(
+        row.n, [&](std::uint32_t i) { return row.tokens[i]; }, quest.budget_tokens, quest.sink_tokens,
+        quest.window_tokens);
+    for (std::uint32_t i = 0; i < steady.sinks; ++i) choose(s, row, row.partitions[i]);
+    for (std::uint32_t i = steady.window_first; i < row.n; ++i) choose(s, row, row.partitions[i]);
   }
   __syncthreads();
-  SkipFill fill{std::int64_t{quest.budget_tokens} - row.tokens[newest]};
+  SkipFill fill{steady.left};
   block_ranked_fill(
-      s, row, fill, [&](std::uint32_t i) { return row.scores[i]; }, [&](std::uint32_t i) { return i < newest; },
+      s, row, fill, [&](std::uint32_t i) { return row.scores[i]; },
+      [&](std::uint32_t i) { return i >= steady.sinks && i < steady.window_first; },
       [&](std::uint32_t i) { choose(s, row, row.partitions[i]); });
   write_sorted(s, row, out);
 }

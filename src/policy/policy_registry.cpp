@@ -5,6 +5,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/oracle.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/shadowkv.hpp"
@@ -13,7 +14,7 @@
 namespace sparsekv {
 
 std::vector<std::string> policy_names() {
-  return {"dense", "streaming", "quest", "shadowkv", "retroinfer", "retroinfer_no_estimation"};
+  return {"dense", "streaming", "quest", "shadowkv", "retroinfer", "retroinfer_no_estimation", "oracle"};
 }
 
 AnyPolicy make_policy(std::string_view name, std::uint32_t budget_tokens) {
@@ -39,6 +40,11 @@ AnyPolicy make_policy(std::string_view name, std::uint32_t budget_tokens) {
     o.budget_tokens = budget_tokens;
     o.estimation = name == "retroinfer";
     return AnyPolicy(RetroInferPolicy(o));
+  }
+  if (name == "oracle") {
+    OraclePolicy::Options o;
+    o.budget_tokens = budget_tokens;
+    return AnyPolicy(OraclePolicy(o));
   }
   std::string known;
   for (const auto& n : policy_names()) known += (known.empty() ? "" : ", ") + n;

@@ -229,8 +229,10 @@ TEST_CASE("quest_select equals QuestPolicy::select", "[gpu][select]") {
             ctx.layer = layer;
             QuestPolicy::Options options;
             options.budget_tokens = budget;
-            const auto want = host_select(QuestPolicy(options), ctx, batch);
-            const cuda::QuestSelect quest{dev.a.data, dev.b.data, budget, layer < options.dense_layers};
+            const QuestPolicy policy(options);
+            const auto want = host_select(policy, ctx, batch);
+            const cuda::QuestSelect quest{dev.a.data, dev.b.data, budget, layer < options.dense_layers,
+                                          options.sink_tokens, policy.window_tokens()};
             const auto got = dev.run(cuda::quest_select_capacity(dev.rows, quest), [&](const cuda::SelectOutput& out,
                                                                                        cudaStream_t s) {
               cuda::quest_select(dev.rows, quest, out, dev.workspace.data, dev.workspace.size, s);

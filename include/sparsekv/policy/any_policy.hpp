@@ -122,8 +122,9 @@ class AnyPolicy {
   std::shared_ptr<const Concept> impl_;
 };
 
-// Built-in policies by name: dense, streaming, quest, shadowkv, retroinfer and
-// retroinfer_no_estimation (RetroInfer without its estimation zone). Every
+// Built-in policies by name: dense, streaming, quest, shadowkv, retroinfer,
+// retroinfer_no_estimation (RetroInfer without its estimation zone) and
+// oracle (the best selection of the budget's size, for evaluation). Every
 // other knob keeps its paper default. Throws invalid_argument for an unknown
 // name or a budget of 0 (dense ignores the budget).
 AnyPolicy make_policy(std::string_view name, std::uint32_t budget_tokens);

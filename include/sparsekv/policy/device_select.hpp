@@ -33,6 +33,8 @@ struct DeviceSelectSpec {
   std::uint32_t recent_tokens = 0;     // shadowkv
   std::uint32_t outlier_pages = 0;     // shadowkv: outlier_count()
   std::uint32_t sink_pages = 0;        // streaming: the pages its sink tokens span
+  std::uint32_t sink_tokens = 0;       // quest: its steady zone's sink ...
+  std::uint32_t window_tokens = 0;     // ... and recent window (QuestPolicy::window_tokens())
   // retroinfer: the zones' fractions, and whether the estimation zone is
   // attended. Its rows also read the host policy state (device_select_row),
   // which the Manager keeps: indexed at prefill, fed the saved decode pages at
@@ -71,6 +73,8 @@ inline DeviceSelectSpec device_select(const QuestPolicy& p, const LayerContext& 
   s.budget_tokens = p.options().budget_tokens;
   s.partition_tokens = ctx.page_tokens;
   s.dense_layer = ctx.layer < p.options().dense_layers;
+  s.sink_tokens = p.options().sink_tokens;
+  s.window_tokens = p.window_tokens();
   return s;
 }
 

@@ -20,11 +20,18 @@
 //    the group's summed logit for any key of the partition, keeps every head's
 //    vote (a partition several heads need outranks one only one head needs),
 //    and costs one pass; a max would let a single head decide.
-//  - budget_tokens counts every selected token, the newest partition included.
-//    The newest is taken first, then partitions in descending bound while they
-//    fit: with equal-size partitions that is k = budget / partition tokens
-//    (at least 1: a budget below one partition still gets the newest); the
-//    smaller decode partitions let more fit.
+//  - A steady zone before the ranking (quest_steady in select_rules.hpp): the
+//    newest partition, the attention sink (the partition holding the first
+//    `sink_tokens` tokens) and a recent window of `recent_fraction` of the
+//    budget. The paper has neither sink nor window; on SmolLM2 at 6K tokens
+//    the bound ranks the sink page low in the layers where it holds half the
+//    softmax mass, and the output error of those layers triples
+//    (docs/policies/quest.md, "Sink and window"). sink_tokens = 0 and
+//    recent_fraction = 0 give the paper's Quest.
+//  - budget_tokens counts every selected token, the steady zone included;
+//    then partitions in descending bound are taken while they fit (a budget
+//    below one partition still gets the newest); the smaller decode
+//    partitions let more fit.
 //  - Layers below `dense_layers` (paper: 2) select everything, so their
 //    mandatory_pages is the whole context: those layers need the whole
 //    context in the GPU buffer.
@@ -48,6 +55,8 @@ class QuestPolicy {
     std::uint32_t budget_tokens = 2048;            // per kv head per step, newest partition included
     std::uint32_t page_tokens_per_partition = 16;  // Quest's page; a multiple of ctx.page_tokens
     std::uint32_t dense_layers = 2;                // Quest keeps the first two layers dense
+    std::uint32_t sink_tokens = 4;                 // StreamingLLM's 4 attention sinks (0: none, as the paper)
+    float recent_fraction = 0.25f;                 // of the budget, the recent window (0: the newest partition only)
   };
   struct LayerState {
     std::uint32_t head_dim = 0;
@@ -64,9 +73,16 @@ class QuestPolicy {
     if (options.page_tokens_per_partition == 0) {
       fail(ErrorCode::invalid_argument, "quest: page_tokens_per_partition must be > 0");
     }
+    if (!(options.recent_fraction >= 0.0f && options.recent_fraction <= 1.0f)) {
+      fail(ErrorCode::invalid_argument, "quest: recent_fraction {} is not in [0, 1]", options.recent_fraction);
+    }
   }
 
   const Options& options() const noexcept { return options_; }
+  // The recent window beyond the newest partition, in tokens.
+  std::uint32_t window_tokens() const noexcept {
+    return static_cast<std::uint32_t>(static_cast<double>(options_.budget_tokens) * options_.recent_fraction);
+  }
 
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
     check_kv(ctx, kv);
@@ -114,10 +130,15 @@ class QuestPolicy {
         const std::size_t at = std::size_t{i} * ctx.head_dim;
         scores[i] = quest_group_bound(qg, group, state.min[h].data() + at, state.max[h].data() + at, ctx.head_dim);
       }
-      chosen.push_back(state.ids[h][newest]);
-      SkipFill fill{std::int64_t{options_.budget_tokens} - state.tokens[newest]};
+      const QuestSteady steady = quest_steady(
+          n, [&](std::uint32_t i) { return state.tokens[i]; }, options_.budget_tokens, options_.sink_tokens,
+          window_tokens());
+      for (std::uint32_t i = 0; i < steady.sinks; ++i) chosen.push_back(state.ids[h][i]);
+      for (std::uint32_t i = steady.window_first; i < n; ++i) chosen.push_back(state.ids[h][i]);
+      SkipFill fill{steady.left};
       ranked_fill(
-          newest, fill, [&](std::uint32_t i) { return scores[i]; }, [](std::uint32_t) { return true; },
+          newest, fill, [&](std::uint32_t i) { return scores[i]; },
+          [&](std::uint32_t i) { return i >= steady.sinks && i < steady.window_first; },
           [&](std::uint32_t i) { return state.tokens[i]; }, [&](std::uint32_t i) { chosen.push_back(state.ids[h][i]); });
       std::sort(chosen.begin(), chosen.end());
     }

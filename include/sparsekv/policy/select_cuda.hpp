@@ -85,15 +85,19 @@ struct SelectOutput {
   std::uint32_t* selected_count = nullptr;  // [rows]
 };
 
-// QuestPolicy with budget_tokens; `dense_layer` (ctx.layer < dense_layers)
-// selects everything. min / max: [candidates][head_dim]; candidate c's row
-// at c * head_dim, so row r's candidate i at (first[r] + i) * head_dim (as
-// every per-candidate array below).
+// QuestPolicy with budget_tokens, sink_tokens and window_tokens() (its
+// steady zone, quest_steady; zeros: the paper's Quest); `dense_layer`
+// (ctx.layer < dense_layers) selects everything. min / max:
+// [candidates][head_dim]; candidate c's row at c * head_dim, so row r's
+// candidate i at (first[r] + i) * head_dim (as every per-candidate array
+// below).
 struct QuestSelect {
   const float* min = nullptr;
   const float* max = nullptr;
   std::uint32_t budget_tokens = 0;
   bool dense_layer = false;
+  std::uint32_t sink_tokens = 0;
+  std::uint32_t window_tokens = 0;
 };
 
 // ShadowKVPolicy with budget_tokens, recent_tokens and outlier_count()

@@ -257,6 +257,39 @@ SPARSEKV_HOST_DEVICE inline float quest_group_bound(const float* q, std::uint32_
   return score;
 }
 
+// Quest's steady zone, taken before the ranked fill, each partition only if it
+// fits: the newest partition (always), then the partitions holding the first
+// `sink_tokens` tokens (the attention sink), then the partitions before the
+// newest, newest first, until `window_tokens` more are covered. What is taken
+// is [0, sinks) and [window_first, n); the fill ranks [sinks, window_first)
+// with `left` tokens. tokens(i): partition i's tokens; n >= 1.
+struct QuestSteady {
+  std::uint32_t sinks = 0;
+  std::uint32_t window_first = 0;
+  std::int64_t left = 0;
+};
+template <class Tokens>
+SPARSEKV_HOST_DEVICE QuestSteady quest_steady(std::uint32_t n, Tokens&& tokens, std::uint32_t budget_tokens,
+                                              std::uint32_t sink_tokens, std::uint32_t window_tokens) {
+  QuestSteady z;
+  const std::uint32_t newest = n - 1;
+  z.left = std::int64_t{budget_tokens} - tokens(newest);
+  std::uint64_t sunk = 0;
+  while (z.sinks < newest && sunk < sink_tokens && tokens(z.sinks) <= z.left) {
+    sunk += tokens(z.sinks);
+    z.left -= tokens(z.sinks);
+    ++z.sinks;
+  }
+  z.window_first = newest;
+  std::int64_t window = window_tokens;
+  while (z.window_first > z.sinks && window > 0 && tokens(z.window_first - 1) <= z.left) {
+    --z.window_first;
+    window -= tokens(z.window_first);
+    z.left -= tokens(z.window_first);
+  }
+  return z;
+}
+
 // ---- ShadowKV and RetroInfer: logits -------------------------------------------
 
 // 1 / sqrt(head_dim), as both policies scale their logits.
