@@ -279,7 +279,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     if (whole_row) {
       needed = whole;
     } else if (spec.kind == DeviceSelectSpec::Kind::retroinfer) {
-      needed = cuda::select_capacity(whole, spec.budget_tokens, false, 1);
+      needed = cuda::select_capacity(whole, spec.budget_tokens, spec.budget_tokens == 0, 1);
     } else if (spec.kind == DeviceSelectSpec::Kind::streaming) {
       needed = static_cast<std::uint32_t>(std::min<std::uint64_t>(
           whole, (std::uint64_t{spec.budget_tokens} + streaming.page_tokens - 1) / streaming.page_tokens));

@@ -263,7 +263,7 @@ inline SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, cu
   const std::uint32_t recent = std::min(rows.recent[r], span.n), older = span.n - recent;
   return steady_zone(
       recent, [&](std::uint32_t i) { return tokens[older + i]; }, rows.sink_tokens[r],
-      cuda::retroinfer_row_window(retro, r), retro.budget_tokens);
+      cuda::retroinfer_row_window(retro, r), retroinfer_token_cap(retro.budget_tokens));
 }
 
 inline std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const HostRows& rows, std::uint32_t r,
@@ -272,7 +272,7 @@ inline std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const Hos
   const std::uint32_t first = span.first, n = span.n;
   const std::uint32_t* tokens = rows.tokens.data() + first;
   const std::uint32_t sink_tokens = rows.sink_tokens[r];
-  if (retro.budget_tokens >= row_total(rows, span) + sink_tokens) {
+  if (retroinfer_covers(retro.budget_tokens, row_total(rows, span) + sink_tokens)) {
     std::vector<PartitionId> all;
     if (sink_tokens > 0) all.push_back(rows.sink_partitions[r]);
     const auto rest = row_partitions(rows, span);
@@ -287,7 +287,7 @@ inline std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const Hos
   if (m > 0) {
     std::vector<float> logits, scores;
     emulated_retroinfer_rank(rows, r, span, m, logits, scores);
-    BreakFill fill{steady.tokens, retro.budget_tokens, fraction_count(retro.retrieval_fraction, m)};
+    BreakFill fill = retroinfer_retrieval_fill(steady.tokens, retro.budget_tokens, retro.retrieval_fraction, m);
     emulated_ranked_fill(
         e, m, tokens, fill, [&](std::uint32_t i) { return scores[i]; }, [](std::uint32_t) { return true; },
         [&](std::uint32_t i) { chosen.push_back(rows.partitions[first + i]); });
@@ -306,7 +306,7 @@ inline std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const 
   const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
   const std::uint32_t* tokens = rows.tokens.data() + first;
   std::vector<AttentionPartial> terms(rows.group, AttentionPartial(dim));
-  const bool covered = retro.budget_tokens >= row_total(rows, span) + rows.sink_tokens[r];
+  const bool covered = retroinfer_covers(retro.budget_tokens, row_total(rows, span) + rows.sink_tokens[r]);
   if (!estimate.estimation || covered) return terms;
   const std::uint32_t m = n - emulated_steady_zone(rows, r, span, retro).window_parts;
   if (m == 0) return terms;
@@ -318,13 +318,10 @@ inline std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const 
                std::binary_search(selection.begin(), selection.end(), rows.partitions[first + i]);
   }
   std::vector<std::uint32_t> members;
-  BreakFill zone{0, std::numeric_limits<std::uint32_t>::max(),
-                 retroinfer_zone_count(retro.retrieval_fraction, estimate.estimation_fraction, m)};
+  BreakFill zone = retroinfer_estimation_fill(estimate.estimation_fraction, m);
   emulated_ranked_fill(
-      e, m, tokens, zone, [&](std::uint32_t i) { return scores[i]; }, [](std::uint32_t) { return true; },
-      [&](std::uint32_t i) {
-        if (!taken[i]) members.push_back(i);
-      });
+      e, m, tokens, zone, [&](std::uint32_t i) { return scores[i]; }, [&](std::uint32_t i) { return !taken[i]; },
+      [&](std::uint32_t i) { members.push_back(i); });
   if (e.candidate_order) std::sort(members.begin(), members.end());
   for (std::uint32_t p = 0; p < rows.group * dim; ++p) {
     const std::uint32_t g = p / dim, d = p % dim;

@@ -382,6 +382,8 @@ TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]
   REQUIRE_SPARSEKV_ERROR(manager.add_request(3, 0), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(make_policy("nope", 64), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(make_policy("quest", 0), ErrorCode::invalid_argument);
+  // RetroInferPolicy takes 0 as no budget (its fraction rule); the registry always asks for one.
+  REQUIRE_SPARSEKV_ERROR(make_policy("retroinfer", 0), ErrorCode::invalid_argument);
 }
 
 TEST_CASE("Manager: a regroup that cannot fit refuses the whole step and the request recovers", "[facade][errors]") {

@@ -157,7 +157,7 @@ Sweep retroinfer_sweep(const Emulation& e, std::uint32_t seed, Layout layout = L
         for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, recent, window, rng));
         const std::uint32_t total = std::max(1u, batch[0].state.heads[0].tokens);
         const HostRows rows = laid_out(retroinfer_rows(ctx, batch), layout, arena_rng);
-        for (const std::uint32_t budget : {1u, 3u, 40u, 300u, 2048u, total}) {
+        for (const std::uint32_t budget : {0u, 1u, 3u, 40u, 300u, 2048u, total}) {  // 0: the fraction rule
           for (const float fraction : {0.018f, 0.3f, 1.0f}) {
             RetroInferPolicy::Options options;
             options.budget_tokens = budget;
@@ -394,7 +394,7 @@ EstimateSweep estimate_sweep(const Emulation& e, std::uint32_t seed, Layout layo
         for (int b = 0; b < 2; ++b) batch.push_back(retroinfer_request(ctx, clusters, recent, window, rng));
         const HostRows rows = laid_out(retroinfer_rows(ctx, batch), layout, arena_rng);
         const std::uint32_t total = std::max(1u, batch[0].state.heads[0].tokens);
-        for (const std::uint32_t budget : {1u, 40u, 300u, 2048u, total}) {
+        for (const std::uint32_t budget : {0u, 1u, 40u, 300u, 2048u, total}) {  // 0: the fraction rule
           for (const Zones zones : kZones) {
             for (const bool estimation : {true, false}) {
               if (!estimation && zones.retrieval != kZones[0].retrieval) continue;
@@ -660,6 +660,11 @@ TEST_CASE("the positional zones keep the sinks' and the window's budget rules", 
   CHECK(r.host_state);
   CHECK(r.estimation);
   CHECK(r.retrieval_fraction == retro.retrieval_fraction);
+  // No budget (the default): the fraction counts candidates, not tokens, so a row may select all of them.
+  CHECK(r.budget_tokens == 0);
+  CHECK(device_select_capacity(r, 50) == 51);
+  retro.budget_tokens = 10;
+  CHECK(device_select_capacity(device_select(RetroInferPolicy(retro), ctx), 50) == 10);
   RetroInferPolicy::LayerState state;
   state.generated = 16;
   CHECK_FALSE(device_index_update_due(RetroInferPolicy(retro), state, 16));
@@ -826,8 +831,27 @@ TEST_CASE("the estimation rules fold like softmax_fold and skip empty sides", "[
   SoftmaxState s = empty;
   const RescaleStep none = estimation_fold(s, kMinusInf, 5.0f);
   CHECK((s.max == empty.max && s.sum == empty.sum && none.acc_scale == 1.0f && none.value_weight == 0.0f));
-  CHECK(retroinfer_zone_count(0.018f, 0.232f, 1000) == 250);
-  CHECK(retroinfer_zone_count(0.3f, 0.7f, 7) == 7);
+}
+
+TEST_CASE("RetroInfer's zones: a budget fills the retrieval zone, no budget takes the fraction", "[select-rules]") {
+  constexpr std::uint32_t kMax = std::numeric_limits<std::uint32_t>::max();
+  // No budget (0): never Dense, no token cap, the top retrieval_fraction.
+  CHECK_FALSE(retroinfer_covers(0, 0));
+  CHECK_FALSE(retroinfer_covers(0, 5));
+  CHECK(retroinfer_token_cap(0) == kMax);
+  const BreakFill fraction = retroinfer_retrieval_fill(70, 0, 0.018f, 1000);
+  CHECK((fraction.used == 70 && fraction.budget == kMax && fraction.limit == 18));
+  // A budget: Dense once it covers the head, else every ranked candidate while it fits.
+  CHECK(retroinfer_covers(100, 100));
+  CHECK_FALSE(retroinfer_covers(99, 100));
+  CHECK(retroinfer_token_cap(99) == 99);
+  const BreakFill budget = retroinfer_retrieval_fill(70, 512, 0.018f, 1000);
+  CHECK((budget.used == 70 && budget.budget == 512 && budget.limit == 1000));
+  // The estimation zone: the next fraction_count(estimation_fraction, m) ranked, whatever was retrieved.
+  const BreakFill zone = retroinfer_estimation_fill(0.232f, 1000);
+  CHECK((zone.used == 0 && zone.budget == kMax && zone.limit == 232));
+  CHECK(retroinfer_estimation_fill(0.7f, 7).limit == 5);
+  CHECK(retroinfer_estimation_fill(1.0f, 7).limit == 7);
 }
 
 TEST_CASE("the estimate kernel's decomposition equals RetroInferPolicy::attend", "[select-rules]") {
@@ -865,7 +889,7 @@ WindowsSweep windows_sweep(const Emulation& e, bool per_row_windows, std::uint32
         std::shuffle(batch.begin(), batch.end(), rng);
         const HostRows rows = retroinfer_rows(ctx, batch);
         const std::uint32_t total = std::max(1u, batch[0].state.heads[0].tokens);
-        for (const std::uint32_t budget : {1u, 30u, 200u, total}) {
+        for (const std::uint32_t budget : {0u, 1u, 30u, 200u, total}) {  // 0: the fraction rule
           RetroInferPolicy::Options options;
           options.budget_tokens = budget;
           options.retrieval_fraction = 0.3f;

@@ -381,7 +381,7 @@ __device__ SteadyZone row_steady_zone(const Row& row, const RetroInferSelect& re
   const std::uint32_t older = row.n - recent;
   return steady_zone(
       recent, [&](std::uint32_t i) { return row.tokens[older + i]; }, sink_tokens,
-      retroinfer_row_window(retro, row.index), retro.budget_tokens);
+      retroinfer_row_window(retro, row.index), retroinfer_token_cap(retro.budget_tokens));
 }
 
 // RetroInferPolicy's score() over the candidates [0, m): q head g's logits at
@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(kThreads)
   const std::uint32_t sink_tokens = retro.sink_tokens[row.index];
   const PartitionId sink = retro.sink_partitions[row.index];
   const std::uint64_t total = row_tokens(s, row) + sink_tokens;
-  if (retro.budget_tokens >= total) {
+  if (retroinfer_covers(retro.budget_tokens, total)) {
     write_all(row, out, sink_tokens, sink);
     return;
   }
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kThreads)
   const std::uint32_t m = row.n - window_parts;
   if (m > 0) {
     retroinfer_rank(s, row, rows, retro.centroids, m, 0);
-    BreakFill fill{steady_tokens, retro.budget_tokens, fraction_count(retro.retrieval_fraction, m)};
+    BreakFill fill = retroinfer_retrieval_fill(steady_tokens, retro.budget_tokens, retro.retrieval_fraction, m);
     block_ranked_fill(
         s, row, fill, [&](std::uint32_t i) { return row.scores[i]; }, [&](std::uint32_t i) { return i < m; },
         [&](std::uint32_t i) { choose(s, row, row.partitions[i]); });
@@ -460,8 +460,8 @@ __device__ bool holds(const PartitionId* ids, std::uint32_t count, PartitionId i
 
 // RetroInferPolicy::attend for one row: the rank of retroinfer_select (every
 // q head's logits kept), candidates in the selection marked taken, thread 0
-// lists the untaken among the first retroinfer_zone_count ranked in rank
-// order (row.ids), then thread p folds q head p / head_dim, dimension
+// lists the retroinfer_estimation_fill of the untaken in rank order
+// (row.ids), then thread p folds q head p / head_dim, dimension
 // p % head_dim over that list in order: each thread recomputes its head's
 // (max, sum) chain, so every add happens in attend()'s order.
 __global__ void __launch_bounds__(kThreads)
@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ std::uint32_t window_parts;
   const Row row = row_view(rows, w);
   const std::uint32_t sink_tokens = retro.sink_tokens[row.index];
-  const bool covered = retro.budget_tokens >= row_tokens(s, row) + sink_tokens;
+  const bool covered = retroinfer_covers(retro.budget_tokens, row_tokens(s, row) + sink_tokens);
   const bool estimated = estimate.estimation && !covered;
   if (threadIdx.x == 0) {
     s.chosen = 0;
@@ -488,13 +488,10 @@ __global__ void __launch_bounds__(kThreads)
       row.taken[i] = holds(selected, count, row.partitions[i]) ? 1 : 0;
     }
     __syncthreads();
-    BreakFill zone{0, std::numeric_limits<std::uint32_t>::max(),
-                   retroinfer_zone_count(retro.retrieval_fraction, estimate.estimation_fraction, m)};
+    BreakFill zone = retroinfer_estimation_fill(estimate.estimation_fraction, m);
     block_ranked_fill(
-        s, row, zone, [&](std::uint32_t i) { return row.scores[i]; }, [&](std::uint32_t i) { return i < m; },
-        [&](std::uint32_t i) {
-          if (row.taken[i] == 0) row.ids[s.chosen++] = i;
-        });
+        s, row, zone, [&](std::uint32_t i) { return row.scores[i]; },
+        [&](std::uint32_t i) { return i < m && row.taken[i] == 0; }, [&](std::uint32_t i) { row.ids[s.chosen++] = i; });
   }
   const std::uint32_t members = s.chosen;
   const std::uint32_t dim = rows.head_dim;
@@ -644,7 +641,7 @@ std::uint32_t shadowkv_select_capacity(const SelectRows& rows, const ShadowKVSel
   return capacity(rows, shadowkv.budget_tokens, false, 0);
 }
 std::uint32_t retroinfer_select_capacity(const SelectRows& rows, const RetroInferSelect& retroinfer) {
-  return capacity(rows, retroinfer.budget_tokens, false, 1);
+  return capacity(rows, retroinfer.budget_tokens, retroinfer.budget_tokens == 0, 1);
 }
 
 std::uint32_t streaming_select_capacity(const SelectRows& rows, const StreamingSelect& streaming) {
@@ -682,9 +679,10 @@ void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, con
 
 void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfer, const SelectOutput& out,
                        void* workspace, std::size_t workspace_bytes, void* stream) {
-  check_rows("retroinfer_select", rows, retroinfer.budget_tokens, out.selected, out.selected_count,
-             out.max_selected, retroinfer_select_capacity(rows, retroinfer), workspace, workspace_bytes,
-             select_workspace_bytes(rows));
+  // budget_tokens 0 is no budget (the fraction rule), not a missing one.
+  check_rows("retroinfer_select", rows, retroinfer_token_cap(retroinfer.budget_tokens), out.selected,
+             out.selected_count, out.max_selected, retroinfer_select_capacity(rows, retroinfer), workspace,
+             workspace_bytes, select_workspace_bytes(rows));
   check_retroinfer("retroinfer_select", rows, retroinfer);
   if (rows.rows == 0) return;
   retroinfer_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
@@ -712,9 +710,9 @@ void dense_select(const SelectRows& rows, const SelectOutput& out, void* stream)
 void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroinfer,
                          const RetroInferEstimate& estimate, const EstimateOutput& out, void* workspace,
                          std::size_t workspace_bytes, void* stream) {
-  check_rows("retroinfer_estimate", rows, retroinfer.budget_tokens, estimate.selected, estimate.selected_count,
-             estimate.max_selected, retroinfer_select_capacity(rows, retroinfer), workspace, workspace_bytes,
-             estimate_workspace_bytes(rows));
+  check_rows("retroinfer_estimate", rows, retroinfer_token_cap(retroinfer.budget_tokens), estimate.selected,
+             estimate.selected_count, estimate.max_selected, retroinfer_select_capacity(rows, retroinfer), workspace,
+             workspace_bytes, estimate_workspace_bytes(rows));
   check_retroinfer("retroinfer_estimate", rows, retroinfer);
   // RetroInferPolicy::Options' rule.
   if (!(estimate.estimation_fraction >= 0.0f &&

@@ -296,11 +296,12 @@ void score(const LayerContext& ctx, const DecodeQuery& q, std::uint32_t kv_head,
   }
 }
 
-// The candidates [0, m) in rank order (top_k's order through the ranking key).
-template <class Filler, class Take>
-void rank_fill(const std::vector<float>& rank, const Candidates& c, Filler& fill, Take&& take) {
+// The candidates [0, m) with eligible(i) in rank order (top_k's order through
+// the ranking key).
+template <class Filler, class Eligible, class Take>
+void rank_fill(const std::vector<float>& rank, const Candidates& c, Filler& fill, Eligible&& eligible, Take&& take) {
   ranked_fill(
-      c.size(), fill, [&](std::uint32_t i) { return rank[i]; }, [](std::uint32_t) { return true; },
+      c.size(), fill, [&](std::uint32_t i) { return rank[i]; }, eligible,
       [&](std::uint32_t i) { return c.group(i).tokens; }, take);
 }
 
@@ -452,7 +453,6 @@ void kmeans_update(std::span<const float> rows, std::uint32_t n, std::uint32_t d
 
 RetroInferPolicy::RetroInferPolicy(const Options& options) : options_(options) {
   const Options& o = options;
-  if (o.budget_tokens == 0) fail(ErrorCode::invalid_argument, "retroinfer: budget_tokens must be > 0");
   if (o.segment_tokens == 0 || o.tokens_per_cluster == 0 || o.kmeans_iterations == 0 || o.update_tokens == 0) {
     fail(ErrorCode::invalid_argument,
          "retroinfer: segment_tokens ({}), tokens_per_cluster ({}), kmeans_iterations ({}) and update_tokens ({}) "
@@ -668,22 +668,23 @@ void RetroInferPolicy::select(const LayerContext& ctx, const DecodeQuery& q, con
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
     const HeadState& head = state.heads[h];
     std::vector<PartitionId>& ids = out.partitions[h];
-    if (budget >= head.tokens) {  // the budget covers the whole context: Dense
+    if (retroinfer_covers(budget, head.tokens)) {  // the budget covers the whole context: Dense
       ids.resize(head.partitions);
       std::iota(ids.begin(), ids.end(), PartitionId{0});
       continue;
     }
-    const SteadyZone steady = head_steady_zone(head, state.window, budget);
+    const SteadyZone steady = head_steady_zone(head, state.window, retroinfer_token_cap(budget));
     if (steady.sink) ids.push_back(head.sink.id);
     const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
                        static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
     for (std::uint32_t i = c.older; i < head.recent.size(); ++i) ids.push_back(head.recent[i].id);
     if (c.size() > 0) {
       score(ctx, q, h, c, scores, rank);
-      // Capped by the budget in rank order: the first cluster that does not fit and
-      // every lower-ranked one fall to the estimation zone.
-      BreakFill fill{steady.tokens, budget, fraction_count(options_.retrieval_fraction, c.size())};
-      rank_fill(rank, c, fill, [&](std::uint32_t i) { ids.push_back(c.group(i).id); });
+      // In rank order: the first cluster that does not fit and every lower-ranked
+      // one are left to the estimation zone.
+      BreakFill fill = retroinfer_retrieval_fill(steady.tokens, budget, options_.retrieval_fraction, c.size());
+      rank_fill(
+          rank, c, fill, [](std::uint32_t) { return true; }, [&](std::uint32_t i) { ids.push_back(c.group(i).id); });
     }
     std::sort(ids.begin(), ids.end());
   }
@@ -706,8 +707,8 @@ void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, con
   std::vector<PartitionId> selected;
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
     const HeadState& head = state.heads[h];
-    if (budget >= head.tokens) continue;  // everything is exact
-    const SteadyZone steady = head_steady_zone(head, state.window, budget);
+    if (retroinfer_covers(budget, head.tokens)) continue;  // everything is exact
+    const SteadyZone steady = head_steady_zone(head, state.window, retroinfer_token_cap(budget));
     const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
                        static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
     const std::uint32_t m = c.size();
@@ -715,12 +716,13 @@ void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, con
     score(ctx, q, h, c, scores, rank);
     selected = selection.partitions[h];
     std::sort(selected.begin(), selected.end());
-    // Every ranked partition within the zones: a fill that never runs out of budget.
-    BreakFill zone{0, std::numeric_limits<std::uint32_t>::max(),
-                   retroinfer_zone_count(options_.retrieval_fraction, options_.estimation_fraction, m)};
-    rank_fill(rank, c, zone, [&](std::uint32_t i) {
+    // The best-ranked partitions the selection does not hold (retrieved ones are exact).
+    BreakFill zone = retroinfer_estimation_fill(options_.estimation_fraction, m);
+    const auto unselected = [&](std::uint32_t i) {
+      return !std::binary_search(selected.begin(), selected.end(), c.group(i).id);
+    };
+    rank_fill(rank, c, zone, unselected, [&](std::uint32_t i) {
       const Group& g = c.group(i);
-      if (std::binary_search(selected.begin(), selected.end(), g.id)) return;  // retrieved: exact
       const float* vs = c.value_sum(i, d);
       for (std::uint32_t j = 0; j < group; ++j) {
         add_cluster(extra[h * group + j], scores[std::size_t{j} * m + i], g.tokens, vs);
@@ -784,19 +786,31 @@ std::uint32_t RetroInferPolicy::mandatory_pages(const LayerContext& ctx) const {
   const std::uint64_t budget = options_.budget_tokens;
   const std::uint64_t tokens = ctx.tokens;
   const HeadBound whole = head_bound(options_, page, tokens);
-  // Every partition is selected while the head holds at most `budget` tokens.
-  std::uint64_t bound = head_bound(options_, page, std::min(budget, tokens)).pages;
-  if (budget < tokens) {
-    // Beyond, at most `budget` tokens in the sink, the steady window and the
-    // retrieval zone, each partition padding its last page. The window takes
-    // the newest recent partitions while they cover fewer than its tokens (at
-    // most window + one cluster - 1 after a short prompt), all full pages but
-    // one; the retrieval zone is the top fraction of the ranked partitions.
+  std::uint64_t bound = 0;
+  if (budget == 0) {
+    // No budget: the sink, the steady window and the top retrieval_fraction of
+    // the ranked partitions. The window takes the newest recent partitions
+    // (one page each) while they cover fewer than its tokens (at most window +
+    // one cluster - 1 after a short prompt). The fraction counts partitions,
+    // not tokens: a ranked one is a cluster of up to a whole segment or a
+    // recent page, so only the context bounds their tokens.
     const std::uint64_t window = std::uint64_t{options_.window_tokens} + options_.tokens_per_cluster - 1;
     const std::uint64_t window_parts = (window + page - 1) / page + 1;
     const std::uint64_t retrieval = fraction_count(options_.retrieval_fraction, whole.partitions);
-    const std::uint64_t selected = std::min(budget, 1 + window_parts + retrieval);
-    bound = std::max(bound, (budget + selected * (page - 1)) / page);
+    const std::uint64_t cluster_pages = (std::min<std::uint64_t>(options_.segment_tokens, tokens) + page - 1) / page;
+    const std::uint64_t selected = 1 + window_parts + retrieval;
+    bound = std::min((options_.sink_tokens + page - 1) / page + window_parts + retrieval * cluster_pages,
+                     (tokens + selected * (page - 1)) / page);
+  } else {
+    // Every partition is selected while the head holds at most `budget` tokens.
+    bound = head_bound(options_, page, std::min(budget, tokens)).pages;
+    if (budget < tokens) {
+      // Beyond, at most `budget` tokens in the sink, the steady window and the
+      // retrieval zone, each partition padding its last page. The retrieval
+      // zone takes as many partitions as fit, each at least one token.
+      const std::uint64_t selected = std::min(budget, whole.partitions);
+      bound = std::max(bound, (budget + selected * (page - 1)) / page);
+    }
   }
   return static_cast<std::uint32_t>(std::clamp<std::uint64_t>(std::min(bound, whole.pages), 1,
                                                               std::numeric_limits<std::uint32_t>::max()));

@@ -294,7 +294,7 @@ TEST_CASE("retroinfer_select equals RetroInferPolicy::select", "[gpu][select]") 
         DeviceRows dev(host);
         DeviceArray<PartitionId> sinks(host.sink_partitions);
         DeviceArray<std::uint32_t> sink_tokens(host.sink_tokens), recent(host.recent), windows(host.windows);
-        for (const std::uint32_t budget : {1u, 40u, 2048u, 1000000u}) {
+        for (const std::uint32_t budget : {0u, 1u, 40u, 2048u, 1000000u}) {  // 0: the fraction rule
           for (const float fraction : {0.018f, 1.0f}) {
             CAPTURE(arena, group, clusters, budget, fraction);
             RetroInferPolicy::Options options;
@@ -335,7 +335,7 @@ TEST_CASE("retroinfer_estimate equals RetroInferPolicy::attend", "[gpu][select]"
         const HostRows host = arena ? in_arena(retroinfer_rows(ctx, batch), 5, 3, rng)
                                     : retroinfer_rows(ctx, batch);
         DeviceRetro dev(host);
-        for (const std::uint32_t budget : {1u, 40u, 2048u, 1000000u}) {
+        for (const std::uint32_t budget : {0u, 1u, 40u, 2048u, 1000000u}) {  // 0: the fraction rule
           for (const Zones zones : {Zones{0.018f, 0.232f}, Zones{0.3f, 0.7f}}) {
             for (const bool estimation : {true, false}) {
               CAPTURE(arena, group, clusters, budget, zones.retrieval, estimation);

@@ -35,7 +35,8 @@ struct DeviceSelectSpec {
   std::uint32_t sink_pages = 0;        // streaming: the pages its sink tokens span
   std::uint32_t sink_tokens = 0;       // quest: its steady zone's sink ...
   std::uint32_t window_tokens = 0;     // ... and recent window (QuestPolicy::window_tokens())
-  // retroinfer: the zones' fractions, and whether the estimation zone is
+  // retroinfer: the zones' fractions (retrieval_fraction applies with
+  // budget_tokens 0, no budget), and whether the estimation zone is
   // attended. Its rows also read the host policy state (device_select_row),
   // which the Manager keeps: indexed at prefill, fed the saved decode pages at
   // each index update (device_index_update_due).
@@ -193,8 +194,8 @@ inline std::uint32_t device_select_capacity(const DeviceSelectSpec& s, std::uint
     }
     case Kind::dense:
       return cuda::select_capacity(max_partitions, 0, true, 0);
-    case Kind::retroinfer:  // the sink besides the candidates
-      return cuda::select_capacity(max_partitions, s.budget_tokens, false, 1);
+    case Kind::retroinfer:  // the sink besides the candidates; no budget (0): the whole row
+      return cuda::select_capacity(max_partitions, s.budget_tokens, s.budget_tokens == 0, 1);
     case Kind::none:
       break;
   }

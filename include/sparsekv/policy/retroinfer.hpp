@@ -13,12 +13,14 @@
 //  - steady zone: the newest tokens (`window_tokens`) and the first
 //    `sink_tokens` tokens, exact, selected within the budget: the newest
 //    window pages first, the sinks only if they fit;
-//  - retrieval zone: the top `retrieval_fraction` of the clusters, ranked for
-//    the whole GQA group by the sum over its q heads of softmax(q.C / sqrt(d)),
-//    exact (selected partitions), capped so that the selection covers at most
-//    `budget_tokens` tokens;
-//  - estimation zone: the clusters ranked within the next
-//    `estimation_fraction`: attend() adds, per q head, each one's centroid
+//  - retrieval zone: clusters ranked for the whole GQA group by the sum over
+//    its q heads of softmax(q.C / sqrt(d)), exact (selected partitions), in
+//    rank order: with `budget_tokens` > 0, while they fit in the budget the
+//    steady zone leaves (a caller's budget is spent at any context length);
+//    with 0 (no budget given), the top `retrieval_fraction` of them, the
+//    paper's 1.8% (§5), with no token cap;
+//  - estimation zone: the `estimation_fraction` of the clusters ranked right
+//    after the retrieved ones: attend() adds, per q head, each one's centroid
 //    score with weight = size and value = VS (eqs. 2-4) to an AttentionPartial
 //    that the library merges by log-sum-exp with the exact attention;
 //  - everything ranked below is dropped.
@@ -74,13 +76,13 @@ void kmeans_update(std::span<const float> rows, std::uint32_t n, std::uint32_t d
 class RetroInferPolicy {
  public:
   struct Options {
-    std::uint32_t budget_tokens = 2048;      // most tokens one selection covers per kv head (steady + retrieval)
+    std::uint32_t budget_tokens = 0;         // tokens per kv head for steady + retrieval; 0: none given
     std::uint32_t segment_tokens = 8192;     // segmented clustering: tokens per k-means segment
     std::uint32_t tokens_per_cluster = 16;   // 1/16 of the tokens become centroids
     std::uint32_t kmeans_iterations = 10;
     std::uint32_t sink_tokens = 4;           // steady zone: 4 initial tokens ...
     std::uint32_t window_tokens = 64;        // ... and the 64 newest
-    float retrieval_fraction = 0.018f;       // of the clusters, exact
+    float retrieval_fraction = 0.018f;       // of the clusters, exact (budget_tokens 0 only)
     float estimation_fraction = 0.232f;      // of the clusters, estimated from centroids
     std::uint32_t update_tokens = 1024;      // decode tokens between incremental index updates
     bool estimation = true;                  // false: retroinfer_no_estimation (retrieval only)
@@ -118,9 +120,9 @@ class RetroInferPolicy {
   static constexpr std::string_view kName = "retroinfer";
   static constexpr RopeStage kRope = RopeStage::post_rope;
 
-  // Throws invalid_argument for a zero budget, segment, cluster size, update
-  // interval or iteration count, a cluster larger than a segment, or fractions
-  // outside [0, 1] / summing above 1.
+  // Throws invalid_argument for a zero segment, cluster size, update interval
+  // or iteration count, a cluster larger than a segment, or fractions outside
+  // [0, 1] / summing above 1.
   RetroInferPolicy() : RetroInferPolicy(Options{}) {}
   explicit RetroInferPolicy(const Options& options);
 
@@ -134,7 +136,9 @@ class RetroInferPolicy {
   void attend(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, const Selection& selection,
               std::span<AttentionPartial> extra) const;
   // The most pages one select() returns per kv head while the request holds at
-  // most ctx.tokens tokens, never more than head_capacity's pages.
+  // most ctx.tokens tokens, never more than head_capacity's pages. Without a
+  // budget the fraction counts clusters, not tokens: only the context bounds
+  // their tokens.
   std::uint32_t mandatory_pages(const LayerContext& ctx) const;
   // The most partitions and CPU pages one kv head holds with at most
   // ctx.tokens tokens: clusters average tokens_per_cluster tokens and pad

@@ -110,7 +110,8 @@ struct ShadowKVSelect {
   std::uint32_t outlier_pages = 0;
 };
 
-// RetroInferPolicy with budget_tokens and retrieval_fraction; a row's steady
+// RetroInferPolicy with budget_tokens and retrieval_fraction (read only when
+// budget_tokens is 0, no budget: retroinfer_retrieval_fill); a row's steady
 // window is its LayerState's window (retroinfer_row_window). centroids:
 // [candidates][head_dim]; per row the sink's partition and tokens (0: none)
 // and how many of its last candidates are recent partitions (the steady
@@ -136,9 +137,10 @@ SPARSEKV_HOST_DEVICE inline std::uint32_t retroinfer_row_window(const RetroInfer
 }
 
 // RetroInferPolicy::attend's estimation zone (RetroInfer §4.2 eqs. 2-4) for
-// rows ranked with a RetroInferSelect: the clusters ranked within
-// retrieval_fraction + estimation_fraction that the row's selection does not
-// hold. value_sums: [candidates][head_dim], each candidate's summed values.
+// rows ranked with a RetroInferSelect: the best-ranked
+// fraction_count(estimation_fraction, m) of the row's m ranked candidates
+// that its selection does not hold (retroinfer_estimation_fill).
+// value_sums: [candidates][head_dim], each candidate's summed values.
 // The selection is what retroinfer_select wrote for the same rows, query and
 // RetroInferSelect (sorted ascending; read only).
 struct RetroInferEstimate {
@@ -188,7 +190,8 @@ std::size_t estimate_workspace_bytes(const SelectRows& rows);
 // The smallest max_selected the entry points accept: a selection covers at
 // most max(budget, one candidate) tokens, so it holds at most budget_tokens
 // candidates (tokens >= 1), or the whole row (max_row_candidates, plus
-// RetroInfer's sink) when the row fits the budget or the layer is dense.
+// RetroInfer's sink) when the row fits the budget, the layer is dense or
+// RetroInfer has no budget (0: its fraction counts candidates, not tokens).
 // select_capacity is that rule, inline so the facade sizes its arrays by it
 // (device_select_capacity in policy/device_select.hpp) without the CUDA library.
 inline std::uint32_t select_capacity(std::uint32_t max_row_candidates, std::uint32_t budget_candidates,

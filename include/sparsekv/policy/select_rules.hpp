@@ -8,9 +8,9 @@
 //  - StreamingWindow (StreamingLLM) and Dense: the sink pages and the recent
 //    window, positional (no summaries);
 //  - RetroInfer (Chen et al. 2025, §4.2): the centroid logit, the group-summed
-//    softmax rank, the steady zone and the retrieval count, and the
-//    estimation zone's fold (eqs. 2-4) that attend() and the estimate kernel
-//    share;
+//    softmax rank, the steady zone, the retrieval and estimation zones' fills,
+//    and the estimation zone's fold (eqs. 2-4) that attend() and the estimate
+//    kernel share;
 //  - the ranking key (descending score, ties to the lower index: top_k's
 //    order) and the greedy fills over the ranked list.
 //
@@ -201,7 +201,7 @@ struct SkipFill {
 };
 
 // RetroInfer: the first `limit` ranked, in order, stopping at the first that
-// does not fit (it and every lower-ranked one fall to the estimation zone).
+// does not fit (so what it takes is always a prefix of the rank).
 struct BreakFill {
   std::uint64_t used = 0;
   std::uint32_t budget = 0;
@@ -378,7 +378,18 @@ SPARSEKV_HOST_DEVICE inline std::uint32_t positional_candidate(PositionalZone z,
   return j < z.sinks ? j : z.window + (j - z.sinks);
 }
 
-// ---- RetroInfer: steady zone and retrieval count ---------------------------------
+// ---- RetroInfer: steady zone and retrieval zone ----------------------------------
+
+// RetroInfer's budget_tokens: 0 means the caller gave none (the paper's
+// fraction rule, no token cap); a budget covering a head's `tokens` selects
+// every partition (Dense).
+SPARSEKV_HOST_DEVICE inline bool retroinfer_covers(std::uint32_t budget, std::uint64_t tokens) {
+  return budget > 0 && budget >= tokens;
+}
+// The tokens the steady and retrieval zones may cover: the budget, or no cap.
+SPARSEKV_HOST_DEVICE inline std::uint32_t retroinfer_token_cap(std::uint32_t budget) {
+  return budget > 0 ? budget : std::numeric_limits<std::uint32_t>::max();
+}
 
 // The steady zone of one head: the newest recent partitions (newest first
 // while fewer than `window` tokens are covered), then the sink, all within
@@ -434,12 +445,24 @@ SPARSEKV_HOST_DEVICE inline float retroinfer_inverse_sum(double sum) {
 #endif
 }
 
+// The retrieval zone's fill over the m ranked candidates after a steady zone
+// of `steady_tokens`: with a budget, the best-ranked while they fit in what
+// the steady zone leaves (a caller's budget is spent, whatever the context);
+// without one (0), the top retrieval_fraction of them (the paper's 1.8%).
+SPARSEKV_HOST_DEVICE inline BreakFill retroinfer_retrieval_fill(std::uint32_t steady_tokens, std::uint32_t budget,
+                                                                float retrieval_fraction, std::uint32_t m) {
+  if (budget == 0) return {steady_tokens, retroinfer_token_cap(budget), fraction_count(retrieval_fraction, m)};
+  return {steady_tokens, budget, m};
+}
+
 // ---- RetroInfer: the estimation zone ---------------------------------------------
 
-// How many ranked candidates the retrieval and estimation zones span together.
-SPARSEKV_HOST_DEVICE inline std::uint32_t retroinfer_zone_count(float retrieval_fraction,
-                                                                 float estimation_fraction, std::uint64_t m) {
-  return fraction_count(static_cast<double>(retrieval_fraction) + static_cast<double>(estimation_fraction), m);
+// The estimation zone's fill over the ranked candidates the selection does not
+// hold: the best-ranked fraction_count(estimation_fraction, m) of them. The
+// retrieval zone is a prefix of the rank (BreakFill), so with r retrieved
+// these are the ranks [r, min(m, r + that)).
+SPARSEKV_HOST_DEVICE inline BreakFill retroinfer_estimation_fill(float estimation_fraction, std::uint32_t m) {
+  return {0, std::numeric_limits<std::uint32_t>::max(), fraction_count(estimation_fraction, m)};
 }
 
 // Eqs. 2-4: `weight` keys that share the centroid's score, folded into a q
