@@ -615,9 +615,9 @@ std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& c, AnyPolicy pol
   // A budget beyond the context still reserves its pages: size the per-head
   // directories for whichever is larger.
   config.max_context_tokens = std::max(max_tokens, need * config.page_tokens) + config.page_tokens;
-  // CPU tier: what every head can hold, plus a margin for the pages a policy
-  // re-indexing its partitions holds twice for a moment. The pool reserves
-  // host chunks as pages are taken, so the margin costs little.
+  // CPU tier: what every head can hold, plus the margin of 64 pages per head
+  // it always had (it was twice the context before). The pool reserves host
+  // chunks as pages are taken, so the margin costs little.
   constexpr std::uint32_t kCpuMarginPages = 64;
   config.cpu_tier_bytes = heads * (std::size_t{held} + kCpuMarginPages) * page;
   // GPU tier: each request's bucketed-LRU buffer of need x (1 +
