@@ -199,3 +199,36 @@ TEST_CASE("every policy with a budget covering the context equals Dense", "[.][m
   }
   WARN("largest logit difference of a covering-budget policy from Dense: " << overall);
 }
+
+// make_manager sizes the tiers from what a row needs (no model file: the
+// SmolLM2-135M shape by hand). A policy making the whole context mandatory
+// (Quest's dense layers, the dense policy) gets a GPU buffer of the context,
+// not min_buffer_ratio (5) times more; every policy and budget is admitted.
+TEST_CASE("make_manager sizes tiers from the policy's needs", "[model]") {
+  LlamaConfig c;
+  c.layers = 30;
+  c.hidden = 576;
+  c.ffn = 1536;
+  c.q_heads = 9;
+  c.kv_heads = 3;
+  c.head_dim = 64;
+  c.vocab = 49152;
+  constexpr std::uint32_t kMaxTokens = 1000;
+  const std::size_t heads = std::size_t{c.layers} * c.kv_heads;
+  const std::size_t context_pages = (kMaxTokens + 7) / 8;
+  for (const std::string& name : sparsekv::policy_names()) {
+    for (const std::uint32_t budget : {64u, 256u, 4096u}) {
+      INFO("policy " << name << " budget " << budget);
+      const auto manager = make_manager(c, sparsekv::make_policy(name, budget), kMaxTokens);
+      manager->add_request(1, kMaxTokens);
+      const std::size_t gpu = manager->buffer().gpu_pool().capacity(), cpu = manager->buffer().cpu_pool().capacity();
+      CHECK(cpu >= heads * context_pages);
+      if (name == "quest" || name == "dense") {
+        CHECK(gpu <= heads * (context_pages + 2));
+      }
+      if (name == "streaming" && budget == 64) {
+        CHECK(gpu == heads * (6 * (64 / 8) + 1));  // the 5x buffer and the tail: min_buffer_ratio untouched
+      }
+    }
+  }
+}

@@ -3,7 +3,12 @@
 // common-licenses). The first --prefill tokens are prefilled densely once;
 // the next --tokens tokens are teacher-forced through decode, for the model's
 // own dense KV cache (Dense) and for each policy and budget through sparsekv's
-// facade, all in lockstep (one row each, the weights read once per step).
+// facade. The model's forward over the prompt runs once; its K/V of every
+// layer are kept and replayed into each group of rows (by default one policy
+// with all its budgets; --rows-per-group N), whose rows decode in lockstep
+// (one row each, the weights read once per step). Groups run one after
+// another, so only one group's managers hold memory at a time; Dense runs
+// first and alone. A row's numbers do not depend on its group.
 // Reported per policy and budget: perplexity over the teacher-forced tokens,
 // its difference from Dense, top-1 agreement with Dense (the same argmax
 // next-token prediction), hit ratio and pages moved.
@@ -27,7 +32,10 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <stdexcept>
 #include <vector>
+
+#include <sys/resource.h>
 
 #include <fmt/format.h>
 
@@ -49,7 +57,7 @@ constexpr const char* kProgram = "sparsekv-eval-model";
 void usage() {
   std::fputs(
       "usage: sparsekv-eval-model [--model PATH] [--text FILE] [--prefill 2048] [--tokens 256]\n"
-      "                           [--policies LIST] [--budgets 256,512,1024] [--json]\n"
+      "                           [--policies LIST] [--budgets 256,512,1024] [--rows-per-group N] [--json]\n"
       "                           [--dump DIR [--dump-policy shadowkv] [--dump-budget 512] [--dump-layers all|LIST]]\n"
       "  --model PATH       default: ${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
       "  --text FILE        default: /usr/share/common-licenses/GPL-3 (needs prefill + tokens + 1 tokens)\n"
@@ -58,6 +66,8 @@ void usage() {
       "  --policies LIST    default: every built-in (dense, streaming, quest, shadowkv, retroinfer,\n"
       "                     retroinfer_no_estimation); dense ignores the budget and runs once\n"
       "  --budgets LIST     tokens per kv head and step\n"
+      "  --rows-per-group N runs decoded in lockstep, their managers alive together (default: one\n"
+      "                     policy, all its budgets, per group; 0: every run in one group)\n"
       "  --json             one JSON object on stdout\n"
       "  --dump DIR         write DIR/selections.trace and DIR/qkv/ for one policy and budget\n"
       "  --dump-layers      layers whose Q/K/V are written, as trace layers 0.. in this order (default all)\n",
@@ -130,14 +140,52 @@ class RecordingSession final : public SparseSession {
   sparsekv::SelectionTrace trace_;
 };
 
+// The prompt's post-RoPE K/V of every layer, recorded once during the
+// model's prefill and replayed into each group's managers.
+class PromptRecorder final : public AttentionBackend {
+ public:
+  explicit PromptRecorder(const LlamaConfig& config)
+      : row_(std::size_t{config.kv_heads} * config.head_dim), keys_(config.layers), values_(config.layers) {}
+
+  void prefill(std::uint32_t layer, const float* k, const float* v, std::uint32_t tokens) override {
+    keys_.at(layer).assign(k, k + tokens * row_);
+    values_.at(layer).assign(v, v + tokens * row_);
+  }
+  void decode(std::uint32_t, const float*, const float*, const float*, float*) override {
+    throw std::logic_error("PromptRecorder only records the prompt");
+  }
+  // Hands layer `layer`'s prompt K/V to `to`, as the model's prefill did.
+  void replay(std::uint32_t layer, AttentionBackend& to) const {
+    to.prefill(layer, keys_[layer].data(), values_[layer].data(), static_cast<std::uint32_t>(keys_[layer].size() / row_));
+  }
+
+ private:
+  std::size_t row_;
+  std::vector<std::vector<float>> keys_, values_;  // [layer][token][kv_heads][head_dim]
+};
+
+// One policy and budget. Its manager lives only while its group runs; what
+// the report needs is kept here.
 struct Row {
   std::string policy;
-  std::uint32_t budget = 0;  // 0: Dense / dense policy (everything)
-  std::unique_ptr<sparsekv::RuntimeManager> manager;
-  std::unique_ptr<AttentionBackend> backend;
+  std::uint32_t budget = 0;  // 0: the dense policy (everything)
+  bool record = false;       // the --dump run
   double log_likelihood = 0;
   std::size_t agree = 0;
+  sparsekv::ManagerStats stats;
 };
+
+// Rows [first, last) decoded in lockstep, their managers alive together.
+struct Group {
+  std::size_t first = 0, last = 0;
+  double replay_s = 0, decode_s = 0;
+};
+
+double max_rss_mb() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;  // Linux: kilobytes
+}
 
 }  // namespace
 
@@ -148,7 +196,7 @@ int main(int argc, char** argv) {
       parsed = std::make_unique<sparsekv::tools::CommandLine>(
           argc, argv,
           std::set<std::string>{"--model", "--text", "--prefill", "--tokens", "--policies", "--budgets", "--dump",
-                                "--dump-policy", "--dump-budget", "--dump-layers"},
+                                "--dump-policy", "--dump-budget", "--dump-layers", "--rows-per-group"},
           std::set<std::string>{"--json", "--help"});
     } catch (const std::exception& e) {
       throw sparsekv::model::UserError(fmt::format("{} (--help for usage)", e.what()));
@@ -162,6 +210,9 @@ int main(int argc, char** argv) {
     const auto tokens = args.number<std::uint32_t>("--tokens", 256);
     const auto dump_budget = args.number<std::uint32_t>("--dump-budget", 512);
     if (prefill == 0 || tokens == 0 || dump_budget == 0) throw sparsekv::model::UserError("--prefill, --tokens and --dump-budget must be > 0");
+    // Unset: one policy (all its budgets) per group; 0: every row in one group.
+    const bool by_policy = !args.has("--rows-per-group");
+    const auto rows_per_group = args.number<std::uint32_t>("--rows-per-group", 0);
     const std::vector<std::uint32_t> budgets = args.number_list("--budgets", "256,512,1024", 1);
     const std::vector<std::string> policies =
         args.has("--policies") ? args.list("--policies", "") : sparsekv::policy_names();
@@ -231,20 +282,13 @@ int main(int argc, char** argv) {
       writer = std::make_unique<sparsekv::QkvTraceWriter>(std::filesystem::path(dump_dir) / "qkv", header);
     }
 
-    // Rows: Dense first, then every (policy, budget).
+    // Rows: every (policy, budget); the Dense reference runs on its own, first.
     std::vector<Row> rows;
-    rows.push_back(Row{"Dense", 0, nullptr, std::make_unique<DenseCache>(c)});
-    RecordingSession* recorder = nullptr;
+    bool recorded = false;
     const auto add = [&](const std::string& name, std::uint32_t budget) {
       Row row{name, name == "dense" ? 0 : budget};
-      row.manager = make_manager(c, sparsekv::make_policy(name, budget), max_tokens);
-      row.manager->add_request(1, max_tokens);
-      if (writer && !recorder && name == dump_policy && (budget == dump_budget || name == "dense")) {
-        auto session = std::make_unique<RecordingSession>(*row.manager, 1, c, trace_layer, *writer);
-        recorder = session.get();
-        row.backend = std::move(session);
-      } else {
-        row.backend = std::make_unique<SparseSession>(*row.manager, 1);
+      if (writer && !recorded && name == dump_policy && (budget == dump_budget || name == "dense")) {
+        row.record = recorded = true;
       }
       rows.push_back(std::move(row));
     };
@@ -255,42 +299,112 @@ int main(int argc, char** argv) {
       }
       for (std::uint32_t b : budgets) add(p, b);
     }
-    if (writer && !recorder) add(dump_policy, dump_budget);
+    if (writer && !recorded) add(dump_policy, dump_budget);
 
-    std::vector<AttentionBackend*> backends;
-    for (Row& r : rows) backends.push_back(r.backend.get());
+    // Groups, run one after another: only one group's managers exist at a time.
+    std::vector<Group> groups;
+    for (std::size_t r = 0; r < rows.size();) {
+      std::size_t e = r + 1;
+      if (by_policy) {
+        while (e < rows.size() && rows[e].policy == rows[r].policy) ++e;
+      } else {
+        e = rows_per_group == 0 ? rows.size() : std::min(rows.size(), r + rows_per_group);
+      }
+      groups.push_back(Group{r, e});
+      r = e;
+    }
+
     const std::size_t V = c.vocab, R = rows.size();
-    std::vector<float> logits(R * V);
+    std::size_t widest = 1;
+    for (const Group& g : groups) widest = std::max(widest, g.last - g.first);
+    std::vector<float> logits(widest * V);
 
     if (!json) {
       fmt::print("{}: SmolLM2-135M-Instruct loaded in {:.1f} s ({} threads); {}: {} tokens\n", kProgram, load_s,
                  model.threads(), text_path, ids.size());
-      fmt::print("  prefill {} tokens, then {} tokens teacher-forced through decode; {} runs in lockstep\n", prefill,
-                 tokens, R);
+      fmt::print("  prefill {} tokens, then {} tokens teacher-forced through decode; Dense, then {} runs in {} groups\n",
+                 prefill, tokens, R, groups.size());
       std::fflush(stdout);
     }
+    // The model's forward over the prompt, once: Dense keeps its K/V, the
+    // recorder too, for every group's managers.
+    PromptRecorder prompt(c);
+    auto dense = std::make_unique<DenseCache>(c);
     const auto t_prefill = Clock::now();
-    model.prefill(std::span(ids.data(), prefill), backends, logits.data());
+    {
+      AttentionBackend* const sinks[] = {&prompt, dense.get()};
+      model.prefill(std::span(ids.data(), prefill), sinks, logits.data());
+    }
     const double prefill_s = since(t_prefill);
 
-    const auto t_decode = Clock::now();
-    std::vector<std::int32_t> step_tokens(R);
+    // Dense first: its per-step argmax (top-1 agreement) and log-likelihood.
+    const auto t_dense = Clock::now();
+    std::vector<std::uint32_t> dense_top(tokens);
+    double dense_log_likelihood = 0;
     for (std::uint32_t s = 0; s < tokens; ++s) {
-      std::fill(step_tokens.begin(), step_tokens.end(), ids[prefill + s]);
-      model.decode(step_tokens, prefill + s, backends, logits.data());
-      const auto target = static_cast<std::uint32_t>(ids[prefill + s + 1]);
-      const std::uint32_t dense_top = argmax(std::span(logits.data(), V));
-      for (std::size_t r = 0; r < R; ++r) {
-        const std::span<const float> row(logits.data() + r * V, V);
-        rows[r].log_likelihood += log_prob(row, target);
-        if (argmax(row) == dense_top) ++rows[r].agree;
+      const std::int32_t token = ids[prefill + s];
+      AttentionBackend* const one[] = {dense.get()};
+      model.decode(std::span(&token, 1), prefill + s, one, logits.data());
+      const std::span<const float> row(logits.data(), V);
+      dense_top[s] = argmax(row);
+      dense_log_likelihood += log_prob(row, static_cast<std::uint32_t>(ids[prefill + s + 1]));
+    }
+    dense.reset();
+    const double dense_decode_s = since(t_dense);
+
+    sparsekv::SelectionTrace recorded_trace;
+    double replay_s = 0, decode_s = 0;
+    for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+      Group& g = groups[gi];
+      const std::size_t n = g.last - g.first;
+      const auto t_replay = Clock::now();
+      std::vector<std::unique_ptr<sparsekv::RuntimeManager>> managers;
+      std::vector<std::unique_ptr<AttentionBackend>> sessions;
+      RecordingSession* recorder = nullptr;
+      for (std::size_t r = g.first; r < g.last; ++r) {
+        const Row& row = rows[r];
+        auto& manager = managers.emplace_back(
+            make_manager(c, sparsekv::make_policy(row.policy, row.policy == "dense" ? budgets.front() : row.budget), max_tokens));
+        manager->add_request(1, max_tokens);
+        if (row.record) {
+          auto session = std::make_unique<RecordingSession>(*manager, 1, c, trace_layer, *writer);
+          recorder = session.get();
+          sessions.push_back(std::move(session));
+        } else {
+          sessions.push_back(std::make_unique<SparseSession>(*manager, 1));
+        }
       }
-      if (!json && (s + 1) % 64 == 0) {
-        fmt::print("  step {}/{} ({:.1f} s)\n", s + 1, tokens, since(t_decode));
+      std::vector<AttentionBackend*> backends;
+      for (auto& session : sessions) backends.push_back(session.get());
+      for (std::uint32_t l = 0; l < c.layers; ++l) {
+        for (AttentionBackend* b : backends) prompt.replay(l, *b);
+      }
+      g.replay_s = since(t_replay);
+
+      const auto t_decode = Clock::now();
+      std::vector<std::int32_t> step_tokens(n);
+      for (std::uint32_t s = 0; s < tokens; ++s) {
+        std::fill(step_tokens.begin(), step_tokens.end(), ids[prefill + s]);
+        model.decode(step_tokens, prefill + s, backends, logits.data());
+        const auto target = static_cast<std::uint32_t>(ids[prefill + s + 1]);
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::span<const float> row(logits.data() + i * V, V);
+          rows[g.first + i].log_likelihood += log_prob(row, target);
+          if (argmax(row) == dense_top[s]) ++rows[g.first + i].agree;
+        }
+      }
+      g.decode_s = since(t_decode);
+      for (std::size_t i = 0; i < n; ++i) rows[g.first + i].stats = managers[i]->stats();
+      if (recorder) recorded_trace = std::move(recorder->trace());
+      replay_s += g.replay_s;
+      decode_s += g.decode_s;
+      if (!json) {
+        fmt::print("  group {}/{} ({} runs: {}): replay {:.1f} s, decode {:.1f} s; max RSS {:.0f} MB\n", gi + 1,
+                   groups.size(), n, rows[g.first].policy == rows[g.last - 1].policy ? rows[g.first].policy : "mixed",
+                   g.replay_s, g.decode_s, max_rss_mb());
         std::fflush(stdout);
       }
-    }
-    const double decode_s = since(t_decode);
+    }  // each group's managers are destroyed here, before the next group's
 
     double dump_s = 0;
     if (writer) {
@@ -301,24 +415,30 @@ int main(int argc, char** argv) {
       out << "# SmolLM2-135M-Instruct, " << std::filesystem::path(text_path).filename().string() << ", policy "
           << dump_policy << " budget " << dump_budget << ", " << prefill << "-token prefill, " << tokens
           << " teacher-forced steps; page_tokens 8\n";
-      sparsekv::write_selection_trace(out, recorder->trace());
+      sparsekv::write_selection_trace(out, recorded_trace);
       out.close();
       if (!out) throw sparsekv::model::UserError(fmt::format("cannot write '{}/selections.trace'", dump_dir));
       dump_s = since(t);
     }
 
-    const double dense_ppl = std::exp(-rows[0].log_likelihood / tokens);
+    const double total_s = since(t_load);
+    const double rss_mb = max_rss_mb();
+    const double dense_ppl = std::exp(-dense_log_likelihood / tokens);
     if (json) {
       fmt::print("{{\"model\": \"SmolLM2-135M-Instruct.Q4_1\", \"text\": \"{}\", \"prefill_tokens\": {}, \"eval_tokens\": {}, "
-                 "\"dense_perplexity\": {:.6f}, \"prefill_s\": {:.3f}, \"decode_s\": {:.3f}, \"results\": [",
-                 std::filesystem::path(text_path).filename().string(), prefill, tokens, dense_ppl, prefill_s, decode_s);
-      for (std::size_t r = 1; r < R; ++r) {
+                 "\"dense_perplexity\": {:.6f}, \"rows_per_group\": {}, \"groups\": {}, \"max_rss_mb\": {:.0f}, "
+                 "\"load_s\": {:.3f}, \"prefill_s\": {:.3f}, \"dense_decode_s\": {:.3f}, \"replay_s\": {:.3f}, "
+                 "\"decode_s\": {:.3f}, \"total_s\": {:.3f}, \"results\": [",
+                 std::filesystem::path(text_path).filename().string(), prefill, tokens, dense_ppl,
+                 by_policy ? std::string("\"policy\"") : fmt::format("{}", rows_per_group), groups.size(), rss_mb, load_s,
+                 prefill_s, dense_decode_s, replay_s, decode_s, total_s);
+      for (std::size_t r = 0; r < R; ++r) {
         const Row& row = rows[r];
         const double ppl = std::exp(-row.log_likelihood / tokens);
-        const auto& st = row.manager->stats();
+        const auto& st = row.stats;
         fmt::print("{}{{\"policy\": \"{}\", \"budget_tokens\": {}, \"perplexity\": {:.6f}, \"perplexity_delta\": {:.6f}, "
                    "\"top1_agreement\": {:.6f}, \"hit_ratio\": {:.6f}, \"pages_moved\": {}}}",
-                   r > 1 ? ", " : "", row.policy, row.budget, ppl, ppl - dense_ppl, double(row.agree) / tokens,
+                   r > 0 ? ", " : "", row.policy, row.budget, ppl, ppl - dense_ppl, double(row.agree) / tokens,
                    st.hit_ratio(), st.pages_moved);
       }
       fmt::print("]");
@@ -329,22 +449,23 @@ int main(int argc, char** argv) {
                  "delta %", "top-1", "hit ratio", "select");
       fmt::print("  {:<26} {:>7} {:>11.4f} {:>10} {:>9} {:>9} {:>10} {:>9}\n", "Dense (own KV cache)", "all", dense_ppl,
                  "-", "-", "-", "-", "-");
-      for (std::size_t r = 1; r < R; ++r) {
+      for (std::size_t r = 0; r < R; ++r) {
         const Row& row = rows[r];
         const double ppl = std::exp(-row.log_likelihood / tokens);
-        const auto& st = row.manager->stats();
+        const auto& st = row.stats;
         fmt::print("  {:<26} {:>7} {:>11.4f} {:>+10.4f} {:>+8.2f}% {:>8.1f}% {:>9.1f}% {:>7.0f}us\n", row.policy,
                    row.budget ? fmt::format("{}", row.budget) : std::string("all"), ppl, ppl - dense_ppl,
                    100 * (ppl / dense_ppl - 1), 100.0 * row.agree / tokens, 100 * st.hit_ratio(),
                    st.decode_steps ? 1e6 * st.select_s / st.decode_steps : 0.0);
       }
-      fmt::print("\n  timings: load {:.1f} s, prefill {:.1f} s ({:.0f} tokens/s), decode {:.1f} s ({:.2f} s per step for {} runs)",
-                 load_s, prefill_s, prefill / prefill_s, decode_s, decode_s / tokens, R);
+      fmt::print("\n  timings: load {:.1f} s, prefill {:.1f} s ({:.0f} tokens/s), Dense decode {:.1f} s, replay {:.1f} s, "
+                 "decode {:.1f} s ({} runs in {} groups)",
+                 load_s, prefill_s, prefill / prefill_s, dense_decode_s, replay_s, decode_s, R, groups.size());
       if (writer) fmt::print(", dump {:.1f} s", dump_s);
-      fmt::print("\n");
+      fmt::print("; total {:.1f} s, max RSS {:.0f} MB\n", total_s, rss_mb);
       if (writer) {
         fmt::print("  dump: {}/selections.trace ({} steps, {} layers x {} kv heads; sparsekv-cachesim --trace)\n", dump_dir,
-                   recorder->trace().steps(), c.layers, c.kv_heads);
+                   recorded_trace.steps(), c.layers, c.kv_heads);
         fmt::print("        {}/qkv/ (layers {}; sparsekv-accuracy --trace)\n", dump_dir, fmt::join(dump_layers, ","));
       }
     }

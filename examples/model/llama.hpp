@@ -90,9 +90,12 @@ class SparseSession : public AttentionBackend {
 };
 
 // A RuntimeManager sized for `requests` requests of up to `max_tokens` tokens
-// each of `config`'s shape (f32 K/V, host backend): the CPU tier holds every
-// token (twice, for clustered policies' padding), the GPU tier each request's
-// mandatory pages, the 5x buffer and its tails.
+// each of `config`'s shape (f32 K/V, host backend), tiers sized from what the
+// policy needs: the CPU tier every page a head can hold (the policy's
+// head_capacity, else the context's pages) plus a small margin; the GPU tier
+// each request's bucketed-LRU buffer (mandatory pages x (1 + min_buffer_ratio),
+// Spin's 5x) and its tail pages, but never more slots than a head can hold
+// (Quest's dense layers make the whole context mandatory).
 std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& config, AnyPolicy policy, std::uint32_t max_tokens,
                                              std::uint32_t requests = 1);
 
