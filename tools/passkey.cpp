@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
                      pk::answer_matches(specs[0].answers.back(), info.passkey) ? "found it" : "missed",
                      info.prefill_s, info.decode_s, info.wall_s);
           if (show) {
-            for (const RowSpec& s : specs) fmt::print("    {:<34} '{}'\n", s.label(), s.answers.back());
+            for (const RowSpec& s : specs) fmt::print("    {:<34} \"{}\"\n", s.label(), json_escape(s.answers.back()));
           }
           std::fflush(stdout);
         }
