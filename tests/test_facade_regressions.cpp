@@ -565,6 +565,10 @@ TEST_CASE("Review: a policy that cannot serve the configuration is refused at co
   o.tokens_per_cluster = 16;
   RuntimeManager fine(shape, c, AnyPolicy(RetroInferPolicy(o)));
   // Quest's 16-token pages over 32-token KV pages: refused by the constructor, not by every later call.
-  REQUIRE_SPARSEKV_ERROR(RuntimeManager(shape, small_config(shape, 32, 64), make_policy("quest", 512)),
+  QuestPolicy::Options quest;
+  quest.page_tokens_per_partition = 16;
+  REQUIRE_SPARSEKV_ERROR(RuntimeManager(shape, small_config(shape, 32, 64), AnyPolicy(QuestPolicy(quest))),
                          ErrorCode::invalid_argument);
+  // Its default page is the KV page, whatever its size.
+  RuntimeManager one_page(shape, small_config(shape, 32, 64), make_policy("quest", 512));
 }

@@ -159,7 +159,8 @@ TEST_CASE("Quest finds planted critical tokens", "[policy][quest]") {
   for (std::uint32_t h = 0; h < 2; ++h) {
     for (std::uint32_t t : planted[h]) kv.set(t, h, group_direction(ctx, q, h), 4.0f);
   }
-  const QuestPolicy quest({.budget_tokens = 64, .sink_tokens = 0, .recent_fraction = 0.0f});  // k = 4: the newest and the three planted
+  // k = 4: the newest and the three planted.
+  const QuestPolicy quest({.budget_tokens = 64, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run run(quest, ctx, kv);
   const Selection s = run.select(q);
   run.check(s, 64);
@@ -180,7 +181,7 @@ TEST_CASE("Quest always keeps the newest partition and handles decode pages", "[
   for (std::uint32_t t = 240; t < 256; ++t) {
     for (std::uint32_t h = 0; h < 2; ++h) kv.set(t, h, group_direction(ctx, q, h), -4.0f);
   }
-  const QuestPolicy quest({.budget_tokens = 32, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy quest({.budget_tokens = 32, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run run(quest, ctx, kv);
   Selection s = run.select(q);
   run.check(s, 32);
@@ -215,7 +216,7 @@ TEST_CASE("Quest sums the bounds of a group's q heads", "[policy][quest]") {
   Chunk kv(ctx, 256, 5);
   kv.set(3 * 16 + 2, 0, both, 1.0f);
   kv.set(8 * 16 + 9, 0, first, 1.0f);
-  const QuestPolicy quest({.budget_tokens = 32, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy quest({.budget_tokens = 32, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run run(quest, ctx, kv);
   CHECK(run.select(q).partitions[0] == std::vector<PartitionId>{3, 15});
 }
@@ -223,7 +224,7 @@ TEST_CASE("Quest sums the bounds of a group's q heads", "[policy][quest]") {
 TEST_CASE("Quest keeps the first layers dense", "[policy][quest]") {
   const Vec q = random_query(context(), 5);
   const Chunk kv(context(), 512, 4);
-  const QuestPolicy quest({.budget_tokens = 32, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy quest({.budget_tokens = 32, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   for (std::uint32_t layer : {0u, 1u}) {
     Run run(quest, context(layer), kv);
     const Selection s = run.select(q);
@@ -235,7 +236,8 @@ TEST_CASE("Quest keeps the first layers dense", "[policy][quest]") {
   CHECK(quest.mandatory_pages(sparse.ctx) == 32 / 8);
   for (const auto& chosen : sparse.select(q).partitions) CHECK(chosen.size() == 2);
 
-  const QuestPolicy all_sparse({.budget_tokens = 32, .dense_layers = 0, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy all_sparse(
+      {.budget_tokens = 32, .page_tokens_per_partition = 16, .dense_layers = 0, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run layer0(all_sparse, context(0), kv);
   for (const auto& chosen : layer0.select(q).partitions) CHECK(chosen.size() == 2);
 }
@@ -253,7 +255,7 @@ TEST_CASE("Quest keeps the attention sink and a recent window before ranking", "
     for (std::uint32_t t = 0; t < 512; ++t) kv.set(t, h, group_direction(ctx, q, h), -2.0f, true);
     kv.set(200, h, group_direction(ctx, q, h), 6.0f);
   }
-  const QuestPolicy quest({.budget_tokens = 128});
+  const QuestPolicy quest({.budget_tokens = 128, .page_tokens_per_partition = 16});
   CHECK(quest.window_tokens() == 32);
   Run run(quest, ctx, kv);
   const Selection s = run.select(q);
@@ -264,7 +266,7 @@ TEST_CASE("Quest keeps the attention sink and a recent window before ranking", "
   }
   // The paper's rule on the same keys: the sink and the window are dropped
   // for partitions ranked by bound.
-  const QuestPolicy paper({.budget_tokens = 128, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy paper({.budget_tokens = 128, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run plain(paper, ctx, kv);
   const Selection p = plain.select(q);
   for (const auto& chosen : p.partitions) {
@@ -279,7 +281,8 @@ TEST_CASE("Quest finds the needle the oracle finds, with a heavy attention sink"
   // group's queries all favour) and one needle token the query looks for.
   // The oracle (dense attention mass) selects the needle's page and the
   // sink's; Quest must select both within the same budget, with the defaults
-  // and with the paper's rule.
+  // (one KV page per Quest page, sink and window) and with the paper's rule
+  // (16-token pages, neither).
   const LayerContext ctx = context();
   const std::uint32_t tokens = 2048, needle = 1337, budget = 128;
   const Vec q = random_query(ctx, 21);
@@ -297,12 +300,13 @@ TEST_CASE("Quest finds the needle the oracle finds, with a heavy attention sink"
     REQUIRE(has(chosen, 0));
   }
   for (const QuestPolicy& quest :
-       {QuestPolicy({.budget_tokens = budget}), QuestPolicy({.budget_tokens = budget, .sink_tokens = 0, .recent_fraction = 0.0f})}) {
+       {QuestPolicy({.budget_tokens = budget}),
+        QuestPolicy({.budget_tokens = budget, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f})}) {
     Run run(quest, ctx, kv);
     const Selection got = run.select(q);
     run.check(got, budget);
     for (const auto& chosen : got.partitions) {
-      CHECK(has(chosen, needle / 16));  // Quest's are 16-token pages
+      CHECK(has(chosen, needle / quest.partition_tokens(ctx)));
       CHECK(has(chosen, 0));
     }
   }
@@ -311,7 +315,7 @@ TEST_CASE("Quest finds the needle the oracle finds, with a heavy attention sink"
 TEST_CASE("Quest respects its budget", "[policy][quest]") {
   const LayerContext ctx = context();
   const std::uint32_t budget = GENERATE(8u, 16u, 24u, 40u, 64u, 100u, 200u);
-  const QuestPolicy quest({.budget_tokens = budget});
+  const QuestPolicy quest({.budget_tokens = budget, .page_tokens_per_partition = 16});
   Chunk kv(ctx, 100, 6);  // six 16-token partitions and a 4-token one
   const Vec q0 = random_query(ctx, 1);
   for (std::uint32_t h = 0; h < 2; ++h) kv.set(98, h, group_direction(ctx, q0, h), 4.0f);  // the short one scores high
@@ -332,8 +336,7 @@ TEST_CASE("Quest respects its budget", "[policy][quest]") {
 }
 
 TEST_CASE("Quest rejects bad input", "[policy][quest]") {
-  REQUIRE_SPARSEKV_ERROR(QuestPolicy({.budget_tokens = 0}), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(QuestPolicy({.page_tokens_per_partition = 0}), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(QuestPolicy({.budget_tokens = 0, .page_tokens_per_partition = 16}), ErrorCode::invalid_argument);
   for (const float bad_fraction : {-0.1f, 1.5f, std::nanf("")}) {
     REQUIRE_SPARSEKV_ERROR(QuestPolicy({.recent_fraction = bad_fraction}), ErrorCode::invalid_argument);
   }
@@ -370,8 +373,8 @@ TEST_CASE("Quest rejects bad input", "[policy][quest]") {
   const Chunk half(ctx, 4, 2), page(ctx, 8, 3);
   REQUIRE_SPARSEKV_ERROR(quest.append(ctx, AppendedPage{half.view(), {4, 4}}, state), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(quest.append(ctx, AppendedPage{page.view(), {4}}, state), ErrorCode::invalid_argument);
-  CHECK(state.tokens.size() == 4);  // unchanged
-  CHECK(state.min[0].size() == 4 * 16);
+  CHECK(state.tokens.size() == 8);  // unchanged: 64 tokens in 8-token Quest pages
+  CHECK(state.min[0].size() == 8 * 16);
 }
 
 // ---- ShadowKV ---------------------------------------------------------------
@@ -582,7 +585,7 @@ TEST_CASE("A budget covering the context makes Quest and ShadowKV select what De
   const LayerContext ctx = context();
   const Chunk kv(ctx, 300, 12, true);
   const DensePolicy dense;
-  const QuestPolicy quest({.budget_tokens = 300 + 3 * 8});
+  const QuestPolicy quest({.budget_tokens = 300 + 3 * 8, .page_tokens_per_partition = 16});
   const ShadowKVPolicy shadow({.budget_tokens = 300 + 3 * 8});
   Run d(dense, ctx, kv);
   Run qr(quest, ctx, kv);

@@ -64,7 +64,7 @@ void usage() {
       "  --prefill N        tokens prefilled densely (the context the policies select from)\n"
       "  --tokens N         tokens teacher-forced through decode and scored\n"
       "  --policies LIST    default: every built-in (dense, streaming, quest, shadowkv, retroinfer,\n"
-      "                     retroinfer_no_estimation); dense ignores the budget and runs once\n"
+      "                     retroinfer_no_estimation, oracle); dense ignores the budget and runs once\n"
       "  --budgets LIST     tokens per kv head and step\n"
       "  --rows-per-group N runs decoded in lockstep, their managers alive together (default: one\n"
       "                     policy, all its budgets, per group; 0: every run in one group)\n"

@@ -48,7 +48,7 @@ void usage() {
       "  --depths LIST       where the needle sits, % of the filler (0..100)\n"
       "  --trials N          prompts per depth, each with its own number (from --seed)\n"
       "  --policies LIST     default: every built-in (dense, streaming, quest, shadowkv, retroinfer,\n"
-      "                      retroinfer_no_estimation); dense ignores the budget and runs once.\n"
+      "                      retroinfer_no_estimation, oracle); dense ignores the budget and runs once.\n"
       "                      Dense (the model's own KV cache) always runs, as row 0\n"
       "  --budgets LIST      tokens per kv head and step\n"
       "  --answer-tokens N   tokens decoded greedily per row\n"

@@ -69,7 +69,7 @@ DeviceSelectSpec device_select(const P&, const LayerContext&) {
 // coarser page_tokens_per_partition keeps it on the host-tensor API.
 inline DeviceSelectSpec device_select(const QuestPolicy& p, const LayerContext& ctx) {
   DeviceSelectSpec s;
-  if (p.options().page_tokens_per_partition != ctx.page_tokens) return s;
+  if (p.partition_tokens(ctx) != ctx.page_tokens) return s;
   s.kind = DeviceSelectSpec::Kind::quest;
   s.budget_tokens = p.options().budget_tokens;
   s.partition_tokens = ctx.page_tokens;

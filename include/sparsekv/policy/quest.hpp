@@ -10,8 +10,9 @@
 // (select_cuda.hpp) selects the same partitions on the GPU.
 //
 // Choices (docs/policies/quest.md):
-//  - A partition is one Quest page of `page_tokens_per_partition` tokens
-//    (paper: 16), a whole number of KV pages; the last prefill partition may be
+//  - A partition is one Quest page: by default one KV page (the paper's page
+//    is its KV cache's page, 16 tokens there), or `page_tokens_per_partition`
+//    tokens, a whole number of KV pages; the last prefill partition may be
 //    short. The library appends each full decode page as its own one-page
 //    partition, so decode pages get their own min/max instead of widening the
 //    bounds of a 16-token Quest page.
@@ -53,10 +54,10 @@ class QuestPolicy {
  public:
   struct Options {
     std::uint32_t budget_tokens = 2048;            // per kv head per step, newest partition included
-    std::uint32_t page_tokens_per_partition = 16;  // Quest's page; a multiple of ctx.page_tokens
+    std::uint32_t page_tokens_per_partition = 0;   // Quest's page; 0: one KV page, else a multiple of it
     std::uint32_t dense_layers = 2;                // Quest keeps the first two layers dense
     std::uint32_t sink_tokens = 4;                 // StreamingLLM's 4 attention sinks (0: none, as the paper)
-    float recent_fraction = 0.25f;                 // of the budget, the recent window (0: the newest partition only)
+    float recent_fraction = 0.25f;                  // of the budget, the recent window (0: the newest partition only)
   };
   struct LayerState {
     std::uint32_t head_dim = 0;
@@ -70,15 +71,16 @@ class QuestPolicy {
   QuestPolicy() : QuestPolicy(Options{}) {}  // not `= {}`: GCC rejects nested defaults there
   explicit QuestPolicy(const Options& options) : options_(options) {
     if (options.budget_tokens == 0) fail(ErrorCode::invalid_argument, "quest: budget_tokens must be > 0");
-    if (options.page_tokens_per_partition == 0) {
-      fail(ErrorCode::invalid_argument, "quest: page_tokens_per_partition must be > 0");
-    }
     if (!(options.recent_fraction >= 0.0f && options.recent_fraction <= 1.0f)) {
       fail(ErrorCode::invalid_argument, "quest: recent_fraction {} is not in [0, 1]", options.recent_fraction);
     }
   }
 
   const Options& options() const noexcept { return options_; }
+  // Tokens per Quest page with `ctx`'s KV pages.
+  std::uint32_t partition_tokens(const LayerContext& ctx) const noexcept {
+    return options_.page_tokens_per_partition != 0 ? options_.page_tokens_per_partition : ctx.page_tokens;
+  }
   // The recent window beyond the newest partition, in tokens.
   std::uint32_t window_tokens() const noexcept {
     return static_cast<std::uint32_t>(static_cast<double>(options_.budget_tokens) * options_.recent_fraction);
@@ -87,7 +89,7 @@ class QuestPolicy {
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
     check_kv(ctx, kv);
     return {index_uniform_partitions(
-        ctx, kv, options_.page_tokens_per_partition, state,
+        ctx, kv, partition_tokens(ctx), state,
         [&](LayerState& s) {
           s.min.resize(ctx.kv_heads);
           s.max.resize(ctx.kv_heads);
@@ -153,14 +155,14 @@ class QuestPolicy {
     const std::uint64_t pt = ctx.page_tokens;
     const std::uint64_t context = (std::uint64_t{ctx.tokens} + pt - 1) / pt + 1;
     if (ctx.layer < options_.dense_layers) return static_cast<std::uint32_t>(context);
-    const std::uint64_t most = std::max(options_.budget_tokens, options_.page_tokens_per_partition);
+    const std::uint64_t most = std::max(options_.budget_tokens, partition_tokens(ctx));
     return static_cast<std::uint32_t>(std::min(context, (most + pt - 1) / pt));
   }
 
  private:
   void check_context(const LayerContext& ctx) const {
     check_layer_context(kName, ctx);
-    if (options_.page_tokens_per_partition % ctx.page_tokens != 0) {
+    if (partition_tokens(ctx) % ctx.page_tokens != 0) {
       fail(ErrorCode::invalid_argument, "quest: page_tokens_per_partition {} is not a multiple of the {}-token page",
            options_.page_tokens_per_partition, ctx.page_tokens);
     }
