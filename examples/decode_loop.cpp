@@ -40,8 +40,8 @@ void usage() {
   std::fputs(
       "usage: decode_loop [--context 8192] [--batch 4] [--policy shadowkv] [--budget 2048] [--steps 64] [--json]\n"
       "                   [--layers 4] [--q-heads 32] [--kv-heads 8] [--head-dim 128] [--seed 1]\n"
-      "                   [--page-tokens N]   (default: 16 for quest -- one-page partitions, which its device\n"
-      "                                        Select needs -- else 8)\n"
+      "                   [--page-tokens N]   (default: 16 for quest -- the paper's Quest page, one KV page\n"
+      "                                        per Quest page -- else 8)\n"
       "                   [--backend host|cuda]   (default: cuda -- device tensors on a stream -- when built with\n"
       "                                            it, a GPU is present and the policy has a device Select)\n"
       "  --policy takes a comma-separated list (quest,shadowkv): one run per policy.\n"

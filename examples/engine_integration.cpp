@@ -244,8 +244,8 @@ bool device_loop(sparsekv::RuntimeManager& kv, const sparsekv::Config& config, s
 int run(int argc, char** argv) {
   const sparsekv::tools::CommandLine args(argc, argv, {"--backend"}, {});
   sparsekv::Config config;  // paper defaults: 64 LRU buckets, 5x buffering
-  // 16-token pages: Quest's page (Tang et al. 2024) as one partition each,
-  // which Quest's device Select needs (policy/device_select.hpp).
+  // 16-token pages: Quest's page (Tang et al. 2024), one KV page per Quest
+  // page (its default), as its device Select needs (policy/device_select.hpp).
   config.page_tokens = 16;
   config.max_requests = 8;
   config.max_context_tokens = 8192;

@@ -334,17 +334,33 @@ TEST_CASE("retroinfer respects its token budget and mandatory pages", "[retroinf
   CHECK(defaults.mandatory_pages(long_context) <= defaults.head_capacity(long_context).cpu_pages);
 }
 
+// 6000 random tokens over 2 kv heads (4 q heads, 32 dims, 16-token pages) and
+// one query: some 370 clusters per head in 2048-token segments.
+struct SixThousand {
+  static constexpr std::uint32_t n = 6000, kv_heads = 2, q_heads = 4, dim = 32, page = 16;
+  std::vector<float> q;
+  Kv kv;
+  LayerContext ctx;
+  explicit SixThousand(std::uint32_t seed) : kv(make(seed, q)), ctx(context(q_heads, kv_heads, dim, page, n)) {}
+
+ private:
+  static Kv make(std::uint32_t seed, std::vector<float>& q) {
+    std::mt19937 rng(seed);
+    Kv kv = random_kv(n, kv_heads, dim, rng);
+    std::normal_distribution<float> normal;
+    q.resize(std::size_t{q_heads} * dim);
+    for (float& x : q) x = normal(rng);
+    return kv;
+  }
+};
+
 TEST_CASE("RetroInfer's selection grows with the budget", "[retroinfer]") {
   // 6000 tokens in three segments, about 370 clusters per kv head: the
   // paper's 1.8% of them (7 clusters, some 110 tokens, with the 68-token
   // steady zone under 200) would leave every budget from 256 up unspent.
-  std::mt19937 rng(23);
-  constexpr std::uint32_t n = 6000, kv_heads = 2, q_heads = 4, dim = 32, page = 16;
-  const Kv kv = random_kv(n, kv_heads, dim, rng);
-  std::normal_distribution<float> normal;
-  std::vector<float> q(std::size_t{q_heads} * dim);
-  for (float& x : q) x = normal(rng);
-  const LayerContext ctx = context(q_heads, kv_heads, dim, page, n);
+  const SixThousand six(23);
+  const auto& [q, kv, ctx] = six;
+  constexpr std::uint32_t n = SixThousand::n, kv_heads = SixThousand::kv_heads;
   std::vector<std::uint32_t> previous(kv_heads, 0);
   for (const std::uint32_t budget : {128u, 256u, 512u, 1024u, 2048u, n}) {
     CAPTURE(budget);
@@ -377,17 +393,13 @@ TEST_CASE("RetroInfer's selection grows with the budget", "[retroinfer]") {
 }
 
 TEST_CASE("RetroInfer without a budget retrieves the paper's fraction of the clusters", "[retroinfer]") {
-  std::mt19937 rng(29);
-  constexpr std::uint32_t n = 6000, kv_heads = 2, q_heads = 4, dim = 32, page = 16;
-  const Kv kv = random_kv(n, kv_heads, dim, rng);
-  std::normal_distribution<float> normal;
-  std::vector<float> q(std::size_t{q_heads} * dim);
-  for (float& x : q) x = normal(rng);
+  const SixThousand six(29);
+  const auto& [q, kv, ctx] = six;
+  constexpr std::uint32_t n = SixThousand::n, kv_heads = SixThousand::kv_heads;
   RetroInferPolicy::Options options;
   REQUIRE(options.budget_tokens == 0);  // the default: no budget given
   options.segment_tokens = 2048;
   const RetroInferPolicy policy(options);
-  const LayerContext ctx = context(q_heads, kv_heads, dim, page, n);
   RetroInferPolicy::LayerState state;
   const Layout layout(policy.index(ctx, kv.view(0, n), state));
   Selection selection;
