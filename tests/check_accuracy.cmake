@@ -1,10 +1,12 @@
 cmake_minimum_required(VERSION 3.25)
 # Runs sparsekv-accuracy on a small synthetic Q/K/V trace, written to a
 # directory and evaluated again with --trace, and checks the documented JSON
-# (keys policy, budget_tokens, rel_error, mass_recall for the six built-in
-# policies at every budget) and the issue's Must-show orderings at each budget:
+# (keys policy, budget_tokens, rel_error, mass_recall for the seven built-in
+# policies at every budget) and the issues' Must-show orderings at each budget:
 #   retroinfer < retroinfer_no_estimation (the estimation zone lowers the error)
 #   quest, shadowkv, retroinfer < streaming (at equal budget)
+#   oracle's mass recall >= the other page selections of the budget's size
+#   (streaming, shadowkv), and its per-layer list has one row per layer
 # plus dense == exact and bad arguments failing with a message.
 set(trace ${WORK_DIR}/accuracy-trace)
 set(budgets 128 256 512)
@@ -27,10 +29,10 @@ if(NOT json STREQUAL json_synthetic)
   message(FATAL_ERROR "the written trace evaluates differently:\n${json_synthetic}\nvs\n${json}")
 endif()
 
-set(policies dense streaming quest shadowkv retroinfer retroinfer_no_estimation)
+set(policies dense streaming quest shadowkv retroinfer retroinfer_no_estimation oracle)
 string(JSON count LENGTH "${json}")
-if(NOT count EQUAL 18)
-  message(FATAL_ERROR "expected 18 rows (6 policies x 3 budgets), got ${count}:\n${json}")
+if(NOT count EQUAL 21)
+  message(FATAL_ERROR "expected 21 rows (7 policies x 3 budgets), got ${count}:\n${json}")
 endif()
 math(EXPR last "${count} - 1")
 foreach(i RANGE ${last})
@@ -48,6 +50,10 @@ foreach(i RANGE ${last})
   if(err LESS 0 OR recall LESS 0 OR recall GREATER 1)
     message(FATAL_ERROR "row ${i} out of range: rel_error ${err}, mass_recall ${recall}")
   endif()
+  string(JSON layers LENGTH "${json}" ${i} mass_recall_by_layer_head)
+  if(NOT layers EQUAL 4)
+    message(FATAL_ERROR "row ${i}: mass_recall_by_layer_head has ${layers} layers, not 4")
+  endif()
   set(error_${policy}_${budget} ${err})
   set(recall_${policy}_${budget} ${recall})
 endforeach()
@@ -61,6 +67,11 @@ foreach(b IN LISTS budgets)
     message(FATAL_ERROR "budget ${b}: retroinfer rel_error ${error_retroinfer_${b}} is not below "
                         "retroinfer_no_estimation ${error_retroinfer_no_estimation_${b}}")
   endif()
+  foreach(p streaming shadowkv)
+    if(recall_oracle_${b} LESS recall_${p}_${b})
+      message(FATAL_ERROR "budget ${b}: oracle mass_recall ${recall_oracle_${b}} is below ${p} ${recall_${p}_${b}}")
+    endif()
+  endforeach()
   foreach(p quest shadowkv retroinfer)
     if(NOT error_${p}_${b} LESS error_streaming_${b})
       message(FATAL_ERROR "budget ${b}: ${p} rel_error ${error_${p}_${b}} is not below streaming "

@@ -46,7 +46,7 @@ inline std::string device_select_refusal(const AnyPolicy& policy, const ModelSha
                            config.max_context_tokens};
     if (device_select(policy, ctx).kind == DeviceSelectSpec::Kind::none) {
       return fmt::format("policy {} has no device Select at {}-token pages (layer {}; policy/device_select.hpp: "
-                         "Quest with one-page partitions, ShadowKV, StreamingWindow, Dense, RetroInfer)",
+                         "Quest with one-page partitions, ShadowKV, StreamingWindow, Dense, RetroInfer; not the oracle)",
                          policy.name(), config.page_tokens, l);
     }
   }
