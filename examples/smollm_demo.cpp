@@ -75,18 +75,12 @@ int main(int argc, char** argv) {
       throw sparsekv::model::UserError("--prompt-tokens, --new-tokens and --budget must be > 0");
     }
     const std::string policy_name = args.text("--policy", "shadowkv");
-    const std::string model_path = args.text("--model", sparsekv::model::default_model_path().string());
     const std::string text_path = args.text("--text", "/usr/share/common-licenses/GPL-3");
 
     // Everything the user can get wrong is checked before the model loads.
     sparsekv::AnyPolicy policy = sparsekv::make_policy(policy_name, budget);
-    {
-      std::error_code ec;
-      if (!std::filesystem::is_regular_file(model_path, ec)) {
-        throw sparsekv::model::UserError(fmt::format("model file '{}' not found (run scripts/setup, set SPARSEKV_MODEL_DIR, or pass --model)",
-                                    model_path));
-      }
-    }
+    const std::string model_path =
+        sparsekv::model::existing_model_path(args.text("--model", sparsekv::model::default_model_path().string()));
     const std::string text = sparsekv::model::read_text_file(text_path);
 
     const auto t_load = Clock::now();

@@ -225,15 +225,9 @@ int main(int argc, char** argv) {
     if (!dump_dir.empty()) {
       sparsekv::make_policy(dump_policy, dump_budget);
     }
-    const std::string model_path = args.text("--model", sparsekv::model::default_model_path().string());
+    const std::string model_path =
+        sparsekv::model::existing_model_path(args.text("--model", sparsekv::model::default_model_path().string()));
     const std::string text_path = args.text("--text", "/usr/share/common-licenses/GPL-3");
-    {
-      std::error_code ec;
-      if (!std::filesystem::is_regular_file(model_path, ec)) {
-        throw sparsekv::model::UserError(fmt::format("model file '{}' not found (run scripts/setup, set SPARSEKV_MODEL_DIR, or pass --model)",
-                                    model_path));
-      }
-    }
     const std::string text = sparsekv::model::read_text_file(text_path);
 
     const auto t_load = Clock::now();

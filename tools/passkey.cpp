@@ -179,14 +179,7 @@ int main(int argc, char** argv) {
       }
     }
     const bool json = args.has("--json"), show = args.has("--show");
-    const std::string model_path = args.text("--model", default_model_path().string());
-    {
-      std::error_code ec;
-      if (!std::filesystem::is_regular_file(model_path, ec)) {
-        throw UserError(fmt::format("model file '{}' not found (run scripts/setup, set SPARSEKV_MODEL_DIR, or pass --model)",
-                                    model_path));
-      }
-    }
+    const std::string model_path = existing_model_path(args.text("--model", default_model_path().string()));
 
     std::vector<RowSpec> specs;
     specs.push_back(RowSpec{"Dense", 0});

@@ -1,6 +1,6 @@
 #pragma once
 // Where the SmolLM2 file and the evaluation texts come from, shared by
-// smollm-demo and sparsekv-eval-model. Failures the user can fix throw
+// smollm-demo, sparsekv-eval-model and sparsekv-passkey. Failures the user can fix throw
 // UserError: the programs print its message on one line and exit 2.
 #include <cstdlib>
 #include <filesystem>
@@ -24,6 +24,16 @@ inline std::filesystem::path default_model_path() {
   const std::filesystem::path base =
       dir && *dir ? std::filesystem::path(dir) : std::filesystem::path(home ? home : ".") / ".cache/sparsekv/models";
   return base / "SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+// `path` if it names a regular file; else UserError saying how to get the model.
+inline std::string existing_model_path(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    throw UserError(
+        fmt::format("model file '{}' not found (run scripts/setup, set SPARSEKV_MODEL_DIR, or pass --model)", path));
+  }
+  return path;
 }
 
 // The whole file; refuses directories, unreadable files and blank text.
