@@ -55,15 +55,9 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 
 int main(int argc, char** argv) {
   try {
-    std::unique_ptr<sparsekv::tools::CommandLine> parsed;
-    try {
-      parsed = std::make_unique<sparsekv::tools::CommandLine>(
-          argc, argv, std::set<std::string>{"--model", "--text", "--prompt-tokens", "--new-tokens", "--policy", "--budget"},
-          std::set<std::string>{"--help"});
-    } catch (const std::exception& e) {
-      throw sparsekv::model::UserError(fmt::format("{} (--help for usage)", e.what()));
-    }
-    const auto& args = *parsed;
+    const auto args = sparsekv::tools::parse_command_line<sparsekv::model::UserError>(
+        argc, argv, std::set<std::string>{"--model", "--text", "--prompt-tokens", "--new-tokens", "--policy", "--budget"},
+        std::set<std::string>{"--help"});
     if (args.has("--help")) {
       usage();
       return 0;

@@ -343,6 +343,25 @@ struct SixThousand {
   LayerContext ctx;
   explicit SixThousand(std::uint32_t seed) : kv(make(seed, q)), ctx(context(q_heads, kv_heads, dim, page, n)) {}
 
+  // Indexes the tokens in 2048-token segments with a budget of `budget`
+  // tokens (0: none) into `state`, then selects for the query.
+  struct Run {
+    RetroInferPolicy::LayerState state;
+    Layout layout;
+    Selection selection;
+  };
+  Run run(std::uint32_t budget) const {
+    RetroInferPolicy::Options options;
+    options.budget_tokens = budget;
+    options.segment_tokens = 2048;
+    const RetroInferPolicy policy(options);
+    RetroInferPolicy::LayerState state;
+    Run r{{}, Layout(policy.index(ctx, kv.view(0, n), state)), {}};
+    policy.select(ctx, DecodeQuery{q, n}, state, r.selection);
+    r.state = std::move(state);
+    return r;
+  }
+
  private:
   static Kv make(std::uint32_t seed, std::vector<float>& q) {
     std::mt19937 rng(seed);
@@ -359,19 +378,11 @@ TEST_CASE("RetroInfer's selection grows with the budget", "[retroinfer]") {
   // paper's 1.8% of them (7 clusters, some 110 tokens, with the 68-token
   // steady zone under 200) would leave every budget from 256 up unspent.
   const SixThousand six(23);
-  const auto& [q, kv, ctx] = six;
   constexpr std::uint32_t n = SixThousand::n, kv_heads = SixThousand::kv_heads;
   std::vector<std::uint32_t> previous(kv_heads, 0);
   for (const std::uint32_t budget : {128u, 256u, 512u, 1024u, 2048u, n}) {
     CAPTURE(budget);
-    RetroInferPolicy::Options options;
-    options.budget_tokens = budget;
-    options.segment_tokens = 2048;
-    const RetroInferPolicy policy(options);
-    RetroInferPolicy::LayerState state;
-    const Layout layout(policy.index(ctx, kv.view(0, n), state));
-    Selection selection;
-    policy.select(ctx, DecodeQuery{q, n}, state, selection);
+    const auto [state, layout, selection] = six.run(budget);
     for (std::uint32_t h = 0; h < kv_heads; ++h) {
       const RetroInferPolicy::HeadState& head = state.heads[h];
       std::uint32_t largest = 0;  // the largest ranked partition: a cluster or a recent page
@@ -393,17 +404,10 @@ TEST_CASE("RetroInfer's selection grows with the budget", "[retroinfer]") {
 }
 
 TEST_CASE("RetroInfer without a budget retrieves the paper's fraction of the clusters", "[retroinfer]") {
+  REQUIRE(RetroInferPolicy::Options{}.budget_tokens == 0);  // the default: no budget given
   const SixThousand six(29);
-  const auto& [q, kv, ctx] = six;
   constexpr std::uint32_t n = SixThousand::n, kv_heads = SixThousand::kv_heads;
-  RetroInferPolicy::Options options;
-  REQUIRE(options.budget_tokens == 0);  // the default: no budget given
-  options.segment_tokens = 2048;
-  const RetroInferPolicy policy(options);
-  RetroInferPolicy::LayerState state;
-  const Layout layout(policy.index(ctx, kv.view(0, n), state));
-  Selection selection;
-  policy.select(ctx, DecodeQuery{q, n}, state, selection);
+  const auto [state, layout, selection] = six.run(0);
   for (std::uint32_t h = 0; h < kv_heads; ++h) {
     const RetroInferPolicy::HeadState& head = state.heads[h];
     const auto clusters = static_cast<std::uint32_t>(head.clusters.size());

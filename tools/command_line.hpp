@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -84,5 +85,16 @@ class CommandLine {
   std::map<std::string, std::string> values_;
   std::set<std::string> switches_;
 };
+
+// The command line of a program whose bad flags are the user's to fix:
+// CommandLine's error rethrown as Error (one line, with a pointer to --help).
+template <class Error>
+CommandLine parse_command_line(int argc, char** argv, std::set<std::string> flags, std::set<std::string> switches) {
+  try {
+    return CommandLine(argc, argv, std::move(flags), std::move(switches));
+  } catch (const std::invalid_argument& e) {
+    throw Error(fmt::format("{} (--help for usage)", e.what()));
+  }
+}
 
 }  // namespace sparsekv::tools

@@ -191,17 +191,11 @@ double max_rss_mb() {
 
 int main(int argc, char** argv) {
   try {
-    std::unique_ptr<sparsekv::tools::CommandLine> parsed;
-    try {
-      parsed = std::make_unique<sparsekv::tools::CommandLine>(
-          argc, argv,
-          std::set<std::string>{"--model", "--text", "--prefill", "--tokens", "--policies", "--budgets", "--dump",
-                                "--dump-policy", "--dump-budget", "--dump-layers", "--rows-per-group"},
-          std::set<std::string>{"--json", "--help"});
-    } catch (const std::exception& e) {
-      throw sparsekv::model::UserError(fmt::format("{} (--help for usage)", e.what()));
-    }
-    const auto& args = *parsed;
+    const auto args = sparsekv::tools::parse_command_line<sparsekv::model::UserError>(
+        argc, argv,
+        std::set<std::string>{"--model", "--text", "--prefill", "--tokens", "--policies", "--budgets", "--dump",
+                              "--dump-policy", "--dump-budget", "--dump-layers", "--rows-per-group"},
+        std::set<std::string>{"--json", "--help"});
     if (args.has("--help")) {
       usage();
       return 0;

@@ -129,17 +129,11 @@ std::string json_escape(const std::string& s) {
 
 int main(int argc, char** argv) {
   try {
-    std::unique_ptr<sparsekv::tools::CommandLine> parsed;
-    try {
-      parsed = std::make_unique<sparsekv::tools::CommandLine>(
-          argc, argv,
-          std::set<std::string>{"--model", "--context", "--depths", "--trials", "--seed", "--policies", "--budgets",
-                                "--answer-tokens", "--format", "--rows-at-once"},
-          std::set<std::string>{"--json", "--show", "--help"});
-    } catch (const std::exception& e) {
-      throw UserError(fmt::format("{} (--help for usage)", e.what()));
-    }
-    const auto& args = *parsed;
+    const auto args = sparsekv::tools::parse_command_line<UserError>(
+        argc, argv,
+        std::set<std::string>{"--model", "--context", "--depths", "--trials", "--seed", "--policies", "--budgets",
+                              "--answer-tokens", "--format", "--rows-at-once"},
+        std::set<std::string>{"--json", "--show", "--help"});
     if (args.has("--help")) {
       usage();
       return 0;

@@ -103,11 +103,7 @@ class QuestPolicy {
     check_context(ctx);
     check_appended_page(kName, ctx, page, false);
     check_state(ctx, state);
-    state.tokens.push_back(page.page.tokens);
-    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-      state.ids[h].push_back(page.partitions[h]);
-      add_bounds(state, h, page.page, 0, page.page.tokens);
-    }
+    append_page_partition(ctx, page, state, add_bounds);
     return std::nullopt;
   }
 

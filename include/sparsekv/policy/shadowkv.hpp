@@ -85,11 +85,7 @@ class ShadowKVPolicy {
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
     check_appended_page(kName, ctx, page, false);
     check_state(ctx, state);
-    state.tokens.push_back(page.page.tokens);
-    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-      state.ids[h].push_back(page.partitions[h]);
-      summarize(state, h, page.page, 0, page.page.tokens);
-    }
+    append_page_partition(ctx, page, state, summarize);
     return std::nullopt;
   }
 

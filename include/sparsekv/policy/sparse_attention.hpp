@@ -156,9 +156,9 @@ void check_decode_query(std::string_view policy, const LayerContext& ctx, const 
 void check_appended_page(std::string_view policy, const LayerContext& ctx, const AppendedPage& page,
                          bool needs_values);
 
-// Index of the block-summary policies (Quest, ShadowKV): uniform partitions of
-// `partition_tokens` tokens, the same in every kv head, each summarised by
-// summarize(state, head, first_token, tokens). Built into a fresh State, so a
+// Index of the block-summary policies (Quest, ShadowKV) and the oracle:
+// uniform partitions of `partition_tokens` tokens, the same in every kv head,
+// each summarised by summarize(state, head, first_token, tokens). Built into a fresh State, so a
 // failure leaves the caller's as it was; State has head_dim, tokens
 // ([partition]) and ids ([kv head][partition]), its summary arrays sized by
 // the caller's `prepare(state)`.
@@ -179,6 +179,18 @@ PartitionSpec index_uniform_partitions(const LayerContext& ctx, const KvView& kv
   }
   state = std::move(next);
   return spec;
+}
+
+// Append of the same policies (and the oracle): the saved page becomes one
+// more partition in every kv head, summarised by summarize(state, head, page,
+// first_token, tokens). The caller checks the page and the state first.
+template <class State, class Summarize>
+void append_page_partition(const LayerContext& ctx, const AppendedPage& page, State& state, Summarize&& summarize) {
+  state.tokens.push_back(page.page.tokens);
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    state.ids[h].push_back(page.partitions[h]);
+    summarize(state, h, page.page, 0, page.page.tokens);
+  }
 }
 
 // Top-k helper the policies share: indices of the k largest scores, ties to
