@@ -460,7 +460,7 @@ std::unique_ptr<Setup> make_setup(Kind kind, std::uint32_t rows, std::uint32_t n
     case Kind::quest: {
       QuestPolicy::Options o;
       o.budget_tokens = kBudget;
-      s->quest = {s->a.data, s->b.data, kBudget, false, o.sink_tokens, QuestPolicy(o).window_tokens()};
+      s->quest = {s->a.data, s->b.data, kBudget, false, o.sink_tokens, QuestPolicy(o).window_tokens(), o.spread};
       s->capacity = cuda::quest_select_capacity(sr, s->quest);
       summaries = 2 * cand * kHeadDim * 4;
       break;

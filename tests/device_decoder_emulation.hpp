@@ -355,7 +355,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
         case DeviceSelectSpec::Kind::quest:
           chosen = emulate_quest(emulation_.select, store, r,
                                  cuda::QuestSelect{nullptr, nullptr, spec.budget_tokens, spec.dense_layer,
-                                                   spec.sink_tokens, spec.window_tokens});
+                                                   spec.sink_tokens, spec.window_tokens, spec.spread});
           break;
         case DeviceSelectSpec::Kind::shadowkv:
           chosen = emulate_shadowkv(

@@ -149,17 +149,42 @@ inline const float* row_q(const HostRows& rows, std::uint32_t r) {
   return rows.q.data() + std::size_t{r} * rows.group * rows.head_dim;
 }
 
+// group_softmax_rank: per q head g the logits logit(qh, i) of the candidates
+// [0, m) (kept in logits[g * m ..]), a strided block max, the warp-0 double
+// lane sum, the shares summed over the group into scores.
+template <class Logit>
+void emulated_group_softmax_rank(const HostRows& rows, std::uint32_t r, std::uint32_t m, std::vector<float>& logits,
+                                 std::vector<float>& scores, Logit logit) {
+  const auto all = [](std::uint32_t) { return true; };
+  logits.assign(std::size_t{rows.group} * m, 0.0f);
+  scores.assign(m, 0.0f);
+  for (std::uint32_t g = 0; g < rows.group; ++g) {
+    const float* qh = row_q(rows, r) + std::size_t{g} * rows.head_dim;
+    float* s = logits.data() + std::size_t{g} * m;
+    for (std::uint32_t i = 0; i < m; ++i) s[i] = logit(qh, i);
+    const float top = emulated_max(m, [&](std::uint32_t i) { return s[i]; }, all);
+    const double sum = emulated_lane_sum<double>(
+        m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(s[i], -top))); }, all);
+    const float inverse = softmax_inverse_sum(sum);
+    for (std::uint32_t i = 0; i < m; ++i) {
+      scores[i] = add_rn(g == 0 ? 0.0f : scores[i], softmax_share(s[i], top, inverse));
+    }
+  }
+}
+
 inline std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows& rows, std::uint32_t r,
                                        const cuda::QuestSelect& quest) {
   const cuda::SelectRowSpan span = row_span(e, rows, r);
   const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
   if (quest.dense_layer || row_total(rows, span) <= quest.budget_tokens) return row_partitions(rows, span);
   const std::uint32_t newest = n - 1;
-  std::vector<float> scores(n);
-  for (std::uint32_t i = 0; i < newest; ++i) {
+  const float scale = logit_scale(dim);
+  std::vector<float> logits, scores;
+  emulated_group_softmax_rank(rows, r, newest, logits, scores, [&](const float* qh, std::uint32_t i) {
     const std::size_t at = (std::size_t{first} + i) * dim;
-    scores[i] = quest_group_bound(row_q(rows, r), rows.group, rows.a.data() + at, rows.b.data() + at, dim);
-  }
+    return quest_logit(qh, rows.a.data() + at, rows.b.data() + at, dim, quest.spread, scale);
+  });
+  scores.resize(n);
   const QuestSteady steady = quest_steady(
       n, [&](std::uint32_t i) { return rows.tokens[first + i]; }, quest.budget_tokens, quest.sink_tokens,
       quest.window_tokens);
@@ -231,30 +256,14 @@ inline std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostR
   return emulated_sorted(e, chosen);
 }
 
-// retroinfer_rank: per q head g the logits of the candidates [0, m) (kept in
-// logits[g * m ..]), a strided block max, the warp-0 double lane sum, the
-// shares summed over the group into scores.
+// retroinfer_rank: the rank of the centroid logits.
 inline void emulated_retroinfer_rank(const HostRows& rows, std::uint32_t r, cuda::SelectRowSpan span, std::uint32_t m,
-                              std::vector<float>& logits, std::vector<float>& scores) {
-  const std::uint32_t first = span.first, dim = rows.head_dim;
+                                     std::vector<float>& logits, std::vector<float>& scores) {
+  const std::uint32_t dim = rows.head_dim;
   const float scale = logit_scale(dim);
-  const auto all = [](std::uint32_t) { return true; };
-  logits.assign(std::size_t{rows.group} * m, 0.0f);
-  scores.assign(m, 0.0f);
-  for (std::uint32_t g = 0; g < rows.group; ++g) {
-    const float* qh = row_q(rows, r) + std::size_t{g} * dim;
-    float* s = logits.data() + std::size_t{g} * m;
-    for (std::uint32_t i = 0; i < m; ++i) {
-      s[i] = retroinfer_logit(qh, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale);
-    }
-    const float top = emulated_max(m, [&](std::uint32_t i) { return s[i]; }, all);
-    const double sum = emulated_lane_sum<double>(
-        m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(s[i], -top))); }, all);
-    const float inverse = retroinfer_inverse_sum(sum);
-    for (std::uint32_t i = 0; i < m; ++i) {
-      scores[i] = add_rn(g == 0 ? 0.0f : scores[i], retroinfer_share(s[i], top, inverse));
-    }
-  }
+  emulated_group_softmax_rank(rows, r, m, logits, scores, [&](const float* qh, std::uint32_t i) {
+    return retroinfer_logit(qh, rows.a.data() + (std::size_t{span.first} + i) * dim, dim, scale);
+  });
 }
 
 inline SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, cuda::SelectRowSpan span,

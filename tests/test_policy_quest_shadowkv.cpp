@@ -202,23 +202,48 @@ TEST_CASE("Quest always keeps the newest partition and handles decode pages", "[
   for (const auto& chosen : s.partitions) CHECK(chosen == std::vector<PartitionId>{6, c, newest});
 }
 
-TEST_CASE("Quest sums the bounds of a group's q heads", "[policy][quest]") {
-  // One kv head, q heads e0 and e1. Partition 3 holds a key both heads like
-  // (3 e0 + 3 e1: sum 6), partition 8 one that only q head 0 likes more (5 e0:
-  // sum ~5). The sum picks partition 3; a max over the group would pick 8.
+TEST_CASE("Quest ranks by the group's summed softmax: a flat head does not outvote a sharp one", "[policy][quest]") {
+  // One kv head, q heads 10 e0 and 4 e1, one-key pages (zero-width boxes), so
+  // a page's logit is q . key / 4. Every page but 5 has key 1.2 e0: q head 0
+  // gives them all logit 3 and page 5 logit 0; page 5 has key 2 e1, which q
+  // head 1 alone likes (logit 2, the rest 0). Summed logits would rank the
+  // pages at 3 first (page 0); summed softmaxes give page 5 about a third of
+  // head 1's vote against about 1/31 of head 0's for any other page.
   const LayerContext ctx = context(2, 2, 1);
   Vec q(2 * 16, 0.0f);
-  q[0] = 1.0f;
-  q[16 + 1] = 1.0f;
-  Vec both(16, 0.0f), first(16, 0.0f);
-  both[0] = both[1] = 3.0f;
-  first[0] = 5.0f;
+  q[0] = 10.0f;
+  q[16 + 1] = 4.0f;
+  Vec e0(16, 0.0f), e1(16, 0.0f);
+  e0[0] = 1.0f;
+  e1[1] = 1.0f;
   Chunk kv(ctx, 256, 5);
-  kv.set(3 * 16 + 2, 0, both, 1.0f);
-  kv.set(8 * 16 + 9, 0, first, 1.0f);
-  const QuestPolicy quest({.budget_tokens = 32, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
+  for (std::uint32_t t = 0; t < 256; ++t) kv.set(t, 0, t / 8 == 5 ? e1 : e0, t / 8 == 5 ? 2.0f : 1.2f);
+  const QuestPolicy quest({.budget_tokens = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run run(quest, ctx, kv);
-  CHECK(run.select(q).partitions[0] == std::vector<PartitionId>{3, 15});
+  CHECK(run.select(q).partitions[0] == std::vector<PartitionId>{5, 31});
+}
+
+TEST_CASE("Quest's spread: 1 ranks by the paper's bound, 0 and the default by the key box's centre", "[policy][quest]") {
+  // One q head, q = e0. Page 3's keys alternate +3 e0 and -3 e0 (a box of
+  // centre 0 and half-width 3 on e0: bound 3, centre 0); page 9's are all
+  // 2 e0 (bound and centre 2); every other key is 0. The bound picks page 3,
+  // the centre and the default spread (0 + 0.5 * 3 = 1.5 < 2) page 9.
+  const LayerContext ctx = context(2, 1, 1);
+  Vec q(16, 0.0f);
+  q[0] = 1.0f;
+  Vec e0(16, 0.0f);
+  e0[0] = 1.0f;
+  Chunk kv(ctx, 256, 5);
+  for (std::uint32_t t = 0; t < 256; ++t) {
+    kv.set(t, 0, e0, t / 8 == 3 ? (t % 2 == 0 ? 3.0f : -3.0f) : t / 8 == 9 ? 2.0f : 0.0f);
+  }
+  for (const auto& [spread, page] : {std::pair{1.0f, 3u}, std::pair{0.5f, 9u}, std::pair{0.0f, 9u}}) {
+    CAPTURE(spread);
+    const QuestPolicy quest({.budget_tokens = 16, .sink_tokens = 0, .recent_fraction = 0.0f, .spread = spread});
+    Run run(quest, ctx, kv);
+    CHECK(run.select(q).partitions[0] == std::vector<PartitionId>{page, 31});
+  }
+  CHECK(QuestPolicy::Options{}.spread == 0.5f);
 }
 
 TEST_CASE("Quest keeps the first layers dense", "[policy][quest]") {
@@ -339,6 +364,7 @@ TEST_CASE("Quest rejects bad input", "[policy][quest]") {
   REQUIRE_SPARSEKV_ERROR(QuestPolicy({.budget_tokens = 0, .page_tokens_per_partition = 16}), ErrorCode::invalid_argument);
   for (const float bad_fraction : {-0.1f, 1.5f, std::nanf("")}) {
     REQUIRE_SPARSEKV_ERROR(QuestPolicy({.recent_fraction = bad_fraction}), ErrorCode::invalid_argument);
+    REQUIRE_SPARSEKV_ERROR(QuestPolicy({.spread = bad_fraction}), ErrorCode::invalid_argument);
   }
   const LayerContext ctx = context();
   const QuestPolicy quest;

@@ -30,6 +30,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -92,19 +93,22 @@ Sweep quest_sweep(const Emulation& e, std::uint32_t seed, Layout layout = Layout
       const HostRows rows = laid_out(quest_rows(base, batch), layout, arena_rng);
       for (const std::uint32_t budget : {1u, 8u, 64u, 700u, total, total + 5}) {
         for (const std::uint32_t layer : {0u, 5u}) {
-          // The steady zone: the paper's none, the defaults, and a sink over
-          // two partitions with a window of most of the budget.
-          for (const auto& [sink, recent] : {std::pair{0u, 0.0f}, std::pair{4u, 0.25f}, std::pair{20u, 0.75f}}) {
+          // The paper's rule (no steady zone, the bound), the defaults, and a
+          // sink over two partitions with a window of most of the budget and
+          // the box centre's score.
+          for (const auto& [sink, recent, spread] :
+               {std::tuple{0u, 0.0f, 1.0f}, std::tuple{4u, 0.25f, 0.5f}, std::tuple{20u, 0.75f, 0.0f}}) {
             LayerContext ctx = base;
             ctx.layer = layer;
             QuestPolicy::Options options;
             options.budget_tokens = budget;
             options.sink_tokens = sink;
             options.recent_fraction = recent;
+            options.spread = spread;
             const QuestPolicy policy(options);
             const auto want = host_select(policy, ctx, batch);
             const cuda::QuestSelect quest{nullptr, nullptr, budget, layer < options.dense_layers, sink,
-                                          policy.window_tokens()};
+                                          policy.window_tokens(), spread};
             for (std::uint32_t r = 0; r < rows.rows(); ++r) sweep.compare(emulate_quest(e, rows, r, quest), want[r]);
           }
         }
@@ -285,7 +289,8 @@ Sweep store_sweep(const Emulation& e, std::uint32_t seed) {
       o.budget_tokens = budget;
       const QuestPolicy quest(q);
       const ShadowKVPolicy shadowkv(o);
-      const cuda::QuestSelect quest_select{nullptr, nullptr, budget, false, q.sink_tokens, quest.window_tokens()};
+      const cuda::QuestSelect quest_select{nullptr, nullptr, budget, false, q.sink_tokens, quest.window_tokens(),
+                                           q.spread};
       const cuda::ShadowKVSelect shadowkv_select{nullptr, nullptr, budget, o.recent_tokens, shadowkv.outlier_count()};
       for (std::uint32_t b = 0; b < 3; ++b) {
         LayerContext at = ctx;

@@ -328,9 +328,9 @@ class CudaDeviceDecoder final : public DeviceDecoder {
                                 selected_count_.as<std::uint32_t>()};
     switch (step.select.kind) {
       case DeviceSelectSpec::Kind::quest: {
-        const QuestSelect quest{summaries_.min(step.layer), summaries_.max(step.layer), step.select.budget_tokens,
-                                step.select.dense_layer,                    step.select.sink_tokens,
-                                step.select.window_tokens};
+        const QuestSelect quest{summaries_.min(step.layer),  summaries_.max(step.layer), step.select.budget_tokens,
+                                step.select.dense_layer,    step.select.sink_tokens,    step.select.window_tokens,
+                                step.select.spread};
         quest_select(select, quest, selected, select_workspace_.as<void>(), select_workspace_.bytes(), stream);
         break;
       }

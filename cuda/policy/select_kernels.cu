@@ -284,6 +284,33 @@ __device__ std::uint64_t row_tokens(Shared& s, const Row& row) {
   return block_sum(s, total);
 }
 
+// The group-summed softmax rank (softmax_rank_add's rule) over the
+// candidates [0, m): q head g's logits logit(qh, i) at row.scratch + g *
+// stride (stride 0: one row reused), their block max and lane-ordered double
+// sum, the shares summed over the group into row.scores.
+template <class Logit>
+__device__ void group_softmax_rank(Shared& s, const Row& row, const SelectRows& rows, std::uint32_t m,
+                                   std::size_t stride, Logit logit) {
+  for (std::uint32_t g = 0; g < rows.group; ++g) {
+    const float* qh = row.q + static_cast<std::size_t>(g) * rows.head_dim;
+    float* logits = row.scratch + g * stride;
+    float top = kMinusInf;
+    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
+      logits[i] = logit(qh, i);
+      top = fold_max_score(top, logits[i]);
+    }
+    top = block_max(s, top);
+    const double sum = block_lane_sum<double>(
+        s, m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(logits[i], -top))); },
+        [](std::uint32_t) { return true; });
+    const float inverse = softmax_inverse_sum(sum);
+    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
+      row.scores[i] = add_rn(g == 0 ? 0.0f : row.scores[i], softmax_share(logits[i], top, inverse));
+    }
+    __syncthreads();
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     quest_select_kernel(SelectRows rows, QuestSelect quest, SelectOutput out, Workspace w) {
   __shared__ Shared s;
@@ -294,10 +321,11 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const std::uint32_t newest = row.n - 1;
-  for (std::uint32_t i = threadIdx.x; i < newest; i += kThreads) {
+  const float scale = logit_scale(rows.head_dim);
+  group_softmax_rank(s, row, rows, newest, 0, [&](const float* qh, std::uint32_t i) {
     const std::size_t at = (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
-    row.scores[i] = quest_group_bound(row.q, rows.group, quest.min + at, quest.max + at, rows.head_dim);
-  }
+    return quest_logit(qh, quest.min + at, quest.max + at, rows.head_dim, quest.spread, scale);
+  });
   __shared__ QuestSteady steady;
   if (threadIdx.x == 0) {
     s.chosen = 0;
@@ -384,31 +412,14 @@ __device__ SteadyZone row_steady_zone(const Row& row, const RetroInferSelect& re
       retroinfer_row_window(retro, row.index), retroinfer_token_cap(retro.budget_tokens));
 }
 
-// RetroInferPolicy's score() over the candidates [0, m): q head g's logits at
-// row.scratch + g * stride (stride 0: one row reused), their block max and
-// lane-ordered double sum, the shares summed over the group into row.scores.
+// RetroInferPolicy's score(): the rank of the centroid logits.
 __device__ void retroinfer_rank(Shared& s, const Row& row, const SelectRows& rows, const float* centroids,
                                 std::uint32_t m, std::size_t stride) {
   const float scale = logit_scale(rows.head_dim);
-  for (std::uint32_t g = 0; g < rows.group; ++g) {
-    const float* qh = row.q + static_cast<std::size_t>(g) * rows.head_dim;
-    float* logits = row.scratch + g * stride;
-    float top = kMinusInf;
-    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
-      const float* centroid = centroids + (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
-      logits[i] = retroinfer_logit(qh, centroid, rows.head_dim, scale);
-      top = fold_max_score(top, logits[i]);
-    }
-    top = block_max(s, top);
-    const double sum = block_lane_sum<double>(
-        s, m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(logits[i], -top))); },
-        [](std::uint32_t) { return true; });
-    const float inverse = retroinfer_inverse_sum(sum);
-    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
-      row.scores[i] = add_rn(g == 0 ? 0.0f : row.scores[i], retroinfer_share(logits[i], top, inverse));
-    }
-    __syncthreads();
-  }
+  group_softmax_rank(s, row, rows, m, stride, [&](const float* qh, std::uint32_t i) {
+    const float* centroid = centroids + (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
+    return retroinfer_logit(qh, centroid, rows.head_dim, scale);
+  });
 }
 
 __global__ void __launch_bounds__(kThreads)

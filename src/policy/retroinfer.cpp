@@ -283,16 +283,8 @@ void score(const LayerContext& ctx, const DecodeQuery& q, std::uint32_t kv_head,
   for (std::uint32_t g = 0; g < group; ++g) {
     const float* qh = q.head(kv_head * group + g, d);
     float* s = scores.data() + std::size_t{g} * m;
-    float max = -std::numeric_limits<float>::infinity();
-    for (std::uint32_t i = 0; i < m; ++i) {
-      s[i] = retroinfer_logit(qh, c.centroid(i, d), d, scale);
-      max = fold_max_score(max, s[i]);
-    }
-    const double sum = lane_sum<double>(
-        m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(s[i], -max))); },
-        [](std::uint32_t) { return true; });
-    const float inv = retroinfer_inverse_sum(sum);
-    for (std::uint32_t i = 0; i < m; ++i) rank[i] = add_rn(rank[i], retroinfer_share(s[i], max, inv));
+    for (std::uint32_t i = 0; i < m; ++i) s[i] = retroinfer_logit(qh, c.centroid(i, d), d, scale);
+    softmax_rank_add(m, s, rank.data());
   }
 }
 

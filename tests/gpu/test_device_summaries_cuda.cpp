@@ -247,7 +247,7 @@ void run_store(AppendSummary kind, DType dtype, std::mt19937& rng) {
         want.insert(want.end(), s.partitions.begin(), s.partitions.end());
       }
       const QuestSelect quest{ds.min(layer), ds.max(layer), budget, false, quest_policy(budget).options().sink_tokens,
-                              quest_policy(budget).window_tokens()};
+                              quest_policy(budget).window_tokens(), quest_policy(budget).options().spread};
       ShadowKVPolicy::Options o;
       o.budget_tokens = budget;
       const ShadowKVSelect shadowkv{ds.landmarks(layer), ds.outlier_scores(layer), budget, o.recent_tokens,

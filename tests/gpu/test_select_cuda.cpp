@@ -232,7 +232,7 @@ TEST_CASE("quest_select equals QuestPolicy::select", "[gpu][select]") {
             const QuestPolicy policy(options);
             const auto want = host_select(policy, ctx, batch);
             const cuda::QuestSelect quest{dev.a.data, dev.b.data, budget, layer < options.dense_layers,
-                                          options.sink_tokens, policy.window_tokens()};
+                                          options.sink_tokens, policy.window_tokens(), options.spread};
             const auto got = dev.run(cuda::quest_select_capacity(dev.rows, quest), [&](const cuda::SelectOutput& out,
                                                                                        cudaStream_t s) {
               cuda::quest_select(dev.rows, quest, out, dev.workspace.data, dev.workspace.size, s);

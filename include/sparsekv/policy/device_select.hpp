@@ -35,6 +35,7 @@ struct DeviceSelectSpec {
   std::uint32_t sink_pages = 0;        // streaming: the pages its sink tokens span
   std::uint32_t sink_tokens = 0;       // quest: its steady zone's sink ...
   std::uint32_t window_tokens = 0;     // ... and recent window (QuestPolicy::window_tokens())
+  float spread = 1.0f;                 // quest: its score's spread (QuestPolicy::Options::spread)
   // retroinfer: the zones' fractions (retrieval_fraction applies with
   // budget_tokens 0, no budget), and whether the estimation zone is
   // attended. Its rows also read the host policy state (device_select_row),
@@ -76,6 +77,7 @@ inline DeviceSelectSpec device_select(const QuestPolicy& p, const LayerContext& 
   s.dense_layer = ctx.layer < p.options().dense_layers;
   s.sink_tokens = p.options().sink_tokens;
   s.window_tokens = p.window_tokens();
+  s.spread = p.options().spread;
   return s;
 }
 

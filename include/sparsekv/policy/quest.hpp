@@ -1,13 +1,15 @@
 #pragma once
 // Quest (Tang et al., ICML 2024; a block-summary policy in Spin §2.2 / §4.1):
 // Index keeps, per partition and kv head, the element-wise min and max of the
-// partition's post-RoPE keys. Select bounds the largest logit q.k any key of
-// a partition can reach by sum_d max(q_d * min_d, q_d * max_d) and keeps the
-// partitions with the highest bounds, the newest one always. The min / max
-// fold is the rule in page_summaries.hpp; sparsekv::cuda::page_min_max
-// (index_cuda.hpp) computes the same bounds on the GPU. The score, ranking
-// and fill are select_rules.hpp's; sparsekv::cuda::quest_select
-// (select_cuda.hpp) selects the same partitions on the GPU.
+// partition's post-RoPE keys. Select scores each partition from that key box
+// and keeps the partitions with the highest scores, the newest one always.
+// The paper's score is the bound on the largest logit q.k any key of the box
+// can reach, sum_d max(q_d min_d, q_d max_d); here it is one end of
+// quest_logit's `spread` (select_rules.hpp). The min / max fold is the rule
+// in page_summaries.hpp; sparsekv::cuda::page_min_max (index_cuda.hpp)
+// computes the same boxes on the GPU. The score, ranking and fill are
+// select_rules.hpp's; sparsekv::cuda::quest_select (select_cuda.hpp) selects
+// the same partitions on the GPU.
 //
 // Choices (docs/policies/quest.md):
 //  - A partition is one Quest page: by default one KV page (the paper's page
@@ -16,21 +18,27 @@
 //    short. The library appends each full decode page as its own one-page
 //    partition, so decode pages get their own min/max instead of widening the
 //    bounds of a 16-token Quest page.
-//  - GQA: one selection serves a kv head's whole group, so a partition's score
-//    is the SUM over the group's q heads of their bounds. The sum still bounds
-//    the group's summed logit for any key of the partition, keeps every head's
-//    vote (a partition several heads need outranks one only one head needs),
-//    and costs one pass; a max would let a single head decide.
+//  - The score: per q head, q . centre of the box plus `spread` times
+//    sum_d |q_d| half-width_d, scaled by 1/sqrt(d). spread = 1 is the paper's
+//    bound; the default 0.5, measured on SmolLM2 at 6K tokens, halves the
+//    reach the bound grants a box for its width: the bound ranks wide boxes
+//    (pages of diverse keys) above pages whose keys are close to q, and in
+//    perplexity that costs more than the needles it catches.
+//  - GQA (the paper is silent: its models have one q head per kv head): one
+//    selection serves a kv head's whole group, so a partition's rank is the
+//    sum over the group's q heads of its softmax over the partitions' scores
+//    (RetroInfer's GQA rank): each head votes with the same weight, where a
+//    sum of raw bounds lets the heads with the largest |q| decide.
 //  - A steady zone before the ranking (quest_steady in select_rules.hpp): the
 //    newest partition, the attention sink (the partition holding the first
 //    `sink_tokens` tokens) and a recent window of `recent_fraction` of the
 //    budget. The paper has neither sink nor window; on SmolLM2 at 6K tokens
 //    the bound ranks the sink page low in the layers where it holds half the
 //    softmax mass, and the output error of those layers triples
-//    (docs/policies/quest.md, "Sink and window"). sink_tokens = 0 and
-//    recent_fraction = 0 give the paper's Quest.
+//    (docs/policies/quest.md, "Sink and window"). sink_tokens = 0,
+//    recent_fraction = 0 and spread = 1 give the paper's Quest.
 //  - budget_tokens counts every selected token, the steady zone included;
-//    then partitions in descending bound are taken while they fit (a budget
+//    then partitions in descending rank are taken while they fit (a budget
 //    below one partition still gets the newest); the smaller decode
 //    partitions let more fit.
 //  - Layers below `dense_layers` (paper: 2) select everything, so their
@@ -58,6 +66,7 @@ class QuestPolicy {
     std::uint32_t dense_layers = 2;                // Quest keeps the first two layers dense
     std::uint32_t sink_tokens = 4;                 // StreamingLLM's 4 attention sinks (0: none, as the paper)
     float recent_fraction = 0.25f;                  // of the budget, the recent window (0: the newest partition only)
+    float spread = 0.5f;                            // weight of the box's half-width in the score (1: the paper's bound)
   };
   struct LayerState {
     std::uint32_t head_dim = 0;
@@ -73,6 +82,9 @@ class QuestPolicy {
     if (options.budget_tokens == 0) fail(ErrorCode::invalid_argument, "quest: budget_tokens must be > 0");
     if (!(options.recent_fraction >= 0.0f && options.recent_fraction <= 1.0f)) {
       fail(ErrorCode::invalid_argument, "quest: recent_fraction {} is not in [0, 1]", options.recent_fraction);
+    }
+    if (!(options.spread >= 0.0f && options.spread <= 1.0f)) {
+      fail(ErrorCode::invalid_argument, "quest: spread {} is not in [0, 1]", options.spread);
     }
   }
 
@@ -115,7 +127,8 @@ class QuestPolicy {
     const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
     const std::uint32_t group = ctx.group_size();
     const std::uint32_t newest = n - 1;
-    std::vector<float> scores(n);
+    const float scale = logit_scale(ctx.head_dim);
+    std::vector<float> logits(n), rank(n);
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
       auto& chosen = out.partitions[h];
       if (ctx.layer < options_.dense_layers || total <= options_.budget_tokens) {
@@ -123,10 +136,15 @@ class QuestPolicy {
         continue;
       }
       // The rules cuda::quest_select shares (select_rules.hpp).
-      const float* qg = q.head(h * group, ctx.head_dim);
-      for (std::uint32_t i = 0; i < newest; ++i) {
-        const std::size_t at = std::size_t{i} * ctx.head_dim;
-        scores[i] = quest_group_bound(qg, group, state.min[h].data() + at, state.max[h].data() + at, ctx.head_dim);
+      std::fill(rank.begin(), rank.end(), 0.0f);
+      for (std::uint32_t g = 0; g < group; ++g) {
+        const float* qh = q.head(h * group + g, ctx.head_dim);
+        for (std::uint32_t i = 0; i < newest; ++i) {
+          const std::size_t at = std::size_t{i} * ctx.head_dim;
+          logits[i] = quest_logit(qh, state.min[h].data() + at, state.max[h].data() + at, ctx.head_dim,
+                                  options_.spread, scale);
+        }
+        softmax_rank_add(newest, logits.data(), rank.data());
       }
       const QuestSteady steady = quest_steady(
           n, [&](std::uint32_t i) { return state.tokens[i]; }, options_.budget_tokens, options_.sink_tokens,
@@ -135,7 +153,7 @@ class QuestPolicy {
       for (std::uint32_t i = steady.window_first; i < n; ++i) chosen.push_back(state.ids[h][i]);
       SkipFill fill{steady.left};
       ranked_fill(
-          newest, fill, [&](std::uint32_t i) { return scores[i]; },
+          newest, fill, [&](std::uint32_t i) { return rank[i]; },
           [&](std::uint32_t i) { return i >= steady.sinks && i < steady.window_first; },
           [&](std::uint32_t i) { return state.tokens[i]; }, [&](std::uint32_t i) { chosen.push_back(state.ids[h][i]); });
       std::sort(chosen.begin(), chosen.end());

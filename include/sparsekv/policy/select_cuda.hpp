@@ -86,8 +86,9 @@ struct SelectOutput {
 };
 
 // QuestPolicy with budget_tokens, sink_tokens and window_tokens() (its
-// steady zone, quest_steady; zeros: the paper's Quest); `dense_layer`
-// (ctx.layer < dense_layers) selects everything. min / max:
+// steady zone, quest_steady; zeros: the paper's Quest) and spread
+// (quest_logit; 1: the paper's bound); `dense_layer` (ctx.layer <
+// dense_layers) selects everything. min / max:
 // [candidates][head_dim]; candidate c's row at c * head_dim, so row r's
 // candidate i at (first[r] + i) * head_dim (as every per-candidate array
 // below).
@@ -98,6 +99,7 @@ struct QuestSelect {
   bool dense_layer = false;
   std::uint32_t sink_tokens = 0;
   std::uint32_t window_tokens = 0;
+  float spread = 1.0f;
 };
 
 // ShadowKVPolicy with budget_tokens, recent_tokens and outlier_count()

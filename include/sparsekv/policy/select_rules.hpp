@@ -2,15 +2,16 @@
 // Per-candidate rules of the Select stage (Spin §4.1) that the host policies
 // and the CUDA kernels (cuda/policy/select_kernels.cu) both call, so both
 // backends choose the same partitions bit for bit:
-//  - Quest (Tang et al. 2024): a partition's bound, summed over the GQA group;
+//  - Quest (Tang et al. 2024): a partition's logit from its key box, ranked
+//    by the group-summed softmax (RetroInfer's GQA rank);
 //  - ShadowKV (Sun et al. 2024; Spin §4.2): the landmark logit, its softmax
 //    over the non-static pages, the recent window;
 //  - StreamingWindow (StreamingLLM) and Dense: the sink pages and the recent
 //    window, positional (no summaries);
 //  - RetroInfer (Chen et al. 2025, §4.2): the centroid logit, the group-summed
-//    softmax rank, the steady zone, the retrieval and estimation zones' fills,
-//    and the estimation zone's fold (eqs. 2-4) that attend() and the estimate
-//    kernel share;
+//    softmax rank (softmax_rank_add), the steady zone, the retrieval and
+//    estimation zones' fills, and the estimation zone's fold (eqs. 2-4) that
+//    attend() and the estimate kernel share;
 //  - the ranking key (descending score, ties to the lower index: top_k's
 //    order) and the greedy fills over the ranked list.
 //
@@ -236,25 +237,38 @@ void ranked_fill(std::uint32_t n, Filler& fill, Score&& score, Eligible&& eligib
 
 // ---- Quest -------------------------------------------------------------------
 
-// Quest's bound on q.k over the keys inside [min, max] (element-wise).
-SPARSEKV_HOST_DEVICE inline float quest_bound(const float* q, const float* min, const float* max,
-                                              std::uint32_t head_dim) {
-  float bound = 0.0f;
-  for (std::uint32_t d = 0; d < head_dim; ++d) {
-    const float a = mul_rn(q[d], min[d]);
-    const float b = mul_rn(q[d], max[d]);
-    bound = add_rn(bound, a > b ? a : b);
+// A sum over the dimensions d < head_dim of term(d) in eight interleaved
+// lanes (lane j takes dimensions j, j + 8, ... of the whole blocks of eight),
+// lanes j and j + 4 added, then (0 + 2) + (1 + 3), then the tail in order:
+// the host's SIMD order, kept because it vectorises.
+template <class Term>
+SPARSEKV_HOST_DEVICE inline float lane_order_sum(std::uint32_t head_dim, Term&& term) {
+  float lanes[8] = {};
+  std::uint32_t d = 0;
+  for (; d + 8 <= head_dim; d += 8) {
+    for (std::uint32_t j = 0; j < 8; ++j) lanes[j] = add_rn(lanes[j], term(d + j));
   }
-  return bound;
+  float half[4];
+  for (std::uint32_t j = 0; j < 4; ++j) half[j] = add_rn(lanes[j], lanes[j + 4]);
+  float sum = add_rn(add_rn(half[0], half[2]), add_rn(half[1], half[3]));
+  for (; d < head_dim; ++d) sum = add_rn(sum, term(d));
+  return sum;
 }
 
-// A partition's score: the bounds of the group's q heads ([group][head_dim]
-// from q) summed in head order.
-SPARSEKV_HOST_DEVICE inline float quest_group_bound(const float* q, std::uint32_t group, const float* min,
-                                                    const float* max, std::uint32_t head_dim) {
-  float score = 0.0f;
-  for (std::uint32_t g = 0; g < group; ++g) score = add_rn(score, quest_bound(q + g * head_dim, min, max, head_dim));
-  return score;
+// Quest's page logit for one q head, scaled like an attention logit: per
+// dimension q_d times the centre of [min_d, max_d] plus `spread` times |q_d|
+// times its half-width, summed in lane order, times `scale`. spread = 1 is
+// the paper's bound on q.k over the keys inside the box (sum_d max(q_d min_d,
+// q_d max_d), up to rounding); spread = 0 scores the box's centre.
+SPARSEKV_HOST_DEVICE inline float quest_logit(const float* q, const float* min, const float* max,
+                                              std::uint32_t head_dim, float spread, float scale) {
+  const float sum = lane_order_sum(head_dim, [&](std::uint32_t d) {
+    const float centre = mul_rn(add_rn(min[d], max[d]), 0.5f);
+    const float half_width = mul_rn(add_rn(max[d], -min[d]), 0.5f);
+    const float reach = mul_rn(q[d] < 0.0f ? -q[d] : q[d], half_width);
+    return add_rn(mul_rn(q[d], centre), mul_rn(spread, reach));
+  });
+  return mul_rn(sum, scale);
 }
 
 // Quest's steady zone, taken before the ranked fill, each partition only if it
@@ -303,22 +317,10 @@ SPARSEKV_HOST_DEVICE inline float shadowkv_logit(const float* q, const float* la
   return mul_rn(scale, dot_in_order(q, landmark, head_dim));
 }
 
-// RetroInfer: (q . centroid) * scale, the dot product in eight interleaved
-// lanes (lane j takes dimensions j, j + 8, ... of the whole blocks of eight),
-// lanes j and j + 4 added, then (0 + 2) + (1 + 3), then the tail in order:
-// the host's SIMD order, kept because it vectorises.
+// RetroInfer: (q . centroid) * scale, the dot product in lane_order_sum's order.
 SPARSEKV_HOST_DEVICE inline float retroinfer_logit(const float* q, const float* centroid, std::uint32_t head_dim,
                                                    float scale) {
-  float lanes[8] = {};
-  std::uint32_t d = 0;
-  for (; d + 8 <= head_dim; d += 8) {
-    for (std::uint32_t j = 0; j < 8; ++j) lanes[j] = add_rn(lanes[j], mul_rn(q[d + j], centroid[d + j]));
-  }
-  float half[4];
-  for (std::uint32_t j = 0; j < 4; ++j) half[j] = add_rn(lanes[j], lanes[j + 4]);
-  float sum = add_rn(add_rn(half[0], half[2]), add_rn(half[1], half[3]));
-  for (; d < head_dim; ++d) sum = add_rn(sum, mul_rn(q[d], centroid[d]));
-  return mul_rn(sum, scale);
+  return mul_rn(lane_order_sum(head_dim, [&](std::uint32_t d) { return mul_rn(q[d], centroid[d]); }), scale);
 }
 
 // ---- ShadowKV: the recent window ------------------------------------------------
@@ -431,18 +433,32 @@ SPARSEKV_HOST_DEVICE inline std::uint32_t fraction_count(double fraction, std::u
   return static_cast<std::uint32_t>(x < static_cast<double>(m) ? x : static_cast<double>(m));
 }
 
-// One q head's share of the rank: exp(logit - max) / sum, as the kernel and
-// the host add it to the group's rank.
-SPARSEKV_HOST_DEVICE inline float retroinfer_share(float logit, float max, float inverse_sum) {
+// The GQA rank Quest and RetroInfer share: a candidate's rank is the sum
+// over the group's q heads of its softmax over the candidates' logits, the
+// heads added in order with add_rn. One head's share: exp(logit - max) / sum,
+// with the max by fold_max_score, the sum of portable_exp(logit - max) in
+// double by lane_sum (a kernel: block max, warp-0 lane sum).
+SPARSEKV_HOST_DEVICE inline float softmax_share(float logit, float max, float inverse_sum) {
   return mul_rn(portable_exp(add_rn(logit, -max)), inverse_sum);
 }
 
-SPARSEKV_HOST_DEVICE inline float retroinfer_inverse_sum(double sum) {
+SPARSEKV_HOST_DEVICE inline float softmax_inverse_sum(double sum) {
 #if defined(__CUDA_ARCH__)
   return __double2float_rn(__ddiv_rn(1.0, sum));
 #else
   return static_cast<float>(1.0 / sum);
 #endif
+}
+
+// The host form: adds one q head's shares of logits[0, m) to rank[0, m).
+inline void softmax_rank_add(std::uint32_t m, const float* logits, float* rank) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (std::uint32_t i = 0; i < m; ++i) max = fold_max_score(max, logits[i]);
+  const double sum = lane_sum<double>(
+      m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(logits[i], -max))); },
+      [](std::uint32_t) { return true; });
+  const float inverse = softmax_inverse_sum(sum);
+  for (std::uint32_t i = 0; i < m; ++i) rank[i] = add_rn(rank[i], softmax_share(logits[i], max, inverse));
 }
 
 // The retrieval zone's fill over the m ranked candidates after a steady zone
