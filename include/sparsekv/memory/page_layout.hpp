@@ -33,4 +33,19 @@ struct PageLayout {
   }
 };
 
+// Live-slot mask of one page (SpvLLM §4.1): bit t set means slot t holds a live
+// token. Policies that evict tokens for good clear bits instead of moving rows,
+// and a reader treats a cleared slot as absent (score -inf). One 64-bit word per
+// page, so pages of requests that evict hold at most kMaxMaskedPageTokens.
+using SlotMask = std::uint64_t;
+inline constexpr std::uint32_t kMaxMaskedPageTokens = 64;
+
+SPARSEKV_HOST_DEVICE constexpr bool slot_live(SlotMask mask, std::uint32_t slot) noexcept {
+  return ((mask >> slot) & 1u) != 0;
+}
+// Mask of a page whose first `tokens` slots are live.
+SPARSEKV_HOST_DEVICE constexpr SlotMask full_slot_mask(std::uint32_t tokens) noexcept {
+  return tokens >= kMaxMaskedPageTokens ? ~SlotMask{0} : (SlotMask{1} << tokens) - 1;
+}
+
 }  // namespace sparsekv
