@@ -5,10 +5,12 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/h2o.hpp"
 #include "sparsekv/policy/oracle.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/shadowkv.hpp"
+#include "sparsekv/policy/streaming_eviction.hpp"
 #include "sparsekv/policy/streaming_window.hpp"
 
 namespace sparsekv {
@@ -16,6 +18,8 @@ namespace sparsekv {
 std::vector<std::string> policy_names() {
   return {"dense", "streaming", "quest", "shadowkv", "retroinfer", "retroinfer_no_estimation", "oracle"};
 }
+
+std::vector<std::string> eviction_policy_names() { return {"h2o", "streaming_evict"}; }
 
 AnyPolicy make_policy(std::string_view name, std::uint32_t budget_tokens) {
   if (name == "dense") return AnyPolicy(DensePolicy{});
@@ -46,8 +50,19 @@ AnyPolicy make_policy(std::string_view name, std::uint32_t budget_tokens) {
     o.budget_tokens = budget_tokens;
     return AnyPolicy(OraclePolicy(o));
   }
+  if (name == "h2o") {
+    H2OPolicy::Options o;
+    o.budget_tokens = budget_tokens;
+    return AnyPolicy(H2OPolicy(o));
+  }
+  if (name == "streaming_evict") {
+    StreamingEvictionPolicy::Options o;
+    o.budget_tokens = budget_tokens;
+    return AnyPolicy(StreamingEvictionPolicy(o));
+  }
   std::string known;
   for (const auto& n : policy_names()) known += (known.empty() ? "" : ", ") + n;
+  for (const auto& n : eviction_policy_names()) known += ", " + n;
   fail(ErrorCode::invalid_argument, "unknown policy '{}' (known: {})", name, known);
 }
 

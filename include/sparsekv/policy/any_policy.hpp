@@ -12,6 +12,7 @@
 
 #include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
+#include "sparsekv/policy/token_eviction.hpp"
 
 namespace sparsekv {
 
@@ -54,6 +55,24 @@ class AnyPolicy {
   void device_summary_rows(const std::any& state, std::uint32_t head, DeviceSummaryRows& out) const {
     impl_->device_summary_rows(state, head, out);
   }
+  // Token eviction (token_eviction.hpp). For policies that evict nothing:
+  // false, no weights, an empty list per kv head, and no-ops.
+  bool evicts() const { return impl_->evicts(); }
+  bool needs_weights() const { return impl_->needs_weights(); }
+  void evict(const LayerContext& ctx, const EvictionContext& e, std::any& state, Eviction& out) const {
+    impl_->evict(ctx, e, state, out);
+  }
+  void placed(const LayerContext& ctx, std::uint32_t position, std::any& state) const {
+    impl_->placed(ctx, position, state);
+  }
+  void observe(const LayerContext& ctx, const TokenWeights& w, std::any& state) const {
+    impl_->observe(ctx, w, state);
+  }
+  // RewritesSummaries; a no-op for the policies without it.
+  bool rewrites() const { return impl_->rewrites(); }
+  void rewrite(const LayerContext& ctx, const RewrittenPage& page, std::any& state) const {
+    impl_->rewrite(ctx, page, state);
+  }
 
  private:
   struct Concept {
@@ -73,6 +92,13 @@ class AnyPolicy {
     virtual DeviceSelectRow device_select_row(const std::any&, std::uint32_t, std::uint32_t) const = 0;
     virtual bool device_index_update_due(const std::any&, std::uint32_t) const = 0;
     virtual void device_summary_rows(const std::any&, std::uint32_t, DeviceSummaryRows&) const = 0;
+    virtual bool evicts() const = 0;
+    virtual bool needs_weights() const = 0;
+    virtual void evict(const LayerContext&, const EvictionContext&, std::any&, Eviction&) const = 0;
+    virtual void placed(const LayerContext&, std::uint32_t, std::any&) const = 0;
+    virtual void observe(const LayerContext&, const TokenWeights&, std::any&) const = 0;
+    virtual bool rewrites() const = 0;
+    virtual void rewrite(const LayerContext&, const RewrittenPage&, std::any&) const = 0;
   };
 
   template <class P>
@@ -116,6 +142,21 @@ class AnyPolicy {
     void device_summary_rows(const std::any& s, std::uint32_t head, DeviceSummaryRows& out) const override {
       sparsekv::device_summary_rows(policy, std::any_cast<const State&>(s), head, out);
     }
+    bool evicts() const override { return TokenEviction<P>; }
+    bool needs_weights() const override { return needs_token_weights(policy); }
+    void evict(const LayerContext& c, const EvictionContext& e, std::any& s, Eviction& out) const override {
+      evict_tokens(policy, c, e, std::any_cast<State&>(s), out);
+    }
+    void placed(const LayerContext& c, std::uint32_t position, std::any& s) const override {
+      token_placed(policy, c, position, std::any_cast<State&>(s));
+    }
+    void observe(const LayerContext& c, const TokenWeights& w, std::any& s) const override {
+      observe_weights(policy, c, w, std::any_cast<State&>(s));
+    }
+    bool rewrites() const override { return RewritesSummaries<P>; }
+    void rewrite(const LayerContext& c, const RewrittenPage& page, std::any& s) const override {
+      rewrite_summary(policy, c, page, std::any_cast<State&>(s));
+    }
     P policy;
   };
 
@@ -124,12 +165,18 @@ class AnyPolicy {
 
 // Built-in policies by name: dense, streaming, quest, shadowkv, retroinfer,
 // retroinfer_no_estimation (RetroInfer without its estimation zone) and
-// oracle (the best selection of the budget's size, for evaluation). Every
-// other knob keeps its paper default. Throws invalid_argument for an unknown
-// name or a budget of 0 (dense ignores the budget).
+// oracle (the best selection of the budget's size, for evaluation), and the
+// token-evicting h2o and streaming_evict, whose budget is the live tokens per
+// kv head (H2O's recent window is half of it). Every other knob keeps its
+// paper default. Throws invalid_argument for an unknown name, a budget of 0
+// (dense ignores the budget) or a budget below an eviction policy's
+// protected window.
 AnyPolicy make_policy(std::string_view name, std::uint32_t budget_tokens);
-// The names make_policy accepts.
+// The selection policies make_policy accepts (the tools' default lists).
 std::vector<std::string> policy_names();
+// The token-evicting policies make_policy accepts, kept apart from
+// policy_names() so the tools' default lists stay selection-only.
+std::vector<std::string> eviction_policy_names();
 
 }  // namespace sparsekv
 

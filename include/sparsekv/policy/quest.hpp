@@ -55,6 +55,7 @@
 #include "sparsekv/policy/page_summaries.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
+#include "sparsekv/policy/token_eviction.hpp"
 
 namespace sparsekv {
 
@@ -160,6 +161,18 @@ class QuestPolicy {
     }
   }
 
+  // After evictions or a slot rewrite (RewritesSummaries): the partition's box
+  // in kv head page.head becomes the box of its live rows alone, so it
+  // shrinks when an extreme key died. Its token count stays the partition's
+  // (the budget goes on counting its slots).
+  void rewrite(const LayerContext& ctx, const RewrittenPage& page, LayerState& state) const {
+    check_state(ctx, state);
+    const std::uint32_t i = rewritten_partition(kName, ctx, page, state);
+    const std::size_t at = std::size_t{i} * ctx.head_dim;
+    bound(state.min[page.head].data() + at, state.max[page.head].data() + at, page.live_rows, 0, 0,
+          page.live_rows.tokens);
+  }
+
   // A selection covers at most max(budget, one partition) tokens, and since
   // only one partition (the last prefill one) can end in a partial page, that
   // is at most ceil(tokens / page_tokens) pages; never more than the context
@@ -195,12 +208,20 @@ class QuestPolicy {
   static void add_bounds(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first,
                          std::uint32_t count) {
     const std::uint32_t dim = kv.head_dim;
+    state.min[h].resize(state.min[h].size() + dim);
+    state.max[h].resize(state.max[h].size() + dim);
+    bound(state.min[h].data() + state.min[h].size() - dim, state.max[h].data() + state.max[h].size() - dim, kv, h,
+          first, count);
+  }
+  // The box of tokens [first, first + count) of kv head h of kv, written to
+  // lo / hi: the first key folded with the rest, the rule cuda::page_min_max
+  // shares (page_summaries.hpp).
+  static void bound(float* lo, float* hi, const KvView& kv, std::uint32_t h, std::uint32_t first,
+                    std::uint32_t count) {
+    const std::uint32_t dim = kv.head_dim;
     const float* k = kv.key(first, h);
-    state.min[h].insert(state.min[h].end(), k, k + dim);
-    state.max[h].insert(state.max[h].end(), k, k + dim);
-    float* lo = state.min[h].data() + state.min[h].size() - dim;
-    float* hi = state.max[h].data() + state.max[h].size() - dim;
-    // The rule cuda::page_min_max shares (page_summaries.hpp).
+    std::copy(k, k + dim, lo);
+    std::copy(k, k + dim, hi);
     for (std::uint32_t t = first + 1; t < first + count; ++t) fold_min_max(lo, hi, kv.key(t, h), dim);
   }
 

@@ -38,6 +38,7 @@
 #include "sparsekv/policy/page_summaries.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
+#include "sparsekv/policy/token_eviction.hpp"
 
 namespace sparsekv {
 
@@ -145,6 +146,18 @@ class ShadowKVPolicy {
     }
   }
 
+  // After evictions or a slot rewrite (RewritesSummaries): the partition's
+  // landmark and outlier score in kv head page.head become those of its live
+  // rows alone. Its token count stays the partition's (the budget goes on
+  // counting its slots).
+  void rewrite(const LayerContext& ctx, const RewrittenPage& page, LayerState& state) const {
+    check_state(ctx, state);
+    const std::uint32_t i = rewritten_partition(kName, ctx, page, state);
+    float* mean = state.landmarks[page.head].data() + std::size_t{i} * ctx.head_dim;
+    std::fill(mean, mean + ctx.head_dim, 0.0f);
+    state.outlier_score[page.head][i] = landmark(mean, page.live_rows, 0, 0, page.live_rows.tokens);
+  }
+
   // A selection covers at most max(budget, one page) tokens and only the last
   // prefill page can be partial, so at most ceil(tokens / page_tokens) pages;
   // never more than the context (one page more than its tokens fill, as Dense).
@@ -166,13 +179,19 @@ class ShadowKVPolicy {
     }
   }
   // Appends the landmark and outlier score of tokens [first, first + count) of
-  // kv head h, by the rules cuda::page_mean_outlier shares (page_summaries.hpp).
+  // kv head h.
   static void summarize(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first,
                         std::uint32_t count) {
-    const std::uint32_t dim = kv.head_dim;
     auto& landmarks = state.landmarks[h];
-    landmarks.resize(landmarks.size() + dim, 0.0f);
-    float* mean = landmarks.data() + landmarks.size() - dim;
+    landmarks.resize(landmarks.size() + kv.head_dim, 0.0f);
+    state.outlier_score[h].push_back(
+        landmark(landmarks.data() + landmarks.size() - kv.head_dim, kv, h, first, count));
+  }
+  // Writes the landmark of tokens [first, first + count) of kv head h of kv
+  // to `mean` (zeroed by the caller) and returns their outlier score, by the
+  // rules cuda::page_mean_outlier shares (page_summaries.hpp).
+  static float landmark(float* mean, const KvView& kv, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
+    const std::uint32_t dim = kv.head_dim;
     for (std::uint32_t t = first; t < first + count; ++t) {
       for (std::uint32_t d = 0; d < dim; ++d) mean[d] = add_rn(mean[d], kv.key(t, h)[d]);
     }
@@ -183,7 +202,7 @@ class ShadowKVPolicy {
       const float* k = kv.key(t, h);
       lowest = fold_min(lowest, landmark_cosine(dot_in_order(k, k, dim), dot_in_order(k, mean, dim), mean_norm));
     }
-    state.outlier_score[h].push_back(lowest);
+    return lowest;
   }
 
   Options options_;
