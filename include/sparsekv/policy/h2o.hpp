@@ -90,7 +90,6 @@ class H2OPolicy {
   void placed(const LayerContext& ctx, std::uint32_t position, LayerState& state) const {
     check_state(ctx, state);
     state.live.check_placed(kName, ctx, position);
-    for (auto& s : state.scores) s.reserve(s.size() + 1);
     state.live.place(position);
     for (auto& s : state.scores) s.push_back(0.0);
   }
