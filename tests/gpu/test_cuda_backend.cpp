@@ -3,7 +3,8 @@
 // built-in policy. Metadata (hits, misses, pages moved, GPU page ids) must be
 // identical, refusals too; attention outputs within 2e-3 relative (bf16
 // pages, fp32 accumulation in both). Also the address-list gather the
-// backend's loads use.
+// backend's loads use, and attend() over a plan with live masks and slot
+// weights (SpvLLM §4.1, H2O) against HostBackend::attend.
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
@@ -12,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "../attention_test_data.hpp"
 #include "../backend_lockstep.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
@@ -32,6 +34,69 @@ TEST_CASE("CudaBackend: the facade on device memory matches the host backend", "
     REQUIRE(cuda.buffer().gpu_pool().memory_kind() == MemoryKind::device);
     const test::LockstepResult r = test::lockstep(host, cuda, s, 11, 2e-3);
     CHECK(r.refused > 0);
+  }
+}
+
+TEST_CASE("CudaBackend::attend honours live masks and returns slot weights as HostBackend does",
+          "[gpu][backend][masks]") {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal;
+  cuda::CudaBackend cuda_backend;
+  HostBackend host_backend;
+  for (const std::uint32_t group : {1u, 4u}) {
+    test::AttentionBatch b;
+    b.batch = 3;
+    b.kv_heads = 2;
+    b.q_heads = b.kv_heads * group;
+    b.layout = PageLayout{8, 64, DType::bf16};
+    b.stride = b.layout.page_bytes();
+    b.scale = 0.125f;
+    const auto shapes = test::random_run_shapes(rng, b.batch * b.kv_heads, 3, 5);
+    const std::uint32_t pool_pages = test::total_pages(shapes) + 2;
+    b.pool.resize(std::size_t{pool_pages} * b.stride);
+    test::fill_pages(b, pool_pages, normal, rng);
+    test::random_runs(b, shapes, pool_pages, rng, false);
+    test::random_queries(b, normal, rng);
+    test::random_masks(b, rng);
+    const DeviceArray<std::byte> device_pool(b.pool);
+    AttendPlan plan;
+    plan.indptr = b.indptr;
+    plan.indices = b.indices;
+    plan.last_page_len = b.last_page_len;
+    plan.head_entries = b.row_entries;
+    plan.live_masks = b.live_masks;
+    plan.page_bytes = b.stride;
+    AttendCall call;
+    call.plan = &plan;
+    call.layout = b.layout;
+    call.batch = b.batch;
+    call.q_heads = b.q_heads;
+    call.kv_heads = b.kv_heads;
+    call.scale = b.scale;
+    call.q = b.q.data();
+    const std::size_t outputs = std::size_t{b.batch} * b.q_heads * 64, slots = b.indices.size() * 8;
+    std::vector<float> want_out(outputs), want_weights(slots), got_out(outputs, -1.0f), got_weights(slots, -1.0f);
+    plan.gpu_tier_base = b.pool.data();
+    call.out = want_out.data();
+    call.slot_weights = want_weights.data();
+    host_backend.attend(call);
+    plan.gpu_tier_base = device_pool.data;
+    call.out = got_out.data();
+    call.slot_weights = got_weights.data();
+    cuda_backend.attend(call);
+    CAPTURE(group);
+    for (std::size_t i = 0; i < outputs; ++i)
+      REQUIRE(std::abs(got_out[i] - want_out[i]) <= 2e-3f * (1 + std::abs(want_out[i])));
+    for (std::size_t i = 0; i < slots; ++i) {
+      CAPTURE(i);
+      if (want_weights[i] == 0.0f) REQUIRE(got_weights[i] == 0.0f);
+      REQUIRE(std::abs(got_weights[i] - want_weights[i]) <= 1e-4f);
+    }
+    // live_masks not parallel to indices: refused before anything is written.
+    plan.live_masks.pop_back();
+    std::fill(got_weights.begin(), got_weights.end(), 7.0f);
+    REQUIRE(code_of([&] { cuda_backend.attend(call); }) == ErrorCode::invalid_argument);
+    REQUIRE(std::all_of(got_weights.begin(), got_weights.end(), [](float x) { return x == 7.0f; }));
   }
 }
 
