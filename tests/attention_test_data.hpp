@@ -4,10 +4,12 @@
 // reference, and a host emulation of the split-K kernel's decomposition
 // (live-slot masks and slot weights included);
 // shared by the kernel's rules (test_attention_rules.cpp), the Manager's
-// plans (test_manager.cpp) and the kernel's GPU test
+// plans (test_manager.cpp), the backends' attend() over a plan
+// (test_attention.cpp, gpu/test_cuda_backend.cpp) and the kernel's GPU test
 // (gpu/test_attention_cuda.cpp). The generators take the caller's normal
 // distribution so that one batch draws from a single sequence.
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -20,6 +22,7 @@
 #include "sparsekv/attention/decode_attention.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/backend.hpp"
 
 namespace sparsekv::test {
 
@@ -178,6 +181,64 @@ inline void random_masks(AttentionBatch& b, std::mt19937& rng) {
     const SlotMask bits = (SlotMask{rng()} << 32) | rng();
     b.live_masks.push_back(kind < 2 ? ~SlotMask{0} : kind == 2 ? SlotMask{0} : bits);
   }
+}
+
+// A batch with no pages yet: pages strided by page_bytes, a scale of
+// 1/sqrt(head_dim), or 4 times that (peaky rows) for half of the draws.
+inline AttentionBatch batch_shape(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads, std::uint32_t group,
+                                  PageLayout layout) {
+  AttentionBatch b;
+  b.batch = batch;
+  b.kv_heads = kv_heads;
+  b.q_heads = kv_heads * group;
+  b.layout = layout;
+  b.stride = layout.page_bytes();
+  b.scale = (rng() % 2 ? 4.0f : 1.0f) / std::sqrt(float(layout.head_dim));
+  return b;
+}
+
+// A random batch in the runs form: rows of up to 4 runs of 1..5 pages
+// (random_run_shapes), some rows peaky; with_extra: terms for two heads in
+// three.
+inline AttentionBatch random_runs_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads,
+                                        std::uint32_t group, PageLayout layout, bool with_extra) {
+  std::normal_distribution<float> normal;
+  AttentionBatch b = batch_shape(rng, batch, kv_heads, group, layout);
+  const auto shapes = random_run_shapes(rng, batch * kv_heads, 4, 5);
+  const std::uint32_t pool_pages = total_pages(shapes) + 3;
+  b.pool.resize(std::size_t{pool_pages} * layout.page_bytes());
+  fill_pages(b, pool_pages, normal, rng);
+  random_runs(b, shapes, pool_pages, rng, false);
+  random_queries(b, normal, rng);
+  if (with_extra) random_extra(b, normal, rng, 3, 1, 8);  // no term for heads 1, 4, 7, ...
+  return b;
+}
+
+// b as an AttendPlan whose pages start at `base` (b's pool, or a copy of it
+// in device memory), and the call that attends it (no out, no weights yet).
+inline AttendPlan attend_plan_of(const AttentionBatch& b, const std::byte* base) {
+  AttendPlan plan;
+  plan.indptr = b.indptr;
+  plan.indices = b.indices;
+  plan.last_page_len = b.last_page_len;
+  plan.head_entries = b.row_entries;
+  plan.extra = b.extra;
+  plan.live_masks = b.live_masks;
+  plan.gpu_tier_base = base;
+  plan.page_bytes = b.stride;
+  return plan;
+}
+
+inline AttendCall attend_call_of(const AttentionBatch& b, const AttendPlan& plan) {
+  AttendCall call;
+  call.plan = &plan;
+  call.layout = b.layout;
+  call.batch = b.batch;
+  call.q_heads = b.q_heads;
+  call.kv_heads = b.kv_heads;
+  call.scale = b.scale;
+  call.q = b.q.data();
+  return call;
 }
 
 // Host decode_attention per request: the reference; with `weights`, its

@@ -423,6 +423,14 @@ TEST_CASE("decode_attention rejects bad masks and slot weights and writes nothin
   REQUIRE_SPARSEKV_ERROR(decode_attention(wide, 1, 1.0f, q.data(), wide_kv, {}, out.data(), lse.data()),
                          ErrorCode::invalid_argument);
   unchanged();
+  // attend_pages' scores: [pages * page_tokens][group].
+  std::vector<AttentionPartial> states(1, AttentionPartial(4));
+  std::vector<float> scores(9, 7.0f);
+  REQUIRE_SPARSEKV_ERROR(attend_pages(layout, q.data(), 1.0f, kv[0], states, scores), ErrorCode::invalid_argument);
+  REQUIRE(states[0].empty());
+  scores.pop_back();
+  attend_pages(layout, q.data(), 1.0f, kv[0], states, scores);
+  REQUIRE((scores[0] == 0.0f && scores[1] == 0.0f && scores[2] == -INFINITY && scores[7] == -INFINITY));
   // The same call with the right sizes runs: kv head 0 sees slots 0 and 1 only.
   decode_attention(layout, 2, 1.0f, q.data(), kv, {}, out.data(), lse.data(), weights);
   REQUIRE(weights[0] + weights[1] == Approx(1.0f).epsilon(1e-6));
@@ -433,41 +441,13 @@ TEST_CASE("decode_attention rejects bad masks and slot weights and writes nothin
 TEST_CASE("HostBackend::attend honours AttendPlan::live_masks and fills AttendCall::slot_weights",
           "[attention][masks][backend]") {
   std::mt19937 rng(31);
-  std::normal_distribution<float> normal;
   for (const std::uint32_t group : {1u, 4u}) {
-    test::AttentionBatch b;
-    b.batch = 3;
-    b.kv_heads = 2;
-    b.q_heads = b.kv_heads * group;
-    b.layout = PageLayout{8, 16, DType::bf16};
-    b.stride = b.layout.page_bytes();
-    b.scale = 0.25f;
-    const auto shapes = test::random_run_shapes(rng, b.batch * b.kv_heads, 3, 4);
-    const std::uint32_t pool_pages = test::total_pages(shapes) + 2;
-    b.pool.resize(std::size_t{pool_pages} * b.stride);
-    test::fill_pages(b, pool_pages, normal, rng);
-    test::random_runs(b, shapes, pool_pages, rng, false);
-    test::random_queries(b, normal, rng);
+    test::AttentionBatch b = test::random_runs_batch(rng, 3, 2, group, PageLayout{8, 16, DType::bf16}, false);
     test::random_masks(b, rng);
     std::vector<float> want_out, want_lse, want_weights;
     test::reference_attention(b, want_out, want_lse, &want_weights);
-
-    AttendPlan plan;
-    plan.indptr = b.indptr;
-    plan.indices = b.indices;
-    plan.last_page_len = b.last_page_len;
-    plan.head_entries = b.row_entries;
-    plan.live_masks = b.live_masks;
-    plan.gpu_tier_base = b.pool.data();
-    plan.page_bytes = b.stride;
-    AttendCall call;
-    call.plan = &plan;
-    call.layout = b.layout;
-    call.batch = b.batch;
-    call.q_heads = b.q_heads;
-    call.kv_heads = b.kv_heads;
-    call.scale = b.scale;
-    call.q = b.q.data();
+    AttendPlan plan = test::attend_plan_of(b, b.pool.data());
+    AttendCall call = test::attend_call_of(b, plan);
     std::vector<float> out(want_out.size(), -1.0f), weights(b.indices.size() * 8, -1.0f);
     call.out = out.data();
     call.slot_weights = weights.data();

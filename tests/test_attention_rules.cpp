@@ -302,13 +302,7 @@ using Batch = AttentionBatch;
 Batch random_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads, std::uint32_t group,
                    PageLayout layout, bool with_extra) {
   std::normal_distribution<float> normal;
-  Batch b;
-  b.batch = batch;
-  b.kv_heads = kv_heads;
-  b.q_heads = kv_heads * group;
-  b.layout = layout;
-  b.stride = layout.page_bytes();
-  b.scale = (rng() % 2 ? 4.0f : 1.0f) / std::sqrt(float(layout.head_dim));  // some rows peaky
+  Batch b = batch_shape(rng, batch, kv_heads, group, layout);
   const std::uint32_t rows = batch * kv_heads;
   std::vector<std::uint32_t> counts(rows);
   for (std::uint32_t r = 0; r < rows; ++r) counts[r] = r % 7 == 1 ? 0 : r % 7 == 2 ? 1 : rng() % 12;
@@ -319,27 +313,6 @@ Batch random_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_head
   random_rows(b, counts, pool_pages, rng, false);
   random_queries(b, normal, rng);
   if (with_extra) random_extra(b, normal, rng, 3, 0, 8);  // no term for heads 0, 3, 6, ...
-  return b;
-}
-
-// The same in the runs form: rows of several runs (random_run_shapes).
-Batch random_runs_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads, std::uint32_t group,
-                        PageLayout layout, bool with_extra) {
-  std::normal_distribution<float> normal;
-  Batch b;
-  b.batch = batch;
-  b.kv_heads = kv_heads;
-  b.q_heads = kv_heads * group;
-  b.layout = layout;
-  b.stride = layout.page_bytes();
-  b.scale = (rng() % 2 ? 4.0f : 1.0f) / std::sqrt(float(layout.head_dim));
-  const auto shapes = random_run_shapes(rng, batch * kv_heads, 4, 5);
-  const std::uint32_t pool_pages = total_pages(shapes) + 3;
-  b.pool.resize(std::size_t{pool_pages} * layout.page_bytes());
-  fill_pages(b, pool_pages, normal, rng);
-  random_runs(b, shapes, pool_pages, rng, false);
-  random_queries(b, normal, rng);
-  if (with_extra) random_extra(b, normal, rng, 3, 1, 8);  // no term for heads 1, 4, 7, ...
   return b;
 }
 

@@ -71,9 +71,13 @@ void CudaBackend::attend(const AttendCall& call) {
   check_attend_masks(call);
   const AttendPlan& plan = *call.plan;
   const std::size_t weight_count = plan.indices.size() * call.layout.page_tokens;
-  // Pages no row reaches get no weight (the kernel writes every slot of the others).
-  if (call.slot_weights != nullptr) std::fill_n(call.slot_weights, weight_count, 0.0f);
+  // Pages no row reaches get no weight; the kernel writes every slot of the others. Zeroed only once
+  // the launch has passed its checks, so that a refused call writes nothing.
+  const auto zero_weights = [&] {
+    if (call.slot_weights != nullptr) std::fill_n(call.slot_weights, weight_count, 0.0f);
+  };
   if (call.batch == 0) {
+    zero_weights();
     transfer_->synchronize();  // nothing to attend, but the stream is drained on return as after any step
     return;
   }
@@ -113,7 +117,8 @@ void CudaBackend::attend(const AttendCall& call) {
   args.row_entries =
       static_cast<const std::int64_t*>(upload(head_entries_, plan.head_entries.data(), bytes_of(plan.head_entries)));
   if (!plan.live_masks.empty())
-    args.live_masks = static_cast<const SlotMask*>(upload(live_masks_, plan.live_masks.data(), bytes_of(plan.live_masks)));
+    args.live_masks =
+        static_cast<const SlotMask*>(upload(live_masks_, plan.live_masks.data(), bytes_of(plan.live_masks)));
   args.scale = call.scale;
   if (!plan.extra.empty()) {
     // An empty term (sum 0) may have no accumulator: its zeros are never read.
@@ -133,16 +138,17 @@ void CudaBackend::attend(const AttendCall& call) {
   args.workspace_bytes = workspace_.bytes;
   if (weights) args.slot_weights = static_cast<float*>(device_bytes(slot_weights_, weight_count * sizeof(float)));
   sparse_decode_attention(shape, args, stream);
+  zero_weights();
   check(cudaMemcpyAsync(call.out, args.out, heads * dim * sizeof(float), cudaMemcpyDeviceToHost, stream),
         "cudaMemcpyAsync D2H");
   if (weights) {
-    // Slots of pages no row reaches are not written on the device: only the row pages' span comes back.
+    // Only the span of the rows' pages comes back: the kernel writes no other.
     const auto first = static_cast<std::size_t>(plan.indptr[plan.head_entries.front()]);
     const auto end = static_cast<std::size_t>(plan.indptr[plan.head_entries[std::size_t{call.batch} * call.kv_heads]]);
     const std::size_t pt = call.layout.page_tokens;
     if (end > first)
-      check(cudaMemcpyAsync(call.slot_weights + first * pt, args.slot_weights + first * pt, (end - first) * pt * sizeof(float),
-                            cudaMemcpyDeviceToHost, stream),
+      check(cudaMemcpyAsync(call.slot_weights + first * pt, args.slot_weights + first * pt,
+                            (end - first) * pt * sizeof(float), cudaMemcpyDeviceToHost, stream),
             "cudaMemcpyAsync D2H");
   }
   transfer_->synchronize();

@@ -16,6 +16,10 @@ void attend_pages(const PageLayout& layout, const float* q, float scale, const H
                   std::span<AttentionPartial> states, std::span<float> scores) {
   const std::uint32_t d = layout.head_dim;
   const std::size_t group = states.size();
+  if (!scores.empty() && scores.size() != kv.pages.size() * layout.page_tokens * group) {
+    fail(ErrorCode::invalid_argument, "attend_pages: {} scores for {} pages of {} slots and {} q heads", scores.size(),
+         kv.pages.size(), layout.page_tokens, group);
+  }
   // Dead and unused slots keep -inf: their weight is then 0 by softmax_weight.
   std::fill(scores.begin(), scores.end(), kNegativeInfinity);
   std::vector<float> k(d), v(d);

@@ -40,43 +40,16 @@ TEST_CASE("CudaBackend: the facade on device memory matches the host backend", "
 TEST_CASE("CudaBackend::attend honours live masks and returns slot weights as HostBackend does",
           "[gpu][backend][masks]") {
   std::mt19937 rng(12);
-  std::normal_distribution<float> normal;
   cuda::CudaBackend cuda_backend;
   HostBackend host_backend;
   for (const std::uint32_t group : {1u, 4u}) {
-    test::AttentionBatch b;
-    b.batch = 3;
-    b.kv_heads = 2;
-    b.q_heads = b.kv_heads * group;
-    b.layout = PageLayout{8, 64, DType::bf16};
-    b.stride = b.layout.page_bytes();
-    b.scale = 0.125f;
-    const auto shapes = test::random_run_shapes(rng, b.batch * b.kv_heads, 3, 5);
-    const std::uint32_t pool_pages = test::total_pages(shapes) + 2;
-    b.pool.resize(std::size_t{pool_pages} * b.stride);
-    test::fill_pages(b, pool_pages, normal, rng);
-    test::random_runs(b, shapes, pool_pages, rng, false);
-    test::random_queries(b, normal, rng);
+    test::AttentionBatch b = test::random_runs_batch(rng, 3, 2, group, PageLayout{8, 64, DType::bf16}, false);
     test::random_masks(b, rng);
     const DeviceArray<std::byte> device_pool(b.pool);
-    AttendPlan plan;
-    plan.indptr = b.indptr;
-    plan.indices = b.indices;
-    plan.last_page_len = b.last_page_len;
-    plan.head_entries = b.row_entries;
-    plan.live_masks = b.live_masks;
-    plan.page_bytes = b.stride;
-    AttendCall call;
-    call.plan = &plan;
-    call.layout = b.layout;
-    call.batch = b.batch;
-    call.q_heads = b.q_heads;
-    call.kv_heads = b.kv_heads;
-    call.scale = b.scale;
-    call.q = b.q.data();
+    AttendPlan plan = test::attend_plan_of(b, b.pool.data());
+    AttendCall call = test::attend_call_of(b, plan);
     const std::size_t outputs = std::size_t{b.batch} * b.q_heads * 64, slots = b.indices.size() * 8;
     std::vector<float> want_out(outputs), want_weights(slots), got_out(outputs, -1.0f), got_weights(slots, -1.0f);
-    plan.gpu_tier_base = b.pool.data();
     call.out = want_out.data();
     call.slot_weights = want_weights.data();
     host_backend.attend(call);

@@ -52,7 +52,8 @@ void attend_pages(const PageLayout& layout, const float* q, float scale, const H
                   std::span<AttentionPartial> states);
 // The same, also keeping every slot's score: scores is
 // [kv.pages.size() * page_tokens][states.size()], slot t of page p at row
-// p * page_tokens + t, -inf for a dead or unused slot.
+// p * page_tokens + t, -inf for a dead or unused slot. Throws
+// invalid_argument when scores is neither empty nor of that size.
 void attend_pages(const PageLayout& layout, const float* q, float scale, const HeadKv& kv,
                   std::span<AttentionPartial> states, std::span<float> scores);
 
