@@ -1,12 +1,15 @@
 #pragma once
 // A random decode-attention batch over a paged pool (one entry per row, or
 // several runs per row as an AttendPlan has them), the host decode_attention
-// reference, and a host emulation of the split-K kernel's decomposition;
+// reference, and a host emulation of the split-K kernel's decomposition
+// (live-slot masks and slot weights included);
 // shared by the kernel's rules (test_attention_rules.cpp), the Manager's
-// plans (test_manager.cpp) and the kernel's GPU test
+// plans (test_manager.cpp), the backends' attend() over a plan
+// (test_attention.cpp, gpu/test_cuda_backend.cpp) and the kernel's GPU test
 // (gpu/test_attention_cuda.cpp). The generators take the caller's normal
 // distribution so that one batch draws from a single sequence.
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +22,7 @@
 #include "sparsekv/attention/decode_attention.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/backend.hpp"
 
 namespace sparsekv::test {
 
@@ -37,10 +41,15 @@ struct AttentionBatch {
   std::vector<std::int64_t> row_entries;  // empty, or [batch * kv_heads + 1]
   std::vector<float> q;
   std::vector<AttentionPartial> extra;  // empty or [batch * q_heads]
+  std::vector<SlotMask> live_masks;     // empty, or [indices.size()] (AttendPlan::live_masks)
   std::uint32_t max_pages = 0;          // pages of the longest row, over all its entries
 
   const std::byte* page(std::int64_t id) const { return (base != nullptr ? base : pool.data()) + id * stride; }
   std::uint32_t group() const { return q_heads / kv_heads; }
+  const SlotMask* masks() const { return live_masks.empty() ? nullptr : live_masks.data(); }
+  std::uint32_t row_first_entry(std::uint32_t row) const {
+    return row_entries.empty() ? row : static_cast<std::uint32_t>(row_entries[row]);
+  }
   // The kernel's view of the entries (host pointers).
   cuda::DecodeAttentionPages pages() const {
     return {indptr.data(), last_page_len.data(), row_entries.empty() ? nullptr : row_entries.data(),
@@ -162,11 +171,86 @@ inline void random_extra(AttentionBatch& b, std::normal_distribution<float>& nor
   }
 }
 
-// Host decode_attention per request: the reference.
-inline void reference_attention(const AttentionBatch& b, std::vector<float>& out, std::vector<float>& lse) {
+// A live mask for every page: a quarter fully live, an eighth with every
+// slot dead, the rest random bits (a page_tokens-bit mask may still come out
+// full or empty).
+inline void random_masks(AttentionBatch& b, std::mt19937& rng) {
+  b.live_masks.clear();
+  for (std::size_t i = 0; i < b.indices.size(); ++i) {
+    const std::uint32_t kind = rng() % 8;
+    const SlotMask bits = (SlotMask{rng()} << 32) | rng();
+    b.live_masks.push_back(kind < 2 ? ~SlotMask{0} : kind == 2 ? SlotMask{0} : bits);
+  }
+}
+
+// A batch with no pages yet: pages strided by page_bytes, a scale of
+// 1/sqrt(head_dim), or 4 times that (peaky rows) for half of the draws.
+inline AttentionBatch batch_shape(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads, std::uint32_t group,
+                                  PageLayout layout) {
+  AttentionBatch b;
+  b.batch = batch;
+  b.kv_heads = kv_heads;
+  b.q_heads = kv_heads * group;
+  b.layout = layout;
+  b.stride = layout.page_bytes();
+  b.scale = (rng() % 2 ? 4.0f : 1.0f) / std::sqrt(float(layout.head_dim));
+  return b;
+}
+
+// A random batch in the runs form: rows of up to 4 runs of 1..5 pages
+// (random_run_shapes), some rows peaky; with_extra: terms for two heads in
+// three.
+inline AttentionBatch random_runs_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads,
+                                        std::uint32_t group, PageLayout layout, bool with_extra) {
+  std::normal_distribution<float> normal;
+  AttentionBatch b = batch_shape(rng, batch, kv_heads, group, layout);
+  const auto shapes = random_run_shapes(rng, batch * kv_heads, 4, 5);
+  const std::uint32_t pool_pages = total_pages(shapes) + 3;
+  b.pool.resize(std::size_t{pool_pages} * layout.page_bytes());
+  fill_pages(b, pool_pages, normal, rng);
+  random_runs(b, shapes, pool_pages, rng, false);
+  random_queries(b, normal, rng);
+  if (with_extra) random_extra(b, normal, rng, 3, 1, 8);  // no term for heads 1, 4, 7, ...
+  return b;
+}
+
+// b as an AttendPlan whose pages start at `base` (b's pool, or a copy of it
+// in device memory), and the call that attends it (no out, no weights yet).
+inline AttendPlan attend_plan_of(const AttentionBatch& b, const std::byte* base) {
+  AttendPlan plan;
+  plan.indptr = b.indptr;
+  plan.indices = b.indices;
+  plan.last_page_len = b.last_page_len;
+  plan.head_entries = b.row_entries;
+  plan.extra = b.extra;
+  plan.live_masks = b.live_masks;
+  plan.gpu_tier_base = base;
+  plan.page_bytes = b.stride;
+  return plan;
+}
+
+inline AttendCall attend_call_of(const AttentionBatch& b, const AttendPlan& plan) {
+  AttendCall call;
+  call.plan = &plan;
+  call.layout = b.layout;
+  call.batch = b.batch;
+  call.q_heads = b.q_heads;
+  call.kv_heads = b.kv_heads;
+  call.scale = b.scale;
+  call.q = b.q.data();
+  return call;
+}
+
+// Host decode_attention per request: the reference; with `weights`, its
+// slot weights for every page position ([indices.size()][page_tokens], 0 for
+// pages no row reaches).
+inline void reference_attention(const AttentionBatch& b, std::vector<float>& out, std::vector<float>& lse,
+                                std::vector<float>* weights = nullptr) {
   const std::uint32_t d = b.layout.head_dim;
+  const std::uint32_t pt = b.layout.page_tokens;
   out.assign(std::size_t{b.batch} * b.q_heads * d, 0.0f);
   lse.assign(std::size_t{b.batch} * b.q_heads, 0.0f);
+  if (weights != nullptr) weights->assign(b.indices.size() * pt, 0.0f);
   std::vector<HeadKv> kv(b.kv_heads);
   for (std::uint32_t r = 0; r < b.batch; ++r) {
     for (std::uint32_t h = 0; h < b.kv_heads; ++h) {
@@ -177,14 +261,22 @@ inline void reference_attention(const AttentionBatch& b, std::vector<float>& out
       for (std::int64_t e = first; e < end; ++e) {
         for (std::int64_t i = b.indptr[e]; i < b.indptr[e + 1]; ++i)
           kv[h].add(b.page(b.indices[i]),
-                    i + 1 == b.indptr[e + 1] ? std::uint32_t(b.last_page_len[e]) : b.layout.page_tokens);
+                    i + 1 == b.indptr[e + 1] ? std::uint32_t(b.last_page_len[e]) : b.layout.page_tokens,
+                    b.live_masks.empty() ? ~SlotMask{0} : b.live_masks[std::size_t(i)]);
       }
     }
     const std::span<const AttentionPartial> extra =
         b.extra.empty() ? std::span<const AttentionPartial>{}
                         : std::span<const AttentionPartial>(b.extra).subspan(std::size_t{r} * b.q_heads, b.q_heads);
+    // The request's rows hold page positions [first, end) in order.
+    std::span<float> slice;
+    if (weights != nullptr) {
+      const auto first = std::size_t(b.indptr[b.row_first_entry(r * b.kv_heads)]);
+      const auto end = std::size_t(b.indptr[b.row_first_entry((r + 1) * b.kv_heads)]);
+      slice = std::span<float>(*weights).subspan(first * pt, (end - first) * pt);
+    }
     decode_attention(b.layout, b.q_heads, b.scale, b.q.data() + std::size_t{r} * b.q_heads * d, kv, extra,
-                     out.data() + std::size_t{r} * b.q_heads * d, lse.data() + std::size_t{r} * b.q_heads);
+                     out.data() + std::size_t{r} * b.q_heads * d, lse.data() + std::size_t{r} * b.q_heads, slice);
   }
 }
 
@@ -213,10 +305,16 @@ struct SoftmaxHead {
 // CTA (row, chunk, slice) walks the chunk's token slots round-robin over
 // `subgroups` online-softmax states, each with its own entry cursor (a
 // kernel thread's), skipping the slots past a run's last token; merges them
-// and writes partial [chunk][q head] to the workspace; the merge phase folds
-// the chunks in order, then the extra term.
+// and dead slots (decode_attention_slot_live), keeping each live slot's
+// score (decode_attention_score_index) when `weights` is set, and writes
+// partial [chunk][q head] to the workspace; the merge phase folds the chunks
+// in order, then the extra term; the weights phase (with `weights`: [max_indices][page_tokens],
+// NaN where not written) runs `weight_threads` threads per row, each with its
+// own cursor, over the row's (page, slot) pairs (decode_attention_slot_weight).
 inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttentionSplit& split,
-                            std::uint32_t subgroups, std::vector<float>& out, std::vector<float>& lse) {
+                            std::uint32_t subgroups, std::vector<float>& out, std::vector<float>& lse,
+                            std::vector<float>* weights = nullptr, std::uint32_t max_indices = 0,
+                            std::uint32_t weight_threads = 128) {
   const std::uint32_t d = b.layout.head_dim;
   const std::uint32_t group = b.group();
   const std::uint32_t page_tokens = b.layout.page_tokens;
@@ -224,6 +322,8 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
   const std::size_t batch_q = std::size_t{b.batch} * b.q_heads;
   std::vector<float> ws_acc(split.chunks * batch_q * d, std::nanf("")), ws_max(split.chunks * batch_q),
       ws_sum(split.chunks * batch_q);
+  // Scores the split phase never writes (dead and unused slots) stay NaN: the weights phase must not read them.
+  std::vector<float> ws_scores(weights != nullptr ? std::size_t{max_indices} * page_tokens * group : 0, std::nanf(""));
   std::vector<float> k(d), v(d);
   for (std::uint32_t row = 0; row < b.batch * b.kv_heads; ++row) {
     const cuda::DecodeAttentionRow rp = cuda::decode_attention_row(pages, row);
@@ -244,12 +344,15 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
           const std::int64_t pos = rp.begin + std::int64_t(range.first + t / page_tokens);
           const std::uint32_t slot = std::uint32_t(t % page_tokens);
           if (slot >= walk[t % subgroups].tokens_at(pages, pos)) continue;
+          if (!cuda::decode_attention_slot_live(b.masks(), pos, slot)) continue;
           const std::byte* p = b.page(b.indices[pos]);
           for (std::uint32_t i = 0; i < d; ++i) k[i] = load_element(p + b.layout.k_offset(slot), i, b.layout.dtype);
           for (std::uint32_t i = 0; i < d; ++i) v[i] = load_element(p + b.layout.v_offset(slot), i, b.layout.dtype);
           float dot = 0;
           for (std::uint32_t i = 0; i < d; ++i) dot += qg[i] * k[i];
           sub[t % subgroups].fold(dot * b.scale, 1.0f, v.data());
+          if (weights != nullptr && pos < std::int64_t(max_indices))
+            ws_scores[cuda::decode_attention_score_index(pos, slot, page_tokens, group) + g] = dot * b.scale;
         }
         SoftmaxHead cta(d);
         for (const SoftmaxHead& s : sub) cta.merge(s);
@@ -280,6 +383,22 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
     const std::vector<float> o = total.output();
     std::copy(o.begin(), o.end(), out.begin() + h * d);
     lse[h] = softmax_lse(total.state);
+  }
+  if (weights == nullptr) return;
+  weights->assign(std::size_t{max_indices} * page_tokens, std::nanf(""));
+  for (std::uint32_t row = 0; row < b.batch * b.kv_heads; ++row) {
+    const cuda::DecodeAttentionRow rp = cuda::decode_attention_row(pages, row);
+    const std::uint64_t slots = rp.pages() * page_tokens;
+    for (std::uint32_t thread = 0; thread < weight_threads && thread < slots; ++thread) {
+      cuda::DecodeAttentionCursor cursor(pages, rp, rp.begin);
+      for (std::uint64_t idx = thread; idx < slots; idx += weight_threads) {
+        const std::int64_t pos = rp.begin + std::int64_t(idx / page_tokens);
+        if (pos >= std::int64_t(max_indices)) break;
+        const auto slot = std::uint32_t(idx % page_tokens);
+        (*weights)[std::size_t(pos) * page_tokens + slot] = cuda::decode_attention_slot_weight(
+            ws_scores.data(), lse.data(), b.masks(), row, pos, slot, cursor.tokens_at(pages, pos), page_tokens, group);
+      }
+    }
   }
 }
 

@@ -6,7 +6,10 @@
 // a host emulation of the kernel's decomposition (rows -> chunks -> token
 // subgroups -> workspace partials -> merge with the extra term,
 // attention_test_data.hpp) against the host decode_attention, in both forms:
-// one entry per row, and an AttendPlan's runs (row_entries).
+// one entry per row, and an AttendPlan's runs (row_entries); with live-slot
+// masks and slot weights (SpvLLM §4.1, H2O): the split kernel's mask test
+// (decode_attention_slot_live), its stored scores and the weights kernel's
+// walk (decode_attention_slot_weight) emulated against decode_attention.
 //
 // Relative error of an output head: max_d |got - want| / max_d |want|; of an
 // lse: |got - want| / max(1, |want|).
@@ -258,7 +261,38 @@ TEST_CASE("split_decode_attention covers every page with bounded chunks", "[atte
   shape.layout.page_tokens = 1;  // tiny pages: the chunk floor is kMinChunkTokens pages
   shape.max_pages = 1000;
   REQUIRE(cuda::split_decode_attention(shape, 100000).chunk_pages == cuda::kMinChunkTokens);
+  // Slot weights add the scores of max_indices pages and one lse per q head.
+  const std::size_t without = cuda::split_decode_attention(shape, 100000).workspace_bytes;
+  shape.max_indices = 300;
+  REQUIRE(cuda::split_decode_attention(shape, 100000).workspace_bytes ==
+          without + (std::size_t{300} * 1 * 12 + 2 * 96) * sizeof(float));
 }
+
+TEST_CASE("the kernel's live-slot test and slot weight follow the mask and the group", "[attention-rules][masks]") {
+  const std::vector<SlotMask> masks{0b1011, 0, ~SlotMask{0}, SlotMask{1} << 63};
+  for (std::uint32_t slot = 0; slot < 64; ++slot) {
+    CAPTURE(slot);
+    REQUIRE(cuda::decode_attention_slot_live(nullptr, 3, slot));
+    REQUIRE(cuda::decode_attention_slot_live(masks.data(), 0, slot) == (slot < 4 && slot != 2));
+    REQUIRE_FALSE(cuda::decode_attention_slot_live(masks.data(), 1, slot));
+    REQUIRE(cuda::decode_attention_slot_live(masks.data(), 2, slot));
+    REQUIRE(cuda::decode_attention_slot_live(masks.data(), 3, slot) == (slot == 63));
+  }
+  // Scores [pos * page_tokens + slot][group]; row 1's q heads are lse[2], lse[3].
+  const std::uint32_t pt = 4, group = 2;
+  std::vector<float> scores(4 * pt * group, std::nanf(""));
+  const std::size_t at = cuda::decode_attention_score_index(2, 1, pt, group);
+  REQUIRE(at == (2 * 4 + 1) * 2);
+  scores[at] = 0.5f;
+  scores[at + 1] = -kInf;
+  const std::vector<float> lse{9.0f, 9.0f, 1.0f, -kInf};
+  REQUIRE(cuda::decode_attention_slot_weight(scores.data(), lse.data(), nullptr, 1, 2, 1, 4, pt, group) ==
+          std::exp(0.5f - 1.0f));
+  // Unused (slot >= tokens) and dead slots are 0 without reading their NaN scores.
+  REQUIRE(cuda::decode_attention_slot_weight(scores.data(), lse.data(), nullptr, 1, 2, 3, 3, pt, group) == 0.0f);
+  REQUIRE(cuda::decode_attention_slot_weight(scores.data(), lse.data(), masks.data(), 1, 1, 1, 4, pt, group) == 0.0f);
+}
+
 
 namespace {
 
@@ -268,13 +302,7 @@ using Batch = AttentionBatch;
 Batch random_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads, std::uint32_t group,
                    PageLayout layout, bool with_extra) {
   std::normal_distribution<float> normal;
-  Batch b;
-  b.batch = batch;
-  b.kv_heads = kv_heads;
-  b.q_heads = kv_heads * group;
-  b.layout = layout;
-  b.stride = layout.page_bytes();
-  b.scale = (rng() % 2 ? 4.0f : 1.0f) / std::sqrt(float(layout.head_dim));  // some rows peaky
+  Batch b = batch_shape(rng, batch, kv_heads, group, layout);
   const std::uint32_t rows = batch * kv_heads;
   std::vector<std::uint32_t> counts(rows);
   for (std::uint32_t r = 0; r < rows; ++r) counts[r] = r % 7 == 1 ? 0 : r % 7 == 2 ? 1 : rng() % 12;
@@ -285,27 +313,6 @@ Batch random_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_head
   random_rows(b, counts, pool_pages, rng, false);
   random_queries(b, normal, rng);
   if (with_extra) random_extra(b, normal, rng, 3, 0, 8);  // no term for heads 0, 3, 6, ...
-  return b;
-}
-
-// The same in the runs form: rows of several runs (random_run_shapes).
-Batch random_runs_batch(std::mt19937& rng, std::uint32_t batch, std::uint32_t kv_heads, std::uint32_t group,
-                        PageLayout layout, bool with_extra) {
-  std::normal_distribution<float> normal;
-  Batch b;
-  b.batch = batch;
-  b.kv_heads = kv_heads;
-  b.q_heads = kv_heads * group;
-  b.layout = layout;
-  b.stride = layout.page_bytes();
-  b.scale = (rng() % 2 ? 4.0f : 1.0f) / std::sqrt(float(layout.head_dim));
-  const auto shapes = random_run_shapes(rng, batch * kv_heads, 4, 5);
-  const std::uint32_t pool_pages = total_pages(shapes) + 3;
-  b.pool.resize(std::size_t{pool_pages} * layout.page_bytes());
-  fill_pages(b, pool_pages, normal, rng);
-  random_runs(b, shapes, pool_pages, rng, false);
-  random_queries(b, normal, rng);
-  if (with_extra) random_extra(b, normal, rng, 3, 1, 8);  // no term for heads 1, 4, 7, ...
   return b;
 }
 
@@ -436,4 +443,63 @@ TEST_CASE("host emulation of the split-K kernel over a plan's runs matches decod
     }
   }
   REQUIRE(cases == 3 * 2 * 3 * 2 * 2 * 7);
+}
+
+namespace {
+
+void require_weights_close(const std::vector<float>& got, const std::vector<float>& want, std::uint32_t group) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(i, got[i], want[i]);
+    if (want[i] == 0.0f) REQUIRE(got[i] == 0.0f);  // dead and unused slots, and heads with no keys
+    REQUIRE(std::abs(got[i] - want[i]) <= 1e-5f * group);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("host emulation of the masked split-K kernel with slot weights matches decode_attention",
+          "[attention-rules][masks]") {
+  std::mt19937 rng(65);
+  int cases = 0;
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    for (const std::uint32_t group : {1u, 4u, 12u}) {
+      for (const std::uint32_t page_tokens : {16u, 5u, 64u}) {
+        for (const bool runs : {false, true}) {
+          const PageLayout layout{page_tokens, 64, dtype};
+          const std::uint32_t batch = 2 + rng() % 2;
+          const std::uint32_t kv_heads = group == 12 ? 2 : 2 + rng() % 2;
+          const bool with_extra = rng() % 2 == 0;
+          Batch b = runs ? random_runs_batch(rng, batch, kv_heads, group, layout, with_extra)
+                         : random_batch(rng, batch, kv_heads, group, layout, with_extra);
+          random_masks(b, rng);
+          std::vector<float> want_out, want_lse, want_weights;
+          reference_attention(b, want_out, want_lse, &want_weights);
+          cuda::DecodeAttentionShape shape{batch, b.q_heads, kv_heads, layout, b.max_pages, 0};
+          const auto max_indices = static_cast<std::uint32_t>(b.indices.size());
+          shape.max_indices = max_indices;
+          for (const std::uint32_t chunk_pages : {0u, 1u, 3u}) {
+            shape.chunk_pages = chunk_pages;
+            const cuda::DecodeAttentionSplit split = cuda::split_decode_attention(shape, 4096);
+            std::vector<float> got_out, got_lse, got_weights;
+            // 128 threads per row as the kernel, and 3 so that every thread walks several pages.
+            emulate_split_k(b, split, 8, got_out, got_lse, &got_weights, max_indices, chunk_pages == 1 ? 3 : 128);
+            CAPTURE(to_string(dtype), group, page_tokens, runs, with_extra, chunk_pages, split.chunks);
+            require_close(b, got_out, got_lse, want_out, want_lse);
+            require_weights_close(got_weights, want_weights, group);
+            ++cases;
+          }
+          // Positions at or past an understated max_indices get no score and no weight; the rest are unchanged.
+          const std::uint32_t short_indices = max_indices / 2;
+          std::vector<float> got_out, got_lse, got_weights;
+          emulate_split_k(b, cuda::split_decode_attention(shape, 4096), 8, got_out, got_lse, &got_weights,
+                          short_indices);
+          REQUIRE(got_weights.size() == std::size_t{short_indices} * page_tokens);
+          require_weights_close(got_weights, std::vector<float>(want_weights.begin(), want_weights.begin() +
+                                                                  std::ptrdiff_t(got_weights.size())), group);
+        }
+      }
+    }
+  }
+  REQUIRE(cases == 2 * 3 * 3 * 2 * 3);
 }

@@ -1,6 +1,8 @@
 // CUDA kernels of Attend: split-K sparse paged decode attention over
 // head-wise pages (Spin §4.1 Attend, §5.2 page layout), GQA, log-sum-exp
-// merge of the chunk partials and of a policy's extra term (RetroInfer §4.2).
+// merge of the chunk partials and of a policy's extra term (RetroInfer §4.2),
+// live-slot masks (SpvLLM §4.1) and per-slot softmax weights from the same
+// pass (H2O's scores).
 // The online-softmax fold and merge are the softmax_* functions of
 // attention_partial.hpp, shared with the host backend; the walk over a row's
 // pages and runs is the decode_attention_* functions of the header, shared
@@ -32,6 +34,8 @@ constexpr std::uint32_t kThreads = kWarps * kWarp;
 // decode attention is bandwidth-bound, throughput follows the bytes in flight.
 constexpr std::uint32_t kUnroll = 4;
 constexpr std::uint32_t kMergeThreads = 256;
+constexpr std::uint32_t kWeightsThreads = 128;
+constexpr std::size_t kNoScore = ~std::size_t{0};
 constexpr std::size_t kVec = sizeof(uint4);  // 16 bytes
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr std::uint32_t kMaxGridYZ = 65535;
@@ -84,6 +88,7 @@ struct SplitParams {
   std::size_t page_stride;
   DecodeAttentionPages pages;  // indptr, last_page_len, row_entries, page_tokens
   const std::int64_t* indices;
+  const SlotMask* live_masks;  // null: all live
   float scale;
   std::uint32_t group;        // q heads per kv head
   std::uint32_t chunk_pages;
@@ -92,13 +97,16 @@ struct SplitParams {
   float* ws_acc;              // [chunks][batch_q][D]
   float* ws_max;              // [chunks][batch_q]
   float* ws_sum;              // [chunks][batch_q]
+  float* scores;              // null, or [max_indices * page_tokens][group]: every live slot's scaled score
+  std::uint32_t max_indices;
 };
 
 // Phase 1: CTA (row, chunk, head slice) folds the chunk's tokens for up to G
 // q heads. A row of D elements is kLanesPerRow lanes x one 16-byte vector; a
 // warp holds kRowsPerWarp such subgroups, each running its own online softmax
 // over its tokens. Subgroups merge by shuffles, warps through shared memory;
-// the CTA writes one partial per q head.
+// the CTA writes one partial per q head, and (slot weights) each live slot's
+// scaled scores.
 template <std::uint32_t D, DType T, std::uint32_t G>
 __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParams p) {
   using E = Elements<T>;
@@ -155,19 +163,24 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
   for (std::uint64_t base = 0; base < tokens; base += kStep) {
     uint4 k_raw[kUnroll], v_raw[kUnroll];
     bool valid[kUnroll];
+    std::size_t score_at[kUnroll];
 #pragma unroll
     for (std::uint32_t u = 0; u < kUnroll; ++u) {
       const std::uint32_t offset = u * kSubgroups + warp * kRowsPerWarp + sub;
       valid[u] = base + offset < tokens;
       k_raw[u] = make_uint4(0, 0, 0, 0);
       v_raw[u] = make_uint4(0, 0, 0, 0);
+      score_at[u] = kNoScore;
       if (valid[u]) {
         const std::uint32_t in_page = slot_base + offset;
         const std::int64_t pos =
             row_span.begin + static_cast<std::int64_t>(range.first + page_index + in_page / page_tokens);
         const std::uint32_t slot = in_page % page_tokens;
-        valid[u] = slot < cursor.tokens_at(p.pages, pos);  // false past a run's last token mid-chunk
+        // False past a run's last token mid-chunk, and for a slot whose token was evicted.
+        valid[u] = slot < cursor.tokens_at(p.pages, pos) && decode_attention_slot_live(p.live_masks, pos, slot);
         if (valid[u]) {
+          if (p.scores != nullptr && pos < static_cast<std::int64_t>(p.max_indices))
+            score_at[u] = decode_attention_score_index(pos, slot, page_tokens, p.group) + head0;
           const std::byte* k_row = p.page_base + static_cast<std::size_t>(p.indices[pos]) * p.page_stride +
                                    slot * kRowBytes + dim0 * kElemBytes;
           k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_row));
@@ -193,6 +206,11 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
         for (std::uint32_t g = 0; g < G; ++g) dot[g] += __shfl_xor_sync(kFullMask, dot[g], off);
       }
       if (valid[u]) {
+        if (score_at[u] != kNoScore && lane % kLanesPerRow == 0) {
+#pragma unroll
+          for (std::uint32_t g = 0; g < G; ++g)
+            if (g < heads) p.scores[score_at[u] + g] = dot[g] * p.scale;
+        }
         float v[kPerVec];
         E::unpack(v_raw[u], v);
 #pragma unroll
@@ -265,13 +283,15 @@ struct MergeParams {
   DecodeAttentionExtra extra;
   float* out;
   float* lse;
+  float* ws_lse;  // null, or [batch_q]: the lse again, for the weights kernel
   std::uint32_t chunks;
   std::uint32_t batch_q;
   std::uint32_t head_dim;
 };
 
 // Phase 2: one thread per (q head, dim) merges the head's chunk partials in
-// chunk order, then the extra term, and writes o (and lse).
+// chunk order, then the extra term, and writes o (and lse, to the caller
+// and to the workspace when slot weights are asked for).
 __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const MergeParams p) {
   const std::uint64_t idx = std::uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (idx >= std::uint64_t{p.batch_q} * p.head_dim) return;
@@ -289,7 +309,40 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const Merge
     a = softmax_rescale_add(a, step, step.value_weight == 0.0f ? 0.0f : p.extra.acc[idx]);
   }
   p.out[idx] = softmax_output(a, s);
-  if (d == 0 && p.lse != nullptr) p.lse[head] = softmax_lse(s);
+  if (d == 0) {
+    if (p.lse != nullptr) p.lse[head] = softmax_lse(s);
+    if (p.ws_lse != nullptr) p.ws_lse[head] = softmax_lse(s);
+  }
+}
+
+struct WeightsParams {
+  DecodeAttentionPages pages;
+  const SlotMask* live_masks;
+  const float* scores;  // [max_indices * page_tokens][group]
+  const float* lse;     // [batch_q]
+  float* slot_weights;  // [max_indices][page_tokens]
+  std::uint32_t group;
+  std::uint32_t max_indices;
+};
+
+// Phase 3: block `row` writes the weight of every slot of the row's pages,
+// a thread per (page position, slot), in increasing positions so that each
+// thread's entry cursor only moves forward. Reads scores and lse only.
+__global__ void __launch_bounds__(kWeightsThreads) decode_weights_kernel(const WeightsParams p) {
+  const std::uint32_t row = blockIdx.x;
+  const std::uint32_t page_tokens = p.pages.page_tokens;
+  const DecodeAttentionRow span = decode_attention_row(p.pages, row);
+  const std::uint64_t slots = span.pages() * page_tokens;
+  if (slots == 0) return;
+  DecodeAttentionCursor cursor(p.pages, span, span.begin);
+  for (std::uint64_t idx = threadIdx.x; idx < slots; idx += kWeightsThreads) {
+    const std::int64_t pos = span.begin + static_cast<std::int64_t>(idx / page_tokens);
+    if (pos >= static_cast<std::int64_t>(p.max_indices)) return;
+    const std::uint32_t slot = static_cast<std::uint32_t>(idx % page_tokens);
+    const std::uint32_t tokens = cursor.tokens_at(p.pages, pos);
+    p.slot_weights[static_cast<std::size_t>(pos) * page_tokens + slot] = decode_attention_slot_weight(
+        p.scores, p.lse, p.live_masks, row, pos, slot, tokens, page_tokens, p.group);
+  }
 }
 
 constexpr const char* kFunction = "sparse_decode_attention";
@@ -382,6 +435,11 @@ void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAtte
     throw_invalid(kFunction, "null indptr, indices or last_page_len");
   if (args.workspace == nullptr || !aligned(args.workspace, kVec))
     throw_invalid(kFunction, "workspace is null or not 16-byte aligned");
+  if (args.live_masks != nullptr && shape.layout.page_tokens > kMaxMaskedPageTokens)
+    throw_invalid(kFunction, "live masks cover " + std::to_string(kMaxMaskedPageTokens) + " slots, pages hold " +
+                  std::to_string(shape.layout.page_tokens));
+  if (args.slot_weights != nullptr && shape.max_indices == 0)
+    throw_invalid(kFunction, "slot_weights needs shape.max_indices (the scores' room in the workspace)");
   const SplitKernel kernel = select_kernel(shape);
   const DecodeAttentionSplit split = plan(shape, kernel);
   if (args.workspace_bytes < split.workspace_bytes)
@@ -392,31 +450,44 @@ void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAtte
   float* ws_acc = static_cast<float*>(args.workspace);
   float* ws_max = ws_acc + std::size_t{split.chunks} * batch_q * shape.layout.head_dim;
   float* ws_sum = ws_max + std::size_t{split.chunks} * batch_q;
+  const std::uint32_t group = shape.q_heads / shape.kv_heads;
+  const bool weights = args.slot_weights != nullptr;
+  float* ws_scores = weights ? ws_sum + std::size_t{split.chunks} * batch_q : nullptr;
+  float* ws_lse = weights ? ws_scores + std::size_t{shape.max_indices} * shape.layout.page_tokens * group : nullptr;
   const DecodeAttentionPages pages{args.indptr, args.last_page_len, args.row_entries, shape.layout.page_tokens};
   const SplitParams sp{args.q,
                        args.page_base,
                        args.page_stride,
                        pages,
                        args.indices,
+                       args.live_masks,
                        args.scale,
-                       shape.q_heads / shape.kv_heads,
+                       group,
                        split.chunk_pages,
                        split.chunks,
                        batch_q,
                        ws_acc,
                        ws_max,
-                       ws_sum};
+                       ws_sum,
+                       ws_scores,
+                       shape.max_indices};
   const dim3 grid(shape.batch * shape.kv_heads, split.chunks, split.head_slices);
   const auto s = static_cast<cudaStream_t>(stream);
   kernel<<<grid, kThreads, 0, s>>>(sp);
   check_launch(kFunction);
 
-  const MergeParams mp{ws_acc, ws_max, ws_sum, args.extra, args.out, args.lse, split.chunks, batch_q,
+  const MergeParams mp{ws_acc, ws_max, ws_sum, args.extra, args.out, args.lse, ws_lse, split.chunks, batch_q,
                        shape.layout.head_dim};
   const std::uint64_t elements = std::uint64_t{batch_q} * shape.layout.head_dim;
   const auto merge_blocks = static_cast<unsigned>((elements + kMergeThreads - 1) / kMergeThreads);
   decode_merge_kernel<<<merge_blocks, kMergeThreads, 0, s>>>(mp);
   check_launch(kFunction);
+
+  if (weights) {
+    const WeightsParams wp{pages, args.live_masks, ws_scores, ws_lse, args.slot_weights, group, shape.max_indices};
+    decode_weights_kernel<<<shape.batch * shape.kv_heads, kWeightsThreads, 0, s>>>(wp);
+    check_launch(kFunction);
+  }
 }
 
 }  // namespace sparsekv::cuda

@@ -22,7 +22,8 @@ CudaBackend::CudaBackend() : transfer_(std::make_unique<DevicePageTransfer>()) {
 CudaBackend::~CudaBackend() {
   // A destructor cannot report a failed synchronisation; the buffers go either way.
   cudaStreamSynchronize(static_cast<cudaStream_t>(transfer_->stream()));
-  for (DeviceBuffer* b : {&q_, &indptr_, &indices_, &last_page_len_, &head_entries_, &extra_, &out_, &workspace_})
+  for (DeviceBuffer* b : {&q_, &indptr_, &indices_, &last_page_len_, &head_entries_, &extra_, &out_, &workspace_,
+                          &live_masks_, &slot_weights_})
     cudaFree(b->data);
 }
 
@@ -67,11 +68,19 @@ void CudaBackend::check_attend(const PageLayout& layout, std::uint32_t q_heads, 
 }
 
 void CudaBackend::attend(const AttendCall& call) {
+  check_attend_masks(call);
+  const AttendPlan& plan = *call.plan;
+  const std::size_t weight_count = plan.indices.size() * call.layout.page_tokens;
+  // Pages no row reaches get no weight; the kernel writes every slot of the others. Zeroed only once
+  // the launch has passed its checks, so that a refused call writes nothing.
+  const auto zero_weights = [&] {
+    if (call.slot_weights != nullptr) std::fill_n(call.slot_weights, weight_count, 0.0f);
+  };
   if (call.batch == 0) {
+    zero_weights();
     transfer_->synchronize();  // nothing to attend, but the stream is drained on return as after any step
     return;
   }
-  const AttendPlan& plan = *call.plan;
   const auto stream = static_cast<cudaStream_t>(transfer_->stream());
   const std::uint32_t dim = call.layout.head_dim;
   const std::size_t heads = std::size_t{call.batch} * call.q_heads;
@@ -80,6 +89,9 @@ void CudaBackend::attend(const AttendCall& call) {
   shape.q_heads = call.q_heads;
   shape.kv_heads = call.kv_heads;
   shape.layout = call.layout;
+  // A plan without pages has no slot to weigh.
+  const bool weights = call.slot_weights != nullptr && weight_count > 0;
+  if (weights) shape.max_indices = static_cast<std::uint32_t>(plan.indices.size());
   // The plan is on the host here, so its longest row sizes the split (the
   // device step passes a capacity instead).
   for (std::size_t r = 0; r + 1 < plan.head_entries.size(); ++r) {
@@ -104,6 +116,9 @@ void CudaBackend::attend(const AttendCall& call) {
       static_cast<const std::int32_t*>(upload(last_page_len_, plan.last_page_len.data(), bytes_of(plan.last_page_len)));
   args.row_entries =
       static_cast<const std::int64_t*>(upload(head_entries_, plan.head_entries.data(), bytes_of(plan.head_entries)));
+  if (!plan.live_masks.empty())
+    args.live_masks =
+        static_cast<const SlotMask*>(upload(live_masks_, plan.live_masks.data(), bytes_of(plan.live_masks)));
   args.scale = call.scale;
   if (!plan.extra.empty()) {
     // An empty term (sum 0) may have no accumulator: its zeros are never read.
@@ -121,9 +136,21 @@ void CudaBackend::attend(const AttendCall& call) {
   args.out = static_cast<float*>(device_bytes(out_, heads * dim * sizeof(float)));
   args.workspace = device_bytes(workspace_, std::max<std::size_t>(split.workspace_bytes, 16));
   args.workspace_bytes = workspace_.bytes;
+  if (weights) args.slot_weights = static_cast<float*>(device_bytes(slot_weights_, weight_count * sizeof(float)));
   sparse_decode_attention(shape, args, stream);
+  zero_weights();
   check(cudaMemcpyAsync(call.out, args.out, heads * dim * sizeof(float), cudaMemcpyDeviceToHost, stream),
         "cudaMemcpyAsync D2H");
+  if (weights) {
+    // Only the span of the rows' pages comes back: the kernel writes no other.
+    const auto first = static_cast<std::size_t>(plan.indptr[plan.head_entries.front()]);
+    const auto end = static_cast<std::size_t>(plan.indptr[plan.head_entries[std::size_t{call.batch} * call.kv_heads]]);
+    const std::size_t pt = call.layout.page_tokens;
+    if (end > first)
+      check(cudaMemcpyAsync(call.slot_weights + first * pt, args.slot_weights + first * pt,
+                            (end - first) * pt * sizeof(float), cudaMemcpyDeviceToHost, stream),
+            "cudaMemcpyAsync D2H");
+  }
   transfer_->synchronize();
 }
 

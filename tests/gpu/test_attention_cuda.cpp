@@ -5,7 +5,9 @@
 // than a page, forced and automatic chunk sizes, with and without the extra
 // term; and the runs form (row_entries: AttendPlan's several runs per row,
 // partial pages mid-row, empty rows and entries, tail-only rows) in one
-// launch, eagerly and replayed from a CUDA graph while the plan changes.
+// launch, eagerly and replayed from a CUDA graph while the plan changes;
+// live-slot masks (SpvLLM §4.1) in both forms, with and without slot weights
+// (each slot's softmax probability summed over its GQA group, H2O's scores).
 // Both backends read the same page bytes; they differ only in fp32
 // summation order.
 //
@@ -13,7 +15,9 @@
 // / max_d |host| (the head's L-inf norm, so near-zero elements do not blow
 // it up); a head that attended to nothing must be exactly 0 in both. lse:
 // |kernel - host| / max(1, |host|), and -inf exactly where the host has -inf.
-// Bound: 2e-3 (the issue's bf16 bound, applied to every dtype).
+// Bound: 2e-3 (the issue's bf16 bound, applied to every dtype). Slot
+// weights: |kernel - host| <= 1e-4 per slot (scores differ only in fp32
+// summation order), exactly 0 where the host has 0 (dead and unused slots).
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
@@ -60,6 +64,8 @@ struct CaseSpec {
   // 1..max_row_pages pages per row (random_run_shapes).
   std::uint32_t runs;
   std::uint32_t pool_pages;  // at least this many pool pages (a graph's fixed capacity); 0: just enough
+  bool masks = false;        // random live masks on every page (random_masks)
+  bool weights = false;      // slot weights asked for (shape.max_indices = the batch's pages)
 };
 
 // A random batch in a host pool laid out exactly like the device pool.
@@ -97,11 +103,12 @@ AttentionBatch make_batch(std::mt19937& rng, const CaseSpec& spec) {
   }
   random_queries(b, normal, rng);
   if (spec.extra) random_extra(b, normal, rng, 4, 2, 16);  // no term for heads 2, 6, 10, ...
+  if (spec.masks) random_masks(b, rng);
   return b;
 }
 
 struct Errors {
-  float out = 0, lse = 0;
+  float out = 0, lse = 0, weights = 0;
 };
 
 // The kernel's outputs against the host's, head by head (REQUIREs the bound).
@@ -138,6 +145,8 @@ struct DeviceBatch {
   DeviceArray<float> q, extra_max, extra_sum, extra_acc, out, lse;
   DeviceArray<std::int64_t> indptr, indices, row_entries;
   DeviceArray<std::int32_t> last;
+  DeviceArray<SlotMask> live;
+  DeviceArray<float> weights;
   DeviceArray<std::byte> workspace;
 
   // Uploads b (fills out and lse with NaN: an output the kernel does not write fails the comparison).
@@ -148,6 +157,7 @@ struct DeviceBatch {
     indices.upload(b.indices);
     last.upload(b.last_page_len);
     row_entries.upload(b.row_entries);
+    live.upload(b.live_masks);
     std::vector<float> max, sum, acc;
     for (const AttentionPartial& e : b.extra) {
       max.push_back(e.max);
@@ -164,6 +174,8 @@ struct DeviceBatch {
     check(cudaMemset(out.data, 0xff, out.size * sizeof(float)));
     check(cudaMemset(lse.data, 0xff, lse.size * sizeof(float)));
     check(cudaMemset(workspace.data, 0xff, workspace_bytes));
+    weights.reserve(std::max<std::size_t>(b.indices.size() * b.layout.page_tokens, 1));
+    check(cudaMemset(weights.data, 0xff, weights.size * sizeof(float)));
     // The fills ran on the legacy default stream, which a cudaStreamNonBlocking
     // stream does not wait for: finish them before launching.
     check(cudaDeviceSynchronize());
@@ -178,6 +190,7 @@ struct DeviceBatch {
     a.indices = indices.data;
     a.last_page_len = last.data;
     a.row_entries = b.row_entries.empty() ? nullptr : row_entries.data;
+    a.live_masks = b.live_masks.empty() ? nullptr : live.data;
     a.scale = b.scale;
     if (!b.extra.empty()) a.extra = {extra_max.data, extra_sum.data, extra_acc.data};
     a.out = out.data;
@@ -191,8 +204,8 @@ struct DeviceBatch {
 Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
   const AttentionBatch b = make_batch(rng, spec);
   const std::uint32_t d = spec.layout.head_dim;
-  std::vector<float> want_out, want_lse;
-  reference_attention(b, want_out, want_lse);
+  std::vector<float> want_out, want_lse, want_weights;
+  reference_attention(b, want_out, want_lse, &want_weights);
 
   cuda::DecodeAttentionShape shape;
   shape.batch = spec.batch;
@@ -201,14 +214,29 @@ Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
   shape.layout = spec.layout;
   shape.max_pages = b.max_pages > spec.understate ? b.max_pages - spec.understate : 0;
   shape.chunk_pages = spec.chunk_pages;
+  const bool weights = spec.weights && !b.indices.empty();
+  if (weights) shape.max_indices = static_cast<std::uint32_t>(b.indices.size());
   const cuda::DecodeAttentionSplit split = cuda::plan_sparse_decode_attention(shape);
 
   DeviceBatch dev;
   dev.load(b, split.workspace_bytes);
-  cuda::sparse_decode_attention(shape, dev.args(b, split.workspace_bytes), stream);
+  cuda::DecodeAttentionArgs args = dev.args(b, split.workspace_bytes);
+  if (weights) args.slot_weights = dev.weights.data;
+  cuda::sparse_decode_attention(shape, args, stream);
   check(cudaStreamSynchronize(stream));
   check(cudaGetLastError());
-  return compare(dev.out.download(), dev.lse.download(), want_out, want_lse, d);
+  Errors e = compare(dev.out.download(), dev.lse.download(), want_out, want_lse, d);
+  if (weights) {
+    const std::vector<float> got = dev.weights.download(want_weights.size());
+    for (std::size_t i = 0; i < want_weights.size(); ++i) {
+      CAPTURE(i, got[i], want_weights[i]);
+      if (want_weights[i] == 0.0f) REQUIRE(got[i] == 0.0f);
+      const float error = std::abs(got[i] - want_weights[i]);
+      REQUIRE(error <= 1e-4f);  // also false for a NaN: a slot the kernel left unwritten
+      e.weights = std::max(e.weights, error);
+    }
+  }
+  return e;
 }
 
 // What a sweep of one form varies: both forms run the same loop (sweep below).
@@ -355,6 +383,45 @@ TEST_CASE("sparse_decode_attention over runs captured once replays new plans", "
               double(worst.out), double(worst.lse));
 }
 
+TEST_CASE("sparse_decode_attention over live masks with slot weights matches the host", "[gpu][attention][masks]") {
+  std::mt19937 rng(75);
+  const Stream stream;
+  Errors worst;
+  int cases = 0;
+  for (const DType dtype : {DType::bf16, DType::f32}) {
+    for (const std::uint32_t head_dim : {64u, 128u}) {
+      for (const std::uint32_t group : {1u, 4u, 16u}) {  // 16: two head slices, each storing its own scores
+        for (const std::uint32_t page_tokens : {16u, 5u, 64u}) {
+          for (const std::uint32_t runs : {0u, 4u}) {
+            CaseSpec spec{};
+            spec.batch = 2 + std::uint32_t(rng() % 3);
+            spec.kv_heads = group == 16 ? 2 : 2 + std::uint32_t(rng() % 2);
+            spec.group = group;
+            spec.layout = PageLayout{page_tokens, head_dim, dtype};
+            spec.max_row_pages = page_tokens == 64 ? 6 : runs == 0 ? 20 : 6;
+            spec.runs = runs;
+            spec.extra = rng() % 2 == 0;
+            spec.chunk_pages = std::uint32_t(rng() % 4);  // chunks of 1..3 pages cut pages' runs anywhere
+            spec.scale_factor = rng() % 2 == 0 ? 1.0f : 4.0f;
+            spec.masks = true;
+            spec.weights = rng() % 4 != 0;  // a quarter of the cases masks only
+            CAPTURE(to_string(dtype), head_dim, group, page_tokens, runs, spec.batch, spec.kv_heads, spec.extra,
+                    spec.chunk_pages, spec.scale_factor, spec.weights);
+            const Errors e = run_case(rng, spec, stream.stream);
+            worst.out = std::max(worst.out, e.out);
+            worst.lse = std::max(worst.lse, e.lse);
+            worst.weights = std::max(worst.weights, e.weights);
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  std::printf("sparse_decode_attention, live masks: %d cases, max error out %.3g, lse %.3g, slot weights %.3g\n", cases,
+              double(worst.out), double(worst.lse), double(worst.weights));
+  REQUIRE(cases == 2 * 2 * 3 * 3 * 2);
+}
+
 TEST_CASE("sparse_decode_attention rejects bad arguments before launching", "[gpu][attention]") {
   const PageLayout layout{16, 128, DType::bf16};
   cuda::DecodeAttentionShape shape{2, 8, 2, layout, 4, 0};
@@ -408,6 +475,13 @@ TEST_CASE("sparse_decode_attention rejects bad arguments before launching", "[gp
   CHECK(with_args([](auto& a) { a.workspace = static_cast<std::byte*>(a.workspace) + 4; }) == bad);
   CHECK(with_args([](auto& a) { a.workspace_bytes -= 4; }) == bad);
   CHECK(with_args([&](auto& a) { a.extra.max = q.as<float>(); }) == bad);  // partial extra term
+  CHECK(with_args([&](auto& a) { a.slot_weights = out.as<float>(); }) == bad);  // no max_indices: no room for scores
+  cuda::DecodeAttentionShape wide = shape;
+  wide.layout.page_tokens = 65;  // masks cover 64 slots
+  cuda::DecodeAttentionArgs masked = ok;
+  masked.page_stride = wide.layout.page_bytes();
+  masked.live_masks = indices.as<SlotMask>();
+  CHECK(code(wide, masked) == bad);
   CHECK(cudaDeviceSynchronize() == cudaSuccess);
   // Nothing was launched: out keeps its fill pattern.
   const std::vector<std::uint32_t> untouched = download<std::uint32_t>(out, batch_q * 128);

@@ -3,7 +3,8 @@
 // built-in policy. Metadata (hits, misses, pages moved, GPU page ids) must be
 // identical, refusals too; attention outputs within 2e-3 relative (bf16
 // pages, fp32 accumulation in both). Also the address-list gather the
-// backend's loads use.
+// backend's loads use, and attend() over a plan with live masks and slot
+// weights (SpvLLM §4.1, H2O) against HostBackend::attend.
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
@@ -12,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "../attention_test_data.hpp"
 #include "../backend_lockstep.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
@@ -32,6 +34,42 @@ TEST_CASE("CudaBackend: the facade on device memory matches the host backend", "
     REQUIRE(cuda.buffer().gpu_pool().memory_kind() == MemoryKind::device);
     const test::LockstepResult r = test::lockstep(host, cuda, s, 11, 2e-3);
     CHECK(r.refused > 0);
+  }
+}
+
+TEST_CASE("CudaBackend::attend honours live masks and returns slot weights as HostBackend does",
+          "[gpu][backend][masks]") {
+  std::mt19937 rng(12);
+  cuda::CudaBackend cuda_backend;
+  HostBackend host_backend;
+  for (const std::uint32_t group : {1u, 4u}) {
+    test::AttentionBatch b = test::random_runs_batch(rng, 3, 2, group, PageLayout{8, 64, DType::bf16}, false);
+    test::random_masks(b, rng);
+    const DeviceArray<std::byte> device_pool(b.pool);
+    AttendPlan plan = test::attend_plan_of(b, b.pool.data());
+    AttendCall call = test::attend_call_of(b, plan);
+    const std::size_t outputs = std::size_t{b.batch} * b.q_heads * 64, slots = b.indices.size() * 8;
+    std::vector<float> want_out(outputs), want_weights(slots), got_out(outputs, -1.0f), got_weights(slots, -1.0f);
+    call.out = want_out.data();
+    call.slot_weights = want_weights.data();
+    host_backend.attend(call);
+    plan.gpu_tier_base = device_pool.data;
+    call.out = got_out.data();
+    call.slot_weights = got_weights.data();
+    cuda_backend.attend(call);
+    CAPTURE(group);
+    for (std::size_t i = 0; i < outputs; ++i)
+      REQUIRE(std::abs(got_out[i] - want_out[i]) <= 2e-3f * (1 + std::abs(want_out[i])));
+    for (std::size_t i = 0; i < slots; ++i) {
+      CAPTURE(i);
+      if (want_weights[i] == 0.0f) REQUIRE(got_weights[i] == 0.0f);
+      REQUIRE(std::abs(got_weights[i] - want_weights[i]) <= 1e-4f);
+    }
+    // live_masks not parallel to indices: refused before anything is written.
+    plan.live_masks.pop_back();
+    std::fill(got_weights.begin(), got_weights.end(), 7.0f);
+    REQUIRE(code_of([&] { cuda_backend.attend(call); }) == ErrorCode::invalid_argument);
+    REQUIRE(std::all_of(got_weights.begin(), got_weights.end(), [](float x) { return x == 7.0f; }));
   }
 }
 

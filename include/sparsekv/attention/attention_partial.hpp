@@ -110,6 +110,22 @@ SPARSEKV_HOST_DEVICE inline float softmax_output(float acc, SoftmaxState s) {
   return softmax_empty(s) ? 0.0f : acc / s.sum;
 }
 
+// The softmax probability of one key: e^(score - lse), where lse is the
+// head's softmax_lse over all it attended to. 0 when the head attended to
+// nothing (lse -inf) and for an absent key (score -inf).
+SPARSEKV_HOST_DEVICE inline float softmax_weight(float score, float lse) {
+  return lse == kNegativeInfinity ? 0.0f : softmax_exp(score - lse);
+}
+
+// What one key weighs for a GQA group (H2O's accumulated attention, summed
+// over the q heads sharing a kv head): the sum of softmax_weight over the
+// group's `group` q heads, scores[j] and lse[j] being q head j's, in head order.
+SPARSEKV_HOST_DEVICE inline float softmax_group_weight(const float* scores, const float* lse, std::uint32_t group) {
+  float w = 0.0f;
+  for (std::uint32_t j = 0; j < group; ++j) w += softmax_weight(scores[j], lse[j]);
+  return w;
+}
+
 // Host container over the rules above: one head's state with its accumulator.
 struct AttentionPartial {
   float max = kNegativeInfinity;

@@ -18,6 +18,14 @@
 // and lse. The host backend is decode_attention (decode_attention.hpp); both
 // call the same softmax_* functions.
 //
+// Live-slot masks (SpvLLM §4.1, tokens evicted for good) are tested in the
+// split kernel's walk next to the token count: a dead slot is skipped as an
+// unused one is. Slot weights (each slot's softmax probability summed over
+// its GQA group, H2O's scores) come from the same pass: the split kernel
+// stores the scaled score of every live slot in the workspace, the merge
+// kernel the final lse, and a third kernel normalises the scores; K/V rows
+// are read once, by the split kernel.
+//
 // The grid is sized from capacities only (batch, max_pages): no count is
 // read on the host, so a launch can be captured in a CUDA graph and replayed
 // while the device-side plan changes.
@@ -28,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "sparsekv/attention/attention_partial.hpp"
 #include "sparsekv/core/host_device.hpp"
 #include "sparsekv/memory/page_layout.hpp"
 
@@ -51,6 +60,10 @@ struct DecodeAttentionShape {
   // Pages per split-K chunk; 0 = chosen from the row count and the device's
   // resident CTAs so the grid fills the GPU.
   std::uint32_t chunk_pages = 0;
+  // Slot weights: the capacity of indices (sizes the scores the workspace
+  // keeps; a page at a position at or past it gets no weight). 0: no slot
+  // weights, and the workspace keeps no scores.
+  std::uint32_t max_indices = 0;
 };
 
 struct DecodeAttentionSplit {
@@ -65,6 +78,16 @@ struct DecodeAttentionSplit {
 inline std::size_t decode_attention_workspace_bytes(std::uint32_t chunks, std::uint32_t batch,
                                                     std::uint32_t q_heads, std::uint32_t head_dim) {
   return std::size_t{chunks} * batch * q_heads * (std::size_t{head_dim} + 2) * sizeof(float);
+}
+
+// What slot weights add after the partials: fp32 scaled scores
+// [max_indices * page_tokens][group] (decode_attention_score_index), then the
+// fp32 lse of every q head [batch * q_heads].
+inline std::size_t decode_attention_weights_workspace_bytes(std::uint32_t max_indices, std::uint32_t page_tokens,
+                                                            std::uint32_t batch, std::uint32_t q_heads,
+                                                            std::uint32_t kv_heads) {
+  const std::uint32_t group = kv_heads == 0 ? 0 : q_heads / kv_heads;
+  return (std::size_t{max_indices} * page_tokens * group + std::size_t{batch} * q_heads) * sizeof(float);
 }
 
 // The split for `target_ctas` CTAs in flight (resident CTAs per SM x SMs):
@@ -91,6 +114,10 @@ inline DecodeAttentionSplit split_decode_attention(const DecodeAttentionShape& s
   split.chunks = (max_pages + split.chunk_pages - 1) / split.chunk_pages;
   split.workspace_bytes =
       decode_attention_workspace_bytes(split.chunks, shape.batch, shape.q_heads, shape.layout.head_dim);
+  if (shape.max_indices > 0) {
+    split.workspace_bytes += decode_attention_weights_workspace_bytes(shape.max_indices, shape.layout.page_tokens,
+                                                                      shape.batch, shape.q_heads, shape.kv_heads);
+  }
   return split;
 }
 
@@ -126,10 +153,20 @@ struct DecodeAttentionArgs {
   // key set -- the runs a (request, kv head) splits into where a page mid-row
   // is partial. A row with no entries or no pages attends to nothing.
   const std::int64_t* row_entries = nullptr;
+  // Null: every slot below its page's token count is live. Else parallel to
+  // indices (AttendPlan::live_masks): slot t of page indices[i] attends only
+  // when slot_live(live_masks[i], t). Needs page_tokens <= kMaxMaskedPageTokens.
+  const SlotMask* live_masks = nullptr;
   float scale = 1.0f;  // scores = q . k * scale
   DecodeAttentionExtra extra;
   float* out = nullptr;  // [batch][q_heads][head_dim] fp32; 0 for a head that attended to nothing
   float* lse = nullptr;  // [batch][q_heads] fp32 log-sum-exp of the scores (-inf when empty); may be null
+  // Null, or [max_indices][page_tokens] fp32 (needs shape.max_indices > 0):
+  // slot t of the page at position i gets its softmax probability summed
+  // over the q heads of its row (decode_attention_slot_weight), 0 for a dead
+  // or unused slot. Positions no row reaches, or at or past max_indices, are
+  // not written.
+  float* slot_weights = nullptr;
   void* workspace = nullptr;  // device memory, 16-byte aligned, plan's workspace_bytes
   std::size_t workspace_bytes = 0;
 };
@@ -254,6 +291,34 @@ struct DecodeAttentionCursor {
   }
 };
 
+// Whether slot `slot` of the page at position pos is live (null masks: all are).
+SPARSEKV_HOST_DEVICE inline bool decode_attention_slot_live(const SlotMask* live_masks, std::int64_t pos,
+                                                            std::uint32_t slot) {
+  return live_masks == nullptr || slot_live(live_masks[pos], slot);
+}
+
+// Where the split kernel keeps the scaled score of q head 0 of a row's group
+// for slot `slot` of the page at position pos; head j's follows at + j.
+SPARSEKV_HOST_DEVICE inline std::size_t decode_attention_score_index(std::int64_t pos, std::uint32_t slot,
+                                                                     std::uint32_t page_tokens, std::uint32_t group) {
+  return (static_cast<std::size_t>(pos) * page_tokens + slot) * group;
+}
+
+// The weights kernel's value for slot `slot` of the page at position pos of
+// row `row`, a page holding `tokens` tokens: the softmax probability summed
+// over the row's q heads (softmax_group_weight of the stored scores against
+// each head's lse, lse being [batch * q_heads]); 0 for an unused or dead slot,
+// whose score was never stored.
+SPARSEKV_HOST_DEVICE inline float decode_attention_slot_weight(const float* scores, const float* lse,
+                                                               const SlotMask* live_masks, std::uint32_t row,
+                                                               std::int64_t pos, std::uint32_t slot,
+                                                               std::uint32_t tokens, std::uint32_t page_tokens,
+                                                               std::uint32_t group) {
+  if (slot >= tokens || !decode_attention_slot_live(live_masks, pos, slot)) return 0.0f;
+  return softmax_group_weight(scores + decode_attention_score_index(pos, slot, page_tokens, group),
+                              lse + std::size_t{row} * group, group);
+}
+
 // The split sparse_decode_attention will use on the current device for
 // `shape` (its workspace_bytes is what the caller allocates). Throws
 // invalid_argument on a bad shape, cuda_error if a device query fails.
@@ -270,7 +335,8 @@ DecodeAttentionSplit plan_sparse_decode_attention(const DecodeAttentionShape& sh
 // (row_entries and indptr non-decreasing, page ids inside the pool) is not
 // checked; a last_page_len outside 1..page_tokens is clamped into it so reads
 // stay inside the page. batch == 0 enqueues nothing (only the shape is
-// checked).
+// checked). live_masks needs page_tokens <= kMaxMaskedPageTokens, and
+// slot_weights shape.max_indices > 0 (the workspace then holds the scores).
 // Throws ErrorCode::cuda_error if a device query or a launch fails.
 void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAttentionArgs& args, void* stream);
 

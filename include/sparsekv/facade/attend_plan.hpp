@@ -17,11 +17,22 @@
 // head j / group_size; each entry is one "sequence" with group_size q heads.
 // extra (empty, or batch * q_heads entries) holds a policy's own attention
 // term (RetroInfer's estimation zone) to merge the same way.
+//
+// live_masks (empty, or one SlotMask per entry of indices) marks the slots
+// that still hold a token when a request of the batch evicts tokens for good
+// (SpvLLM §4.1, H2O, StreamingLLM): slot t of page indices[i] attends iff it
+// is below the page's token count (page_tokens, or last_page_len[e] for the
+// last page of its entry e) AND slot_live(live_masks[i], t); any other slot's
+// score is -inf, as in vLLM / SpvLLM block masks. Runs and head_entries are
+// the same with or without masks; empty means every slot below the token
+// count is live. An engine whose kernel takes no masks can run a plan only
+// while live_masks is empty.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "sparsekv/attention/attention_partial.hpp"
+#include "sparsekv/memory/page_layout.hpp"
 
 namespace sparsekv {
 
@@ -31,6 +42,7 @@ struct AttendPlan {
   std::vector<std::int32_t> last_page_len;      // [entries]
   std::vector<std::int64_t> head_entries{0};    // [batch * kv_heads + 1] into the entries
   std::vector<AttentionPartial> extra;          // empty or [batch * q_heads]
+  std::vector<SlotMask> live_masks;             // empty or [indices.size()]: bit t = slot t of indices[i] live
   const std::byte* gpu_tier_base = nullptr;     // page p at gpu_tier_base + p * page_bytes
   std::size_t page_bytes = 0;
 
@@ -41,6 +53,7 @@ struct AttendPlan {
     last_page_len.clear();
     head_entries.assign(1, 0);
     extra.clear();
+    live_masks.clear();
   }
 };
 

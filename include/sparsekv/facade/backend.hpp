@@ -36,7 +36,17 @@ struct AttendCall {
   float scale = 1.0f;
   const float* q = nullptr;  // [batch][q_heads][head_dim], host memory
   float* out = nullptr;      // [batch][q_heads][head_dim], host memory
+  // Null, or [plan->indices.size()][layout.page_tokens] in host memory: slot
+  // t of page indices[i] gets its softmax probability summed over the q heads
+  // of its kv head's GQA group (decode_attention's slot_weights), 0 for a
+  // dead or unused slot; taken from the attention pass itself.
+  float* slot_weights = nullptr;
 };
+
+// Throws invalid_argument unless call.plan->live_masks is empty, or parallel
+// to its indices with page_tokens <= kMaxMaskedPageTokens. Every backend's
+// attend() asks it before it writes anything.
+void check_attend_masks(const AttendCall& call);
 
 class Backend {
  public:
@@ -48,7 +58,10 @@ class Backend {
   virtual PageTransfer& transfer() = 0;
   // For batch entry b and q head h: attention of q[b][h] over the plan's runs
   // of (b, h / group), merged with plan.extra[b * q_heads + h] when the plan
-  // has extra terms. Returns when `out` holds the result.
+  // has extra terms, over the slots plan.live_masks leaves live. Returns when
+  // `out` (and slot_weights when set) hold the result. Throws
+  // invalid_argument, before writing anything, when live_masks is neither
+  // empty nor parallel to indices.
   virtual void attend(const AttendCall& call) = 0;
   // Throws invalid_argument when attend() cannot run this shape; decode()
   // asks before it changes anything.

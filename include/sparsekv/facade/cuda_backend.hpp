@@ -61,7 +61,8 @@ class CudaBackend final : public Backend {
   HostMemoryResource pinned_{true};
   DeviceMemoryResource device_;
   std::unique_ptr<DevicePageTransfer> transfer_;
-  DeviceBuffer q_, indptr_, indices_, last_page_len_, head_entries_, extra_, out_, workspace_;
+  DeviceBuffer q_, indptr_, indices_, last_page_len_, head_entries_, extra_, out_, workspace_, live_masks_,
+      slot_weights_;
   // The plan's extra terms as DecodeAttentionExtra's arrays: max, sum
   // [batch * q_heads] then acc [batch * q_heads][head_dim].
   std::vector<float> extra_host_;
