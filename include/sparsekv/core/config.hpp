@@ -18,6 +18,8 @@ namespace sparsekv {
 struct HeadCapacity {
   std::uint32_t partitions = 0;
   std::uint32_t cpu_pages = 0;
+  // Requests may evict tokens for good: the page table keeps a slot mask per CPU page.
+  bool slot_masks = false;
 };
 
 struct Config {
