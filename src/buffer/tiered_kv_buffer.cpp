@@ -83,6 +83,10 @@ std::uint64_t TieredKVBuffer::reclaimable_slots(const RequestState& s) const {
 
 std::optional<TieredKVBuffer::Refusal> TieredKVBuffer::refusal(const RequestBudget& budget) const {
   if (budget.mandatory_pages == 0) return Refusal{ErrorCode::invalid_argument, "mandatory_pages must be > 0"};
+  if (budget.evicts && !table_.has_slot_masks()) {
+    return Refusal{ErrorCode::failed_precondition,
+                   "a request that evicts needs slot masks; build the buffer with HeadCapacity::slot_masks"};
+  }
   const std::uint32_t min_slots = min_slots_per_head(budget);
   if (budget.buffer_pages != 0 && budget.buffer_pages < min_slots) {
     return Refusal{ErrorCode::invalid_argument,
@@ -100,7 +104,7 @@ std::optional<TieredKVBuffer::Refusal> TieredKVBuffer::refusal(const RequestBudg
   }
   std::uint64_t reclaimable = 0;
   for (const auto& [id, s] : requests_) reclaimable += heads() * reclaimable_slots(s);
-  const std::uint64_t needed = heads() * (std::uint64_t{slots} + 1);
+  const std::uint64_t needed = heads() * (std::uint64_t{slots} + tail_pages_per_head(budget));
   if (needed > gpu_pool_.available() + reclaimable) {
     return Refusal{ErrorCode::resource_exhausted, fmt::format("needs {} GPU pages, {} free and {} reclaimable", needed,
                                                               gpu_pool_.available(), reclaimable)};
@@ -120,7 +124,7 @@ AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const Req
   AdmissionAdvice a;
   const std::uint64_t slots = std::max(budget.buffer_pages, min_slots_per_head(budget));
   a.request_slot_free = table_.request_count() < table_.geometry().max_requests;
-  a.gpu_pages_needed = heads() * (slots + 1);
+  a.gpu_pages_needed = heads() * (slots + tail_pages_per_head(budget));
   a.gpu_pages_free = gpu_pool_.available();
   for (const auto& [id, s] : requests_) a.gpu_pages_reclaimable += heads() * reclaimable_slots(s);
   a.cpu_pages_needed =
@@ -140,7 +144,7 @@ void TieredKVBuffer::add_request(RequestId request, const RequestBudget& budget)
   if (requests_.contains(request)) fail(ErrorCode::already_exists, "request {} is already registered", request);
   if (const std::optional<Refusal> r = refusal(budget)) fail(r->code, "request {}: {}", request, r->message);
   const std::uint32_t slots = std::max(budget.buffer_pages, min_slots_per_head(budget));
-  const std::uint64_t needed = heads() * (std::uint64_t{slots} + 1);
+  const std::uint64_t needed = heads() * (std::uint64_t{slots} + tail_pages_per_head(budget));
   // Every check has passed (refusal()) before reclaim() shrinks anyone else.
   table_.add_request(request);
   RequestState s;
@@ -148,7 +152,8 @@ void TieredKVBuffer::add_request(RequestId request, const RequestBudget& budget)
   s.tokens.assign(shape_.layers, 0);
   s.tail_tokens.assign(shape_.layers, 0);
   s.windows.assign(heads(), WorkingSetWindow(config_.working_set_window));
-  s.tail_pages.resize(heads());
+  s.tail_pages.resize(heads() * tail_pages_per_head(budget));
+  if (budget.evicts) s.eviction.resize(heads());
   if (needed > gpu_pool_.available()) reclaim(needed - gpu_pool_.available());
   gpu_pool_.allocate(s.tail_pages);
   auto& stored = requests_.emplace(request, std::move(s)).first->second;
@@ -306,8 +311,11 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
   const auto* k = static_cast<const std::byte*>(kv.k);
   const auto* v = static_cast<const std::byte*>(kv.v);
   transfer_->synchronize();  // a page freed by finish() may still be a save's target
+  RequestState& s = state(request);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    const MappedPartitions mapped = partitions_.map(request, layer, h, specs[specs.size() == 1 ? 0 : h]);
+    const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
+    const MappedPartitions mapped = partitions_.map(request, layer, h, spec);
+    if (s.budget.evicts) record_offload(s, layer, h, mapped.first_partition, spec, s.tokens[layer]);
     for (std::uint32_t t = 0; t < kv.tokens; ++t) {
       const TokenPlacement where = mapped.placements[t];
       std::byte* page = cpu_pool_.data(where.cpu_page);
@@ -316,7 +324,7 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
       std::memcpy(page + layout_.v_offset(where.slot), v + source, row);
     }
   }
-  state(request).tokens[layer] += kv.tokens;
+  s.tokens[layer] += kv.tokens;
   stats_.bytes_offloaded += 2 * std::uint64_t{kv.tokens} * shape_.kv_heads * row;
 }
 
@@ -328,11 +336,14 @@ void TieredKVBuffer::offload_on_device(RequestId request, std::uint32_t layer, s
   check_offload(request, layer, tokens, specs);
   placements.resize(std::size_t{tokens} * shape_.kv_heads);
   transfer_->synchronize();  // a page freed by finish() may still be a save's target
+  RequestState& s = state(request);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    const MappedPartitions mapped = partitions_.map(request, layer, h, specs[specs.size() == 1 ? 0 : h]);
+    const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
+    const MappedPartitions mapped = partitions_.map(request, layer, h, spec);
+    if (s.budget.evicts) record_offload(s, layer, h, mapped.first_partition, spec, s.tokens[layer]);
     for (std::uint32_t t = 0; t < tokens; ++t) placements[std::size_t{t} * shape_.kv_heads + h] = mapped.placements[t];
   }
-  state(request).tokens[layer] += tokens;
+  s.tokens[layer] += tokens;
   stats_.bytes_offloaded += 2 * std::uint64_t{tokens} * shape_.kv_heads * layout_.row_bytes();
 }
 
@@ -349,6 +360,12 @@ void TieredKVBuffer::check_offload(RequestId request, std::uint32_t layer, std::
     if (spec.token_count() != tokens) {
       fail(ErrorCode::invalid_argument, "the spec of kv head {} covers {} tokens, the chunk has {}", h,
            spec.token_count(), tokens);
+    }
+    for (std::uint32_t p = 0; s.budget.evicts && p < spec.partition_count(); ++p) {
+      if (spec.size(p) > config_.page_tokens) {
+        fail(ErrorCode::invalid_argument, "request {} evicts tokens: partition {} of kv head {} holds {} tokens, more "
+             "than one page ({})", request, p, h, spec.size(p), config_.page_tokens);
+      }
     }
   }
   if (s.tail_tokens[layer] != 0) {
@@ -376,6 +393,13 @@ void TieredKVBuffer::check_offload(RequestId request, std::uint32_t layer, std::
   table_.check_segments(demand);
 }
 
+void TieredKVBuffer::check_has_tail(RequestId request, const RequestState& s) const {
+  if (s.budget.evicts) {
+    fail(ErrorCode::failed_precondition, "request {} evicts tokens and has no GPU tail; decode tokens go through "
+         "place_token", request);
+  }
+}
+
 void TieredKVBuffer::check_tail_save(RequestId request, std::uint32_t layer) const {
   // The full tail becomes a one-page partition per head: check all heads first.
   const SaveDemand demand = save_demand(request, layer);
@@ -390,6 +414,7 @@ TieredKVBuffer::DeviceAppendSlot TieredKVBuffer::append_on_device(RequestId requ
                                                                   std::span<PageId> cpu_pages) {
   RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
+  check_has_tail(request, s);
   if (cpu_pages.size() != shape_.kv_heads) {
     fail(ErrorCode::invalid_argument, "append_on_device: {} CPU page slots for {} kv heads", cpu_pages.size(),
          shape_.kv_heads);
@@ -411,6 +436,7 @@ TieredKVBuffer::DeviceAppendSlot TieredKVBuffer::append_on_device(RequestId requ
 void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChunk& token) {
   RequestState& s = state(request);
   check_chunk(token, layer);
+  check_has_tail(request, s);
   if (token.tokens != 1) fail(ErrorCode::invalid_argument, "append takes one token, got {}", token.tokens);
   const std::uint32_t slot = s.tail_tokens[layer];
   const bool fills_tail = slot + 1 == config_.page_tokens;
@@ -448,6 +474,12 @@ void TieredKVBuffer::check_selection(RequestId request, std::uint32_t layer,
   }
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     lru_.check(table_, request, layer, h, selections[h], s.budget.mandatory_pages);
+    for (const PartitionId p : selections[h]) {
+      if (s.budget.evicts && table_.partition_freed(request, layer, h, p)) {
+        fail(ErrorCode::invalid_argument, "request {} layer {} kv head {}: partition {} is freed (every token evicted)",
+             request, layer, h, p);
+      }
+    }
   }
 }
 
@@ -461,6 +493,8 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
   out.plan.clear();
   out.tail_pages.clear();
   out.tail_tokens.clear();
+  out.page_masks.clear();
+  out.slot_positions.clear();
   out.stats = {};
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const auto& selected = selections[h];
@@ -470,8 +504,20 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
       out.token_counts.push_back(table_.meta(request, layer, h, p).token_count());
     }
     out.head_offsets.push_back(static_cast<std::uint32_t>(out.partitions.size()));
-    out.tail_pages.push_back(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
-    out.tail_tokens.push_back(s.tail_tokens[layer]);
+    if (s.budget.evicts) {
+      // One page per partition: the page's mask and each slot's position.
+      const EvictionHead& e = eviction_head(s, layer, h);
+      for (PartitionId p : selected) {
+        out.page_masks.push_back(table_.slot_mask(request, layer, h, table_.first_page_index(request, layer, h, p)));
+        const auto first = e.slot_position.begin() + std::size_t{p} * config_.page_tokens;
+        out.slot_positions.insert(out.slot_positions.end(), first, first + config_.page_tokens);
+      }
+      out.tail_pages.push_back(kInvalidPage);
+      out.tail_tokens.push_back(0);
+    } else {
+      out.tail_pages.push_back(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
+      out.tail_tokens.push_back(s.tail_tokens[layer]);
+    }
     s.windows[std::size_t{layer} * shape_.kv_heads + h].record(selected);
   }
   moves_.resize(out.plan.copies.size());
@@ -539,7 +585,7 @@ void TieredKVBuffer::regroup_demand(RequestId request, std::uint32_t layer,
 SaveDemand TieredKVBuffer::save_demand(RequestId request, std::uint32_t layer,
                                        std::span<const PartitionId> first_partitions,
                                        std::span<const PartitionSpec> specs) const {
-  state(request);
+  check_has_tail(request, state(request));
   check_index("layer", layer, shape_.layers);
   SaveDemand demand;
   demand.saved_pages = shape_.kv_heads;
@@ -563,6 +609,10 @@ void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::sp
                                  std::span<const PartitionSpec> specs) {
   RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
+  if (s.budget.evicts) {
+    fail(ErrorCode::failed_precondition, "request {} evicts tokens; its partitions are regrouped only by the eviction "
+         "strategy", request);
+  }
   // Everything is checked before anything changes: the run's rows live only
   // in the CPU tier until the new partitions hold them.
   SaveDemand regroup;
@@ -582,21 +632,9 @@ void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::sp
   const std::size_t row = layout_.row_bytes();
   transfer_->synchronize();  // the run may end in a tail page still being saved
   std::vector<std::vector<std::byte>> rows(shape_.kv_heads);
-  std::vector<PageId> pages;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    const std::uint32_t count = table_.partition_count(request, layer, h);
     rows[h].reserve(std::size_t{specs[h].token_count()} * 2 * row);
-    for (PartitionId p = first_partitions[h]; p < count; ++p) {
-      if (table_.meta(request, layer, h, p).resident()) evict_partition(request, layer, h, p);
-      pages.clear();
-      table_.cpu_pages(request, layer, h, p, pages);
-      for (std::uint32_t i = 0; i < table_.meta(request, layer, h, p).token_count(); ++i) {
-        const std::byte* page = cpu_pool_.data(pages[i / config_.page_tokens]);
-        const std::uint32_t slot = i % config_.page_tokens;
-        rows[h].insert(rows[h].end(), page + layout_.k_offset(slot), page + layout_.k_offset(slot) + row);
-        rows[h].insert(rows[h].end(), page + layout_.v_offset(slot), page + layout_.v_offset(slot) + row);
-      }
-    }
+    collect_run(request, layer, h, first_partitions[h], false, rows[h]);
   }
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     partitions_.truncate(request, layer, h, first_partitions[h]);
@@ -635,6 +673,7 @@ std::uint32_t TieredKVBuffer::sequence_length(RequestId request, std::uint32_t l
 PageId TieredKVBuffer::tail_page(RequestId request, std::uint32_t layer, std::uint32_t head) const {
   check_index("layer", layer, shape_.layers);
   check_index("kv head", head, shape_.kv_heads);
+  check_has_tail(request, state(request));
   return state(request).tail_pages[std::size_t{layer} * shape_.kv_heads + head];
 }
 
@@ -648,12 +687,14 @@ void TieredKVBuffer::validate() const {
   const auto broken = [](const std::string& what) {
     fail(ErrorCode::failed_precondition, "buffer invariant broken: {}", what);
   };
-  std::uint64_t gpu_pages = 0, cpu_pages = 0;
-  std::unordered_set<PageId> owned;
+  std::uint64_t gpu_pages = 0;
+  std::unordered_set<PageId> owned, cpu_pages;
+  std::vector<PageId> mapped;
   for (const auto& [id, s] : requests_) {
     if (s.slots < min_slots_per_head(s.budget)) broken(fmt::format("request {} is below its minimum buffer", id));
     for (std::uint32_t l = 0; l < shape_.layers; ++l) {
       if (s.tail_tokens[l] >= config_.page_tokens) broken(fmt::format("request {} layer {} tail overflows", id, l));
+      if (s.budget.evicts && s.tail_tokens[l] != 0) broken(fmt::format("request {} evicts but has a tail", id));
       for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
         if (table_.gpu_slots(id, l, h) != s.slots) broken(fmt::format("request {} head ({}, {}) has the wrong slot count", id, l, h));
         for (std::uint32_t slot = 0; slot < s.slots; ++slot) {
@@ -661,6 +702,15 @@ void TieredKVBuffer::validate() const {
           if (!gpu_pool_.is_allocated(page) || !owned.insert(page).second) {
             broken(fmt::format("GPU slot {} of request {} head ({}, {}) does not own a page of its own", slot, id, l, h));
           }
+        }
+        mapped.clear();
+        table_.all_cpu_pages(id, l, h, mapped);
+        for (const PageId page : mapped) {
+          if (page != kInvalidPage) cpu_pages.insert(page);
+        }
+        if (s.budget.evicts) {
+          validate_eviction(id, s, l, h);
+          continue;
         }
         const PageId tail = s.tail_pages[std::size_t{l} * shape_.kv_heads + h];
         if (!gpu_pool_.is_allocated(tail) || !owned.insert(tail).second) broken("a tail page is shared or free");
@@ -670,13 +720,14 @@ void TieredKVBuffer::validate() const {
           broken(fmt::format("request {} head ({}, {}): {} tokens mapped + {} in the tail != {}", id, l, h, tokens,
                              s.tail_tokens[l], s.tokens[l]));
         }
-        cpu_pages += table_.cpu_page_count(id, l, h);
       }
     }
-    gpu_pages += heads() * (std::uint64_t{s.slots} + 1);
+    gpu_pages += heads() * (std::uint64_t{s.slots} + tail_pages_per_head(s.budget));
   }
   if (gpu_pages != gpu_pool_.used()) broken(fmt::format("{} GPU pages owned, the pool has {} in use", gpu_pages, gpu_pool_.used()));
-  if (cpu_pages != cpu_pool_.used()) broken(fmt::format("{} CPU pages mapped, the pool has {} in use", cpu_pages, cpu_pool_.used()));
+  if (cpu_pages.size() != cpu_pool_.used()) {
+    broken(fmt::format("{} CPU pages mapped, the pool has {} in use", cpu_pages.size(), cpu_pool_.used()));
+  }
 }
 
 }  // namespace sparsekv

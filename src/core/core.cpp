@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <bit>
 
 #include "sparsekv/core/config.hpp"
@@ -29,6 +30,29 @@ DType parse_dtype(std::string_view name) {
   if (name == "f16" || name == "fp16" || name == "float16") return DType::f16;
   if (name == "bf16" || name == "bfloat16") return DType::bf16;
   fail(ErrorCode::invalid_argument, "unknown dtype '{}' (expected f32, f16 or bf16)", name);
+}
+
+std::string_view to_string(EvictionStrategy strategy) noexcept {
+  switch (strategy) {
+    case EvictionStrategy::no_op: return "no_op";
+    case EvictionStrategy::free_block: return "free_block";
+    case EvictionStrategy::sparse_copy: return "sparse_copy";
+    case EvictionStrategy::slot_reuse: return "slot_reuse";
+  }
+  return "unknown";
+}
+
+EvictionStrategy parse_eviction_strategy(std::string_view name) {
+  for (EvictionStrategy s : {EvictionStrategy::no_op, EvictionStrategy::free_block, EvictionStrategy::sparse_copy,
+                             EvictionStrategy::slot_reuse}) {
+    const std::string_view canonical = to_string(s);
+    if (name.size() == canonical.size() &&
+        std::equal(name.begin(), name.end(), canonical.begin(), [](char a, char b) { return a == b || (a == '-' && b == '_'); })) {
+      return s;
+    }
+  }
+  fail(ErrorCode::invalid_argument, "unknown eviction strategy '{}' (expected no_op, free_block, sparse_copy or slot_reuse)",
+       name);
 }
 
 void ModelShape::validate() const {
@@ -68,6 +92,9 @@ void Config::validate(const ModelShape& shape) const {
   if (!(min_buffer_ratio >= 0.0) || min_buffer_ratio > 1024.0) {
     fail(ErrorCode::invalid_argument, "Config.min_buffer_ratio ({}) must be in [0, 1024]",
          min_buffer_ratio);
+  }
+  if (eviction_strategy > EvictionStrategy::slot_reuse) {
+    fail(ErrorCode::invalid_argument, "Config.eviction_strategy has an unknown value");
   }
   if (working_set_window == 0) {
     fail(ErrorCode::invalid_argument, "Config.working_set_window must be > 0");

@@ -48,6 +48,8 @@ PageTableGeometry PageTableGeometry::for_config(const Config& config, const Mode
   g.offset_segments = g.meta_segments;
   g.cpu_page_segments = pool_segments(cpu_pages, instances, g.segment_entries);
   g.gpu_page_segments = pool_segments(gpu_pages, instances, g.segment_entries);
+  g.slot_masks = capacity.slot_masks;
+  g.mask_segments = capacity.slot_masks ? g.cpu_page_segments : 0;
   return g;
 }
 
@@ -69,6 +71,16 @@ void PageTableGeometry::validate() const {
   if (meta_segments == 0 || gpu_page_segments == 0 || offset_segments == 0 || cpu_page_segments == 0) {
     fail(ErrorCode::invalid_argument, "PageTableGeometry: every segment pool needs at least one segment");
   }
+  if (slot_masks && mask_segments == 0) {
+    fail(ErrorCode::invalid_argument, "PageTableGeometry: the slot mask table needs at least one segment");
+  }
+  if (!slot_masks && mask_segments != 0) {
+    fail(ErrorCode::invalid_argument, "PageTableGeometry: mask_segments ({}) given without slot_masks", mask_segments);
+  }
+  if (slot_masks && page_tokens > kMaxMaskedPageTokens) {
+    fail(ErrorCode::invalid_argument, "PageTableGeometry: a slot mask covers at most {} tokens, pages hold {}",
+         kMaxMaskedPageTokens, page_tokens);
+  }
 }
 
 namespace {
@@ -89,6 +101,10 @@ HierarchicalPageTable::HierarchicalPageTable(const PageTableGeometry& geometry, 
                geometry.segment_entries, geometry.offset_segments, cpu_tier),
       cpu_pages_("CPU page table", geometry.instances(), geometry.max_cpu_pages_per_head, geometry.segment_entries,
                  geometry.cpu_page_segments, cpu_tier) {
+  if (geometry.slot_masks) {
+    masks_.emplace("slot mask table", geometry.instances(), geometry.max_cpu_pages_per_head, geometry.segment_entries,
+                   geometry.mask_segments, cpu_tier);
+  }
   free_slots_.resize(geometry.max_requests);
   // Highest first, so that slot 0 is taken first.
   std::iota(free_slots_.rbegin(), free_slots_.rend(), 0u);
@@ -159,6 +175,7 @@ SegmentDemand HierarchicalPageTable::replace_demand(RequestId request, std::uint
   d.meta = meta_.segments_to_grow(inst, static_cast<std::uint32_t>(new_partitions));
   d.offsets = offsets_.segments_to_grow(inst, static_cast<std::uint32_t>(new_partitions));
   d.cpu_pages = cpu_pages_.segments_to_grow(inst, static_cast<std::uint32_t>(new_pages));
+  if (masks_) d.masks = masks_->segments_to_grow(inst, static_cast<std::uint32_t>(new_pages));
   return d;
 }
 
@@ -195,6 +212,10 @@ std::string HierarchicalPageTable::segment_shortfall(const SegmentDemand& d) con
                          n.pool.capacity());
     }
   }
+  if (masks_ && d.masks > masks_->pool().available()) {
+    return fmt::format("slot mask table: {} more segments needed, {} of {} free", d.masks, masks_->pool().available(),
+                       masks_->pool().capacity());
+  }
   return {};
 }
 
@@ -225,15 +246,17 @@ void HierarchicalPageTable::append_partitions(RequestId request, std::uint32_t l
   check_segments(append_demand(request, layer, head, token_counts.size(), pages));
   const std::uint64_t new_partitions = old_partitions + token_counts.size();
   const std::uint64_t new_pages = old_pages + pages;
-  meta_.resize(inst, static_cast<std::uint32_t>(new_partitions));
-  offsets_.resize(inst, static_cast<std::uint32_t>(new_partitions));
-  cpu_pages_.resize(inst, static_cast<std::uint32_t>(new_pages));
+  resize_pages(inst, static_cast<std::uint32_t>(new_partitions), static_cast<std::uint32_t>(new_pages));
   std::uint32_t offset = old_pages;
   for (std::size_t i = 0; i < token_counts.size(); ++i) {
     const auto p = static_cast<std::uint32_t>(old_partitions + i);
     meta_.at(inst, p) = MetaPartitionEntry::make(token_counts[i], false);
     offsets_.at(inst, p) = offset;
-    offset += pages_for_tokens(token_counts[i], geometry_.page_tokens);
+    const std::uint32_t pages_of = pages_for_tokens(token_counts[i], geometry_.page_tokens);
+    for (std::uint32_t k = 0; masks_ && k < pages_of; ++k) {
+      masks_->at(inst, offset + k) = full_slot_mask(std::min(geometry_.page_tokens, token_counts[i] - k * geometry_.page_tokens));
+    }
+    offset += pages_of;
   }
   for (std::size_t i = 0; i < cpu_pages.size(); ++i) {
     cpu_pages_.at(inst, static_cast<std::uint32_t>(old_pages + i)) = cpu_pages[i];
@@ -256,9 +279,14 @@ void HierarchicalPageTable::truncate_partitions(RequestId request, std::uint32_t
     }
   }
   const std::uint32_t pages = partitions == count ? cpu_pages_.length(inst) : offsets_.at(inst, partitions);
+  resize_pages(inst, partitions, pages);
+}
+
+void HierarchicalPageTable::resize_pages(std::size_t inst, std::uint32_t partitions, std::uint32_t pages) {
   meta_.resize(inst, partitions);
   offsets_.resize(inst, partitions);
   cpu_pages_.resize(inst, pages);
+  if (masks_) masks_->resize(inst, pages);
 }
 
 void HierarchicalPageTable::clear_partitions(RequestId request, std::uint32_t layer, std::uint32_t head) {
@@ -270,9 +298,7 @@ void HierarchicalPageTable::clear_partitions(RequestId request, std::uint32_t la
            layer, head, request, gpu_pages_.at(inst, s).partition);
     }
   }
-  meta_.resize(inst, 0);
-  offsets_.resize(inst, 0);
-  cpu_pages_.resize(inst, 0);
+  resize_pages(inst, 0, 0);
 }
 
 std::uint32_t HierarchicalPageTable::partition_count(RequestId request, std::uint32_t layer,
@@ -296,6 +322,10 @@ void HierarchicalPageTable::set_resident(RequestId request, std::uint32_t layer,
                                          PartitionId partition, bool resident) {
   const std::size_t inst = instance(request, layer, head);
   check_index("partition", partition, meta_.length(inst));
+  if (resident && freed(inst, partition)) {
+    fail(ErrorCode::failed_precondition, "partition {} of head ({}, {}) of request {} is freed; it cannot be resident",
+         partition, layer, head, request);
+  }
   MetaPartitionEntry& entry = meta_.at(inst, partition);
   entry = MetaPartitionEntry::make(entry.token_count(), resident);
 }
@@ -319,6 +349,110 @@ void HierarchicalPageTable::all_cpu_pages(RequestId request, std::uint32_t layer
                                           std::vector<PageId>& out) const {
   const std::size_t inst = instance(request, layer, head);
   for (std::uint32_t i = 0; i < cpu_pages_.length(inst); ++i) out.push_back(cpu_pages_.at(inst, i));
+}
+
+std::uint32_t HierarchicalPageTable::first_page_index(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                                      PartitionId partition) const {
+  const std::size_t inst = instance(request, layer, head);
+  check_index("partition", partition, meta_.length(inst));
+  return offsets_.at(inst, partition);
+}
+
+bool HierarchicalPageTable::freed(std::size_t inst, PartitionId partition) const {
+  return cpu_pages_.at(inst, offsets_.at(inst, partition)) == kInvalidPage;
+}
+
+bool HierarchicalPageTable::partition_freed(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                            PartitionId partition) const {
+  const std::size_t inst = instance(request, layer, head);
+  check_index("partition", partition, meta_.length(inst));
+  return freed(inst, partition);
+}
+
+void HierarchicalPageTable::check_open_page(std::size_t inst, PartitionId partition, const char* call) const {
+  check_index("partition", partition, meta_.length(inst));
+  const std::uint32_t tokens = meta_.at(inst, partition).token_count();
+  if (tokens > geometry_.page_tokens) {
+    fail(ErrorCode::invalid_argument, "{}: partition {} spans {} pages; only one-page partitions qualify", call,
+         partition, pages_for_tokens(tokens, geometry_.page_tokens));
+  }
+  if (freed(inst, partition)) fail(ErrorCode::failed_precondition, "{}: partition {} is freed", call, partition);
+}
+
+void HierarchicalPageTable::set_token_count(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                            PartitionId partition, std::uint32_t tokens) {
+  const std::size_t inst = instance(request, layer, head);
+  check_open_page(inst, partition, "set_token_count");
+  if (tokens == 0 || tokens > geometry_.page_tokens) {
+    fail(ErrorCode::invalid_argument, "set_token_count: {} tokens for a one-page partition (must be in [1, {}])",
+         tokens, geometry_.page_tokens);
+  }
+  const std::uint32_t page = offsets_.at(inst, partition);
+  if (masks_ && (masks_->at(inst, page) & ~full_slot_mask(tokens)) != 0) {
+    fail(ErrorCode::failed_precondition, "set_token_count: partition {} has a live slot at or past {} tokens",
+         partition, tokens);
+  }
+  MetaPartitionEntry& entry = meta_.at(inst, partition);
+  entry = MetaPartitionEntry::make(tokens, entry.resident());
+}
+
+const TwoLevelTable<SlotMask>& HierarchicalPageTable::masks() const {
+  if (!masks_) fail(ErrorCode::failed_precondition, "the page table was built without slot masks");
+  return *masks_;
+}
+
+TwoLevelView<SlotMask> HierarchicalPageTable::slot_mask_view() const { return masks().view(); }
+
+std::uint32_t HierarchicalPageTable::tokens_on_page(std::size_t inst, std::uint32_t page_index) const {
+  // The last partition whose first page is at or before page_index holds it.
+  std::uint32_t lo = 0, hi = meta_.length(inst);
+  while (hi - lo > 1) {
+    const std::uint32_t mid = lo + (hi - lo) / 2;
+    if (offsets_.at(inst, mid) <= page_index) lo = mid; else hi = mid;
+  }
+  const std::uint32_t before = (page_index - offsets_.at(inst, lo)) * geometry_.page_tokens;
+  return std::min(geometry_.page_tokens, meta_.at(inst, lo).token_count() - before);
+}
+
+SlotMask HierarchicalPageTable::slot_mask(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                          std::uint32_t page_index) const {
+  const TwoLevelTable<SlotMask>& table = masks();
+  const std::size_t inst = instance(request, layer, head);
+  check_index("CPU page", page_index, table.length(inst));
+  return table.at(inst, page_index);
+}
+
+void HierarchicalPageTable::set_slot_mask(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                          std::uint32_t page_index, SlotMask mask) {
+  masks();
+  const std::size_t inst = instance(request, layer, head);
+  check_index("CPU page", page_index, masks_->length(inst));
+  const std::uint32_t tokens = tokens_on_page(inst, page_index);
+  if ((mask & ~full_slot_mask(tokens)) != 0) {
+    fail(ErrorCode::invalid_argument, "slot mask {:#x} of CPU page {} of head ({}, {}) of request {} marks a slot "
+         "at or past its {} tokens live", mask, page_index, layer, head, request, tokens);
+  }
+  if (mask != 0 && cpu_pages_.at(inst, page_index) == kInvalidPage) {
+    fail(ErrorCode::failed_precondition, "CPU page {} of head ({}, {}) of request {} is freed; no slot can be live",
+         page_index, layer, head, request);
+  }
+  masks_->at(inst, page_index) = mask;
+}
+
+PageId HierarchicalPageTable::free_page(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                        PartitionId partition) {
+  masks();
+  const std::size_t inst = instance(request, layer, head);
+  check_open_page(inst, partition, "free_page");
+  if (meta_.at(inst, partition).resident()) {
+    fail(ErrorCode::failed_precondition, "free_page: partition {} of head ({}, {}) of request {} is resident; evict "
+         "its GPU copy first", partition, layer, head, request);
+  }
+  const std::uint32_t page = offsets_.at(inst, partition);
+  const PageId held = cpu_pages_.at(inst, page);
+  cpu_pages_.at(inst, page) = kInvalidPage;
+  masks_->at(inst, page) = 0;
+  return held;
 }
 
 std::uint32_t HierarchicalPageTable::gpu_slots(RequestId request, std::uint32_t layer, std::uint32_t head) const {
@@ -354,6 +488,10 @@ void HierarchicalPageTable::set_gpu_entry(RequestId request, std::uint32_t layer
     const std::uint32_t pages = pages_for_tokens(meta_.at(inst, entry.partition).token_count(), geometry_.page_tokens);
     check_index("page of partition", entry.page_in_partition, pages);
     if (entry.gpu_page == kInvalidPage) fail(ErrorCode::invalid_argument, "an occupied GPU slot needs a GPU page");
+    if (freed(inst, entry.partition)) {
+      fail(ErrorCode::failed_precondition, "partition {} of head ({}, {}) of request {} is freed; no GPU slot caches it",
+           entry.partition, layer, head, request);
+    }
   }
   gpu_pages_.at(inst, slot) = entry;
 }
@@ -366,6 +504,10 @@ MetadataBytes HierarchicalPageTable::bytes() const noexcept {
                  gpu_pages_.used_segment_bytes();
   b.cpu_mapped = offsets_.directory_bytes() + offsets_.used_segment_bytes() + cpu_pages_.directory_bytes() +
                  cpu_pages_.used_segment_bytes();
+  if (masks_) {
+    b.cpu_reserved += masks_->directory_bytes() + masks_->pool_bytes();
+    b.cpu_mapped += masks_->directory_bytes() + masks_->used_segment_bytes();
+  }
   return b;
 }
 
@@ -409,6 +551,26 @@ void HierarchicalPageTable::validate_instance(std::size_t inst) const {
     offset += pages_of[p];
   }
   if (cpu_pages_.length(inst) != offset) broken(inst, "CPU page table length is not the partitions' page total");
+  if (masks_ && masks_->length(inst) != offset) broken(inst, "slot mask table length is not the CPU page table's");
+  std::vector<bool> freed_partition(partitions, false);
+  for (std::uint32_t p = 0; p < partitions; ++p) {
+    const std::uint32_t first = offsets_.at(inst, p);
+    freed_partition[p] = cpu_pages_.at(inst, first) == kInvalidPage;
+    if (freed_partition[p] && !masks_) broken(inst, fmt::format("partition {} is freed in a table without slot masks", p));
+    if (freed_partition[p] && meta_.at(inst, p).resident()) broken(inst, fmt::format("freed partition {} is resident", p));
+    for (std::uint32_t k = 0; k < pages_of[p]; ++k) {
+      if ((cpu_pages_.at(inst, first + k) == kInvalidPage) != freed_partition[p]) {
+        broken(inst, fmt::format("partition {} mixes freed and held CPU pages", p));
+      }
+      if (!masks_) continue;
+      const SlotMask mask = masks_->at(inst, first + k);
+      if (freed_partition[p] && mask != 0) broken(inst, fmt::format("freed partition {} has a live slot", p));
+      const std::uint32_t tokens = std::min(geometry_.page_tokens, meta_.at(inst, p).token_count() - k * geometry_.page_tokens);
+      if ((mask & ~full_slot_mask(tokens)) != 0) {
+        broken(inst, fmt::format("page {} of partition {} has a live slot at or past its {} tokens", k, p, tokens));
+      }
+    }
+  }
   std::vector<std::uint32_t> cached(partitions, 0);
   std::unordered_set<std::uint64_t> keys;
   for (std::uint32_t s = 0; s < gpu_pages_.length(inst); ++s) {
@@ -430,21 +592,22 @@ void HierarchicalPageTable::validate_instance(std::size_t inst) const {
 }
 
 void HierarchicalPageTable::validate() const {
-  std::unordered_set<std::uint32_t> seen_meta, seen_gpu, seen_offsets, seen_cpu;
-  std::uint64_t used_meta = 0, used_gpu = 0, used_offsets = 0, used_cpu = 0;
+  std::unordered_set<std::uint32_t> seen_meta, seen_gpu, seen_offsets, seen_cpu, seen_masks;
+  std::uint64_t used_meta = 0, used_gpu = 0, used_offsets = 0, used_cpu = 0, used_masks = 0;
   std::unordered_set<PageId> gpu_pages;
   std::vector<bool> active(geometry_.max_requests, false);
   for (const auto& [request, slot] : slots_) active[slot] = true;
   const std::size_t heads = std::size_t{geometry_.layers} * geometry_.kv_heads;
   for (std::size_t inst = 0; inst < geometry_.instances(); ++inst) {
     if (!active[inst / heads] && (meta_.length(inst) | gpu_pages_.length(inst) | offsets_.length(inst) |
-                                  cpu_pages_.length(inst)) != 0) {
+                                  cpu_pages_.length(inst) | (masks_ ? masks_->length(inst) : 0)) != 0) {
       broken(inst, "a free request slot holds entries");
     }
     used_meta += check_directory(meta_, inst, seen_meta);
     used_gpu += check_directory(gpu_pages_, inst, seen_gpu);
     used_offsets += check_directory(offsets_, inst, seen_offsets);
     used_cpu += check_directory(cpu_pages_, inst, seen_cpu);
+    if (masks_) used_masks += check_directory(*masks_, inst, seen_masks);
     validate_instance(inst);
     for (std::uint32_t s = 0; s < gpu_pages_.length(inst); ++s) {
       const PageId page = gpu_pages_.at(inst, s).gpu_page;
@@ -454,7 +617,8 @@ void HierarchicalPageTable::validate() const {
     }
   }
   if (used_meta != meta_.pool().used() || used_gpu != gpu_pages_.pool().used() ||
-      used_offsets != offsets_.pool().used() || used_cpu != cpu_pages_.pool().used()) {
+      used_offsets != offsets_.pool().used() || used_cpu != cpu_pages_.pool().used() ||
+      (masks_ && used_masks != masks_->pool().used())) {
     fail(ErrorCode::failed_precondition, "page table invariant broken: segment pools hold unmapped segments");
   }
   if (slots_.size() + free_slots_.size() != geometry_.max_requests) {

@@ -116,9 +116,14 @@ void PartitionMap::map_shared_prefix(RequestId request, RequestId source, std::u
   std::vector<std::uint32_t> token_counts(partitions);
   std::vector<PageId> pages;
   for (std::uint32_t p = 0; p < partitions; ++p) {
+    if (table_->partition_freed(source, layer, head, p)) {
+      fail(ErrorCode::failed_precondition, "request {}: partition {} of head ({}, {}) is freed and cannot be shared",
+           source, p, layer, head);
+    }
     token_counts[p] = table_->meta(source, layer, head, p).token_count();
     table_->cpu_pages(source, layer, head, p, pages);
   }
+  const std::uint32_t first_page = table_->cpu_page_count(request, layer, head);
   std::size_t shared = 0;
   try {
     for (; shared < pages.size(); ++shared) cpu_pool_->share(pages[shared]);
@@ -126,6 +131,10 @@ void PartitionMap::map_shared_prefix(RequestId request, RequestId source, std::u
   } catch (...) {
     for (std::size_t i = 0; i < shared; ++i) cpu_pool_->release(pages[i]);
     throw;
+  }
+  // Same pages, same token counts: the source's masks are valid here too.
+  for (std::uint32_t i = 0; table_->has_slot_masks() && i < pages.size(); ++i) {
+    table_->set_slot_mask(request, layer, head, first_page + i, table_->slot_mask(source, layer, head, i));
   }
 }
 
@@ -137,6 +146,7 @@ void PartitionMap::truncate(RequestId request, std::uint32_t layer, std::uint32_
   }
   std::vector<PageId> dropped;
   for (PartitionId p = partitions; p < count; ++p) table_->cpu_pages(request, layer, head, p, dropped);
+  std::erase(dropped, kInvalidPage);  // freed partitions
   table_->truncate_partitions(request, layer, head, partitions);  // checks the GPU slots first
   cpu_pool_->release(dropped);
 }
@@ -155,10 +165,60 @@ void PartitionMap::unmap(RequestId request) {
       table_->all_cpu_pages(request, layer, head, pages);
     }
   }
+  std::erase(pages, kInvalidPage);  // freed partitions
   cpu_pool_->release(pages);
   for (std::uint32_t layer = 0; layer < g.layers; ++layer) {
     for (std::uint32_t head = 0; head < g.kv_heads; ++head) table_->clear_partitions(request, layer, head);
   }
+}
+
+namespace {
+
+// The page of a one-page partition that may change its mask: held, single, and
+// mapped by no other request.
+PageId open_page(const HierarchicalPageTable& table, RequestId request, std::uint32_t layer, std::uint32_t head,
+                 PartitionId partition, const char* call) {
+  if (table.page_count(request, layer, head, partition) != 1) {
+    fail(ErrorCode::invalid_argument, "{}: partition {} of head ({}, {}) of request {} spans several pages", call,
+         partition, layer, head, request);
+  }
+  if (table.partition_freed(request, layer, head, partition)) {
+    fail(ErrorCode::failed_precondition, "{}: partition {} of head ({}, {}) of request {} is freed", call, partition,
+         layer, head, request);
+  }
+  std::vector<PageId> page;
+  table.cpu_pages(request, layer, head, partition, page);
+  return page[0];
+}
+
+}  // namespace
+
+SlotMask PartitionMap::evict_slots(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition,
+                                   SlotMask slots) {
+  const PageId page = open_page(*table_, request, layer, head, partition, "evict_slots");
+  const std::uint32_t index = table_->first_page_index(request, layer, head, partition);
+  const SlotMask live = table_->slot_mask(request, layer, head, index);
+  if ((slots & ~live) != 0) {
+    fail(ErrorCode::invalid_argument, "evict_slots: slots {:#x} of partition {} of head ({}, {}) of request {} are not "
+         "all live (live {:#x})", slots, partition, layer, head, request, live);
+  }
+  if (cpu_pool_->ref_count(page) > 1) {
+    fail(ErrorCode::failed_precondition, "evict_slots: partition {} of head ({}, {}) of request {} lies in a page shared "
+         "with another request; shared prefix pages cannot be masked", partition, layer, head, request);
+  }
+  table_->set_slot_mask(request, layer, head, index, live & ~slots);
+  return live & ~slots;
+}
+
+bool PartitionMap::release_page(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) {
+  open_page(*table_, request, layer, head, partition, "release_page");
+  const std::uint32_t index = table_->first_page_index(request, layer, head, partition);
+  if (table_->slot_mask(request, layer, head, index) != 0) {
+    fail(ErrorCode::failed_precondition, "release_page: partition {} of head ({}, {}) of request {} has live slots",
+         partition, layer, head, request);
+  }
+  const PageId page = table_->free_page(request, layer, head, partition);  // refuses a resident partition
+  return cpu_pool_->release(page);
 }
 
 std::vector<PageId> PartitionMap::pages(RequestId request, std::uint32_t layer, std::uint32_t head,

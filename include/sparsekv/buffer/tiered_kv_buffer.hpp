@@ -21,6 +21,13 @@
 //    page table in proportion to its sequence length, never below its minimum.
 //  - Admission advice (the engine queues, never the library): can_admit()
 //    and the SparseServe §3.3 working set.
+//  - Token eviction (SpvLLM §4.1), for requests whose budget says `evicts`
+//    (the page table then needs slot masks, HeadCapacity::slot_masks): every
+//    partition is one page, a decode token is written through to a CPU page
+//    slot (and to the page's GPU copy when resident) by place_token instead of
+//    going to a tail, and evict() masks positions out, then frees or compacts
+//    pages as Config::eviction_strategy says (docs/buffer.md). The buffer maps
+//    sequence positions to (partition, slot); policies deal in positions only.
 //
 // Engine layout of K/V: `k` and `v` are separate row-major arrays
 // [tokens][kv_heads][head_dim] of the model's dtype (f32 / f16 / bf16, bytes
@@ -44,6 +51,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsekv/buffer/eviction_head.hpp"
 #include "sparsekv/buffer/working_set_window.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/core/config.hpp"
@@ -70,6 +78,9 @@ struct RequestBudget {
   std::uint32_t mandatory_pages = 0;
   // GPU pages per (layer, kv head); 0 = the minimum, mandatory x (1 + min_buffer_ratio).
   std::uint32_t buffer_pages = 0;
+  // The policy evicts tokens for good: no GPU tail page, decode tokens go
+  // through place_token, and evict() applies Config::eviction_strategy.
+  bool evicts = false;
 };
 
 // What a decode append that fills the tail takes, with the regroup that may
@@ -82,6 +93,18 @@ struct SaveDemand {
   std::uint64_t freed_pages = 0;
   std::uint64_t regroup_pages = 0;
   SegmentDemand segments;  // metadata segments beyond those mapped now, at the most demanding point
+};
+
+// What one decode step of a request that evicts takes, as a dry run of
+// evict() then place_token() (TieredKVBuffer::append_demand_evicting). evict() returns
+// `freed_pages` CPU pages to the pool (a sparse_copy compaction's new pages
+// already netted out: it frees its run before taking them); place_token()
+// then takes `placed_pages`.
+struct EvictionDemand {
+  std::uint64_t freed_pages = 0;
+  std::uint64_t placed_pages = 0;
+  SegmentDemand segments;                      // beyond those mapped now, at the most demanding point
+  std::vector<std::uint32_t> live_partitions;  // per kv head, once the token is placed
 };
 
 // admit is true exactly when add_request(budget) would succeed now and the
@@ -109,6 +132,11 @@ struct Retrieval {
   // The resident tail of each head: page and token count (0 = empty).
   std::vector<PageId> tail_pages;
   std::vector<std::uint32_t> tail_tokens;
+  // Requests that evict only (else empty): the slot mask of each page of
+  // plan.gpu_pages, and the sequence position each of its slots holds,
+  // slot_positions[i * page_tokens + t], kNoPosition for a slot not live.
+  std::vector<SlotMask> page_masks;
+  std::vector<std::uint32_t> slot_positions;
   CacheStepStats stats;
 
   // Calls fn(gpu_page, tokens) for every page kv head h attends: the selected
@@ -126,6 +154,20 @@ struct Retrieval {
     }
     if (tail_tokens[head] > 0) fn(tail_pages[head], tail_tokens[head]);
   }
+  // As for_each_page, with fn(gpu_page, tokens, mask): the page's slot mask,
+  // all of its tokens live unless page_masks says otherwise.
+  template <class Fn>
+  void for_each_page_masked(std::uint32_t head, std::uint32_t page_tokens, Fn&& fn) const {
+    for (std::uint32_t i = head_offsets[head]; i < head_offsets[head + 1]; ++i) {
+      std::uint32_t left = token_counts[i];
+      for (std::uint32_t p = plan.partition_offsets[i]; p < plan.partition_offsets[i + 1]; ++p) {
+        const std::uint32_t tokens = left < page_tokens ? left : page_tokens;
+        fn(plan.gpu_pages[p], tokens, page_masks.empty() ? full_slot_mask(tokens) : page_masks[p]);
+        left -= tokens;
+      }
+    }
+    if (tail_tokens[head] > 0) fn(tail_pages[head], tail_tokens[head], full_slot_mask(tail_tokens[head]));
+  }
 };
 
 struct BufferStats {
@@ -134,6 +176,9 @@ struct BufferStats {
   std::uint64_t bytes_loaded = 0;    // CPU -> GPU by retrieve
   std::uint64_t pages_saved = 0;     // GPU tail -> CPU by append
   std::uint64_t bytes_offloaded = 0; // prefill K/V written to the CPU tier
+  std::uint64_t pages_freed = 0;     // CPU pages evict() released (free_block, slot_reuse)
+  std::uint64_t pages_copied = 0;    // CPU pages a sparse_copy compaction wrote
+  std::uint64_t slots_copied = 0;    // live rows it moved into them
 };
 
 class TieredKVBuffer {
@@ -220,6 +265,38 @@ class TieredKVBuffer {
   // Pages of the partitions selected over the last working_set_window steps, summed over heads.
   std::uint64_t working_set_pages(RequestId request) const;
 
+  // ---- Token eviction (requests whose budget evicts; others: failed_precondition) ----
+  // positions[h]: the sequence positions kv head h drops, each live and listed
+  // once (else invalid_argument); none may lie in a page another request
+  // shares (failed_precondition). check_evict makes evict()'s checks only.
+  void check_evict(RequestId request, std::uint32_t layer, std::span<const std::vector<std::uint32_t>> positions) const;
+  void evict(RequestId request, std::uint32_t layer, std::span<const std::vector<std::uint32_t>> positions);
+  // The next position's K/V rows (one token, engine layout), written per kv
+  // head into the slot the strategy picks: slot_reuse the lowest dead slot of
+  // the fullest page with one (fewest dead slots, then lowest partition id);
+  // otherwise the next slot of the open last page; otherwise a new one-page
+  // partition. Throws resource_exhausted, changing nothing, when a new page
+  // does not fit.
+  void place_token(RequestId request, std::uint32_t layer, const KvChunk& token);
+  // evict(positions) followed by place_token, as a dry run: checks what
+  // check_evict checks and changes nothing.
+  EvictionDemand append_demand_evicting(RequestId request, std::uint32_t layer,
+                             std::span<const std::vector<std::uint32_t>> positions) const;
+  // Held partitions of one head with a live slot, ascending: the selection of
+  // dense attention over the live tokens.
+  void live_partitions(RequestId request, std::uint32_t layer, std::uint32_t head, std::vector<PartitionId>& out) const;
+  std::uint32_t live_tokens(RequestId request, std::uint32_t layer, std::uint32_t head) const;
+  // CPU pages the request holds and live slots in them, over every (layer, kv head).
+  std::uint64_t held_pages(RequestId request) const;
+  std::uint64_t live_slots(RequestId request) const;
+  // Where a live position sits: partition * page_tokens + slot; nullopt when it is not live.
+  std::optional<std::uint32_t> position_slot(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                             std::uint32_t position) const;
+  // Maps the first `partitions` partitions of `source`'s layer into the same
+  // layer of `request` in every kv head, sharing their pages, positions and
+  // masks; `request`'s layer must be empty. Both must evict.
+  void share_prefix(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t partitions);
+
   bool has_request(RequestId request) const noexcept { return requests_.contains(request); }
   std::uint32_t slots_per_head(RequestId request) const;
   std::uint32_t min_slots_per_head(const RequestBudget& budget) const;
@@ -248,6 +325,15 @@ class TieredKVBuffer {
     std::vector<std::uint32_t> tail_tokens;  // per layer
     std::vector<PageId> tail_pages;          // per (layer, kv head)
     std::vector<WorkingSetWindow> windows;   // per (layer, kv head)
+    std::vector<EvictionHead> eviction;      // per (layer, kv head); empty unless budget.evicts
+  };
+  // What evict() does to one head: the checks' result, computed before any change.
+  struct HeadEviction {
+    std::vector<std::pair<PartitionId, SlotMask>> cleared;  // partition, slots dying; ascending partitions
+    std::vector<PartitionId> released;                      // pages whose last slot dies (free_block, slot_reuse)
+    std::optional<PartitionId> run;                         // sparse_copy: first partition compacted
+    std::uint32_t run_live = 0;                             // live rows of the run once evicted
+    std::uint32_t run_pages = 0;                            // CPU pages the run holds now
   };
 
   // Why add_request(budget) would be refused now: the code it throws and the
@@ -266,6 +352,26 @@ class TieredKVBuffer {
   void check_offload(RequestId request, std::uint32_t layer, std::uint32_t tokens,
                      std::span<const PartitionSpec> specs) const;
   void check_tail_save(RequestId request, std::uint32_t layer) const;
+  // Refuses (failed_precondition) a request that evicts: it has no GPU tail.
+  void check_has_tail(RequestId request, const RequestState& s) const;
+  static std::uint32_t tail_pages_per_head(const RequestBudget& budget) noexcept { return budget.evicts ? 0 : 1; }
+  const RequestState& evicting(RequestId request, std::uint32_t layer) const;
+  EvictionHead& eviction_head(RequestState& s, std::uint32_t layer, std::uint32_t head);
+  const EvictionHead& eviction_head(const RequestState& s, std::uint32_t layer, std::uint32_t head) const;
+  bool shared(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const;
+  std::vector<HeadEviction> plan_evict(RequestId request, std::uint32_t layer,
+                                       std::span<const std::vector<std::uint32_t>> positions) const;
+  // Where place_token puts head h's row now: an existing slot, or nullopt for a new page.
+  std::optional<std::uint32_t> place_target(RequestId request, std::uint32_t layer, std::uint32_t head) const;
+  void record_offload(RequestState& s, std::uint32_t layer, std::uint32_t head, PartitionId first,
+                      const PartitionSpec& spec, std::uint32_t first_position);
+  void compact(RequestId request, RequestState& s, std::uint32_t layer, std::uint32_t head, PartitionId first);
+  // The rows of partitions [first, end) of one head in page order, [token][K row, V row]
+  // (only live slots when `live_only`), their resident copies evicted first.
+  // validate()'s checks of one head of a request that evicts.
+  void validate_eviction(RequestId request, const RequestState& s, std::uint32_t layer, std::uint32_t head) const;
+  void collect_run(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId first, bool live_only,
+                   std::vector<std::byte>& rows);
   void grow_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void shrink_slots(RequestId request, RequestState& s, std::uint32_t slots);
   void evict_partition(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);

@@ -6,6 +6,7 @@
 //  - working_set_window = 12: SparseServe §3.3, steps in the working-set estimate.
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 #include "sparsekv/core/model_shape.hpp"
 
@@ -18,7 +19,22 @@ namespace sparsekv {
 struct HeadCapacity {
   std::uint32_t partitions = 0;
   std::uint32_t cpu_pages = 0;
+  // Requests may evict tokens for good: the page table keeps a slot mask per CPU page.
+  bool slot_masks = false;
 };
+
+// What the buffer does with the slots of tokens a policy evicts for good
+// (SpvLLM §2.2, §4.1). Only requests that evict are affected.
+//  - no_op: slots are masked; pages are never released.
+//  - free_block: a page is released once none of its slots is live.
+//  - sparse_copy: the live rows from the first page with a dead slot onwards
+//    are copied into fresh full pages at once.
+//  - slot_reuse: as free_block, and a new token fills a dead slot first (SpvLLM).
+enum class EvictionStrategy : std::uint8_t { no_op, free_block, sparse_copy, slot_reuse };
+
+std::string_view to_string(EvictionStrategy strategy) noexcept;
+// Accepts the names to_string gives, with '-' for '_' too; throws invalid_argument otherwise.
+EvictionStrategy parse_eviction_strategy(std::string_view name);
 
 struct Config {
   // Tokens per head-wise page. A power of two so that token -> page is a shift.
@@ -39,6 +55,8 @@ struct Config {
   std::uint32_t metadata_segment_entries = 256;
   // Host memory of the CPU tier is reserved (and pinned) in chunks of this size.
   std::size_t host_chunk_bytes = std::size_t{64} << 20;
+  // Slot handling for requests whose policy evicts tokens.
+  EvictionStrategy eviction_strategy = EvictionStrategy::slot_reuse;
 
   // Throws ErrorCode::invalid_argument naming the first bad field; checks the
   // shape too, and that each tier holds at least one page of that shape.

@@ -7,6 +7,7 @@
 //   GPU page table         GPU   GPU buffer slot        partition, GPU page, timestamp
 //   partition offset       CPU   partition id           first index in the CPU page table
 //   CPU page table         CPU   flat page index        CPU page id
+//   slot mask (optional)   CPU   flat page index        live slots of the page
 //
 // Each table keeps, per (request, layer, kv head), a logical array behind a
 // static directory; segments come from a per-table SegmentPool on demand and
@@ -14,9 +15,16 @@
 // in host memory and accounts each to its tier; the CUDA backend reads the
 // CPU-tier tables from pinned memory through the same TwoLevelView.
 //
+// Slot masks (SpvLLM §4.1, permanent token eviction) are a fifth table,
+// parallel to the CPU page table and grown and shrunk with it, built only when
+// the geometry asks for them. A partition whose page has been released stays
+// in the tables as a *freed* tombstone (CPU page kInvalidPage, mask 0), so
+// that partition ids never change.
+//
 // Not thread-safe. Every call that throws changes nothing.
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -25,6 +33,7 @@
 #include "sparsekv/core/config.hpp"
 #include "sparsekv/core/ids.hpp"
 #include "sparsekv/core/model_shape.hpp"
+#include "sparsekv/memory/page_layout.hpp"
 #include "sparsekv/metadata/page_table_entries.hpp"
 #include "sparsekv/metadata/partition_lookup.hpp"
 #include "sparsekv/metadata/two_level_table.hpp"
@@ -46,11 +55,17 @@ struct PageTableGeometry {
   std::uint32_t gpu_page_segments = 0;
   std::uint32_t offset_segments = 0;
   std::uint32_t cpu_page_segments = 0;
+  // A SlotMask per CPU page (requests that evict tokens); mask_segments is
+  // that table's pool and must be 0 without it. Pages then hold at most
+  // kMaxMaskedPageTokens tokens.
+  bool slot_masks = false;
+  std::uint32_t mask_segments = 0;
 
   // Directories sized for Config's max_requests and `capacity` per head
   // (Config::head_capacity() unless a policy declares its own); pools sized
   // for the pages the two tiers can hold, plus one partly filled segment per
-  // head and table.
+  // head and table. `capacity.slot_masks` adds the slot mask table, its pool
+  // sized like the CPU page table's.
   static PageTableGeometry for_config(const Config& config, const ModelShape& shape);
   static PageTableGeometry for_config(const Config& config, const ModelShape& shape, const HeadCapacity& capacity);
   void validate() const;
@@ -73,11 +88,13 @@ struct SegmentDemand {
   std::uint64_t gpu_pages = 0;
   std::uint64_t offsets = 0;
   std::uint64_t cpu_pages = 0;
+  std::uint64_t masks = 0;
   SegmentDemand& operator+=(const SegmentDemand& o) {
     meta += o.meta;
     gpu_pages += o.gpu_pages;
     offsets += o.offsets;
     cpu_pages += o.cpu_pages;
+    masks += o.masks;
     return *this;
   }
 };
@@ -99,8 +116,9 @@ class HierarchicalPageTable {
   std::size_t request_count() const noexcept { return slots_.size(); }
 
   // Partitions: appends partitions with the given token counts whose pages are
-  // `cpu_pages` in order (sum of ceil(tokens / page_tokens) ids). All three
-  // partition-side tables grow together or not at all.
+  // `cpu_pages` in order (sum of ceil(tokens / page_tokens) ids). All
+  // partition-side tables grow together or not at all; each new page's slot
+  // mask has its tokens live.
   void append_partitions(RequestId request, std::uint32_t layer, std::uint32_t head,
                          std::span<const std::uint32_t> token_counts, std::span<const PageId> cpu_pages);
   // Segments appending `partitions` partitions of `pages` CPU pages to one head
@@ -134,8 +152,30 @@ class HierarchicalPageTable {
   // Appends the partition's CPU page ids to `out`, in page order.
   void cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition,
                  std::vector<PageId>& out) const;
-  // Every CPU page id of one head, in page order.
+  // Every CPU page id of one head, in page order (kInvalidPage for freed partitions).
   void all_cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head, std::vector<PageId>& out) const;
+  // Index of the partition's first page in the head's CPU page table (and slot mask table).
+  std::uint32_t first_page_index(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                 PartitionId partition) const;
+  // Changes the token count of a one-page, unfreed partition to `tokens` in
+  // [1, page_tokens] (a request that evicts fills its open page a token at a
+  // time). Residency is kept; a slot at or past the new count must not be live.
+  void set_token_count(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition,
+                       std::uint32_t tokens);
+
+  // Slot masks; the calls below throw failed_precondition when the geometry
+  // has none. `page_index` indexes the head's CPU page table.
+  bool has_slot_masks() const noexcept { return masks_.has_value(); }
+  SlotMask slot_mask(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t page_index) const;
+  // Refuses (invalid_argument) a live bit at or past the page's token count,
+  // and (failed_precondition) a live bit on a freed page.
+  void set_slot_mask(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t page_index,
+                     SlotMask mask);
+  // Turns a one-page partition into a freed tombstone: its CPU page entry
+  // becomes kInvalidPage and its mask 0; returns the page it held, which is
+  // the caller's to release. Refuses a resident or already freed partition.
+  PageId free_page(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
+  bool partition_freed(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const;
 
   // GPU page table: `gpu_slots` entries per head, the head's GPU buffer. Each
   // slot may own a page of the GPU-tier pool. Shrinking drops slots from the
@@ -160,6 +200,8 @@ class HierarchicalPageTable {
   TwoLevelView<GpuPageEntry> gpu_page_view() const noexcept { return gpu_pages_.view(); }
   TwoLevelView<PartitionOffset> offset_view() const noexcept { return offsets_.view(); }
   TwoLevelView<CpuPageEntry> cpu_page_view() const noexcept { return cpu_pages_.view(); }
+  // Throws failed_precondition when the geometry has no slot masks.
+  TwoLevelView<SlotMask> slot_mask_view() const;
   PartitionLookup lookup() const noexcept {
     return {meta_.view(), offsets_.view(), cpu_pages_.view(), geometry_.page_tokens};
   }
@@ -172,12 +214,20 @@ class HierarchicalPageTable {
  private:
   std::uint32_t slot_of(RequestId request) const;
   void validate_instance(std::size_t instance) const;
+  const TwoLevelTable<SlotMask>& masks() const;
+  // Tokens page `page_index` of an instance holds (its partition's count past the page's start, at most page_tokens).
+  std::uint32_t tokens_on_page(std::size_t instance, std::uint32_t page_index) const;
+  bool freed(std::size_t instance, PartitionId partition) const;
+  // One-page, unfreed partition checks shared by set_token_count and free_page.
+  void check_open_page(std::size_t instance, PartitionId partition, const char* call) const;
+  void resize_pages(std::size_t instance, std::uint32_t partitions, std::uint32_t pages);
 
   PageTableGeometry geometry_;
   TwoLevelTable<MetaPartitionEntry> meta_;
   TwoLevelTable<GpuPageEntry> gpu_pages_;
   TwoLevelTable<PartitionOffset> offsets_;
   TwoLevelTable<CpuPageEntry> cpu_pages_;
+  std::optional<TwoLevelTable<SlotMask>> masks_;
   std::unordered_map<RequestId, std::uint32_t> slots_;
   std::vector<std::uint32_t> free_slots_;
 };

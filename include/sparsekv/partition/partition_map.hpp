@@ -7,8 +7,15 @@
 // packed into its pages in spec order, `page_tokens` per page.
 //
 // Shared prefixes reuse another request's pages by reference count
-// (PagedAttention+FlexAttention, Alg. 1); pages are never written after they
-// are mapped, so sharing needs no copy-on-write.
+// (PagedAttention+FlexAttention, Alg. 1); a shared page is never written,
+// masked or reused, so sharing needs no copy-on-write.
+//
+// Token eviction (SpvLLM §4.1), on tables built with slot masks: evict_slots
+// clears live bits of one-page partitions, and release_page turns a page none
+// of whose slots is live into a freed tombstone and drops this request's
+// reference to it. The ref-count rule: a page another request also maps
+// (PagePool::ref_count > 1) is never masked, since its bytes and the other
+// request's view of them are common.
 #include <cstdint>
 #include <vector>
 
@@ -39,15 +46,28 @@ class PartitionMap {
   // nothing: on any error no page is taken and no table changes.
   MappedPartitions map(RequestId request, std::uint32_t layer, std::uint32_t head, const PartitionSpec& spec);
   // Appends the first `partitions` partitions of `source`'s head to the same
-  // head of `request`, sharing their pages (reference count + 1 each).
+  // head of `request`, sharing their pages (reference count + 1 each) and
+  // copying their slot masks. Refuses (failed_precondition) a prefix holding a
+  // freed partition.
   void map_shared_prefix(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t head,
                          std::uint32_t partitions);
   // Keeps the first `partitions` partitions of one head, releasing the CPU
-  // pages of the rest (none may be cached in a GPU slot).
+  // pages of the rest (none may be cached in a GPU slot; freed ones hold none).
   void truncate(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t partitions);
   // Releases every CPU page of every head of the request and drops its
   // partitions (no GPU slot may cache one). The request stays registered.
   void unmap(RequestId request);
+
+  // Clears the `slots` bits of a one-page partition's slot mask and returns
+  // what stays live. Refuses (invalid_argument) a slot that is not live, and
+  // (failed_precondition) a page shared with another request.
+  SlotMask evict_slots(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition,
+                       SlotMask slots);
+  // Makes a one-page partition with no live slot a freed tombstone and drops
+  // this request's reference to its page (PagePool::release); returns whether
+  // the page went back to the pool. Refuses (failed_precondition) a live slot,
+  // a resident or an already freed partition.
+  bool release_page(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
 
   std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const {
     return table_->partition_count(request, layer, head);

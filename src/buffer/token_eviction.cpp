@@ -1,0 +1,515 @@
+// TieredKVBuffer's token eviction (SpvLLM §2.2 strategies, §4.1 slot reuse):
+// evict / place_token / their dry run, the live-partition selection and
+// prefix sharing for requests whose budget evicts. docs/buffer.md explains
+// the rules; this file keeps them in one place so that the dry run
+// (append_demand_evicting) and the calls it predicts agree.
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "sparsekv/buffer/tiered_kv_buffer.hpp"
+#include "sparsekv/core/error.hpp"
+
+namespace sparsekv {
+
+const TieredKVBuffer::RequestState& TieredKVBuffer::evicting(RequestId request, std::uint32_t layer) const {
+  const RequestState& s = state(request);
+  check_index("layer", layer, shape_.layers);
+  if (!s.budget.evicts) {
+    fail(ErrorCode::failed_precondition, "request {} does not evict tokens (RequestBudget::evicts is false)", request);
+  }
+  return s;
+}
+
+EvictionHead& TieredKVBuffer::eviction_head(RequestState& s, std::uint32_t layer, std::uint32_t head) {
+  return s.eviction[std::size_t{layer} * shape_.kv_heads + head];
+}
+
+const EvictionHead& TieredKVBuffer::eviction_head(const RequestState& s, std::uint32_t layer,
+                                                  std::uint32_t head) const {
+  return s.eviction[std::size_t{layer} * shape_.kv_heads + head];
+}
+
+bool TieredKVBuffer::shared(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const {
+  const std::uint32_t index = table_.first_page_index(request, layer, head, partition);
+  const PageId page = *table_.cpu_page_view().find(table_.instance(request, layer, head), index);
+  return page != kInvalidPage && cpu_pool_.ref_count(page) > 1;
+}
+
+void TieredKVBuffer::record_offload(RequestState& s, std::uint32_t layer, std::uint32_t head, PartitionId first,
+                                    const PartitionSpec& spec, std::uint32_t first_position) {
+  EvictionHead& e = eviction_head(s, layer, head);
+  const std::uint32_t pt = config_.page_tokens;
+  e.slot_position.resize((std::size_t{first} + spec.partition_count()) * pt, kNoPosition);
+  for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
+    for (std::uint32_t i = 0; i < spec.size(p); ++i) {
+      const std::uint32_t flat = (first + p) * pt + i;
+      e.slot_position[flat] = first_position + spec.token(p, i);
+      e.live[first_position + spec.token(p, i)] = flat;
+    }
+  }
+  e.held_pages += spec.partition_count();
+}
+
+std::vector<TieredKVBuffer::HeadEviction> TieredKVBuffer::plan_evict(
+    RequestId request, std::uint32_t layer, std::span<const std::vector<std::uint32_t>> positions) const {
+  const RequestState& s = evicting(request, layer);
+  if (positions.size() != shape_.kv_heads) {
+    fail(ErrorCode::invalid_argument, "evict: {} position lists given for {} kv heads", positions.size(),
+         shape_.kv_heads);
+  }
+  const std::uint32_t pt = config_.page_tokens;
+  const EvictionStrategy strategy = config_.eviction_strategy;
+  std::vector<HeadEviction> plans(shape_.kv_heads);
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const EvictionHead& e = eviction_head(s, layer, h);
+    std::map<PartitionId, std::pair<SlotMask, std::uint32_t>> dying;  // partition -> slots, one of their positions
+    for (const std::uint32_t position : positions[h]) {
+      const auto it = e.live.find(position);
+      if (it == e.live.end()) {
+        fail(ErrorCode::invalid_argument, "evict: request {} layer {} kv head {}: position {} is not live ({})",
+             request, layer, h, position,
+             position >= s.tokens[layer] ? fmt::format("the sequence has {} positions", s.tokens[layer])
+                                         : std::string("evicted already"));
+      }
+      auto& [slots, named] = dying[it->second / pt];
+      const SlotMask bit = SlotMask{1} << (it->second % pt);
+      if ((slots & bit) != 0) {
+        fail(ErrorCode::invalid_argument, "evict: request {} layer {} kv head {}: position {} is listed twice",
+             request, layer, h, position);
+      }
+      slots |= bit;
+      named = position;
+    }
+    HeadEviction& plan = plans[h];
+    std::map<PartitionId, SlotMask> after;
+    for (const auto& [partition, slots_position] : dying) {
+      if (shared(request, layer, h, partition)) {
+        fail(ErrorCode::failed_precondition,
+             "request {} layer {} kv head {} position {} lies in a page shared with another request; shared prefix "
+             "pages cannot be masked",
+             request, layer, h, slots_position.second);
+      }
+      const SlotMask mask = table_.slot_mask(request, layer, h, table_.first_page_index(request, layer, h, partition));
+      plan.cleared.emplace_back(partition, slots_position.first);
+      after[partition] = mask & ~slots_position.first;
+      const bool frees = strategy == EvictionStrategy::free_block || strategy == EvictionStrategy::slot_reuse;
+      if (frees && after[partition] == 0) plan.released.push_back(partition);
+    }
+    if (strategy != EvictionStrategy::sparse_copy || dying.empty()) continue;
+    // The run starts at the first page with a dead slot once evicted, among the
+    // trailing pages no other request shares (a shared prefix leads).
+    const std::uint32_t count = table_.partition_count(request, layer, h);
+    PartitionId unshared = count;
+    while (unshared > 0 && !shared(request, layer, h, unshared - 1)) --unshared;
+    for (PartitionId p = unshared; p < count; ++p) {
+      const std::uint32_t tokens = table_.meta(request, layer, h, p).token_count();
+      const SlotMask mask = after.contains(p) ? after[p]
+                                              : table_.slot_mask(request, layer, h, table_.first_page_index(request, layer, h, p));
+      const bool freed = table_.partition_freed(request, layer, h, p);
+      if (!plan.run && (freed || dead_slots(mask, tokens) > 0)) plan.run = p;
+      if (!plan.run) continue;
+      plan.run_live += static_cast<std::uint32_t>(std::popcount(mask));
+      plan.run_pages += freed ? 0 : 1;
+    }
+  }
+  // A compaction frees its run before it takes pages, so only segments can run short.
+  SegmentDemand segments;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    if (!plans[h].run) continue;
+    const std::uint32_t pages = pages_for_tokens(plans[h].run_live, pt);
+    segments += table_.replace_demand(request, layer, h, *plans[h].run, pages, pages);
+  }
+  table_.check_segments(segments);
+  return plans;
+}
+
+void TieredKVBuffer::check_evict(RequestId request, std::uint32_t layer,
+                                 std::span<const std::vector<std::uint32_t>> positions) const {
+  plan_evict(request, layer, positions);
+}
+
+std::optional<std::uint32_t> TieredKVBuffer::place_target(RequestId request, std::uint32_t layer,
+                                                          std::uint32_t head) const {
+  const EvictionHead& e = eviction_head(state(request), layer, head);
+  const std::uint32_t pt = config_.page_tokens;
+  if (config_.eviction_strategy == EvictionStrategy::slot_reuse) {
+    // The fullest page with a dead slot: fewest dead, then lowest partition id.
+    for (const auto& [dead, partition] : e.reusable) {
+      if (shared(request, layer, head, partition)) continue;
+      const SlotMask mask = table_.slot_mask(request, layer, head, table_.first_page_index(request, layer, head, partition));
+      const std::uint32_t tokens = table_.meta(request, layer, head, partition).token_count();
+      return partition * pt + static_cast<std::uint32_t>(std::countr_zero(~mask & full_slot_mask(tokens)));
+    }
+  }
+  const std::uint32_t count = table_.partition_count(request, layer, head);
+  if (count == 0) return std::nullopt;
+  const PartitionId last = count - 1;
+  const std::uint32_t tokens = table_.meta(request, layer, head, last).token_count();
+  if (tokens < pt && !table_.partition_freed(request, layer, head, last) && !shared(request, layer, head, last)) {
+    return last * pt + tokens;
+  }
+  return std::nullopt;
+}
+
+EvictionDemand TieredKVBuffer::append_demand_evicting(RequestId request, std::uint32_t layer,
+                                                      std::span<const std::vector<std::uint32_t>> positions) const {
+  const std::vector<HeadEviction> plans = plan_evict(request, layer, positions);
+  const std::uint32_t pt = config_.page_tokens;
+  const auto pages_for = [pt](std::uint32_t rows) { return (rows + pt - 1) / pt; };
+  EvictionDemand d;
+  d.live_partitions.resize(shape_.kv_heads);
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const HeadEviction& plan = plans[h];
+    const std::uint32_t count = table_.partition_count(request, layer, h);
+    std::map<PartitionId, SlotMask> cleared(plan.cleared.begin(), plan.cleared.end());
+    const auto released = [&](PartitionId p) {
+      return std::binary_search(plan.released.begin(), plan.released.end(), p) || (plan.run && p >= *plan.run);
+    };
+    const auto live_after = [&](PartitionId p) -> SlotMask {
+      if (table_.partition_freed(request, layer, h, p) || released(p)) return 0;
+      const SlotMask mask = table_.slot_mask(request, layer, h, table_.first_page_index(request, layer, h, p));
+      const auto it = cleared.find(p);
+      return it == cleared.end() ? mask : mask & ~it->second;
+    };
+    d.freed_pages += plan.released.size();
+    const std::uint32_t run_new = plan.run ? pages_for(plan.run_live) : 0;
+    if (plan.run) d.freed_pages += plan.run_pages - run_new;
+    // Where the token goes once the eviction is applied (place_target's rule).
+    bool new_page = true;
+    bool target_was_dead = false;
+    if (config_.eviction_strategy == EvictionStrategy::slot_reuse) {
+      std::optional<std::pair<std::uint32_t, PartitionId>> fullest;
+      const auto consider = [&](PartitionId p) {
+        const std::pair candidate{dead_slots(live_after(p), table_.meta(request, layer, h, p).token_count()), p};
+        if (!fullest || candidate < *fullest) fullest = candidate;
+      };
+      for (const auto& [dead, p] : eviction_head(state(request), layer, h).reusable) {
+        if (!released(p) && !cleared.contains(p) && !shared(request, layer, h, p)) consider(p);
+      }
+      for (const auto& [p, slots] : plan.cleared) {
+        if (!released(p)) consider(p);
+      }
+      if (fullest) {
+        new_page = false;
+        target_was_dead = live_after(fullest->second) == 0;
+      }
+    }
+    if (new_page && plan.run && plan.run_live % pt != 0) {
+      new_page = false;  // the compaction's last page is open
+    } else if (new_page) {
+      const PartitionId end = plan.run && plan.run_live == 0 ? *plan.run : count;
+      if (end > 0) {
+        const PartitionId last = end - 1;
+        if (table_.meta(request, layer, h, last).token_count() < pt && !table_.partition_freed(request, layer, h, last) &&
+            !released(last) && !shared(request, layer, h, last)) {
+          new_page = false;
+          target_was_dead = live_after(last) == 0;
+        }
+      }
+    }
+    d.placed_pages += new_page ? 1 : 0;
+    const PartitionId keep = plan.run ? *plan.run : count;
+    d.segments += table_.replace_demand(request, layer, h, keep, run_new + (new_page ? 1 : 0), run_new + (new_page ? 1 : 0));
+    std::uint32_t live = run_new + (new_page || target_was_dead ? 1 : 0);
+    for (PartitionId p = 0; p < keep; ++p) live += live_after(p) != 0 ? 1 : 0;
+    d.live_partitions[h] = live;
+  }
+  return d;
+}
+
+void TieredKVBuffer::collect_run(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId first,
+                                 bool live_only, std::vector<std::byte>& rows) {
+  const std::size_t row = layout_.row_bytes();
+  const std::uint32_t pt = config_.page_tokens;
+  std::vector<PageId> pages;
+  for (PartitionId p = first; p < table_.partition_count(request, layer, head); ++p) {
+    if (table_.partition_freed(request, layer, head, p)) continue;
+    if (table_.meta(request, layer, head, p).resident()) evict_partition(request, layer, head, p);
+    pages.clear();
+    table_.cpu_pages(request, layer, head, p, pages);
+    const std::uint32_t first_page = table_.first_page_index(request, layer, head, p);
+    for (std::uint32_t i = 0; i < table_.meta(request, layer, head, p).token_count(); ++i) {
+      if (live_only && !slot_live(table_.slot_mask(request, layer, head, first_page + i / pt), i % pt)) continue;
+      const std::byte* page = cpu_pool_.data(pages[i / pt]);
+      rows.insert(rows.end(), page + layout_.k_offset(i % pt), page + layout_.k_offset(i % pt) + row);
+      rows.insert(rows.end(), page + layout_.v_offset(i % pt), page + layout_.v_offset(i % pt) + row);
+    }
+  }
+}
+
+void TieredKVBuffer::compact(RequestId request, RequestState& s, std::uint32_t layer, std::uint32_t head,
+                             PartitionId first) {
+  // Sparse copy (SpvLLM §2.2): the run's live rows, in (partition, slot)
+  // order, into fresh full pages; the run's pages go back first.
+  EvictionHead& e = eviction_head(s, layer, head);
+  const std::uint32_t pt = config_.page_tokens;
+  const std::size_t row = layout_.row_bytes();
+  std::vector<std::byte> rows;
+  collect_run(request, layer, head, first, true, rows);
+  std::vector<std::uint32_t> positions;
+  std::uint32_t run_pages = 0;
+  for (PartitionId p = first; p < table_.partition_count(request, layer, head); ++p) {
+    run_pages += table_.partition_freed(request, layer, head, p) ? 0 : 1;
+  }
+  for (std::size_t flat = std::size_t{first} * pt; flat < e.slot_position.size(); ++flat) {
+    if (e.slot_position[flat] != kNoPosition) positions.push_back(e.slot_position[flat]);
+  }
+  partitions_.truncate(request, layer, head, first);
+  s.windows[std::size_t{layer} * shape_.kv_heads + head].forget_from(first);
+  e.slot_position.resize(std::size_t{first} * pt);
+  std::erase_if(e.reusable, [first](const auto& entry) { return entry.second >= first; });
+  e.held_pages -= run_pages;
+  if (positions.empty()) return;
+  const auto count = static_cast<std::uint32_t>(positions.size());
+  const MappedPartitions mapped = partitions_.map(request, layer, head, PartitionSpec::uniform(count, pt));
+  e.slot_position.resize((std::size_t{first} + pages_for_tokens(count, pt)) * pt, kNoPosition);
+  for (std::uint32_t t = 0; t < count; ++t) {
+    std::byte* page = cpu_pool_.data(mapped.placements[t].cpu_page);
+    std::memcpy(page + layout_.k_offset(mapped.placements[t].slot), rows.data() + 2 * t * row, row);
+    std::memcpy(page + layout_.v_offset(mapped.placements[t].slot), rows.data() + (2 * t + 1) * row, row);
+    const std::uint32_t flat = first * pt + t;
+    e.slot_position[flat] = positions[t];
+    e.live[positions[t]] = flat;
+  }
+  e.held_pages += pages_for_tokens(count, pt);
+  stats_.pages_copied += pages_for_tokens(count, pt);
+  stats_.slots_copied += count;
+}
+
+void TieredKVBuffer::evict(RequestId request, std::uint32_t layer,
+                           std::span<const std::vector<std::uint32_t>> positions) {
+  const std::vector<HeadEviction> plans = plan_evict(request, layer, positions);  // every check
+  const bool compacts = std::any_of(plans.begin(), plans.end(), [](const HeadEviction& p) { return p.run.has_value(); });
+  RequestState& s = state(request);
+  const std::uint32_t pt = config_.page_tokens;
+  if (compacts) transfer_->synchronize();  // the run's rows may still be in flight to their CPU pages
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    EvictionHead& e = eviction_head(s, layer, h);
+    for (const auto& [partition, slots] : plans[h].cleared) {
+      const std::uint32_t tokens = table_.meta(request, layer, h, partition).token_count();
+      const SlotMask before =
+          table_.slot_mask(request, layer, h, table_.first_page_index(request, layer, h, partition));
+      const SlotMask left = partitions_.evict_slots(request, layer, h, partition, slots);
+      for (SlotMask bits = slots; bits != 0; bits &= bits - 1) {
+        const std::uint32_t flat = partition * pt + static_cast<std::uint32_t>(std::countr_zero(bits));
+        e.live.erase(e.slot_position[flat]);
+        e.slot_position[flat] = kNoPosition;
+      }
+      e.reusable.erase({dead_slots(before, tokens), partition});
+      const auto& released = plans[h].released;
+      if (!std::binary_search(released.begin(), released.end(), partition)) {
+        e.reusable.emplace(dead_slots(left, tokens), partition);
+      }
+    }
+    for (const PartitionId partition : plans[h].released) {
+      if (table_.meta(request, layer, h, partition).resident()) evict_partition(request, layer, h, partition);
+      if (partitions_.release_page(request, layer, h, partition)) ++stats_.pages_freed;
+      --e.held_pages;
+    }
+    if (plans[h].run) compact(request, s, layer, h, *plans[h].run);
+  }
+}
+
+void TieredKVBuffer::place_token(RequestId request, std::uint32_t layer, const KvChunk& token) {
+  evicting(request, layer);
+  check_chunk(token, layer);
+  if (token.tokens != 1) fail(ErrorCode::invalid_argument, "place_token takes one token, got {}", token.tokens);
+  std::vector<std::optional<std::uint32_t>> targets(shape_.kv_heads);
+  std::uint64_t new_pages = 0;
+  SegmentDemand segments;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    targets[h] = place_target(request, layer, h);
+    if (targets[h]) continue;
+    ++new_pages;
+    segments += table_.append_demand(request, layer, h, 1, 1);
+  }
+  if (new_pages > cpu_pool_.available()) {
+    fail(ErrorCode::resource_exhausted, "request {} layer {}: placing a token needs {} CPU pages, {} free", request,
+         layer, new_pages, cpu_pool_.available());
+  }
+  table_.check_segments(segments);
+
+  RequestState& s = state(request);
+  const std::uint32_t pt = config_.page_tokens;
+  const std::uint32_t position = s.tokens[layer];
+  const std::size_t row = layout_.row_bytes();
+  moves_.clear();
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    EvictionHead& e = eviction_head(s, layer, h);
+    PartitionId partition;
+    std::uint32_t slot;
+    if (targets[h]) {
+      partition = *targets[h] / pt;
+      slot = *targets[h] % pt;
+      const std::uint32_t tokens = table_.meta(request, layer, h, partition).token_count();
+      const std::uint32_t index = table_.first_page_index(request, layer, h, partition);
+      const SlotMask before = table_.slot_mask(request, layer, h, index);
+      e.reusable.erase({dead_slots(before, tokens), partition});
+      // The open page's next slot, or a dead one below the count.
+      if (slot == tokens) table_.set_token_count(request, layer, h, partition, tokens + 1);
+      const SlotMask after = before | (SlotMask{1} << slot);
+      table_.set_slot_mask(request, layer, h, index, after);
+      const std::uint32_t dead = dead_slots(after, std::max(tokens, slot + 1));
+      if (dead > 0) e.reusable.emplace(dead, partition);
+    } else {
+      partition = partitions_.map(request, layer, h, PartitionSpec::uniform(1, pt)).first_partition;  // slot 0 live
+      slot = 0;
+      e.slot_position.resize((std::size_t{partition} + 1) * pt, kNoPosition);
+      ++e.held_pages;
+    }
+    const std::uint32_t index = table_.first_page_index(request, layer, h, partition);
+    e.live[position] = partition * pt + slot;
+    e.slot_position[std::size_t{partition} * pt + slot] = position;
+
+    // Write-through: the CPU page is the source of truth; a resident GPU copy
+    // of the page gets the same rows, stream-ordered with the gathers.
+    const std::byte* k = static_cast<const std::byte*>(token.k) + std::size_t{h} * row;
+    const std::byte* v = static_cast<const std::byte*>(token.v) + std::size_t{h} * row;
+    std::byte* cpu = cpu_pool_.data(*table_.cpu_page_view().find(table_.instance(request, layer, h), index));
+    moves_.push_back({k, cpu + layout_.k_offset(slot)});
+    moves_.push_back({v, cpu + layout_.v_offset(slot)});
+    if (!table_.meta(request, layer, h, partition).resident()) continue;
+    for (std::uint32_t g = 0; g < table_.gpu_slots(request, layer, h); ++g) {
+      const GpuPageEntry entry = table_.gpu_entry(request, layer, h, g);
+      if (entry.partition != partition || entry.page_in_partition != 0) continue;
+      std::byte* gpu = gpu_pool_.data(entry.gpu_page);
+      moves_.push_back({k, gpu + layout_.k_offset(slot)});
+      moves_.push_back({v, gpu + layout_.v_offset(slot)});
+    }
+  }
+  transfer_->write(moves_, row);
+  s.tokens[layer] = position + 1;
+}
+
+void TieredKVBuffer::live_partitions(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                     std::vector<PartitionId>& out) const {
+  evicting(request, layer);
+  check_index("kv head", head, shape_.kv_heads);
+  out.clear();
+  const TwoLevelView<SlotMask> masks = table_.slot_mask_view();
+  const std::size_t inst = table_.instance(request, layer, head);
+  // One page per partition: page index == partition id.
+  masks.for_each(inst, [&](SlotMask mask, std::uint32_t partition) {
+    if (mask != 0) out.push_back(partition);
+  });
+}
+
+std::uint32_t TieredKVBuffer::live_tokens(RequestId request, std::uint32_t layer, std::uint32_t head) const {
+  const RequestState& s = evicting(request, layer);
+  check_index("kv head", head, shape_.kv_heads);
+  return static_cast<std::uint32_t>(eviction_head(s, layer, head).live.size());
+}
+
+std::optional<std::uint32_t> TieredKVBuffer::position_slot(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                                           std::uint32_t position) const {
+  const RequestState& s = evicting(request, layer);
+  check_index("kv head", head, shape_.kv_heads);
+  const EvictionHead& e = eviction_head(s, layer, head);
+  const auto it = e.live.find(position);
+  if (it == e.live.end()) return std::nullopt;
+  return it->second;
+}
+
+std::uint64_t TieredKVBuffer::held_pages(RequestId request) const {
+  const RequestState& s = evicting(request, 0);
+  std::uint64_t pages = 0;
+  for (const EvictionHead& e : s.eviction) pages += e.held_pages;
+  return pages;
+}
+
+std::uint64_t TieredKVBuffer::live_slots(RequestId request) const {
+  const RequestState& s = evicting(request, 0);
+  std::uint64_t slots = 0;
+  for (const EvictionHead& e : s.eviction) slots += e.live.size();
+  return slots;
+}
+
+void TieredKVBuffer::share_prefix(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t partitions) {
+  evicting(request, layer);
+  const RequestState& from = evicting(source, layer);
+  if (request == source) fail(ErrorCode::invalid_argument, "request {} cannot share a prefix with itself", request);
+  SegmentDemand segments;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    if (table_.partition_count(request, layer, h) != 0) {
+      fail(ErrorCode::failed_precondition, "share_prefix: request {} layer {} already holds tokens", request, layer);
+    }
+    const std::uint32_t available = table_.partition_count(source, layer, h);
+    if (partitions > available) {
+      fail(ErrorCode::out_of_range, "share_prefix: request {} kv head {} has {} partitions in layer {}; cannot share {}",
+           source, h, available, layer, partitions);
+    }
+    for (PartitionId p = 0; p < partitions; ++p) {
+      if (table_.partition_freed(source, layer, h, p)) {
+        fail(ErrorCode::failed_precondition, "share_prefix: partition {} of request {} kv head {} is freed", p, source,
+             h);
+      }
+    }
+    segments += table_.append_demand(request, layer, h, partitions, partitions);
+  }
+  table_.check_segments(segments);
+
+  RequestState& s = state(request);
+  const std::uint32_t pt = config_.page_tokens;
+  std::uint32_t length = 0;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    partitions_.map_shared_prefix(request, source, layer, h, partitions);
+    const EvictionHead& src = eviction_head(from, layer, h);
+    EvictionHead& e = eviction_head(s, layer, h);
+    e.slot_position.assign(src.slot_position.begin(), src.slot_position.begin() + std::size_t{partitions} * pt);
+    for (std::uint32_t flat = 0; flat < e.slot_position.size(); ++flat) {
+      if (e.slot_position[flat] == kNoPosition) continue;
+      e.live[e.slot_position[flat]] = flat;
+      length = std::max(length, e.slot_position[flat] + 1);
+    }
+    for (const auto& [dead, p] : src.reusable) {
+      if (p < partitions) e.reusable.emplace(dead, p);
+    }
+    e.held_pages = partitions;
+  }
+  s.tokens[layer] = length;
+}
+
+void TieredKVBuffer::validate_eviction(RequestId request, const RequestState& s, std::uint32_t layer,
+                                       std::uint32_t head) const {
+  const auto broken = [&](const std::string& what) {
+    fail(ErrorCode::failed_precondition, "buffer invariant broken: request {} head ({}, {}): {}", request, layer, head,
+         what);
+  };
+  const EvictionHead& e = eviction_head(s, layer, head);
+  const std::uint32_t pt = config_.page_tokens;
+  const std::uint32_t count = table_.partition_count(request, layer, head);
+  if (e.slot_position.size() != std::size_t{count} * pt) broken("slot positions do not cover the partitions");
+  const bool frees = config_.eviction_strategy != EvictionStrategy::no_op;
+  std::uint32_t held = 0;
+  std::size_t live = 0;
+  std::set<std::pair<std::uint32_t, PartitionId>> reusable;
+  for (PartitionId p = 0; p < count; ++p) {
+    const std::uint32_t tokens = table_.meta(request, layer, head, p).token_count();
+    if (tokens > pt) broken(fmt::format("partition {} spans more than one page", p));
+    const SlotMask mask = table_.slot_mask(request, layer, head, table_.first_page_index(request, layer, head, p));
+    const bool freed = table_.partition_freed(request, layer, head, p);
+    held += freed ? 0 : 1;
+    if (!freed && dead_slots(mask, tokens) > 0) reusable.emplace(dead_slots(mask, tokens), p);
+    if (!freed && mask == 0 && frees) broken(fmt::format("partition {} holds no live slot but is not freed", p));
+    for (std::uint32_t t = 0; t < pt; ++t) {
+      const std::uint32_t position = e.slot_position[std::size_t{p} * pt + t];
+      if (!slot_live(mask, t)) {
+        if (position != kNoPosition) broken(fmt::format("dead slot {} of partition {} names position {}", t, p, position));
+        continue;
+      }
+      ++live;
+      const auto it = e.live.find(position);
+      if (position >= s.tokens[layer] || it == e.live.end() || it->second != p * pt + t) {
+        broken(fmt::format("live slot {} of partition {} and position {} disagree", t, p, position));
+      }
+    }
+  }
+  if (live != e.live.size()) broken(fmt::format("{} live slots, {} live positions", live, e.live.size()));
+  if (held != e.held_pages) broken(fmt::format("{} pages held, {} recorded", held, e.held_pages));
+  if (reusable != e.reusable) broken("the pages with a dead slot are recorded wrong");
+}
+
+}  // namespace sparsekv
