@@ -2,7 +2,7 @@
 // two-level layout (Spin §5.4) and its GPU share after the tier split (Spin
 // §5.2), for the models of Spin §6.4 at 128K context and batch 32. With
 // --slot-masks, also the slot mask table of requests that evict tokens
-// (SpvLLM §4.1): a SlotMask per CPU page, in the CPU tier.
+// (SpvLLM §2, block masks): a SlotMask per CPU page, in the CPU tier.
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
           "{:.0f}% of pages, {}-entry segments.\nflat: worst case, one-page partitions; flat/tok: worst case, "
           "one-token partitions (Spin §4.1); x: flat / two-level, x GPU: flat / two-level GPU share after the tier "
           "split\n",
-          masks ? " and the slot mask table (SpvLLM §4.1)" : "", ws.requests, config.max_context_tokens,
+          masks ? " and the slot mask table (SpvLLM §2)" : "", ws.requests, config.max_context_tokens,
           ws.context_tokens, config.page_tokens, 100 * ws.gpu_fraction, config.metadata_segment_entries);
       if (masks) {
         out += fmt::format(

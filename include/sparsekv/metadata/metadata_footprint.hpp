@@ -14,9 +14,9 @@
 //  - two-level + tier split: the GPU share of the above (meta-partition and
 //    GPU page tables with their directories); the rest lives in pinned host memory.
 //
-// A geometry with slot masks (SpvLLM §4.1, requests that evict tokens) adds a
-// fifth table, a SlotMask (8 B) per CPU page, to every layout; two-level, it
-// sits in the CPU tier next to the CPU page table it parallels.
+// A geometry with slot masks (SpvLLM §2, block masks: requests that evict
+// tokens) adds a fifth table, a SlotMask (8 B) per CPU page, to every layout;
+// two-level, it sits in the CPU tier next to the CPU page table it parallels.
 #include <cstddef>
 #include <cstdint>
 
