@@ -37,15 +37,22 @@ std::size_t directories(const PageTableGeometry& g) {
   return b.gpu_mapped + b.cpu_mapped;
 }
 
-}  // namespace
-
-TEST_CASE("Footprint model equals the bytes a real table maps", "[metadata]") {
+// 3 requests of up to 5000 tokens, 8-token pages, 64-entry segments; 3 layers, 2 kv heads.
+Config small_config() {
   Config config;
   config.max_requests = 3;
   config.max_context_tokens = 5000;
   config.page_tokens = 8;
   config.metadata_segment_entries = 64;
-  const ModelShape shape{3, 4, 2, 64, DType::bf16};
+  return config;
+}
+ModelShape small_shape() { return {3, 4, 2, 64, DType::bf16}; }
+
+}  // namespace
+
+TEST_CASE("Footprint model equals the bytes a real table maps", "[metadata]") {
+  const Config config = small_config();
+  const ModelShape shape = small_shape();
   const PageTableGeometry g = PageTableGeometry::for_config(config, shape);
   for (const MetadataWorkingSet ws : {MetadataWorkingSet{3, 5000, 8, 0.1}, MetadataWorkingSet{2, 1234, 16, 0.25},
                                       MetadataWorkingSet{1, 77, 8, 1.0}}) {
@@ -60,12 +67,8 @@ TEST_CASE("Footprint model equals the bytes a real table maps", "[metadata]") {
 
 TEST_CASE("Footprint model with slot masks equals a real table's bytes; without, nothing changes",
           "[metadata][slot-masks]") {
-  Config config;
-  config.max_requests = 3;
-  config.max_context_tokens = 5000;
-  config.page_tokens = 8;
-  config.metadata_segment_entries = 64;
-  const ModelShape shape{3, 4, 2, 64, DType::bf16};
+  const Config config = small_config();
+  const ModelShape shape = small_shape();
   HeadCapacity capacity = config.head_capacity();
   const PageTableGeometry off = PageTableGeometry::for_config(config, shape, capacity);
   capacity.slot_masks = true;
