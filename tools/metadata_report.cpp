@@ -81,8 +81,9 @@ int main(int argc, char** argv) {
           ws.context_tokens, config.page_tokens, 100 * ws.gpu_fraction, config.metadata_segment_entries);
       if (masks) {
         out += fmt::format(
-            "masks: two-level slot mask table (CPU tier, included in 2-lvl and in both flat layouts); a mask is "
-            "{} B per CPU page, mask/page: that share of one page's K and V bytes\n",
+            "masks: the two-level slot mask table, in the CPU tier and counted in 2-lvl (the flat layouts count "
+            "{0} B more per page entry); a mask is {0} B per CPU page, mask/page: that share of one page's K and "
+            "V bytes\n",
             sizeof(sparsekv::SlotMask));
       }
       out += "\n";
