@@ -1,5 +1,7 @@
 # Runs sparsekv-metadata-report --json and checks the documented keys and that
-# the two-level layouts are smaller than the flat one for each model.
+# the two-level layouts are smaller than the flat one for each model; then
+# --slot-masks: the mask table's bytes are its own field, added to the CPU tier
+# and, 8 B per page entry, to the flat layout, and nothing else changes.
 execute_process(COMMAND ${REPORT} --json OUTPUT_VARIABLE json RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "sparsekv-metadata-report exited with ${rc}")
@@ -19,7 +21,48 @@ foreach(i RANGE ${last})
   endif()
   message(STATUS "${model}: flat ${flat}, two-level ${two}, GPU share ${gpu}")
 endforeach()
-foreach(bad "--batch;0" "--page-tokens;3" "--bogus")
+
+execute_process(COMMAND ${REPORT} --json --slot-masks OUTPUT_VARIABLE masked RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "sparsekv-metadata-report --slot-masks exited with ${rc}")
+endif()
+foreach(i RANGE ${last})
+  string(JSON model GET "${json}" ${i} model)
+  string(JSON absent ERROR_VARIABLE no_masks GET "${json}" ${i} slot_mask_bytes)
+  if(NOT no_masks)
+    message(FATAL_ERROR "${model}: slot_mask_bytes printed without --slot-masks")
+  endif()
+  foreach(key flat_bytes two_level_bytes two_level_gpu_bytes flat_token_granular_bytes)
+    string(JSON ${key} GET "${json}" ${i} ${key})
+    string(JSON masked_${key} GET "${masked}" ${i} ${key})
+  endforeach()
+  string(JSON masks GET "${masked}" ${i} slot_mask_bytes)
+  string(JSON per_page GET "${masked}" ${i} slot_mask_bytes_per_page)
+  string(JSON page GET "${masked}" ${i} page_bytes)
+  # Every model: 8-token bf16 pages of head_dim 128, 4 + 12 + 4 + 4 B of flat entries per page.
+  if(NOT per_page EQUAL 8 OR NOT page EQUAL 4096)
+    message(FATAL_ERROR "${model}: expected 8 B of mask per 4096 B page, got ${per_page} per ${page}")
+  endif()
+  math(EXPR two_level_cpu "${two_level_bytes} - ${two_level_gpu_bytes}")
+  math(EXPR masked_cpu "${masked_two_level_bytes} - ${masked_two_level_gpu_bytes} - ${masks}")
+  math(EXPR flat_per_page "${flat_bytes} / 24")
+  math(EXPR masked_flat_per_page "${masked_flat_bytes} / 32")
+  math(EXPR tok_per_page "${flat_token_granular_bytes} / 24")
+  math(EXPR masked_tok_per_page "${masked_flat_token_granular_bytes} / 32")
+  if(NOT masks GREATER 0 OR NOT masked_cpu EQUAL two_level_cpu
+     OR NOT masked_two_level_gpu_bytes EQUAL two_level_gpu_bytes
+     OR NOT masked_flat_per_page EQUAL flat_per_page OR NOT masked_tok_per_page EQUAL tok_per_page)
+    message(FATAL_ERROR "${model}: slot masks ${masks} B should add to the CPU tier only and 8 B per flat entry: "
+                        "${json} vs ${masked}")
+  endif()
+  message(STATUS "${model}: slot masks ${masks} B, 8 B per ${page} B page")
+endforeach()
+execute_process(COMMAND ${REPORT} --slot-masks OUTPUT_VARIABLE text RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0 OR NOT text MATCHES "masks GiB" OR NOT text MATCHES "8 B per CPU page")
+  message(FATAL_ERROR "--slot-masks text should have a masks column and the per-page cost, got rc=${rc}: ${text}")
+endif()
+
+foreach(bad "--batch;0" "--page-tokens;3" "--bogus" "--slot-masks;--page-tokens;128")
   execute_process(COMMAND ${REPORT} ${bad} RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
   if(rc EQUAL 0 OR NOT err MATCHES "sparsekv-metadata-report:")
     message(FATAL_ERROR "'${bad}' should fail with a message, got rc=${rc}: ${err}")

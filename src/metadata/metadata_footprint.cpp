@@ -48,17 +48,23 @@ MetadataFootprint estimate_metadata_footprint(const PageTableGeometry& g, std::u
                               live_heads * segs(c.partitions) * seg * sizeof(PartitionOffset);
   const std::size_t cpu = directory(g.max_cpu_pages_per_head) +
                           live_heads * segs(c.cpu_pages) * seg * sizeof(CpuPageEntry);
+  // Indexed like the CPU page table: same directory length, same segments per head.
+  const std::size_t masks = g.slot_masks ? directory(g.max_cpu_pages_per_head) +
+                                               live_heads * segs(c.cpu_pages) * seg * sizeof(SlotMask)
+                                         : 0;
 
   MetadataFootprint f;
-  constexpr std::size_t kFlatEntryBytes =
-      sizeof(MetaPartitionEntry) + sizeof(GpuPageEntry) + sizeof(PartitionOffset) + sizeof(CpuPageEntry);
-  f.flat_bytes = instances * pages_for_tokens(max_context_tokens, g.page_tokens) * kFlatEntryBytes;
-  f.flat_token_granular_bytes = instances * std::size_t{max_context_tokens} * kFlatEntryBytes;
+  // One entry of each table per possible page (flat: one partition per page).
+  const std::size_t flat_entry_bytes = sizeof(MetaPartitionEntry) + sizeof(GpuPageEntry) + sizeof(PartitionOffset) +
+                                       sizeof(CpuPageEntry) + (g.slot_masks ? sizeof(SlotMask) : 0);
+  f.flat_bytes = instances * pages_for_tokens(max_context_tokens, g.page_tokens) * flat_entry_bytes;
+  f.flat_token_granular_bytes = instances * std::size_t{max_context_tokens} * flat_entry_bytes;
+  f.slot_mask_bytes = masks;
   f.two_level_gpu_bytes = meta + gpu;
-  f.two_level_cpu_bytes = offsets + cpu;
+  f.two_level_cpu_bytes = offsets + cpu + masks;
   f.two_level_bytes = f.two_level_gpu_bytes + f.two_level_cpu_bytes;
   f.directory_bytes = directory(g.max_partitions_per_head) * 2 + directory(g.max_gpu_pages_per_head) +
-                      directory(g.max_cpu_pages_per_head);
+                      directory(g.max_cpu_pages_per_head) * (g.slot_masks ? 2 : 1);
   f.segment_bytes = f.two_level_bytes - f.directory_bytes;
   return f;
 }

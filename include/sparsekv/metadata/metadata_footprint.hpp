@@ -13,6 +13,10 @@
 //    segment pools sized to it exactly.
 //  - two-level + tier split: the GPU share of the above (meta-partition and
 //    GPU page tables with their directories); the rest lives in pinned host memory.
+//
+// A geometry with slot masks (SpvLLM §2, block masks: requests that evict
+// tokens) adds a fifth table, a SlotMask (8 B) per CPU page, to every layout;
+// two-level, it sits in the CPU tier next to the CPU page table it parallels.
 #include <cstddef>
 #include <cstdint>
 
@@ -39,6 +43,9 @@ struct MetadataFootprint {
   // Two-level breakdown: static directories vs mapped segments.
   std::size_t directory_bytes = 0;
   std::size_t segment_bytes = 0;
+  // Two-level slot mask table, directory and segments (0 without slot masks);
+  // part of two_level_cpu_bytes.
+  std::size_t slot_mask_bytes = 0;
 
   double two_level_reduction() const { return double(flat_bytes) / double(two_level_bytes); }
   double gpu_reduction() const { return double(flat_bytes) / double(two_level_gpu_bytes); }
@@ -52,9 +59,9 @@ struct MetadataHeadCounts {
 };
 MetadataHeadCounts head_counts(const MetadataWorkingSet& working_set, std::uint32_t page_tokens);
 
-// `geometry` gives the directories and segment size; `max_context_tokens` the
-// flat layout's per-head capacity. Throws invalid_argument if the working set
-// does not fit the geometry.
+// `geometry` gives the directories, the segment size and whether there are
+// slot masks; `max_context_tokens` the flat layout's per-head capacity. Throws
+// invalid_argument if the working set does not fit the geometry.
 MetadataFootprint estimate_metadata_footprint(const PageTableGeometry& geometry, std::uint32_t max_context_tokens,
                                               const MetadataWorkingSet& working_set);
 
