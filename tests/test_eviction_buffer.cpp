@@ -150,6 +150,19 @@ void check_rows(const TieredKVBuffer& b, const Live& live, EvictionStrategy stra
   }
 }
 
+// Appends the softmax(scores)-weighted average of the rows of `values` ([rows][head_dim]) to `out`.
+void softmax_average(const std::vector<float>& scores, const std::vector<float>& values, std::vector<float>& out) {
+  const float top = *std::max_element(scores.begin(), scores.end());
+  double sum = 0;
+  std::vector<double> acc(kShape.head_dim, 0.0);
+  for (std::size_t i = 0; i < scores.size(); ++i) {
+    const double w = std::exp(double(scores[i]) - top);
+    sum += w;
+    for (std::uint32_t d = 0; d < kShape.head_dim; ++d) acc[d] += w * values[i * kShape.head_dim + d];
+  }
+  for (std::uint32_t d = 0; d < kShape.head_dim; ++d) out.push_back(static_cast<float>(acc[d] / sum));
+}
+
 // Attention of one query per kv head over the retrieval's pages and masks.
 std::vector<float> masked_attention(const TieredKVBuffer& b, const Retrieval& out, RequestId r, std::uint32_t l,
                                     const std::vector<float>& q) {
@@ -177,15 +190,7 @@ std::vector<float> masked_attention(const TieredKVBuffer& b, const Retrieval& ou
       }
       ++page_index;
     });
-    const float top = *std::max_element(scores.begin(), scores.end());
-    double sum = 0;
-    std::vector<double> acc(kShape.head_dim, 0.0);
-    for (std::size_t i = 0; i < scores.size(); ++i) {
-      const double w = std::exp(double(scores[i]) - top);
-      sum += w;
-      for (std::uint32_t d = 0; d < kShape.head_dim; ++d) acc[d] += w * values[i * kShape.head_dim + d];
-    }
-    for (std::uint32_t d = 0; d < kShape.head_dim; ++d) result.push_back(static_cast<float>(acc[d] / sum));
+    softmax_average(scores, values, result);
   }
   return result;
 }
@@ -194,23 +199,16 @@ std::vector<float> masked_attention(const TieredKVBuffer& b, const Retrieval& ou
 std::vector<float> dense_attention(const Live& live, RequestId r, std::uint32_t l, const std::vector<float>& q) {
   std::vector<float> result;
   for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
-    std::vector<float> scores;
-    const auto& positions = live.at({r, l, h});
-    for (const std::uint32_t p : positions) {
+    std::vector<float> scores, values;
+    for (const std::uint32_t p : live.at({r, l, h})) {
       float dot = 0;
-      for (std::uint32_t d = 0; d < kShape.head_dim; ++d) dot += q[h * kShape.head_dim + d] * value(r, l, h, p, d, false);
+      for (std::uint32_t d = 0; d < kShape.head_dim; ++d) {
+        dot += q[h * kShape.head_dim + d] * value(r, l, h, p, d, false);
+        values.push_back(value(r, l, h, p, d, true));
+      }
       scores.push_back(dot / std::sqrt(float(kShape.head_dim)));
     }
-    const float top = *std::max_element(scores.begin(), scores.end());
-    double sum = 0;
-    std::vector<double> acc(kShape.head_dim, 0.0);
-    std::size_t i = 0;
-    for (const std::uint32_t p : positions) {
-      const double w = std::exp(double(scores[i++]) - top);
-      sum += w;
-      for (std::uint32_t d = 0; d < kShape.head_dim; ++d) acc[d] += w * value(r, l, h, p, d, true);
-    }
-    for (std::uint32_t d = 0; d < kShape.head_dim; ++d) result.push_back(static_cast<float>(acc[d] / sum));
+    softmax_average(scores, values, result);
   }
   return result;
 }

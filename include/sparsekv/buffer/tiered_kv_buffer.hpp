@@ -96,10 +96,10 @@ struct SaveDemand {
 };
 
 // What one decode step of a request that evicts takes, as a dry run of
-// evict() then place_token() (TieredKVBuffer::append_demand_evicting). evict() returns
-// `freed_pages` CPU pages to the pool (a sparse_copy compaction's new pages
-// already netted out: it frees its run before taking them); place_token()
-// then takes `placed_pages`.
+// evict() then place_token() (TieredKVBuffer::append_demand_evicting).
+// evict() returns `freed_pages` CPU pages to the pool (a sparse_copy
+// compaction's new pages already netted out: it frees its run before taking
+// them); place_token() then takes `placed_pages`.
 struct EvictionDemand {
   std::uint64_t freed_pages = 0;
   std::uint64_t placed_pages = 0;
@@ -144,15 +144,7 @@ struct Retrieval {
   // the tail if it holds tokens.
   template <class Fn>
   void for_each_page(std::uint32_t head, std::uint32_t page_tokens, Fn&& fn) const {
-    for (std::uint32_t i = head_offsets[head]; i < head_offsets[head + 1]; ++i) {
-      std::uint32_t left = token_counts[i];
-      for (std::uint32_t p = plan.partition_offsets[i]; p < plan.partition_offsets[i + 1]; ++p) {
-        const std::uint32_t tokens = left < page_tokens ? left : page_tokens;
-        fn(plan.gpu_pages[p], tokens);
-        left -= tokens;
-      }
-    }
-    if (tail_tokens[head] > 0) fn(tail_pages[head], tail_tokens[head]);
+    for_each_page_masked(head, page_tokens, [&fn](PageId page, std::uint32_t tokens, SlotMask) { fn(page, tokens); });
   }
   // As for_each_page, with fn(gpu_page, tokens, mask): the page's slot mask,
   // all of its tokens live unless page_masks says otherwise.
@@ -281,7 +273,7 @@ class TieredKVBuffer {
   // evict(positions) followed by place_token, as a dry run: checks what
   // check_evict checks and changes nothing.
   EvictionDemand append_demand_evicting(RequestId request, std::uint32_t layer,
-                             std::span<const std::vector<std::uint32_t>> positions) const;
+                                        std::span<const std::vector<std::uint32_t>> positions) const;
   // Held partitions of one head with a live slot, ascending: the selection of
   // dense attention over the live tokens.
   void live_partitions(RequestId request, std::uint32_t layer, std::uint32_t head, std::vector<PartitionId>& out) const;
@@ -366,10 +358,10 @@ class TieredKVBuffer {
   void record_offload(RequestState& s, std::uint32_t layer, std::uint32_t head, PartitionId first,
                       const PartitionSpec& spec, std::uint32_t first_position);
   void compact(RequestId request, RequestState& s, std::uint32_t layer, std::uint32_t head, PartitionId first);
-  // The rows of partitions [first, end) of one head in page order, [token][K row, V row]
-  // (only live slots when `live_only`), their resident copies evicted first.
   // validate()'s checks of one head of a request that evicts.
   void validate_eviction(RequestId request, const RequestState& s, std::uint32_t layer, std::uint32_t head) const;
+  // The rows of partitions [first, end) of one head in page order, [token][K row, V row]
+  // (only live slots when `live_only`; freed partitions hold none), their resident copies evicted first.
   void collect_run(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId first, bool live_only,
                    std::vector<std::byte>& rows);
   void grow_slots(RequestId request, RequestState& s, std::uint32_t slots);
