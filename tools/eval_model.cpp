@@ -13,6 +13,12 @@
 // its difference from Dense, top-1 agreement with Dense (the same argmax
 // next-token prediction), hit ratio and pages moved.
 //
+// The token-evicting policies (h2o, streaming_evict; docs/eviction.md) run
+// once per --strategies entry (what the buffer does with evicted slots:
+// no_op, free_block, sparse_copy, slot_reuse). Their rows add the SpvLLM §3.2
+// internal-fragmentation figures over the decode steps: CPU pages held and
+// live slots per page slot held, every step, as mean, p99 and a timeline.
+//
 // --dump DIR also records, for one policy and budget (--dump-policy,
 // --dump-budget), the run's real selections as DIR/selections.trace
 // (sparsekv-cachesim --trace) and the Q/K/V of the chosen layers as DIR/qkv/
@@ -29,6 +35,8 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <numeric>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -57,15 +65,18 @@ constexpr const char* kProgram = "sparsekv-eval-model";
 void usage() {
   std::fputs(
       "usage: sparsekv-eval-model [--model PATH] [--text FILE] [--prefill 2048] [--tokens 256]\n"
-      "                           [--policies LIST] [--budgets 256,512,1024] [--rows-per-group N] [--json]\n"
+      "                           [--policies LIST] [--budgets 256,512,1024] [--strategies slot_reuse]\n"
+      "                           [--rows-per-group N] [--json]\n"
       "                           [--dump DIR [--dump-policy shadowkv] [--dump-budget 512] [--dump-layers all|LIST]]\n"
       "  --model PATH       default: ${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
       "  --text FILE        default: /usr/share/common-licenses/GPL-3 (needs prefill + tokens + 1 tokens)\n"
       "  --prefill N        tokens prefilled densely (the context the policies select from)\n"
       "  --tokens N         tokens teacher-forced through decode and scored\n"
       "  --policies LIST    default: every built-in (dense, streaming, quest, shadowkv, retroinfer,\n"
-      "                     retroinfer_no_estimation, oracle); dense ignores the budget and runs once\n"
+      "                     retroinfer_no_estimation, oracle); dense ignores the budget and runs once;\n"
+      "                     h2o and streaming_evict evict tokens for good (budget: live tokens per kv head)\n"
       "  --budgets LIST     tokens per kv head and step\n"
+      "  --strategies LIST  for h2o / streaming_evict: no_op, free_block, sparse_copy, slot_reuse (default)\n"
       "  --rows-per-group N runs decoded in lockstep, their managers alive together (default: one\n"
       "                     policy, all its budgets, per group; 0: every run in one group)\n"
       "  --json             one JSON object on stdout\n"
@@ -170,10 +181,39 @@ struct Row {
   std::string policy;
   std::uint32_t budget = 0;  // 0: the dense policy (everything)
   bool record = false;       // the --dump run
+  std::optional<sparsekv::EvictionStrategy> strategy;  // a policy that evicts tokens
   double log_likelihood = 0;
   std::size_t agree = 0;
   sparsekv::ManagerStats stats;
+  // Evicting policies, after each decode step: CPU pages held and live slots
+  // in them over every (layer, kv head).
+  std::vector<std::uint64_t> pages_held, live_slots;
+  sparsekv::BufferStats buffer;
 };
+
+// Live slots per slot of the pages held (SpvLLM §3.2; internal
+// fragmentation is one minus it), step by step.
+std::vector<double> utilisation(const Row& row, std::uint32_t page_tokens) {
+  std::vector<double> u;
+  for (std::size_t s = 0; s < row.pages_held.size(); ++s) {
+    u.push_back(row.pages_held[s] ? double(row.live_slots[s]) / double(row.pages_held[s] * page_tokens) : 1.0);
+  }
+  return u;
+}
+
+double mean(const std::vector<double>& x) {
+  double sum = 0;
+  for (double v : x) sum += v;
+  return x.empty() ? 0.0 : sum / x.size();
+}
+
+// The 99th percentile of internal fragmentation (1 - utilisation), as SpvLLM's Figure 3.
+double fragmentation_p99(std::vector<double> u) {
+  if (u.empty()) return 0;
+  for (double& v : u) v = 1 - v;
+  std::sort(u.begin(), u.end());
+  return u[std::min(u.size() - 1, static_cast<std::size_t>(std::ceil(0.99 * u.size())) - 1)];
+}
 
 // Rows [first, last) decoded in lockstep, their managers alive together.
 struct Group {
@@ -193,7 +233,7 @@ int main(int argc, char** argv) {
   try {
     const auto args = sparsekv::tools::parse_command_line<sparsekv::model::UserError>(
         argc, argv,
-        std::set<std::string>{"--model", "--text", "--prefill", "--tokens", "--policies", "--budgets", "--dump",
+        std::set<std::string>{"--model", "--text", "--prefill", "--tokens", "--policies", "--budgets", "--strategies", "--dump",
                               "--dump-policy", "--dump-budget", "--dump-layers", "--rows-per-group"},
         std::set<std::string>{"--json", "--help"});
     if (args.has("--help")) {
@@ -211,8 +251,16 @@ int main(int argc, char** argv) {
     const std::vector<std::string> policies =
         args.has("--policies") ? args.list("--policies", "") : sparsekv::policy_names();
     for (const std::string& p : policies) {
-      sparsekv::make_policy(p, 1);  // an unknown name fails here, before the model loads
+      for (std::uint32_t b : budgets) sparsekv::make_policy(p, b);  // a bad name or budget fails here, before the model loads
     }
+    std::vector<sparsekv::EvictionStrategy> strategies;
+    for (const std::string& s : args.list("--strategies", "slot_reuse")) {
+      strategies.push_back(sparsekv::parse_eviction_strategy(s));
+    }
+    const auto evicting = [](const std::string& p) {
+      const auto names = sparsekv::eviction_policy_names();
+      return std::find(names.begin(), names.end(), p) != names.end();
+    };
     const bool json = args.has("--json");
     const std::string dump_dir = args.text("--dump", "");
     const std::string dump_policy = args.text("--dump-policy", "shadowkv");
@@ -278,7 +326,15 @@ int main(int argc, char** argv) {
       if (writer && !recorded && name == dump_policy && (budget == dump_budget || name == "dense")) {
         row.record = recorded = true;
       }
-      rows.push_back(std::move(row));
+      if (!evicting(name)) {
+        rows.push_back(std::move(row));
+        return;
+      }
+      for (const sparsekv::EvictionStrategy s : strategies) {
+        row.strategy = s;
+        rows.push_back(row);
+        row.record = false;
+      }
     };
     for (const std::string& p : policies) {
       if (p == "dense") {
@@ -352,7 +408,8 @@ int main(int argc, char** argv) {
       for (std::size_t r = g.first; r < g.last; ++r) {
         const Row& row = rows[r];
         auto& manager = managers.emplace_back(
-            make_manager(c, sparsekv::make_policy(row.policy, row.policy == "dense" ? budgets.front() : row.budget), max_tokens));
+            make_manager(c, sparsekv::make_policy(row.policy, row.policy == "dense" ? budgets.front() : row.budget), max_tokens,
+                         1, row.strategy.value_or(sparsekv::EvictionStrategy::slot_reuse)));
         manager->add_request(1, max_tokens);
         if (row.record) {
           auto session = std::make_unique<RecordingSession>(*manager, 1, c, trace_layer, *writer);
@@ -379,10 +436,17 @@ int main(int argc, char** argv) {
           const std::span<const float> row(logits.data() + i * V, V);
           rows[g.first + i].log_likelihood += log_prob(row, target);
           if (argmax(row) == dense_top[s]) ++rows[g.first + i].agree;
+          if (rows[g.first + i].strategy) {
+            rows[g.first + i].pages_held.push_back(managers[i]->buffer().held_pages(1));
+            rows[g.first + i].live_slots.push_back(managers[i]->buffer().live_slots(1));
+          }
         }
       }
       g.decode_s = since(t_decode);
-      for (std::size_t i = 0; i < n; ++i) rows[g.first + i].stats = managers[i]->stats();
+      for (std::size_t i = 0; i < n; ++i) {
+        rows[g.first + i].stats = managers[i]->stats();
+        rows[g.first + i].buffer = managers[i]->buffer().stats();
+      }
       if (recorder) recorded_trace = std::move(recorder->trace());
       replay_s += g.replay_s;
       decode_s += g.decode_s;
@@ -425,9 +489,21 @@ int main(int argc, char** argv) {
         const double ppl = std::exp(-row.log_likelihood / tokens);
         const auto& st = row.stats;
         fmt::print("{}{{\"policy\": \"{}\", \"budget_tokens\": {}, \"perplexity\": {:.6f}, \"perplexity_delta\": {:.6f}, "
-                   "\"top1_agreement\": {:.6f}, \"hit_ratio\": {:.6f}, \"pages_moved\": {}}}",
+                   "\"top1_agreement\": {:.6f}, \"hit_ratio\": {:.6f}, \"pages_moved\": {}",
                    r > 0 ? ", " : "", row.policy, row.budget, ppl, ppl - dense_ppl, double(row.agree) / tokens,
                    st.hit_ratio(), st.pages_moved);
+        if (row.strategy) {
+          const std::vector<double> u = utilisation(row, sparsekv::Config{}.page_tokens);
+          fmt::print(", \"strategy\": \"{}\", \"utilisation_mean\": {:.6f}, \"fragmentation_p99\": {:.6f}, "
+                     "\"pages_held_mean\": {:.1f}, \"pages_held_max\": {}, \"pages_freed\": {}, \"pages_copied\": {}, "
+                     "\"slots_copied\": {}, \"pages_held\": [{}], \"live_slots\": [{}]",
+                     sparsekv::to_string(*row.strategy), mean(u), fragmentation_p99(u),
+                     row.pages_held.empty() ? 0.0 : std::accumulate(row.pages_held.begin(), row.pages_held.end(), 0.0) / row.pages_held.size(),
+                     row.pages_held.empty() ? 0 : *std::max_element(row.pages_held.begin(), row.pages_held.end()),
+                     row.buffer.pages_freed, row.buffer.pages_copied, row.buffer.slots_copied,
+                     fmt::join(row.pages_held, ","), fmt::join(row.live_slots, ","));
+        }
+        fmt::print("}}");
       }
       fmt::print("]");
       if (writer) fmt::print(", \"dump\": \"{}\"", dump_dir);
@@ -441,10 +517,27 @@ int main(int argc, char** argv) {
         const Row& row = rows[r];
         const double ppl = std::exp(-row.log_likelihood / tokens);
         const auto& st = row.stats;
-        fmt::print("  {:<26} {:>7} {:>11.4f} {:>+10.4f} {:>+8.2f}% {:>8.1f}% {:>9.1f}% {:>7.0f}us\n", row.policy,
+        const std::string name = row.strategy ? fmt::format("{} ({})", row.policy, sparsekv::to_string(*row.strategy)) : row.policy;
+        fmt::print("  {:<26} {:>7} {:>11.4f} {:>+10.4f} {:>+8.2f}% {:>8.1f}% {:>9.1f}% {:>7.0f}us\n", name,
                    row.budget ? fmt::format("{}", row.budget) : std::string("all"), ppl, ppl - dense_ppl,
                    100 * (ppl / dense_ppl - 1), 100.0 * row.agree / tokens, 100 * st.hit_ratio(),
                    st.decode_steps ? 1e6 * st.select_s / st.decode_steps : 0.0);
+      }
+      bool evictions = false;
+      for (std::size_t r = 0; r < R; ++r) {
+        const Row& row = rows[r];
+        if (!row.strategy) continue;
+        if (!evictions) {
+          fmt::print("\n  token eviction (SpvLLM §3.2: live slots / slots of the CPU pages held, per decode step)\n"
+                     "  {:<16} {:>7} {:>12} {:>12} {:>14} {:>11} {:>10} {:>10}\n",
+                     "policy", "budget", "strategy", "utilisation", "p99 fragment.", "held mean", "freed", "copied");
+          evictions = true;
+        }
+        const std::vector<double> u = utilisation(row, sparsekv::Config{}.page_tokens);
+        fmt::print("  {:<16} {:>7} {:>12} {:>11.1f}% {:>13.1f}% {:>11.0f} {:>10} {:>10}\n", row.policy, row.budget,
+                   sparsekv::to_string(*row.strategy), 100 * mean(u), 100 * fragmentation_p99(u),
+                   row.pages_held.empty() ? 0.0 : std::accumulate(row.pages_held.begin(), row.pages_held.end(), 0.0) / row.pages_held.size(),
+                   row.buffer.pages_freed, row.buffer.pages_copied);
       }
       fmt::print("\n  timings: load {:.1f} s, prefill {:.1f} s ({:.0f} tokens/s), Dense decode {:.1f} s, replay {:.1f} s, "
                  "decode {:.1f} s ({} runs in {} groups)",

@@ -593,10 +593,11 @@ std::uint32_t DenseCache::tokens(std::uint32_t layer) const {
 
 // ---- helpers ----------------------------------------------------------------------
 std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& c, AnyPolicy policy, std::uint32_t max_tokens,
-                                             std::uint32_t requests) {
+                                             std::uint32_t requests, EvictionStrategy strategy) {
   const ModelShape shape = c.shape();
   Config config;
   config.max_requests = requests;
+  config.eviction_strategy = strategy;
   const std::size_t page = config.page_bytes(shape);
   const std::size_t heads = std::size_t{shape.layers} * shape.kv_heads * requests;
   const auto context = [&](std::uint32_t layer) {

@@ -95,9 +95,11 @@ class SparseSession : public AttentionBackend {
 // head_capacity, else the context's pages) plus a small margin; the GPU tier
 // each request's bucketed-LRU buffer (mandatory pages x (1 + min_buffer_ratio),
 // Spin's 5x) and its tail pages, but never more slots than a head can hold
-// (Quest's dense layers make the whole context mandatory).
+// (Quest's dense layers make the whole context mandatory). `strategy` is what
+// a policy that evicts tokens does with dead slots (Config::eviction_strategy).
 std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& config, AnyPolicy policy, std::uint32_t max_tokens,
-                                             std::uint32_t requests = 1);
+                                             std::uint32_t requests = 1,
+                                             EvictionStrategy strategy = EvictionStrategy::slot_reuse);
 
 class LlamaModel {
  public:

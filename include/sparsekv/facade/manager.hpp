@@ -100,6 +100,17 @@ struct PolicyOps {
   static void device_summary_rows(const P& p, const State& s, std::uint32_t head, DeviceSummaryRows& out) {
     sparsekv::device_summary_rows(p, s, head, out);
   }
+  static constexpr bool evicts(const P&) { return TokenEviction<P>; }
+  static bool needs_weights(const P& p) { return needs_token_weights(p); }
+  static void placed(const P& p, const LayerContext& c, std::uint32_t position, State& s) {
+    token_placed(p, c, position, s);
+  }
+  static void observe(const P& p, const LayerContext& c, const TokenWeights& w, State& s) {
+    observe_weights(p, c, w, s);
+  }
+  static void evict(const P& p, const LayerContext& c, const EvictionContext& e, State& s, Eviction& out) {
+    evict_tokens(p, c, e, s, out);
+  }
 };
 template <>
 struct PolicyOps<AnyPolicy> {
@@ -122,6 +133,17 @@ struct PolicyOps<AnyPolicy> {
   }
   static void device_summary_rows(const AnyPolicy& p, const State& s, std::uint32_t head, DeviceSummaryRows& out) {
     p.device_summary_rows(s, head, out);
+  }
+  static bool evicts(const AnyPolicy& p) { return p.evicts(); }
+  static bool needs_weights(const AnyPolicy& p) { return p.needs_weights(); }
+  static void placed(const AnyPolicy& p, const LayerContext& c, std::uint32_t position, State& s) {
+    p.placed(c, position, s);
+  }
+  static void observe(const AnyPolicy& p, const LayerContext& c, const TokenWeights& w, State& s) {
+    p.observe(c, w, s);
+  }
+  static void evict(const AnyPolicy& p, const LayerContext& c, const EvictionContext& e, State& s, Eviction& out) {
+    p.evict(c, e, s, out);
   }
 };
 
@@ -160,6 +182,11 @@ class Manager {
       : shape_(shape), config_(config), policy_(std::move(policy)), backend_(std::move(backend)) {
     if (!backend_) fail(ErrorCode::invalid_argument, "Manager: backend must not be null");
     config_.validate(shape_);  // before the policy sizes anything from it
+    if (Ops::evicts(policy_) && config_.page_tokens > kMaxMaskedPageTokens) {
+      fail(ErrorCode::invalid_argument,
+           "Manager: the policy evicts tokens, which needs page_tokens <= {} (one 64-bit slot mask per page); got {}",
+           kMaxMaskedPageTokens, config_.page_tokens);
+    }
     budget(config_.max_context_tokens);  // a policy that cannot serve this shape or page size refuses here, not later
     buffer_ = std::make_unique<TieredKVBuffer>(shape, config, backend_->cpu_tier(), backend_->gpu_pages(),
                                                backend_->gpu_tables(), backend_->transfer(), head_capacity());
@@ -172,7 +199,7 @@ class Manager {
     for (std::uint32_t l = 0; l < shape_.layers; ++l) {
       mandatory = std::max(mandatory, policy_.mandatory_pages(context(l, max_tokens)));
     }
-    return RequestBudget{mandatory, 0};
+    return RequestBudget{mandatory, 0, Ops::evicts(policy_)};
   }
 
   // Advice: admit is true exactly when add_request(id, max_tokens) would
@@ -397,7 +424,13 @@ class Manager {
     call.scale = scale();
     call.q = queries_.data();
     call.out = out;
+    const bool weighed = Ops::evicts(policy_) && Ops::needs_weights(policy_);
+    if (weighed) {
+      slot_weights_.resize(plan_.indices.size() * config_.page_tokens);
+      call.slot_weights = slot_weights_.data();
+    }
     backend_->attend(call);
+    if (Ops::evicts(policy_)) decide_evictions(batch, layer, weighed);
     stats_.attend_s += seconds(Clock::now() - t0);
   }
 
@@ -448,8 +481,14 @@ class Manager {
   const AttendPlan& plan(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
                          const void* v_new) {
     use_api(Api::host);
+    if (Ops::evicts(policy_) && Ops::needs_weights(policy_)) {
+      fail(ErrorCode::invalid_argument,
+           "plan: this policy evicts by the attention weights of the built-in Attend, which an engine's kernel does "
+           "not return; use decode()");
+    }
     step(batch, layer, q, k_new, v_new);
     build_plan(batch.size());
+    if (Ops::evicts(policy_)) decide_evictions(batch, layer, false);
     return plan_;
   }
 
@@ -507,6 +546,8 @@ class Manager {
     // Device path, a host-state policy: decode pages saved since the state
     // was last fed (device_select_row, device_index_update_due).
     std::uint32_t unfed_pages = 0;
+    // A policy that evicts: what the last step decided to drop, applied at the next.
+    std::optional<Eviction> eviction;
   };
   struct RequestState {
     std::uint32_t max_tokens = 0;
@@ -524,7 +565,9 @@ class Manager {
                             std::max(c->cpu_pages, most ? most->cpu_pages : 0u)};
       }
     }
-    return most ? *most : config_.head_capacity();
+    HeadCapacity capacity = most ? *most : config_.head_capacity();
+    capacity.slot_masks = Ops::evicts(policy_);
+    return capacity;
   }
 
   // The AttendPlan of the last step's retrievals (batch entries 0 .. batch).
@@ -539,6 +582,10 @@ class Manager {
       for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
         plan_.head_entries.push_back(plan_.head_entries.back() +
                                      detail::append_head_runs(plan_, r, h, config_.page_tokens, pages, tokens));
+        if (!r.page_masks.empty()) {
+          r.for_each_page_masked(h, config_.page_tokens,
+                                 [&](PageId, std::uint32_t, SlotMask mask) { plan_.live_masks.push_back(mask); });
+        }
       }
     }
     plan_.extra = extra_;
@@ -626,6 +673,10 @@ class Manager {
       check_finite("decode v_new", batch[b], new_v(b), position);
     }
 
+    if (Ops::evicts(policy_)) {
+      evicting_step(batch, layer, k_new, v_new);
+      return;
+    }
     const auto t0 = Clock::now();
     pending_.resize(batch.size());
     // The commits below run in batch order: a save takes its pages, then a
@@ -737,6 +788,122 @@ class Manager {
       stats_.pages_moved += retrievals_[b].plan.copies.size();
       stats_.bytes_moved += retrievals_[b].plan.copies.size() * buffer_->cpu_pool().page_bytes();
       ++stats_.decode_steps;
+    }
+  }
+
+  // step() for a policy that evicts tokens for good (policy/token_eviction.hpp,
+  // SpvLLM §4): per request, the evictions decided at the last step leave the
+  // cache, then this token takes a slot (the buffer's strategy picks it, a
+  // freed one first under slot_reuse), and the selection is every page with a
+  // live slot: dense attention over the live tokens, as H2O and StreamingLLM
+  // attend. Planned first against the pools, as step() plans saves, then
+  // committed.
+  void evicting_step(std::span<const RequestId> batch, std::uint32_t layer, const void* k_new, const void* v_new) {
+    const auto t0 = Clock::now();
+    const std::size_t row_bytes = std::size_t{shape_.kv_heads} * shape_.head_dim * dtype_size(shape_.dtype);
+    pending_.resize(batch.size());
+    std::uint64_t cpu_free = buffer_->cpu_pool().available();
+    SegmentDemand segments;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestId id = batch[b];
+      const RequestState& s = state(id);
+      const LayerState& ls = s.layers[layer];
+      const EvictionDemand demand = buffer_->append_demand_evicting(id, layer, pending_evictions(ls));
+      cpu_free += demand.freed_pages;
+      if (demand.placed_pages > cpu_free) {
+        fail(ErrorCode::resource_exhausted, "decode: placing the token of request {} needs {} CPU pages, {} free", id,
+             demand.placed_pages, cpu_free);
+      }
+      cpu_free -= demand.placed_pages;
+      segments += demand.segments;
+      const std::uint32_t mandatory = budget(s.max_tokens).mandatory_pages;
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+        if (demand.live_partitions[h] > mandatory) {
+          fail(ErrorCode::resource_exhausted,
+               "decode: request {} layer {} kv head {} would attend {} live pages, over its {} mandatory pages", id,
+               layer, h, demand.live_partitions[h], mandatory);
+        }
+      }
+      Pending& next = pending_[b];
+      next.state = ls.policy;
+      const std::uint32_t position = buffer_->sequence_length(id, layer);
+      Ops::placed(policy_, context(layer, position + 1), position, next.state);
+    }
+    buffer_->table().check_segments(segments);
+    const auto t1 = Clock::now();
+    stats_.append_s += seconds(t1 - t0);
+
+    retrievals_.resize(batch.size());
+    selections_.resize(batch.size());
+    extra_.clear();
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestId id = batch[b];
+      LayerState& ls = state(id).layers[layer];
+      const auto a0 = Clock::now();
+      if (ls.eviction) buffer_->evict(id, layer, ls.eviction->positions);
+      ls.eviction.reset();
+      buffer_->place_token(id, layer,
+                           KvChunk{static_cast<const std::byte*>(k_new) + b * row_bytes,
+                                   static_cast<const std::byte*>(v_new) + b * row_bytes, 1, shape_.dtype});
+      ls.policy = std::move(pending_[b].state);
+      auto& selection = selections_[b].partitions;
+      selection.resize(shape_.kv_heads);
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) buffer_->live_partitions(id, layer, h, selection[h]);
+      const auto r0 = Clock::now();
+      buffer_->retrieve(id, layer, selection, retrievals_[b]);
+      const auto r1 = Clock::now();
+      stats_.append_s += seconds(r0 - a0);
+      stats_.retrieve_s += seconds(r1 - r0);
+      stats_.cache += retrievals_[b].stats;
+      stats_.pages_moved += retrievals_[b].plan.copies.size();
+      stats_.bytes_moved += retrievals_[b].plan.copies.size() * buffer_->cpu_pool().page_bytes();
+      ++stats_.decode_steps;
+    }
+  }
+
+  // The positions a layer's pending eviction drops per kv head (none: empty lists).
+  std::span<const std::vector<std::uint32_t>> pending_evictions(const LayerState& ls) {
+    if (ls.eviction) return ls.eviction->positions;
+    no_eviction_.resize(shape_.kv_heads);
+    return no_eviction_;
+  }
+
+  // After a step of a policy that evicts: its Attend weights (slot_weights_,
+  // [plan_.indices][page_tokens], when the policy reads them) go to the
+  // policy by sequence position, and the policy decides what each kv head
+  // drops; the buffer applies it at the start of the layer's next step, so
+  // this step's plan stays valid until the next call.
+  void decide_evictions(std::span<const RequestId> batch, std::uint32_t layer, bool weighed) {
+    const std::uint32_t pt = config_.page_tokens;
+    std::size_t index = 0;  // plan_.indices walks the batch, its heads and their pages in this order
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const RequestId id = batch[b];
+      LayerState& ls = state(id).layers[layer];
+      const Retrieval& r = retrievals_[b];
+      const std::uint32_t position = buffer_->sequence_length(id, layer) - 1;
+      const LayerContext ctx = context(layer, position + 1);
+      EvictionContext e;
+      e.newest = position;
+      for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) e.live_tokens.push_back(buffer_->live_tokens(id, layer, h));
+      if (weighed) {
+        token_weights_.reset(shape_.kv_heads);
+        for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+          for (std::uint32_t i = r.head_offsets[h]; i < r.head_offsets[h + 1]; ++i) {
+            for (std::uint32_t p = r.plan.partition_offsets[i]; p < r.plan.partition_offsets[i + 1]; ++p, ++index) {
+              for (std::uint32_t t = 0; t < pt; ++t) {
+                const std::uint32_t pos = r.slot_positions[std::size_t{p} * pt + t];
+                if (pos != kNoPosition) token_weights_.heads[h].push_back({pos, slot_weights_[index * pt + t]});
+              }
+            }
+          }
+        }
+        Ops::observe(policy_, ctx, token_weights_, ls.policy);
+      }
+      Eviction out;
+      Ops::evict(policy_, ctx, e, ls.policy, out);
+      if (std::any_of(out.positions.begin(), out.positions.end(), [](const auto& p) { return !p.empty(); })) {
+        ls.eviction = std::move(out);
+      }
     }
   }
 
@@ -1108,6 +1275,9 @@ class Manager {
     std::uint64_t regroup_pages = 0, freed_pages = 0;  // device path: the regroup's SaveDemand
   };
   std::vector<Pending> pending_;
+  std::vector<float> slot_weights_;                    // a step's Attend weights, for a policy that reads them
+  TokenWeights token_weights_;
+  std::vector<std::vector<std::uint32_t>> no_eviction_;  // empty lists: a step with nothing to drop
   // The device-tensor API (docs/device-decode.md).
   Api api_ = Api::unset;
   std::optional<bool> device_selects_;  // device_selects(), once asked
