@@ -1,4 +1,4 @@
-// Host decode attention (with live-slot masks and slot weights, SpvLLM §4.1
+// Host decode attention (with live-slot masks and slot weights, SpvLLM §2
 // / H2O), dtype conversions, HostBackend::attend over an AttendPlan with
 // masks, and Dense through the whole pipeline (policy -> offload -> retrieve
 // -> attend) against a naive reference.

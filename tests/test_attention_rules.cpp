@@ -7,7 +7,7 @@
 // subgroups -> workspace partials -> merge with the extra term,
 // attention_test_data.hpp) against the host decode_attention, in both forms:
 // one entry per row, and an AttendPlan's runs (row_entries); with live-slot
-// masks and slot weights (SpvLLM §4.1, H2O): the split kernel's mask test
+// masks and slot weights (SpvLLM §2, H2O): the split kernel's mask test
 // (decode_attention_slot_live), its stored scores and the weights kernel's
 // walk (decode_attention_slot_weight) emulated against decode_attention.
 //

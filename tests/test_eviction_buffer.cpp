@@ -1,4 +1,4 @@
-// Token eviction in TieredKVBuffer (SpvLLM §2.2 strategies, §4.1 slot reuse):
+// Token eviction in TieredKVBuffer (SpvLLM §1 strategies, §2 slot reuse):
 // no live token lost, pages freed exactly when all their slots are dead, the
 // four strategies giving the same attention, bad input changing nothing, and
 // the shared-prefix rule. The reference is, per (request, layer, kv head), the

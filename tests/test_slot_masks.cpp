@@ -1,4 +1,4 @@
-// Slot masks in the page table (SpvLLM §4.1): the fifth table, freed
+// Slot masks in the page table (SpvLLM §2): the fifth table, freed
 // tombstones, the invariants validate() checks, the ref-count rule of
 // PartitionMap::evict_slots / release_page, and that a table built without
 // masks is unchanged.

@@ -1,7 +1,7 @@
 // CUDA kernels of Attend: split-K sparse paged decode attention over
 // head-wise pages (Spin §4.1 Attend, §5.2 page layout), GQA, log-sum-exp
 // merge of the chunk partials and of a policy's extra term (RetroInfer §4.2),
-// live-slot masks (SpvLLM §4.1) and per-slot softmax weights from the same
+// live-slot masks (SpvLLM §2) and per-slot softmax weights from the same
 // pass (H2O's scores).
 // The online-softmax fold and merge are the softmax_* functions of
 // attention_partial.hpp, shared with the host backend; the walk over a row's

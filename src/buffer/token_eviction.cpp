@@ -1,4 +1,4 @@
-// TieredKVBuffer's token eviction (SpvLLM §2.2 strategies, §4.1 slot reuse):
+// TieredKVBuffer's token eviction (SpvLLM §1 strategies, §2 slot reuse):
 // evict / place_token / their dry run, the live-partition selection and
 // prefix sharing for requests whose budget evicts. docs/buffer.md explains
 // the rules; this file keeps them in one place so that the dry run
@@ -242,7 +242,7 @@ void TieredKVBuffer::collect_run(RequestId request, std::uint32_t layer, std::ui
 
 void TieredKVBuffer::compact(RequestId request, RequestState& s, std::uint32_t layer, std::uint32_t head,
                              PartitionId first) {
-  // Sparse copy (SpvLLM §2.2): the run's live rows, in (partition, slot)
+  // Sparse copy (SpvLLM §1, strawman 2): the run's live rows, in (partition, slot)
   // order, into fresh full pages; the run's pages go back first.
   EvictionHead& e = eviction_head(s, layer, head);
   const std::uint32_t pt = config_.page_tokens;

@@ -6,7 +6,7 @@
 // term; and the runs form (row_entries: AttendPlan's several runs per row,
 // partial pages mid-row, empty rows and entries, tail-only rows) in one
 // launch, eagerly and replayed from a CUDA graph while the plan changes;
-// live-slot masks (SpvLLM §4.1) in both forms, with and without slot weights
+// live-slot masks (SpvLLM §2) in both forms, with and without slot weights
 // (each slot's softmax probability summed over its GQA group, H2O's scores).
 // Both backends read the same page bytes; they differ only in fp32
 // summation order.

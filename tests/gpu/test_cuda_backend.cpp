@@ -4,7 +4,7 @@
 // identical, refusals too; attention outputs within 2e-3 relative (bf16
 // pages, fp32 accumulation in both). Also the address-list gather the
 // backend's loads use, and attend() over a plan with live masks and slot
-// weights (SpvLLM §4.1, H2O) against HostBackend::attend.
+// weights (SpvLLM §2, H2O) against HostBackend::attend.
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 

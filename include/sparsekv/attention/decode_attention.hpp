@@ -5,7 +5,7 @@
 // head-wise layout (page_layout.hpp), a numerically stable softmax by online
 // log-sum-exp, and a hook for a policy's extra term (an AttentionPartial per
 // q head, e.g. RetroInfer's estimation zone) merged by log-sum-exp.
-// Pages may carry live-slot masks (SpvLLM §4.1: a token evicted for good is
+// Pages may carry live-slot masks (SpvLLM §2: a token evicted for good is
 // a cleared bit, its slot skipped), and the softmax probability of every slot
 // can be returned from the same pass (H2O's attention scores, SpvLLM §3.2).
 #include <cstddef>

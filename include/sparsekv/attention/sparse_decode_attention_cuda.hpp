@@ -18,7 +18,7 @@
 // and lse. The host backend is decode_attention (decode_attention.hpp); both
 // call the same softmax_* functions.
 //
-// Live-slot masks (SpvLLM §4.1, tokens evicted for good) are tested in the
+// Live-slot masks (SpvLLM §2, tokens evicted for good) are tested in the
 // split kernel's walk next to the token count: a dead slot is skipped as an
 // unused one is. Slot weights (each slot's softmax probability summed over
 // its GQA group, H2O's scores) come from the same pass: the split kernel

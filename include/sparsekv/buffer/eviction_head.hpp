@@ -1,6 +1,6 @@
 #pragma once
 // EvictionHead: the host-side bookkeeping of one (request, layer, kv head)
-// whose policy evicts tokens for good (SpvLLM §4.1). The page table's slot
+// whose policy evicts tokens for good (SpvLLM §2). The page table's slot
 // masks say which slots are live; this maps sequence positions to slots and
 // back, so policies deal in positions while the buffer moves rows
 // (sparse_copy) or refills dead slots (slot_reuse). Every partition of such a

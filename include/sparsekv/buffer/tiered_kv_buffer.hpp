@@ -21,7 +21,7 @@
 //    page table in proportion to its sequence length, never below its minimum.
 //  - Admission advice (the engine queues, never the library): can_admit()
 //    and the SparseServe §3.3 working set.
-//  - Token eviction (SpvLLM §4.1), for requests whose budget says `evicts`
+//  - Token eviction (SpvLLM §2), for requests whose budget says `evicts`
 //    (the page table then needs slot masks, HeadCapacity::slot_masks): every
 //    partition is one page, a decode token is written through to a CPU page
 //    slot (and to the page's GPU copy when resident) by place_token instead of

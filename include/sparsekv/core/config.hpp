@@ -24,7 +24,7 @@ struct HeadCapacity {
 };
 
 // What the buffer does with the slots of tokens a policy evicts for good
-// (SpvLLM §2.2, §4.1). Only requests that evict are affected.
+// (SpvLLM §1, §2). Only requests that evict are affected.
 //  - no_op: slots are masked; pages are never released.
 //  - free_block: a page is released once none of its slots is live.
 //  - sparse_copy: the live rows from the first page with a dead slot onwards

@@ -20,7 +20,7 @@
 //
 // live_masks (empty, or one SlotMask per entry of indices) marks the slots
 // that still hold a token when a request of the batch evicts tokens for good
-// (SpvLLM §4.1, H2O, StreamingLLM): slot t of page indices[i] attends iff it
+// (SpvLLM §2, H2O, StreamingLLM): slot t of page indices[i] attends iff it
 // is below the page's token count (page_tokens, or last_page_len[e] for the
 // last page of its entry e) AND slot_live(live_masks[i], t); any other slot's
 // score is -inf, as in vLLM / SpvLLM block masks. Runs and head_entries are

@@ -792,7 +792,7 @@ class Manager {
   }
 
   // step() for a policy that evicts tokens for good (policy/token_eviction.hpp,
-  // SpvLLM §4): per request, the evictions decided at the last step leave the
+  // SpvLLM §2): per request, the evictions decided at the last step leave the
   // cache, then this token takes a slot (the buffer's strategy picks it, a
   // freed one first under slot_reuse), and the selection is every page with a
   // live slot: dense attention over the live tokens, as H2O and StreamingLLM

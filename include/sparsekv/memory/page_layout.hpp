@@ -33,7 +33,7 @@ struct PageLayout {
   }
 };
 
-// Live-slot mask of one page (SpvLLM §4.1): bit t set means slot t holds a live
+// Live-slot mask of one page (SpvLLM §2): bit t set means slot t holds a live
 // token. Policies that evict tokens for good clear bits instead of moving rows,
 // and a reader treats a cleared slot as absent (score -inf). One 64-bit word per
 // page, so pages of requests that evict hold at most kMaxMaskedPageTokens.

@@ -15,7 +15,7 @@
 // in host memory and accounts each to its tier; the CUDA backend reads the
 // CPU-tier tables from pinned memory through the same TwoLevelView.
 //
-// Slot masks (SpvLLM §4.1, permanent token eviction) are a fifth table,
+// Slot masks (SpvLLM §2, permanent token eviction) are a fifth table,
 // parallel to the CPU page table and grown and shrunk with it, built only when
 // the geometry asks for them. A partition whose page has been released stays
 // in the tables as a *freed* tombstone (CPU page kInvalidPage, mask 0), so

@@ -10,7 +10,7 @@
 // (PagedAttention+FlexAttention, Alg. 1); a shared page is never written,
 // masked or reused, so sharing needs no copy-on-write.
 //
-// Token eviction (SpvLLM §4.1), on tables built with slot masks: evict_slots
+// Token eviction (SpvLLM §2), on tables built with slot masks: evict_slots
 // clears live bits of one-page partitions, and release_page turns a page none
 // of whose slots is live into a freed tombstone and drops this request's
 // reference to it. The ref-count rule: a page another request also maps
