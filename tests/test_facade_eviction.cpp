@@ -454,25 +454,28 @@ TEST_CASE("facade eviction: a refused decode changes nothing; the step goes on a
 
 TEST_CASE("facade eviction: a step the CPU tier cannot hold is refused; it runs once room is freed",
           "[facade][eviction]") {
-  // Request 1 decodes; request 2 only fills the CPU tier until it finishes.
-  const EvictionStream a({8}, 120, 8);
-  const Rule rule = Rule::h2o;
+  // Requests 1 and 2 decode in one batch; request 3 only fills the CPU tier
+  // until it finishes.
+  const EvictionStream a({8, 8}, 120, 8);
   Config c = a.config(EvictionStrategy::slot_reuse);
   const std::size_t page = c.page_bytes(a.shape);
   c.cpu_tier_bytes = 66 * page;
   c.host_chunk_bytes = 2 * page;
-  const auto make = [&] { return RuntimeManager(a.shape, c, make_policy(policy_name(rule), kBudget)); };
-  // Request 2's prompt leaves 6 CPU pages once request 1's prompt (one page
-  // per head) is in: step 0 opens a page in each of the 4 heads, step 8 one in
-  // each head of layer 0, and layer 1 of step 8 is refused, after layer 0 of
-  // the same step has committed.
-  const std::uint64_t heads = std::uint64_t{a.shape.layers} * a.shape.kv_heads;
+  const auto make = [&] { return RuntimeManager(a.shape, c, make_policy("h2o", kBudget)); };
+  // Request 3's prompt leaves 14 CPU pages once the batch's prompts (a page
+  // per head, 8 heads) are in: step 0 opens a page in each of the 8 heads,
+  // step 8 one in each of the 4 heads of layer 0, and layer 1 of step 8 is
+  // refused (after layer 0 of the same step has committed): there is room
+  // for request 1's 2 pages, not for request 2's.
+  const std::uint64_t heads = std::uint64_t{a.shape.layers} * a.shape.kv_heads;  // per request
   const std::uint64_t pool = make().buffer().cpu_pool().available();
-  REQUIRE(pool % heads == heads / 2);
-  const EvictionStream filler({static_cast<std::uint32_t>(8 * ((pool - 2 * heads - heads / 2) / heads))}, 0, 9, 2);
+  const std::uint64_t taken = 2 * heads + 2 * heads + 2 * a.shape.kv_heads + a.shape.kv_heads;
+  REQUIRE(pool > taken);
+  REQUIRE((pool - taken) % heads == 0);
+  const EvictionStream filler({static_cast<std::uint32_t>(8 * ((pool - taken) / heads))}, 0, 9, 3);
 
-  // (step, layer) of the first refusal, then the same stream on a twin that
-  // finishes request 2 there without trying.
+  // (step, layer) of the refusal, then the same stream on a twin that
+  // finishes request 3 there without trying.
   std::optional<std::pair<std::uint32_t, std::uint32_t>> refused;
   std::vector<std::vector<float>> outputs;
   {
@@ -483,9 +486,10 @@ TEST_CASE("facade eviction: a step the CPU tier cannot hold is refused; it runs 
     for (std::uint32_t t = 0; t < a.steps; ++t) {
       for (std::uint32_t l = 0; l < a.shape.layers; ++l) {
         if (!refused) {
-          const std::uint64_t available = m.buffer().cpu_pool().available(), held = m.buffer().held_pages(1);
+          const std::uint64_t available = m.buffer().cpu_pool().available();
+          const std::uint64_t held = m.buffer().held_pages(1) + m.buffer().held_pages(2);
           const std::vector<std::vector<std::uint32_t>> live = live_sets(m, a);
-          const std::uint32_t length = m.buffer().sequence_length(1, l);
+          const std::uint32_t length = m.buffer().sequence_length(1, l) + m.buffer().sequence_length(2, l);
           try {
             a.decode(m, t, l, out);
           } catch (const Error& e) {
@@ -493,11 +497,11 @@ TEST_CASE("facade eviction: a step the CPU tier cannot hold is refused; it runs 
             REQUIRE(e.code() == ErrorCode::resource_exhausted);
             refused = {t, l};
             REQUIRE(m.buffer().cpu_pool().available() == available);
-            REQUIRE(m.buffer().held_pages(1) == held);
+            REQUIRE(m.buffer().held_pages(1) + m.buffer().held_pages(2) == held);
             REQUIRE(live_sets(m, a) == live);
-            REQUIRE(m.buffer().sequence_length(1, l) == length);
+            REQUIRE(m.buffer().sequence_length(1, l) + m.buffer().sequence_length(2, l) == length);
             m.buffer().validate();
-            m.finish(2);
+            m.finish(3);
           }
           if (!refused) {
             outputs.push_back(out);
@@ -517,7 +521,7 @@ TEST_CASE("facade eviction: a step the CPU tier cannot hold is refused; it runs 
   std::size_t i = 0;
   for (std::uint32_t t = 0; t < a.steps; ++t) {
     for (std::uint32_t l = 0; l < a.shape.layers; ++l, ++i) {
-      if (std::pair{t, l} == *refused) twin.finish(2);
+      if (std::pair{t, l} == *refused) twin.finish(3);
       CAPTURE(t, l);
       a.decode(twin, t, l, out);
       REQUIRE(out == outputs[i]);
