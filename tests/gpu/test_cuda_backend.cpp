@@ -4,17 +4,20 @@
 // identical, refusals too; attention outputs within 2e-3 relative (bf16
 // pages, fp32 accumulation in both). Also the address-list gather the
 // backend's loads use, and attend() over a plan with live masks and slot
-// weights (SpvLLM §2, H2O) against HostBackend::attend.
+// weights (SpvLLM §2, H2O) against HostBackend::attend, and H2O through
+// the facade in lockstep (fp32: outputs within 1e-4, identical live sets).
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include "../attention_test_data.hpp"
 #include "../backend_lockstep.hpp"
+#include "../eviction_stream.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
 #include "sparsekv/sparsekv.hpp"
@@ -70,6 +73,40 @@ TEST_CASE("CudaBackend::attend honours live masks and returns slot weights as Ho
     std::fill(got_weights.begin(), got_weights.end(), 7.0f);
     REQUIRE(code_of([&] { cuda_backend.attend(call); }) == ErrorCode::invalid_argument);
     REQUIRE(std::all_of(got_weights.begin(), got_weights.end(), [](float x) { return x == 7.0f; }));
+  }
+}
+
+TEST_CASE("CudaBackend: h2o through the facade evicts as on the host backend", "[gpu][backend][eviction]") {
+  // H2O's scores come from the kernel's slot weights: the same evictions need
+  // them within the float noise of the host's (fp32 pages, no near-ties).
+  const test::EvictionStream s({30, 75}, 100, 21);
+  for (const EvictionStrategy strategy : {EvictionStrategy::slot_reuse, EvictionStrategy::sparse_copy}) {
+    CAPTURE(to_string(strategy));
+    const Config config = s.config(strategy);
+    RuntimeManager host(s.shape, config, make_policy("h2o", 48));
+    RuntimeManager cuda(s.shape, config, make_policy("h2o", 48), std::make_unique<cuda::CudaBackend>());
+    REQUIRE(cuda.buffer().gpu_pool().memory_kind() == MemoryKind::device);
+    s.add_and_prefill(host);
+    s.add_and_prefill(cuda);
+    std::vector<float> want, got;
+    std::uint64_t evicted = 0;
+    for (std::uint32_t t = 0; t < s.steps; ++t) {
+      for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
+        CAPTURE(t, l);
+        s.decode(host, t, l, want);
+        s.decode(cuda, t, l, got);
+        for (std::size_t i = 0; i < want.size(); ++i) REQUIRE(std::abs(got[i] - want[i]) <= 1e-4f);
+        for (const RequestId id : s.batch()) {
+          for (std::uint32_t h = 0; h < s.shape.kv_heads; ++h) {
+            const std::vector<std::uint32_t> live = test::live_positions(host, id, l, h);
+            REQUIRE(test::live_positions(cuda, id, l, h) == live);
+            evicted += host.buffer().sequence_length(id, l) - live.size();
+          }
+        }
+      }
+    }
+    CHECK(evicted > 0);
+    cuda.buffer().validate();
   }
 }
 

@@ -389,9 +389,22 @@ class Manager {
     // Indexed into a copy: a policy's state changes only if the offload succeeds.
     typename Ops::State indexed = ls.policy;
     std::vector<PartitionSpec> specs = policy_.index(context(layer, tokens), view, indexed);
+    // A policy that evicts without attention weights (StreamingLLM) cuts a
+    // prompt over its budget here; the buffer applies the cut at the first
+    // decode step, as every decision, before that step's token is placed.
+    std::optional<Eviction> cut;
+    if (Ops::evicts(policy_) && !Ops::needs_weights(policy_)) {
+      EvictionContext e;
+      e.newest = tokens - 1;
+      e.live_tokens.assign(shape_.kv_heads, tokens);
+      Eviction out;
+      Ops::evict(policy_, context(layer, tokens), e, indexed, out);
+      if (drops_any(out)) cut = std::move(out);
+    }
     const auto t1 = Clock::now();
     buffer_->offload(request, layer, KvChunk{k, v, tokens, shape_.dtype}, specs);
     ls.policy = std::move(indexed);
+    ls.eviction = std::move(cut);
     stats_.index_s += seconds(t1 - t0);
     stats_.offload_s += seconds(Clock::now() - t1);
     ls.prefilled = true;
@@ -861,6 +874,9 @@ class Manager {
     }
   }
 
+  static bool drops_any(const Eviction& e) {
+    return std::any_of(e.positions.begin(), e.positions.end(), [](const auto& p) { return !p.empty(); });
+  }
   // The positions a layer's pending eviction drops per kv head (none: empty lists).
   std::span<const std::vector<std::uint32_t>> pending_evictions(const LayerState& ls) {
     if (ls.eviction) return ls.eviction->positions;
@@ -901,9 +917,7 @@ class Manager {
       }
       Eviction out;
       Ops::evict(policy_, ctx, e, ls.policy, out);
-      if (std::any_of(out.positions.begin(), out.positions.end(), [](const auto& p) { return !p.empty(); })) {
-        ls.eviction = std::move(out);
-      }
+      if (drops_any(out)) ls.eviction = std::move(out);
     }
   }
 
