@@ -185,7 +185,9 @@ int main(int argc, char** argv) {
             }
             for (Run& run : runs) {
               for (std::size_t i = 0; i < q_row; ++i) {
-                run.max_out_diff = std::max(run.max_out_diff, double(std::abs(run.out[i] - runs.front().out[i])));
+                const double diff = std::abs(double(run.out[i]) - double(runs.front().out[i]));
+                // A NaN must show, not vanish in std::max.
+                run.max_out_diff = std::isnan(diff) ? diff : std::max(run.max_out_diff, diff);
               }
             }
           }

@@ -29,11 +29,15 @@
 //    placed: evict leaves room for the next one.
 //  - EvictionContext::protected_prefix[h]: positions below it lie in pages
 //    shared with another request (prefix sharing); a page shared is never
-//    masked, so such positions are never proposed.
+//    masked, so such positions are never proposed. The Manager shares no
+//    prefixes and passes none; a caller that shares pages through
+//    TieredKVBuffer::share_prefix fills it.
 //
 // Optionally (RewritesSummaries) a summary policy recomputes a partition's
 // summary from the live rows left after evictions or a slot rewrite, so a
-// Quest box can shrink when its extreme key dies.
+// Quest box can shrink when its extreme key dies. No built-in policy both
+// evicts and keeps summaries, so the library calls rewrite nowhere yet: it is
+// the hook for one that does (Quest selection over an evicting cache).
 #include <concepts>
 #include <cstdint>
 #include <span>
