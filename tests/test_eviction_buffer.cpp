@@ -1,13 +1,17 @@
 // Token eviction in TieredKVBuffer (SpvLLM §1 strategies, §2 slot reuse):
 // no live token lost, pages freed exactly when all their slots are dead, the
-// four strategies giving the same attention, bad input changing nothing, and
-// the shared-prefix rule. The reference is, per (request, layer, kv head), the
-// set of live positions; a position's K/V rows are a function of it.
+// four strategies giving the same attention (uniform and variable prompts,
+// shared prefixes), bad input and a short metadata pool changing nothing, the
+// dry run's segment demand exact, and the shared-prefix rule. The reference
+// is, per (request, layer, kv head), the set of live positions; a position's
+// K/V rows are a function of it.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <set>
 #include <tuple>
@@ -54,9 +58,8 @@ struct Rig {
   HostPageTransfer transfer;
   Config config;
   TieredKVBuffer buffer;
-  explicit Rig(EvictionStrategy strategy)
-      : config(eviction_config(strategy)),
-        buffer(kShape, config, cpu, gpu, gpu, transfer, masked_capacity(config)) {}
+  explicit Rig(const Config& c) : config(c), buffer(kShape, config, cpu, gpu, gpu, transfer, masked_capacity(config)) {}
+  explicit Rig(EvictionStrategy strategy) : Rig(eviction_config(strategy)) {}
 };
 
 // Requests r and r + kSharer have the same rows: a shared prefix's bytes are common.
@@ -103,13 +106,36 @@ bool row_matches(const std::byte* page, std::uint32_t slot, RequestId r, std::ui
 using HeadKey = std::tuple<RequestId, std::uint32_t, std::uint32_t>;
 using Live = std::map<HeadKey, std::set<std::uint32_t>>;  // the reference: live positions per head
 
+// A request that evicts, its `prompt` tokens offloaded with `specs[layer]` (one spec, or one per kv head).
+void add_request(TieredKVBuffer& b, RequestId r, std::uint32_t prompt,
+                 const std::vector<std::vector<PartitionSpec>>& specs) {
+  b.add_request(r, RequestBudget{kMandatory, 0, true});
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) b.offload(r, l, Rows(r, l, 0, prompt).chunk(), specs[l]);
+}
+
 // A request that evicts, its `prompt` tokens offloaded in one-page partitions in every layer.
 void add_request(TieredKVBuffer& b, RequestId r, std::uint32_t prompt) {
-  b.add_request(r, RequestBudget{kMandatory, 0, true});
-  for (std::uint32_t l = 0; l < kShape.layers; ++l) {
-    const Rows rows(r, l, 0, prompt);
-    b.offload(r, l, rows.chunk(), std::vector{PartitionSpec::uniform(prompt, kPageTokens)});
+  add_request(b, r, prompt,
+              std::vector<std::vector<PartitionSpec>>(kShape.layers, {PartitionSpec::uniform(prompt, kPageTokens)}));
+}
+
+// Per kv head, the prompt's positions in a random order cut into partitions of
+// 1 .. page_tokens tokens: partly filled pages before the last one.
+std::vector<PartitionSpec> random_variable_specs(std::mt19937& rng, std::uint32_t prompt) {
+  std::vector<PartitionSpec> specs;
+  for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+    std::vector<std::uint32_t> order(prompt);
+    std::iota(order.begin(), order.end(), 0u);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<std::vector<std::uint32_t>> partitions;
+    for (std::uint32_t i = 0; i < prompt;) {
+      const std::uint32_t size = std::min(prompt - i, 1 + static_cast<std::uint32_t>(rng() % kPageTokens));
+      partitions.emplace_back(order.begin() + i, order.begin() + i + size);
+      i += size;
+    }
+    specs.push_back(PartitionSpec::variable(prompt, partitions));
   }
+  return specs;
 }
 
 void add_live(Live& live, RequestId r, std::uint32_t prompt) {
@@ -121,8 +147,8 @@ void add_live(Live& live, RequestId r, std::uint32_t prompt) {
 }
 
 // Every live row is in its CPU page and in the page's resident GPU copy; counts and invariants hold.
-// `shares`: some page is shared, so a partial page may sit before the last one.
-void check_rows(const TieredKVBuffer& b, const Live& live, EvictionStrategy strategy, bool shares = false) {
+// `partial`: a shared page or a variable prompt may leave a partly filled page before the last one.
+void check_rows(const TieredKVBuffer& b, const Live& live, EvictionStrategy strategy, bool partial = false) {
   INFO("strategy " << to_string(strategy));
   REQUIRE_NOTHROW(b.validate());
   std::map<RequestId, std::uint64_t> full_pages;
@@ -145,7 +171,7 @@ void check_rows(const TieredKVBuffer& b, const Live& live, EvictionStrategy stra
   }
   // sparse_copy keeps every page full but the last: as few pages as the live tokens need.
   for (const auto& [r, pages] : full_pages) {
-    if (strategy == EvictionStrategy::sparse_copy && !shares) REQUIRE(b.held_pages(r) == pages);
+    if (strategy == EvictionStrategy::sparse_copy && !partial) REQUIRE(b.held_pages(r) == pages);
     if (strategy != EvictionStrategy::no_op) REQUIRE(b.held_pages(r) <= b.live_slots(r));
   }
 }
@@ -256,6 +282,278 @@ std::uint64_t pages_killed(const TieredKVBuffer& b, const Live& live, RequestId 
   return killed;
 }
 
+// Free segments of every pool of the table, found through segment_shortfall.
+SegmentDemand free_segments(const HierarchicalPageTable& table) {
+  SegmentDemand free;
+  for (std::uint64_t SegmentDemand::*pool : {&SegmentDemand::meta, &SegmentDemand::gpu_pages, &SegmentDemand::offsets,
+                                             &SegmentDemand::cpu_pages, &SegmentDemand::masks}) {
+    const auto fits = [&](std::uint64_t n) {
+      SegmentDemand d;
+      d.*pool = n;
+      return table.segment_shortfall(d).empty();
+    };
+    std::uint64_t low = 0, high = 1;  // fits(low) holds; the search ends with !fits(high)
+    while (fits(high)) {
+      low = high;
+      high *= 2;
+    }
+    while (high - low > 1) {
+      const std::uint64_t middle = low + (high - low) / 2;
+      if (fits(middle)) {
+        low = middle;
+      } else {
+        high = middle;
+      }
+    }
+    free.*pool = low;
+  }
+  return free;
+}
+
+// What a random run draws its prompts from: uniform one-page partitions only,
+// or also per-head variable specs, and requests sharing another's first
+// partitions (share_prefix, right after the source's prompt, so that every
+// strategy shares the same positions).
+struct RandomMix {
+  bool variable_prompts = false;
+  bool sharers = false;
+};
+
+void random_eviction(std::uint32_t seed, const RandomMix& mix) {
+  INFO("seed " << seed);
+  std::vector<std::unique_ptr<Rig>> rigs;
+  for (const EvictionStrategy s : kStrategies) rigs.push_back(std::make_unique<Rig>(s));
+  std::mt19937 rng(seed);
+  const auto pick = [&](std::size_t n) { return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng); };
+  Live live;
+  Live pinned;  // positions in pages shared with another request: never evicted while both live
+  std::map<RequestId, RequestId> partner;
+  std::set<RequestId> requests;
+  RequestId next = 1;
+  RequestId sharers = 0;
+  const bool partial = mix.variable_prompts || mix.sharers;
+  std::map<std::string, int> done;
+  // A new request with a prompt of 1 .. 14 tokens; with mix.sharers and a free
+  // request slot, maybe a second one sharing its first partitions.
+  const auto start = [&](bool share) {
+    const auto tokens = static_cast<std::uint32_t>(1 + pick(14));
+    std::vector<std::vector<PartitionSpec>> specs;
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      if (mix.variable_prompts && pick(2) == 0) {
+        specs.push_back(random_variable_specs(rng, tokens));
+        ++done["variable prompt"];
+      } else {
+        specs.push_back({PartitionSpec::uniform(tokens, kPageTokens)});
+      }
+    }
+    for (auto& rig : rigs) add_request(rig->buffer, next, tokens, specs);
+    add_live(live, next, tokens);
+    requests.insert(next);
+    if (share && mix.sharers && requests.size() < rigs[0]->config.max_requests) {
+      const RequestId sharer = next + kSharer * ++sharers;  // the same rows as `next`
+      for (auto& rig : rigs) rig->buffer.add_request(sharer, RequestBudget{kMandatory, 0, true});
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        std::uint32_t fewest = std::numeric_limits<std::uint32_t>::max();
+        for (const PartitionSpec& spec : specs[l]) fewest = std::min(fewest, spec.partition_count());
+        const auto shared = static_cast<std::uint32_t>(1 + pick(fewest));
+        for (auto& rig : rigs) rig->buffer.share_prefix(sharer, next, l, shared);
+        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+          const PartitionSpec& spec = specs[l][specs[l].size() == 1 ? 0 : h];
+          auto& positions = live[{sharer, l, h}];
+          for (PartitionId p = 0; p < shared; ++p) {
+            for (std::uint32_t i = 0; i < spec.size(p); ++i) positions.insert(spec.token(p, i));
+          }
+          pinned[{next, l, h}] = positions;
+          pinned[{sharer, l, h}] = positions;
+        }
+      }
+      ++done["sharer"];
+      partner[next] = sharer;
+      partner[sharer] = next;
+      requests.insert(sharer);
+    }
+    ++next;
+  };
+  // A request ends; a partner sharing its pages holds them alone from now on.
+  const auto end = [&](RequestId gone) {
+    for (auto& rig : rigs) rig->buffer.finish(gone);
+    std::erase_if(live, [gone](const auto& entry) { return std::get<0>(entry.first) == gone; });
+    requests.erase(gone);
+    if (!partner.contains(gone)) return;
+    const RequestId other = partner.at(gone);
+    std::erase_if(pinned, [&](const auto& entry) {
+      return std::get<0>(entry.first) == gone || std::get<0>(entry.first) == other;
+    });
+    partner.erase(gone);
+    partner.erase(other);
+  };
+  start(true);
+  start(false);
+  std::vector<Retrieval> outs(rigs.size());
+  std::vector<std::vector<std::uint32_t>> lists(kShape.kv_heads);
+
+  for (int op = 0; op < 700; ++op) {
+    const RequestId r = *std::next(requests.begin(), static_cast<long>(pick(requests.size())));
+    const auto l = static_cast<std::uint32_t>(pick(kShape.layers));
+    const std::uint32_t length = rigs[0]->buffer.sequence_length(r, l);
+    const std::size_t kind = pick(100);
+    // Eviction lists: the oldest evictable positions (a streaming window) or random ones; one stays live.
+    for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+      const auto& positions = live.at({r, l, h});
+      std::vector<std::uint32_t> all;
+      for (const std::uint32_t p : positions) {
+        if (!pinned.contains({r, l, h}) || !pinned.at({r, l, h}).contains(p)) all.push_back(p);
+      }
+      const std::size_t over = positions.size() > kMaxLive - 4 ? positions.size() - (kMaxLive - 4) : 0;
+      const std::size_t n = std::min({all.size(), positions.size() - 1, over + pick(4)});
+      lists[h].clear();
+      if (pick(2) == 0) {
+        lists[h].assign(all.begin(), all.begin() + static_cast<long>(n));
+      } else {
+        std::shuffle(all.begin(), all.end(), rng);
+        lists[h].assign(all.begin(), all.begin() + static_cast<long>(n));
+      }
+    }
+    if (kind < 45) {  // one decode step: evict (maybe nothing), then place, checked against the dry run
+      const bool place = live.at({r, l, 0}).size() + 1 - lists[0].size() <= kMaxLive &&
+                         live.at({r, l, 1}).size() + 1 - lists[1].size() <= kMaxLive;
+      for (auto& rig : rigs) {
+        TieredKVBuffer& b = rig->buffer;
+        const EvictionStrategy strategy = rig->config.eviction_strategy;
+        const EvictionDemand demand = b.append_demand_evicting(r, l, lists);
+        const std::uint64_t killed = pages_killed(b, live, r, l, lists);
+        const std::uint32_t before = b.cpu_pool().used();
+        b.evict(r, l, lists);
+        const std::uint32_t freed = before - b.cpu_pool().used();
+        REQUIRE(freed == demand.freed_pages);
+        if (strategy == EvictionStrategy::no_op) REQUIRE(freed == 0);
+        if (strategy == EvictionStrategy::free_block || strategy == EvictionStrategy::slot_reuse) {
+          REQUIRE(freed == killed);  // released at the op that kills the last slot, not later
+        }
+        if (!place) continue;
+        const std::uint32_t middle = b.cpu_pool().used();
+        b.place_token(r, l, Rows(r, l, length, 1).chunk());
+        REQUIRE(b.cpu_pool().used() - middle == demand.placed_pages);
+        std::vector<PartitionId> partitions;
+        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+          b.live_partitions(r, l, h, partitions);
+          REQUIRE(partitions.size() == demand.live_partitions[h]);
+        }
+      }
+      for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+        for (const std::uint32_t p : lists[h]) live[{r, l, h}].erase(p);
+        if (place) live[{r, l, h}].insert(length);
+      }
+      ++done["step"];
+    } else if (kind < 65) {  // place only
+      if (live.at({r, l, 0}).size() >= kMaxLive || live.at({r, l, 1}).size() >= kMaxLive) continue;
+      for (auto& rig : rigs) rig->buffer.place_token(r, l, Rows(r, l, length, 1).chunk());
+      for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) live[{r, l, h}].insert(length);
+      ++done["place"];
+    } else if (kind < 83) {  // retrieve the live partitions; masked attention == dense over the live list
+      std::vector<float> q(kShape.kv_heads * kShape.head_dim);
+      for (float& x : q) x = std::uniform_real_distribution<float>(-2, 2)(rng);
+      const std::vector<float> dense = dense_attention(live, r, l, q);
+      std::vector<float> first;
+      for (std::size_t i = 0; i < rigs.size(); ++i) {
+        TieredKVBuffer& b = rigs[i]->buffer;
+        std::vector<std::vector<PartitionId>> selection(kShape.kv_heads);
+        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) b.live_partitions(r, l, h, selection[h]);
+        b.retrieve(r, l, selection, outs[i]);
+        REQUIRE(outs[i].page_masks.size() == outs[i].plan.gpu_pages.size());
+        REQUIRE(outs[i].slot_positions.size() == outs[i].plan.gpu_pages.size() * kPageTokens);
+        const std::vector<float> got = masked_attention(b, outs[i], r, l, q);
+        if (i == 0) first = got;
+        for (std::size_t d = 0; d < got.size(); ++d) {
+          REQUIRE(std::abs(got[d] - dense[d]) <= 1e-6f);
+          REQUIRE(std::abs(got[d] - first[d]) <= 1e-6f);  // the four strategies agree
+        }
+      }
+      ++done["retrieve"];
+    } else if (kind < 97) {  // bad input: nothing changes, in any strategy
+      const std::size_t bad = pick(6);
+      for (auto& rig : rigs) {
+        TieredKVBuffer& b = rig->buffer;
+        const Snapshot before = snapshot(b, live);
+        std::vector<std::vector<std::uint32_t>> wrong = lists;  // valid lists made wrong in one head
+        const std::uint32_t h = static_cast<std::uint32_t>(bad % kShape.kv_heads);
+        switch (bad) {
+          case 0:  // a position never appended
+            wrong[h].push_back(length + static_cast<std::uint32_t>(pick(3)));
+            REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
+            break;
+          case 1: {  // a position evicted already (or, with none, listed twice)
+            std::uint32_t gone = length;
+            for (std::uint32_t p = 0; p < length && gone == length; ++p) {
+              if (!live.at({r, l, h}).contains(p)) gone = p;
+            }
+            wrong[h].push_back(gone == length ? *live.at({r, l, h}).begin() : gone);
+            if (gone == length) wrong[h].push_back(*live.at({r, l, h}).begin());
+            REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.check_evict(r, l, wrong), ErrorCode::invalid_argument);
+            break;
+          }
+          case 2:  // listed twice
+            wrong[h].push_back(*live.at({r, l, h}).rbegin());
+            wrong[h].push_back(*live.at({r, l, h}).rbegin());
+            REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.append_demand_evicting(r, l, wrong), ErrorCode::invalid_argument);
+            break;
+          case 3:  // one list short
+            wrong.pop_back();
+            REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
+            break;
+          case 4: {  // two tokens at once, and the tail path
+            const Rows two(r, l, length, 2);
+            REQUIRE_SPARSEKV_ERROR(b.place_token(r, l, two.chunk()), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.append(r, l, Rows(r, l, length, 1).chunk()), ErrorCode::failed_precondition);
+            break;
+          }
+          case 5: {  // selecting a freed partition (free_block and slot_reuse leave tombstones)
+            std::vector<std::vector<PartitionId>> selection(kShape.kv_heads);
+            for (std::uint32_t k = 0; k < kShape.kv_heads; ++k) b.live_partitions(r, l, k, selection[k]);
+            for (PartitionId p = 0; p < b.table().partition_count(r, l, h); ++p) {
+              if (!b.table().partition_freed(r, l, h, p)) continue;
+              selection[h].push_back(p);
+              REQUIRE_SPARSEKV_ERROR(b.retrieve(r, l, selection, outs[0]), ErrorCode::invalid_argument);
+              break;
+            }
+            break;
+          }
+        }
+        REQUIRE(snapshot(b, live) == before);
+      }
+      ++done["bad input"];
+    } else {  // a request ends (with mix.sharers, another too if a pair would not fit); a new one starts
+      end(r);
+      if (mix.sharers && requests.size() + 2 > rigs[0]->config.max_requests) {
+        end(*std::next(requests.begin(), static_cast<long>(pick(requests.size()))));
+      }
+      start(true);
+      ++done["restart"];
+    }
+    for (auto& rig : rigs) check_rows(rig->buffer, live, rig->config.eviction_strategy, partial);
+  }
+  INFO("steps " << done["step"] << ", places " << done["place"] << ", retrievals " << done["retrieve"]);
+  REQUIRE(done["step"] > 200);
+  REQUIRE(done["retrieve"] > 80);
+  REQUIRE(done["bad input"] > 50);
+  if (mix.variable_prompts) REQUIRE(done["variable prompt"] > 10);
+  if (mix.sharers) REQUIRE(done["sharer"] > 8);
+  // The strategies differ only in pages: no_op holds the most, sparse_copy the fewest.
+  for (const RequestId r : requests) {
+    REQUIRE(rigs[0]->buffer.held_pages(r) >= rigs[1]->buffer.held_pages(r));
+    REQUIRE(rigs[1]->buffer.held_pages(r) >= rigs[2]->buffer.held_pages(r));
+    REQUIRE(rigs[3]->buffer.held_pages(r) >= rigs[2]->buffer.held_pages(r));
+  }
+  REQUIRE(rigs[2]->buffer.stats().pages_copied > 0);
+  REQUIRE(rigs[2]->buffer.stats().slots_copied >= rigs[2]->buffer.stats().pages_copied);
+  REQUIRE(rigs[0]->buffer.stats().pages_copied + rigs[1]->buffer.stats().pages_copied +
+              rigs[3]->buffer.stats().pages_copied == 0);
+  REQUIRE(rigs[1]->buffer.stats().pages_freed > 0);
+  REQUIRE(rigs[0]->buffer.stats().pages_freed == 0);
+}
+
 }  // namespace
 
 TEST_CASE("EvictionStrategy names parse and round-trip", "[buffer][eviction]") {
@@ -272,183 +570,12 @@ TEST_CASE("EvictionStrategy names parse and round-trip", "[buffer][eviction]") {
 
 TEST_CASE("Eviction: no live token lost, pages freed exactly when all dead, four strategies agree",
           "[buffer][eviction][random]") {
-  for (const std::uint32_t seed : {1u, 2u, 3u, 4u}) {
-    INFO("seed " << seed);
-    std::vector<std::unique_ptr<Rig>> rigs;
-    for (const EvictionStrategy s : kStrategies) rigs.push_back(std::make_unique<Rig>(s));
-    std::mt19937 rng(seed);
-    const auto pick = [&](std::size_t n) { return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng); };
-    Live live;
-    std::set<RequestId> requests;
-    RequestId next = 1;
-    for (; next <= 2; ++next) {
-      const auto tokens = static_cast<std::uint32_t>(1 + pick(14));
-      for (auto& rig : rigs) add_request(rig->buffer, next, tokens);
-      add_live(live, next, tokens);
-      requests.insert(next);
-    }
-    std::map<std::string, int> done;
-    std::vector<Retrieval> outs(rigs.size());
-    std::vector<std::vector<std::uint32_t>> lists(kShape.kv_heads);
+  for (const std::uint32_t seed : {1u, 2u, 3u, 4u}) random_eviction(seed, RandomMix{});
+}
 
-    for (int op = 0; op < 700; ++op) {
-      const RequestId r = *std::next(requests.begin(), static_cast<long>(pick(requests.size())));
-      const auto l = static_cast<std::uint32_t>(pick(kShape.layers));
-      const std::uint32_t length = rigs[0]->buffer.sequence_length(r, l);
-      const std::size_t kind = pick(100);
-      // Eviction lists: the oldest live positions (a streaming window) or random ones.
-      for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
-        const auto& positions = live.at({r, l, h});
-        std::vector<std::uint32_t> all(positions.begin(), positions.end());
-        const std::size_t over = all.size() > kMaxLive - 4 ? all.size() - (kMaxLive - 4) : 0;
-        const std::size_t n = std::min(all.size() - 1, over + pick(4));
-        lists[h].clear();
-        if (pick(2) == 0) {
-          lists[h].assign(all.begin(), all.begin() + static_cast<long>(n));
-        } else {
-          std::shuffle(all.begin(), all.end(), rng);
-          lists[h].assign(all.begin(), all.begin() + static_cast<long>(n));
-        }
-      }
-      if (kind < 45) {  // one decode step: evict (maybe nothing), then place, checked against the dry run
-        const bool place = live.at({r, l, 0}).size() + 1 - lists[0].size() <= kMaxLive &&
-                           live.at({r, l, 1}).size() + 1 - lists[1].size() <= kMaxLive;
-        for (auto& rig : rigs) {
-          TieredKVBuffer& b = rig->buffer;
-          const EvictionStrategy strategy = rig->config.eviction_strategy;
-          const EvictionDemand demand = b.append_demand_evicting(r, l, lists);
-          const std::uint64_t killed = pages_killed(b, live, r, l, lists);
-          const std::uint32_t before = b.cpu_pool().used();
-          b.evict(r, l, lists);
-          const std::uint32_t freed = before - b.cpu_pool().used();
-          REQUIRE(freed == demand.freed_pages);
-          if (strategy == EvictionStrategy::no_op) REQUIRE(freed == 0);
-          if (strategy == EvictionStrategy::free_block || strategy == EvictionStrategy::slot_reuse) {
-            REQUIRE(freed == killed);  // released at the op that kills the last slot, not later
-          }
-          if (!place) continue;
-          const std::uint32_t middle = b.cpu_pool().used();
-          b.place_token(r, l, Rows(r, l, length, 1).chunk());
-          REQUIRE(b.cpu_pool().used() - middle == demand.placed_pages);
-          std::vector<PartitionId> partitions;
-          for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
-            b.live_partitions(r, l, h, partitions);
-            REQUIRE(partitions.size() == demand.live_partitions[h]);
-          }
-        }
-        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
-          for (const std::uint32_t p : lists[h]) live[{r, l, h}].erase(p);
-          if (place) live[{r, l, h}].insert(length);
-        }
-        ++done["step"];
-      } else if (kind < 65) {  // place only
-        if (live.at({r, l, 0}).size() >= kMaxLive || live.at({r, l, 1}).size() >= kMaxLive) continue;
-        for (auto& rig : rigs) rig->buffer.place_token(r, l, Rows(r, l, length, 1).chunk());
-        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) live[{r, l, h}].insert(length);
-        ++done["place"];
-      } else if (kind < 83) {  // retrieve the live partitions; masked attention == dense over the live list
-        std::vector<float> q(kShape.kv_heads * kShape.head_dim);
-        for (float& x : q) x = std::uniform_real_distribution<float>(-2, 2)(rng);
-        const std::vector<float> dense = dense_attention(live, r, l, q);
-        std::vector<float> first;
-        for (std::size_t i = 0; i < rigs.size(); ++i) {
-          TieredKVBuffer& b = rigs[i]->buffer;
-          std::vector<std::vector<PartitionId>> selection(kShape.kv_heads);
-          for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) b.live_partitions(r, l, h, selection[h]);
-          b.retrieve(r, l, selection, outs[i]);
-          REQUIRE(outs[i].page_masks.size() == outs[i].plan.gpu_pages.size());
-          REQUIRE(outs[i].slot_positions.size() == outs[i].plan.gpu_pages.size() * kPageTokens);
-          const std::vector<float> got = masked_attention(b, outs[i], r, l, q);
-          if (i == 0) first = got;
-          for (std::size_t d = 0; d < got.size(); ++d) {
-            REQUIRE(std::abs(got[d] - dense[d]) <= 1e-6f);
-            REQUIRE(std::abs(got[d] - first[d]) <= 1e-6f);  // the four strategies agree
-          }
-        }
-        ++done["retrieve"];
-      } else if (kind < 97) {  // bad input: nothing changes, in any strategy
-        const std::size_t bad = pick(6);
-        for (auto& rig : rigs) {
-          TieredKVBuffer& b = rig->buffer;
-          const Snapshot before = snapshot(b, live);
-          std::vector<std::vector<std::uint32_t>> wrong = lists;  // valid lists made wrong in one head
-          const std::uint32_t h = static_cast<std::uint32_t>(bad % kShape.kv_heads);
-          switch (bad) {
-            case 0:  // a position never appended
-              wrong[h].push_back(length + static_cast<std::uint32_t>(pick(3)));
-              REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
-              break;
-            case 1: {  // a position evicted already (or, with none, listed twice)
-              std::uint32_t gone = length;
-              for (std::uint32_t p = 0; p < length && gone == length; ++p) {
-                if (!live.at({r, l, h}).contains(p)) gone = p;
-              }
-              wrong[h].push_back(gone == length ? *live.at({r, l, h}).begin() : gone);
-              if (gone == length) wrong[h].push_back(*live.at({r, l, h}).begin());
-              REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
-              REQUIRE_SPARSEKV_ERROR(b.check_evict(r, l, wrong), ErrorCode::invalid_argument);
-              break;
-            }
-            case 2:  // listed twice
-              wrong[h].push_back(*live.at({r, l, h}).rbegin());
-              wrong[h].push_back(*live.at({r, l, h}).rbegin());
-              REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
-              REQUIRE_SPARSEKV_ERROR(b.append_demand_evicting(r, l, wrong), ErrorCode::invalid_argument);
-              break;
-            case 3:  // one list short
-              wrong.pop_back();
-              REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
-              break;
-            case 4: {  // two tokens at once, and the tail path
-              const Rows two(r, l, length, 2);
-              REQUIRE_SPARSEKV_ERROR(b.place_token(r, l, two.chunk()), ErrorCode::invalid_argument);
-              REQUIRE_SPARSEKV_ERROR(b.append(r, l, Rows(r, l, length, 1).chunk()), ErrorCode::failed_precondition);
-              break;
-            }
-            case 5: {  // selecting a freed partition (free_block and slot_reuse leave tombstones)
-              std::vector<std::vector<PartitionId>> selection(kShape.kv_heads);
-              for (std::uint32_t k = 0; k < kShape.kv_heads; ++k) b.live_partitions(r, l, k, selection[k]);
-              for (PartitionId p = 0; p < b.table().partition_count(r, l, h); ++p) {
-                if (!b.table().partition_freed(r, l, h, p)) continue;
-                selection[h].push_back(p);
-                REQUIRE_SPARSEKV_ERROR(b.retrieve(r, l, selection, outs[0]), ErrorCode::invalid_argument);
-                break;
-              }
-              break;
-            }
-          }
-          REQUIRE(snapshot(b, live) == before);
-        }
-        ++done["bad input"];
-      } else {  // a request ends; a new one starts
-        for (auto& rig : rigs) rig->buffer.finish(r);
-        std::erase_if(live, [r](const auto& entry) { return std::get<0>(entry.first) == r; });
-        requests.erase(r);
-        const auto tokens = static_cast<std::uint32_t>(1 + pick(14));
-        for (auto& rig : rigs) add_request(rig->buffer, next, tokens);
-        add_live(live, next, tokens);
-        requests.insert(next++);
-        ++done["restart"];
-      }
-      for (auto& rig : rigs) check_rows(rig->buffer, live, rig->config.eviction_strategy);
-    }
-    INFO("steps " << done["step"] << ", places " << done["place"] << ", retrievals " << done["retrieve"]);
-    REQUIRE(done["step"] > 200);
-    REQUIRE(done["retrieve"] > 80);
-    REQUIRE(done["bad input"] > 50);
-    // The strategies differ only in pages: no_op holds the most, sparse_copy the fewest.
-    for (const RequestId r : requests) {
-      REQUIRE(rigs[0]->buffer.held_pages(r) >= rigs[1]->buffer.held_pages(r));
-      REQUIRE(rigs[1]->buffer.held_pages(r) >= rigs[2]->buffer.held_pages(r));
-      REQUIRE(rigs[3]->buffer.held_pages(r) >= rigs[2]->buffer.held_pages(r));
-    }
-    REQUIRE(rigs[2]->buffer.stats().pages_copied > 0);
-    REQUIRE(rigs[2]->buffer.stats().slots_copied >= rigs[2]->buffer.stats().pages_copied);
-    REQUIRE(rigs[0]->buffer.stats().pages_copied + rigs[1]->buffer.stats().pages_copied +
-                rigs[3]->buffer.stats().pages_copied == 0);
-    REQUIRE(rigs[1]->buffer.stats().pages_freed > 0);
-    REQUIRE(rigs[0]->buffer.stats().pages_freed == 0);
-  }
+TEST_CASE("Eviction: variable prompts and shared prefixes under random evict and place, four strategies agree",
+          "[buffer][eviction][random]") {
+  for (const std::uint32_t seed : {11u, 12u, 13u}) random_eviction(seed, RandomMix{true, true});
 }
 
 TEST_CASE("Eviction: shared prefix pages are never masked, reused or compacted", "[buffer][eviction][errors]") {
@@ -626,5 +753,61 @@ TEST_CASE("Eviction: slot_reuse refills the fullest page's lowest dead slot", "[
     other.buffer.evict(1, 0, std::vector<std::vector<std::uint32_t>>{{0, 1, 6, 9, 11}, {10, 5}});
     other.buffer.place_token(1, 0, Rows(1, 0, 14, 1).chunk());
     REQUIRE(other.buffer.position_slot(1, 0, 0, 14) == 3 * pt + 2);
+  }
+}
+
+TEST_CASE("Eviction: a step's segment demand is what evict and place_token map, and exactly enough",
+          "[buffer][eviction][errors]") {
+  // The pools hold ceil(pages / 32) segments plus one per head (PageTableGeometry::for_config), so a table
+  // can only run down to a step's demand through tombstones, which keep their entries but not their pages:
+  // free_block and slot_reuse. 96 pages: 7 segments per pool, one short; 128 pages: 8, exactly enough.
+  for (const EvictionStrategy strategy : {EvictionStrategy::free_block, EvictionStrategy::slot_reuse}) {
+    for (const bool enough : {true, false}) {
+      INFO("strategy " << to_string(strategy) << ", enough " << enough);
+      Config config = eviction_config(strategy);
+      config.max_requests = 1;
+      config.cpu_tier_bytes = (enough ? 128 : 96) * config.page_bytes(kShape);
+      config.host_chunk_bytes = 32 * config.page_bytes(kShape);
+      Rig rig(config);
+      TieredKVBuffer& b = rig.buffer;
+      b.add_request(1, RequestBudget{kMandatory, 0, true});
+      // Layer 1: 33 one-page partitions per head (two segments each), the first 32 then freed.
+      b.offload(1, 1, Rows(1, 1, 0, 132).chunk(), std::vector{PartitionSpec::uniform(132, kPageTokens)});
+      std::vector<std::uint32_t> first(128);
+      std::iota(first.begin(), first.end(), 0u);
+      b.evict(1, 1, std::vector{first, first});
+      // Layer 0: 32 full one-page partitions per head (one segment each); a new page starts a second one.
+      b.offload(1, 0, Rows(1, 0, 0, 128).chunk(), std::vector{PartitionSpec::uniform(128, kPageTokens)});
+      Live live;
+      add_live(live, 1, 128);
+      for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) live[{1, 1, h}] = {128, 129, 130, 131};
+      const std::uint64_t free = enough ? 2 : 1;
+      const SegmentDemand before = free_segments(b.table());
+      REQUIRE((before.meta == free && before.offsets == free && before.cpu_pages == free && before.masks == free));
+
+      // A whole page evicted in each head (freed, not refilled), then a token placed: two new pages.
+      const std::vector<std::vector<std::uint32_t>> page{{0, 1, 2, 3}, {4, 5, 6, 7}};
+      const EvictionDemand demand = b.append_demand_evicting(1, 0, page);
+      REQUIRE(demand.freed_pages == 2);
+      REQUIRE(demand.placed_pages == 2);
+      const SegmentDemand& d = demand.segments;
+      REQUIRE((d.meta == 2 && d.offsets == 2 && d.cpu_pages == 2 && d.masks == 2 && d.gpu_pages == 0));
+      b.evict(1, 0, page);
+      for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+        for (const std::uint32_t p : page[h]) live[{1, 0, h}].erase(p);
+      }
+      const Rows token(1, 0, 128, 1);
+      if (enough) {
+        b.place_token(1, 0, token.chunk());
+        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) live[{1, 0, h}].insert(128);
+        const SegmentDemand after = free_segments(b.table());
+        REQUIRE((after.meta == 0 && after.offsets == 0 && after.cpu_pages == 0 && after.masks == 0));
+      } else {
+        const Snapshot unchanged = snapshot(b, live);
+        REQUIRE_SPARSEKV_ERROR(b.place_token(1, 0, token.chunk()), ErrorCode::resource_exhausted);
+        REQUIRE(snapshot(b, live) == unchanged);
+      }
+      check_rows(b, live, strategy);
+    }
   }
 }
