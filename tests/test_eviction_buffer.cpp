@@ -93,14 +93,8 @@ struct Rows {
 
 bool row_matches(const std::byte* page, std::uint32_t slot, RequestId r, std::uint32_t l, std::uint32_t h,
                  std::uint32_t position) {
-  const PageLayout layout{kPageTokens, kShape.head_dim, kShape.dtype};
-  for (std::uint32_t d = 0; d < kShape.head_dim; ++d) {
-    float k, v;
-    std::memcpy(&k, page + layout.k_offset(slot) + d * 4, 4);
-    std::memcpy(&v, page + layout.v_offset(slot) + d * 4, 4);
-    if (k != value(r, l, h, position, d, false) || v != value(r, l, h, position, d, true)) return false;
-  }
-  return true;
+  return test::fp32_row_matches(page, PageLayout{kPageTokens, kShape.head_dim, kShape.dtype}, slot,
+                                [&](std::uint32_t d, bool is_v) { return value(r, l, h, position, d, is_v); });
 }
 
 using HeadKey = std::tuple<RequestId, std::uint32_t, std::uint32_t>;

@@ -1,8 +1,31 @@
 #pragma once
-// Helpers shared by the tests: asserting a sparsekv::Error with a given code.
+// Helpers shared by the tests: asserting a sparsekv::Error with a given code,
+// and comparing an fp32 page row with the values a test wrote.
 #include <catch2/catch.hpp>
 
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/memory/page_layout.hpp"
+
+namespace sparsekv::test {
+
+// Whether row `slot` of an fp32 `page` holds K[d] = expected(d, false) and
+// V[d] = expected(d, true) for every d < layout.head_dim.
+template <class Expected>
+bool fp32_row_matches(const std::byte* page, const PageLayout& layout, std::uint32_t slot, Expected&& expected) {
+  for (std::uint32_t d = 0; d < layout.head_dim; ++d) {
+    float k, v;
+    std::memcpy(&k, page + layout.k_offset(slot) + d * sizeof(float), sizeof(float));
+    std::memcpy(&v, page + layout.v_offset(slot) + d * sizeof(float), sizeof(float));
+    if (k != expected(d, false) || v != expected(d, true)) return false;
+  }
+  return true;
+}
+
+}  // namespace sparsekv::test
 
 #define REQUIRE_SPARSEKV_ERROR(expression, error_code)                        \
   do {                                                                        \

@@ -53,14 +53,8 @@ struct RequestRef {
 // Token `token`'s K and V rows sit in row `slot` of `page`.
 bool row_matches(const std::byte* page, std::uint32_t slot, RequestId r, std::uint32_t l, std::uint32_t h,
                  std::uint32_t token) {
-  const PageLayout layout{kPageTokens, kShape.head_dim, kShape.dtype};
-  for (std::uint32_t d = 0; d < kShape.head_dim; ++d) {
-    float k, v;
-    std::memcpy(&k, page + layout.k_offset(slot) + d * 4, 4);
-    std::memcpy(&v, page + layout.v_offset(slot) + d * 4, 4);
-    if (k != value(r, l, h, token, d, false) || v != value(r, l, h, token, d, true)) return false;
-  }
-  return true;
+  return test::fp32_row_matches(page, PageLayout{kPageTokens, kShape.head_dim, kShape.dtype}, slot,
+                                [&](std::uint32_t d, bool is_v) { return value(r, l, h, token, d, is_v); });
 }
 
 struct Observed {

@@ -158,7 +158,6 @@ EvictionDemand TieredKVBuffer::append_demand_evicting(RequestId request, std::ui
                                                       std::span<const std::vector<std::uint32_t>> positions) const {
   const std::vector<HeadEviction> plans = plan_evict(request, layer, positions);
   const std::uint32_t pt = config_.page_tokens;
-  const auto pages_for = [pt](std::uint32_t rows) { return (rows + pt - 1) / pt; };
   EvictionDemand d;
   d.live_partitions.resize(shape_.kv_heads);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
@@ -175,7 +174,7 @@ EvictionDemand TieredKVBuffer::append_demand_evicting(RequestId request, std::ui
       return it == cleared.end() ? mask : mask & ~it->second;
     };
     d.freed_pages += plan.released.size();
-    const std::uint32_t run_new = plan.run ? pages_for(plan.run_live) : 0;
+    const std::uint32_t run_new = plan.run ? pages_for_tokens(plan.run_live, pt) : 0;
     if (plan.run) d.freed_pages += plan.run_pages - run_new;
     // Where the token goes once the eviction is applied (place_target's rule).
     bool new_page = true;
