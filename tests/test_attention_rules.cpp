@@ -19,6 +19,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "attention_test_data.hpp"
@@ -266,6 +267,51 @@ TEST_CASE("split_decode_attention covers every page with bounded chunks", "[atte
   shape.max_indices = 300;
   REQUIRE(cuda::split_decode_attention(shape, 100000).workspace_bytes ==
           without + (std::size_t{300} * 1 * 12 + 2 * 96) * sizeof(float));
+}
+
+// Brute force over every chunk count: the split's modelled cost (waves x
+// chunk pages) is the least of any split of at most kSplitWaves waves, with
+// the fewest chunks among equals.
+TEST_CASE("split_decode_attention picks the cheapest whole-wave split", "[attention-rules]") {
+  cuda::DecodeAttentionShape shape;
+  shape.q_heads = 32;
+  shape.kv_heads = 8;
+  for (const std::uint32_t page_tokens : {1u, 8u, 16u}) {
+    shape.layout = PageLayout{page_tokens, 128, DType::bf16};
+    const std::uint32_t min_pages = (cuda::kMinChunkTokens + page_tokens - 1) / page_tokens;
+    for (const std::uint32_t batch : {1u, 3u, 8u, 32u, 64u, 66u, 200u}) {
+      for (const std::uint32_t max_pages : {1u, 7u, 128u, 256u, 1000u}) {
+        for (const std::uint32_t target : {1u, 132u, 528u, 1056u}) {
+          shape.batch = batch;
+          shape.max_pages = max_pages;
+          const cuda::DecodeAttentionSplit s = cuda::split_decode_attention(shape, target);
+          CAPTURE(page_tokens, batch, max_pages, target, s.chunks, s.chunk_pages);
+          const std::uint64_t rows = std::uint64_t{batch} * 8;
+          const std::uint64_t cost = cuda::decode_attention_split_cost(rows, target, max_pages, s.chunk_pages);
+          for (std::uint32_t c = 1; c <= max_pages; ++c) {
+            const std::uint32_t pages = cuda::decode_attention_chunk_pages(max_pages, c, min_pages);
+            const std::uint32_t chunks = (max_pages + pages - 1) / pages;
+            if ((rows * chunks + target - 1) / target > cuda::kSplitWaves) continue;
+            const std::uint64_t other = cuda::decode_attention_split_cost(rows, target, max_pages, pages);
+            CAPTURE(c, pages, other);
+            REQUIRE(cost <= other);
+            if (cost == other) REQUIRE(s.chunks <= chunks);
+          }
+        }
+      }
+    }
+  }
+  // The H100 shapes of the attention benchmark (132 SMs x 4 resident CTAs,
+  // 8 kv heads, 128 pages per row): one whole wave where the old rule
+  // (chunks = ceil(target / rows)) made 1.09 and 1.45 waves at batch 8 and 32.
+  shape.layout = PageLayout{16, 128, DType::bf16};
+  shape.max_pages = 128;
+  const std::pair<std::uint32_t, std::uint32_t> expected[] = {{1, 32}, {8, 8}, {32, 2}, {64, 1}};
+  for (const auto& [batch, chunks] : expected) {
+    shape.batch = batch;
+    CAPTURE(batch);
+    REQUIRE(cuda::split_decode_attention(shape, 528).chunks == chunks);
+  }
 }
 
 TEST_CASE("the kernel's live-slot test and slot weight follow the mask and the group", "[attention-rules][masks]") {

@@ -34,6 +34,7 @@ constexpr std::uint32_t kThreads = kWarps * kWarp;
 // decode attention is bandwidth-bound, throughput follows the bytes in flight.
 constexpr std::uint32_t kUnroll = 4;
 constexpr std::uint32_t kMergeThreads = 256;
+constexpr std::uint32_t kMergePrefetch = 8;
 constexpr std::uint32_t kWeightsThreads = 128;
 constexpr std::size_t kNoScore = ~std::size_t{0};
 constexpr std::size_t kVec = sizeof(uint4);  // 16 bytes
@@ -299,10 +300,27 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const Merge
   const std::uint32_t d = static_cast<std::uint32_t>(idx % p.head_dim);
   SoftmaxState s;
   float a = 0.0f;
-  for (std::uint32_t c = 0; c < p.chunks; ++c) {
-    const std::size_t slot = std::size_t{c} * p.batch_q + head;
-    const RescaleStep step = softmax_merge(s, SoftmaxState{p.ws_max[slot], p.ws_sum[slot]});
-    a = softmax_rescale_add(a, step, p.ws_acc[slot * p.head_dim + d]);
+  // The partials of kMergePrefetch chunks are loaded before the first is
+  // folded: the fold is a serial chain, and at small batch (32 chunks a head)
+  // one load latency per chunk was most of the kernel. Folding stays in chunk order.
+  for (std::uint32_t c0 = 0; c0 < p.chunks; c0 += kMergePrefetch) {
+    float part_max[kMergePrefetch], part_sum[kMergePrefetch], part_acc[kMergePrefetch];
+#pragma unroll
+    for (std::uint32_t u = 0; u < kMergePrefetch; ++u) {
+      if (c0 + u < p.chunks) {
+        const std::size_t slot = std::size_t{c0 + u} * p.batch_q + head;
+        part_max[u] = __ldg(p.ws_max + slot);
+        part_sum[u] = __ldg(p.ws_sum + slot);
+        part_acc[u] = __ldg(p.ws_acc + slot * p.head_dim + d);
+      }
+    }
+#pragma unroll
+    for (std::uint32_t u = 0; u < kMergePrefetch; ++u) {
+      if (c0 + u < p.chunks) {
+        const RescaleStep step = softmax_merge(s, SoftmaxState{part_max[u], part_sum[u]});
+        a = softmax_rescale_add(a, step, part_acc[u]);
+      }
+    }
   }
   if (p.extra.sum != nullptr) {
     const RescaleStep step = softmax_merge(s, SoftmaxState{p.extra.max[head], p.extra.sum[head]});
