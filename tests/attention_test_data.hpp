@@ -302,22 +302,26 @@ struct SoftmaxHead {
 };
 
 // The kernel's decomposition in plain C++, through the header's page walk:
-// CTA (row, chunk, slice) walks the chunk's token slots round-robin over
-// `subgroups` online-softmax states, each with its own entry cursor (a
-// kernel thread's), skipping the slots past a run's last token; merges them
-// and dead slots (decode_attention_slot_live), keeping each live slot's
+// CTA (row, chunk, slice) deals the chunk's token slots round-robin to its
+// copy rows (decode_attention_rows), each with its own entry cursor (a
+// kernel thread's), which skip the slots past a run's last token and dead
+// slots (decode_attention_slot_live); each q head folds them round-robin
+// into decode_attention_token_groups online-softmax states, merged in
+// order; it keeps each live slot's
 // score (decode_attention_score_index) when `weights` is set, and writes
 // partial [chunk][q head] to the workspace; the merge phase folds the chunks
 // in order, then the extra term; the weights phase (with `weights`: [max_indices][page_tokens],
 // NaN where not written) runs `weight_threads` threads per row, each with its
 // own cursor, over the row's (page, slot) pairs (decode_attention_slot_weight).
 inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttentionSplit& split,
-                            std::uint32_t subgroups, std::vector<float>& out, std::vector<float>& lse,
+                            std::vector<float>& out, std::vector<float>& lse,
                             std::vector<float>* weights = nullptr, std::uint32_t max_indices = 0,
                             std::uint32_t weight_threads = 128) {
   const std::uint32_t d = b.layout.head_dim;
   const std::uint32_t group = b.group();
   const std::uint32_t page_tokens = b.layout.page_tokens;
+  const std::uint32_t copy_rows = cuda::decode_attention_rows(d, b.layout.dtype);
+  const std::uint32_t token_groups = cuda::decode_attention_token_groups(d, b.layout.dtype, group);
   const cuda::DecodeAttentionPages pages = b.pages();
   const std::size_t batch_q = std::size_t{b.batch} * b.q_heads;
   std::vector<float> ws_acc(split.chunks * batch_q * d, std::nanf("")), ws_max(split.chunks * batch_q),
@@ -333,24 +337,24 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
       const std::uint64_t tokens = cuda::decode_attention_chunk_slots(pages, rp, range);
       std::vector<cuda::DecodeAttentionCursor> cursors;
       if (tokens > 0) {
-        cursors.assign(subgroups, cuda::DecodeAttentionCursor(pages, rp, rp.begin + std::int64_t(range.first)));
+        cursors.assign(copy_rows, cuda::DecodeAttentionCursor(pages, rp, rp.begin + std::int64_t(range.first)));
       }
       for (std::uint32_t g = 0; g < group; ++g) {
         const std::size_t q_head = std::size_t{row} * group + g;
         const float* qg = b.q.data() + q_head * d;
-        std::vector<SoftmaxHead> sub(subgroups, SoftmaxHead(d));
+        std::vector<SoftmaxHead> sub(token_groups, SoftmaxHead(d));
         std::vector<cuda::DecodeAttentionCursor> walk = cursors;
         for (std::uint64_t t = 0; t < tokens; ++t) {
           const std::int64_t pos = rp.begin + std::int64_t(range.first + t / page_tokens);
           const std::uint32_t slot = std::uint32_t(t % page_tokens);
-          if (slot >= walk[t % subgroups].tokens_at(pages, pos)) continue;
+          if (slot >= walk[t % copy_rows].tokens_at(pages, pos)) continue;
           if (!cuda::decode_attention_slot_live(b.masks(), pos, slot)) continue;
           const std::byte* p = b.page(b.indices[pos]);
           for (std::uint32_t i = 0; i < d; ++i) k[i] = load_element(p + b.layout.k_offset(slot), i, b.layout.dtype);
           for (std::uint32_t i = 0; i < d; ++i) v[i] = load_element(p + b.layout.v_offset(slot), i, b.layout.dtype);
           float dot = 0;
           for (std::uint32_t i = 0; i < d; ++i) dot += qg[i] * k[i];
-          sub[t % subgroups].fold(dot * b.scale, 1.0f, v.data());
+          sub[t % token_groups].fold(dot * b.scale, 1.0f, v.data());
           if (weights != nullptr && pos < std::int64_t(max_indices))
             ws_scores[cuda::decode_attention_score_index(pos, slot, page_tokens, group) + g] = dot * b.scale;
         }

@@ -461,7 +461,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
       shape.layout = layout_;
       shape.max_pages = plan_row_pages_;
       std::vector<float> out, lse;
-      emulate_split_k(batch, cuda::split_decode_attention(shape, 528), 8, out, lse);
+      emulate_split_k(batch, cuda::split_decode_attention(shape, 528), out, lse);
       std::copy(out.begin(), out.end(), step.out);
     }
   }

@@ -4,7 +4,7 @@
 // (split_decode_attention) and page walk over a row's runs
 // (decode_attention_row / _chunk / _chunk_slots / DecodeAttentionCursor), and
 // a host emulation of the kernel's decomposition (rows -> chunks -> token
-// subgroups -> workspace partials -> merge with the extra term,
+// groups -> workspace partials -> merge with the extra term,
 // attention_test_data.hpp) against the host decode_attention, in both forms:
 // one entry per row, and an AttendPlan's runs (row_entries); with live-slot
 // masks and slot weights (SpvLLM §2, H2O): the split kernel's mask test
@@ -269,6 +269,25 @@ TEST_CASE("split_decode_attention covers every page with bounded chunks", "[atte
           without + (std::size_t{300} * 1 * 12 + 2 * 96) * sizeof(float));
 }
 
+// The split CTA's geometry (the kernel static_asserts its own against
+// these): 128 threads in rows of 16-byte lanes, rows dealt over the heads.
+TEST_CASE("split CTA rows and token groups follow head_dim, dtype and the group", "[attention-rules]") {
+  REQUIRE(cuda::decode_attention_group_width(1) == 1);
+  REQUIRE(cuda::decode_attention_group_width(3) == 4);
+  REQUIRE(cuda::decode_attention_group_width(5) == 8);
+  REQUIRE(cuda::decode_attention_group_width(12) == cuda::kMaxGroupPerCta);
+  REQUIRE(cuda::decode_attention_rows(128, DType::bf16) == 8);   // 16 lanes of 8 elements
+  REQUIRE(cuda::decode_attention_rows(64, DType::f16) == 16);
+  REQUIRE(cuda::decode_attention_rows(128, DType::f32) == 4);    // 32 lanes of 4 elements
+  REQUIRE(cuda::decode_attention_token_groups(128, DType::bf16, 4) == 2);
+  REQUIRE(cuda::decode_attention_token_groups(128, DType::bf16, 1) == 8);
+  REQUIRE(cuda::decode_attention_token_groups(128, DType::bf16, 3) == 2);  // width 4
+  REQUIRE(cuda::decode_attention_token_groups(128, DType::bf16, 8) == 1);
+  REQUIRE(cuda::decode_attention_token_groups(128, DType::f32, 8) == 1);   // 4 rows, two heads a thread
+  REQUIRE(cuda::decode_attention_token_groups(64, DType::bf16, 1) == 16);
+  REQUIRE(cuda::decode_attention_token_groups(64, DType::bf16, 12) == 2);
+}
+
 // Brute force over every chunk count: the split's modelled cost (waves x
 // chunk pages) is the least of any split of at most kSplitWaves waves, with
 // the fewest chunks among equals.
@@ -395,7 +414,7 @@ TEST_CASE("host emulation of the split-K kernel matches decode_attention", "[att
             shape.max_pages = b.max_pages > understate ? b.max_pages - understate : 0;
             const cuda::DecodeAttentionSplit split = cuda::split_decode_attention(shape, 4096);
             std::vector<float> got_out, got_lse;
-            emulate_split_k(b, split, 8, got_out, got_lse);
+            emulate_split_k(b, split, got_out, got_lse);
             CAPTURE(to_string(dtype), head_dim, group, layout.page_tokens, batch, kv_heads, chunk_pages, understate,
                     split.chunks, split.chunk_pages, b.extra.size());
             require_close(b, got_out, got_lse, want_out, want_lse);
@@ -477,7 +496,7 @@ TEST_CASE("host emulation of the split-K kernel over a plan's runs matches decod
               shape.max_pages = b.max_pages > s.understate ? b.max_pages - s.understate : 0;
               const cuda::DecodeAttentionSplit split = cuda::split_decode_attention(shape, s.target);
               std::vector<float> got_out, got_lse;
-              emulate_split_k(b, split, 8, got_out, got_lse);
+              emulate_split_k(b, split, got_out, got_lse);
               CAPTURE(to_string(dtype), head_dim, group, page_tokens, batch, kv_heads, with_extra, s.chunk_pages,
                       s.target, s.understate, split.chunks, split.chunk_pages, b.max_pages);
               require_close(b, got_out, got_lse, want_out, want_lse);
@@ -529,7 +548,7 @@ TEST_CASE("host emulation of the masked split-K kernel with slot weights matches
             const cuda::DecodeAttentionSplit split = cuda::split_decode_attention(shape, 4096);
             std::vector<float> got_out, got_lse, got_weights;
             // 128 threads per row as the kernel, and 3 so that every thread walks several pages.
-            emulate_split_k(b, split, 8, got_out, got_lse, &got_weights, max_indices, chunk_pages == 1 ? 3 : 128);
+            emulate_split_k(b, split, got_out, got_lse, &got_weights, max_indices, chunk_pages == 1 ? 3 : 128);
             CAPTURE(to_string(dtype), group, page_tokens, runs, with_extra, chunk_pages, split.chunks);
             require_close(b, got_out, got_lse, want_out, want_lse);
             require_weights_close(got_weights, want_weights, group);
@@ -538,7 +557,7 @@ TEST_CASE("host emulation of the masked split-K kernel with slot weights matches
           // Positions at or past an understated max_indices get no score and no weight; the rest are unchanged.
           const std::uint32_t short_indices = max_indices / 2;
           std::vector<float> got_out, got_lse, got_weights;
-          emulate_split_k(b, cuda::split_decode_attention(shape, 4096), 8, got_out, got_lse, &got_weights,
+          emulate_split_k(b, cuda::split_decode_attention(shape, 4096), got_out, got_lse, &got_weights,
                           short_indices);
           REQUIRE(got_weights.size() == std::size_t{short_indices} * page_tokens);
           require_weights_close(got_weights, std::vector<float>(want_weights.begin(), want_weights.begin() +

@@ -323,7 +323,7 @@ TEST_CASE("Device-backend Attend: the kernel's walk over a plan's runs equals th
     for (const std::uint32_t chunk_pages : {0u, 1u, 3u}) {
       const cuda::DecodeAttentionShape shape{b.batch, b.q_heads, b.kv_heads, b.layout, b.max_pages, chunk_pages};
       std::vector<float> got_lse;
-      test::emulate_split_k(b, cuda::split_decode_attention(shape, 4096), 8, got, got_lse);
+      test::emulate_split_k(b, cuda::split_decode_attention(shape, 4096), got, got_lse);
       INFO("chunk_pages " << chunk_pages);
       for (std::size_t i = 0; i < want.size(); ++i)
         REQUIRE(std::abs(got[i] - want[i]) <= 1e-5f * (1.0f + std::abs(want[i])));

@@ -8,6 +8,7 @@
 // pages and runs is the decode_attention_* functions of the header, shared
 // with the host emulation in CI.
 #include <cuda_fp16.h>
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -28,11 +29,13 @@ using detail::resident_blocks_per_sm;
 using detail::throw_invalid;
 
 constexpr std::uint32_t kWarp = 32;
-constexpr std::uint32_t kWarps = 4;
-constexpr std::uint32_t kThreads = kWarps * kWarp;
-// Tokens per subgroup whose K/V loads are issued before the first is used:
-// decode attention is bandwidth-bound, throughput follows the bytes in flight.
-constexpr std::uint32_t kUnroll = 4;
+constexpr std::uint32_t kThreads = kSplitThreads;
+// Tokens of a shared-memory tile, and the bytes of tiles a CTA keeps in
+// flight (2 to 4 stages): decode attention is bandwidth-bound, throughput
+// follows the bytes in flight, and at 24 KB (3 stages of bf16 head_dim 128)
+// seven CTAs fit an SM's shared memory.
+constexpr std::uint32_t kTileTokens = 16;
+constexpr std::size_t kStageBudget = 24 << 10;
 constexpr std::uint32_t kMergeThreads = 256;
 constexpr std::uint32_t kMergePrefetch = 8;
 constexpr std::uint32_t kWeightsThreads = 128;
@@ -102,32 +105,67 @@ struct SplitParams {
   std::uint32_t max_indices;
 };
 
+// The split kernel's shape for head_dim D, page dtype T and G q heads: rows
+// of kLanes threads, each thread one 16-byte vector of a K/V row; rows dealt
+// out over the heads (decode_attention_token_groups), tiles of kTile tokens
+// staged kStages deep in shared memory.
+template <std::uint32_t D, DType T, std::uint32_t G>
+struct SplitGeometry {
+  using E = Elements<T>;
+  static constexpr std::uint32_t kPerVec = E::kPerVec;
+  static constexpr std::uint32_t kLanes = D / kPerVec;
+  static_assert(D % kPerVec == 0 && kLanes <= kWarp && kWarp % kLanes == 0);
+  static constexpr std::uint32_t kRows = kThreads / kLanes;
+  static_assert(kRows == decode_attention_rows(D, T));
+  static constexpr std::uint32_t kHeadRows = G < kRows ? G : kRows;  // rows per token group
+  static constexpr std::uint32_t kHeadsPerThread = G / kHeadRows;
+  static constexpr std::uint32_t kTokenGroups = kRows / kHeadRows;
+  static_assert(kTokenGroups == decode_attention_token_groups(D, T, G));
+  static constexpr std::uint32_t kTile = kTileTokens;
+  static_assert(kTile % kRows == 0 && kTile % kTokenGroups == 0);
+  static constexpr std::uint32_t kLoadsPerThread = kTile / kRows;
+  static constexpr std::size_t kElemBytes = kVec / kPerVec;
+  static constexpr std::size_t kRowBytes = D * kElemBytes;
+  static constexpr std::size_t kStageBytes = 2 * kTile * kRowBytes;  // K and V rows of a tile
+  static constexpr std::uint32_t kStages = kStageBudget / kStageBytes < 2   ? 2
+                                           : kStageBudget / kStageBytes > 4 ? 4
+                                                                            : kStageBudget / kStageBytes;
+};
+
 // Phase 1: CTA (row, chunk, head slice) folds the chunk's tokens for up to G
-// q heads. A row of D elements is kLanesPerRow lanes x one 16-byte vector; a
-// warp holds kRowsPerWarp such subgroups, each running its own online softmax
-// over its tokens. Subgroups merge by shuffles, warps through shared memory;
-// the CTA writes one partial per q head, and (slot weights) each live slot's
-// scaled scores.
+// q heads. Every thread copies its vectors of the next tiles' K/V rows into
+// shared memory (cp.async, kStages - 1 tiles ahead of the fold), so a K/V row
+// is read from HBM once and the copies in flight cost no registers. A
+// thread folds one q head (two when the CTA has fewer rows than heads) over
+// the tokens of its token group with its own online softmax: the q and the
+// accumulator of a head stay in the registers of its rows only. Token groups
+// merge through shared memory; the CTA writes one partial per q head, and
+// (slot weights) each live slot's scaled scores.
 template <std::uint32_t D, DType T, std::uint32_t G>
 __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParams p) {
-  using E = Elements<T>;
-  constexpr std::uint32_t kPerVec = E::kPerVec;
-  constexpr std::uint32_t kLanesPerRow = D / kPerVec;
-  static_assert(D % kPerVec == 0 && kLanesPerRow <= kWarp && kWarp % kLanesPerRow == 0);
-  constexpr std::uint32_t kRowsPerWarp = kWarp / kLanesPerRow;
-  constexpr std::uint32_t kSubgroups = kWarps * kRowsPerWarp;
-  constexpr std::uint32_t kStep = kSubgroups * kUnroll;  // tokens per CTA iteration
-  constexpr std::size_t kElemBytes = kVec / kPerVec;
-  constexpr std::size_t kRowBytes = D * kElemBytes;
+  using Geo = SplitGeometry<D, T, G>;
+  using E = typename Geo::E;
+  constexpr std::uint32_t kPerVec = Geo::kPerVec;
+  constexpr std::uint32_t kLanes = Geo::kLanes;
+  constexpr std::uint32_t kTile = Geo::kTile;
+  constexpr std::uint32_t kStages = Geo::kStages;
+  constexpr std::uint32_t kTokenGroups = Geo::kTokenGroups;
+  constexpr std::uint32_t kHeadRows = Geo::kHeadRows;
+  constexpr std::uint32_t kHeads = Geo::kHeadsPerThread;
+  constexpr std::size_t kRowBytes = Geo::kRowBytes;
 
-  __shared__ float s_acc[kWarps][G][D];
-  __shared__ float s_max[kWarps][G];
-  __shared__ float s_sum[kWarps][G];
+  __shared__ uint4 s_kv[kStages][2][kTile][kLanes];
+  __shared__ bool s_valid[kStages][kTile];
+  __shared__ std::size_t s_score_at[kStages][kTile];
+  __shared__ float s_acc[kTokenGroups][G][D];
+  __shared__ float s_max[kTokenGroups][G];
+  __shared__ float s_sum[kTokenGroups][G];
 
-  const std::uint32_t warp = threadIdx.x / kWarp;
-  const std::uint32_t lane = threadIdx.x % kWarp;
-  const std::uint32_t sub = lane / kLanesPerRow;
-  const std::uint32_t dim0 = (lane % kLanesPerRow) * kPerVec;
+  const std::uint32_t lane = threadIdx.x % kLanes;
+  const std::uint32_t thread_row = threadIdx.x / kLanes;
+  const std::uint32_t head_row = thread_row % kHeadRows;
+  const std::uint32_t token_group = thread_row / kHeadRows;
+  const std::uint32_t dim0 = lane * kPerVec;
   const std::uint32_t row = blockIdx.x;
   const std::uint32_t chunk = blockIdx.y;
   const std::uint32_t head0 = blockIdx.z * G;
@@ -135,136 +173,147 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
   const std::size_t q_head0 = std::size_t{row} * p.group + head0;  // first q head in [0, batch_q)
 
   // The chunk's pages of the row (all its entries, walked as one list) and
-  // this thread's entry cursor, started at the chunk's first page.
+  // this thread's entry cursor for the tokens it copies, started at the
+  // chunk's first page.
   const std::uint32_t page_tokens = p.pages.page_tokens;
   const DecodeAttentionRow row_span = decode_attention_row(p.pages, row);
   const DecodeAttentionChunk range = decode_attention_chunk(row_span.pages(), chunk, p.chunk_pages, p.chunks);
   const std::uint64_t tokens = decode_attention_chunk_slots(p.pages, row_span, range);
+  const std::int64_t first_pos = row_span.begin + static_cast<std::int64_t>(range.first);
   DecodeAttentionCursor cursor;
-  if (tokens > 0) {
-    cursor = DecodeAttentionCursor(p.pages, row_span, row_span.begin + static_cast<std::int64_t>(range.first));
-  }
+  if (tokens > 0) cursor = DecodeAttentionCursor(p.pages, row_span, first_pos);
 
-  float q[G][kPerVec];
-  float acc[G][kPerVec];
-  SoftmaxState state[G];
+  // Head k of this thread is head_row + k * kHeadRows of the slice.
+  float q[kHeads][kPerVec];
+  float acc[kHeads][kPerVec];
+  SoftmaxState state[kHeads];
 #pragma unroll
-  for (std::uint32_t g = 0; g < G; ++g) {
+  for (std::uint32_t k = 0; k < kHeads; ++k) {
+    const std::uint32_t h = head_row + k * kHeadRows;
 #pragma unroll
     for (std::uint32_t i = 0; i < kPerVec; ++i) {
-      q[g][i] = g < heads ? p.q[(q_head0 + g) * D + dim0 + i] : 0.0f;
-      acc[g][i] = 0.0f;
+      q[k][i] = h < heads ? p.q[(q_head0 + h) * D + dim0 + i] : 0.0f;
+      acc[k][i] = 0.0f;
     }
   }
 
+  // The copy of tile `loaded` into stage loaded % kStages: this thread's
+  // vector of kLoadsPerThread token rows (offsets thread_row + j * kRows, so
+  // its tokens only move forward and its cursor with them). A dead or
+  // unused slot is zero-filled and marked invalid. Token base of the tile =
+  // load_page * page_tokens + load_slot, advanced without 64-bit division.
+  const std::uint64_t tiles = (tokens + kTile - 1) / kTile;
   const std::size_t block_bytes = std::size_t{page_tokens} * kRowBytes;
-  // Token base = page_index * page_tokens + slot_base, advanced without 64-bit division.
-  std::uint64_t page_index = 0;
-  std::uint32_t slot_base = 0;
-  for (std::uint64_t base = 0; base < tokens; base += kStep) {
-    uint4 k_raw[kUnroll], v_raw[kUnroll];
-    bool valid[kUnroll];
-    std::size_t score_at[kUnroll];
+  std::uint64_t loaded = 0;
+  std::uint64_t load_page = 0;
+  std::uint32_t load_slot = 0;
+  const auto copy_next_tile = [&] {
+    if (loaded < tiles) {
+      const std::uint32_t stage = static_cast<std::uint32_t>(loaded % kStages);
+      const std::uint64_t base = loaded * kTile;
 #pragma unroll
-    for (std::uint32_t u = 0; u < kUnroll; ++u) {
-      const std::uint32_t offset = u * kSubgroups + warp * kRowsPerWarp + sub;
-      valid[u] = base + offset < tokens;
-      k_raw[u] = make_uint4(0, 0, 0, 0);
-      v_raw[u] = make_uint4(0, 0, 0, 0);
-      score_at[u] = kNoScore;
-      if (valid[u]) {
-        const std::uint32_t in_page = slot_base + offset;
-        const std::int64_t pos =
-            row_span.begin + static_cast<std::int64_t>(range.first + page_index + in_page / page_tokens);
-        const std::uint32_t slot = in_page % page_tokens;
-        // False past a run's last token mid-chunk, and for a slot whose token was evicted.
-        valid[u] = slot < cursor.tokens_at(p.pages, pos) && decode_attention_slot_live(p.live_masks, pos, slot);
-        if (valid[u]) {
-          if (p.scores != nullptr && pos < static_cast<std::int64_t>(p.max_indices))
-            score_at[u] = decode_attention_score_index(pos, slot, page_tokens, p.group) + head0;
-          const std::byte* k_row = p.page_base + static_cast<std::size_t>(p.indices[pos]) * p.page_stride +
-                                   slot * kRowBytes + dim0 * kElemBytes;
-          k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_row));
-          v_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_row + block_bytes));
+      for (std::uint32_t j = 0; j < Geo::kLoadsPerThread; ++j) {
+        const std::uint32_t offset = thread_row + j * Geo::kRows;
+        bool valid = base + offset < tokens;
+        std::size_t score_at = kNoScore;
+        if (valid) {
+          const std::uint32_t in_page = load_slot + offset;
+          const std::int64_t pos = first_pos + static_cast<std::int64_t>(load_page + in_page / page_tokens);
+          const std::uint32_t slot = in_page % page_tokens;
+          // False past a run's last token mid-chunk, and for a slot whose token was evicted.
+          valid = slot < cursor.tokens_at(p.pages, pos) && decode_attention_slot_live(p.live_masks, pos, slot);
+          if (valid) {
+            if (p.scores != nullptr && pos < static_cast<std::int64_t>(p.max_indices))
+              score_at = decode_attention_score_index(pos, slot, page_tokens, p.group) + head0;
+            const std::byte* k_row = p.page_base + static_cast<std::size_t>(__ldg(p.indices + pos)) * p.page_stride +
+                                     slot * kRowBytes + dim0 * Geo::kElemBytes;
+            __pipeline_memcpy_async(&s_kv[stage][0][offset][lane], k_row, kVec);
+            __pipeline_memcpy_async(&s_kv[stage][1][offset][lane], k_row + block_bytes, kVec);
+          }
+        }
+        if (!valid) {
+          s_kv[stage][0][offset][lane] = make_uint4(0, 0, 0, 0);
+          s_kv[stage][1][offset][lane] = make_uint4(0, 0, 0, 0);
+        }
+        if (lane == 0) {
+          s_valid[stage][offset] = valid;
+          s_score_at[stage][offset] = score_at;
         }
       }
+      const std::uint32_t advanced = load_slot + kTile;
+      load_page += advanced / page_tokens;
+      load_slot = advanced % page_tokens;
+      ++loaded;
     }
+    // Committed even when empty: the wait below counts groups.
+    __pipeline_commit();
+  };
+
 #pragma unroll
-    for (std::uint32_t u = 0; u < kUnroll; ++u) {
+  for (std::uint32_t s = 0; s + 1 < kStages; ++s) copy_next_tile();
+  for (std::uint64_t tile = 0; tile < tiles; ++tile) {
+    // Tile `tile` has landed for this thread; the barrier makes every
+    // thread's copies visible and frees the stage folded last iteration.
+    __pipeline_wait_prior(kStages - 2);
+    __syncthreads();
+    copy_next_tile();
+    const std::uint32_t stage = static_cast<std::uint32_t>(tile % kStages);
+#pragma unroll
+    for (std::uint32_t t = token_group; t < kTile; t += kTokenGroups) {
       float k[kPerVec];
-      E::unpack(k_raw[u], k);
-      float dot[G];
+      E::unpack(s_kv[stage][0][t][lane], k);
+      float dot[kHeads];
 #pragma unroll
-      for (std::uint32_t g = 0; g < G; ++g) {
-        dot[g] = 0.0f;
+      for (std::uint32_t h = 0; h < kHeads; ++h) {
+        dot[h] = 0.0f;
 #pragma unroll
-        for (std::uint32_t i = 0; i < kPerVec; ++i) dot[g] += q[g][i] * k[i];
+        for (std::uint32_t i = 0; i < kPerVec; ++i) dot[h] += q[h][i] * k[i];
       }
-      // Every lane takes part in the shuffles; lanes of invalid tokens just skip the fold.
+      // Every lane takes part in the shuffles (the trip count is the same
+      // for all); an invalid token is just not folded.
 #pragma unroll
-      for (std::uint32_t off = kLanesPerRow / 2; off > 0; off /= 2) {
+      for (std::uint32_t off = kLanes / 2; off > 0; off /= 2) {
 #pragma unroll
-        for (std::uint32_t g = 0; g < G; ++g) dot[g] += __shfl_xor_sync(kFullMask, dot[g], off);
+        for (std::uint32_t h = 0; h < kHeads; ++h) dot[h] += __shfl_xor_sync(kFullMask, dot[h], off);
       }
-      if (valid[u]) {
-        if (score_at[u] != kNoScore && lane % kLanesPerRow == 0) {
-#pragma unroll
-          for (std::uint32_t g = 0; g < G; ++g)
-            if (g < heads) p.scores[score_at[u] + g] = dot[g] * p.scale;
-        }
+      if (s_valid[stage][t]) {
         float v[kPerVec];
-        E::unpack(v_raw[u], v);
+        E::unpack(s_kv[stage][1][t][lane], v);
+        const std::size_t score_at = s_score_at[stage][t];
 #pragma unroll
-        for (std::uint32_t g = 0; g < G; ++g) {
-          if (g < heads) {
-            const RescaleStep step = softmax_fold(state[g], dot[g] * p.scale, 1.0f);
+        for (std::uint32_t h = 0; h < kHeads; ++h) {
+          const std::uint32_t head = head_row + h * kHeadRows;
+          if (head < heads) {
+            if (score_at != kNoScore && lane == 0) p.scores[score_at + head] = dot[h] * p.scale;
+            const RescaleStep step = softmax_fold(state[h], dot[h] * p.scale, 1.0f);
 #pragma unroll
-            for (std::uint32_t i = 0; i < kPerVec; ++i) acc[g][i] = softmax_rescale_add(acc[g][i], step, v[i]);
+            for (std::uint32_t i = 0; i < kPerVec; ++i) acc[h][i] = softmax_rescale_add(acc[h][i], step, v[i]);
           }
         }
       }
     }
-    const std::uint32_t advanced = slot_base + kStep;
-    page_index += advanced / page_tokens;
-    slot_base = advanced % page_tokens;
   }
 
-  // Merge the warp's subgroups (lanes kLanesPerRow, 2 kLanesPerRow, ... apart).
 #pragma unroll
-  for (std::uint32_t off = kLanesPerRow; off < kWarp; off *= 2) {
+  for (std::uint32_t h = 0; h < kHeads; ++h) {
+    const std::uint32_t head = head_row + h * kHeadRows;
 #pragma unroll
-    for (std::uint32_t g = 0; g < G; ++g) {
-      const SoftmaxState other{__shfl_xor_sync(kFullMask, state[g].max, off),
-                               __shfl_xor_sync(kFullMask, state[g].sum, off)};
-      float other_acc[kPerVec];
-#pragma unroll
-      for (std::uint32_t i = 0; i < kPerVec; ++i) other_acc[i] = __shfl_xor_sync(kFullMask, acc[g][i], off);
-      const RescaleStep step = softmax_merge(state[g], other);
-#pragma unroll
-      for (std::uint32_t i = 0; i < kPerVec; ++i) acc[g][i] = softmax_rescale_add(acc[g][i], step, other_acc[i]);
-    }
-  }
-  if (sub == 0) {
-#pragma unroll
-    for (std::uint32_t g = 0; g < G; ++g) {
-#pragma unroll
-      for (std::uint32_t i = 0; i < kPerVec; ++i) s_acc[warp][g][dim0 + i] = acc[g][i];
-      if (lane == 0) {
-        s_max[warp][g] = state[g].max;
-        s_sum[warp][g] = state[g].sum;
-      }
+    for (std::uint32_t i = 0; i < kPerVec; ++i) s_acc[token_group][head][dim0 + i] = acc[h][i];
+    if (lane == 0) {
+      s_max[token_group][head] = state[h].max;
+      s_sum[token_group][head] = state[h].sum;
     }
   }
   __syncthreads();
 
-  // Merge the warps; one thread per (head, dim) writes the chunk's partial.
+  // Merge the token groups in order; one thread per (head, dim) writes the chunk's partial.
   for (std::uint32_t idx = threadIdx.x; idx < heads * D; idx += kThreads) {
     const std::uint32_t g = idx / D;
     const std::uint32_t d = idx % D;
     SoftmaxState s;
     float a = 0.0f;
 #pragma unroll
-    for (std::uint32_t w = 0; w < kWarps; ++w) {
+    for (std::uint32_t w = 0; w < kTokenGroups; ++w) {
       const RescaleStep step = softmax_merge(s, SoftmaxState{s_max[w][g], s_sum[w][g]});
       a = softmax_rescale_add(a, step, s_acc[w][g][d]);
     }
@@ -369,34 +418,32 @@ bool aligned(const void* p, std::size_t alignment) { return reinterpret_cast<std
 
 using SplitKernel = void (*)(SplitParams);
 
-// Kernel instantiations: head_dim {64, 128} x dtype {f32, f16, bf16} x group bucket {1, 2, 4, 8}.
-int group_bucket(std::uint32_t group) { return group <= 1 ? 0 : group <= 2 ? 1 : group <= 4 ? 2 : 3; }
-
+// Kernel instantiations: head_dim {64, 128} x dtype {f32, f16, bf16} x group
+// width {1, 2, 4, 8} (decode_attention_group_width).
 template <std::uint32_t D, DType T>
-SplitKernel pick_group(int bucket) {
-  switch (bucket) {
-    case 0: return decode_split_kernel<D, T, 1>;
-    case 1: return decode_split_kernel<D, T, 2>;
-    case 2: return decode_split_kernel<D, T, 4>;
+SplitKernel pick_group(std::uint32_t width) {
+  switch (width) {
+    case 1: return decode_split_kernel<D, T, 1>;
+    case 2: return decode_split_kernel<D, T, 2>;
+    case 4: return decode_split_kernel<D, T, 4>;
     default: return decode_split_kernel<D, T, kMaxGroupPerCta>;
   }
 }
 
 template <std::uint32_t D>
-SplitKernel pick_dtype(DType dtype, int bucket) {
+SplitKernel pick_dtype(DType dtype, std::uint32_t width) {
   switch (dtype) {
-    case DType::f32: return pick_group<D, DType::f32>(bucket);
-    case DType::f16: return pick_group<D, DType::f16>(bucket);
-    case DType::bf16: return pick_group<D, DType::bf16>(bucket);
+    case DType::f32: return pick_group<D, DType::f32>(width);
+    case DType::f16: return pick_group<D, DType::f16>(width);
+    case DType::bf16: return pick_group<D, DType::bf16>(width);
   }
-  return pick_group<D, DType::bf16>(bucket);
+  return pick_group<D, DType::bf16>(width);
 }
 
 SplitKernel select_kernel(const DecodeAttentionShape& shape) {
-  const std::uint32_t group = shape.q_heads / shape.kv_heads;
-  const int bucket = group_bucket(group);
-  return shape.layout.head_dim == 64 ? pick_dtype<64>(shape.layout.dtype, bucket)
-                                     : pick_dtype<128>(shape.layout.dtype, bucket);
+  const std::uint32_t width = decode_attention_group_width(shape.q_heads / shape.kv_heads);
+  return shape.layout.head_dim == 64 ? pick_dtype<64>(shape.layout.dtype, width)
+                                     : pick_dtype<128>(shape.layout.dtype, width);
 }
 
 void check_shape(const DecodeAttentionShape& shape) {

@@ -8,12 +8,15 @@
 // j / group (group = q_heads / kv_heads). The pages of each (request, kv
 // head) row -- one entry, or several entries (runs) in AttendPlan's form --
 // are walked as one list and split into chunks of `chunk_pages` pages; one
-// CTA per (chunk, row, head slice) loads each K/V row once with 16-byte
-// vector loads for all q heads of its slice (up to kMaxGroupPerCta heads: the
-// whole GQA group when group <= 8) and folds them in fp32 with the
-// online-softmax rules of attention_partial.hpp. A run's partial last page
-// mid-row only masks its unused slots, so a row's runs need no merge of
-// their own. Chunk partials go to a caller-allocated workspace; a second
+// CTA per (chunk, row, head slice) copies each K/V row once from HBM into
+// shared memory (16-byte cp.async, a few tiles ahead, as FlashInfer's decode
+// kernel stages K/V), where the q heads of its slice (up to kMaxGroupPerCta:
+// the whole GQA group when group <= 8) read it: each head has its own rows
+// of threads (decode_attention_token_groups), so a thread keeps one head's
+// q and accumulator, and folds in fp32 with the online-softmax rules of
+// attention_partial.hpp. A run's partial last page mid-row only masks its
+// unused slots, so a row's runs need no merge of their own. Chunk partials
+// go to a caller-allocated workspace; a second
 // kernel merges them per q head with the optional extra term and writes o
 // and lse. The host backend is decode_attention (decode_attention.hpp); both
 // call the same softmax_* functions.
@@ -47,6 +50,32 @@ namespace sparsekv::cuda {
 inline constexpr std::uint32_t kMaxGroupPerCta = 8;
 // Smallest chunk (tokens) worth a CTA and a workspace partial.
 inline constexpr std::uint32_t kMinChunkTokens = 64;
+// Threads of a split-K CTA.
+inline constexpr std::uint32_t kSplitThreads = 128;
+
+// The q heads one split CTA's kernel is built for: the group (or a head
+// slice of it) rounded up to 1, 2, 4 or 8.
+SPARSEKV_HOST_DEVICE constexpr std::uint32_t decode_attention_group_width(std::uint32_t group) {
+  return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : kMaxGroupPerCta;
+}
+
+// The rows of a split CTA: head_dim / (16 / element size) threads each, a
+// thread one 16-byte vector of a K/V row. Row r copies tokens r, r + rows,
+// ... of every tile of a chunk (its entry cursor walks them).
+SPARSEKV_HOST_DEVICE constexpr std::uint32_t decode_attention_rows(std::uint32_t head_dim, DType dtype) {
+  return kSplitThreads / (head_dim / (16 / static_cast<std::uint32_t>(dtype_size(dtype))));
+}
+
+// How many token groups fold a chunk for each q head: the rows are dealt out
+// over the q heads first (one head per row, or two when there are fewer rows
+// than heads), and the rows left for each head split the tokens: token t of
+// a chunk is folded by group t % groups.
+SPARSEKV_HOST_DEVICE constexpr std::uint32_t decode_attention_token_groups(std::uint32_t head_dim, DType dtype,
+                                                                           std::uint32_t group) {
+  const std::uint32_t rows = decode_attention_rows(head_dim, dtype);
+  const std::uint32_t width = decode_attention_group_width(group);
+  return rows / (width < rows ? width : rows);
+}
 
 struct DecodeAttentionShape {
   std::uint32_t batch = 0;     // requests
