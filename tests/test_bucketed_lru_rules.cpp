@@ -142,6 +142,35 @@ TEST_CASE("lru rules: selection lookup in a sorted selection", "[lru-rules]") {
   }
 }
 
+// The kernel pads a selection with kInvalidPartition and radix-sorts it over
+// the low lru_sort_bits(max id) bits only: a stable sort by those bits must
+// give the full sort, padding last.
+TEST_CASE("lru rules: a sort over lru_sort_bits orders the selection before its padding", "[lru-rules]") {
+  REQUIRE(lru_sort_bits(0) == 1);
+  REQUIRE(lru_sort_bits(1) == 2);
+  REQUIRE(lru_sort_bits(2) == 2);
+  REQUIRE(lru_sort_bits(3) == 3);
+  REQUIRE(lru_sort_bits(1023) == 11);
+  REQUIRE(lru_sort_bits(kInvalidPartition - 1) == 32);
+  std::mt19937 rng(11);
+  for (int round = 0; round < 300; ++round) {
+    const PartitionId universe = round % 3 == 0 ? 1 + rng() % 64 : round % 3 == 1 ? 1 + rng() % 5000 : 1 + rng() % 0xfffffffeu;
+    std::vector<PartitionId> keys;
+    for (std::uint32_t i = 0, n = 1 + rng() % 40; i < n; ++i) keys.push_back(rng() % universe);
+    std::sort(keys.begin(), keys.end());
+    keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+    std::vector<PartitionId> want = keys;
+    std::shuffle(keys.begin(), keys.end(), rng);
+    const int bits = lru_sort_bits(want.back());
+    const std::uint64_t mask = (std::uint64_t{1} << bits) - 1;
+    keys.resize(keys.size() + 1 + rng() % 8, kInvalidPartition);
+    std::stable_sort(keys.begin(), keys.end(), [mask](PartitionId a, PartitionId b) { return (a & mask) < (b & mask); });
+    want.resize(keys.size(), kInvalidPartition);
+    CAPTURE(round, universe, bits);
+    REQUIRE(keys == want);
+  }
+}
+
 namespace {
 
 void require_same_tables(const HierarchicalPageTable& a, const HierarchicalPageTable& b, const std::vector<Head>& heads) {

@@ -36,7 +36,15 @@ constexpr std::uint32_t kUnroll = 4;
 constexpr std::uint32_t kMinBlocksPerSm = 4;
 
 using Sort = cub::BlockRadixSort<PartitionId, kThreads, kSortItems, std::uint32_t>;
+// A selection of at most kThreads partitions (the common case: slots / 8 at
+// 1,024 slots) is sorted one key per thread, an eighth of Sort's work.
+using SortOne = cub::BlockRadixSort<PartitionId, kThreads, 1, std::uint32_t>;
+using MaxKey = cub::BlockReduce<PartitionId, kThreads>;
 using Scan = cub::BlockScan<std::uint32_t, kThreads>;
+
+struct MaxPartition {
+  __device__ PartitionId operator()(PartitionId a, PartitionId b) const { return a > b ? a : b; }
+};
 
 // This thread's entries of kUnroll tiles of kThreads slots from `base`, all
 // loaded before any is used (nullptr past the head's length).
@@ -53,6 +61,8 @@ __device__ __forceinline__ void load_tile(const TwoLevelView<GpuPageEntry>& slot
 struct SharedState {
   union {
     typename Sort::TempStorage sort;
+    typename SortOne::TempStorage sort_one;
+    typename MaxKey::TempStorage max_key;
     typename Scan::TempStorage scan;
   } temp;
   // The head's selection sorted by partition id, with selection indices.
@@ -65,6 +75,7 @@ struct SharedState {
   std::uint32_t free_slots;
   std::uint32_t evicted;
   int threshold;
+  int sort_bits;
 };
 
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
@@ -101,19 +112,37 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   std::uint32_t* miss_starts = sh.miss_starts;
   std::uint32_t* miss_selection = sh.miss_selection;
   if (in_shared) {
+    // Keys blocked over the threads (one each when n <= kThreads), padding
+    // sorting last; the sort covers only the bits the largest id needs
+    // (lru_sort_bits): partition ids are small, so half the radix passes or fewer.
+    const std::uint32_t items = n <= kThreads ? 1 : kSortItems;
     PartitionId keys[kSortItems];
     std::uint32_t values[kSortItems];
+    PartitionId local_max = 0;
 #pragma unroll
     for (std::uint32_t k = 0; k < kSortItems; ++k) {
-      const std::uint32_t i = tid * kSortItems + k;
-      keys[k] = i < n ? selected[i] : kInvalidPartition;  // padding sorts last
+      const std::uint32_t i = tid * items + k;
+      keys[k] = k < items && i < n ? selected[i] : kInvalidPartition;
       values[k] = i;
+      if (k < items && i < n && keys[k] > local_max) local_max = keys[k];
     }
-    Sort(sh.temp.sort).Sort(keys, values);
+    const PartitionId max_key = MaxKey(sh.temp.max_key).Reduce(local_max, MaxPartition{});
+    if (tid == 0) sh.sort_bits = lru_sort_bits(max_key);
+    __syncthreads();  // sort_bits, and the reduction's storage free for the sort
+    const int bits = sh.sort_bits;
+    if (items == 1) {
+      PartitionId key[1] = {keys[0]};
+      std::uint32_t value[1] = {values[0]};
+      SortOne(sh.temp.sort_one).Sort(key, value, 0, bits);
+      keys[0] = key[0];
+      values[0] = value[0];
+    } else {
+      Sort(sh.temp.sort).Sort(keys, values, 0, bits);
+    }
 #pragma unroll
     for (std::uint32_t k = 0; k < kSortItems; ++k) {
-      const std::uint32_t i = tid * kSortItems + k;
-      if (i < n) {
+      const std::uint32_t i = tid * items + k;
+      if (k < items && i < n) {
         sorted[i] = keys[k];
         indices[i] = values[k];
       }

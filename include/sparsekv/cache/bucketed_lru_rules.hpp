@@ -119,6 +119,16 @@ SPARSEKV_HOST_DEVICE inline LruAdmission lru_admission(std::uint32_t k, const st
   return {lo, k - miss_starts[lo]};
 }
 
+// Step 0: the low key bits the kernel's radix sort of a selection needs
+// when its largest partition id is max_partition: every id up to it is below
+// the padding (kInvalidPartition) in these bits, so a stable sort over them
+// alone still puts the selection in id order and the padding after it.
+SPARSEKV_HOST_DEVICE constexpr int lru_sort_bits(PartitionId max_partition) {
+  int bits = 1;
+  while (bits < 32 && (std::uint64_t{max_partition} + 1) >> bits != 0) ++bits;
+  return bits;
+}
+
 // Selection index of `partition` in a selection sorted by partition id
 // (`indices[i]` is the selection index of `sorted[i]`), or kNotSelected.
 SPARSEKV_HOST_DEVICE inline std::uint32_t lru_find_selection(const PartitionId* sorted,
