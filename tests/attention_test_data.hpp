@@ -305,9 +305,11 @@ struct SoftmaxHead {
 // CTA (row, chunk, slice) deals the chunk's token slots round-robin to its
 // copy rows (decode_attention_rows), each with its own entry cursor (a
 // kernel thread's), which skip the slots past a run's last token and dead
-// slots (decode_attention_slot_live); each q head folds them round-robin
-// into decode_attention_token_groups online-softmax states, merged in
-// order; it keeps each live slot's
+// slots (decode_attention_slot_live), a tile of kSplitTileTokens slots at a
+// time; each q head folds a tile's slots round-robin into
+// decode_attention_token_groups online-softmax states, each state
+// decode_attention_fold_batch slots at once (softmax_fold_tile), and merges
+// the states in order; it keeps each live slot's
 // score (decode_attention_score_index) when `weights` is set, and writes
 // partial [chunk][q head] to the workspace; the merge phase folds the chunks
 // in order, then the extra term; the weights phase (with `weights`: [max_indices][page_tokens],
@@ -322,6 +324,7 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
   const std::uint32_t page_tokens = b.layout.page_tokens;
   const std::uint32_t copy_rows = cuda::decode_attention_rows(d, b.layout.dtype);
   const std::uint32_t token_groups = cuda::decode_attention_token_groups(d, b.layout.dtype, group);
+  const std::uint32_t fold_batch = cuda::decode_attention_fold_batch(d, b.layout.dtype, group);
   const cuda::DecodeAttentionPages pages = b.pages();
   const std::size_t batch_q = std::size_t{b.batch} * b.q_heads;
   std::vector<float> ws_acc(split.chunks * batch_q * d, std::nanf("")), ws_max(split.chunks * batch_q),
@@ -344,19 +347,41 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
         const float* qg = b.q.data() + q_head * d;
         std::vector<SoftmaxHead> sub(token_groups, SoftmaxHead(d));
         std::vector<cuda::DecodeAttentionCursor> walk = cursors;
-        for (std::uint64_t t = 0; t < tokens; ++t) {
-          const std::int64_t pos = rp.begin + std::int64_t(range.first + t / page_tokens);
-          const std::uint32_t slot = std::uint32_t(t % page_tokens);
-          if (slot >= walk[t % copy_rows].tokens_at(pages, pos)) continue;
-          if (!cuda::decode_attention_slot_live(b.masks(), pos, slot)) continue;
-          const std::byte* p = b.page(b.indices[pos]);
-          for (std::uint32_t i = 0; i < d; ++i) k[i] = load_element(p + b.layout.k_offset(slot), i, b.layout.dtype);
-          for (std::uint32_t i = 0; i < d; ++i) v[i] = load_element(p + b.layout.v_offset(slot), i, b.layout.dtype);
-          float dot = 0;
-          for (std::uint32_t i = 0; i < d; ++i) dot += qg[i] * k[i];
-          sub[t % token_groups].fold(dot * b.scale, 1.0f, v.data());
-          if (weights != nullptr && pos < std::int64_t(max_indices))
-            ws_scores[cuda::decode_attention_score_index(pos, slot, page_tokens, group) + g] = dot * b.scale;
+        for (std::uint64_t base = 0; base < tokens; base += cuda::kSplitTileTokens) {
+          // Copy phase: each slot of the tile through its copy row's cursor, in order.
+          std::vector<float> tile_scores(cuda::kSplitTileTokens, kNegativeInfinity);
+          std::vector<std::vector<float>> tile_values(cuda::kSplitTileTokens);
+          for (std::uint32_t o = 0; o < cuda::kSplitTileTokens && base + o < tokens; ++o) {
+            const std::uint64_t t = base + o;
+            const std::int64_t pos = rp.begin + std::int64_t(range.first + t / page_tokens);
+            const std::uint32_t slot = std::uint32_t(t % page_tokens);
+            if (slot >= walk[t % copy_rows].tokens_at(pages, pos)) continue;
+            if (!cuda::decode_attention_slot_live(b.masks(), pos, slot)) continue;
+            const std::byte* p = b.page(b.indices[pos]);
+            for (std::uint32_t i = 0; i < d; ++i) k[i] = load_element(p + b.layout.k_offset(slot), i, b.layout.dtype);
+            for (std::uint32_t i = 0; i < d; ++i) v[i] = load_element(p + b.layout.v_offset(slot), i, b.layout.dtype);
+            float dot = 0;
+            for (std::uint32_t i = 0; i < d; ++i) dot += qg[i] * k[i];
+            tile_scores[o] = dot * b.scale;
+            tile_values[o] = v;
+            if (weights != nullptr && pos < std::int64_t(max_indices))
+              ws_scores[cuda::decode_attention_score_index(pos, slot, page_tokens, group) + g] = dot * b.scale;
+          }
+          // Fold phase: token group w folds slots w, w + groups, ... in batches of fold_batch.
+          for (std::uint32_t w = 0; w < token_groups; ++w) {
+            SoftmaxHead& head = sub[w];
+            for (std::uint32_t j0 = 0; j0 < cuda::kSplitTileTokens / token_groups; j0 += fold_batch) {
+              std::vector<float> batch_weights(fold_batch);
+              for (std::uint32_t j = 0; j < fold_batch; ++j) batch_weights[j] = tile_scores[w + (j0 + j) * token_groups];
+              const float scale = softmax_fold_tile(head.state, batch_weights.data(), fold_batch, batch_weights.data());
+              for (float& a : head.acc) a *= scale;
+              for (std::uint32_t j = 0; j < fold_batch; ++j) {
+                const std::vector<float>& value = tile_values[w + (j0 + j) * token_groups];
+                if (value.empty()) continue;  // an invalid slot: weight 0, no value read
+                for (std::uint32_t i = 0; i < d; ++i) head.acc[i] += batch_weights[j] * value[i];
+              }
+            }
+          }
         }
         SoftmaxHead cta(d);
         for (const SoftmaxHead& s : sub) cta.merge(s);

@@ -121,6 +121,52 @@ TEST_CASE("merging partials of any split of a key set equals the one-pass fold",
   }
 }
 
+// The split kernel folds a batch of scores at once (softmax_fold_tile): in
+// batches of any size, -inf scores mixed in, it gives the exact answer as
+// the one-at-a-time fold does.
+TEST_CASE("folding scores a batch at a time equals the one-at-a-time fold", "[attention-rules]") {
+  std::mt19937 rng(67);
+  const std::uint32_t d = 16;
+  for (const float spread : {0.5f, 3.0f, 30.0f}) {
+    for (int trial = 0; trial < 30; ++trial) {
+      const std::size_t n = 1 + rng() % 48;
+      Keys keys = random_keys(rng, n, d, spread);
+      for (std::size_t t = 0; t < n; ++t) {
+        keys.weights[t] = 1.0f;  // the kernel's keys are single tokens
+        if (rng() % 4 == 0) keys.scores[t] = kNegativeInfinity;  // unused or dead slots
+      }
+      keys.scores[rng() % n] = spread;  // at least one live key
+      SoftmaxHead one(d);
+      for (std::size_t t = 0; t < n; ++t) one.fold(keys.scores[t], 1.0f, &keys.values[t * d]);
+      const std::uint32_t batch = 1 + rng() % 9;
+      SoftmaxHead batched(d);
+      for (std::size_t t0 = 0; t0 < n; t0 += batch) {
+        const std::uint32_t m = static_cast<std::uint32_t>(std::min<std::size_t>(batch, n - t0));
+        std::vector<float> weights(keys.scores.begin() + std::ptrdiff_t(t0), keys.scores.begin() + std::ptrdiff_t(t0 + m));
+        const float scale = softmax_fold_tile(batched.state, weights.data(), m, weights.data());
+        for (float& a : batched.acc) a *= scale;
+        for (std::uint32_t j = 0; j < m; ++j) {
+          if (keys.scores[t0 + j] == kNegativeInfinity) REQUIRE(weights[j] == 0.0f);
+          for (std::uint32_t i = 0; i < d; ++i) batched.acc[i] += weights[j] * keys.values[(t0 + j) * d + i];
+        }
+      }
+      CAPTURE(spread, n, batch);
+      const std::vector<float> want = one.output();
+      REQUIRE(head_relative_error(batched.output().data(), want.data(), d) <= 1e-6f);
+      REQUIRE(lse_relative_error(softmax_lse(batched.state), softmax_lse(one.state)) <= 1e-6f);
+    }
+  }
+  // A batch of only -inf scores changes nothing; a first batch on an empty state scales by 0.
+  SoftmaxState s{1.5f, 2.0f};
+  float dead[3] = {kNegativeInfinity, kNegativeInfinity, kNegativeInfinity};
+  REQUIRE(softmax_fold_tile(s, dead, 3, dead) == 1.0f);
+  REQUIRE((s.max == 1.5f && s.sum == 2.0f && dead[0] == 0.0f && dead[2] == 0.0f));
+  SoftmaxState empty;
+  float live[2] = {0.0f, kNegativeInfinity};
+  REQUIRE(softmax_fold_tile(empty, live, 2, live) == 0.0f);
+  REQUIRE((empty.max == 0.0f && empty.sum == 1.0f && live[0] == 1.0f && live[1] == 0.0f));
+}
+
 TEST_CASE("empty and -inf partials change nothing", "[attention-rules]") {
   const std::uint32_t d = 4;
   const float v1[d] = {1, 2, 3, 4}, v2[d] = {-1, 0.5f, 2, 8};
@@ -286,6 +332,11 @@ TEST_CASE("split CTA rows and token groups follow head_dim, dtype and the group"
   REQUIRE(cuda::decode_attention_token_groups(128, DType::f32, 8) == 1);   // 4 rows, two heads a thread
   REQUIRE(cuda::decode_attention_token_groups(64, DType::bf16, 1) == 16);
   REQUIRE(cuda::decode_attention_token_groups(64, DType::bf16, 12) == 2);
+  // A token group's share of a 16-token tile, folded at most 8 at a time.
+  REQUIRE(cuda::decode_attention_fold_batch(128, DType::bf16, 4) == 8);
+  REQUIRE(cuda::decode_attention_fold_batch(128, DType::bf16, 8) == 8);  // share 16: two batches
+  REQUIRE(cuda::decode_attention_fold_batch(128, DType::bf16, 1) == 2);
+  REQUIRE(cuda::decode_attention_fold_batch(64, DType::bf16, 1) == 1);
 }
 
 // Brute force over every chunk count: the split's modelled cost (waves x

@@ -30,11 +30,9 @@ using detail::throw_invalid;
 
 constexpr std::uint32_t kWarp = 32;
 constexpr std::uint32_t kThreads = kSplitThreads;
-// Tokens of a shared-memory tile, and the bytes of tiles a CTA keeps in
-// flight (2 to 4 stages): decode attention is bandwidth-bound, throughput
+// The bytes of tiles (kSplitTileTokens tokens) a CTA keeps in flight (2 to 4 stages): decode attention is bandwidth-bound, throughput
 // follows the bytes in flight, and at 24 KB (3 stages of bf16 head_dim 128)
 // seven CTAs fit an SM's shared memory.
-constexpr std::uint32_t kTileTokens = 16;
 constexpr std::size_t kStageBudget = 24 << 10;
 constexpr std::uint32_t kMergeThreads = 256;
 constexpr std::uint32_t kMergePrefetch = 8;
@@ -121,9 +119,12 @@ struct SplitGeometry {
   static constexpr std::uint32_t kHeadsPerThread = G / kHeadRows;
   static constexpr std::uint32_t kTokenGroups = kRows / kHeadRows;
   static_assert(kTokenGroups == decode_attention_token_groups(D, T, G));
-  static constexpr std::uint32_t kTile = kTileTokens;
+  static constexpr std::uint32_t kTile = kSplitTileTokens;
   static_assert(kTile % kRows == 0 && kTile % kTokenGroups == 0);
   static constexpr std::uint32_t kLoadsPerThread = kTile / kRows;
+  static constexpr std::uint32_t kFoldsPerThread = kTile / kTokenGroups;  // tokens of a tile a thread folds
+  static constexpr std::uint32_t kFoldBatch = decode_attention_fold_batch(D, T, G);
+  static_assert(kFoldsPerThread % kFoldBatch == 0);
   static constexpr std::size_t kElemBytes = kVec / kPerVec;
   static constexpr std::size_t kRowBytes = D * kElemBytes;
   static constexpr std::size_t kStageBytes = 2 * kTile * kRowBytes;  // K and V rows of a tile
@@ -137,7 +138,9 @@ struct SplitGeometry {
 // shared memory (cp.async, kStages - 1 tiles ahead of the fold), so a K/V row
 // is read from HBM once and the copies in flight cost no registers. A
 // thread folds one q head (two when the CTA has fewer rows than heads) over
-// the tokens of its token group with its own online softmax: the q and the
+// the tokens of its token group with its own online softmax, kFoldBatch
+// tokens at once (one rescale of the accumulator and one exponential a
+// token, where a fold per token takes two and a rescale each): the q and the
 // accumulator of a head stay in the registers of its rows only. Token groups
 // merge through shared memory; the CTA writes one partial per q head, and
 // (slot weights) each live slot's scaled scores.
@@ -152,6 +155,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
   constexpr std::uint32_t kTokenGroups = Geo::kTokenGroups;
   constexpr std::uint32_t kHeadRows = Geo::kHeadRows;
   constexpr std::uint32_t kHeads = Geo::kHeadsPerThread;
+  constexpr std::uint32_t kFolds = Geo::kFoldsPerThread;
+  constexpr std::uint32_t kFoldBatch = Geo::kFoldBatch;
   constexpr std::size_t kRowBytes = Geo::kRowBytes;
 
   __shared__ uint4 s_kv[kStages][2][kTile][kLanes];
@@ -258,36 +263,55 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
     __syncthreads();
     copy_next_tile();
     const std::uint32_t stage = static_cast<std::uint32_t>(tile % kStages);
+    // This thread's tokens of the tile, kFoldBatch at a time: their scaled
+    // scores (-inf where the slot is invalid or the head past the slice),
+    // one fold of them all (one rescale of the accumulator), then their values.
 #pragma unroll
-    for (std::uint32_t t = token_group; t < kTile; t += kTokenGroups) {
-      float k[kPerVec];
-      E::unpack(s_kv[stage][0][t][lane], k);
-      float dot[kHeads];
+    for (std::uint32_t j0 = 0; j0 < kFolds; j0 += kFoldBatch) {
+      float score[kHeads][kFoldBatch];
 #pragma unroll
-      for (std::uint32_t h = 0; h < kHeads; ++h) {
-        dot[h] = 0.0f;
+      for (std::uint32_t j = 0; j < kFoldBatch; ++j) {
+        const std::uint32_t t = token_group + (j0 + j) * kTokenGroups;
+        float k[kPerVec];
+        E::unpack(s_kv[stage][0][t][lane], k);
+        float dot[kHeads];
 #pragma unroll
-        for (std::uint32_t i = 0; i < kPerVec; ++i) dot[h] += q[h][i] * k[i];
-      }
-      // Every lane takes part in the shuffles (the trip count is the same
-      // for all); an invalid token is just not folded.
+        for (std::uint32_t h = 0; h < kHeads; ++h) {
+          dot[h] = 0.0f;
 #pragma unroll
-      for (std::uint32_t off = kLanes / 2; off > 0; off /= 2) {
+          for (std::uint32_t i = 0; i < kPerVec; ++i) dot[h] += q[h][i] * k[i];
+        }
+        // Every lane takes part in the shuffles (the trip count is the same for all).
 #pragma unroll
-        for (std::uint32_t h = 0; h < kHeads; ++h) dot[h] += __shfl_xor_sync(kFullMask, dot[h], off);
-      }
-      if (s_valid[stage][t]) {
-        float v[kPerVec];
-        E::unpack(s_kv[stage][1][t][lane], v);
+        for (std::uint32_t off = kLanes / 2; off > 0; off /= 2) {
+#pragma unroll
+          for (std::uint32_t h = 0; h < kHeads; ++h) dot[h] += __shfl_xor_sync(kFullMask, dot[h], off);
+        }
+        const bool valid = s_valid[stage][t];
         const std::size_t score_at = s_score_at[stage][t];
 #pragma unroll
         for (std::uint32_t h = 0; h < kHeads; ++h) {
           const std::uint32_t head = head_row + h * kHeadRows;
-          if (head < heads) {
-            if (score_at != kNoScore && lane == 0) p.scores[score_at + head] = dot[h] * p.scale;
-            const RescaleStep step = softmax_fold(state[h], dot[h] * p.scale, 1.0f);
+          score[h][j] = valid && head < heads ? dot[h] * p.scale : kNegativeInfinity;
+          if (valid && head < heads && score_at != kNoScore && lane == 0) p.scores[score_at + head] = score[h][j];
+        }
+      }
 #pragma unroll
-            for (std::uint32_t i = 0; i < kPerVec; ++i) acc[h][i] = softmax_rescale_add(acc[h][i], step, v[i]);
+      for (std::uint32_t h = 0; h < kHeads; ++h) {
+        const float scale = softmax_fold_tile(state[h], score[h], kFoldBatch, score[h]);
+#pragma unroll
+        for (std::uint32_t i = 0; i < kPerVec; ++i) acc[h][i] *= scale;
+      }
+#pragma unroll
+      for (std::uint32_t j = 0; j < kFoldBatch; ++j) {
+        const std::uint32_t t = token_group + (j0 + j) * kTokenGroups;
+        if (s_valid[stage][t]) {
+          float v[kPerVec];
+          E::unpack(s_kv[stage][1][t][lane], v);
+#pragma unroll
+          for (std::uint32_t h = 0; h < kHeads; ++h) {
+#pragma unroll
+            for (std::uint32_t i = 0; i < kPerVec; ++i) acc[h][i] += score[h][j] * v[i];
           }
         }
       }

@@ -72,6 +72,33 @@ SPARSEKV_HOST_DEVICE inline RescaleStep softmax_fold(SoftmaxState& s, float scor
   return {acc_scale, e};
 }
 
+// Folds a tile of n scores at once (the CUDA split kernel's rule: one
+// rescale per tile instead of one per score): m' = max(m, the tile's max),
+// the earlier mass scaled by e^(m - m') once, and each score adds
+// weights[j] = e^(score_j - m') (exactly 0 for a -inf score: an unused or
+// dead slot). Returns that scale: the caller multiplies each accumulator
+// element by it, then adds weights[j] * value_j in j order. A tile of only
+// -inf scores changes nothing (scale 1, weights 0). weights may alias scores.
+SPARSEKV_HOST_DEVICE inline float softmax_fold_tile(SoftmaxState& s, const float* scores, std::uint32_t n,
+                                                    float* weights) {
+  float tile_max = kNegativeInfinity;
+  for (std::uint32_t j = 0; j < n; ++j) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+  if (tile_max == kNegativeInfinity) {
+    for (std::uint32_t j = 0; j < n; ++j) weights[j] = 0.0f;
+    return 1.0f;
+  }
+  const float m = s.max > tile_max ? s.max : tile_max;
+  const float scale = softmax_exp(s.max - m);  // 0 for an empty state (m finite)
+  float sum = s.sum * scale;
+  for (std::uint32_t j = 0; j < n; ++j) {
+    weights[j] = softmax_exp(scores[j] - m);
+    sum += weights[j];
+  }
+  s.sum = sum;
+  s.max = m;
+  return scale;
+}
+
 // Merges `other` (a disjoint key set) into `s`; the returned step combines
 // the accumulators: acc * acc_scale + other_acc * value_weight. An empty side
 // gets weight exactly 0 and the other side exactly 1, so merging with an

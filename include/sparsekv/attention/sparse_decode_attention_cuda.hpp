@@ -50,8 +50,13 @@ namespace sparsekv::cuda {
 inline constexpr std::uint32_t kMaxGroupPerCta = 8;
 // Smallest chunk (tokens) worth a CTA and a workspace partial.
 inline constexpr std::uint32_t kMinChunkTokens = 64;
-// Threads of a split-K CTA.
+// Threads of a split-K CTA; tokens of a tile, the unit the CTA stages in
+// shared memory; and the most tokens a token group folds at once
+// (softmax_fold_tile: one rescale of the accumulator per batch, the batch's
+// scores held in registers).
 inline constexpr std::uint32_t kSplitThreads = 128;
+inline constexpr std::uint32_t kSplitTileTokens = 16;
+inline constexpr std::uint32_t kSplitFoldTokens = 8;
 
 // The q heads one split CTA's kernel is built for: the group (or a head
 // slice of it) rounded up to 1, 2, 4 or 8.
@@ -138,6 +143,14 @@ inline std::uint64_t decode_attention_split_cost(std::uint64_t ctas_per_chunk, s
   const std::uint64_t chunks = (std::uint64_t{max_pages} + chunk_pages - 1) / chunk_pages;
   const std::uint64_t waves = (ctas_per_chunk * chunks + wave - 1) / wave;
   return (waves == 0 ? 1 : waves) * chunk_pages;
+}
+
+// The tokens of a tile one token group folds in one batch: its share of the
+// tile (kSplitTileTokens / token groups, in order), at most kSplitFoldTokens.
+SPARSEKV_HOST_DEVICE constexpr std::uint32_t decode_attention_fold_batch(std::uint32_t head_dim, DType dtype,
+                                                                         std::uint32_t group) {
+  const std::uint32_t share = kSplitTileTokens / decode_attention_token_groups(head_dim, dtype, group);
+  return share < kSplitFoldTokens ? share : kSplitFoldTokens;
 }
 
 // The split for `target_ctas` CTAs in flight (resident CTAs per SM x SMs,
