@@ -16,6 +16,8 @@
 #include <numeric>
 #include <random>
 #include <span>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "sparsekv/attention/attention_partial.hpp"
@@ -325,6 +327,9 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
   const std::uint32_t copy_rows = cuda::decode_attention_rows(d, b.layout.dtype);
   const std::uint32_t token_groups = cuda::decode_attention_token_groups(d, b.layout.dtype, group);
   const std::uint32_t fold_batch = cuda::decode_attention_fold_batch(d, b.layout.dtype, group);
+  if (d * dtype_size(b.layout.dtype) < 16 || fold_batch == 0)
+    throw std::invalid_argument("emulate_split_k: head_dim " + std::to_string(d) +
+                                " gives no split CTA geometry (more token groups than a tile's tokens)");
   const cuda::DecodeAttentionPages pages = b.pages();
   const std::size_t batch_q = std::size_t{b.batch} * b.q_heads;
   std::vector<float> ws_acc(split.chunks * batch_q * d, std::nanf("")), ws_max(split.chunks * batch_q),
@@ -374,10 +379,10 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
               std::vector<float> batch_weights(fold_batch);
               for (std::uint32_t j = 0; j < fold_batch; ++j) batch_weights[j] = tile_scores[w + (j0 + j) * token_groups];
               const float scale = softmax_fold_tile(head.state, batch_weights.data(), fold_batch, batch_weights.data());
-              for (float& a : head.acc) a *= scale;
+              for (float& a : head.acc) a = softmax_rescale_tile(a, scale);
               for (std::uint32_t j = 0; j < fold_batch; ++j) {
                 const std::vector<float>& value = tile_values[w + (j0 + j) * token_groups];
-                if (value.empty()) continue;  // an invalid slot: weight 0, no value read
+                if (value.empty() || batch_weights[j] == 0.0f) continue;  // invalid slot, or no weight
                 for (std::uint32_t i = 0; i < d; ++i) head.acc[i] += batch_weights[j] * value[i];
               }
             }

@@ -144,7 +144,7 @@ TEST_CASE("folding scores a batch at a time equals the one-at-a-time fold", "[at
         const std::uint32_t m = static_cast<std::uint32_t>(std::min<std::size_t>(batch, n - t0));
         std::vector<float> weights(keys.scores.begin() + std::ptrdiff_t(t0), keys.scores.begin() + std::ptrdiff_t(t0 + m));
         const float scale = softmax_fold_tile(batched.state, weights.data(), m, weights.data());
-        for (float& a : batched.acc) a *= scale;
+        for (float& a : batched.acc) a = softmax_rescale_tile(a, scale);
         for (std::uint32_t j = 0; j < m; ++j) {
           if (keys.scores[t0 + j] == kNegativeInfinity) REQUIRE(weights[j] == 0.0f);
           for (std::uint32_t i = 0; i < d; ++i) batched.acc[i] += weights[j] * keys.values[(t0 + j) * d + i];
@@ -165,6 +165,12 @@ TEST_CASE("folding scores a batch at a time equals the one-at-a-time fold", "[at
   float live[2] = {0.0f, kNegativeInfinity};
   REQUIRE(softmax_fold_tile(empty, live, 2, live) == 0.0f);
   REQUIRE((empty.max == 0.0f && empty.sum == 1.0f && live[0] == 1.0f && live[1] == 0.0f));
+  REQUIRE(softmax_rescale_tile(std::numeric_limits<float>::infinity(), 0.0f) == 0.0f);
+  // A NaN score poisons the state, alone or beside -inf, as softmax_fold's does.
+  SoftmaxState poisoned{0.5f, 1.0f};
+  float nan_batch[2] = {kNegativeInfinity, std::numeric_limits<float>::quiet_NaN()};
+  softmax_fold_tile(poisoned, nan_batch, 2, nan_batch);
+  REQUIRE(std::isnan(poisoned.sum));
 }
 
 TEST_CASE("empty and -inf partials change nothing", "[attention-rules]") {
@@ -340,8 +346,8 @@ TEST_CASE("split CTA rows and token groups follow head_dim, dtype and the group"
 }
 
 // Brute force over every chunk count: the split's modelled cost (waves x
-// chunk pages) is the least of any split of at most kSplitWaves waves, with
-// the fewest chunks among equals.
+// (chunk tokens + a chunk's fixed cost)) is the least of any split of at
+// most kSplitWaves waves, with the fewest chunks among equals.
 TEST_CASE("split_decode_attention picks the cheapest whole-wave split", "[attention-rules]") {
   cuda::DecodeAttentionShape shape;
   shape.q_heads = 32;
@@ -357,12 +363,13 @@ TEST_CASE("split_decode_attention picks the cheapest whole-wave split", "[attent
           const cuda::DecodeAttentionSplit s = cuda::split_decode_attention(shape, target);
           CAPTURE(page_tokens, batch, max_pages, target, s.chunks, s.chunk_pages);
           const std::uint64_t rows = std::uint64_t{batch} * 8;
-          const std::uint64_t cost = cuda::decode_attention_split_cost(rows, target, max_pages, s.chunk_pages);
+          const std::uint64_t cost =
+              cuda::decode_attention_split_cost(rows, target, max_pages, s.chunk_pages, page_tokens);
           for (std::uint32_t c = 1; c <= max_pages; ++c) {
             const std::uint32_t pages = cuda::decode_attention_chunk_pages(max_pages, c, min_pages);
             const std::uint32_t chunks = (max_pages + pages - 1) / pages;
             if ((rows * chunks + target - 1) / target > cuda::kSplitWaves) continue;
-            const std::uint64_t other = cuda::decode_attention_split_cost(rows, target, max_pages, pages);
+            const std::uint64_t other = cuda::decode_attention_split_cost(rows, target, max_pages, pages, page_tokens);
             CAPTURE(c, pages, other);
             REQUIRE(cost <= other);
             if (cost == other) REQUIRE(s.chunks <= chunks);
@@ -382,6 +389,18 @@ TEST_CASE("split_decode_attention picks the cheapest whole-wave split", "[attent
     CAPTURE(batch);
     REQUIRE(cuda::split_decode_attention(shape, 528).chunks == chunks);
   }
+  // The fixed cost keeps a one-wave split where more waves would save a few
+  // percent of walk (batch 16, 142 pages, 924 CTAs: 7 chunks, not 36).
+  shape.batch = 16;
+  shape.max_pages = 142;
+  REQUIRE(cuda::split_decode_attention(shape, 924).chunks == 7);
+  // An empty batch: one chunk, whatever the capacity.
+  shape.batch = 0;
+  shape.max_pages = 1u << 20;
+  REQUIRE(cuda::split_decode_attention(shape, 924).chunks == 1);
+  shape.max_pages = ~0u;  // chunk counts in 64 bits: no wrap to 0
+  shape.batch = 1;
+  REQUIRE(cuda::split_decode_attention(shape, 924).chunks >= 1);
 }
 
 TEST_CASE("the kernel's live-slot test and slot weight follow the mask and the group", "[attention-rules][masks]") {

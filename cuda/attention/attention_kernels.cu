@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
       for (std::uint32_t h = 0; h < kHeads; ++h) {
         const float scale = softmax_fold_tile(state[h], score[h], kFoldBatch, score[h]);
 #pragma unroll
-        for (std::uint32_t i = 0; i < kPerVec; ++i) acc[h][i] *= scale;
+        for (std::uint32_t i = 0; i < kPerVec; ++i) acc[h][i] = softmax_rescale_tile(acc[h][i], scale);
       }
 #pragma unroll
       for (std::uint32_t j = 0; j < kFoldBatch; ++j) {
@@ -310,8 +310,11 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
           E::unpack(s_kv[stage][1][t][lane], v);
 #pragma unroll
           for (std::uint32_t h = 0; h < kHeads; ++h) {
+            // A weight that underflowed to 0 adds nothing, even to an inf value (as softmax_rescale_add).
+            if (score[h][j] != 0.0f) {
 #pragma unroll
-            for (std::uint32_t i = 0; i < kPerVec; ++i) acc[h][i] += score[h][j] * v[i];
+              for (std::uint32_t i = 0; i < kPerVec; ++i) acc[h][i] += score[h][j] * v[i];
+            }
           }
         }
       }

@@ -76,13 +76,15 @@ SPARSEKV_HOST_DEVICE inline RescaleStep softmax_fold(SoftmaxState& s, float scor
 // rescale per tile instead of one per score): m' = max(m, the tile's max),
 // the earlier mass scaled by e^(m - m') once, and each score adds
 // weights[j] = e^(score_j - m') (exactly 0 for a -inf score: an unused or
-// dead slot). Returns that scale: the caller multiplies each accumulator
-// element by it, then adds weights[j] * value_j in j order. A tile of only
-// -inf scores changes nothing (scale 1, weights 0). weights may alias scores.
+// dead slot). Returns that scale: the caller scales each accumulator element
+// by it once (softmax_rescale_tile) and adds weights[j] * value_j for each
+// nonzero weight, in j order. A tile of only -inf scores
+// changes nothing (scale 1, weights 0); a NaN score makes the state NaN, as
+// softmax_fold does. weights may alias scores.
 SPARSEKV_HOST_DEVICE inline float softmax_fold_tile(SoftmaxState& s, const float* scores, std::uint32_t n,
                                                     float* weights) {
   float tile_max = kNegativeInfinity;
-  for (std::uint32_t j = 0; j < n; ++j) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+  for (std::uint32_t j = 0; j < n; ++j) tile_max = !(scores[j] <= tile_max) ? scores[j] : tile_max;
   if (tile_max == kNegativeInfinity) {
     for (std::uint32_t j = 0; j < n; ++j) weights[j] = 0.0f;
     return 1.0f;
@@ -97,6 +99,12 @@ SPARSEKV_HOST_DEVICE inline float softmax_fold_tile(SoftmaxState& s, const float
   s.sum = sum;
   s.max = m;
   return scale;
+}
+
+// An accumulator element scaled by a tile's fold: a scale of 0 (the state
+// was empty) clears it whatever it held, as softmax_rescale_add does.
+SPARSEKV_HOST_DEVICE inline float softmax_rescale_tile(float acc, float scale) {
+  return scale == 0.0f ? 0.0f : acc * scale;
 }
 
 // Merges `other` (a disjoint key set) into `s`; the returned step combines

@@ -124,25 +124,37 @@ inline std::size_t decode_attention_weights_workspace_bytes(std::uint32_t max_in
   return (std::size_t{max_indices} * page_tokens * group + std::size_t{batch} * q_heads) * sizeof(float);
 }
 
-// Chunk counts of up to this many waves are weighed: past it a chunk's own
-// cost (its prologue, its partial) outweighs what a finer tail saves.
+// Chunk counts of up to this many waves are weighed: past it the chunks'
+// fixed costs outweigh what a finer tail saves.
 inline constexpr std::uint64_t kSplitWaves = 8;
+// A chunk's fixed cost in tokens of walk: its prologue's dependent loads
+// (the row's entries, its last page, the cursor), filling the copy pipeline,
+// and writing and merging its partial. Estimated as two 16-token pages (one
+// page of bf16 head_dim 128 takes a CTA about as long as a dependent load
+// when the SM's bandwidth is shared by its resident CTAs); it keeps the split
+// from taking 2-5x the chunks for a few percent of modelled tail.
+inline constexpr std::uint64_t kChunkOverheadTokens = 32;
 
 // Pages per chunk when a row of max_pages is cut into `chunks` (>= 1), no
 // chunk under min_pages.
 inline std::uint32_t decode_attention_chunk_pages(std::uint32_t max_pages, std::uint32_t chunks,
                                                   std::uint32_t min_pages) {
-  const std::uint32_t pages = (max_pages + chunks - 1) / chunks;
+  const auto pages = static_cast<std::uint32_t>((std::uint64_t{max_pages} + chunks - 1) / chunks);
   return pages > min_pages ? pages : min_pages;
 }
 
-// Waves x chunk pages: the modelled time of a split into chunks of
-// chunk_pages (split_decode_attention's rule).
+// Chunks of chunk_pages (>= 1) covering max_pages.
+inline std::uint32_t decode_attention_chunks(std::uint32_t max_pages, std::uint32_t chunk_pages) {
+  return static_cast<std::uint32_t>((std::uint64_t{max_pages} + chunk_pages - 1) / chunk_pages);
+}
+
+// Waves x (a chunk's tokens + its fixed cost): the modelled time of a split
+// into chunks of chunk_pages (split_decode_attention's rule).
 inline std::uint64_t decode_attention_split_cost(std::uint64_t ctas_per_chunk, std::uint64_t wave,
-                                                 std::uint32_t max_pages, std::uint32_t chunk_pages) {
-  const std::uint64_t chunks = (std::uint64_t{max_pages} + chunk_pages - 1) / chunk_pages;
-  const std::uint64_t waves = (ctas_per_chunk * chunks + wave - 1) / wave;
-  return (waves == 0 ? 1 : waves) * chunk_pages;
+                                                 std::uint32_t max_pages, std::uint32_t chunk_pages,
+                                                 std::uint32_t page_tokens) {
+  const std::uint64_t waves = (ctas_per_chunk * decode_attention_chunks(max_pages, chunk_pages) + wave - 1) / wave;
+  return (waves == 0 ? 1 : waves) * (std::uint64_t{chunk_pages} * page_tokens + kChunkOverheadTokens);
 }
 
 // The tokens of a tile one token group folds in one batch: its share of the
@@ -158,11 +170,12 @@ SPARSEKV_HOST_DEVICE constexpr std::uint32_t decode_attention_fold_batch(std::ui
 // in some chunk, and the chunk count whose waves cost least. CTAs of a launch
 // run in waves of target_ctas, and a wave costs one chunk's walk however few
 // CTAs it holds, so the cost of c chunks is ceil(rows x head slices x c /
-// target) x chunk_pages(c): a split that overshoots a wave by a little pays
-// a whole extra wave (on an H100, 3 chunks of 256 rows made 1.45 waves of 528
-// CTAs where 2 chunks make 0.97). Within a wave count more chunks are never
-// worse, so the candidates are the largest chunk count of 1..kSplitWaves
-// waves; ties go to fewer chunks (fewer partials to merge).
+// target) x (chunk tokens(c) + kChunkOverheadTokens): a split that overshoots
+// a wave by a little pays a whole extra wave (on an H100, 3 chunks of 256
+// rows made 1.45 waves of 528 CTAs where 2 chunks make 0.97). Within a wave
+// count more chunks are never worse, so the candidates are the largest chunk
+// count of 1..kSplitWaves waves; ties go to fewer chunks (fewer partials to
+// merge). An empty batch gets one chunk.
 // Shapes are assumed valid (sparse_decode_attention checks them).
 inline DecodeAttentionSplit split_decode_attention(const DecodeAttentionShape& shape, std::uint32_t target_ctas) {
   DecodeAttentionSplit split;
@@ -177,18 +190,19 @@ inline DecodeAttentionSplit split_decode_attention(const DecodeAttentionShape& s
     const std::uint32_t tokens = shape.layout.page_tokens == 0 ? 1 : shape.layout.page_tokens;
     const std::uint32_t min_pages = (kMinChunkTokens + tokens - 1) / tokens;
     std::uint64_t best_cost = ~std::uint64_t{0};
-    for (std::uint64_t waves = 1; waves <= kSplitWaves; ++waves) {
-      const std::uint64_t fit = ctas_per_chunk == 0 ? max_pages : waves * wave / ctas_per_chunk;
+    split.chunk_pages = max_pages;
+    for (std::uint64_t waves = 1; waves <= kSplitWaves && ctas_per_chunk > 0; ++waves) {
+      const std::uint64_t fit = waves * wave / ctas_per_chunk;
       const std::uint32_t chunks = fit < 1 ? 1 : fit < max_pages ? static_cast<std::uint32_t>(fit) : max_pages;
       const std::uint32_t pages = decode_attention_chunk_pages(max_pages, chunks, min_pages);
-      const std::uint64_t cost = decode_attention_split_cost(ctas_per_chunk, wave, max_pages, pages);
+      const std::uint64_t cost = decode_attention_split_cost(ctas_per_chunk, wave, max_pages, pages, tokens);
       if (cost < best_cost) {
         best_cost = cost;
         split.chunk_pages = pages;
       }
     }
   }
-  split.chunks = (max_pages + split.chunk_pages - 1) / split.chunk_pages;
+  split.chunks = decode_attention_chunks(max_pages, split.chunk_pages);
   split.workspace_bytes =
       decode_attention_workspace_bytes(split.chunks, shape.batch, shape.q_heads, shape.layout.head_dim);
   if (shape.max_indices > 0) {
