@@ -169,12 +169,8 @@ bool device_loop(sparsekv::RuntimeManager& kv, const sparsekv::Config& config, s
   own.kv_heads = kModel.kv_heads;
   own.layout = sparsekv::PageLayout{config.page_tokens, kModel.head_dim, kModel.dtype};
   own.max_pages = kBudget / config.page_tokens + 1;  // selection + tail: sizes the split only
-  std::size_t workspace_bytes = 0;
-  for (std::uint32_t b = 1; b <= max_batch; ++b) {
-    own.batch = b;
-    workspace_bytes = std::max(workspace_bytes, sparsekv::cuda::plan_sparse_decode_attention(own).workspace_bytes);
-  }
-  DeviceArray<std::byte> workspace(workspace_bytes);
+  own.batch = max_batch;
+  DeviceArray<std::byte> workspace(sparsekv::cuda::sparse_decode_attention_workspace_capacity(own));
 
   Scheduler scheduler(rng);
   std::size_t last_batch = 0;

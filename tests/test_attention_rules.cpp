@@ -321,6 +321,33 @@ TEST_CASE("split_decode_attention covers every page with bounded chunks", "[atte
           without + (std::size_t{300} * 1 * 12 + 2 * 96) * sizeof(float));
 }
 
+// An engine sizes the workspace once for its largest batch: the capacity
+// covers every smaller batch's plan, which the largest batch's alone need not.
+TEST_CASE("decode_attention_workspace_capacity covers every batch up to the largest", "[attention-rules]") {
+  cuda::DecodeAttentionShape shape;
+  shape.q_heads = 32;
+  shape.kv_heads = 8;
+  shape.layout = PageLayout{16, 128, DType::bf16};
+  bool short_somewhere = false;
+  for (const std::uint32_t max_pages : {8u, 129u, 1000u}) {
+    for (const std::uint32_t target : {132u, 528u, 924u}) {
+      shape.max_pages = max_pages;
+      shape.batch = 64;
+      const std::size_t capacity = cuda::decode_attention_workspace_capacity(shape, target);
+      const std::size_t largest = cuda::split_decode_attention(shape, target).workspace_bytes;
+      std::size_t most = 0;
+      for (std::uint32_t batch = 1; batch <= 64; ++batch) {
+        shape.batch = batch;
+        most = std::max(most, cuda::split_decode_attention(shape, target).workspace_bytes);
+      }
+      CAPTURE(max_pages, target, capacity, largest);
+      REQUIRE(capacity == most);
+      short_somewhere = short_somewhere || largest < capacity;
+    }
+  }
+  REQUIRE(short_somewhere);  // the case the capacity exists for
+}
+
 // The split CTA's geometry (the kernel static_asserts its own against
 // these): 128 threads in rows of 16-byte lanes, rows dealt over the heads.
 TEST_CASE("split CTA rows and token groups follow head_dim, dtype and the group", "[attention-rules]") {

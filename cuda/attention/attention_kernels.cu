@@ -488,13 +488,17 @@ void check_shape(const DecodeAttentionShape& shape) {
     throw_invalid(kFunction, "batch * q_heads * head_dim exceeds 2^32 elements");
 }
 
-DecodeAttentionSplit plan(const DecodeAttentionShape& shape, SplitKernel kernel) {
+// CTAs of `kernel` resident on the current device at once: the split's wave.
+std::uint32_t wave_ctas(SplitKernel kernel) {
   const int device = current_device(kFunction);
   const std::uint64_t target =
       std::uint64_t(multiprocessor_count(device, kFunction)) *
       std::uint64_t(resident_blocks_per_sm(kernel, device, static_cast<int>(kThreads), 0, kFunction));
-  const DecodeAttentionSplit split =
-      split_decode_attention(shape, target > 0xffffffffu ? 0xffffffffu : static_cast<std::uint32_t>(target));
+  return target > 0xffffffffu ? 0xffffffffu : static_cast<std::uint32_t>(target);
+}
+
+DecodeAttentionSplit plan(const DecodeAttentionShape& shape, SplitKernel kernel) {
+  const DecodeAttentionSplit split = split_decode_attention(shape, wave_ctas(kernel));
   if (split.chunks > kMaxGridYZ)
     throw_invalid(kFunction, "chunk_pages " + std::to_string(split.chunk_pages) + " splits " + std::to_string(shape.max_pages) +
                   " pages into " + std::to_string(split.chunks) + " chunks, at most 65535");
@@ -507,6 +511,13 @@ DecodeAttentionSplit plan(const DecodeAttentionShape& shape, SplitKernel kernel)
 DecodeAttentionSplit plan_sparse_decode_attention(const DecodeAttentionShape& shape) {
   check_shape(shape);
   return plan(shape, select_kernel(shape));
+}
+
+std::size_t sparse_decode_attention_workspace_capacity(const DecodeAttentionShape& shape) {
+  check_shape(shape);
+  const SplitKernel kernel = select_kernel(shape);
+  plan(shape, kernel);  // the largest batch's grid limits
+  return decode_attention_workspace_capacity(shape, wave_ctas(kernel));
 }
 
 void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAttentionArgs& args, void* stream) {

@@ -193,7 +193,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     chunk_bases_ = PinnedBytes(sizeof(std::byte*) * max_chunks);
     if (setup.shape.head_dim == 64 || setup.shape.head_dim == 128) {
       DecodeAttentionShape shape = attention_shape(setup.max_batch);
-      attention_workspace_ = DeviceBytes(plan_sparse_decode_attention(shape).workspace_bytes);
+      attention_workspace_ = DeviceBytes(sparse_decode_attention_workspace_capacity(shape));
     }
   }
 

@@ -212,6 +212,19 @@ inline DecodeAttentionSplit split_decode_attention(const DecodeAttentionShape& s
   return split;
 }
 
+// The largest workspace split_decode_attention asks for over batches 1 to
+// shape.batch (sparse_decode_attention_workspace_capacity's rule).
+inline std::size_t decode_attention_workspace_capacity(const DecodeAttentionShape& shape, std::uint32_t target_ctas) {
+  std::size_t bytes = 0;
+  DecodeAttentionShape each = shape;
+  for (std::uint32_t batch = 1; batch <= shape.batch; ++batch) {
+    each.batch = batch;
+    const std::size_t need = split_decode_attention(each, target_ctas).workspace_bytes;
+    bytes = need > bytes ? need : bytes;
+  }
+  return bytes;
+}
+
 // Optional per-(request, q head) term merged by log-sum-exp (an
 // AttentionPartial in device arrays): max, sum [batch * q_heads] and acc
 // [batch * q_heads][head_dim] (unnormalised, as AttentionPartial::acc). A head
@@ -414,6 +427,13 @@ SPARSEKV_HOST_DEVICE inline float decode_attention_slot_weight(const float* scor
 // `shape` (its workspace_bytes is what the caller allocates). Throws
 // invalid_argument on a bad shape, cuda_error if a device query fails.
 DecodeAttentionSplit plan_sparse_decode_attention(const DecodeAttentionShape& shape);
+
+// Workspace bytes that serve every batch from 1 to shape.batch, the other
+// fields as given, on the current device: what an engine allocates once for
+// its largest batch. The chunk count follows the batch, and chunks x batch
+// is not monotone in it (a smaller batch may fill more waves), so the
+// largest batch's plan alone can fall short. Throws as plan_sparse_decode_attention.
+std::size_t sparse_decode_attention_workspace_capacity(const DecodeAttentionShape& shape);
 
 // Enqueues the attention on `stream` (a cudaStream_t; nullptr = default
 // stream). Checked on the host before launching (ErrorCode::invalid_argument):
