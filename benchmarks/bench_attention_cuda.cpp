@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "cuda_bench_support.hpp"
+#include "scattered_attention.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 
 namespace {
@@ -120,70 +121,22 @@ Buffers& buffers() {
   return b;
 }
 
-// One case's CSR page sets (disjoint, scattered) and workspace.
-struct Problem {
-  sparsekv::cuda::DecodeAttentionShape shape;
-  sparsekv::cuda::DecodeAttentionSplit split;
-  std::vector<std::int64_t*> indices;  // one device array per rotation set
-  std::int64_t* indptr = nullptr;
-  std::int32_t* last_page_len = nullptr;
-  void* workspace = nullptr;
-};
-
-Problem make_problem(std::uint32_t batch, const sparsekv::PageLayout& layout) {
-  Problem p;
-  const std::uint32_t pages = row_pages(layout);
-  p.shape = {batch, kQHeads, kKvHeads, layout, pages, 0};
-  p.split = sparsekv::cuda::plan_sparse_decode_attention(p.shape);
-  const std::uint32_t rows = batch * kKvHeads;
-  const std::size_t pages_per_launch = launch_pages(batch, layout);
-  const std::size_t launch_bytes = pages_per_launch * layout.page_bytes();
-  const std::size_t sets_wanted = (kRotationBytes + launch_bytes - 1) / launch_bytes;
-  // At least 1 (grid_fits_pool); set s takes shuffled pool pages
-  // [s * pages_per_launch, (s + 1) * pages_per_launch), all below pool_pages.
-  const std::size_t sets = std::min(sets_wanted, pool_pages(layout) / pages_per_launch);
-  std::vector<std::int64_t> all(pool_pages(layout));
-  std::iota(all.begin(), all.end(), 0);
-  std::shuffle(all.begin(), all.end(), std::mt19937(batch));
-  for (std::size_t s = 0; s < sets; ++s) {
-    p.indices.push_back(device_copy(all.data() + s * pages_per_launch, pages_per_launch));
-  }
-  std::vector<std::int64_t> indptr(rows + 1);
-  for (std::uint32_t r = 0; r <= rows; ++r) indptr[r] = std::int64_t{r} * pages;
-  const std::vector<std::int32_t> last(rows, static_cast<std::int32_t>(layout.page_tokens));
-  p.indptr = device_copy(indptr.data(), indptr.size());
-  p.last_page_len = device_copy(last.data(), last.size());
-  p.workspace = device_alloc<std::byte>(p.split.workspace_bytes);
-  // A pageable cudaMemcpy may return before its DMA lands, and the launches
-  // run on a non-blocking stream that does not wait for the legacy stream.
-  check(cudaDeviceSynchronize(), "setup");
-  return p;
-}
-
 void BM_SparseDecodeAttention(benchmark::State& state) {
   const auto batch = static_cast<std::uint32_t>(state.range(0));
   const sparsekv::PageLayout layout =
       layout_of(static_cast<std::uint32_t>(state.range(1)), static_cast<std::uint32_t>(state.range(2)));
   Buffers& b = buffers();
-  const Problem p = make_problem(batch, layout);
-  sparsekv::cuda::DecodeAttentionArgs args;
-  args.q = b.q;
-  args.page_base = b.pool;
-  args.page_stride = layout.page_bytes();
-  args.indptr = p.indptr;
-  args.last_page_len = p.last_page_len;
-  args.scale = 1.0f / std::sqrt(float(layout.head_dim));
-  args.out = b.out;
-  args.lse = b.lse;
-  args.workspace = p.workspace;
-  args.workspace_bytes = p.split.workspace_bytes;
-  std::size_t next_set = 0;
+  // Every case has at least one rotation set in the pool (grid_fits_pool).
+  ScatteredAttention p = make_scattered_attention(batch, kQHeads, kKvHeads, layout, row_pages(layout), b.pool,
+                                                  kPoolBytes, kRotationBytes, batch);
+  p.args.q = b.q;
+  p.args.out = b.out;
+  p.args.lse = b.lse;
   auto launch = [&] {
-    args.indices = p.indices[next_set];
-    next_set = (next_set + 1) % p.indices.size();
-    sparsekv::cuda::sparse_decode_attention(p.shape, args, b.stream);
+    sparsekv::cuda::sparse_decode_attention(p.shape, p.args, b.stream);
+    p.rotate();
   };
-  for (std::size_t s = 0; s < p.indices.size(); ++s) launch();  // warm-up: every set once
+  for (std::size_t s = 0; s < p.set_count; ++s) launch();  // warm-up: every set once
   check(cudaStreamSynchronize(b.stream), "warm-up");
   double total_ms = 0;
   for (auto _ : state) {
@@ -211,10 +164,7 @@ void BM_SparseDecodeAttention(benchmark::State& state) {
   state.counters["over_hbm"] = gbps / b.hbm_gbps;
   state.counters["chunks"] = p.split.chunks;
   state.counters["pages"] = row_pages(layout);
-  for (std::int64_t* d : p.indices) cudaFree(d);
-  cudaFree(p.indptr);
-  cudaFree(p.last_page_len);
-  cudaFree(p.workspace);
+  p.release();
 }
 
 // Layout by layout, the head_dim 128 / 16-token one first, each over every batch.

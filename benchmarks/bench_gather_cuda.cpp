@@ -69,6 +69,7 @@
 #include <vector>
 
 #include "cuda_bench_support.hpp"
+#include "scattered_attention.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
 
@@ -322,19 +323,15 @@ struct Buffers {
   }
 };
 
-// One batch size's attention: kLaunches launches rotating over disjoint
-// scattered page sets, back to back in one device array.
+// One batch size's attention (scattered_attention.hpp): kLaunches launches
+// rotating over disjoint scattered page sets.
 struct Attention {
-  sparsekv::cuda::DecodeAttentionShape shape;
-  sparsekv::cuda::DecodeAttentionArgs args;
-  std::int64_t* page_sets = nullptr;
-  std::size_t set_pages = 0, set_count = 0, next_set = 0;
+  ScatteredAttention work;
 
   void enqueue(cudaStream_t stream) {
     for (int l = 0; l < kLaunches; ++l) {
-      args.indices = page_sets + next_set * set_pages;
-      next_set = (next_set + 1) % set_count;
-      sparsekv::cuda::sparse_decode_attention(shape, args, stream);
+      sparsekv::cuda::sparse_decode_attention(work.shape, work.args, stream);
+      work.rotate();
     }
   }
 };
@@ -344,35 +341,13 @@ Attention& attention(const Buffers& b, std::uint32_t batch) {
   const auto [it, made] = cache.try_emplace(batch);
   Attention& a = it->second;
   if (!made) return a;
-  const std::uint32_t rows = batch * kKvHeads;
-  a.shape = {batch, kQHeads, kKvHeads, kLayout, kRowPages, 0};
-  a.set_pages = std::size_t{rows} * kRowPages;
-  const std::size_t pool_pages = kAttentionPoolBytes / kPageBytes;
-  const std::size_t set_bytes = a.set_pages * kPageBytes;
-  // Disjoint sets covering kRotationBytes; the pool holds at least two.
+  // The pool holds at least two sets of the largest batch.
   static_assert(kAttentionPoolBytes >= 2 * std::size_t{kMaxBatch} * kKvHeads * kRowPages * kPageBytes);
-  a.set_count = std::min((kRotationBytes + set_bytes - 1) / set_bytes, pool_pages / a.set_pages);
-  std::vector<std::int64_t> pages(pool_pages);
-  std::iota(pages.begin(), pages.end(), 0);
-  std::shuffle(pages.begin(), pages.end(), std::mt19937(batch));
-  a.page_sets = device_copy(pages.data(), a.set_count * a.set_pages);
-  std::vector<std::int64_t> indptr(rows + 1);
-  for (std::uint32_t r = 0; r <= rows; ++r) indptr[r] = std::int64_t{r} * kRowPages;
-  const std::vector<std::int32_t> last_page_len(rows, static_cast<std::int32_t>(kLayout.page_tokens));
-  const sparsekv::cuda::DecodeAttentionSplit split = sparsekv::cuda::plan_sparse_decode_attention(a.shape);
-  a.args.q = b.q;
-  a.args.page_base = b.attention_pool;
-  a.args.page_stride = kPageBytes;
-  a.args.indptr = device_copy(indptr.data(), indptr.size());
-  a.args.last_page_len = device_copy(last_page_len.data(), last_page_len.size());
-  a.args.scale = 1.0f / std::sqrt(float(kLayout.head_dim));
-  a.args.out = b.out;
-  a.args.lse = b.lse;
-  a.args.workspace = device_alloc<std::byte>(split.workspace_bytes);
-  a.args.workspace_bytes = split.workspace_bytes;
-  // Pageable cudaMemcpy may return before its DMA lands, and the launches run
-  // on non-blocking streams that do not wait for the legacy stream.
-  check(cudaDeviceSynchronize(), "setup");
+  a.work = make_scattered_attention(batch, kQHeads, kKvHeads, kLayout, kRowPages, b.attention_pool,
+                                    kAttentionPoolBytes, kRotationBytes, batch);
+  a.work.args.q = b.q;
+  a.work.args.out = b.out;
+  a.work.args.lse = b.lse;
   return a;
 }
 

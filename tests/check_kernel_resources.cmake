@@ -1,5 +1,5 @@
 # scripts/kernel-resources: the occupancy arithmetic against hand-computed
-# cases, then the ptxas figures of kernel_resources_fixture.cu (a spilling
+# cases, then the ptxas figures of fixtures/kernel_resources_kernels.cu (a spilling
 # kernel, a small one calling a non-inlined function), --filter, and a compile
 # error reported with nvcc's message.
 get_filename_component(nvcc_dir ${NVCC} DIRECTORY)

@@ -497,8 +497,9 @@ std::uint32_t wave_ctas(SplitKernel kernel) {
   return target > 0xffffffffu ? 0xffffffffu : static_cast<std::uint32_t>(target);
 }
 
-DecodeAttentionSplit plan(const DecodeAttentionShape& shape, SplitKernel kernel) {
-  const DecodeAttentionSplit split = split_decode_attention(shape, wave_ctas(kernel));
+// The split for a wave of `wave` CTAs, refused where the grid cannot hold it.
+DecodeAttentionSplit plan(const DecodeAttentionShape& shape, std::uint32_t wave) {
+  const DecodeAttentionSplit split = split_decode_attention(shape, wave);
   if (split.chunks > kMaxGridYZ)
     throw_invalid(kFunction, "chunk_pages " + std::to_string(split.chunk_pages) + " splits " + std::to_string(shape.max_pages) +
                   " pages into " + std::to_string(split.chunks) + " chunks, at most 65535");
@@ -510,14 +511,14 @@ DecodeAttentionSplit plan(const DecodeAttentionShape& shape, SplitKernel kernel)
 
 DecodeAttentionSplit plan_sparse_decode_attention(const DecodeAttentionShape& shape) {
   check_shape(shape);
-  return plan(shape, select_kernel(shape));
+  return plan(shape, wave_ctas(select_kernel(shape)));
 }
 
 std::size_t sparse_decode_attention_workspace_capacity(const DecodeAttentionShape& shape) {
   check_shape(shape);
-  const SplitKernel kernel = select_kernel(shape);
-  plan(shape, kernel);  // the largest batch's grid limits
-  return decode_attention_workspace_capacity(shape, wave_ctas(kernel));
+  const std::uint32_t wave = wave_ctas(select_kernel(shape));
+  plan(shape, wave);  // the largest batch's grid limits
+  return decode_attention_workspace_capacity(shape, wave);
 }
 
 void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAttentionArgs& args, void* stream) {
@@ -544,7 +545,7 @@ void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAtte
   if (args.slot_weights != nullptr && shape.max_indices == 0)
     throw_invalid(kFunction, "slot_weights needs shape.max_indices (the scores' room in the workspace)");
   const SplitKernel kernel = select_kernel(shape);
-  const DecodeAttentionSplit split = plan(shape, kernel);
+  const DecodeAttentionSplit split = plan(shape, wave_ctas(kernel));
   if (args.workspace_bytes < split.workspace_bytes)
     throw_invalid(kFunction, "workspace_bytes " + std::to_string(args.workspace_bytes) + " < " +
                   std::to_string(split.workspace_bytes) + " needed");
