@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>  // getpid
+
 #include "model/gguf.hpp"
 #include "test_support.hpp"
 
@@ -73,7 +75,9 @@ class FixtureWriter {
   std::string write(const std::string& file_name) const { return write_bytes(file_name, bytes()); }
 
   static std::string write_bytes(const std::string& file_name, const std::string& bytes) {
-    const auto path = std::filesystem::temp_directory_path() / ("sparsekv-test-" + file_name);
+    // One file per process: ctest runs test cases in parallel processes.
+    const auto path = std::filesystem::temp_directory_path() /
+                      ("sparsekv-test-" + std::to_string(::getpid()) + "-" + file_name);
     std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     return path.string();
   }
