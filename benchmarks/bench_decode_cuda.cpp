@@ -7,7 +7,7 @@
 //  - step_ms: cudaEvents around Manager::decode on an idle stream (the host's
 //    part of the step and the launches included), over kTimedSteps steps;
 //  - append_ms / select_ms / lru_ms / gather_ms / attend_ms: the split of
-//    the step's stream time (DeviceDecoder::time_stages), over kTimedSteps
+//    the step's stream time (DeviceRuntime::time_stages), over kTimedSteps
 //    further steps with stage timing on -- a separate run, so that step_ms is
 //    not taken with the timing events in the stream;
 //  - floor_ms: the bytes the step must move over the bandwidths measured in
@@ -122,7 +122,7 @@ Sizing sizing(std::uint32_t batch, std::uint32_t context, const ModelShape& shap
   const double rows = double(batch) * shape.kv_heads;
   z.host_bytes = double(c.cpu_tier_bytes) + prompt + 2 * (32 << 20) + kGiB;
   // GPU tier, the prompt uploaded once, the summaries (fp32 vectors per page)
-  // and a margin for the decoder's fixed arrays and the runtime.
+  // and a margin for the runtime's fixed arrays and the runtime.
   z.sparse_bytes = double(c.gpu_tier_bytes) + prompt + rows * double(head_pages) * shape.head_dim * 4 * summary_vectors +
                    2 * kGiB;
   z.dense_bytes = rows * std::ceil(double(context) / c.page_tokens) * page + kGiB;
@@ -191,7 +191,7 @@ SparseRun run_sparse(const Policy& policy, std::uint32_t batch, std::uint32_t co
                      const Config& config, cudaStream_t stream) {
   std::mt19937 rng(17);
   Manager<Policy> manager(shape, config, policy, std::make_unique<cuda::CudaBackend>());
-  manager.time_device_stages(false);  // makes the device decoder before the first add_request
+  manager.time_device_stages(false);  // makes the device runtime before the first add_request
   std::vector<RequestId> ids;
   {
     // One prompt, uploaded once, prefilled into every request (each gets its own CPU pages).
@@ -235,7 +235,7 @@ SparseRun run_sparse(const Policy& policy, std::uint32_t batch, std::uint32_t co
     manager.decode(ids, 0, dq, dk, dv, out, stream);
   }
   manager.synchronize();
-  const ManagerStats before = manager.stats();
+  const StepStats before = manager.stats();
   const Events events;
   double total_ms = 0;
   for (int s = 0; s < kTimedSteps; ++s) {
@@ -243,7 +243,7 @@ SparseRun run_sparse(const Policy& policy, std::uint32_t batch, std::uint32_t co
     total_ms += elapsed_ms(events, stream, [&] { manager.decode(ids, 0, dq, dk, dv, out, stream); });
   }
   manager.synchronize();
-  const ManagerStats after = manager.stats();
+  const StepStats after = manager.stats();
   // The split, over as many steps again with the stage events in the stream.
   manager.time_device_stages(true);
   const DeviceStageTimes stages_before = manager.device_stage_times();

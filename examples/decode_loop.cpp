@@ -196,7 +196,7 @@ bool run_policy(const Run& r, const std::string& policy_name) {
     return false;
   }
 
-  const sparsekv::ManagerStats& st = manager.stats();
+  const sparsekv::StepStats& st = manager.stats();
   const double tokens_per_s = double(r.steps) * r.batch / seconds;
   // The device path gathers exactly its miss pages; the host path counts its copies.
   const std::uint64_t pages_moved = device ? st.cache.miss_pages : st.pages_moved;

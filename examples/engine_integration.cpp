@@ -266,7 +266,7 @@ int run(int argc, char** argv) {
 #else
   ok = host_loop(kv, rng);
 #endif
-  const sparsekv::ManagerStats& st = kv.stats();
+  const sparsekv::StepStats& st = kv.stats();
   // The device path gathers exactly its miss pages; the host path counts its copies.
   const std::uint64_t moved = device ? st.cache.miss_pages : st.pages_moved;
   std::printf("done: %llu decode steps, hit ratio %.1f%%, %llu pages moved, GPU pages in use %u\n",

@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     if (!shown.empty() && stops(shown.back())) shown.pop_back();
     fmt::print("\n--- generated ({} tokens) ---\n{}\n-----------------------------\n", generated.size(),
                tokenizer.decode(shown));
-    const sparsekv::ManagerStats& st = manager->stats();
+    const sparsekv::StepStats& st = manager->stats();
     fmt::print("  prefill    {} tokens in {:.2f} s: {:.1f} tokens/s (dense causal attention; of which sparsekv index {:.2f} s, "
                "offload {:.2f} s)\n",
                T, prefill_s, T / prefill_s, st.index_s, st.offload_s);

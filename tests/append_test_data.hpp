@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "sparsekv/buffer/device_append_cuda.hpp"
+#include "sparsekv/buffer/append_cuda.hpp"
 #include "sparsekv/core/numeric.hpp"
-#include "sparsekv/policy/append_summaries_cuda.hpp"
-#include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/step/append_summaries_cuda.hpp"
+#include "sparsekv/policy/summary_rules.hpp"
 
 namespace sparsekv::test {
 

@@ -24,7 +24,7 @@
 #include "sparsekv/attention/decode_attention.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/core/numeric.hpp"
-#include "sparsekv/facade/backend.hpp"
+#include "sparsekv/facade/host_backend.hpp"
 
 namespace sparsekv::test {
 

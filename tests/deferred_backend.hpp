@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
-#include "sparsekv/facade/backend.hpp"
+#include "sparsekv/facade/host_backend.hpp"
 
 namespace sparsekv::test {
 

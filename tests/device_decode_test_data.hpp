@@ -1,6 +1,6 @@
 #pragma once
 // What the device-tensor decode tests share, in CI
-// (test_device_decode_rules.cpp, against the emulated decoder) and on a GPU
+// (test_device_decode_rules.cpp, against the emulated runtime) and on a GPU
 // (gpu/test_device_decode_cuda.cpp): the model shape, bf16 data, and a
 // RetroInfer that updates its index often.
 #include <cstddef>

@@ -1,12 +1,12 @@
 #pragma once
-// A host emulation of the CUDA DeviceDecoder (cuda/facade/device_decoder.cpp),
-// so CI runs the device-tensor API (facade/device_decoder.hpp,
+// A host emulation of the CUDA DeviceRuntime (cuda/step/device_runtime.cpp),
+// so CI runs the device-tensor API (step/device_runtime.hpp,
 // docs/device-decode.md) end to end without a device: the same step, in the
 // same order, each launch replaced by the host emulation of its kernel that
 // the kernel's own rules test checks:
 //   0. the step's arguments (first / count / summary rows per row, the save
 //      pages' addresses, the replica writes of the saved pages' meta entries),
-//      by the CUDA decoder's own fill_device_step_arguments;
+//      by the CUDA runtime's own fill_launch_arguments;
 //   1. apply_replica_write on a GpuTablesReplica kept in host memory;
 //   2. the append kernel with its summaries (append_test_data.hpp) into a
 //      DeviceSummaries-shaped store (one HostRows per layer: SummaryShape's
@@ -19,12 +19,12 @@
 //   5. the split-K attention over the plan's runs (attention_test_data.hpp),
 //      merging RetroInfer's estimation terms.
 // Prompt summaries follow the Index kernels' per-thread rules
-// (page_summaries.hpp), as DeviceSummaries::write_prefill launches them.
+// (summary_rules.hpp), as DeviceSummaries::write_prefill launches them.
 //
 // "Device memory" is host memory that EmulatedDeviceMemory hands out and
 // remembers: EmulatedBackend::is_device_pointer answers from that registry,
 // so any other pointer (a plain host vector) is refused as a host pointer
-// would be by CudaBackend. EmulatedBackend hands a Manager this decoder.
+// would be by CudaBackend. EmulatedBackend hands a Manager this runtime.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -33,6 +33,7 @@
 #include <memory>
 #include <random>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "append_test_data.hpp"
@@ -40,18 +41,19 @@
 #include "lru_batch_test_data.hpp"
 #include "lru_step_emulation.hpp"
 #include "sparsekv/buffer/prompt_check_cuda.hpp"
-#include "sparsekv/transfer/prompt_offload.hpp"
+#include "sparsekv/step/prompt_offload.hpp"
 #include "plan_test_data.hpp"
 #include "select_emulation.hpp"
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
 #include "sparsekv/core/error.hpp"
-#include "sparsekv/facade/backend.hpp"
-#include "sparsekv/facade/device_decoder.hpp"
-#include "sparsekv/facade/device_step_arguments.hpp"
+#include "sparsekv/facade/host_backend.hpp"
+#include "sparsekv/step/device_runtime.hpp"
+#include "sparsekv/step/launch_arguments.hpp"
+#include "sparsekv/buffer/transfer_replica_copy.hpp"
 #include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "sparsekv/metadata/replica_writes_cuda.hpp"
-#include "sparsekv/policy/device_summaries.hpp"
-#include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/summary_store_cuda.hpp"
+#include "sparsekv/policy/summary_rules.hpp"
 
 namespace sparsekv::test {
 
@@ -107,7 +109,7 @@ class EmulatedArray {
 };
 
 // How the emulated launches run, and the mutations the tests plant.
-struct DecoderEmulation {
+struct RuntimeEmulation {
   Emulation select;                    // the select kernels (and their mutations)
   Mutation append = Mutation::none;    // the append kernel's mutations
   bool summary_row_of_newest = false;  // mutation: a full page's summary overwrites the newest partition's
@@ -122,19 +124,20 @@ struct PromptKeyRows {
   const std::byte* operator()(std::uint32_t t) const { return keys + first + std::size_t{t} * token_bytes; }
 };
 
-class EmulatedDeviceDecoder final : public DeviceDecoder {
+class EmulatedDeviceRuntime final : public DeviceRuntime {
  public:
-  EmulatedDeviceDecoder(const DeviceDecoderSetup& setup, TieredKVBuffer& buffer, EmulatedDeviceMemory& memory,
-                        const DecoderEmulation& emulation)
+  EmulatedDeviceRuntime(const DeviceRuntimeSetup& setup, TieredKVBuffer& buffer, EmulatedDeviceMemory& memory,
+                        const RuntimeEmulation& emulation)
       : setup_(setup),
         buffer_(buffer),
         memory_(memory),
         emulation_(emulation),
         rng_(emulation.seed),
         layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
-        replica_(buffer.table(), table_memory_, buffer.transfer()),
-        shape_{device_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads,
-               setup.shape.head_dim, setup.max_partitions_per_head, setup.first_partition} {
+        replica_copy_(buffer.transfer()),
+        replica_(buffer.table(), table_memory_, replica_copy_),
+        shape_{store_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads,
+               setup.shape.head_dim, setup.max_partitions_per_head, first_candidate_partition(setup.select)} {
     cuda::check_summary_shape("DeviceSummaries", shape_);
     buffer_.transfer().synchronize();
     const ModelShape& s = setup.shape;
@@ -164,7 +167,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
       stores_.push_back(std::move(store));
     }
     q_.assign(std::size_t{setup.max_batch} * s.q_heads * s.head_dim, 0.0f);
-    if (setup.select == DeviceSelectSpec::Kind::retroinfer) {
+    if (std::holds_alternative<RetroInferDeviceSelect>(setup.select)) {
       extra_max_.assign(std::size_t{setup.max_batch} * s.q_heads, 0.0f);
       extra_sum_.assign(extra_max_.size(), 0.0f);
       extra_acc_.assign(extra_max_.size() * s.head_dim, 0.0f);
@@ -173,10 +176,10 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
   }
 
   void upload_tables(RequestId request) override {
-    replica_.upload(buffer_.table(), request, buffer_.transfer());
+    replica_.upload(buffer_.table(), request, replica_copy_);
     buffer_.transfer().synchronize();
   }
-  void download_tables(RequestId request) override { replica_.download(buffer_.table(), request, buffer_.transfer()); }
+  void download_tables(RequestId request) override { replica_.download(buffer_.table(), request, replica_copy_); }
 
   // first_non_finite's kernel: the smallest index element_is_finite refuses.
   std::uint64_t first_non_finite(const void* data, std::uint64_t count, void* /*stream*/) override {
@@ -186,7 +189,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     return kNoNonFinite;
   }
 
-  // The CUDA decoder's offload: the same save_prompt, on StagedSaver's host path.
+  // The CUDA runtime's offload: the same save_prompt, on StagedSaver's host path.
   void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements,
                       void* stream) override {
     StagedSaver saver;
@@ -203,9 +206,9 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
   // DeviceSummaries::write_prefill: the Index kernels' per-thread rules for
   // every (kv head, page), then the copy into the slot's regions.
   void index_prompt(std::uint32_t slot, std::uint32_t layer, const void* keys, std::uint32_t tokens,
-                    const DeviceSelectSpec& select, void* /*stream*/) override {
+                    void* /*stream*/) override {
     ++calls_;
-    const std::uint32_t page_tokens = select.partition_tokens;
+    const std::uint32_t page_tokens = setup_.page_tokens;
     const std::uint32_t pages =
         cuda::prefill_pages("DeviceSummaries::write_prefill", shape_, slot, layer, tokens, page_tokens);
     const ModelShape& s = setup_.shape;
@@ -238,20 +241,20 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     }
   }
 
-  void step(const DeviceStep& step) override {
+  void step(const DeviceStepInput& step) override {
     ++calls_;
     const ModelShape& s = setup_.shape;
     if (step.batch == 0 || step.batch > setup_.max_batch) {
       fail(ErrorCode::invalid_argument, "decode: batch of {} outside [1, {}]", step.batch, setup_.max_batch);
     }
-    if (device_summary_kind(step.select.kind) != shape_.kind) {
-      fail(ErrorCode::invalid_argument, "decode: layer {}'s Select reads other summaries than the decoder keeps",
+    if (store_summary_kind(step.select) != shape_.kind) {
+      fail(ErrorCode::invalid_argument, "decode: layer {}'s Select reads other summaries than the runtime keeps",
            step.layer);
     }
     const std::uint32_t rows = step.batch * s.kv_heads;
-    const std::uint32_t max_writes = device_step_max_writes(setup_.max_batch * s.kv_heads);
+    const std::uint32_t max_writes = launch_max_writes(setup_.max_batch * s.kv_heads);
 
-    // 0. The step's arguments: the CUDA decoder's own fill_device_step_arguments.
+    // 0. The step's arguments: the CUDA runtime's own fill_launch_arguments.
     std::vector<std::uint32_t> tail_slots(step.batch), tail_tokens(rows), first(rows), count(rows), summary_rows(rows);
     std::vector<PageId> tail_pages(rows);
     std::vector<std::size_t> instances(rows);
@@ -260,30 +263,36 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     std::vector<std::uint32_t> sink_tokens(rows), recent(rows), windows(rows);
     std::vector<ReplicaWordWrite> writes(max_writes);
     std::uint32_t write_count = 0;
-    fill_device_step_arguments(step, s.kv_heads, shape_, buffer_.cpu_pool(), replica_, buffer_.table(), writes_,
-                               DeviceStepArguments{tail_slots, tail_pages, tail_tokens, first, count, summary_rows,
+    fill_launch_arguments(step, s.kv_heads, shape_, buffer_.cpu_pool(), replica_, buffer_.table(), writes_,
+                               LaunchArguments{tail_slots, tail_pages, tail_tokens, first, count, summary_rows,
                                                    instances, cpu_pages, sink_partitions, sink_tokens, recent,
                                                    windows, writes, &write_count});
     if (emulation_.summary_row_of_newest) {
       for (std::uint32_t r = 0; r < rows; ++r) --summary_rows[r];
     }
     HostRows& store = stores_[step.layer];
-    const DeviceSelectSpec& spec = step.select;
+    const DeviceSelect& spec = step.select;
     const std::uint32_t max_selected = setup_.max_selected_per_head;
     // The select entry points' host check (select_kernels.cu: capacity()).
     const std::uint32_t whole = store.max_row;
-    const cuda::StreamingSelect streaming{spec.budget_tokens, spec.sink_pages, setup_.page_tokens};
-    std::uint32_t needed = std::min(spec.budget_tokens, whole);
-    const bool whole_row =
-        spec.kind == DeviceSelectSpec::Kind::dense || (spec.kind == DeviceSelectSpec::Kind::quest && spec.dense_layer);
-    if (whole_row) {
-      needed = whole;
-    } else if (spec.kind == DeviceSelectSpec::Kind::retroinfer) {
-      needed = cuda::select_capacity(whole, spec.budget_tokens, spec.budget_tokens == 0, 1);
-    } else if (spec.kind == DeviceSelectSpec::Kind::streaming) {
-      needed = static_cast<std::uint32_t>(std::min<std::uint64_t>(
-          whole, (std::uint64_t{spec.budget_tokens} + streaming.page_tokens - 1) / streaming.page_tokens));
-    }
+    const std::uint32_t page_tokens = setup_.page_tokens;
+    struct Needed {
+      std::uint32_t whole, page_tokens;
+      std::uint32_t operator()(std::monostate) const { return 0; }
+      std::uint32_t operator()(const QuestDeviceSelect& q) const {
+        return q.dense_layer ? whole : std::min(q.budget_tokens, whole);
+      }
+      std::uint32_t operator()(const ShadowKVDeviceSelect& k) const { return std::min(k.budget_tokens, whole); }
+      std::uint32_t operator()(const StreamingDeviceSelect& w) const {
+        return static_cast<std::uint32_t>(
+            std::min<std::uint64_t>(whole, (std::uint64_t{w.budget_tokens} + page_tokens - 1) / page_tokens));
+      }
+      std::uint32_t operator()(const DenseDeviceSelect&) const { return whole; }
+      std::uint32_t operator()(const RetroInferDeviceSelect& r) const {
+        return cuda::select_capacity(whole, r.budget_tokens, r.budget_tokens == 0, 1);
+      }
+    };
+    const std::uint32_t needed = std::visit(Needed{whole, page_tokens}, spec);
     if (max_selected < needed) {
       fail(ErrorCode::invalid_argument, "select: max_selected {} below the {} a selection may hold", max_selected,
            needed);
@@ -335,14 +344,17 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     store.sink_partitions = sink_partitions;
     store.sink_tokens = sink_tokens;
     store.recent = recent;
+    const auto* retro_spec = std::get_if<RetroInferDeviceSelect>(&spec);
     cuda::RetroInferSelect retro;
     retro.sink_partitions = sink_partitions.data();
     retro.sink_tokens = sink_tokens.data();
     retro.recent = recent.data();
     retro.windows = windows.data();
-    retro.budget_tokens = spec.budget_tokens;
-    retro.retrieval_fraction = spec.retrieval_fraction;
-    estimated_ = spec.kind == DeviceSelectSpec::Kind::retroinfer && spec.estimation;
+    if (retro_spec != nullptr) {
+      retro.budget_tokens = retro_spec->budget_tokens;
+      retro.retrieval_fraction = retro_spec->retrieval_fraction;
+    }
+    estimated_ = retro_spec != nullptr && retro_spec->estimation;
     std::vector<AttentionPartial> extra;
     if (estimated_) extra.assign(std::size_t{step.batch} * s.q_heads, AttentionPartial(s.head_dim));
     store.q.assign(q_.begin(), q_.begin() + std::ptrdiff_t{step.batch} * s.q_heads * s.head_dim);
@@ -350,30 +362,35 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     std::vector<std::uint32_t> selected_count(rows);
     selections_.assign(rows, {});
     for (std::uint32_t r = 0; r < rows; ++r) {
-      std::vector<PartitionId> chosen;
-      switch (spec.kind) {
-        case DeviceSelectSpec::Kind::quest:
-          chosen = emulate_quest(emulation_.select, store, r,
-                                 cuda::QuestSelect{nullptr, nullptr, spec.budget_tokens, spec.dense_layer,
-                                                   spec.sink_tokens, spec.window_tokens, spec.spread});
-          break;
-        case DeviceSelectSpec::Kind::shadowkv:
-          chosen = emulate_shadowkv(
-              emulation_.select, store, r,
-              cuda::ShadowKVSelect{nullptr, nullptr, spec.budget_tokens, spec.recent_tokens, spec.outlier_pages});
-          break;
-        case DeviceSelectSpec::Kind::streaming:
-          chosen = emulate_positional(emulation_.select, store, r, &streaming);
-          break;
-        case DeviceSelectSpec::Kind::dense:
-          chosen = emulate_positional(emulation_.select, store, r, nullptr);
-          break;
-        case DeviceSelectSpec::Kind::retroinfer:
-          chosen = emulate_retroinfer(emulation_.select, store, r, retro);
-          break;
-        case DeviceSelectSpec::Kind::none:
-          break;  // refused above (device_summary_kind)
-      }
+      // The kernel of the layer's device Select, dispatched once as the runtime does.
+      struct Select {
+        const RuntimeEmulation& emulation;
+        HostRows& store;
+        std::uint32_t row, page_tokens;
+        const cuda::RetroInferSelect& retro;
+        std::vector<PartitionId> operator()(std::monostate) const { return {}; }  // refused above
+        std::vector<PartitionId> operator()(const QuestDeviceSelect& q) const {
+          return emulate_quest(emulation.select, store, row,
+                               cuda::QuestSelect{nullptr, nullptr, q.budget_tokens, q.dense_layer, q.sink_tokens,
+                                                 q.window_tokens, q.spread});
+        }
+        std::vector<PartitionId> operator()(const ShadowKVDeviceSelect& k) const {
+          return emulate_shadowkv(emulation.select, store, row,
+                                  cuda::ShadowKVSelect{nullptr, nullptr, k.budget_tokens, k.recent_tokens,
+                                                       k.outlier_pages});
+        }
+        std::vector<PartitionId> operator()(const StreamingDeviceSelect& w) const {
+          const cuda::StreamingSelect streaming{w.budget_tokens, w.sink_pages, page_tokens};
+          return emulate_positional(emulation.select, store, row, &streaming);
+        }
+        std::vector<PartitionId> operator()(const DenseDeviceSelect&) const {
+          return emulate_positional(emulation.select, store, row, nullptr);
+        }
+        std::vector<PartitionId> operator()(const RetroInferDeviceSelect&) const {
+          return emulate_retroinfer(emulation.select, store, row, retro);
+        }
+      };
+      std::vector<PartitionId> chosen = std::visit(Select{emulation_, store, r, page_tokens, retro}, spec);
       // A kernel writes at most max_selected (its capacity check above guarantees the room).
       if (chosen.size() > max_selected) chosen.resize(max_selected);
       std::copy(chosen.begin(), chosen.end(), selected.begin() + std::ptrdiff_t{r} * max_selected);
@@ -383,7 +400,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
     // The estimation zone's terms (retroinfer_estimate), each row after its selection.
     if (estimated_) {
       cuda::RetroInferEstimate estimate;
-      estimate.estimation_fraction = spec.estimation_fraction;
+      estimate.estimation_fraction = retro_spec->estimation_fraction;
       const std::uint32_t group = s.q_heads / s.kv_heads;
       for (std::uint32_t r = 0; r < rows; ++r) {
         const auto terms = emulate_estimate(emulation_.select, store, r, retro, estimate, selections_[r]);
@@ -486,7 +503,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
   bool capturing(void* /*stream*/) const override { return false; }
 
   // DeviceSummaries::write_rows: the host rows into the region's first candidates.
-  void write_summary_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head, const DeviceSummaryRows& rows,
+  void write_summary_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head, const HostSummaryRows& rows,
                           void* /*stream*/) override {
     ++calls_;
     ++summary_row_writes_;
@@ -523,7 +540,7 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
   const std::vector<std::vector<PartitionId>>& selections() const noexcept { return selections_; }
   const std::vector<CacheStepStats>& row_stats() const noexcept { return row_stats_; }
   std::uint32_t plan_overflow_rows() const noexcept { return plan_.overflow_rows; }
-  // step() and index_prompt() calls so far: what the CUDA decoder would have enqueued.
+  // step() and index_prompt() calls so far: what the CUDA runtime would have enqueued.
   std::uint64_t calls() const noexcept { return calls_; }
   // write_summary_rows() calls so far (a host-state policy's prefills and regroups, per kv head).
   std::uint64_t summary_row_writes() const noexcept { return summary_row_writes_; }
@@ -533,18 +550,19 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
   static constexpr std::int64_t kPlanSentinel = -7;
 
  private:
-  DeviceDecoderSetup setup_;
+  DeviceRuntimeSetup setup_;
   TieredKVBuffer& buffer_;
   EmulatedDeviceMemory& memory_;
-  DecoderEmulation emulation_;
+  RuntimeEmulation emulation_;
   std::mt19937 rng_;
   PageLayout layout_;
   HostMemoryResource table_memory_{false};  // the "device" tables
+  TransferReplicaCopy replica_copy_;
   GpuTablesReplica replica_;
   cuda::SummaryShape shape_;
   std::vector<HostRows> stores_;  // per layer: the summary store's arrays, rows set per step
   std::vector<float> q_;
-  // RetroInfer's estimation terms as the CUDA decoder keeps them, and whether the last step wrote them.
+  // RetroInfer's estimation terms as the CUDA runtime keeps them, and whether the last step wrote them.
   std::vector<float> extra_max_, extra_sum_, extra_acc_;
   bool estimated_ = false;
   std::uint32_t plan_row_pages_ = 0;
@@ -560,10 +578,10 @@ class EmulatedDeviceDecoder final : public DeviceDecoder {
   std::uint64_t summary_row_writes_ = 0;
 };
 
-// HostBackend's tiers and Attend with the emulated decoder for device tensors.
+// HostBackend's tiers and Attend with the emulated runtime for device tensors.
 class EmulatedBackend final : public Backend {
  public:
-  explicit EmulatedBackend(EmulatedDeviceMemory& memory, DecoderEmulation emulation = {})
+  explicit EmulatedBackend(EmulatedDeviceMemory& memory, RuntimeEmulation emulation = {})
       : memory_(memory), emulation_(emulation) {}
   std::string_view name() const noexcept override { return "emulated-device"; }
   MemoryResource& cpu_tier() override { return host_.cpu_tier(); }
@@ -579,23 +597,23 @@ class EmulatedBackend final : public Backend {
   void copy_to_device(void* device, const void* host, std::size_t bytes, void* /*stream*/) override {
     std::memcpy(device, host, bytes);
   }
-  std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderSetup& setup,
+  std::unique_ptr<DeviceRuntime> make_device_runtime(const DeviceRuntimeSetup& setup,
                                                      TieredKVBuffer& buffer) override {
-    auto decoder = std::make_unique<EmulatedDeviceDecoder>(setup, buffer, memory_, emulation_);
-    decoder_ = decoder.get();
+    auto runtime = std::make_unique<EmulatedDeviceRuntime>(setup, buffer, memory_, emulation_);
+    runtime_ = runtime.get();
     setup_ = setup;
-    return decoder;
+    return runtime;
   }
-  // The decoder the Manager made (null before its first device-tensor call).
-  EmulatedDeviceDecoder* decoder() const noexcept { return decoder_; }
-  const DeviceDecoderSetup& setup() const noexcept { return setup_; }
+  // The runtime the Manager made (null before its first device-tensor call).
+  EmulatedDeviceRuntime* runtime() const noexcept { return runtime_; }
+  const DeviceRuntimeSetup& setup() const noexcept { return setup_; }
 
  private:
   HostBackend host_;
   EmulatedDeviceMemory& memory_;
-  DecoderEmulation emulation_;
-  EmulatedDeviceDecoder* decoder_ = nullptr;
-  DeviceDecoderSetup setup_;
+  RuntimeEmulation emulation_;
+  EmulatedDeviceRuntime* runtime_ = nullptr;
+  DeviceRuntimeSetup setup_;
 };
 
 }  // namespace sparsekv::test

@@ -3,7 +3,7 @@
 // arrays, the comparisons against the host and the host emulations of the
 // glue and stats kernels, shared by the Select -> LRU glue's rules
 // (test_lru_batch_rules.cpp), its GPU test (gpu/test_lru_batch_cuda.cpp) and
-// the emulated device decoder (device_decoder_emulation.hpp).
+// the emulated device runtime (device_runtime_emulation.hpp).
 #include <catch2/catch.hpp>
 
 #include <algorithm>

@@ -1,9 +1,9 @@
 #pragma once
 // Random retrievals, the device Plan step's input built from them, the host
-// plan (detail::append_head_runs, as Manager::build_plan), the comparison and
+// plan (append_head_runs, as HostStep::build_plan), the comparison and
 // the host emulations of the plan and miss-list gather kernels, shared by
 // their rules (test_plan_rules.cpp), their GPU test (gpu/test_plan_cuda.cpp)
-// and the emulated device decoder (device_decoder_emulation.hpp).
+// and the emulated device runtime (device_runtime_emulation.hpp).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-#include "sparsekv/facade/attend_plan_cuda.hpp"
+#include "sparsekv/attention/attend_plan_cuda.hpp"
 #include "sparsekv/facade/manager.hpp"
 #include "sparsekv/transfer/miss_list.hpp"
 
@@ -84,7 +84,7 @@ inline PlanCase random_plan_case(std::mt19937& rng, std::uint32_t kv_heads = 0, 
     const Retrieval& r = c.retrievals.back();
     for (std::uint32_t h = 0; h < c.kv_heads; ++h) {
       const auto indices_before = static_cast<std::uint32_t>(c.host.indices.size());
-      const auto runs = static_cast<std::uint32_t>(detail::append_head_runs(c.host, r, h, c.page_tokens, pages, tokens));
+      const auto runs = static_cast<std::uint32_t>(append_head_runs(c.host, r, h, c.page_tokens, pages, tokens));
       c.host.head_entries.push_back(c.host.head_entries.back() + runs);
       c.max_row_pages = std::max(c.max_row_pages, static_cast<std::uint32_t>(c.host.indices.size()) - indices_before);
       c.max_row_runs = std::max(c.max_row_runs, runs);

@@ -6,7 +6,7 @@
 // over 8-bit digit histograms, then a sort), thread 0's greedy fill, the
 // output sort in runs merged by rank; RetroInfer's estimate kernel. Shared by
 // the Select rules (test_select_rules.cpp: emulation = host policies) and the
-// emulated device decoder (device_decoder_emulation.hpp), with the mutations
+// emulated device runtime (device_runtime_emulation.hpp), with the mutations
 // those tests plant.
 #include <catch2/catch.hpp>
 

@@ -15,7 +15,7 @@
 
 #include "index_test_data.hpp"
 #include "sparsekv/policy/dense.hpp"
-#include "sparsekv/policy/device_summaries.hpp"
+#include "sparsekv/policy/summary_store_cuda.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/shadowkv.hpp"
@@ -171,7 +171,7 @@ struct HostRows {
 };
 
 // The same rows as the decode step's summary store keeps them
-// (policy/device_summaries.hpp): each row in a region of max_row + slack
+// (policy/summary_store_cuda.hpp): each row in a region of max_row + slack
 // candidates, the regions in a random order unrelated to the row order,
 // `spare` whole regions between them that belong to no row, and garbage
 // (random tokens, ids far from the real ones, large summaries) in every
@@ -353,7 +353,7 @@ PositionalRequest<Policy> positional_request(const Policy& policy, const LayerCo
   return r;
 }
 
-// One layer of a summary store (policy/device_summaries.hpp) on the host as
+// One layer of a summary store (policy/summary_store_cuda.hpp) on the host as
 // construction leaves it, before any request: random token counts in every
 // candidate and the identity ids, max_row = the region capacity.
 inline HostRows store_layer(const cuda::SummaryShape& shape, const LayerContext& ctx, std::mt19937& rng) {
@@ -369,13 +369,13 @@ inline HostRows store_layer(const cuda::SummaryShape& shape, const LayerContext&
   return rows;
 }
 
-// One layer of a tokens-kind store (policy/device_summaries.hpp) on the host:
+// One layer of a tokens-kind store (policy/summary_store_cuda.hpp) on the host:
 // random token counts everywhere and the identity ids of construction, then
 // what the device writes into each request's region(slot, h): its prompt
 // pages' prefill_page_tokens (write_prefill) and page_tokens for every
 // appended page (the append kernel). Rows (b, h) in batch order, first = the
 // region, count = the request's pages, max_row = the capacity: the batch's
-// rows scattered over the arena with garbage between, as the decoder passes them.
+// rows scattered over the arena with garbage between, as the runtime passes them.
 template <class Policy>
 HostRows positional_rows(const cuda::SummaryShape& shape, const LayerContext& ctx,
                          const std::vector<PositionalRequest<Policy>>& batch, std::mt19937& rng) {

@@ -1,5 +1,5 @@
-// Appends on the device (buffer/device_append_cuda.hpp,
-// policy/append_summaries_cuda.hpp) without a GPU: a host emulation of the
+// Appends on the device (buffer/append_cuda.hpp,
+// step/append_summaries_cuda.hpp) without a GPU: a host emulation of the
 // kernel's decomposition -- blocks striding over (b, kv head) items, threads
 // over dimensions and 16-byte vectors, the warp / block / atomicMin reduction
 // of the error word -- built from the per-thread steps the kernel calls,
@@ -18,11 +18,11 @@
 
 #include "append_test_data.hpp"
 #include "index_test_data.hpp"
-#include "sparsekv/buffer/device_append_cuda.hpp"
+#include "sparsekv/buffer/append_cuda.hpp"
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/any_policy.hpp"
-#include "sparsekv/policy/append_summaries_cuda.hpp"
+#include "sparsekv/step/append_summaries_cuda.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/shadowkv.hpp"

@@ -12,7 +12,7 @@
 #include "sparse_pipeline.hpp"
 #include "sparsekv/attention/decode_attention.hpp"
 #include "sparsekv/core/numeric.hpp"
-#include "sparsekv/facade/backend.hpp"
+#include "sparsekv/facade/host_backend.hpp"
 #include "sparsekv/policy/dense.hpp"
 #include "sparsekv/policy/streaming_window.hpp"
 #include "test_support.hpp"

@@ -14,6 +14,7 @@
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "deferred_backend.hpp"
 #include "lru_step_emulation.hpp"
+#include "sparsekv/buffer/transfer_replica_copy.hpp"
 #include "sparsekv/cache/bucketed_lru_rules.hpp"
 #include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "test_support.hpp"
@@ -243,13 +244,14 @@ TEST_CASE("lru emulation on a GpuTablesReplica: replicated tables stand in for t
     // Copies land only at synchronize(), as on a stream: the replica is read
     // before its uploads complete only if the code forgets to order them.
     test::DeferredTransfer transfer;
-    GpuTablesReplica replica(master, replica_memory, transfer);
+    TransferReplicaCopy copy(transfer);
+    GpuTablesReplica replica(master, replica_memory, copy);
     const PageTableGeometry& g = master.geometry();
     std::vector<Head> all;
     std::vector<RequestId> requests;
     for (RequestId r = 0; r < g.max_requests; ++r) {
       requests.push_back(r * 10 + 3);
-      replica.upload(master, r * 10 + 3, transfer);
+      replica.upload(master, r * 10 + 3, copy);
       for (std::uint32_t l = 0; l < g.layers; ++l) {
         for (std::uint32_t h = 0; h < g.kv_heads; ++h) all.push_back({r * 10 + 3, l, h});
       }
@@ -274,7 +276,7 @@ TEST_CASE("lru emulation on a GpuTablesReplica: replicated tables stand in for t
       // Host bookkeeping: bring the kernel's writes back, compare, then grow a
       // head's buffer on the master (new slots, new segments) and upload it.
       const RequestId grown = requests[rng() % requests.size()];
-      replica.download(master, grown, transfer);
+      replica.download(master, grown, copy);
       for (const Head& h : all) {
         if (h.request == grown) require_same_head(host_table, master, h);
       }
@@ -288,10 +290,10 @@ TEST_CASE("lru emulation on a GpuTablesReplica: replicated tables stand in for t
         }
       }
       fresh += 1u << 12;
-      replica.upload(master, grown, transfer);
+      replica.upload(master, grown, copy);
       uploads_after_growth += more > 0;
     }
-    for (RequestId r : requests) replica.download(master, r, transfer);
+    for (RequestId r : requests) replica.download(master, r, copy);
     require_same_tables(host_table, master, all);
     master.validate();
   }

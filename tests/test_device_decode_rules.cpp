@@ -1,7 +1,7 @@
-// The device-tensor API (facade/device_decoder.hpp, docs/device-decode.md)
+// The device-tensor API (step/device_runtime.hpp, docs/device-decode.md)
 // proven in CI: a Manager on device tensors with the host emulation of the
-// CUDA decoder (device_decoder_emulation.hpp: every launch replaced by its
-// kernel's host emulation, in cuda/facade/device_decoder.cpp's order) against
+// CUDA runtime (device_runtime_emulation.hpp: every launch replaced by its
+// kernel's host emulation, in cuda/step/device_runtime.cpp's order) against
 // a Manager on host tensors with HostBackend, same requests arriving and
 // finishing at random over several layers, batches of varying size, tails
 // filling across page boundaries. Every step: Select's partitions, hits /
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "device_decode_test_data.hpp"
-#include "device_decoder_emulation.hpp"
+#include "device_runtime_emulation.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/manager.hpp"
 #include "test_support.hpp"
@@ -45,7 +45,7 @@ Config device_config() {
   return c;
 }
 
-// The host plan of a step's retrievals (Manager::build_plan).
+// The host plan of a step's retrievals (HostStep::build_plan).
 AttendPlan host_plan(const std::vector<const Retrieval*>& retrievals, std::uint32_t kv_heads,
                      std::uint32_t page_tokens) {
   AttendPlan plan;
@@ -54,7 +54,7 @@ AttendPlan host_plan(const std::vector<const Retrieval*>& retrievals, std::uint3
   for (const Retrieval* r : retrievals) {
     for (std::uint32_t h = 0; h < kv_heads; ++h) {
       plan.head_entries.push_back(plan.head_entries.back() +
-                                  detail::append_head_runs(plan, *r, h, page_tokens, pages, tokens));
+                                  append_head_runs(plan, *r, h, page_tokens, pages, tokens));
     }
   }
   return plan;
@@ -62,7 +62,7 @@ AttendPlan host_plan(const std::vector<const Retrieval*>& retrievals, std::uint3
 
 // The first difference between the device step and the host step, or "".
 template <class Policy>
-std::string step_difference(const Manager<Policy>& host, const EmulatedDeviceDecoder& decoder, std::size_t batch,
+std::string step_difference(const Manager<Policy>& host, const EmulatedDeviceRuntime& runtime, std::size_t batch,
                             std::uint32_t kv_heads, std::uint32_t page_tokens) {
   std::ostringstream why;
   std::vector<const Retrieval*> retrievals;
@@ -74,12 +74,12 @@ std::string step_difference(const Manager<Policy>& host, const EmulatedDeviceDec
       const std::size_t row = b * kv_heads + h;
       const std::vector<PartitionId> want(r.partitions.begin() + r.head_offsets[h],
                                           r.partitions.begin() + r.head_offsets[h + 1]);
-      if (decoder.selections()[row] != want) {
-        why << "row " << row << ": Select chose " << decoder.selections()[row].size() << " partitions, the host "
+      if (runtime.selections()[row] != want) {
+        why << "row " << row << ": Select chose " << runtime.selections()[row].size() << " partitions, the host "
             << want.size();
         return why.str();
       }
-      device += decoder.row_stats()[row];
+      device += runtime.row_stats()[row];
     }
     if (device.hit_partitions != r.stats.hit_partitions || device.miss_partitions != r.stats.miss_partitions ||
         device.hit_pages != r.stats.hit_pages || device.miss_pages != r.stats.miss_pages ||
@@ -90,8 +90,8 @@ std::string step_difference(const Manager<Policy>& host, const EmulatedDeviceDec
     }
   }
   const AttendPlan want = host_plan(retrievals, kv_heads, page_tokens);
-  const DeviceAttendPlan got = decoder.plan();
-  if (decoder.plan_overflow_rows() != 0) return "the device plan overflowed a row";
+  const DeviceAttendPlan got = runtime.plan();
+  if (runtime.plan_overflow_rows() != 0) return "the device plan overflowed a row";
   if (got.rows != batch * kv_heads) return "the device plan has another row count";
   const std::int64_t entries = got.head_entries[got.rows];
   if (!std::equal(want.head_entries.begin(), want.head_entries.end(), got.head_entries) ||
@@ -107,11 +107,11 @@ std::string step_difference(const Manager<Policy>& host, const EmulatedDeviceDec
 // The device tables (the replica) equal the host manager's tables for every head of `id`.
 template <class Policy>
 std::string table_difference(const Manager<Policy>& host, const Manager<Policy>& device,
-                             const EmulatedDeviceDecoder& decoder, RequestId id, const ModelShape& shape) {
+                             const EmulatedDeviceRuntime& runtime, RequestId id, const ModelShape& shape) {
   const PartitionLookup want = host.buffer().table().lookup();
-  const PartitionLookup got = decoder.replica().lookup(device.buffer().table());
+  const PartitionLookup got = runtime.replica().lookup(device.buffer().table());
   const TwoLevelView<GpuPageEntry> want_slots = host.buffer().table().gpu_page_view();
-  const TwoLevelView<GpuPageEntry> got_slots = decoder.replica().gpu_page_view();
+  const TwoLevelView<GpuPageEntry> got_slots = runtime.replica().gpu_page_view();
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
       const std::size_t inst = host.buffer().table().instance(id, l, h);
@@ -185,7 +185,7 @@ struct LockstepReport {
 // short_prompts: half the prompts short enough that a policy may keep a
 // window of its own until its first index update (RetroInfer).
 template <class Policy>
-LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const DecoderEmulation& emulation,
+LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const RuntimeEmulation& emulation,
                                int steps, const Config& config = device_config(), bool short_prompts = false) {
   const ModelShape shape = device_shape();
   EmulatedDeviceMemory memory;
@@ -296,11 +296,11 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const D
       }
       ++report.steps;
       report.plan_steps += plan_only ? 1 : 0;
-      if (differ(step, l, step_difference(host, *backend.decoder(), batch.size(), shape.kv_heads, config.page_tokens))) {
+      if (differ(step, l, step_difference(host, *backend.runtime(), batch.size(), shape.kv_heads, config.page_tokens))) {
         return report;
       }
       for (RequestId id : batch) {
-        if (differ(step, l, table_difference(host, device, *backend.decoder(), id, shape))) return report;
+        if (differ(step, l, table_difference(host, device, *backend.runtime(), id, shape))) return report;
       }
       if (!plan_only) {
         const std::vector<float> got = out.download();
@@ -328,7 +328,7 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const D
   device.synchronize();
   // Beyond the prefills' one write per (request, layer, kv head): the regroups'.
   report.index_updates =
-      (backend.decoder()->summary_row_writes() - report.admitted * shape.layers * shape.kv_heads) / shape.kv_heads;
+      (backend.runtime()->summary_row_writes() - report.admitted * shape.layers * shape.kv_heads) / shape.kv_heads;
   report.hit_pages = device.stats().cache.hit_pages;
   report.miss_pages = device.stats().cache.miss_pages;
   report.evicted_pages = device.stats().cache.evicted_pages;
@@ -450,7 +450,7 @@ TEST_CASE("device decode emulation equals the host backend: Dense", "[device-dec
 namespace {
 
 // Everything a refused call must leave as it was: the buffer's bookkeeping,
-// the pools, the host tables, the device tables (the replica), the decoder's
+// the pools, the host tables, the device tables (the replica), the runtime's
 // launches and totals.
 struct Snapshot {
   std::vector<std::uint32_t> lengths, tails, partitions;
@@ -477,7 +477,7 @@ Snapshot snapshot(Manager<Policy>& m, const EmulatedBackend& backend, const std:
         for (std::uint32_t p = 0; p < host.meta.length(inst); ++p) s.meta_bits.push_back(host.meta.find(inst, p)->bits);
         const TwoLevelView<GpuPageEntry> slots = table.gpu_page_view();
         for (std::uint32_t i = 0; i < slots.length(inst); ++i) s.slots.push_back(slots.find(inst, i)->gpu_page);
-        if (const EmulatedDeviceDecoder* d = backend.decoder()) {
+        if (const EmulatedDeviceRuntime* d = backend.runtime()) {
           const PartitionLookup replica = d->replica().lookup(table);
           for (std::uint32_t p = 0; p < replica.meta.length(inst); ++p) {
             s.replica_bits.push_back(replica.meta.find(inst, p)->bits);
@@ -490,7 +490,7 @@ Snapshot snapshot(Manager<Policy>& m, const EmulatedBackend& backend, const std:
   }
   s.cpu_used = m.buffer().cpu_pool().used();
   s.gpu_used = m.buffer().gpu_pool().used();
-  if (EmulatedDeviceDecoder* d = backend.decoder()) {
+  if (EmulatedDeviceRuntime* d = backend.runtime()) {
     s.calls = d->calls();
     s.hit_pages = d->cache_stats().hit_pages;
     s.miss_pages = d->cache_stats().miss_pages;
@@ -538,9 +538,9 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
 
   // Prefill: host or null pointers where device ones are required.
   std::vector<RequestId> ids = {1, 2};
-  // The first device call makes the decoder (with both requests' tables), then refuses.
+  // The first device call makes the runtime (with both requests' tables), then refuses.
   REQUIRE(refusal([&] { m.prefill(1, 0, host_k.data(), v.data, prompt, nullptr); }) == ErrorCode::invalid_argument);
-  REQUIRE(backend.decoder() != nullptr);
+  REQUIRE(backend.runtime() != nullptr);
   Snapshot before = snapshot(m, backend, ids);
   REQUIRE(before.replica_slots == before.slots);
   REQUIRE(refusal([&] { m.prefill(1, 0, k.data, host_v.data(), prompt, nullptr); }) == ErrorCode::invalid_argument);
@@ -603,13 +603,13 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   REQUIRE(snapshot(m, backend, ids) == before);
 
   // Batch over capacity: a batch names distinct known requests, so the
-  // Manager cannot pass more than max_requests entries; the decoder's own
-  // check (the CUDA decoder's) refuses a larger step before enqueuing.
-  DeviceStep too_big;
+  // Manager cannot pass more than max_requests entries; the runtime's own
+  // check (the CUDA runtime's) refuses a larger step before enqueuing.
+  DeviceStepInput too_big;
   too_big.batch = config.max_requests + 1;
-  REQUIRE(refusal([&] { backend.decoder()->step(too_big); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { backend.runtime()->step(too_big); }) == ErrorCode::invalid_argument);
   too_big.batch = 0;
-  REQUIRE(refusal([&] { backend.decoder()->step(too_big); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { backend.runtime()->step(too_big); }) == ErrorCode::invalid_argument);
 
   // A non-finite value a step met is reported at the next call, before that
   // call changes anything; its row was not appended.
@@ -656,7 +656,7 @@ TEST_CASE("device-tensor API: a policy with only a host Select takes the slower 
   // HostOnlyQuest, and Quest with two-page partitions (no device Select at
   // that shape): every call copies its tensors down, runs the host-tensor
   // call and copies out up. Outputs equal the host manager's exactly (the
-  // same host code on the same bytes); no decoder is made; plan() is refused.
+  // same host code on the same bytes); no runtime is made; plan() is refused.
   const ModelShape shape = device_shape();
   const Config config = device_config();
   const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
@@ -701,7 +701,7 @@ TEST_CASE("device-tensor API: a policy with only a host Select takes the slower 
         }
       }
     }
-    REQUIRE(backend.decoder() == nullptr);
+    REQUIRE(backend.runtime() == nullptr);
     REQUIRE(device.stats().cache.miss_pages == host.stats().cache.miss_pages);
     REQUIRE(device.stats().cache.miss_pages > 0);
     // The Manager serves device tensors now: host tensors are refused.
@@ -717,9 +717,9 @@ TEST_CASE("device-tensor API: a policy with only a host Select takes the slower 
 }
 
 TEST_CASE("device decode emulation: the lockstep catches planted mutations", "[device-decode-rules]") {
-  DecoderEmulation save_first;
+  RuntimeEmulation save_first;
   save_first.append = Mutation::save_before_write;  // a full page summarised and saved without its last token
-  DecoderEmulation newest;
+  RuntimeEmulation newest;
   newest.summary_row_of_newest = true;  // a full page's summary lands on the previous partition's row
   for (const auto& [name, emulation] :
        {std::pair{"save_before_write", save_first}, std::pair{"summary_row_of_newest", newest}}) {

@@ -335,7 +335,7 @@ TEST_CASE("Facade: can_admit agrees with add_request, huge max_tokens included",
   REQUIRE_FALSE(longer.reason.empty());
 }
 
-TEST_CASE("Facade: ManagerStats::pages_saved counts pages, one per kv head, like BufferStats", "[facade]") {
+TEST_CASE("Facade: StepStats::pages_saved counts pages, one per kv head, like BufferStats", "[facade]") {
   constexpr ModelShape shape{2, 8, 4, 16, DType::f32};
   RuntimeManager manager(shape, small_config(shape, 8, 64), make_policy("dense", 64));
   std::mt19937 rng(7);
@@ -529,7 +529,7 @@ TEST_CASE("Review: a refused decode leaves the timing stats, a refused prefill t
     manager.prefill(1, 0, k.data(), v.data(), 20);
     manager.prefill(2, 0, k.data(), v.data(), CarelessPolicy::bogus_prompt);
     const std::vector<float> qq = normal_values(rng, 2 * 64), kk = normal_values(rng, 2 * 16);
-    const ManagerStats before = manager.stats();
+    const StepStats before = manager.stats();
     REQUIRE_SPARSEKV_ERROR(manager.decode(std::vector<RequestId>{1, 2}, 0, qq.data(), kk.data(), kk.data(), out.data()),
                            ErrorCode::out_of_range);
     REQUIRE(manager.stats().append_s == before.append_s);

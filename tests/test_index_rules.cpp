@@ -1,4 +1,4 @@
-// The Index rules both backends share (policy/page_summaries.hpp), on known
+// The Index rules both backends share (policy/summary_rules.hpp), on known
 // data and against plain formulas on random data, and the host policies'
 // summaries (Quest min / max, ShadowKV landmark and outlier score, RetroInfer's
 // k-means steps) against those rules: what CI can check of the CUDA kernels.
@@ -13,7 +13,7 @@
 
 #include "index_test_data.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
-#include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/shadowkv.hpp"

@@ -7,6 +7,7 @@
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
 #include "sparsekv/metadata/replica_writes_cuda.hpp"
 #include "sparsekv/metadata/table_replica.hpp"
+#include "sparsekv/buffer/transfer_replica_copy.hpp"
 #include "sparsekv/transfer/page_transfer.hpp"
 #include "test_support.hpp"
 
@@ -408,9 +409,10 @@ TEST_CASE("TableReplica entry writes: appended entries reach the replica, kernel
   };
   append(7, 1, 0, 30);
   append(9, 0, 1, 5);
-  TableReplica<MetaPartitionEntry> replica(master.meta_table(), replica_memory, transfer);
-  replica.upload(master.meta_table(), master.instance(7, 1, 0), transfer);
-  replica.upload(master.meta_table(), master.instance(9, 0, 1), transfer);
+  TransferReplicaCopy copy(transfer);
+  TableReplica<MetaPartitionEntry> replica(master.meta_table(), replica_memory, copy);
+  replica.upload(master.meta_table(), master.instance(7, 1, 0), copy);
+  replica.upload(master.meta_table(), master.instance(9, 0, 1), copy);
   const TwoLevelView<MetaPartitionEntry> view = replica.view();
   const std::size_t a = master.instance(7, 1, 0);
   // What a kernel owns in the replica: residency bits the master does not know.

@@ -3,7 +3,7 @@
 // counting, scans, one block per row filling in tiles with a block scan of the
 // run ends; gather: warps owning the flattened (head, entry) space
 // round-robin, walking heads 32 at a time) against the host paths they
-// replace: Manager::build_plan's runs and the LRU host step's copy list. This
+// replace: HostStep::build_plan's runs and the LRU host step's copy list. This
 // is CI's coverage of plan_kernels.cu and gather_miss_list_kernel.
 #include <algorithm>
 #include <cstddef>
@@ -93,11 +93,11 @@ TEST_CASE("plan emulation: rows past a capacity are planned empty and counted", 
     for (std::uint32_t b = 0; b < c.batch; ++b) {
       for (std::uint32_t h = 0; h < c.kv_heads; ++h) {
         AttendPlan row;
-        const std::int64_t runs = detail::append_head_runs(row, c.retrievals[b], h, c.page_tokens, pages, tokens);
+        const std::int64_t runs = append_head_runs(row, c.retrievals[b], h, c.page_tokens, pages, tokens);
         const bool fits = row.indices.size() <= max_pages && runs <= max_entries;
         want_overflow += fits ? 0 : 1;
         want.head_entries.push_back(want.head_entries.back() +
-                                    (fits ? detail::append_head_runs(want, c.retrievals[b], h, c.page_tokens, pages,
+                                    (fits ? append_head_runs(want, c.retrievals[b], h, c.page_tokens, pages,
                                                                      tokens)
                                           : 0));
       }

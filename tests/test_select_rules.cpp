@@ -15,7 +15,7 @@
 // RetroInferPolicy::attend: every max, sum and accumulator element bit for
 // bit; planted mutations (retrieved clusters estimated too, the zone folded
 // in candidate order) caught. And the summary store's host geometry
-// (policy/device_summaries.hpp): shapes and prompt pages checked, regions,
+// (policy/summary_store_cuda.hpp): shapes and prompt pages checked, regions,
 // prompt page token counts, RetroInfer's host rows, and rows over a store
 // selecting as the host policies. RetroInfer rows with per-row steady
 // windows (RetroInferSelect::windows) against the host policy's select and
@@ -32,6 +32,7 @@
 #include <random>
 #include <tuple>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "select_emulation.hpp"
@@ -40,7 +41,8 @@
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/policy/device_select.hpp"
-#include "sparsekv/policy/device_summaries.hpp"
+#include "sparsekv/policy/oracle.hpp"
+#include "sparsekv/policy/summary_store_cuda.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
 #include "sparsekv/policy/select_rules.hpp"
@@ -180,7 +182,7 @@ Sweep retroinfer_sweep(const Emulation& e, std::uint32_t seed, Layout layout = L
   return sweep;
 }
 
-// ---- the decode step's summary store (policy/device_summaries.hpp) ------------------
+// ---- the decode step's summary store (policy/summary_store_cuda.hpp) ------------------
 
 // A request of the store: its slot and the host policy's state, indexed from
 // a random prompt and grown by `appended` decode pages, ids 0, 1, ... as the
@@ -339,8 +341,7 @@ PositionalSweep positional_sweep(const Emulation& e, std::uint32_t seed) {
     const HostRows rows = positional_rows(shape, ctx, streaming_batch, rng);
     const DensePolicy dense;
     const auto want_dense = host_select(dense, ctx, dense_batch);
-    const DeviceSelectSpec dense_spec = device_select(dense, ctx);
-    REQUIRE(dense_spec.kind == DeviceSelectSpec::Kind::dense);
+    REQUIRE(std::holds_alternative<DenseDeviceSelect>(device_select(dense, ctx)));
     for (std::uint32_t r = 0; r < rows.rows(); ++r) out.sweep.compare(emulate_positional(e, rows, r, nullptr), want_dense[r]);
     for (const std::uint32_t budget : {1u, 2u, 3u, 5u, 8u, 17u, 64u, 100u, 1000u, 100000u}) {
       for (const std::uint32_t sinks : {0u, 1u, 3u, 4u, 8u, 9u, 40u}) {
@@ -348,14 +349,15 @@ PositionalSweep positional_sweep(const Emulation& e, std::uint32_t seed) {
         options.budget_tokens = budget;
         options.sink_tokens = sinks;
         const StreamingWindowPolicy policy(options);
-        const DeviceSelectSpec spec = device_select(policy, ctx);
-        REQUIRE(spec.kind == DeviceSelectSpec::Kind::streaming);
+        const DeviceSelect select = device_select(policy, ctx);
+        REQUIRE(std::holds_alternative<StreamingDeviceSelect>(select));
+        const auto& spec = std::get<StreamingDeviceSelect>(select);
         const cuda::StreamingSelect streaming{spec.budget_tokens, spec.sink_pages, ctx.page_tokens};
         const auto want = host_select(policy, ctx, streaming_batch);
         for (std::uint32_t r = 0; r < rows.rows(); ++r) {
           const auto got = emulate_positional(e, rows, r, &streaming);
           out.sweep.compare(got, want[r]);
-          // Within the capacity the decoder sizes its selection for.
+          // Within the capacity the runtime sizes its selection for.
           CHECK(got.size() <= std::max(1u, (budget + page_tokens - 1) / page_tokens));
           const std::uint32_t n = rows.count[r];
           bool gap = false;
@@ -649,32 +651,38 @@ TEST_CASE("the positional zones keep the sinks' and the window's budget rules", 
   options.budget_tokens = 96;
   options.sink_tokens = 9;
   const LayerContext ctx = layer_context(2, 8, 4, 1);
-  const DeviceSelectSpec spec = device_select(StreamingWindowPolicy(options), ctx);
+  const DeviceSelect streaming = device_select(StreamingWindowPolicy(options), ctx);
+  REQUIRE(std::holds_alternative<StreamingDeviceSelect>(streaming));
+  const auto& spec = std::get<StreamingDeviceSelect>(streaming);
   CHECK(spec.budget_tokens == 96);
   CHECK(spec.sink_pages == 3);
-  CHECK(spec.partition_tokens == 4);
-  CHECK(device_select(AnyPolicy(StreamingWindowPolicy(options)), ctx).kind == DeviceSelectSpec::Kind::streaming);
-  CHECK(device_select(AnyPolicy(DensePolicy()), ctx).kind == DeviceSelectSpec::Kind::dense);
+  CHECK(summary_kind(streaming) == cuda::AppendSummary::tokens);  // one page per partition, token counts only
+  CHECK(std::holds_alternative<StreamingDeviceSelect>(device_select(AnyPolicy(StreamingWindowPolicy(options)), ctx)));
+  CHECK(std::holds_alternative<DenseDeviceSelect>(device_select(AnyPolicy(DensePolicy()), ctx)));
+  CHECK_FALSE(selects_on_device(device_select(AnyPolicy(OraclePolicy()), ctx)));
   // RetroInfer: its sink is no candidate, its rows read the host state, and
   // an index update is due once the fed tokens reach update_tokens.
   RetroInferPolicy::Options retro;
   retro.update_tokens = 48;
-  const DeviceSelectSpec r = device_select(AnyPolicy(RetroInferPolicy(retro)), ctx);
-  CHECK(r.kind == DeviceSelectSpec::Kind::retroinfer);
+  const DeviceSelect retro_select = device_select(AnyPolicy(RetroInferPolicy(retro)), ctx);
+  REQUIRE(std::holds_alternative<RetroInferDeviceSelect>(retro_select));
+  const auto& r = std::get<RetroInferDeviceSelect>(retro_select);
   CHECK(r.first_partition == 1);
-  CHECK(r.host_state);
+  CHECK(first_candidate_partition(retro_select) == 1);
+  CHECK(reads_host_state(retro_select));
+  CHECK_FALSE(reads_host_state(streaming));
   CHECK(r.estimation);
   CHECK(r.retrieval_fraction == retro.retrieval_fraction);
   // No budget (the default): the fraction counts candidates, not tokens, so a row may select all of them.
   CHECK(r.budget_tokens == 0);
-  CHECK(device_select_capacity(r, 50) == 51);
+  CHECK(select_capacity(retro_select, 50, ctx.page_tokens) == 51);
   retro.budget_tokens = 10;
-  CHECK(device_select_capacity(device_select(RetroInferPolicy(retro), ctx), 50) == 10);
+  CHECK(select_capacity(device_select(RetroInferPolicy(retro), ctx), 50, ctx.page_tokens) == 10);
   RetroInferPolicy::LayerState state;
   state.generated = 16;
-  CHECK_FALSE(device_index_update_due(RetroInferPolicy(retro), state, 16));
-  CHECK(device_index_update_due(RetroInferPolicy(retro), state, 32));
-  CHECK_FALSE(device_index_update_due(QuestPolicy(), QuestPolicy::LayerState{}, 1u << 30));
+  CHECK_FALSE(host_index_update_due(RetroInferPolicy(retro), state, 16));
+  CHECK(host_index_update_due(RetroInferPolicy(retro), state, 32));
+  CHECK_FALSE(host_index_update_due(QuestPolicy(), QuestPolicy::LayerState{}, 1u << 30));
 }
 
 TEST_CASE("the summary store's geometry is checked on the host", "[select-rules]") {

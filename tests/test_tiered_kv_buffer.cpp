@@ -10,7 +10,7 @@
 
 #include "sparsekv/buffer/prompt_check_cuda.hpp"
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
-#include "sparsekv/transfer/prompt_offload.hpp"
+#include "sparsekv/step/prompt_offload.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;
@@ -439,7 +439,7 @@ TEST_CASE("append_on_device keeps the host append's bookkeeping, refusing alike"
 
 // The device prefill's Offload (Manager::prefill with device tensors) on the
 // host path of the same code: offload_on_device's placements turned into
-// StagedSaver targets (transfer/prompt_offload.hpp) and scattered by its
+// StagedSaver targets (step/prompt_offload.hpp) and scattered by its
 // workers write the bytes, page ids and table entries offload() writes, for
 // one-page and multi-page partitions, across chunk boundaries of the pool.
 TEST_CASE("offload_on_device + staged save equals offload", "[buffer][staged-save]") {

@@ -23,7 +23,7 @@
 #include "sparsekv/core/device.hpp"
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/core/model_shape.hpp"
-#include "sparsekv/facade/backend.hpp"
+#include "sparsekv/facade/host_backend.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #if SPARSEKV_EXAMPLE_CUDA
 #include "sparsekv/facade/cuda_backend.hpp"
@@ -44,7 +44,7 @@ inline std::string device_select_refusal(const AnyPolicy& policy, const ModelSha
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
     const LayerContext ctx{l, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim, config.page_tokens,
                            config.max_context_tokens};
-    if (device_select(policy, ctx).kind == DeviceSelectSpec::Kind::none) {
+    if (!selects_on_device(device_select(policy, ctx))) {
       return fmt::format("policy {} has no device Select at {}-token pages (layer {}; policy/device_select.hpp: "
                          "Quest with one-page partitions, ShadowKV, StreamingWindow, Dense, RetroInfer; not the oracle)",
                          policy.name(), config.page_tokens, l);

@@ -184,7 +184,7 @@ struct Row {
   std::optional<sparsekv::EvictionStrategy> strategy;  // a policy that evicts tokens
   double log_likelihood = 0;
   std::size_t agree = 0;
-  sparsekv::ManagerStats stats;
+  sparsekv::StepStats stats;
   // Evicting policies, after each decode step: CPU pages held and live slots
   // in them over every (layer, kv head).
   std::vector<std::uint64_t> pages_held, live_slots;

@@ -1,4 +1,4 @@
-// CUDA kernels of the Plan step (facade/attend_plan_cuda.hpp): the AttendPlan
+// CUDA kernels of the Plan step (attention/attend_plan_cuda.hpp): the AttendPlan
 // CSR from the bucketed-LRU output, with the host plan's run split.
 #include <cuda_runtime.h>
 
@@ -9,7 +9,7 @@
 
 #include "core/launch_support.cuh"
 #include "sparsekv/core/error_code.hpp"
-#include "sparsekv/facade/attend_plan_cuda.hpp"
+#include "sparsekv/attention/attend_plan_cuda.hpp"
 
 namespace sparsekv::cuda {
 namespace {

@@ -1,9 +1,9 @@
 #pragma once
-// The append kernel of buffer/device_append_cuda.hpp, templated on what it
+// The append kernel of buffer/append_cuda.hpp, templated on what it
 // computes for a full tail page before saving it. The buffer layer
 // instantiates it with NoPageSummary (cuda/buffer/append_kernels.cu); the
 // policy layer, which owns the summary rules, with Quest's, ShadowKV's and
-// RetroInfer's (cuda/policy/append_summaries_kernels.cu). So one launch
+// RetroInfer's (cuda/step/append_summaries_kernels.cu). So one launch
 // still does the whole step, and no buffer-layer file includes a policy
 // header.
 //
@@ -17,7 +17,7 @@
 #include <string>
 
 #include "core/launch_support.cuh"
-#include "sparsekv/buffer/device_append_cuda.hpp"
+#include "sparsekv/buffer/append_cuda.hpp"
 
 namespace sparsekv::cuda::detail {
 
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(DeviceAppend a, 
   }
 }
 
-// The checks of buffer/device_append_cuda.hpp's append_tokens.
+// The checks of buffer/append_cuda.hpp's append_tokens.
 inline void check_device_append(const char* function, const DeviceAppend& a) {
   const PageLayout& l = a.layout;
   if (a.q_heads == 0 || a.kv_heads == 0 || l.head_dim == 0 || l.page_tokens == 0) {

@@ -1,4 +1,4 @@
-// Appends on the device without summaries (buffer/device_append_cuda.hpp).
+// Appends on the device without summaries (buffer/append_cuda.hpp).
 #include "buffer/append_kernel.cuh"
 
 namespace sparsekv::cuda {

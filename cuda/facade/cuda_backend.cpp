@@ -7,6 +7,7 @@
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/core/device.hpp"
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/step/device_runtime_cuda.hpp"
 
 namespace sparsekv::cuda {
 namespace {
@@ -157,6 +158,11 @@ void CudaBackend::attend(const AttendCall& call) {
 std::unique_ptr<Backend> make_best_backend() {
   if (cuda_device_count() > 0) return std::make_unique<CudaBackend>();
   return std::make_unique<HostBackend>();
+}
+
+std::unique_ptr<DeviceRuntime> CudaBackend::make_device_runtime(const DeviceRuntimeSetup& setup,
+                                                                TieredKVBuffer& buffer) {
+  return make_cuda_device_runtime(setup, buffer, device_);
 }
 
 }  // namespace sparsekv::cuda

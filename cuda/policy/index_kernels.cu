@@ -1,7 +1,7 @@
 // CUDA kernels of the Index stage (Spin §4.1): Quest page min / max, ShadowKV
 // page mean and outlier score (Spin §4.2), RetroInfer spherical k-means
 // assignment and update (RetroInfer §4.2). Every float result comes from the
-// rules of page_summaries.hpp applied in the host backend's order: sums run
+// rules of summary_rules.hpp applied in the host backend's order: sums run
 // sequentially inside one thread (tokens, rows or dimensions in order), only
 // the independent sums are spread over threads, and no float atomics are used.
 #include <cuda_runtime.h>
@@ -13,7 +13,7 @@
 #include "sparsekv/core/error_code.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
-#include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/summary_rules.hpp"
 
 namespace sparsekv::cuda {
 namespace {
@@ -37,7 +37,7 @@ __device__ const std::byte* key_row(const KeyBlock& keys, std::uint32_t token, s
   return static_cast<const std::byte*>(keys.keys) + element * dtype_size(keys.dtype);
 }
 
-// Key row t of one (page, kv head): the per-thread steps of page_summaries.hpp read through it.
+// Key row t of one (page, kv head): the per-thread steps of summary_rules.hpp read through it.
 struct PageKeys {
   const KeyBlock& keys;
   std::uint32_t first, head;

@@ -1,4 +1,4 @@
-// The decode step's summary store (policy/device_summaries.hpp): per layer
+// The decode step's summary store (policy/summary_store_cuda.hpp): per layer
 // one allocation carved into its arrays, the partition ids written once, and
 // the prefill: the Index kernels into a caller-owned workspace, then one
 // strided device-to-device copy per array into the slot's regions (neither
@@ -13,7 +13,7 @@
 #include "core/launch_support.cuh"
 #include "sparsekv/core/device.hpp"
 #include "sparsekv/core/error_code.hpp"
-#include "sparsekv/policy/device_summaries.hpp"
+#include "sparsekv/policy/summary_store_cuda.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
 
 namespace sparsekv::cuda {

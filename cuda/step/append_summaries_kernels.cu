@@ -1,7 +1,7 @@
 // Appends on the device with the full pages' Quest, ShadowKV or RetroInfer
-// summaries, or their token counts alone (policy/append_summaries_cuda.hpp):
+// summaries, or their token counts alone (step/append_summaries_cuda.hpp):
 // the buffer layer's append kernel instantiated with the per-thread summary
-// steps of page_summaries.hpp, split over the block as the index kernels
+// steps of summary_rules.hpp, split over the block as the index kernels
 // split them (index_kernels.cu).
 #include <cuda_runtime.h>
 
@@ -9,9 +9,9 @@
 #include <string>
 
 #include "buffer/append_kernel.cuh"
-#include "sparsekv/policy/append_summaries_cuda.hpp"
+#include "sparsekv/step/append_summaries_cuda.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
-#include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/summary_rules.hpp"
 
 namespace sparsekv::cuda {
 namespace {

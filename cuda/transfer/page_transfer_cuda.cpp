@@ -1,4 +1,4 @@
-#include "sparsekv/transfer/device_page_transfer.hpp"
+#include "sparsekv/transfer/page_transfer_cuda.hpp"
 
 #include <cuda_runtime.h>
 

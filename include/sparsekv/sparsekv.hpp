@@ -5,7 +5,7 @@
 #include "sparsekv/core/config.hpp"
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/core/model_shape.hpp"
-#include "sparsekv/facade/attend_plan.hpp"
+#include "sparsekv/attention/attend_plan.hpp"
 #include "sparsekv/facade/manager.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/policy/dense.hpp"

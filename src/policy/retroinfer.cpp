@@ -9,7 +9,7 @@
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/metadata/page_table_entries.hpp"
-#include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 
 namespace sparsekv {
@@ -66,7 +66,7 @@ float dot(const float* a, const float* b, std::uint32_t d) {
 // transposed, [d][kpad], kpad a multiple of 8 with zero padding. A register
 // tile of 4 rows x 8 centroids; each lane accumulates its dot product in
 // dimension order, one rounding per multiply and per add, so it equals
-// dot_in_order, and the choice is consider_centroid's (page_summaries.hpp):
+// dot_in_order, and the choice is consider_centroid's (summary_rules.hpp):
 // the same bits as cuda::kmeans_assign. Returns how many labels changed.
 std::uint32_t assign(const float* x, std::uint32_t n, std::uint32_t d, const float* ct, std::uint32_t k,
                      std::uint32_t kpad, std::uint32_t* labels) {
@@ -123,7 +123,7 @@ void transpose_centroids(const float* centroids, std::uint32_t k, std::uint32_t 
   }
 }
 
-// The update step (page_summaries.hpp rules, as cuda::kmeans_update): sums in
+// The update step (summary_rules.hpp rules, as cuda::kmeans_update): sums in
 // row order, renormalise; empty or zero-sum clusters keep their centroid.
 // `sums` and `counts` are scratch of k * d and k elements.
 void update_centroids(const float* x, std::uint32_t n, std::uint32_t d, const std::uint32_t* labels,
@@ -652,75 +652,87 @@ std::optional<Repartition> RetroInferPolicy::append(const LayerContext& ctx, con
 
 void RetroInferPolicy::select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state,
                               Selection& out) const {
+  select_each_head(*this, ctx, q, state, out);
+}
+
+void RetroInferPolicy::select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state,
+                                   std::uint32_t h, std::vector<PartitionId>& ids) const {
   check_state(ctx, state);
   check_decode_query("retroinfer", ctx, q);
-  out.reset(ctx.kv_heads);
+  check_head("retroinfer", ctx, h);
+  ids.clear();
   const std::uint32_t budget = options_.budget_tokens;
-  std::vector<float> scores, rank;
-  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-    const HeadState& head = state.heads[h];
-    std::vector<PartitionId>& ids = out.partitions[h];
-    if (retroinfer_covers(budget, head.tokens)) {  // the budget covers the whole context: Dense
-      ids.resize(head.partitions);
-      std::iota(ids.begin(), ids.end(), PartitionId{0});
-      continue;
-    }
-    const SteadyZone steady = head_steady_zone(head, state.window, retroinfer_token_cap(budget));
-    if (steady.sink) ids.push_back(head.sink.id);
-    const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
-                       static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
-    for (std::uint32_t i = c.older; i < head.recent.size(); ++i) ids.push_back(head.recent[i].id);
-    if (c.size() > 0) {
-      score(ctx, q, h, c, scores, rank);
-      // In rank order: the first cluster that does not fit and every lower-ranked
-      // one are left to the estimation zone.
-      BreakFill fill = retroinfer_retrieval_fill(steady.tokens, budget, options_.retrieval_fraction, c.size());
-      rank_fill(
-          rank, c, fill, [](std::uint32_t) { return true; }, [&](std::uint32_t i) { ids.push_back(c.group(i).id); });
-    }
-    std::sort(ids.begin(), ids.end());
+  const HeadState& head = state.heads[h];
+  if (retroinfer_covers(budget, head.tokens)) {  // the budget covers the whole context: Dense
+    ids.resize(head.partitions);
+    std::iota(ids.begin(), ids.end(), PartitionId{0});
+    return;
   }
+  std::vector<float> scores, rank;
+  const SteadyZone steady = head_steady_zone(head, state.window, retroinfer_token_cap(budget));
+  if (steady.sink) ids.push_back(head.sink.id);
+  const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
+                     static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
+  for (std::uint32_t i = c.older; i < head.recent.size(); ++i) ids.push_back(head.recent[i].id);
+  if (c.size() > 0) {
+    score(ctx, q, h, c, scores, rank);
+    // In rank order: the first cluster that does not fit and every lower-ranked
+    // one are left to the estimation zone.
+    BreakFill fill = retroinfer_retrieval_fill(steady.tokens, budget, options_.retrieval_fraction, c.size());
+    rank_fill(
+        rank, c, fill, [](std::uint32_t) { return true; }, [&](std::uint32_t i) { ids.push_back(c.group(i).id); });
+  }
+  std::sort(ids.begin(), ids.end());
 }
 
 void RetroInferPolicy::attend(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state,
                               const Selection& selection, std::span<AttentionPartial> extra) const {
-  check_state(ctx, state);
-  check_decode_query("retroinfer", ctx, q);
   if (extra.size() != ctx.q_heads || selection.partitions.size() != ctx.kv_heads) {
     fail(ErrorCode::invalid_argument, "retroinfer: attend needs {} partials and {} selections, got {} and {}",
          ctx.q_heads, ctx.kv_heads, extra.size(), selection.partitions.size());
+  }
+  const std::uint32_t group = ctx.group_size();
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    attend_head(ctx, q, state, h, selection.partitions[h], extra.subspan(std::size_t{h} * group, group));
+  }
+}
+
+void RetroInferPolicy::attend_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state,
+                                   std::uint32_t h, std::span<const PartitionId> selection,
+                                   std::span<AttentionPartial> extra) const {
+  check_state(ctx, state);
+  check_decode_query("retroinfer", ctx, q);
+  check_head("retroinfer", ctx, h);
+  const std::uint32_t group = ctx.group_size();
+  if (extra.size() != group) {
+    fail(ErrorCode::invalid_argument, "retroinfer: attend of a kv head needs {} partials, got {}", group,
+         extra.size());
   }
   const std::uint32_t d = ctx.head_dim;
   for (AttentionPartial& partial : extra) partial = AttentionPartial(d);
   if (!options_.estimation) return;
   const std::uint32_t budget = options_.budget_tokens;
-  const std::uint32_t group = ctx.group_size();
+  const HeadState& head = state.heads[h];
+  if (retroinfer_covers(budget, head.tokens)) return;  // everything is exact
+  const SteadyZone steady = head_steady_zone(head, state.window, retroinfer_token_cap(budget));
+  const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
+                     static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
+  const std::uint32_t m = c.size();
+  if (m == 0) return;
   std::vector<float> scores, rank;
-  std::vector<PartitionId> selected;
-  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-    const HeadState& head = state.heads[h];
-    if (retroinfer_covers(budget, head.tokens)) continue;  // everything is exact
-    const SteadyZone steady = head_steady_zone(head, state.window, retroinfer_token_cap(budget));
-    const Candidates c{&head, static_cast<std::uint32_t>(head.clusters.size()),
-                       static_cast<std::uint32_t>(head.recent.size()) - steady.window_parts};
-    const std::uint32_t m = c.size();
-    if (m == 0) continue;
-    score(ctx, q, h, c, scores, rank);
-    selected = selection.partitions[h];
-    std::sort(selected.begin(), selected.end());
-    // The best-ranked partitions the selection does not hold (retrieved ones are exact).
-    BreakFill zone = retroinfer_estimation_fill(options_.estimation_fraction, m);
-    const auto unselected = [&](std::uint32_t i) {
-      return !std::binary_search(selected.begin(), selected.end(), c.group(i).id);
-    };
-    rank_fill(rank, c, zone, unselected, [&](std::uint32_t i) {
-      const Group& g = c.group(i);
-      const float* vs = c.value_sum(i, d);
-      for (std::uint32_t j = 0; j < group; ++j) {
-        add_cluster(extra[h * group + j], scores[std::size_t{j} * m + i], g.tokens, vs);
-      }
-    });
-  }
+  score(ctx, q, h, c, scores, rank);
+  std::vector<PartitionId> selected(selection.begin(), selection.end());
+  std::sort(selected.begin(), selected.end());
+  // The best-ranked partitions the selection does not hold (retrieved ones are exact).
+  BreakFill zone = retroinfer_estimation_fill(options_.estimation_fraction, m);
+  const auto unselected = [&](std::uint32_t i) {
+    return !std::binary_search(selected.begin(), selected.end(), c.group(i).id);
+  };
+  rank_fill(rank, c, zone, unselected, [&](std::uint32_t i) {
+    const Group& g = c.group(i);
+    const float* vs = c.value_sum(i, d);
+    for (std::uint32_t j = 0; j < group; ++j) add_cluster(extra[j], scores[std::size_t{j} * m + i], g.tokens, vs);
+  });
 }
 
 namespace {

@@ -40,6 +40,12 @@ void check_decode_query(std::string_view policy, const LayerContext& ctx, const 
   }
 }
 
+void check_head(std::string_view policy, const LayerContext& ctx, std::uint32_t head) {
+  if (head >= ctx.kv_heads) {
+    fail(ErrorCode::invalid_argument, "{}: kv head {} of {}", policy, head, ctx.kv_heads);
+  }
+}
+
 void check_appended_page(std::string_view policy, const LayerContext& ctx, const AppendedPage& page,
                          bool needs_values) {
   check_kv_view(policy, ctx, page.page, needs_values);

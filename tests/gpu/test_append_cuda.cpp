@@ -1,5 +1,5 @@
-// The append kernel (buffer/device_append_cuda.hpp and
-// policy/append_summaries_cuda.hpp) against its host emulation
+// The append kernel (buffer/append_cuda.hpp and
+// step/append_summaries_cuda.hpp) against its host emulation
 // (append_test_data.hpp), which test_append_rules.cpp checks against the host
 // path: tail pages, saved CPU pages (mapped pinned memory), fp32 q, summaries,
 // their token counts and the error word, bit for bit, for every dtype and summary kind; and bad
@@ -15,7 +15,7 @@
 #include "../append_test_data.hpp"
 #include "../index_test_data.hpp"
 #include "gpu_support.hpp"
-#include "sparsekv/policy/append_summaries_cuda.hpp"
+#include "sparsekv/step/append_summaries_cuda.hpp"
 
 using namespace sparsekv;
 using namespace sparsekv::cuda;

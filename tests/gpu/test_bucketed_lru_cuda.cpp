@@ -20,7 +20,8 @@
 #include "sparsekv/cache/bucketed_lru_cuda.hpp"
 #include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
-#include "sparsekv/transfer/device_page_transfer.hpp"
+#include "sparsekv/buffer/transfer_replica_copy.hpp"
+#include "sparsekv/transfer/page_transfer_cuda.hpp"
 
 using namespace sparsekv;
 using namespace sparsekv::gpu_test;
@@ -102,6 +103,7 @@ TEST_CASE("bucketed_lru_step matches BucketedLru::step bit for bit", "[gpu][lru]
   const std::uint32_t bucket_choices[] = {2, 3, 8, 64, 256};
   DeviceMemoryResource device;
   cuda::DevicePageTransfer transfer;
+  TransferReplicaCopy replica_copy(transfer);
   // Odd seeds: the kernel reads the tables in pinned memory through UVA; even
   // seeds: the GPU-side tables replicated in device memory (Spin §5.2's tier
   // split, GpuTablesReplica), brought back to the host table every step.
@@ -114,8 +116,8 @@ TEST_CASE("bucketed_lru_step matches BucketedLru::step bit for bit", "[gpu][lru]
     std::optional<GpuTablesReplica> replica;
     const RequestId requests[] = {7, kBigRequest, 3};
     if (seed % 2 == 0) {
-      replica.emplace(gpu_table, device, transfer);
-      for (RequestId r : requests) replica->upload(gpu_table, r, transfer);
+      replica.emplace(gpu_table, device, replica_copy);
+      for (RequestId r : requests) replica->upload(gpu_table, r, replica_copy);
       transfer.synchronize();
     }
     BucketedLru lru(buckets);
@@ -161,7 +163,7 @@ TEST_CASE("bucketed_lru_step matches BucketedLru::step bit for bit", "[gpu][lru]
       if (replica) {
         cuda::bucketed_lru_step(replica->gpu_page_view(), replica->lookup(gpu_table), batch, out, buckets, nullptr);
         check(cudaDeviceSynchronize());
-        for (RequestId r : requests) replica->download(gpu_table, r, transfer);
+        for (RequestId r : requests) replica->download(gpu_table, r, replica_copy);
       } else {
         cuda::bucketed_lru_step(gpu_table.gpu_page_view(), gpu_table.lookup(), batch, out, buckets, nullptr);
         check(cudaDeviceSynchronize());

@@ -1,4 +1,4 @@
-// The device-tensor API (facade/device_decoder.hpp) against the host backend:
+// The device-tensor API (step/device_runtime.hpp) against the host backend:
 // the same requests, arriving and finishing at random, through a Manager on
 // HostBackend with host tensors and one on CudaBackend with device tensors on
 // the test's stream. Every step: the plans (selections, LRU page ids, runs)
@@ -255,7 +255,7 @@ TEST_CASE("device-tensor decode: opt-in stage timing splits the steps' stream ti
   options.budget_tokens = 128;
   options.page_tokens_per_partition = 16;
   Manager<QuestPolicy> m(shape, device_config(), QuestPolicy(options), std::make_unique<cuda::CudaBackend>());
-  m.time_device_stages(false);  // makes the decoder before the first add_request
+  m.time_device_stages(false);  // makes the runtime before the first add_request
   Stream stream;
   std::mt19937 rng(11);
   const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;

@@ -1,4 +1,4 @@
-// DeviceSummaries (policy/device_summaries.hpp) on the device, end to end:
+// DeviceSummaries (policy/summary_store_cuda.hpp) on the device, end to end:
 // prompts of three requests written by write_prefill into scattered slots of
 // two layers (another request's prompt in the slot between them), decode
 // pages appended by the append kernel into the store (append_summaries: the
@@ -21,7 +21,7 @@
 #include "../append_test_data.hpp"
 #include "../index_test_data.hpp"
 #include "gpu_support.hpp"
-#include "sparsekv/policy/device_summaries.hpp"
+#include "sparsekv/policy/summary_store_cuda.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/select_cuda.hpp"

@@ -2,7 +2,7 @@
 // inputs: Quest min / max and ShadowKV landmarks / outlier scores against the
 // policies' LayerState for fp32, fp16 and bf16 keys; k-means assignment and
 // update against sparsekv::kmeans_assign / kmeans_update. All bit-exact: both
-// sides run the rules of page_summaries.hpp in the same order.
+// sides run the rules of summary_rules.hpp in the same order.
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 

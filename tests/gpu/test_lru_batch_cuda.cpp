@@ -22,7 +22,8 @@
 #include "sparsekv/cache/lru_batch_cuda.hpp"
 #include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
-#include "sparsekv/transfer/device_page_transfer.hpp"
+#include "sparsekv/buffer/transfer_replica_copy.hpp"
+#include "sparsekv/transfer/page_transfer_cuda.hpp"
 
 using namespace sparsekv;
 using namespace sparsekv::gpu_test;
@@ -33,8 +34,8 @@ namespace {
 // Device buffers of one chained step for `rows` rows of `max_selected`
 // selections and at most `max_pages` pages each, allocated once: a captured
 // graph keeps the pointers.
-struct DeviceStep {
-  DeviceStep(std::uint32_t rows, std::uint32_t max_selected, std::uint32_t max_pages)
+struct DeviceStepInput {
+  DeviceStepInput(std::uint32_t rows, std::uint32_t max_selected, std::uint32_t max_pages)
       : rows(rows), max_selected(max_selected), select_selected(std::size_t{rows} * max_selected),
         select_counts(rows), instances(rows), selection_offsets(std::size_t{rows} + 1),
         page_offsets(std::size_t{rows} + 1), partition_tokens(std::size_t{rows} * max_selected),
@@ -127,8 +128,8 @@ struct Tables {
         for (std::uint32_t h = 0; h < g.kv_heads; ++h) all.push_back({r * 10 + 3, l, h});
     }
     if (!replicate) return;
-    replica.emplace(gpu, device, transfer);
-    for (RequestId r = 0; r < g.max_requests; ++r) replica->upload(gpu, r * 10 + 3, transfer);
+    replica.emplace(gpu, device, replica_copy);
+    for (RequestId r = 0; r < g.max_requests; ++r) replica->upload(gpu, r * 10 + 3, replica_copy);
     transfer.synchronize();
   }
   TwoLevelView<GpuPageEntry> slots() const { return replica ? replica->gpu_page_view() : gpu.gpu_page_view(); }
@@ -136,7 +137,7 @@ struct Tables {
   // The kernels' tables equal the host's (after bringing a replica's back).
   void require_same() {
     if (replica) {
-      for (RequestId r = 0; r < host.geometry().max_requests; ++r) replica->download(gpu, r * 10 + 3, transfer);
+      for (RequestId r = 0; r < host.geometry().max_requests; ++r) replica->download(gpu, r * 10 + 3, replica_copy);
     }
     for (const Head& h : all) require_same_head(host, gpu, h);
     gpu.validate();
@@ -146,6 +147,7 @@ struct Tables {
   HostMemoryResource pinned;  // the kernels read and write it through UVA
   DeviceMemoryResource device;
   cuda::DevicePageTransfer transfer;
+  TransferReplicaCopy replica_copy{transfer};
   HierarchicalPageTable host, gpu;
   std::optional<GpuTablesReplica> replica;
   std::vector<Head> all;
@@ -169,7 +171,7 @@ HostStep host_step(Tables& t, BucketedLru& lru, const std::vector<Head>& heads, 
   return s;
 }
 
-void require_same_step(const DeviceStep& d, const HostStep& s, const CacheStepStats& host_total,
+void require_same_step(const DeviceStepInput& d, const HostStep& s, const CacheStepStats& host_total,
                        const DeviceArray<CacheStepStats>& total, LruTotals& totals) {
   require_same_csr(d.download_glue(), s.batch.selection_offsets, s.batch.selected_all, s.batch.page_offsets, s.tokens);
   require_same_launch(d.download_lru(s.batch), s.batch, totals);
@@ -198,7 +200,7 @@ TEST_CASE("build_lru_batch chained into bucketed_lru_step and accumulate_step_st
       const HostStep s = host_step(t, lru, heads, rng);
       for (const CacheStepStats& h : s.batch.host_stats) host_total += h;
       const std::uint32_t max_selected = longest_row(s.rows) + static_cast<std::uint32_t>(rng() % 4);
-      DeviceStep d(static_cast<std::uint32_t>(heads.size()), max_selected, t.host.geometry().max_gpu_pages_per_head);
+      DeviceStepInput d(static_cast<std::uint32_t>(heads.size()), max_selected, t.host.geometry().max_gpu_pages_per_head);
       d.load(fixed_stride(s.rows, s.batch.instances, max_selected, rng));
       d.enqueue(t.slots(), t.lookup(), buckets, total.data, stream.stream);
       check(cudaStreamSynchronize(stream.stream));
@@ -221,7 +223,7 @@ TEST_CASE("build_lru_batch chained into the LRU step, captured once, replays new
   const PageTableGeometry& g = t.host.geometry();
   const auto rows = static_cast<std::uint32_t>(t.all.size());
   // Capacities: any selection of a head fits.
-  DeviceStep d(rows, g.max_partitions_per_head, g.max_gpu_pages_per_head);
+  DeviceStepInput d(rows, g.max_partitions_per_head, g.max_gpu_pages_per_head);
   DeviceArray<CacheStepStats> total(std::vector<CacheStepStats>(1));
   CacheStepStats host_total;
   LruTotals totals;
@@ -266,7 +268,7 @@ TEST_CASE("build_lru_batch and accumulate_step_stats refuse bad arguments before
   HostMemoryResource pinned;
   HierarchicalPageTable table(emulation_geometry(), pinned, pinned);
   const PartitionLookup lookup = table.lookup();
-  DeviceStep d(4, 8, 8);
+  DeviceStepInput d(4, 8, 8);
   const auto run = [&](const PartitionLookup& l, const cuda::LruBatchInput& in, const cuda::LruBatchOutput& out,
                        std::size_t workspace_bytes) {
     return code_of([&] { cuda::build_lru_batch(l, in, out, d.workspace.data, workspace_bytes, nullptr); });

@@ -15,7 +15,7 @@
 #include "gpu_support.hpp"
 #include "../plan_test_data.hpp"
 #include "sparsekv/cache/cache_step.hpp"
-#include "sparsekv/facade/attend_plan_cuda.hpp"
+#include "sparsekv/attention/attend_plan_cuda.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
 
 using namespace sparsekv;

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <variant>
 #include <vector>
 
 #include "../attention_test_data.hpp"
@@ -395,7 +396,7 @@ TEST_CASE("streaming_select and dense_select equal StreamingWindowPolicy / Dense
         options.budget_tokens = budget;
         options.sink_tokens = sinks;
         const StreamingWindowPolicy policy(options);
-        const DeviceSelectSpec spec = device_select(policy, ctx);
+        const auto spec = std::get<StreamingDeviceSelect>(device_select(policy, ctx));
         const cuda::StreamingSelect streaming{spec.budget_tokens, spec.sink_pages, page_tokens};
         const auto want = host_select(policy, ctx, streaming_batch);
         const auto got = dev.run(cuda::streaming_select_capacity(dev.rows, streaming),

@@ -29,9 +29,11 @@
 // while live_masks is empty.
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "sparsekv/attention/attention_partial.hpp"
+#include "sparsekv/core/ids.hpp"
 #include "sparsekv/memory/page_layout.hpp"
 
 namespace sparsekv {
@@ -55,6 +57,53 @@ struct AttendPlan {
     extra.clear();
     live_masks.clear();
   }
+};
+
+// Splits one (request, kv head)'s pages into runs whose pages are all full
+// but the last, appending them to the plan; returns the runs added: the host
+// plan rule, the reference of the device one (attend_plan_cuda.hpp).
+std::int64_t append_runs(AttendPlan& plan, std::span<const PageId> pages, std::span<const std::uint32_t> tokens,
+                         std::uint32_t page_tokens);
+
+// What the built-in Attend computes for one decode step of one layer.
+struct AttendCall {
+  const AttendPlan* plan = nullptr;
+  PageLayout layout;
+  std::uint32_t batch = 0;
+  std::uint32_t q_heads = 0;
+  std::uint32_t kv_heads = 0;
+  float scale = 1.0f;
+  const float* q = nullptr;  // [batch][q_heads][head_dim], host memory
+  float* out = nullptr;      // [batch][q_heads][head_dim], host memory
+  // Null, or [plan->indices.size()][layout.page_tokens] in host memory: slot
+  // t of page indices[i] gets its softmax probability summed over the q heads
+  // of its kv head's GQA group (decode_attention's slot_weights), 0 for a
+  // dead or unused slot; taken from the attention pass itself.
+  float* slot_weights = nullptr;
+};
+
+// Throws invalid_argument unless call.plan->live_masks is empty, or parallel
+// to its indices with page_tokens <= kMaxMaskedPageTokens. Every Attend of a
+// plan asks it before it writes anything.
+void check_attend_masks(const AttendCall& call);
+
+// The same plan in device memory, built by the device step (attend_plan_cuda.hpp)
+// for the built-in kernel or the engine's: the arrays mean what AttendPlan's do.
+struct DeviceAttendPlan {
+  const std::int64_t* head_entries = nullptr;  // [rows + 1]
+  const std::int64_t* indptr = nullptr;
+  const std::int64_t* indices = nullptr;
+  const std::int32_t* last_page_len = nullptr;
+  const std::byte* gpu_tier_base = nullptr;
+  std::size_t page_bytes = 0;
+  std::uint32_t rows = 0;
+  // RetroInfer's estimation zone (its Attend term, RetroInfer §4.2 eqs. 2-4),
+  // for the engine's kernel to merge by log-sum-exp as
+  // DecodeAttentionExtra: max, sum [rows * group] and acc [rows * group][head_dim];
+  // null for the other policies and without estimation.
+  const float* extra_max = nullptr;
+  const float* extra_sum = nullptr;
+  const float* extra_acc = nullptr;
 };
 
 }  // namespace sparsekv

@@ -13,7 +13,7 @@
 //     copies the whole page (K and V blocks) to the CPU page reserved for it,
 //     cpu_pages[b][h] (mapped pinned host memory written through UVA with
 //     16-byte stores), so the save takes no host round trip; the policy-layer
-//     entry point (policy/append_summaries_cuda.hpp) also summarises it there.
+//     entry point (step/append_summaries_cuda.hpp) also summarises it there.
 //
 // Error word: one uint64 in device memory, set to kNoAppendError by the
 // caller; every bad value lowers it with atomicMin to its append_error_key,

@@ -1,5 +1,5 @@
 #pragma once
-// The device prefill's finiteness check (facade/device_decoder.hpp,
+// The device prefill's finiteness check (step/device_runtime.hpp,
 // check_prompt): the index of the first non-finite element of a device
 // tensor, so that non-finite prompt K/V is refused before it reaches the CPU
 // tier, the source of truth, as the host prefill refuses it.

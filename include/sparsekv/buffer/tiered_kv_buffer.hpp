@@ -199,7 +199,7 @@ class TieredKVBuffer {
   // The device prefill's Offload (docs/device-decode.md): the checks and
   // mapping of offload() with no byte moved; placements[t * kv_heads + h]
   // ([tokens][kv_heads], the engine layout's row order) is where token t of
-  // kv head h goes, for the caller to write (DeviceDecoder::offload_prompt,
+  // kv head h goes, for the caller to write (DeviceRuntime::offload_prompt,
   // through the staged D2H path) before anything reads those pages. Throws
   // what offload() throws, changing nothing.
   void offload_on_device(RequestId request, std::uint32_t layer, std::uint32_t tokens,

@@ -20,8 +20,9 @@
 #include <memory>
 #include <vector>
 
-#include "sparsekv/facade/backend.hpp"
-#include "sparsekv/transfer/device_page_transfer.hpp"
+#include "sparsekv/facade/host_backend.hpp"
+#include "sparsekv/step/backend.hpp"
+#include "sparsekv/transfer/page_transfer_cuda.hpp"
 
 namespace sparsekv::cuda {
 
@@ -46,8 +47,8 @@ class CudaBackend final : public Backend {
   bool is_device_pointer(const void* p) const override;
   void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) override;
   void copy_to_device(void* device, const void* host, std::size_t bytes, void* stream) override;
-  // The device-tensor API's decoder (cuda/facade/device_decoder.cpp).
-  std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderSetup& setup,
+  // The device-tensor API's runtime (cuda/step/device_runtime.cpp).
+  std::unique_ptr<DeviceRuntime> make_device_runtime(const DeviceRuntimeSetup& setup,
                                                      TieredKVBuffer& buffer) override;
 
  private:

@@ -19,30 +19,29 @@
 #include "sparsekv/metadata/hierarchical_page_table.hpp"
 #include "sparsekv/metadata/partition_lookup.hpp"
 #include "sparsekv/metadata/table_replica.hpp"
-#include "sparsekv/transfer/page_transfer.hpp"
 
 namespace sparsekv {
 
 class GpuTablesReplica {
  public:
-  GpuTablesReplica(const HierarchicalPageTable& table, MemoryResource& memory, PageTransfer& transfer)
-      : meta_(table.meta_table(), memory, transfer), gpu_pages_(table.gpu_page_table(), memory, transfer) {}
+  GpuTablesReplica(const HierarchicalPageTable& table, MemoryResource& memory, ReplicaCopy& copy)
+      : meta_(table.meta_table(), memory, copy), gpu_pages_(table.gpu_page_table(), memory, copy) {}
 
-  // Every (layer, kv head) of `request`, master -> replica; enqueued on `transfer`.
-  void upload(const HierarchicalPageTable& table, RequestId request, PageTransfer& transfer) {
+  // Every (layer, kv head) of `request`, master -> replica; enqueued on `copy`.
+  void upload(const HierarchicalPageTable& table, RequestId request, ReplicaCopy& copy) {
     for_each_head(table, request, [&](std::size_t i) {
-      meta_.upload(table.meta_table(), i, transfer);
-      gpu_pages_.upload(table.gpu_page_table(), i, transfer);
+      meta_.upload(table.meta_table(), i, copy);
+      gpu_pages_.upload(table.gpu_page_table(), i, copy);
     });
   }
   // Every (layer, kv head) of `request`, replica -> master; returns with the
-  // bytes in the master (one transfer.synchronize()).
-  void download(const HierarchicalPageTable& table, RequestId request, PageTransfer& transfer) {
+  // bytes in the master (one copy.wait()).
+  void download(const HierarchicalPageTable& table, RequestId request, ReplicaCopy& copy) {
     for_each_head(table, request, [&](std::size_t i) {
-      meta_.download(table.meta_table(), i, transfer);
-      gpu_pages_.download(table.gpu_page_table(), i, transfer);
+      meta_.download(table.meta_table(), i, copy);
+      gpu_pages_.download(table.gpu_page_table(), i, copy);
     });
-    transfer.synchronize();
+    copy.wait();
   }
 
   // The writes that bring meta-partition entries [first, first + count) of

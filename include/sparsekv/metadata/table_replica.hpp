@@ -5,38 +5,57 @@
 // its bookkeeping. The replica has the master's geometry and segment
 // numbering, so directories are copied verbatim and a view of the replica
 // resolves every index to the replica's copy of the master's entry. Bytes
-// move through a PageTransfer (memcpy on the host backend, the backend's
-// stream on the device), so CI runs the same code the device path does.
+// move through a ReplicaCopy that the layer owning the memory supplies
+// (buffer/transfer_replica_copy.hpp: the buffer's PageTransfer, memcpy on the
+// host backend and the backend's stream on the device), so CI runs the same
+// code the device path does and this layer needs no transfer of its own.
 //
 // Who writes what: kernels write entries only, never directories or lengths.
 // The host changes the master (resize, new entries) and uploads the instance
 // before a launch reads it; it downloads an instance's entries before it
 // reads or changes what a kernel wrote there.
 //
-// Ordering is the caller's: the copies run in the transfer's order (the
+// Ordering is the caller's: the copies run in the ReplicaCopy's order (the
 // device transfer's own stream). Before a launch reads the replica, complete
-// the uploads or order the launch's stream after the transfer's (the
+// the uploads or order the launch's stream after the copies (the
 // constructor's directory copy included); enqueue a download only once the
 // kernels that wrote the entries are complete.
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <vector>
 
 #include "sparsekv/memory/memory_resource.hpp"
 #include "sparsekv/metadata/replica_word_write.hpp"
 #include "sparsekv/metadata/two_level_table.hpp"
-#include "sparsekv/transfer/page_transfer.hpp"
 
 namespace sparsekv {
+
+// One block a replica copy moves: `bytes` (ReplicaCopy's argument) from src to dst.
+struct ReplicaMove {
+  const std::byte* src = nullptr;
+  std::byte* dst = nullptr;
+};
+
+// How a replica's bytes move between the master (host memory) and the
+// replica's memory. Copies may complete later, in the order they were asked
+// for; wait() returns once every copy asked for so far has landed.
+class ReplicaCopy {
+ public:
+  virtual ~ReplicaCopy() = default;
+  virtual void to_replica(std::span<const ReplicaMove> moves, std::size_t bytes) = 0;
+  virtual void to_master(std::span<const ReplicaMove> moves, std::size_t bytes) = 0;
+  virtual void wait() = 0;
+};
 
 template <class Entry>
 class TableReplica {
  public:
   // Allocates the replica in `memory` and copies the master's whole
-  // directory (every instance's row and length) through `transfer`.
-  TableReplica(const TwoLevelTable<Entry>& master, MemoryResource& memory, PageTransfer& transfer)
+  // directory (every instance's row and length) through `copy`.
+  TableReplica(const TwoLevelTable<Entry>& master, MemoryResource& memory, ReplicaCopy& copy)
       : memory_(&memory),
         instances_(instance_count(master)),
         directory_length_(master.directory_length()),
@@ -51,8 +70,8 @@ class TableReplica {
       throw;
     }
     const TwoLevelView<Entry> m = master.view();
-    const PageMove whole{reinterpret_cast<const std::byte*>(m.directory), reinterpret_cast<std::byte*>(directory_)};
-    transfer.write({&whole, 1}, directory_bytes_);
+    const ReplicaMove whole{reinterpret_cast<const std::byte*>(m.directory), reinterpret_cast<std::byte*>(directory_)};
+    copy.to_replica({&whole, 1}, directory_bytes_);
   }
   ~TableReplica() {
     memory_->deallocate(segments_, pool_bytes_);
@@ -67,17 +86,17 @@ class TableReplica {
   }
 
   // Makes the replica's `instance` equal to the master's: directory row,
-  // length and every entry of its segments. Enqueued on `transfer`.
-  void upload(const TwoLevelTable<Entry>& master, std::size_t instance, PageTransfer& transfer) {
+  // length and every entry of its segments. Enqueued on `copy`.
+  void upload(const TwoLevelTable<Entry>& master, std::size_t instance, ReplicaCopy& copy) {
     const TwoLevelView<Entry> m = master.view();
-    const PageMove row{reinterpret_cast<const std::byte*>(m.directory + instance * directory_length_),
+    const ReplicaMove row{reinterpret_cast<const std::byte*>(m.directory + instance * directory_length_),
                        reinterpret_cast<std::byte*>(directory_ + instance * directory_length_)};
-    transfer.write({&row, 1}, std::size_t{directory_length_} * sizeof(std::uint32_t));
-    const PageMove length{reinterpret_cast<const std::byte*>(m.lengths + instance),
+    copy.to_replica({&row, 1}, std::size_t{directory_length_} * sizeof(std::uint32_t));
+    const ReplicaMove length{reinterpret_cast<const std::byte*>(m.lengths + instance),
                           reinterpret_cast<std::byte*>(lengths() + instance)};
-    transfer.write({&length, 1}, sizeof(std::uint32_t));
+    copy.to_replica({&length, 1}, sizeof(std::uint32_t));
     segment_moves(master, instance, true);
-    transfer.write(moves_, segment_bytes_);
+    copy.to_replica(moves_, segment_bytes_);
   }
 
   // The writes that make entries [first, first + count) of `instance`, its
@@ -111,12 +130,12 @@ class TableReplica {
   }
 
   // Copies the replica's entries of `instance` into the master, whose
-  // directory and length it mirrors. Enqueued on `transfer`: the master holds
-  // them once transfer.synchronize() returns (a sync on the device path, for
-  // the host's bookkeeping, off the step's path).
-  void download(const TwoLevelTable<Entry>& master, std::size_t instance, PageTransfer& transfer) {
+  // directory and length it mirrors. Enqueued on `copy`: the master holds
+  // them once copy.wait() returns (a sync on the device path, for the host's
+  // bookkeeping, off the step's path).
+  void download(const TwoLevelTable<Entry>& master, std::size_t instance, ReplicaCopy& copy) {
     segment_moves(master, instance, false);
-    transfer.save(moves_, segment_bytes_);
+    copy.to_master(moves_, segment_bytes_);
   }
 
  private:
@@ -155,7 +174,7 @@ class TableReplica {
   std::size_t segment_bytes_;
   std::uint32_t* directory_ = nullptr;
   Entry* segments_ = nullptr;
-  std::vector<PageMove> moves_;  // scratch
+  std::vector<ReplicaMove> moves_;  // scratch
 };
 
 }  // namespace sparsekv

@@ -18,6 +18,8 @@ namespace sparsekv {
 
 class AnyPolicy {
  public:
+  using LayerState = std::any;  // the wrapped policy's LayerState
+
   template <SparseAttention P>
   explicit AnyPolicy(P policy) : impl_(std::make_shared<Model<P>>(std::move(policy))) {}
 
@@ -36,6 +38,18 @@ class AnyPolicy {
   void select(const LayerContext& ctx, const DecodeQuery& q, const std::any& state, Selection& out) const {
     impl_->select(ctx, q, state, out);
   }
+  // SelectsByHead / AttendsByHead of the wrapped policy; the calls write
+  // nothing for a policy without them.
+  bool selects_by_head() const { return impl_->selects_by_head(); }
+  void select_head(const LayerContext& ctx, const DecodeQuery& q, const std::any& state, std::uint32_t head,
+                   std::vector<PartitionId>& ids) const {
+    impl_->select_head(ctx, q, state, head, ids);
+  }
+  bool attends_by_head() const { return impl_->attends_by_head(); }
+  void attend_head(const LayerContext& ctx, const DecodeQuery& q, const std::any& state, std::uint32_t head,
+                   std::span<const PartitionId> selected, std::span<AttentionPartial> extra) const {
+    impl_->attend_head(ctx, q, state, head, selected, extra);
+  }
   // For policies without CustomAttend, leaves `extra` untouched.
   void attend(const LayerContext& ctx, const DecodeQuery& q, const std::any& state, const Selection& s,
               std::span<AttentionPartial> extra) const {
@@ -44,16 +58,16 @@ class AnyPolicy {
   std::uint32_t mandatory_pages(const LayerContext& ctx) const { return impl_->mandatory_pages(ctx); }
   // The policy's HeadCapacity; nullopt when it declares none.
   std::optional<HeadCapacity> head_capacity(const LayerContext& ctx) const { return impl_->head_capacity(ctx); }
-  // The wrapped policy's device Select (policy/device_select.hpp).
-  DeviceSelectSpec device_select(const LayerContext& ctx) const { return impl_->device_select(ctx); }
-  DeviceSelectRow device_select_row(const std::any& state, std::uint32_t head, std::uint32_t unfed_pages) const {
-    return impl_->device_select_row(state, head, unfed_pages);
+  // The wrapped policy's device Select and the host state it reads (policy/device_select.hpp).
+  DeviceSelect device_select(const LayerContext& ctx) const { return impl_->device_select(ctx); }
+  HostStateRow host_state_row(const std::any& state, std::uint32_t head, std::uint32_t unfed_pages) const {
+    return impl_->host_state_row(state, head, unfed_pages);
   }
-  bool device_index_update_due(const std::any& state, std::uint32_t pending_tokens) const {
-    return impl_->device_index_update_due(state, pending_tokens);
+  bool host_index_update_due(const std::any& state, std::uint32_t pending_tokens) const {
+    return impl_->host_index_update_due(state, pending_tokens);
   }
-  void device_summary_rows(const std::any& state, std::uint32_t head, DeviceSummaryRows& out) const {
-    impl_->device_summary_rows(state, head, out);
+  void host_summary_rows(const std::any& state, std::uint32_t head, HostSummaryRows& out) const {
+    impl_->host_summary_rows(state, head, out);
   }
   // Token eviction (token_eviction.hpp). For policies that evict nothing:
   // false, no weights, an empty list per kv head, and no-ops.
@@ -84,14 +98,20 @@ class AnyPolicy {
     virtual std::vector<PartitionSpec> index(const LayerContext&, const KvView&, std::any&) const = 0;
     virtual std::optional<Repartition> append(const LayerContext&, const AppendedPage&, std::any&) const = 0;
     virtual void select(const LayerContext&, const DecodeQuery&, const std::any&, Selection&) const = 0;
+    virtual bool selects_by_head() const = 0;
+    virtual void select_head(const LayerContext&, const DecodeQuery&, const std::any&, std::uint32_t,
+                             std::vector<PartitionId>&) const = 0;
+    virtual bool attends_by_head() const = 0;
+    virtual void attend_head(const LayerContext&, const DecodeQuery&, const std::any&, std::uint32_t,
+                             std::span<const PartitionId>, std::span<AttentionPartial>) const = 0;
     virtual void attend(const LayerContext&, const DecodeQuery&, const std::any&, const Selection&,
                         std::span<AttentionPartial>) const = 0;
     virtual std::uint32_t mandatory_pages(const LayerContext&) const = 0;
     virtual std::optional<HeadCapacity> head_capacity(const LayerContext&) const = 0;
-    virtual DeviceSelectSpec device_select(const LayerContext&) const = 0;
-    virtual DeviceSelectRow device_select_row(const std::any&, std::uint32_t, std::uint32_t) const = 0;
-    virtual bool device_index_update_due(const std::any&, std::uint32_t) const = 0;
-    virtual void device_summary_rows(const std::any&, std::uint32_t, DeviceSummaryRows&) const = 0;
+    virtual DeviceSelect device_select(const LayerContext&) const = 0;
+    virtual HostStateRow host_state_row(const std::any&, std::uint32_t, std::uint32_t) const = 0;
+    virtual bool host_index_update_due(const std::any&, std::uint32_t) const = 0;
+    virtual void host_summary_rows(const std::any&, std::uint32_t, HostSummaryRows&) const = 0;
     virtual bool evicts() const = 0;
     virtual bool needs_weights() const = 0;
     virtual void evict(const LayerContext&, const EvictionContext&, std::any&, Eviction&) const = 0;
@@ -118,29 +138,33 @@ class AnyPolicy {
     void select(const LayerContext& c, const DecodeQuery& q, const std::any& s, Selection& out) const override {
       policy.select(c, q, std::any_cast<const State&>(s), out);
     }
+    bool selects_by_head() const override { return SelectsByHead<P>; }
+    void select_head(const LayerContext& c, const DecodeQuery& q, const std::any& s, std::uint32_t head,
+                     std::vector<PartitionId>& ids) const override {
+      select_one_head(policy, c, q, std::any_cast<const State&>(s), head, ids);
+    }
+    bool attends_by_head() const override { return AttendsByHead<P>; }
+    void attend_head(const LayerContext& c, const DecodeQuery& q, const std::any& s, std::uint32_t head,
+                     std::span<const PartitionId> selected, std::span<AttentionPartial> extra) const override {
+      attend_one_head(policy, c, q, std::any_cast<const State&>(s), head, selected, extra);
+    }
     void attend(const LayerContext& c, const DecodeQuery& q, const std::any& s, const Selection& sel,
                 std::span<AttentionPartial> extra) const override {
       if constexpr (CustomAttend<P>) policy.attend(c, q, std::any_cast<const State&>(s), sel, extra);
     }
     std::uint32_t mandatory_pages(const LayerContext& c) const override { return policy.mandatory_pages(c); }
     std::optional<HeadCapacity> head_capacity(const LayerContext& c) const override {
-      if constexpr (DeclaresHeadCapacity<P>) {
-        return policy.head_capacity(c);
-      } else {
-        return std::nullopt;
-      }
+      return declared_head_capacity(policy, c);
     }
-    DeviceSelectSpec device_select(const LayerContext& c) const override {
-      return sparsekv::device_select(policy, c);
+    DeviceSelect device_select(const LayerContext& c) const override { return sparsekv::device_select(policy, c); }
+    HostStateRow host_state_row(const std::any& s, std::uint32_t head, std::uint32_t unfed) const override {
+      return sparsekv::host_state_row(policy, std::any_cast<const State&>(s), head, unfed);
     }
-    DeviceSelectRow device_select_row(const std::any& s, std::uint32_t head, std::uint32_t unfed) const override {
-      return sparsekv::device_select_row(policy, std::any_cast<const State&>(s), head, unfed);
+    bool host_index_update_due(const std::any& s, std::uint32_t pending_tokens) const override {
+      return sparsekv::host_index_update_due(policy, std::any_cast<const State&>(s), pending_tokens);
     }
-    bool device_index_update_due(const std::any& s, std::uint32_t pending_tokens) const override {
-      return sparsekv::device_index_update_due(policy, std::any_cast<const State&>(s), pending_tokens);
-    }
-    void device_summary_rows(const std::any& s, std::uint32_t head, DeviceSummaryRows& out) const override {
-      sparsekv::device_summary_rows(policy, std::any_cast<const State&>(s), head, out);
+    void host_summary_rows(const std::any& s, std::uint32_t head, HostSummaryRows& out) const override {
+      sparsekv::host_summary_rows(policy, std::any_cast<const State&>(s), head, out);
     }
     bool evicts() const override { return TokenEviction<P>; }
     bool needs_weights() const override { return needs_token_weights(policy); }
@@ -181,5 +205,52 @@ std::vector<std::string> eviction_policy_names();
 }  // namespace sparsekv
 
 namespace sparsekv {
-inline DeviceSelectSpec device_select(const AnyPolicy& p, const LayerContext& ctx) { return p.device_select(ctx); }
+
+// The step's calls (sparse_attention.hpp, token_eviction.hpp, device_select.hpp)
+// on a policy chosen at run time: one virtual call each.
+inline std::any make_layer_state(const AnyPolicy& p) { return p.make_state(); }
+inline std::string_view policy_name(const AnyPolicy& p) { return p.name(); }
+inline bool has_custom_attend(const AnyPolicy& p) { return p.has_attend(); }
+inline void custom_attend(const AnyPolicy& p, const LayerContext& ctx, const DecodeQuery& q, const std::any& state,
+                          const Selection& selection, std::span<AttentionPartial> extra) {
+  p.attend(ctx, q, state, selection, extra);
+}
+inline bool selects_by_head(const AnyPolicy& p) { return p.selects_by_head(); }
+inline void select_one_head(const AnyPolicy& p, const LayerContext& ctx, const DecodeQuery& q, const std::any& state,
+                            std::uint32_t head, std::vector<PartitionId>& ids) {
+  p.select_head(ctx, q, state, head, ids);
+}
+inline bool attends_by_head(const AnyPolicy& p) { return p.attends_by_head(); }
+inline void attend_one_head(const AnyPolicy& p, const LayerContext& ctx, const DecodeQuery& q, const std::any& state,
+                            std::uint32_t head, std::span<const PartitionId> selected,
+                            std::span<AttentionPartial> extra) {
+  p.attend_head(ctx, q, state, head, selected, extra);
+}
+inline std::optional<HeadCapacity> declared_head_capacity(const AnyPolicy& p, const LayerContext& ctx) {
+  return p.head_capacity(ctx);
+}
+inline bool evicts_tokens(const AnyPolicy& p) { return p.evicts(); }
+inline bool needs_token_weights(const AnyPolicy& p) { return p.needs_weights(); }
+inline void token_placed(const AnyPolicy& p, const LayerContext& ctx, std::uint32_t position, std::any& state) {
+  p.placed(ctx, position, state);
+}
+inline void observe_weights(const AnyPolicy& p, const LayerContext& ctx, const TokenWeights& w, std::any& state) {
+  p.observe(ctx, w, state);
+}
+inline void evict_tokens(const AnyPolicy& p, const LayerContext& ctx, const EvictionContext& e, std::any& state,
+                         Eviction& out) {
+  p.evict(ctx, e, state, out);
+}
+inline DeviceSelect device_select(const AnyPolicy& p, const LayerContext& ctx) { return p.device_select(ctx); }
+inline HostStateRow host_state_row(const AnyPolicy& p, const std::any& state, std::uint32_t head,
+                                   std::uint32_t unfed_pages) {
+  return p.host_state_row(state, head, unfed_pages);
+}
+inline bool host_index_update_due(const AnyPolicy& p, const std::any& state, std::uint32_t pending_tokens) {
+  return p.host_index_update_due(state, pending_tokens);
+}
+inline void host_summary_rows(const AnyPolicy& p, const std::any& state, std::uint32_t head, HostSummaryRows& out) {
+  p.host_summary_rows(state, head, out);
+}
+
 }  // namespace sparsekv

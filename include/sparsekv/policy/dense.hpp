@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <vector>
 
@@ -32,11 +33,14 @@ class DensePolicy {
     for (auto& count : state.partitions) ++count;
     return std::nullopt;
   }
-  void select(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, Selection& out) const {
-    out.reset(ctx.kv_heads);
-    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-      for (PartitionId p = 0; p < state.partitions[h]; ++p) out.partitions[h].push_back(p);
-    }
+  void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
+    select_each_head(*this, ctx, q, state, out);
+  }
+  void select_head(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, std::uint32_t h,
+                   std::vector<PartitionId>& ids) const {
+    check_head(kName, ctx, h);
+    ids.resize(state.partitions.at(h));
+    std::iota(ids.begin(), ids.end(), PartitionId{0});
   }
   // Prefill's last page may be partial: one page more than the tokens fill
   // (in 64 bits, saturated: a context near 2^32 tokens must not wrap to a few pages).
@@ -45,5 +49,11 @@ class DensePolicy {
     return static_cast<std::uint32_t>(std::min<std::uint64_t>(pages, std::numeric_limits<std::uint32_t>::max()));
   }
 };
+
+// Dense's device Select (policy/device_select.hpp): every candidate.
+struct DenseDeviceSelect {
+  using Policy = DensePolicy;
+};
+inline DenseDeviceSelect device_select_spec(const DensePolicy&, const LayerContext&) { return {}; }
 
 }  // namespace sparsekv

@@ -1,17 +1,24 @@
 #pragma once
 // Which policies select on the device, and with what (the device decode step,
-// docs/device-decode.md): Quest (Tang et al. 2024, min / max bound) and
+// docs/device-decode.md). Each policy that has a device Select declares its
+// own spec beside it (QuestDeviceSelect in quest.hpp, ShadowKVDeviceSelect,
+// StreamingDeviceSelect, DenseDeviceSelect, RetroInferDeviceSelect) and a
+// device_select_spec(policy, ctx) that makes it; DeviceSelect is the one of
+// them a layer uses, and the device step dispatches on it once, at its entry
+// (step/device_runtime.hpp). Quest (Tang et al. 2024, min / max bound) and
 // ShadowKV (Sun et al. 2024; Spin §4.2, landmarks + outliers) run the kernels
 // of policy/select_cuda.hpp over summaries kept on the device, equal to their
 // host select() bit for bit. StreamingWindow (StreamingLLM) and Dense select
 // from the candidates' positions and token counts alone (no summaries: the
 // store keeps only token counts). RetroInfer (Chen et al. 2025, §4.2) ranks
-// centroids kept on the device and hands its estimation zone to the
-// attention kernel; its clustering stays on the host (device_select_row,
-// device_index_update_due below; docs/device-decode.md, "RetroInfer"). Every
-// other policy answers Kind::none and is served by the host-tensor API.
-#include <algorithm>
+// centroids kept on the device; its clustering stays on the host, whose state
+// its rows read (host_state_row below). Every other policy has none
+// (std::monostate) and is served by the host-tensor API.
 #include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "sparsekv/policy/dense.hpp"
@@ -21,119 +28,122 @@
 #include "sparsekv/policy/shadowkv.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 #include "sparsekv/policy/streaming_window.hpp"
+#include "sparsekv/policy/summary_store_cuda.hpp"
 
 namespace sparsekv {
 
-struct DeviceSelectSpec {
-  enum class Kind : std::uint8_t { none, quest, shadowkv, streaming, dense, retroinfer };
-  Kind kind = Kind::none;
-  std::uint32_t budget_tokens = 0;
-  std::uint32_t partition_tokens = 0;  // tokens of each prompt partition (the last may be short)
-  bool dense_layer = false;            // quest: a layer below dense_layers selects everything
-  std::uint32_t recent_tokens = 0;     // shadowkv
-  std::uint32_t outlier_pages = 0;     // shadowkv: outlier_count()
-  std::uint32_t sink_pages = 0;        // streaming: the pages its sink tokens span
-  std::uint32_t sink_tokens = 0;       // quest: its steady zone's sink ...
-  std::uint32_t window_tokens = 0;     // ... and recent window (QuestPolicy::window_tokens())
-  float spread = 1.0f;                 // quest: its score's spread (QuestPolicy::Options::spread)
-  // retroinfer: the zones' fractions (retrieval_fraction applies with
-  // budget_tokens 0, no budget), and whether the estimation zone is
-  // attended. Its rows also read the host policy state (device_select_row),
-  // which the Manager keeps: indexed at prefill, fed the saved decode pages at
-  // each index update (device_index_update_due).
-  float retrieval_fraction = 0.0f;
-  float estimation_fraction = 0.0f;
-  bool estimation = false;
-  // The partition id of a head's first candidate: RetroInfer's sink is
-  // partition 0 and no candidate (it joins a selection by the steady zone).
-  std::uint32_t first_partition = 0;
-  bool host_state = false;  // rows read device_select_row of the host state
-};
+using DeviceSelect = std::variant<std::monostate, QuestDeviceSelect, ShadowKVDeviceSelect, StreamingDeviceSelect,
+                                  DenseDeviceSelect, RetroInferDeviceSelect>;
 
-// What one (request, kv head) row of a device Select reads from the host
-// policy state besides the summaries (RetroInfer's sink and steady zone);
-// zero for the policies whose state the device Select does not read.
-struct DeviceSelectRow {
+namespace detail {
+template <class Spec>
+struct UnwrapSpec {
+  using type = Spec;
+};
+template <class Spec>
+struct UnwrapSpec<std::optional<Spec>> {
+  using type = Spec;
+};
+}  // namespace detail
+
+// The device Select of policy `p` in the layer of `ctx`, or std::monostate. A
+// spec serves exactly the policy type it names (Spec::Policy): a policy
+// derived from a built-in one may select differently, so it has none.
+template <class P>
+DeviceSelect device_select(const P& p, const LayerContext& ctx) {
+  if constexpr (requires { device_select_spec(p, ctx); }) {
+    using Made = decltype(device_select_spec(p, ctx));
+    if constexpr (!std::is_same_v<typename detail::UnwrapSpec<Made>::type::Policy, P>) {
+      return {};
+    } else {
+      Made spec = device_select_spec(p, ctx);
+      if constexpr (std::is_same_v<Made, typename detail::UnwrapSpec<Made>::type>) {
+        return DeviceSelect{spec};
+      } else {
+        if (!spec) return {};
+        return DeviceSelect{*spec};
+      }
+    }
+  } else {
+    return {};
+  }
+}
+
+inline bool selects_on_device(const DeviceSelect& s) { return !std::holds_alternative<std::monostate>(s); }
+
+// Whether a row of the Select reads the host policy state (RetroInfer's sink
+// and steady zone, host_state_row), which the step then keeps in step.
+inline bool reads_host_state(const DeviceSelect& s) { return std::holds_alternative<RetroInferDeviceSelect>(s); }
+
+// The partition id of a row's first candidate (RetroInfer's sink is none).
+inline std::uint32_t first_candidate_partition(const DeviceSelect& s) {
+  const auto* retro = std::get_if<RetroInferDeviceSelect>(&s);
+  return retro != nullptr ? retro->first_partition : 0;
+}
+
+// The summaries a Select reads on the device (the positional kinds only token
+// counts); AppendSummary::none for a policy without a device Select.
+inline cuda::AppendSummary summary_kind(const DeviceSelect& s) {
+  using Summary = cuda::AppendSummary;
+  constexpr Summary kinds[] = {Summary::none, Summary::quest, Summary::shadowkv, Summary::tokens, Summary::tokens,
+                               Summary::retroinfer};
+  static_assert(std::size(kinds) == std::variant_size_v<DeviceSelect>);
+  return kinds[s.index()];
+}
+
+// The partitions one device Select of `s` may return per row of at most
+// `max_partitions` candidates: the bound the Select kernels hold their output
+// array to (cuda::select_capacity; they cannot assume page-sized partitions,
+// so Quest and ShadowKV need up to budget_tokens slots, not budget / page
+// tokens). The step sizes its selection arrays by the largest over layers.
+inline std::uint32_t select_capacity(const DeviceSelect& s, std::uint32_t max_partitions, std::uint32_t page_tokens) {
+  struct Capacity {
+    std::uint32_t max_partitions, page_tokens;
+    std::uint32_t operator()(std::monostate) const { return 0; }
+    std::uint32_t operator()(const QuestDeviceSelect& q) const {
+      return cuda::select_capacity(max_partitions, q.budget_tokens, q.dense_layer, 0);
+    }
+    std::uint32_t operator()(const ShadowKVDeviceSelect& k) const {
+      return cuda::select_capacity(max_partitions, k.budget_tokens, false, 0);
+    }
+    std::uint32_t operator()(const StreamingDeviceSelect& w) const {
+      const std::uint64_t pages = (std::uint64_t{w.budget_tokens} + page_tokens - 1) / page_tokens;
+      return cuda::select_capacity(max_partitions,
+                                   static_cast<std::uint32_t>(std::min<std::uint64_t>(pages, 0xffffffffu)), false, 0);
+    }
+    std::uint32_t operator()(const DenseDeviceSelect&) const {
+      return cuda::select_capacity(max_partitions, 0, true, 0);
+    }
+    std::uint32_t operator()(const RetroInferDeviceSelect& r) const {
+      // The sink besides the candidates; no budget (0): the whole row.
+      return cuda::select_capacity(max_partitions, r.budget_tokens, r.budget_tokens == 0, 1);
+    }
+  };
+  return std::visit(Capacity{max_partitions, page_tokens}, s);
+}
+
+// ---- The host state a device Select reads (RetroInfer) ---------------------
+
+// What one (request, kv head) row reads from the host policy state besides
+// the summaries (RetroInfer's sink and steady zone); zero for the policies
+// whose state the device Select does not read.
+struct HostStateRow {
   PartitionId sink_partition = 0;
   std::uint32_t sink_tokens = 0;  // 0: no sink
   std::uint32_t recent = 0;       // how many of the row's last candidates are recent partitions
   std::uint32_t window = 0;       // the steady window in tokens
 };
 
-template <class P>
-DeviceSelectSpec device_select(const P&, const LayerContext&) {
-  return {};
-}
-
-// Quest's decode partitions are single pages (its append), so its prompt
-// partitions must be too for one summary per partition on the device; a
-// coarser page_tokens_per_partition keeps it on the host-tensor API.
-inline DeviceSelectSpec device_select(const QuestPolicy& p, const LayerContext& ctx) {
-  DeviceSelectSpec s;
-  if (p.partition_tokens(ctx) != ctx.page_tokens) return s;
-  s.kind = DeviceSelectSpec::Kind::quest;
-  s.budget_tokens = p.options().budget_tokens;
-  s.partition_tokens = ctx.page_tokens;
-  s.dense_layer = ctx.layer < p.options().dense_layers;
-  s.sink_tokens = p.options().sink_tokens;
-  s.window_tokens = p.window_tokens();
-  s.spread = p.options().spread;
-  return s;
-}
-
-inline DeviceSelectSpec device_select(const ShadowKVPolicy& p, const LayerContext& ctx) {
-  DeviceSelectSpec s;
-  s.kind = DeviceSelectSpec::Kind::shadowkv;
-  s.budget_tokens = p.options().budget_tokens;
-  s.partition_tokens = ctx.page_tokens;
-  s.recent_tokens = p.options().recent_tokens;
-  s.outlier_pages = p.outlier_count();
-  return s;
-}
-
-// One page per partition, as both policies index; the budget counts tokens.
-inline DeviceSelectSpec device_select(const StreamingWindowPolicy& p, const LayerContext& ctx) {
-  DeviceSelectSpec s;
-  s.kind = DeviceSelectSpec::Kind::streaming;
-  s.budget_tokens = p.options().budget_tokens;
-  s.partition_tokens = ctx.page_tokens;
-  // StreamingWindowPolicy::select's sink_pages: ceil(sink_tokens / page_tokens) in 64 bits.
-  s.sink_pages = static_cast<std::uint32_t>((std::uint64_t{p.options().sink_tokens} + ctx.page_tokens - 1) /
-                                            ctx.page_tokens);
-  return s;
-}
-
-inline DeviceSelectSpec device_select(const DensePolicy&, const LayerContext& ctx) {
-  DeviceSelectSpec s;
-  s.kind = DeviceSelectSpec::Kind::dense;
-  s.partition_tokens = ctx.page_tokens;
-  return s;
-}
-
 // RetroInfer's decode pages are one-page partitions whose summaries (mean
 // key, value sum) the append kernel writes; the host state learns of them
-// only at its next index update, when the Manager feeds it the pages saved
+// only at its next index update, when the step feeds it the pages saved
 // since the last (`unfed_pages` of them, the same count in every kv head).
-inline DeviceSelectSpec device_select(const RetroInferPolicy& p, const LayerContext& ctx) {
-  const RetroInferPolicy::Options& o = p.options();
-  DeviceSelectSpec s;
-  s.kind = DeviceSelectSpec::Kind::retroinfer;
-  s.budget_tokens = o.budget_tokens;
-  s.partition_tokens = ctx.page_tokens;
-  s.retrieval_fraction = o.retrieval_fraction;
-  s.estimation_fraction = o.estimation_fraction;
-  s.estimation = o.estimation;
-  s.first_partition = o.sink_tokens > 0 ? 1 : 0;
-  s.host_state = true;
-  return s;
-}
-
-template <class P, class State>
-DeviceSelectRow device_select_row(const P&, const State&, std::uint32_t, std::uint32_t) {
+template <SparseAttention P>
+HostStateRow host_state_row(const P&, const typename P::LayerState&, std::uint32_t, std::uint32_t) {
   return {};
 }
-inline DeviceSelectRow device_select_row(const RetroInferPolicy&, const RetroInferPolicy::LayerState& state,
-                                         std::uint32_t head, std::uint32_t unfed_pages) {
+inline HostStateRow host_state_row(const RetroInferPolicy&, const RetroInferPolicy::LayerState& state,
+                                   std::uint32_t head, std::uint32_t unfed_pages) {
   const RetroInferPolicy::HeadState& h = state.heads.at(head);
   return {h.sink.id, h.sink.tokens, static_cast<std::uint32_t>(h.recent.size()) + unfed_pages, state.window};
 }
@@ -142,17 +152,17 @@ inline DeviceSelectRow device_select_row(const RetroInferPolicy&, const RetroInf
 // device store (written at prefill and after each index update): RetroInfer's
 // clusters then recent partitions, each its centroid (mean key), value sum
 // and token count. Policies whose state the device Select does not read: none.
-struct DeviceSummaryRows {
+struct HostSummaryRows {
   std::vector<float> centroids;   // [n][head_dim]
   std::vector<float> value_sums;  // [n][head_dim]
   std::vector<std::uint32_t> tokens;
 };
-template <class P, class State>
-void device_summary_rows(const P&, const State&, std::uint32_t, DeviceSummaryRows& out) {
+template <SparseAttention P>
+void host_summary_rows(const P&, const typename P::LayerState&, std::uint32_t, HostSummaryRows& out) {
   out = {};
 }
-inline void device_summary_rows(const RetroInferPolicy&, const RetroInferPolicy::LayerState& state,
-                                std::uint32_t head, DeviceSummaryRows& out) {
+inline void host_summary_rows(const RetroInferPolicy&, const RetroInferPolicy::LayerState& state, std::uint32_t head,
+                              HostSummaryRows& out) {
   const RetroInferPolicy::HeadState& h = state.heads.at(head);
   out.centroids = h.centroids;
   out.centroids.insert(out.centroids.end(), h.recent_centroids.begin(), h.recent_centroids.end());
@@ -165,43 +175,15 @@ inline void device_summary_rows(const RetroInferPolicy&, const RetroInferPolicy:
 
 // Whether feeding the state `pending_tokens` more decode tokens (the unfed
 // pages and the one this step fills) reaches the policy's next index update:
-// RetroInferPolicy::append then regroups, so the Manager feeds it before the
-// step. Policies whose state the device Select does not read: never.
-template <class P, class State>
-bool device_index_update_due(const P&, const State&, std::uint32_t) {
+// RetroInferPolicy::append then regroups, so the step feeds it first.
+// Policies whose state the device Select does not read: never.
+template <SparseAttention P>
+bool host_index_update_due(const P&, const typename P::LayerState&, std::uint32_t) {
   return false;
 }
-inline bool device_index_update_due(const RetroInferPolicy& p, const RetroInferPolicy::LayerState& state,
-                                    std::uint32_t pending_tokens) {
+inline bool host_index_update_due(const RetroInferPolicy& p, const RetroInferPolicy::LayerState& state,
+                                  std::uint32_t pending_tokens) {
   return std::uint64_t{state.generated} + pending_tokens >= p.options().update_tokens;
-}
-
-// The partitions one device Select of `s` may return per row of at most
-// `max_partitions` candidates: the bound the Select kernels hold their output
-// array to (cuda::select_capacity; they cannot assume page-sized partitions,
-// so Quest and ShadowKV need up to budget_tokens slots, not budget / page
-// tokens). The decoder sizes its selection arrays by the largest over layers.
-inline std::uint32_t device_select_capacity(const DeviceSelectSpec& s, std::uint32_t max_partitions) {
-  using Kind = DeviceSelectSpec::Kind;
-  switch (s.kind) {
-    case Kind::quest:
-      return cuda::select_capacity(max_partitions, s.budget_tokens, s.dense_layer, 0);
-    case Kind::shadowkv:
-      return cuda::select_capacity(max_partitions, s.budget_tokens, false, 0);
-    case Kind::streaming: {
-      if (s.partition_tokens == 0) return max_partitions;
-      const std::uint64_t pages = (std::uint64_t{s.budget_tokens} + s.partition_tokens - 1) / s.partition_tokens;
-      return cuda::select_capacity(max_partitions, static_cast<std::uint32_t>(std::min<std::uint64_t>(pages, 0xffffffffu)),
-                                   false, 0);
-    }
-    case Kind::dense:
-      return cuda::select_capacity(max_partitions, 0, true, 0);
-    case Kind::retroinfer:  // the sink besides the candidates; no budget (0): the whole row
-      return cuda::select_capacity(max_partitions, s.budget_tokens, s.budget_tokens == 0, 1);
-    case Kind::none:
-      break;
-  }
-  return 0;
 }
 
 }  // namespace sparsekv

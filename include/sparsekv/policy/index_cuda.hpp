@@ -3,7 +3,7 @@
 // Quest (channel-wise key min / max) and ShadowKV (mean key and its lowest
 // cosine, Spin §4.2), and the assignment and update steps of RetroInfer's
 // spherical k-means (RetroInfer §4.2). Each kernel applies the rules of
-// page_summaries.hpp in the same order as the host backend (QuestPolicy,
+// summary_rules.hpp in the same order as the host backend (QuestPolicy,
 // ShadowKVPolicy, sparsekv::kmeans_assign / kmeans_update), so results are
 // bit-identical to it; no float atomics anywhere.
 //

@@ -59,48 +59,50 @@ class OraclePolicy {
   }
 
   void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
+    select_each_head(*this, ctx, q, state, out);
+  }
+  void select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t h,
+                   std::vector<PartitionId>& chosen) const {
     check_state(ctx, state);
     check_decode_query(kName, ctx, q);
-    out.reset(ctx.kv_heads);
+    check_head(kName, ctx, h);
+    chosen.clear();
     const auto n = static_cast<std::uint32_t>(state.tokens.size());
     const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
+    if (total <= options_.budget_tokens) {
+      chosen = state.ids[h];
+      return;
+    }
     const std::uint32_t group = ctx.group_size(), d = ctx.head_dim;
     const double scale = 1.0 / std::sqrt(double(d));
     std::vector<double> logits(total);
     std::vector<float> mass(n);
-    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-      auto& chosen = out.partitions[h];
-      if (total <= options_.budget_tokens) {
-        chosen = state.ids[h];
-        continue;
+    std::vector<double> page_mass(n, 0.0);
+    const float* keys = state.keys[h].data();
+    for (std::uint32_t g = 0; g < group; ++g) {
+      const float* qh = q.head(h * group + g, d);
+      double top = -INFINITY;
+      for (std::uint64_t t = 0; t < total; ++t) {
+        double dot = 0;
+        for (std::uint32_t i = 0; i < d; ++i) dot += double(qh[i]) * keys[t * d + i];
+        logits[t] = dot * scale;
+        top = std::max(top, logits[t]);
       }
-      std::vector<double> page_mass(n, 0.0);
-      const float* keys = state.keys[h].data();
-      for (std::uint32_t g = 0; g < group; ++g) {
-        const float* qh = q.head(h * group + g, d);
-        double top = -INFINITY;
-        for (std::uint64_t t = 0; t < total; ++t) {
-          double dot = 0;
-          for (std::uint32_t i = 0; i < d; ++i) dot += double(qh[i]) * keys[t * d + i];
-          logits[t] = dot * scale;
-          top = std::max(top, logits[t]);
-        }
-        double sum = 0;
-        for (std::uint64_t t = 0; t < total; ++t) sum += (logits[t] = std::exp(logits[t] - top));
-        std::uint64_t t = 0;
-        for (std::uint32_t p = 0; p < n; ++p) {
-          for (std::uint32_t end = static_cast<std::uint32_t>(t) + state.tokens[p]; t < end; ++t) {
-            page_mass[p] += logits[t] / sum;
-          }
+      double sum = 0;
+      for (std::uint64_t t = 0; t < total; ++t) sum += (logits[t] = std::exp(logits[t] - top));
+      std::uint64_t t = 0;
+      for (std::uint32_t p = 0; p < n; ++p) {
+        for (std::uint32_t end = static_cast<std::uint32_t>(t) + state.tokens[p]; t < end; ++t) {
+          page_mass[p] += logits[t] / sum;
         }
       }
-      for (std::uint32_t p = 0; p < n; ++p) mass[p] = static_cast<float>(page_mass[p]);
-      SkipFill fill{std::int64_t{options_.budget_tokens}};
-      ranked_fill(
-          n, fill, [&](std::uint32_t p) { return mass[p]; }, [](std::uint32_t) { return true; },
-          [&](std::uint32_t p) { return state.tokens[p]; }, [&](std::uint32_t p) { chosen.push_back(state.ids[h][p]); });
-      std::sort(chosen.begin(), chosen.end());
     }
+    for (std::uint32_t p = 0; p < n; ++p) mass[p] = static_cast<float>(page_mass[p]);
+    SkipFill fill{std::int64_t{options_.budget_tokens}};
+    ranked_fill(
+        n, fill, [&](std::uint32_t p) { return mass[p]; }, [](std::uint32_t) { return true; },
+        [&](std::uint32_t p) { return state.tokens[p]; }, [&](std::uint32_t p) { chosen.push_back(state.ids[h][p]); });
+    std::sort(chosen.begin(), chosen.end());
   }
 
   // At most the budget's tokens in pages all full but the prompt's last:

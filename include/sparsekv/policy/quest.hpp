@@ -6,7 +6,7 @@
 // The paper's score is the bound on the largest logit q.k any key of the box
 // can reach, sum_d max(q_d min_d, q_d max_d); here it is one end of
 // quest_logit's `spread` (select_rules.hpp). The min / max fold is the rule
-// in page_summaries.hpp; sparsekv::cuda::page_min_max (index_cuda.hpp)
+// in summary_rules.hpp; sparsekv::cuda::page_min_max (index_cuda.hpp)
 // computes the same boxes on the GPU. The score, ranking and fill are
 // select_rules.hpp's; sparsekv::cuda::quest_select (select_cuda.hpp) selects
 // the same partitions on the GPU.
@@ -52,7 +52,7 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
-#include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 #include "sparsekv/policy/token_eviction.hpp"
@@ -121,44 +121,45 @@ class QuestPolicy {
   }
 
   void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
+    select_each_head(*this, ctx, q, state, out);
+  }
+  void select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t h,
+                   std::vector<PartitionId>& chosen) const {
     check_state(ctx, state);
     check_decode_query(kName, ctx, q);
-    out.reset(ctx.kv_heads);
+    check_head(kName, ctx, h);
+    chosen.clear();
     const auto n = static_cast<std::uint32_t>(state.tokens.size());
     const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
+    if (ctx.layer < options_.dense_layers || total <= options_.budget_tokens) {
+      chosen = state.ids[h];
+      return;
+    }
     const std::uint32_t group = ctx.group_size();
     const std::uint32_t newest = n - 1;
     const float scale = logit_scale(ctx.head_dim);
-    std::vector<float> logits(n), rank(n);
-    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-      auto& chosen = out.partitions[h];
-      if (ctx.layer < options_.dense_layers || total <= options_.budget_tokens) {
-        chosen = state.ids[h];
-        continue;
+    std::vector<float> logits(n), rank(n, 0.0f);
+    // The rules cuda::quest_select shares (select_rules.hpp).
+    for (std::uint32_t g = 0; g < group; ++g) {
+      const float* qh = q.head(h * group + g, ctx.head_dim);
+      for (std::uint32_t i = 0; i < newest; ++i) {
+        const std::size_t at = std::size_t{i} * ctx.head_dim;
+        logits[i] = quest_logit(qh, state.min[h].data() + at, state.max[h].data() + at, ctx.head_dim,
+                                options_.spread, scale);
       }
-      // The rules cuda::quest_select shares (select_rules.hpp).
-      std::fill(rank.begin(), rank.end(), 0.0f);
-      for (std::uint32_t g = 0; g < group; ++g) {
-        const float* qh = q.head(h * group + g, ctx.head_dim);
-        for (std::uint32_t i = 0; i < newest; ++i) {
-          const std::size_t at = std::size_t{i} * ctx.head_dim;
-          logits[i] = quest_logit(qh, state.min[h].data() + at, state.max[h].data() + at, ctx.head_dim,
-                                  options_.spread, scale);
-        }
-        softmax_rank_add(newest, logits.data(), rank.data());
-      }
-      const QuestSteady steady = quest_steady(
-          n, [&](std::uint32_t i) { return state.tokens[i]; }, options_.budget_tokens, options_.sink_tokens,
-          window_tokens());
-      for (std::uint32_t i = 0; i < steady.sinks; ++i) chosen.push_back(state.ids[h][i]);
-      for (std::uint32_t i = steady.window_first; i < n; ++i) chosen.push_back(state.ids[h][i]);
-      SkipFill fill{steady.left};
-      ranked_fill(
-          newest, fill, [&](std::uint32_t i) { return rank[i]; },
-          [&](std::uint32_t i) { return i >= steady.sinks && i < steady.window_first; },
-          [&](std::uint32_t i) { return state.tokens[i]; }, [&](std::uint32_t i) { chosen.push_back(state.ids[h][i]); });
-      std::sort(chosen.begin(), chosen.end());
+      softmax_rank_add(newest, logits.data(), rank.data());
     }
+    const QuestSteady steady = quest_steady(
+        n, [&](std::uint32_t i) { return state.tokens[i]; }, options_.budget_tokens, options_.sink_tokens,
+        window_tokens());
+    for (std::uint32_t i = 0; i < steady.sinks; ++i) chosen.push_back(state.ids[h][i]);
+    for (std::uint32_t i = steady.window_first; i < n; ++i) chosen.push_back(state.ids[h][i]);
+    SkipFill fill{steady.left};
+    ranked_fill(
+        newest, fill, [&](std::uint32_t i) { return rank[i]; },
+        [&](std::uint32_t i) { return i >= steady.sinks && i < steady.window_first; },
+        [&](std::uint32_t i) { return state.tokens[i]; }, [&](std::uint32_t i) { chosen.push_back(state.ids[h][i]); });
+    std::sort(chosen.begin(), chosen.end());
   }
 
   // After evictions or a slot rewrite (RewritesSummaries): the partition's box
@@ -215,7 +216,7 @@ class QuestPolicy {
   }
   // The box of tokens [first, first + count) of kv head h of kv, written to
   // lo / hi: the first key folded with the rest, the rule cuda::page_min_max
-  // shares (page_summaries.hpp).
+  // shares (summary_rules.hpp).
   static void bound(float* lo, float* hi, const KvView& kv, std::uint32_t h, std::uint32_t first,
                     std::uint32_t count) {
     const std::uint32_t dim = kv.head_dim;
@@ -227,5 +228,24 @@ class QuestPolicy {
 
   Options options_;
 };
+
+// Quest's device Select (policy/device_select.hpp): cuda::quest_select over
+// the min / max summaries kept on the device, equal to select() bit for bit.
+// Its decode partitions are single pages (its append), so its prompt
+// partitions must be too for one summary per partition on the device; a
+// coarser page_tokens_per_partition keeps it on the host-tensor API.
+struct QuestDeviceSelect {
+  using Policy = QuestPolicy;
+  std::uint32_t budget_tokens = 0;
+  bool dense_layer = false;         // a layer below dense_layers selects everything
+  std::uint32_t sink_tokens = 0;    // the steady zone's sink ...
+  std::uint32_t window_tokens = 0;  // ... and recent window (QuestPolicy::window_tokens())
+  float spread = 1.0f;              // the score's spread (Options::spread)
+};
+inline std::optional<QuestDeviceSelect> device_select_spec(const QuestPolicy& p, const LayerContext& ctx) {
+  if (p.partition_tokens(ctx) != ctx.page_tokens) return std::nullopt;
+  return QuestDeviceSelect{p.options().budget_tokens, ctx.layer < p.options().dense_layers, p.options().sink_tokens,
+                           p.window_tokens(), p.options().spread};
+}
 
 }  // namespace sparsekv

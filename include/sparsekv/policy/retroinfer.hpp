@@ -58,7 +58,7 @@ std::vector<std::uint32_t> spherical_kmeans(std::span<const float> vectors, std:
 
 // The two Lloyd steps of spherical_kmeans, host backend (the CUDA backend is
 // sparsekv::cuda::kmeans_assign / kmeans_update in index_cuda.hpp; both follow
-// the rules of page_summaries.hpp and agree bit for bit). `rows` is [n][dim]
+// the rules of summary_rules.hpp and agree bit for bit). `rows` is [n][dim]
 // and `centroids` [k][dim], fp32.
 //
 // kmeans_assign: labels[t] = the centroid most similar to row t (ties to the
@@ -131,10 +131,16 @@ class RetroInferPolicy {
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const;
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const;
   void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const;
+  void select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t head,
+                   std::vector<PartitionId>& ids) const;
   // extra: one partial per q head; each is reset, then gets the estimation
   // zone of its kv head (nothing without `estimation` or with a full budget).
   void attend(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, const Selection& selection,
               std::span<AttentionPartial> extra) const;
+  // attend() for kv head `head` alone: extra holds its group_size q heads,
+  // `selected` its selection.
+  void attend_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t head,
+                   std::span<const PartitionId> selected, std::span<AttentionPartial> extra) const;
   // The most pages one select() returns per kv head while the request holds at
   // most ctx.tokens tokens, never more than head_capacity's pages. Without a
   // budget the fraction counts clusters, not tokens: only the context bounds
@@ -150,5 +156,28 @@ class RetroInferPolicy {
  private:
   Options options_;
 };
+
+// RetroInfer's device Select (policy/device_select.hpp): ranks the centroids
+// kept on the device and hands its estimation zone to the attention kernel.
+// Its clustering stays on the host: its rows also read the host state
+// (host_state_row), which the step keeps -- indexed at prefill, fed the saved
+// decode pages at each index update (host_index_update_due; docs/device-decode.md,
+// "RetroInfer").
+struct RetroInferDeviceSelect {
+  using Policy = RetroInferPolicy;
+  std::uint32_t budget_tokens = 0;
+  // The zones' fractions (retrieval_fraction applies with budget_tokens 0, no
+  // budget), and whether the estimation zone is attended.
+  float retrieval_fraction = 0.0f;
+  float estimation_fraction = 0.0f;
+  bool estimation = false;
+  // The partition id of a head's first candidate: its sink is partition 0 and
+  // no candidate (it joins a selection by the steady zone).
+  std::uint32_t first_partition = 0;
+};
+inline RetroInferDeviceSelect device_select_spec(const RetroInferPolicy& p, const LayerContext&) {
+  const RetroInferPolicy::Options& o = p.options();
+  return {o.budget_tokens, o.retrieval_fraction, o.estimation_fraction, o.estimation, o.sink_tokens > 0 ? 1u : 0u};
+}
 
 }  // namespace sparsekv

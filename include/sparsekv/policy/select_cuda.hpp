@@ -34,7 +34,7 @@ namespace sparsekv::cuda {
 // then recent partitions oldest first). Rows are addressed by first / count,
 // not by CSR offsets, because on the decode step the summaries stay on the
 // device in fixed-capacity regions, one per (request slot, layer, kv head)
-// (device_summaries.hpp): a batch's rows are then scattered over the arena,
+// (summary_store_cuda.hpp): a batch's rows are then scattered over the arena,
 // in any order and with other slots' regions between them, and a per-step
 // compact copy would move the whole arena.
 //

@@ -15,7 +15,7 @@
 //  - the ranking key (descending score, ties to the lower index: top_k's
 //    order) and the greedy fills over the ranked list.
 //
-// What bit identity needs beyond page_summaries.hpp's single roundings:
+// What bit identity needs beyond summary_rules.hpp's single roundings:
 //  - exp: std::exp and CUDA's expf differ in the last bit, so both sides call
 //    portable_exp (Cody-Waite reduction and a degree-7 polynomial, every step
 //    one rounding);
@@ -36,7 +36,7 @@
 #include "sparsekv/attention/attention_partial.hpp"
 #include "sparsekv/core/host_device.hpp"
 #include "sparsekv/core/numeric.hpp"
-#include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/summary_rules.hpp"
 
 namespace sparsekv {
 

@@ -20,7 +20,7 @@
 //    page that leaves the window competes like any other.
 //  - The softmax runs over the non-static pages, per q head; taking the max over
 //    the group lets each q head bring in the pages it needs, on a common scale.
-//  - The landmark and outlier score follow page_summaries.hpp;
+//  - The landmark and outlier score follow summary_rules.hpp;
 //    sparsekv::cuda::page_mean_outlier (index_cuda.hpp) computes them on the GPU.
 //  - Select follows select_rules.hpp (portable exp, lane-ordered softmax sum);
 //    sparsekv::cuda::shadowkv_select (select_cuda.hpp) selects the same pages.
@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
-#include "sparsekv/policy/page_summaries.hpp"
+#include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 #include "sparsekv/policy/token_eviction.hpp"
@@ -91,59 +91,59 @@ class ShadowKVPolicy {
   }
 
   void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
+    select_each_head(*this, ctx, q, state, out);
+  }
+  void select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t h,
+                   std::vector<PartitionId>& chosen) const {
     check_state(ctx, state);
     check_decode_query(kName, ctx, q);
-    out.reset(ctx.kv_heads);
+    check_head(kName, ctx, h);
+    chosen.clear();
     const auto n = static_cast<std::uint32_t>(state.tokens.size());
     const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
+    if (total <= options_.budget_tokens) {
+      chosen = state.ids[h];
+      return;
+    }
     const std::uint32_t group = ctx.group_size();
     const float scale = logit_scale(ctx.head_dim);
-    std::vector<char> taken(n);
-    std::vector<float> scores(n), exps(n);
-    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-      auto& chosen = out.partitions[h];
-      if (total <= options_.budget_tokens) {
-        chosen = state.ids[h];
-        continue;
+    std::vector<char> taken(n, 0);
+    std::vector<float> scores(n, -std::numeric_limits<float>::infinity()), exps(n);
+    // The rules cuda::shadowkv_select shares (select_rules.hpp).
+    const auto tokens = [&](std::uint32_t i) { return state.tokens[i]; };
+    const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
+    const auto take = [&](std::uint32_t i) {
+      taken[i] = 1;
+      chosen.push_back(state.ids[h][i]);
+    };
+    // 1. The recent window: the newest pages covering recent_tokens tokens.
+    const ShadowKVWindow window = shadowkv_window(n, tokens, options_.recent_tokens, options_.budget_tokens);
+    for (std::uint32_t i = n - window.pages; i < n; ++i) take(i);
+    // 2. Outliers: the lowest min-cosine among the rest.
+    SkipFill outliers{window.left, outliers_};
+    ranked_fill(
+        n, outliers, [&](std::uint32_t i) { return -state.outlier_score[h][i]; }, untaken, tokens, take);
+    // 3. Top-k: per q head, softmax over the non-static pages; max over the group.
+    for (std::uint32_t g = 0; g < group; ++g) {
+      const float* qh = q.head(h * group + g, ctx.head_dim);
+      float top = -std::numeric_limits<float>::infinity();
+      for (std::uint32_t i = 0; i < n; ++i) {
+        if (taken[i]) continue;
+        exps[i] = shadowkv_logit(qh, state.landmarks[h].data() + std::size_t{i} * ctx.head_dim, ctx.head_dim, scale);
+        top = fold_max_score(top, exps[i]);
       }
-      // The rules cuda::shadowkv_select shares (select_rules.hpp).
-      const auto tokens = [&](std::uint32_t i) { return state.tokens[i]; };
-      const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
-      const auto take = [&](std::uint32_t i) {
-        taken[i] = 1;
-        chosen.push_back(state.ids[h][i]);
-      };
-      std::fill(taken.begin(), taken.end(), 0);
-      // 1. The recent window: the newest pages covering recent_tokens tokens.
-      const ShadowKVWindow window = shadowkv_window(n, tokens, options_.recent_tokens, options_.budget_tokens);
-      for (std::uint32_t i = n - window.pages; i < n; ++i) take(i);
-      // 2. Outliers: the lowest min-cosine among the rest.
-      SkipFill outliers{window.left, outliers_};
-      ranked_fill(
-          n, outliers, [&](std::uint32_t i) { return -state.outlier_score[h][i]; }, untaken, tokens, take);
-      // 3. Top-k: per q head, softmax over the non-static pages; max over the group.
-      std::fill(scores.begin(), scores.end(), -std::numeric_limits<float>::infinity());
-      for (std::uint32_t g = 0; g < group; ++g) {
-        const float* qh = q.head(h * group + g, ctx.head_dim);
-        float top = -std::numeric_limits<float>::infinity();
-        for (std::uint32_t i = 0; i < n; ++i) {
-          if (taken[i]) continue;
-          exps[i] = shadowkv_logit(qh, state.landmarks[h].data() + std::size_t{i} * ctx.head_dim, ctx.head_dim, scale);
-          top = fold_max_score(top, exps[i]);
-        }
-        for (std::uint32_t i = 0; i < n; ++i) {
-          if (!taken[i]) exps[i] = portable_exp(add_rn(exps[i], -top));
-        }
-        const float sum = lane_sum<float>(n, [&](std::uint32_t i) { return exps[i]; }, untaken);
-        for (std::uint32_t i = 0; i < n; ++i) {
-          if (!taken[i]) scores[i] = fold_max_score(scores[i], div_rn(exps[i], sum));
-        }
+      for (std::uint32_t i = 0; i < n; ++i) {
+        if (!taken[i]) exps[i] = portable_exp(add_rn(exps[i], -top));
       }
-      SkipFill top_k{outliers.left};
-      ranked_fill(
-          n, top_k, [&](std::uint32_t i) { return scores[i]; }, untaken, tokens, take);
-      std::sort(chosen.begin(), chosen.end());
+      const float sum = lane_sum<float>(n, [&](std::uint32_t i) { return exps[i]; }, untaken);
+      for (std::uint32_t i = 0; i < n; ++i) {
+        if (!taken[i]) scores[i] = fold_max_score(scores[i], div_rn(exps[i], sum));
+      }
     }
+    SkipFill top_k{outliers.left};
+    ranked_fill(
+        n, top_k, [&](std::uint32_t i) { return scores[i]; }, untaken, tokens, take);
+    std::sort(chosen.begin(), chosen.end());
   }
 
   // After evictions or a slot rewrite (RewritesSummaries): the partition's
@@ -189,7 +189,7 @@ class ShadowKVPolicy {
   }
   // Writes the landmark of tokens [first, first + count) of kv head h of kv
   // to `mean` (zeroed by the caller) and returns their outlier score, by the
-  // rules cuda::page_mean_outlier shares (page_summaries.hpp).
+  // rules cuda::page_mean_outlier shares (summary_rules.hpp).
   static float landmark(float* mean, const KvView& kv, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
     const std::uint32_t dim = kv.head_dim;
     for (std::uint32_t t = first; t < first + count; ++t) {
@@ -208,5 +208,17 @@ class ShadowKVPolicy {
   Options options_;
   std::uint32_t outliers_ = 0;
 };
+
+// ShadowKV's device Select (policy/device_select.hpp): cuda::shadowkv_select
+// over the landmarks and outlier scores kept on the device.
+struct ShadowKVDeviceSelect {
+  using Policy = ShadowKVPolicy;
+  std::uint32_t budget_tokens = 0;
+  std::uint32_t recent_tokens = 0;
+  std::uint32_t outlier_pages = 0;  // outlier_count()
+};
+inline ShadowKVDeviceSelect device_select_spec(const ShadowKVPolicy& p, const LayerContext&) {
+  return {p.options().budget_tokens, p.options().recent_tokens, p.outlier_count()};
+}
 
 }  // namespace sparsekv

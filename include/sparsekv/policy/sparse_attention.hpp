@@ -34,6 +34,14 @@
 //                               Config::head_capacity() (one partition per
 //                               page, twice the pages), too small for
 //                               partitions smaller than a page (RetroInfer's)
+// and optionally (SelectsByHead, AttendsByHead), so that a step can run each
+// kv head's Select on another of the engine's threads (step/host_step.hpp):
+//   p.select_head(ctx, q, state, h, ids)  what select() returns for kv head h
+//   p.attend_head(ctx, q, state, h, selected, extra)  attend()'s partials of
+//                               kv head h's q heads (extra: group_size of them)
+//                               given h's selection
+// Each must equal its slice of the whole-request call bit for bit; a policy
+// with only select() / attend() is run one request per thread.
 //
 // Policies see fp32 copies of q/k/v; the facade converts the engine's dtype.
 // Adding an algorithm is one header: examples/custom_policy.cpp.
@@ -142,9 +150,82 @@ concept CustomAttend = SparseAttention<P> &&
     };
 
 template <class P>
+concept SelectsByHead = SparseAttention<P> &&
+    requires(const P& policy, const typename P::LayerState& state, const LayerContext& ctx, const DecodeQuery& q,
+             std::uint32_t head, std::vector<PartitionId>& ids) {
+      { policy.select_head(ctx, q, state, head, ids) } -> std::same_as<void>;
+    };
+
+template <class P>
+concept AttendsByHead = CustomAttend<P> &&
+    requires(const P& policy, const typename P::LayerState& state, const LayerContext& ctx, const DecodeQuery& q,
+             std::uint32_t head, std::span<const PartitionId> selected, std::span<AttentionPartial> extra) {
+      { policy.attend_head(ctx, q, state, head, selected, extra) } -> std::same_as<void>;
+    };
+
+// select() of a policy that selects by head: every kv head in turn.
+template <class P>
+void select_each_head(const P& policy, const LayerContext& ctx, const DecodeQuery& q,
+                      const typename P::LayerState& state, Selection& out) {
+  out.reset(ctx.kv_heads);
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) policy.select_head(ctx, q, state, h, out.partitions[h]);
+}
+
+template <class P>
 concept DeclaresHeadCapacity = SparseAttention<P> && requires(const P& policy, const LayerContext& ctx) {
   { policy.head_capacity(ctx) } -> std::same_as<HeadCapacity>;
 };
+
+// The calls a decode step makes on any policy, its optional parts answered
+// here once; AnyPolicy overloads each (any_policy.hpp), so a step templated on
+// the policy serves a static policy and one chosen at run time alike.
+template <SparseAttention P>
+typename P::LayerState make_layer_state(const P&) {
+  return {};
+}
+template <SparseAttention P>
+constexpr std::string_view policy_name(const P&) {
+  return P::kName;
+}
+template <SparseAttention P>
+constexpr bool has_custom_attend(const P&) {
+  return CustomAttend<P>;
+}
+// Leaves `extra` untouched for a policy without CustomAttend.
+template <SparseAttention P>
+void custom_attend(const P& p, const LayerContext& ctx, const DecodeQuery& q, const typename P::LayerState& state,
+                   const Selection& selection, std::span<AttentionPartial> extra) {
+  if constexpr (CustomAttend<P>) p.attend(ctx, q, state, selection, extra);
+}
+template <SparseAttention P>
+constexpr bool selects_by_head(const P&) {
+  return SelectsByHead<P>;
+}
+// Only for a policy that selects_by_head (else nothing is written).
+template <SparseAttention P>
+void select_one_head(const P& p, const LayerContext& ctx, const DecodeQuery& q, const typename P::LayerState& state,
+                     std::uint32_t head, std::vector<PartitionId>& ids) {
+  if constexpr (SelectsByHead<P>) p.select_head(ctx, q, state, head, ids);
+}
+template <SparseAttention P>
+constexpr bool attends_by_head(const P&) {
+  return AttendsByHead<P>;
+}
+// Only for a policy that attends_by_head (else nothing is written).
+template <SparseAttention P>
+void attend_one_head(const P& p, const LayerContext& ctx, const DecodeQuery& q, const typename P::LayerState& state,
+                     std::uint32_t head, std::span<const PartitionId> selected, std::span<AttentionPartial> extra) {
+  if constexpr (AttendsByHead<P>) p.attend_head(ctx, q, state, head, selected, extra);
+}
+// The policy's HeadCapacity, nullopt when it declares none.
+template <SparseAttention P>
+std::optional<HeadCapacity> declared_head_capacity(const P& p, const LayerContext& ctx) {
+  if constexpr (DeclaresHeadCapacity<P>) {
+    return p.head_capacity(ctx);
+  } else {
+    return std::nullopt;
+  }
+}
 
 // Entry checks the policies share; `policy` names the policy in the message.
 // All throw invalid_argument. check_kv_view checks the context too; values
@@ -152,6 +233,7 @@ concept DeclaresHeadCapacity = SparseAttention<P> && requires(const P& policy, c
 void check_layer_context(std::string_view policy, const LayerContext& ctx);
 void check_kv_view(std::string_view policy, const LayerContext& ctx, const KvView& kv, bool needs_values);
 void check_decode_query(std::string_view policy, const LayerContext& ctx, const DecodeQuery& q);
+void check_head(std::string_view policy, const LayerContext& ctx, std::uint32_t head);
 // A full page (page_tokens tokens, K and V) with one partition id per kv head.
 void check_appended_page(std::string_view policy, const LayerContext& ctx, const AppendedPage& page,
                          bool needs_values);

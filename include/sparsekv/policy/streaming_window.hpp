@@ -45,26 +45,29 @@ class StreamingWindowPolicy {
     for (auto& count : state.partitions) ++count;
     return std::nullopt;
   }
-  void select(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, Selection& out) const {
-    out.reset(ctx.kv_heads);
+  void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
+    select_each_head(*this, ctx, q, state, out);
+  }
+  void select_head(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, std::uint32_t h,
+                   std::vector<PartitionId>& ids) const {
+    check_head(kName, ctx, h);
+    ids.clear();
     const std::uint32_t pt = ctx.page_tokens;
     const std::uint32_t prompt_pages = (state.prompt_tokens + pt - 1) / pt;
     const auto size = [&](PartitionId p) {
       return p + 1 == prompt_pages ? state.prompt_tokens - p * pt : pt;
     };
     const std::uint32_t sink_pages = static_cast<std::uint32_t>((std::uint64_t{options_.sink_tokens} + pt - 1) / pt);
-    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-      const std::uint32_t n = state.partitions[h];
-      std::uint64_t left = options_.budget_tokens;
-      PartitionId sinks = 0;
-      for (; sinks < std::min(sink_pages, n) && size(sinks) <= left; ++sinks) {
-        out.partitions[h].push_back(sinks);
-        left -= size(sinks);
-      }
-      PartitionId window = n;  // the window is [window, n)
-      for (; window > sinks && size(window - 1) <= left; --window) left -= size(window - 1);
-      for (PartitionId p = window; p < n; ++p) out.partitions[h].push_back(p);
+    const std::uint32_t n = state.partitions.at(h);
+    std::uint64_t left = options_.budget_tokens;
+    PartitionId sinks = 0;
+    for (; sinks < std::min(sink_pages, n) && size(sinks) <= left; ++sinks) {
+      ids.push_back(sinks);
+      left -= size(sinks);
     }
+    PartitionId window = n;  // the window is [window, n)
+    for (; window > sinks && size(window - 1) <= left; --window) left -= size(window - 1);
+    for (PartitionId p = window; p < n; ++p) ids.push_back(p);
   }
   // At most the budget's tokens, in pages all full but the prompt's last:
   // ceil(budget / page_tokens), never more than the context can fill.
@@ -77,6 +80,21 @@ class StreamingWindowPolicy {
  private:
   Options options_;
 };
+
+// StreamingWindow's device Select (policy/device_select.hpp): from the
+// candidates' positions and token counts alone, one page per partition; the
+// budget counts tokens.
+struct StreamingDeviceSelect {
+  using Policy = StreamingWindowPolicy;
+  std::uint32_t budget_tokens = 0;
+  std::uint32_t sink_pages = 0;  // the pages its sink tokens span
+};
+inline StreamingDeviceSelect device_select_spec(const StreamingWindowPolicy& p, const LayerContext& ctx) {
+  // select_head's sink_pages: ceil(sink_tokens / page_tokens) in 64 bits.
+  const auto sink_pages = static_cast<std::uint32_t>((std::uint64_t{p.options().sink_tokens} + ctx.page_tokens - 1) /
+                                                     ctx.page_tokens);
+  return {p.options().budget_tokens, sink_pages};
+}
 
 // Out of the class: Options' member initialisers are not usable inside it (GCC).
 inline StreamingWindowPolicy::StreamingWindowPolicy() : StreamingWindowPolicy(Options{}) {}

@@ -107,7 +107,7 @@ inline constexpr float kOutlierScoreStart = 1.0f;
 
 // ---- per-thread steps of the page-summary kernels ---------------------------
 // One thread's share of a page's summaries, called by the kernels
-// (cuda/policy/index_kernels.cu, cuda/policy/append_summaries_kernels.cu) and
+// (cuda/policy/index_kernels.cu, cuda/step/append_summaries_kernels.cu) and
 // by the tests' host emulations of their decompositions, so CI runs the code
 // the kernels run. `key(t)` is the address of the page's t-th key row, stored
 // in `dtype`; count >= 1.

@@ -45,10 +45,48 @@
 #include "sparsekv/core/host_device.hpp"
 #include "sparsekv/core/ids.hpp"
 #include "sparsekv/memory/memory_resource.hpp"
-#include "sparsekv/policy/append_summaries_cuda.hpp"
+#include "sparsekv/memory/page_layout.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
 
 namespace sparsekv::cuda {
+
+// What a decode page that fills gets on the device (step/append_summaries_cuda.hpp
+// fuses it into the append):
+// tokens: no key summary, only the full page's token count (the positional
+// policies, StreamingWindow and Dense, select from token counts alone).
+enum class AppendSummary : std::uint8_t { none, quest, shadowkv, tokens, retroinfer };
+
+struct AppendSummaries {
+  AppendSummary kind = AppendSummary::none;
+  // [batch][kv_heads]: the summary row (b, h)'s full page takes; read only
+  // for entries whose tail fills.
+  const std::uint32_t* rows = nullptr;
+  float* min = nullptr;            // quest: [row][head_dim]
+  float* max = nullptr;            // quest: [row][head_dim]
+  float* mean = nullptr;           // shadowkv: [row][head_dim], the landmark
+  float* outlier_score = nullptr;  // shadowkv: [row]
+  // quest, shadowkv and retroinfer, optional: [row], set to page_tokens (the
+  // full page's token count, what the policies' append records), so that
+  // Select reads a decode partition's size from the same store as its
+  // summaries (summary_store_cuda.hpp); nullptr: not written. tokens: required.
+  std::uint32_t* tokens = nullptr;
+  // Last, so that the kinds above keep their positional initialisers.
+  float* centroid = nullptr;   // retroinfer: [row][head_dim], the page's mean key
+  float* value_sum = nullptr;  // retroinfer: [row][head_dim], the page's summed values
+};
+
+// Key / value row t of a page: what the per-thread summary steps of summary_rules.hpp read.
+struct PageKeyRows {
+  const std::byte* page;
+  PageLayout layout;
+  SPARSEKV_HOST_DEVICE const std::byte* operator()(std::uint32_t t) const { return page + layout.k_offset(t); }
+};
+struct PageValueRows {
+  const std::byte* page;
+  PageLayout layout;
+  SPARSEKV_HOST_DEVICE const std::byte* operator()(std::uint32_t t) const { return page + layout.v_offset(t); }
+};
+
 
 // The store's shape and geometry.
 struct SummaryShape {

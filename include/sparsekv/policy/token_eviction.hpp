@@ -111,6 +111,10 @@ concept RewritesSummaries = SparseAttention<P> &&
 // TokenEviction / RewritesSummaries policy, and for every other policy no
 // weights, no eviction (an empty list per kv head) and no rewrite.
 template <SparseAttention P>
+constexpr bool evicts_tokens(const P&) {
+  return TokenEviction<P>;
+}
+template <SparseAttention P>
 constexpr bool needs_token_weights(const P&) {
   if constexpr (TokenEviction<P>) {
     return P::kNeedsWeights;

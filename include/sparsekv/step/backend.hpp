@@ -1,10 +1,13 @@
 #pragma once
-// Backend: where the GPU tier lives, how bytes move between the tiers and how
-// the built-in Attend runs -- the one runtime choice at the facade edge
-// (everything below it is shared). Two exist:
+// Backend: what a decode step runs on -- where the GPU tier lives, how bytes
+// move between the tiers, how the built-in Attend runs and, for device
+// tensors, the device runtime. The Manager picks one at its edge (the backend
+// choice is the facade's: facade/host_backend.hpp, facade/cuda_backend.hpp);
+// everything below that choice is shared. Two exist:
 //
-//   HostBackend (here)            GPU tier in host memory standing in for HBM,
-//                                 memcpy transfers, host decode attention.
+//   HostBackend                   GPU tier in host memory standing in for HBM,
+//   (facade/host_backend.hpp)     memcpy transfers, host decode attention
+//                                 (attention/split_plan_attention.hpp).
 //   sparsekv::cuda::CudaBackend   GPU-tier pages in device memory, the Gather
 //   (facade/cuda_backend.hpp,     H2D kernel and asynchronous saves on the
 //    library sparsekv::cuda)      backend's stream, the split-K decode kernel.
@@ -16,37 +19,14 @@
 #include <memory>
 #include <string_view>
 
-#include "sparsekv/attention/decode_attention.hpp"
+#include "sparsekv/attention/attend_plan.hpp"
 #include "sparsekv/core/error.hpp"
-#include "sparsekv/facade/attend_plan.hpp"
-#include "sparsekv/facade/device_decoder.hpp"
 #include "sparsekv/memory/memory_resource.hpp"
 #include "sparsekv/memory/page_layout.hpp"
+#include "sparsekv/step/device_runtime.hpp"
 #include "sparsekv/transfer/page_transfer.hpp"
 
 namespace sparsekv {
-
-// What the built-in Attend computes for one decode step of one layer.
-struct AttendCall {
-  const AttendPlan* plan = nullptr;
-  PageLayout layout;
-  std::uint32_t batch = 0;
-  std::uint32_t q_heads = 0;
-  std::uint32_t kv_heads = 0;
-  float scale = 1.0f;
-  const float* q = nullptr;  // [batch][q_heads][head_dim], host memory
-  float* out = nullptr;      // [batch][q_heads][head_dim], host memory
-  // Null, or [plan->indices.size()][layout.page_tokens] in host memory: slot
-  // t of page indices[i] gets its softmax probability summed over the q heads
-  // of its kv head's GQA group (decode_attention's slot_weights), 0 for a
-  // dead or unused slot; taken from the attention pass itself.
-  float* slot_weights = nullptr;
-};
-
-// Throws invalid_argument unless call.plan->live_masks is empty, or parallel
-// to its indices with page_tokens <= kMaxMaskedPageTokens. Every backend's
-// attend() asks it before it writes anything.
-void check_attend_masks(const AttendCall& call);
 
 class Backend {
  public:
@@ -63,6 +43,10 @@ class Backend {
   // invalid_argument, before writing anything, when live_masks is neither
   // empty nor parallel to indices.
   virtual void attend(const AttendCall& call) = 0;
+  // Whether attend() is SplitPlanAttention over host memory: the host step
+  // then runs its chunks on the engine's threads itself (step/host_step.hpp)
+  // rather than calling attend(), with the same result.
+  virtual bool attends_on_host() const noexcept { return false; }
   // Throws invalid_argument when attend() cannot run this shape; decode()
   // asks before it changes anything.
   virtual void check_attend(const PageLayout& /*layout*/, std::uint32_t /*q_heads*/,
@@ -85,27 +69,12 @@ class Backend {
   virtual void copy_to_device(void* /*device*/, const void* /*host*/, std::size_t /*bytes*/, void* /*stream*/) {
     fail(ErrorCode::unavailable, "backend {} has no device memory", name());
   }
-  // The device half of the device-tensor API (facade/device_decoder.hpp)
+  // The device half of the device-tensor API (step/device_runtime.hpp)
   // for a buffer made on this backend's memory, or null: host tensors only.
-  virtual std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderSetup& /*setup*/,
+  virtual std::unique_ptr<DeviceRuntime> make_device_runtime(const DeviceRuntimeSetup& /*setup*/,
                                                              TieredKVBuffer& /*buffer*/) {
     return nullptr;
   }
-};
-
-class HostBackend final : public Backend {
- public:
-  std::string_view name() const noexcept override { return "host"; }
-  MemoryResource& cpu_tier() override { return cpu_memory_; }
-  MemoryResource& gpu_pages() override { return gpu_memory_; }
-  MemoryResource& gpu_tables() override { return gpu_memory_; }
-  PageTransfer& transfer() override { return transfer_; }
-  void attend(const AttendCall& call) override;
-
- private:
-  HostMemoryResource cpu_memory_{true};   // pinned when a CUDA device is present
-  HostMemoryResource gpu_memory_{false};  // stands in for HBM
-  HostPageTransfer transfer_;
 };
 
 }  // namespace sparsekv

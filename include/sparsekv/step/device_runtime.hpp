@@ -1,21 +1,25 @@
 #pragma once
-// DeviceDecoder: the device half of Manager's device-tensor API
-// (docs/device-decode.md; ARCHITECTURE.md, "The decode step on the GPU").
-// The Manager keeps the host's part of a step -- checks, the buffer's
-// bookkeeping of tails and saves, the new table entries -- and hands the
-// decoder one DeviceStep per layer step; the decoder enqueues everything else
-// on the engine's stream: append (+ summaries and save of full tails), Select,
-// the LRU step on the device tables, the gather of the misses, the plan and
-// the attention. Nothing in a step reads device data on the host.
+// DeviceRuntime: what the library keeps and runs on the device for the
+// device-tensor API (docs/device-decode.md): the replica of the GPU-side
+// tables and its syncs with the host's, the summary store, the prompt's
+// Index and Offload, and each decode step's chain of launches. The device
+// step (device_step.hpp) keeps the host's part of a step -- checks, the
+// buffer's bookkeeping of tails and saves, the new table entries -- and hands
+// the runtime one DeviceStepInput per layer step; the runtime enqueues
+// everything else on the engine's stream: append (+ summaries and save of
+// full tails), Select, the LRU step on the device tables, the gather of the
+// misses, the plan and the attention. Nothing in a step reads device data on
+// the host.
 //
 // The interface is host-only; the CUDA library implements it
-// (CudaBackend::make_device_decoder). A backend without one (HostBackend)
-// serves the host-tensor API only.
+// (cuda/step/device_runtime.cpp, made by CudaBackend::make_device_runtime). A
+// backend without one (HostBackend) serves the host-tensor API only.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 
+#include "sparsekv/attention/attend_plan.hpp"
 #include "sparsekv/cache/cache_step.hpp"
 #include "sparsekv/core/ids.hpp"
 #include "sparsekv/core/model_shape.hpp"
@@ -26,9 +30,9 @@ namespace sparsekv {
 
 class TieredKVBuffer;
 
-// Fixed capacities of the decoder's device arrays, so a step of any batch up
+// Fixed capacities of the runtime's device arrays, so a step of any batch up
 // to max_batch can be captured in a CUDA graph and replayed.
-struct DeviceDecoderSetup {
+struct DeviceRuntimeSetup {
   ModelShape shape;
   std::uint32_t page_tokens = 0;
   std::uint32_t max_batch = 0;               // entries per step
@@ -37,14 +41,15 @@ struct DeviceDecoderSetup {
   std::uint32_t max_selected_per_head = 0;   // partitions one Select returns at most
   std::uint32_t max_pages_per_head = 0;      // pages one selection covers at most (mandatory pages)
   std::uint32_t timestamp_buckets = 0;
-  DeviceSelectSpec::Kind select = DeviceSelectSpec::Kind::none;
-  std::uint32_t first_partition = 0;         // DeviceSelectSpec::first_partition
+  // Any layer's device Select: the summaries the store keeps and the first
+  // candidate's partition id are the same in every layer.
+  DeviceSelect select;
   float scale = 1.0f;
 };
 
 // One layer's decode step: the host's part, computed without device data.
 // Row r = b * kv_heads + h.
-struct DeviceStep {
+struct DeviceStepInput {
   std::uint32_t layer = 0;
   std::uint32_t batch = 0;
   const void* q = nullptr;      // device, [batch][q_heads][head_dim], model dtype
@@ -52,7 +57,7 @@ struct DeviceStep {
   const void* v_new = nullptr;
   float* out = nullptr;         // device, [batch][q_heads][head_dim] fp32; null: plan only
   void* stream = nullptr;       // the engine's cudaStream_t
-  DeviceSelectSpec select;
+  DeviceSelect select;                           // this layer's
   std::span<const std::uint32_t> request_slots;  // [batch]: the table slot of each entry's request
   std::span<const std::uint32_t> tail_slots;     // [batch]: tokens in the tail before this one
   std::span<const PageId> tail_pages;            // [rows]
@@ -63,31 +68,12 @@ struct DeviceStep {
   // this step's arguments); unread for entries whose tail does not fill.
   std::span<const PageId> save_pages;
   std::span<const std::size_t> instances;        // [rows]: HierarchicalPageTable::instance
-  // [rows]: what each row reads of the host policy state (device_select_row);
+  // [rows]: what each row reads of the host policy state (host_state_row);
   // empty for the kinds whose rows read none.
-  std::span<const DeviceSelectRow> select_rows;
+  std::span<const HostStateRow> host_state_rows;
 };
 
-// Where the last step's AttendPlan lives (device memory), FlashInfer's CSR
-// over runs (facade/attend_plan.hpp has the meaning of every array).
-struct DeviceAttendPlan {
-  const std::int64_t* head_entries = nullptr;  // [rows + 1]
-  const std::int64_t* indptr = nullptr;
-  const std::int64_t* indices = nullptr;
-  const std::int32_t* last_page_len = nullptr;
-  const std::byte* gpu_tier_base = nullptr;
-  std::size_t page_bytes = 0;
-  std::uint32_t rows = 0;
-  // RetroInfer's estimation zone (its Attend term, RetroInfer §4.2 eqs. 2-4),
-  // for the engine's kernel to merge by log-sum-exp as
-  // DecodeAttentionExtra: max, sum [rows * group] and acc [rows * group][head_dim];
-  // null for the other policies and without estimation.
-  const float* extra_max = nullptr;
-  const float* extra_sum = nullptr;
-  const float* extra_acc = nullptr;
-};
-
-// Accumulated device time of the timed steps' stages (DeviceDecoder::time_stages),
+// Accumulated device time of the timed steps' stages (DeviceRuntime::time_stages),
 // milliseconds between cudaEvents recorded on the step's stream at the stage
 // boundaries: append = the step's argument upload, the table writes and the
 // append launch; select; lru = the LRU batch and the LRU step; gather = the
@@ -100,9 +86,9 @@ struct DeviceStageTimes {
   double append_ms = 0, select_ms = 0, lru_ms = 0, gather_ms = 0, attend_ms = 0;
 };
 
-class DeviceDecoder {
+class DeviceRuntime {
  public:
-  virtual ~DeviceDecoder() = default;
+  virtual ~DeviceRuntime() = default;
 
   // The request's device tables made equal to the master's (after
   // add_request, prefill, resize); returns with the copies complete.
@@ -111,10 +97,10 @@ class DeviceDecoder {
   // tables back into the master (before the host reads or changes what the
   // LRU kernel owns: finish, resize, reclaim). A sync, off the step's path.
   virtual void download_tables(RequestId request) = 0;
-  // The Index summaries of a prompt's partitions of (slot, layer), from
-  // device keys [tokens][kv_heads][head_dim], enqueued on `stream`.
+  // The Index summaries of a prompt's one-page partitions of (slot, layer),
+  // from device keys [tokens][kv_heads][head_dim], enqueued on `stream`.
   virtual void index_prompt(std::uint32_t slot, std::uint32_t layer, const void* keys, std::uint32_t tokens,
-                            const DeviceSelectSpec& select, void* stream) = 0;
+                            void* stream) = 0;
   // The index of the first non-finite value among `count` model-dtype values
   // at device `data`, or kNoNonFinite, read on `stream` after the work
   // enqueued there; waits (prefill is off the step's path): a prompt's
@@ -135,12 +121,13 @@ class DeviceDecoder {
   // wait for the device, RetroInfer's index update, cannot be captured).
   virtual bool capturing(void* stream) const = 0;
   // Candidates [0, rows.tokens.size()) of (slot, layer, head)'s summary
-  // region from the host state's rows (device_summary_rows); waits. At
+  // region from the host state's rows (host_summary_rows); waits. At
   // prefill and after an index update, off the step's path.
   virtual void write_summary_rows(std::uint32_t slot, std::uint32_t layer, std::uint32_t head,
-                                  const DeviceSummaryRows& rows, void* stream) = 0;
+                                  const HostSummaryRows& rows, void* stream) = 0;
   // Enqueues one layer's step on step.stream; returns without waiting.
-  virtual void step(const DeviceStep& step) = 0;
+  // Dispatches on step.select once, at its entry.
+  virtual void step(const DeviceStepInput& step) = 0;
   virtual DeviceAttendPlan plan() const = 0;
   // Totals of the steps so far (waits for them: for inspection, not the loop).
   virtual CacheStepStats cache_stats() = 0;

@@ -1,9 +1,9 @@
 #pragma once
-// The host's part of a device decode step (facade/device_decoder.hpp): the
-// per-row arguments its launches read, computed from the DeviceStep, the
+// The host's part of a device decode step (step/device_runtime.hpp): the
+// per-row arguments its launches read, computed from the DeviceStepInput, the
 // summary store's regions, the CPU tier and the page table. Host-only; the
-// CUDA decoder (cuda/facade/device_decoder.cpp) writes them into a pinned
-// slot and the CI emulation (tests/device_decoder_emulation.hpp) into host
+// CUDA runtime (cuda/step/device_runtime.cpp) writes them into a pinned
+// slot and the CI emulation (tests/device_runtime_emulation.hpp) into host
 // vectors, so the emulation runs this very code rather than a copy of it.
 #include <algorithm>
 #include <cstddef>
@@ -12,39 +12,27 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
-#include "sparsekv/facade/device_decoder.hpp"
 #include "sparsekv/memory/page_pool.hpp"
 #include "sparsekv/metadata/gpu_tables_replica.hpp"
-#include "sparsekv/policy/device_summaries.hpp"
+#include "sparsekv/policy/summary_store_cuda.hpp"
+#include "sparsekv/step/device_runtime.hpp"
 
 namespace sparsekv {
 
-// The summaries a Select kind reads: the positional kinds only token counts.
-// Throws invalid_argument for a kind with no device Select.
-inline cuda::AppendSummary device_summary_kind(DeviceSelectSpec::Kind kind) {
-  switch (kind) {
-    case DeviceSelectSpec::Kind::quest:
-      return cuda::AppendSummary::quest;
-    case DeviceSelectSpec::Kind::shadowkv:
-      return cuda::AppendSummary::shadowkv;
-    case DeviceSelectSpec::Kind::streaming:
-    case DeviceSelectSpec::Kind::dense:
-      return cuda::AppendSummary::tokens;
-    case DeviceSelectSpec::Kind::retroinfer:
-      return cuda::AppendSummary::retroinfer;
-    case DeviceSelectSpec::Kind::none:
-      break;
-  }
-  fail(ErrorCode::invalid_argument, "DeviceDecoder: Select kind {} has no device Select", static_cast<int>(kind));
+// The summaries the device store keeps for `select` (summary_kind); throws
+// invalid_argument for a policy with no device Select.
+inline cuda::AppendSummary store_summary_kind(const DeviceSelect& select) {
+  if (!selects_on_device(select)) fail(ErrorCode::invalid_argument, "DeviceRuntime: the policy has no device Select");
+  return summary_kind(select);
 }
 
 // Replica writes one step may carry: a filling row appends one meta entry --
 // its word, its length and at most one new directory slot.
-constexpr std::uint32_t device_step_max_writes(std::uint32_t rows) noexcept { return 3 * rows; }
+constexpr std::uint32_t launch_max_writes(std::uint32_t rows) noexcept { return 3 * rows; }
 
-// Where the arguments go, rows = batch * kv_heads of the decoder's largest
+// Where the arguments go, rows = batch * kv_heads of the runtime's largest
 // batch (a step fills the first batch / rows entries).
-struct DeviceStepArguments {
+struct LaunchArguments {
   std::span<std::uint32_t> tail_slots;    // [batch]
   std::span<PageId> tail_pages;           // [rows]
   std::span<std::uint32_t> tail_tokens;   // [rows]
@@ -53,7 +41,7 @@ struct DeviceStepArguments {
   std::span<std::uint32_t> summary_rows;  // [rows]: AppendSummaries::rows, the tail page's candidate
   std::span<std::size_t> instances;       // [rows]
   std::span<std::byte*> cpu_pages;        // [rows]: the save page's CPU address, null when none
-  // [rows]: DeviceStep::select_rows unpacked as RetroInferSelect reads them
+  // [rows]: DeviceStepInput::host_state_rows unpacked as RetroInferSelect reads them
   // (zero when the step has none).
   std::span<PartitionId> sink_partitions;
   std::span<std::uint32_t> sink_tokens;
@@ -66,10 +54,10 @@ struct DeviceStepArguments {
 // Fills `out` for `step`; `scratch` holds the writes while they are counted.
 // Throws resource_exhausted when the saved pages' meta entries need more
 // writes than out.writes holds (before anything is written there).
-inline void fill_device_step_arguments(const DeviceStep& step, std::uint32_t kv_heads,
+inline void fill_launch_arguments(const DeviceStepInput& step, std::uint32_t kv_heads,
                                        const cuda::SummaryShape& summaries, const PagePool& cpu,
                                        const GpuTablesReplica& replica, const HierarchicalPageTable& table,
-                                       std::vector<ReplicaWordWrite>& scratch, const DeviceStepArguments& out) {
+                                       std::vector<ReplicaWordWrite>& scratch, const LaunchArguments& out) {
   const std::uint32_t rows = step.batch * kv_heads;
   std::copy(step.tail_slots.begin(), step.tail_slots.end(), out.tail_slots.begin());
   std::copy(step.tail_pages.begin(), step.tail_pages.end(), out.tail_pages.begin());
@@ -83,7 +71,7 @@ inline void fill_device_step_arguments(const DeviceStep& step, std::uint32_t kv_
     out.count[r] = step.candidates[r] - summaries.first_partition;
     // The tail page is the row's next partition: the one after its candidates.
     out.summary_rows[r] = region + out.count[r];
-    const DeviceSelectRow row = step.select_rows.empty() ? DeviceSelectRow{} : step.select_rows[r];
+    const HostStateRow row = step.host_state_rows.empty() ? HostStateRow{} : step.host_state_rows[r];
     out.sink_partitions[r] = row.sink_partition;
     out.sink_tokens[r] = row.sink_tokens;
     out.recent[r] = row.recent;

@@ -2,7 +2,7 @@
 // The device prefill's Offload through the staged D2H path (SparseServe
 // §3.2.2 FlashD2H; §3.4 layer-segmented prefill: a layer's prompt K/V leaves
 // HBM once, straight into its CPU pages, so no GPU copy of the layer is kept).
-// Host-only geometry shared by the CUDA device decoder and the CI test that
+// Host-only geometry shared by the CUDA device runtime and the CI test that
 // checks it against TieredKVBuffer::offload: where each source row of a
 // prompt tensor goes, and the CPU tier as the saver addresses it.
 #include <algorithm>
@@ -46,7 +46,7 @@ inline SaveDestination cpu_tier_destination(const PagePool& pool) {
 // pieces of at most `piece_bytes` (staging stays bounded while the workers
 // scatter the previous piece), then waits until every row is written.
 // `k_targets` / `v_targets` are the caller's reusable scratch. The CUDA
-// decoder passes device K / V; the CI emulation the same call on host ones.
+// runtime passes device K / V; the CI emulation the same call on host ones.
 inline void save_prompt(StagedSaver& saver, const PagePool& pool, const void* k, const void* v,
                         std::span<const TokenPlacement> placements, std::size_t piece_bytes, void* stream,
                         std::vector<RowTarget>& k_targets, std::vector<RowTarget>& v_targets) {

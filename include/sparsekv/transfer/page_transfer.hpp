@@ -2,7 +2,7 @@
 // PageTransfer: how K/V bytes move between the tiers. TieredKVBuffer decides
 // what moves (Retrieve's misses, a full decode tail, the rows of a decode
 // token); a PageTransfer moves it. The host backend copies with memcpy; the
-// CUDA backend (transfer/device_page_transfer.hpp) runs the Gather H2D kernel
+// CUDA backend (transfer/page_transfer_cuda.hpp) runs the Gather H2D kernel
 // (Spin §5.5, SparseServe §3.2.1) and asynchronous copies on its own stream.
 //
 // Addresses are plain pointers so this layer needs nothing above core/: CPU-

@@ -1,0 +1,61 @@
+#pragma once
+// SplitPlanAttention: the built-in Attend of an AttendCall (attend_plan.hpp)
+// on the host, split into chunks that any of the caller's threads may run
+// (split-K, as FlashDecoding and the CUDA kernel split a row's tokens). A row
+// -- one (request, kv head) -- is cut into chunks of its plan pages holding
+// about kChunkTokens slots; a chunk folds the row's GQA group of q heads over
+// its live tokens into partial softmax states (attention_partial.hpp's rules),
+// each K/V row loaded once for the group; finish() merges a row's chunks by
+// log-sum-exp in chunk order, then the policy's extra term, and writes the
+// outputs and slot weights. Chunk boundaries depend on the plan alone, never
+// on how many threads run the chunks or in which order, so the result is bit
+// for bit the same for any split (step/host_step.hpp runs it on an engine's
+// threads; HostBackend runs it on one).
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "sparsekv/attention/attend_plan.hpp"
+#include "sparsekv/attention/attention_partial.hpp"
+
+namespace sparsekv {
+
+class SplitPlanAttention {
+ public:
+  // Slots per chunk (whole pages; at least one page).
+  static constexpr std::uint32_t kChunkTokens = 256;
+
+  // Serial: checks the call (live masks, token counts, extra terms, shapes)
+  // and lays out its chunks. Throws invalid_argument before anything is
+  // written. The call's plan, q, out and slot_weights must outlive finish().
+  void prepare(const AttendCall& call);
+  std::size_t chunks() const noexcept { return chunks_.size(); }
+  // Chunks [first, end): any thread, concurrently with other threads running
+  // disjoint ranges. Reads the plan's pages and q; writes only this object's
+  // per-chunk state. Throws nothing.
+  void run(std::size_t first, std::size_t end) noexcept;
+  // Serial, once every chunk has run: the outputs (and slot weights).
+  void finish();
+  // prepare(), every chunk, finish(): the whole Attend on this thread.
+  void attend(const AttendCall& call);
+
+ private:
+  struct Chunk {
+    std::uint32_t row = 0;                   // b * kv_heads + h
+    std::size_t first_page = 0, end_page = 0;  // plan page indices [first, end)
+  };
+  void run_chunk(std::size_t c) noexcept;
+
+  AttendCall call_;
+  std::uint32_t group_ = 0;
+  std::vector<Chunk> chunks_;
+  std::vector<std::size_t> row_chunks_;     // [rows + 1] into chunks_
+  std::vector<std::uint32_t> page_tokens_;  // valid slots of plan page i
+  std::vector<SoftmaxState> states_;        // [chunk][group]
+  std::vector<float> acc_;                  // [chunk][group][head_dim]
+  std::vector<float> rows_;                 // [chunk][2][head_dim]: a K and a V row in fp32
+  std::vector<float> scores_;               // with slot weights: [plan page][page_tokens][group], -inf unused
+  std::vector<float> merged_, lse_;         // finish(): one row's group
+};
+
+}  // namespace sparsekv

@@ -1,0 +1,29 @@
+#pragma once
+// What the step keeps per (request, layer) besides the buffer's tables: the
+// policy's state and the decode tokens it has not seen as a page yet. The
+// Manager owns one per layer of each request (its registry); a step reads and
+// commits the ones of its batch.
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "sparsekv/policy/token_eviction.hpp"
+
+namespace sparsekv {
+
+template <class State>
+struct LayerStepState {
+  State policy;
+  bool prefilled = false;
+  // Host tensors: the decode tokens since the last saved page, fp32
+  // [token][kv_head][dim], shown to the policy with the token that fills it.
+  std::vector<float> recent_k, recent_v;
+  // Device tensors, a policy whose device Select reads its host state
+  // (RetroInfer): decode pages saved since the state was last fed
+  // (host_state_row, host_index_update_due).
+  std::uint32_t unfed_pages = 0;
+  // A policy that evicts: what the last step decided to drop, applied at the next.
+  std::optional<Eviction> eviction;
+};
+
+}  // namespace sparsekv

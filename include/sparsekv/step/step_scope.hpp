@@ -1,0 +1,60 @@
+#pragma once
+// StepScope: what every runner of a step works in -- the model's shape, the
+// Manager's Config, its policy, buffer, backend and stats -- and the helpers
+// they share (the policy's LayerContext, the engine's tensors in fp32 and
+// their finiteness check). The Manager owns each referenced object and
+// outlives the runners it makes with it.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "sparsekv/buffer/tiered_kv_buffer.hpp"
+#include "sparsekv/core/config.hpp"
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/core/model_shape.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/policy/sparse_attention.hpp"
+#include "sparsekv/step/backend.hpp"
+#include "sparsekv/step/step_stats.hpp"
+
+namespace sparsekv {
+
+template <class Policy>
+struct StepScope {
+  const ModelShape* shape = nullptr;
+  const Config* config = nullptr;
+  const Policy* policy = nullptr;
+  TieredKVBuffer* buffer = nullptr;
+  Backend* backend = nullptr;
+  StepStats* stats = nullptr;
+
+  LayerContext context(std::uint32_t layer, std::uint32_t tokens) const {
+    return {layer, shape->layers, shape->q_heads, shape->kv_heads, shape->head_dim, config->page_tokens, tokens};
+  }
+  PageLayout layout() const { return {config->page_tokens, shape->head_dim, shape->dtype}; }
+  float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape->head_dim)); }
+  std::size_t kv_row() const { return std::size_t{shape->kv_heads} * shape->head_dim; }   // one token's K or V
+  std::size_t q_row() const { return std::size_t{shape->q_heads} * shape->head_dim; }     // one token's q
+
+  // `n` model-dtype values at `data` as fp32 in `out`.
+  void to_float(const void* data, std::size_t n, std::vector<float>& out) const {
+    out.resize(n);
+    for (std::size_t i = 0; i < n; ++i) out[i] = load_element(data, static_cast<std::uint32_t>(i), shape->dtype);
+  }
+  // Non-finite K/V must never reach the CPU tier, the source of truth: every
+  // later output attending it would be NaN. `kv` holds [token][kv_head][dim]
+  // rows, the first at sequence position `first`. Throws invalid_argument.
+  void check_finite(std::string_view what, RequestId request, std::span<const float> kv, std::uint32_t first) const {
+    const auto bad = std::find_if(kv.begin(), kv.end(), [](float x) { return !std::isfinite(x); });
+    if (bad == kv.end()) return;
+    const auto i = static_cast<std::size_t>(bad - kv.begin());
+    fail(ErrorCode::invalid_argument, "{} of request {}: token {} kv head {} (dim {}) is not finite", what, request,
+         first + i / kv_row(), i % kv_row() / shape->head_dim, i % shape->head_dim);
+  }
+};
+
+}  // namespace sparsekv

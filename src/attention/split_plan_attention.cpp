@@ -1,0 +1,153 @@
+#include "sparsekv/attention/split_plan_attention.hpp"
+
+#include <algorithm>
+
+#include "sparsekv/core/error.hpp"
+#include "sparsekv/core/numeric.hpp"
+
+namespace sparsekv {
+
+void SplitPlanAttention::prepare(const AttendCall& call) {
+  check_attend_masks(call);
+  const AttendPlan& plan = *call.plan;
+  const std::uint32_t pt = call.layout.page_tokens;
+  const std::uint32_t d = call.layout.head_dim;
+  if (call.kv_heads == 0 || call.q_heads % call.kv_heads != 0) {
+    fail(ErrorCode::invalid_argument, "attend: {} q heads cannot be grouped onto {} kv heads", call.q_heads,
+         call.kv_heads);
+  }
+  const std::size_t rows = std::size_t{call.batch} * call.kv_heads;
+  if (plan.head_entries.size() != rows + 1) {
+    fail(ErrorCode::invalid_argument, "attend: the plan has {} head entries for {} rows",
+         plan.head_entries.size() - 1, rows);
+  }
+  if (!plan.extra.empty() && plan.extra.size() != std::size_t{call.batch} * call.q_heads) {
+    fail(ErrorCode::invalid_argument, "attend: {} extra terms for {} q heads", plan.extra.size(),
+         std::size_t{call.batch} * call.q_heads);
+  }
+  for (std::size_t h = 0; h < plan.extra.size(); ++h) {
+    if (!plan.extra[h].empty() && plan.extra[h].acc.size() != d) {
+      fail(ErrorCode::invalid_argument, "attend: extra term of q head {} has {} dims, expected {}", h,
+           plan.extra[h].acc.size(), d);
+    }
+  }
+  const std::size_t pages = plan.indices.size();
+  page_tokens_.resize(pages);
+  for (std::size_t e = 0; e < plan.entries(); ++e) {
+    const auto tokens = plan.last_page_len[e];
+    if (tokens < 1 || static_cast<std::uint32_t>(tokens) > pt) {
+      fail(ErrorCode::invalid_argument, "attend: a page holds {} tokens, at most {}", tokens, pt);
+    }
+    for (auto i = plan.indptr[e]; i < plan.indptr[e + 1]; ++i) {
+      page_tokens_[static_cast<std::size_t>(i)] =
+          i + 1 == plan.indptr[e + 1] ? static_cast<std::uint32_t>(tokens) : pt;
+    }
+  }
+  call_ = call;
+  group_ = call.q_heads / call.kv_heads;
+  // A row's pages are the plan's pages [indptr[head_entries[r]], indptr[head_entries[r + 1]]).
+  const std::size_t chunk_pages = std::max<std::size_t>(1, kChunkTokens / pt);
+  chunks_.clear();
+  row_chunks_.assign(1, 0);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const auto first = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r])]);
+    const auto end = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r + 1])]);
+    for (std::size_t p = first; p < end; p += chunk_pages) {
+      chunks_.push_back({static_cast<std::uint32_t>(r), p, std::min(end, p + chunk_pages)});
+    }
+    row_chunks_.push_back(chunks_.size());
+  }
+  states_.resize(chunks_.size() * group_);
+  acc_.resize(chunks_.size() * group_ * d);
+  rows_.resize(chunks_.size() * 2 * d);
+  scores_.resize(call.slot_weights != nullptr ? pages * pt * group_ : 0);
+}
+
+void SplitPlanAttention::run(std::size_t first, std::size_t end) noexcept {
+  for (std::size_t c = first; c < end; ++c) run_chunk(c);
+}
+
+void SplitPlanAttention::run_chunk(std::size_t c) noexcept {
+  const AttendPlan& plan = *call_.plan;
+  const PageLayout& layout = call_.layout;
+  const std::uint32_t d = layout.head_dim, pt = layout.page_tokens;
+  const Chunk& chunk = chunks_[c];
+  const std::uint32_t b = chunk.row / call_.kv_heads, h = chunk.row % call_.kv_heads;
+  const float* q = call_.q + (std::size_t{b} * call_.q_heads + std::size_t{h} * group_) * d;
+  SoftmaxState* states = states_.data() + c * group_;
+  float* acc = acc_.data() + c * group_ * d;
+  float* k = rows_.data() + c * 2 * d;
+  float* v = k + d;
+  std::fill_n(states, group_, SoftmaxState{});
+  std::fill_n(acc, std::size_t{group_} * d, 0.0f);
+  const bool scored = !scores_.empty();
+  for (std::size_t i = chunk.first_page; i < chunk.end_page; ++i) {
+    const std::byte* page = plan.gpu_tier_base + static_cast<std::size_t>(plan.indices[i]) * plan.page_bytes;
+    const SlotMask live = plan.live_masks.empty() ? ~SlotMask{0} : plan.live_masks[i];
+    float* page_scores = scored ? scores_.data() + i * pt * group_ : nullptr;
+    // Dead and unused slots keep -inf: their weight is then 0 (softmax_weight).
+    if (scored) std::fill_n(page_scores, std::size_t{pt} * group_, kNegativeInfinity);
+    for (std::uint32_t t = 0; t < page_tokens_[i]; ++t) {
+      if (!slot_live(live, t)) continue;
+      const void* k_row = page + layout.k_offset(t);
+      const void* v_row = page + layout.v_offset(t);
+      for (std::uint32_t j = 0; j < d; ++j) k[j] = load_element(k_row, j, layout.dtype);
+      for (std::uint32_t j = 0; j < d; ++j) v[j] = load_element(v_row, j, layout.dtype);
+      for (std::uint32_t g = 0; g < group_; ++g) {
+        const float* qg = q + std::size_t{g} * d;
+        float dot = 0.0f;
+        for (std::uint32_t j = 0; j < d; ++j) dot += qg[j] * k[j];
+        const float score = dot * call_.scale;
+        const RescaleStep step = softmax_fold(states[g], score, 1.0f);
+        float* ag = acc + std::size_t{g} * d;
+        if (step.value_weight != 0.0f || step.acc_scale != 1.0f) {
+          for (std::uint32_t j = 0; j < d; ++j) ag[j] = softmax_rescale_add(ag[j], step, v[j]);
+        }
+        if (scored) page_scores[std::size_t{t} * group_ + g] = score;
+      }
+    }
+  }
+}
+
+void SplitPlanAttention::finish() {
+  const AttendPlan& plan = *call_.plan;
+  const std::uint32_t d = call_.layout.head_dim, pt = call_.layout.page_tokens;
+  // Pages no row reaches get no weight.
+  if (call_.slot_weights != nullptr) std::fill_n(call_.slot_weights, plan.indices.size() * pt, 0.0f);
+  merged_.resize(d);
+  lse_.resize(group_);
+  const std::size_t rows = row_chunks_.size() - 1;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::size_t b = r / call_.kv_heads, h = r % call_.kv_heads;
+    for (std::uint32_t g = 0; g < group_; ++g) {
+      const std::size_t head = b * call_.q_heads + h * group_ + g;
+      SoftmaxState state;
+      std::fill(merged_.begin(), merged_.end(), 0.0f);
+      const auto merge = [&](SoftmaxState other, const float* other_acc) {
+        const RescaleStep step = softmax_merge(state, other);
+        for (std::uint32_t j = 0; j < d; ++j) merged_[j] = softmax_rescale_add(merged_[j], step, other_acc[j]);
+      };
+      for (std::size_t c = row_chunks_[r]; c < row_chunks_[r + 1]; ++c) {
+        merge(states_[c * group_ + g], acc_.data() + (c * group_ + g) * d);
+      }
+      if (!plan.extra.empty() && !plan.extra[head].empty()) merge(plan.extra[head].state(), plan.extra[head].acc.data());
+      float* out = call_.out + head * d;
+      for (std::uint32_t j = 0; j < d; ++j) out[j] = softmax_output(merged_[j], state);
+      lse_[g] = softmax_lse(state);
+    }
+    if (call_.slot_weights == nullptr) continue;
+    const auto first = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r])]);
+    const auto end = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r + 1])]);
+    for (std::size_t s = first * pt; s < end * pt; ++s) {
+      call_.slot_weights[s] = softmax_group_weight(scores_.data() + s * group_, lse_.data(), group_);
+    }
+  }
+}
+
+void SplitPlanAttention::attend(const AttendCall& call) {
+  prepare(call);
+  run(0, chunks());
+  finish();
+}
+
+}  // namespace sparsekv
