@@ -6,7 +6,7 @@
 // 12 recent pages). Rows: quest_select, shadowkv_select, retroinfer_select,
 // and retroinfer_select + retroinfer_estimate (both launches, one timing).
 //
-// Inputs are random as tests/select_test_data.hpp draws them (normal
+// Inputs are random as tests/support/select_test_data.hpp draws them (normal
 // summaries, Quest max = min + |normal|, partial partitions planted, ids
 // ascending with gaps, RetroInfer sinks on 3 rows in 4), drawn here with a
 // fast generator on all cores: the largest Quest row holds 4.3 GB of

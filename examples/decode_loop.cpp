@@ -2,7 +2,9 @@
 // sparsekv facade. Prints tokens/s, hit ratio, pages and bytes moved and the
 // time per operation.
 //
-//   --backend host   HostBackend, host tensors.
+//   --backend host   HostBackend, host tensors; --threads N lends each step
+//                    N threads (the loop's own pool, as a CPU engine keeps
+//                    one: tools/thread_pool.hpp) through decode()'s executor.
 //   --backend cuda   CudaBackend with the device-tensor API: the loop plays the
 //                    engine, holding q / k / v / out in its own device buffers
 //                    on its own stream (tools/backend_choice.hpp).
@@ -28,6 +30,7 @@
 
 #include "backend_choice.hpp"
 #include "command_line.hpp"
+#include "thread_pool.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/sparsekv.hpp"
 #if SPARSEKV_EXAMPLE_CUDA
@@ -44,6 +47,7 @@ void usage() {
       "                                        per Quest page -- else 8)\n"
       "                   [--backend host|cuda]   (default: cuda -- device tensors on a stream -- when built with\n"
       "                                            it, a GPU is present and the policy has a device Select)\n"
+      "                   [--threads 1]   host tensors: the threads each step's Select and Attend run on\n"
       "  --policy takes a comma-separated list (quest,shadowkv): one run per policy.\n"
       "  policies: dense, streaming, quest, shadowkv, retroinfer, retroinfer_no_estimation\n",
       stderr);
@@ -58,7 +62,7 @@ void fill(std::uint16_t* out, std::size_t n, std::mt19937_64& rng) {
 }
 
 struct Run {
-  std::uint32_t context, batch, steps, budget, page_tokens;
+  std::uint32_t context, batch, steps, budget, page_tokens, threads;
   sparsekv::ModelShape shape;
   std::uint64_t seed;
   std::string backend;
@@ -101,6 +105,7 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   sparsekv::tools::BackendChoice choice = sparsekv::tools::choose_backend(r.backend, policy, shape, config);
   if (!choice.note.empty()) std::fprintf(stderr, "decode_loop: %s\n", choice.note.c_str());
   const bool device = choice.device_tensors;
+  if (device && r.threads > 1) std::fprintf(stderr, "decode_loop: --threads applies to host tensors; ignored\n");
   const std::size_t prompt_n = std::size_t{r.context} * shape.kv_heads * shape.head_dim;
   const std::size_t qn = std::size_t{r.batch} * shape.q_heads * shape.head_dim;
   const std::size_t kvn = std::size_t{r.batch} * shape.kv_heads * shape.head_dim;
@@ -156,6 +161,8 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   for (auto& x : drift) x = normal(rng);
   std::vector<std::uint16_t> q(shape.layers * qn), k_new(shape.layers * kvn), v_new(shape.layers * kvn);
   std::vector<float> out(qn);
+  sparsekv::tools::ThreadPool pool(device ? 1 : r.threads);
+  const sparsekv::StepExecutor executor = pool.executor();
   double seconds = 0;
   for (std::uint32_t s = 0; s < r.steps; ++s) {
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
@@ -177,7 +184,8 @@ bool run_policy(const Run& r, const std::string& policy_name) {
     const auto start = std::chrono::steady_clock::now();
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
       if (!device) {
-        manager.decode(batch, l, q.data() + l * qn, k_new.data() + l * kvn, v_new.data() + l * kvn, out.data());
+        manager.decode(batch, l, q.data() + l * qn, k_new.data() + l * kvn, v_new.data() + l * kvn, out.data(),
+                       executor);
         continue;
       }
 #if SPARSEKV_EXAMPLE_CUDA
@@ -205,17 +213,18 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   if (r.json) {
     fmt::print(
         "{{\"backend\": \"{}\", \"api\": \"{}\", \"policy\": \"{}\", \"context\": {}, \"batch\": {}, \"budget\": {}, "
-        "\"page_tokens\": {}, \"steps\": {}, \"tokens_per_s\": {:.3f}, \"hit_ratio\": {:.4f}, \"pages_moved\": {}, "
+        "\"page_tokens\": {}, \"steps\": {}, \"threads\": {}, \"tokens_per_s\": {:.3f}, \"hit_ratio\": {:.4f}, \"pages_moved\": {}, "
         "\"bytes_moved\": {}, \"append_s\": {:.4f}, \"select_s\": {:.4f}, \"retrieve_s\": {:.4f}, \"attend_s\": {:.4f}, "
         "\"prefill_s\": {:.3f}, \"cpu_tier_reserved_bytes\": {}}}\n",
-        backend, api, policy_name, r.context, r.batch, r.budget, config.page_tokens, r.steps, tokens_per_s,
+        backend, api, policy_name, r.context, r.batch, r.budget, config.page_tokens, r.steps, pool.threads(), tokens_per_s,
         st.hit_ratio(), pages_moved, bytes_moved, st.append_s, st.select_s, st.retrieve_s, st.attend_s, prefill_s,
         manager.cpu_tier_reserved_bytes());
     return true;
   }
   fmt::print("decode_loop: {} x {}-token context, policy {} (budget {} tokens, {}-token pages), {} steps, {} layers, "
-             "{} backend, {} tensors\n",
-             r.batch, r.context, policy_name, r.budget, config.page_tokens, r.steps, shape.layers, backend, api);
+             "{} backend, {} tensors, {} thread(s)\n",
+             r.batch, r.context, policy_name, r.budget, config.page_tokens, r.steps, shape.layers, backend, api,
+             pool.threads());
   fmt::print("  tokens/s        {:.2f}\n  hit ratio       {:.2f}%\n  pages moved     {}\n  bytes moved     {:.1f} MiB\n",
              tokens_per_s, 100 * st.hit_ratio(), pages_moved, bytes_moved / double(1 << 20));
   if (device) {
@@ -241,7 +250,7 @@ int main(int argc, char** argv) {
     const sparsekv::tools::CommandLine args(
         argc, argv,
         {"--context", "--batch", "--policy", "--budget", "--steps", "--layers", "--q-heads", "--kv-heads", "--head-dim",
-         "--seed", "--backend", "--page-tokens"},
+         "--seed", "--backend", "--page-tokens", "--threads"},
         {"--json", "--help"});
     if (args.has("--help")) {
       usage();
@@ -259,7 +268,10 @@ int main(int argc, char** argv) {
     r.seed = args.number<std::uint64_t>("--seed", 1);
     r.backend = args.text("--backend", "");
     r.json = args.has("--json");
-    if (r.context == 0 || r.batch == 0 || r.steps == 0) throw std::invalid_argument("context, batch and steps must be > 0");
+    r.threads = args.number<std::uint32_t>("--threads", 1);
+    if (r.context == 0 || r.batch == 0 || r.steps == 0 || r.threads == 0) {
+      throw std::invalid_argument("context, batch, steps and threads must be > 0");
+    }
     bool ok = true;
     for (const std::string& name : args.list("--policy", "shadowkv")) {
       r.page_tokens = args.number<std::uint32_t>("--page-tokens", name == "quest" ? 16 : sparsekv::Config{}.page_tokens);

@@ -2,8 +2,9 @@
 // The append kernel of buffer/append_cuda.hpp, templated on what it
 // computes for a full tail page before saving it. The buffer layer
 // instantiates it with NoPageSummary (cuda/buffer/append_kernels.cu); the
-// policy layer, which owns the summary rules, with Quest's, ShadowKV's and
-// RetroInfer's (cuda/step/append_summaries_kernels.cu). So one launch
+// step layer, which sees both this kernel and the policies' summary rules,
+// with Quest's, ShadowKV's and RetroInfer's
+// (cuda/step/append_summaries_kernels.cu). So one launch
 // still does the whole step, and no buffer-layer file includes a policy
 // header.
 //

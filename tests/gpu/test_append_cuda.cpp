@@ -12,8 +12,8 @@
 #include <random>
 #include <vector>
 
-#include "../append_test_data.hpp"
-#include "../index_test_data.hpp"
+#include "append_test_data.hpp"
+#include "index_test_data.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/step/append_summaries_cuda.hpp"
 

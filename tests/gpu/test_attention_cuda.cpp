@@ -30,7 +30,7 @@
 #include <span>
 #include <vector>
 
-#include "../attention_test_data.hpp"
+#include "attention_test_data.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/attention/decode_attention.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"

@@ -14,7 +14,7 @@
 #include <random>
 #include <vector>
 
-#include "../bucketed_lru_test_data.hpp"
+#include "bucketed_lru_test_data.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/cache/bucketed_lru_cuda.hpp"

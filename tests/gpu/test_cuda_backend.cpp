@@ -1,5 +1,5 @@
 // The facade on the CUDA backend against the host backend: the lockstep of
-// tests/backend_lockstep.hpp (CI runs it on a deferred-copy host twin), every
+// tests/support/backend_lockstep.hpp (CI runs it on a deferred-copy host twin), every
 // built-in policy. Metadata (hits, misses, pages moved, GPU page ids) must be
 // identical, refusals too; attention outputs within 2e-3 relative (bf16
 // pages, fp32 accumulation in both). Also the address-list gather the
@@ -15,9 +15,9 @@
 #include <random>
 #include <vector>
 
-#include "../attention_test_data.hpp"
-#include "../backend_lockstep.hpp"
-#include "../eviction_stream.hpp"
+#include "attention_test_data.hpp"
+#include "backend_lockstep.hpp"
+#include "eviction_stream.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
 #include "sparsekv/sparsekv.hpp"

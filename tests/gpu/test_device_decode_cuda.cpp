@@ -17,7 +17,7 @@
 #include <random>
 #include <vector>
 
-#include "../device_decode_test_data.hpp"
+#include "device_decode_test_data.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"

@@ -18,8 +18,8 @@
 #include <tuple>
 #include <vector>
 
-#include "../append_test_data.hpp"
-#include "../index_test_data.hpp"
+#include "append_test_data.hpp"
+#include "index_test_data.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/policy/summary_store_cuda.hpp"
 #include "sparsekv/policy/quest.hpp"

@@ -16,7 +16,7 @@
 #include <random>
 #include <vector>
 
-#include "../index_test_data.hpp"
+#include "index_test_data.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/index_cuda.hpp"

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "gpu_support.hpp"
-#include "../plan_test_data.hpp"
+#include "plan_test_data.hpp"
 #include "sparsekv/cache/cache_step.hpp"
 #include "sparsekv/attention/attend_plan_cuda.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"

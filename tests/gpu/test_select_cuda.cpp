@@ -20,8 +20,8 @@
 #include <variant>
 #include <vector>
 
-#include "../attention_test_data.hpp"
-#include "../select_test_data.hpp"
+#include "attention_test_data.hpp"
+#include "select_test_data.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/policy/device_select.hpp"

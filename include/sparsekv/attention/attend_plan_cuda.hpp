@@ -16,7 +16,7 @@
 //      (plan_row_page); a CUB BlockScan over the run-end flags (carried across
 //      tiles) gives each run its entry, so the run split is append_runs'.
 // The rules below are plain C++ shared with the host emulation CI runs
-// (tests/test_plan_rules.cpp).
+// (tests/attention/test_plan_rules.cpp).
 //
 // fmt-free: kernel translation units and their callers can include it.
 #include <cstddef>

@@ -1,6 +1,6 @@
 #pragma once
-// Appends on the device (the Append row of ARCHITECTURE.md's decode step on
-// the GPU): one launch per layer step appends the whole batch's decode token.
+// Appends on the device (the Append stage of the device decode step,
+// docs/device-decode.md): one launch per layer step appends the whole batch's decode token.
 // For every (batch entry b, kv head h) it
 //  1. writes b's k_new / v_new row of head h, bytes unchanged, into slot
 //     tail_slots[b] of the GPU tail page tail_pages[b][h];

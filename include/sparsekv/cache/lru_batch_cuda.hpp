@@ -19,7 +19,7 @@
 // running total, so that the stats need no per-step copy back either.
 //
 // The per-element rules below are plain C++ shared with the host emulation
-// CI runs (tests/test_lru_batch_rules.cpp).
+// CI runs (tests/cache/test_lru_batch_rules.cpp).
 //
 // fmt-free: kernel translation units and their callers can include it.
 #include <cstddef>

@@ -59,6 +59,7 @@
 #include "sparsekv/step/device_step.hpp"
 #include "sparsekv/step/host_step.hpp"
 #include "sparsekv/step/prefill.hpp"
+#include "sparsekv/step/staged_tensors.hpp"
 #include "sparsekv/step/step_executor.hpp"
 #include "sparsekv/step/step_stats.hpp"
 
@@ -446,9 +447,8 @@ class Manager {
     check_device_pointer("prefill v", v);
     LayerStepState<State>& ls = prefill_entry(request, layer, tokens);
     const std::size_t bytes = std::size_t{tokens} * scope_.kv_row() * dtype_size(shape_.dtype);
-    copy_down(k, bytes, tensor_k_, stream);
-    copy_down(v, bytes, tensor_v_, stream);
-    host_prefill(scope_, request, layer, ls, tensor_k_.data(), tensor_v_.data(), tokens, keys_, values_);
+    host_prefill(scope_, request, layer, ls, staged_.stage(*backend_, 1, k, bytes, stream),
+                 staged_.stage(*backend_, 2, v, bytes, stream), tokens, keys_, values_);
     use_api(Api::device);
   }
   void host_select_decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
@@ -459,20 +459,15 @@ class Manager {
       check_device_pointer(what, p);
     }
     const std::size_t elem = dtype_size(shape_.dtype);
-    const std::size_t q_values = batch.size() * scope_.q_row();
-    copy_down(q, q_values * elem, tensor_q_, stream);
-    copy_down(k_new, batch.size() * scope_.kv_row() * elem, tensor_k_, stream);
-    copy_down(v_new, batch.size() * scope_.kv_row() * elem, tensor_v_, stream);
-    tensor_out_.resize(q_values);
+    const std::size_t kv_bytes = batch.size() * scope_.kv_row() * elem;
+    const std::byte* host_q = staged_.stage(*backend_, 0, q, batch.size() * scope_.q_row() * elem, stream);
+    const std::byte* host_k = staged_.stage(*backend_, 1, k_new, kv_bytes, stream);
+    const std::byte* host_v = staged_.stage(*backend_, 2, v_new, kv_bytes, stream);
     use_api(Api::device);
     backend_->check_attend(scope_.layout(), shape_.q_heads, shape_.kv_heads);
-    begin_host_step(batch, layer, tensor_q_.data(), tensor_k_.data(), tensor_v_.data(), tensor_out_.data());
+    begin_host_step(batch, layer, host_q, host_k, host_v, staged_.output(batch.size() * scope_.q_row()));
     host_step_->run(nullptr);
-    backend_->copy_to_device(out, tensor_out_.data(), q_values * sizeof(float), stream);
-  }
-  void copy_down(const void* device, std::size_t bytes, std::vector<std::byte>& host, void* stream) {
-    host.resize(bytes);
-    backend_->copy_to_host(host.data(), device, bytes, stream);
+    staged_.write_output(*backend_, out, stream);
   }
 
   // The host/device latch: the first prefill picks the tensor kind.
@@ -483,17 +478,10 @@ class Manager {
            api_ == Api::host ? "host" : "device", api == Api::host ? "host" : "device");
     }
   }
-  // Whether every layer's policy selects on the device (policy/device_select.hpp):
-  // fixed by the policy and Config, asked once.
+  // Whether every layer's policy selects on the device: fixed by the policy
+  // and Config, asked once.
   bool device_selects() {
-    if (!device_selects_) {
-      device_selects_ = true;
-      for (std::uint32_t l = 0; l < shape_.layers; ++l) {
-        if (!selects_on_device(device_select(policy_, context(l, config_.max_context_tokens)))) {
-          device_selects_ = false;
-        }
-      }
-    }
+    if (!device_selects_) device_selects_ = selects_on_device_in_every_layer(scope_);
     return *device_selects_;
   }
   // The device-tensor API's precondition on the host-Select path (the device
@@ -510,32 +498,13 @@ class Manager {
     if (!backend_->is_device_pointer(p)) fail(ErrorCode::invalid_argument, "{} is not device memory", what);
   }
 
-  // The device runtime, made at the first device-tensor call, sized for the
-  // largest batch and the policy's largest selection over every layer.
+  // The device runtime, made at the first device-tensor call.
   DeviceRuntime& device_runtime() {
     if (api_ == Api::host) use_api(Api::device);  // throws: this Manager serves host tensors
     if (runtime_) return *runtime_;
-    DeviceRuntimeSetup setup;
-    setup.shape = shape_;
-    setup.page_tokens = config_.page_tokens;
-    setup.max_batch = config_.max_requests;  // a batch names distinct requests
-    setup.max_requests = config_.max_requests;
-    setup.max_partitions_per_head = head_capacity().partitions;
-    setup.max_pages_per_head = budget(config_.max_context_tokens).mandatory_pages;
-    setup.timestamp_buckets = config_.timestamp_buckets;
-    setup.scale = scope_.scale();
-    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
-      const DeviceSelect select = device_select(policy_, context(l, config_.max_context_tokens));
-      if (!selects_on_device(select)) {
-        fail(ErrorCode::invalid_argument,
-             "policy {} has no device Select in layer {} (policy/device_select.hpp); use the host-tensor API",
-             policy_name(policy_), l);
-      }
-      setup.select = select;
-      setup.max_selected_per_head = std::max(
-          setup.max_selected_per_head, select_capacity(select, setup.max_partitions_per_head, config_.page_tokens));
-    }
-    runtime_ = backend_->make_device_runtime(setup, *buffer_);
+    runtime_ = backend_->make_device_runtime(
+        device_runtime_setup(scope_, head_capacity().partitions, budget(config_.max_context_tokens).mandatory_pages),
+        *buffer_);
     if (!runtime_) {
       fail(ErrorCode::unavailable, "backend {} serves host tensors only; device tensors need the CUDA backend",
            backend_->name());
@@ -576,10 +545,8 @@ class Manager {
   std::unique_ptr<DeviceRuntime> runtime_;
   std::optional<DeviceStep<Policy>> device_step_;
   std::vector<typename DeviceStep<Policy>::Entry> device_entries_;
-  // Scratch: a host prompt in fp32; the host-Select path's tensors come down and its output going up.
-  std::vector<float> keys_, values_;
-  std::vector<std::byte> tensor_q_, tensor_k_, tensor_v_;
-  std::vector<float> tensor_out_;
+  std::vector<float> keys_, values_;  // a host prompt in fp32
+  StagedTensors staged_;              // the host-Select path's tensors
 };
 
 using RuntimeManager = Manager<AnyPolicy>;

@@ -47,7 +47,7 @@ inline constexpr std::uint32_t kMaxIndexDim = 512;
 inline constexpr std::uint32_t kMaxIndexPageTokens = 4096;
 
 // Dynamic shared memory of the kernels, shared by the launches and the kernels
-// so CI can check its bounds (tests/test_index_rules.cpp). nvcc reads a float
+// so CI can check its bounds (tests/policy/test_index_rules.cpp). nvcc reads a float
 // array that starts on a 16-byte boundary with 128-bit loads, remainder loops
 // included: summing sums[0 .. 2) reads sums[0 .. 4). So every array starts
 // on a granule and is allocated in whole granules; sizing to the floats used

@@ -1,6 +1,6 @@
 #pragma once
-// CUDA backend of the Select stage (Spin §4.1, "The decode step on the GPU"
-// in ARCHITECTURE.md): the partitions each (request, kv head) needs for a
+// CUDA backend of the Select stage (Spin §4.1; the device decode step,
+// docs/device-decode.md): the partitions each (request, kv head) needs for a
 // decode query, chosen on the device from the summaries the Index kernels
 // keep there, for Quest (Tang et al. 2024), ShadowKV (Sun et al. 2024; Spin
 // §4.2) and RetroInfer (Chen et al. 2025, §4.2), and from the candidates'
@@ -60,7 +60,7 @@ struct SelectRows {
 
 // Row r's candidates as the kernels read them: count clamped to the
 // workspace's slice (max_row_candidates) and the row to the arrays' extent.
-// Shared with the CI emulation (tests/test_select_rules.cpp).
+// Shared with the CI emulation (tests/policy/test_select_rules.cpp).
 struct SelectRowSpan {
   std::uint32_t first = 0;
   std::uint32_t n = 0;
@@ -195,7 +195,7 @@ std::size_t estimate_workspace_bytes(const SelectRows& rows);
 // RetroInfer's sink) when the row fits the budget, the layer is dense or
 // RetroInfer has no budget (0: its fraction counts candidates, not tokens).
 // select_capacity is that rule, inline so the facade sizes its arrays by it
-// (device_select_capacity in policy/device_select.hpp) without the CUDA library.
+// (select_capacity in policy/device_select.hpp) without the CUDA library.
 inline std::uint32_t select_capacity(std::uint32_t max_row_candidates, std::uint32_t budget_candidates,
                                      bool whole_row, std::uint32_t extra) {
   const std::uint64_t whole = std::uint64_t{max_row_candidates} + extra;

@@ -42,7 +42,7 @@ namespace sparsekv {
 
 // ---- exp ---------------------------------------------------------------------
 
-// exp(x) within 2 ulp of the true value on [-103.9, 88.7] (tests/test_select_rules.cpp),
+// exp(x) within 2 ulp of the true value on [-103.9, 88.7] (tests/policy/test_select_rules.cpp),
 // the same bits on host and device. 0 below, inf above, NaN for NaN.
 SPARSEKV_HOST_DEVICE inline float portable_exp(float x) {
   if (x != x) return x;

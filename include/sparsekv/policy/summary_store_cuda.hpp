@@ -1,9 +1,8 @@
 #pragma once
-// The decode step's summary store ("The decode step on the GPU" in
-// ARCHITECTURE.md, docs/device-decode.md): the Index summaries (Spin §4.1) of
-// every (request slot, layer, kv head) kept in device memory for the
-// request's life, each in a fixed-capacity region, so that Select reads them
-// in place -- a row's SelectRows first / count point into its region
+// The device decode step's summary store (docs/device-decode.md): the Index
+// summaries (Spin §4.1) of every (request slot, layer, kv head) kept in
+// device memory for the request's life, each in a fixed-capacity region, so
+// that Select reads them in place -- a row's SelectRows first / count point into its region
 // (policy/select_cuda.hpp) -- and no step copies them. Quest (Tang et al.
 // 2024): per partition the key min / max; ShadowKV (Sun et al. 2024; Spin
 // §4.2): the landmark (mean key) and outlier score; RetroInfer (Chen et al.
@@ -34,7 +33,7 @@
 // synchronisation after construction, host-side checks before anything is
 // enqueued (ErrorCode::invalid_argument), a failed runtime call throws
 // ErrorCode::cuda_error. fmt-free: the geometry below is inline host code
-// that CI checks without a device (tests/test_select_rules.cpp).
+// that CI checks without a device (tests/policy/test_select_rules.cpp).
 #include <cstddef>
 #include <cstdint>
 #include <span>

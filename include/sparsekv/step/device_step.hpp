@@ -12,6 +12,7 @@
 // the state the pages saved since the last update and this one, and sizes the
 // regroup against the pools; once the step is enqueued it applies the regroup
 // to the tables and the summary store (docs/device-decode.md, "RetroInfer").
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -29,6 +30,50 @@
 #include "sparsekv/step/step_scope.hpp"
 
 namespace sparsekv {
+
+// Whether every layer's policy selects on the device (policy/device_select.hpp).
+template <class Policy>
+bool selects_on_device_in_every_layer(const StepScope<Policy>& scope) {
+  for (std::uint32_t l = 0; l < scope.shape->layers; ++l) {
+    if (!selects_on_device(device_select(*scope.policy, scope.context(l, scope.config->max_context_tokens)))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The fixed capacities of a device runtime for `scope`: a batch names distinct
+// requests (at most max_requests), every head holds at most
+// `max_partitions_per_head` partitions and a selection covers at most
+// `max_pages_per_head` pages, and the selection arrays hold the largest
+// selection of any layer. Throws invalid_argument naming a layer whose policy
+// has no device Select.
+template <class Policy>
+DeviceRuntimeSetup device_runtime_setup(const StepScope<Policy>& scope, std::uint32_t max_partitions_per_head,
+                                        std::uint32_t max_pages_per_head) {
+  const Config& config = *scope.config;
+  DeviceRuntimeSetup setup;
+  setup.shape = *scope.shape;
+  setup.page_tokens = config.page_tokens;
+  setup.max_batch = config.max_requests;
+  setup.max_requests = config.max_requests;
+  setup.max_partitions_per_head = max_partitions_per_head;
+  setup.max_pages_per_head = max_pages_per_head;
+  setup.timestamp_buckets = config.timestamp_buckets;
+  setup.scale = scope.scale();
+  for (std::uint32_t l = 0; l < scope.shape->layers; ++l) {
+    const DeviceSelect select = device_select(*scope.policy, scope.context(l, config.max_context_tokens));
+    if (!selects_on_device(select)) {
+      fail(ErrorCode::invalid_argument,
+           "policy {} has no device Select in layer {} (policy/device_select.hpp); use the host-tensor API",
+           policy_name(*scope.policy), l);
+    }
+    setup.select = select;
+    setup.max_selected_per_head =
+        std::max(setup.max_selected_per_head, select_capacity(select, max_partitions_per_head, config.page_tokens));
+  }
+  return setup;
+}
 
 template <class Policy>
 class DeviceStep {
@@ -201,7 +246,8 @@ void DeviceStep<Policy>::decode(std::span<const Entry> batch, std::uint32_t laye
       tail_pages_[r] = buffer.tail_page(e.request, layer, h);
       if (host_state) host_state_rows_[r] = host_state_row(*scope_.policy, e.state->policy, h, e.state->unfed_pages);
     }
-    const auto slot = buffer.append_on_device(e.request, layer, std::span<PageId>(save_pages_).subspan(b * kv_heads, kv_heads));
+    const auto slot =
+        buffer.append_on_device(e.request, layer, std::span<PageId>(save_pages_).subspan(b * kv_heads, kv_heads));
     tail_slots_[b] = slot.tail_slot;
     // A filled page is saved but still whole in the tail page: this step's tail.
     std::fill_n(tail_tokens_.begin() + b * kv_heads, kv_heads, slot.tail_slot + 1);

@@ -1,7 +1,7 @@
 #pragma once
 // HostStep: one decode step of (batch, layer) on host tensors, as phases an
-// engine's threads can share (ARCHITECTURE.md's "decode step on a CPU
-// engine"; docs/integration.md, "Threads"):
+// engine's threads can share (docs/design.md, "The way of a decode step";
+// docs/integration.md, "Threads"):
 //
 //   begin(...)        serial   checks and converts the tensors, plans the step
 //                              against the pools (StepPlan: each filling tail's
@@ -115,7 +115,9 @@ class HostStep {
   static std::pair<std::size_t, std::size_t> slice(std::size_t n, std::size_t ith, std::size_t nth) noexcept {
     return {n * ith / nth, n * (ith + 1) / nth};
   }
-  std::span<const float> new_k(std::size_t b) const { return std::span(keys_).subspan(b * scope_.kv_row(), scope_.kv_row()); }
+  std::span<const float> new_k(std::size_t b) const {
+    return std::span(keys_).subspan(b * scope_.kv_row(), scope_.kv_row());
+  }
   std::span<const float> new_v(std::size_t b) const {
     return std::span(values_).subspan(b * scope_.kv_row(), scope_.kv_row());
   }
@@ -435,7 +437,8 @@ void HostStep<Policy>::finish() {
   }
   if (evicts_) {
     const bool weighed = out_ != nullptr && call_.slot_weights != nullptr;
-    evicting_.decide(entries_, layer_, retrievals_, weighed ? std::span<const float>(slot_weights_) : std::span<const float>{});
+    evicting_.decide(entries_, layer_, retrievals_,
+                     weighed ? std::span<const float>(slot_weights_) : std::span<const float>{});
   }
   scope_.stats->attend_s += seconds(Clock::now() - committed_at_);
 }

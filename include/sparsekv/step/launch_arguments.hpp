@@ -3,7 +3,7 @@
 // per-row arguments its launches read, computed from the DeviceStepInput, the
 // summary store's regions, the CPU tier and the page table. Host-only; the
 // CUDA runtime (cuda/step/device_runtime.cpp) writes them into a pinned
-// slot and the CI emulation (tests/device_runtime_emulation.hpp) into host
+// slot and the CI emulation (tests/support/device_runtime_emulation.hpp) into host
 // vectors, so the emulation runs this very code rather than a copy of it.
 #include <algorithm>
 #include <cstddef>

@@ -1,7 +1,7 @@
 #pragma once
 // The device miss list of a Retrieve step and how the gather kernel walks it
 // (page_gather_cuda.hpp: gather_miss_list). Plain C++ shared by the kernel and
-// the host emulation that CI runs (tests/test_plan_rules.cpp).
+// the host emulation that CI runs (tests/attention/test_plan_rules.cpp).
 //
 // The list is the bucketed-LRU step's output left where the step wrote it:
 // head h's CPU -> GPU copies are entries page_offsets[h] .. page_offsets[h] +

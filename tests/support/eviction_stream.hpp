@@ -1,6 +1,6 @@
 #pragma once
 // A fixed decode stream for the facade tests of token-evicting policies
-// (tests/test_facade_eviction.cpp, and the CUDA lockstep in
+// (tests/facade/test_facade_eviction.cpp, and the CUDA lockstep in
 // tests/gpu/test_cuda_backend.cpp): fp32 K/V and queries of a batch of
 // requests with different prompt lengths, drawn once from a seed so that
 // twin managers see the same bytes.

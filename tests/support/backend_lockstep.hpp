@@ -9,7 +9,7 @@
 // The tiers are sized from the policy, as decode_loop does: the GPU tier holds
 // `fitting_requests` requests of the largest size, so later arrivals are
 // refused on both sides and the refusal path runs too. Used by the host CI
-// (tests/test_backend_lockstep.cpp: a deferred-copy backend) and the GPU suite
+// (tests/facade/test_backend_lockstep.cpp: a deferred-copy backend) and the GPU suite
 // (tests/gpu/test_cuda_backend.cpp: CudaBackend).
 #include <catch2/catch.hpp>
 

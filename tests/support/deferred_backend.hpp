@@ -1,7 +1,7 @@
 #pragma once
 // A backend whose copies run only at synchronize(): the host twin of a device
-// backend whose stream the host never waits on (tests/test_manager.cpp,
-// tests/test_backend_lockstep.cpp).
+// backend whose stream the host never waits on (tests/facade/test_manager.cpp,
+// tests/facade/test_backend_lockstep.cpp).
 #include <cstddef>
 #include <cstring>
 #include <span>

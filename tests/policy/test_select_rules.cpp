@@ -1,6 +1,6 @@
 // The Select rules (policy/select_rules.hpp) and a host emulation of the
 // select kernels' parallel decomposition (cuda/policy/select_kernels.cu;
-// tests/select_emulation.hpp):
+// tests/support/select_emulation.hpp):
 // per-thread scores, strided block maxima, warp-0 lane sums, ranking rounds
 // of a tile (radix-select threshold passes over 8-bit digit histograms, then
 // a sort), thread 0's greedy fill, the output sort in runs merged by rank.

@@ -1,0 +1,250 @@
+// The host step split across threads (step/host_step.hpp; issue 26): for
+// every built-in policy, evicting ones included, random shapes, dtypes,
+// budgets and batches, managers driven by identical calls through
+//   - decode() on this thread (the reference),
+//   - the phases on this thread with a random nth per phase and the slices
+//     in random order,
+//   - decode() with an engine's parallel_for on 2 and on 4 real threads,
+//   - the phases from 4 real threads with (ith, nth), as llama.cpp drives an
+//     operator,
+// must give bit-identical outputs, selections, hits / misses, page tables
+// and CPU pages after every step. Run under ThreadSanitizer too (ctest
+// step-threads-tsan).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bucketed_lru_test_data.hpp"
+#include "sparsekv/core/numeric.hpp"
+#include "sparsekv/sparsekv.hpp"
+#include "thread_pool.hpp"
+
+using namespace sparsekv;
+
+namespace {
+
+enum class Drive { serial, phases_shuffled, executor_2, executor_4, engine_threads_4 };
+constexpr Drive kDrives[] = {Drive::serial, Drive::phases_shuffled, Drive::executor_2, Drive::executor_4,
+                             Drive::engine_threads_4};
+
+struct Scenario {
+  ModelShape shape;
+  Config config;
+  std::uint32_t requests = 0;
+  std::uint32_t steps = 0;
+};
+
+Scenario random_scenario(std::mt19937& rng) {
+  const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
+  const std::uint32_t groups[] = {1, 2, 4};
+  Scenario s;
+  const auto kv_heads = static_cast<std::uint32_t>(1 + rng() % 3);
+  s.shape = ModelShape{1 + static_cast<std::uint32_t>(rng() % 2), kv_heads * groups[rng() % 3], kv_heads, 16u << (rng() % 2), dtypes[rng() % 3]};
+  s.config.page_tokens = 4u << (rng() % 3);  // 4 .. 16
+  s.config.max_context_tokens = 1024;
+  s.config.max_requests = 8;
+  s.config.min_buffer_ratio = 1.0;
+  const std::size_t heads = std::size_t{s.config.max_requests} * s.shape.layers * s.shape.kv_heads;
+  const std::size_t page = s.config.page_bytes(s.shape);
+  s.config.cpu_tier_bytes = s.config.gpu_tier_bytes = heads * 2 * s.config.max_pages_per_head() * page;
+  s.config.host_chunk_bytes = 64 * page;
+  s.requests = 1 + rng() % 4;
+  s.steps = 2 * s.config.page_tokens + rng() % 24;  // tails fill and save
+  return s;
+}
+
+std::vector<std::byte> random_rows(std::mt19937& rng, std::size_t values, DType dtype) {
+  std::normal_distribution<float> normal;
+  std::vector<std::byte> bytes(values * dtype_size(dtype));
+  for (std::size_t i = 0; i < values; ++i) store_element(bytes.data(), static_cast<std::uint32_t>(i), dtype, normal(rng));
+  return bytes;
+}
+
+// One decode of `m` by `drive` (pools as the engine lends them).
+void decode(RuntimeManager& m, Drive drive, std::span<const RequestId> batch, std::uint32_t layer, const void* q,
+            const void* k, const void* v, float* out, std::mt19937& rng, tools::ThreadPool& two,
+            tools::ThreadPool& four) {
+  switch (drive) {
+    case Drive::serial:
+      m.decode(batch, layer, q, k, v, out);
+      return;
+    case Drive::executor_2:
+      m.decode(batch, layer, q, k, v, out, two.executor());
+      return;
+    case Drive::executor_4:
+      m.decode(batch, layer, q, k, v, out, four.executor());
+      return;
+    case Drive::phases_shuffled: {
+      HostStep<AnyPolicy>& step = m.begin_decode(batch, layer, q, k, v, out);
+      const auto shuffled = [&](auto&& slice) {
+        const std::size_t nth = 1 + rng() % 8;
+        std::vector<std::size_t> order(nth);
+        std::iota(order.begin(), order.end(), std::size_t{0});
+        std::shuffle(order.begin(), order.end(), rng);
+        for (const std::size_t ith : order) slice(ith, nth);
+      };
+      shuffled([&](std::size_t ith, std::size_t nth) { step.select(ith, nth); });
+      step.commit();
+      shuffled([&](std::size_t ith, std::size_t nth) { step.attend(ith, nth); });
+      step.finish();
+      return;
+    }
+    case Drive::engine_threads_4: {
+      HostStep<AnyPolicy>& step = m.begin_decode(batch, layer, q, k, v, out);
+      four.parallel_for(4, [&](std::size_t ith) { step.select(ith, 4); });
+      step.commit();
+      four.parallel_for(4, [&](std::size_t ith) { step.attend(ith, 4); });
+      step.finish();
+      return;
+    }
+  }
+}
+
+void require_same_retrieval(const Retrieval& a, const Retrieval& b) {
+  REQUIRE(a.head_offsets == b.head_offsets);
+  REQUIRE(a.partitions == b.partitions);
+  REQUIRE(a.token_counts == b.token_counts);
+  REQUIRE(a.plan.gpu_pages == b.plan.gpu_pages);
+  REQUIRE(a.plan.partition_offsets == b.plan.partition_offsets);
+  REQUIRE(a.plan.copies.size() == b.plan.copies.size());
+  for (std::size_t i = 0; i < a.plan.copies.size(); ++i) {
+    REQUIRE(a.plan.copies[i].cpu_page == b.plan.copies[i].cpu_page);
+    REQUIRE(a.plan.copies[i].gpu_page == b.plan.copies[i].gpu_page);
+  }
+  REQUIRE(a.tail_pages == b.tail_pages);
+  REQUIRE(a.tail_tokens == b.tail_tokens);
+  REQUIRE(a.page_masks == b.page_masks);
+  REQUIRE(a.slot_positions == b.slot_positions);
+  REQUIRE(a.stats.hit_partitions == b.stats.hit_partitions);
+  REQUIRE(a.stats.miss_partitions == b.stats.miss_partitions);
+  REQUIRE(a.stats.miss_pages == b.stats.miss_pages);
+  REQUIRE(a.stats.evicted_pages == b.stats.evicted_pages);
+}
+
+// Every table entry of every live request: GPU page slots, meta entries, CPU pages, slot masks.
+void require_same_tables(const RuntimeManager& a, const RuntimeManager& b, std::span<const RequestId> live,
+                         const ModelShape& shape) {
+  const HierarchicalPageTable& x = a.buffer().table();
+  const HierarchicalPageTable& y = b.buffer().table();
+  std::vector<PageId> xp, yp;
+  for (const RequestId id : live) {
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      REQUIRE(a.buffer().sequence_length(id, l) == b.buffer().sequence_length(id, l));
+      for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
+        REQUIRE(x.partition_count(id, l, h) == y.partition_count(id, l, h));
+        test::require_same_head(x, y, test::Head{id, l, h});
+        xp.clear();
+        yp.clear();
+        x.all_cpu_pages(id, l, h, xp);
+        y.all_cpu_pages(id, l, h, yp);
+        REQUIRE(xp == yp);
+        if (x.has_slot_masks()) {
+          for (std::uint32_t i = 0; i < xp.size(); ++i) REQUIRE(x.slot_mask(id, l, h, i) == y.slot_mask(id, l, h, i));
+        }
+      }
+    }
+  }
+}
+
+// Runs one scenario through every drive; returns the decodes made.
+std::uint64_t run(const Scenario& s, const std::string& policy, std::uint32_t budget, std::uint32_t seed) {
+  std::vector<std::unique_ptr<RuntimeManager>> managers;
+  for (std::size_t d = 0; d < std::size(kDrives); ++d) {
+    managers.push_back(std::make_unique<RuntimeManager>(s.shape, s.config, make_policy(policy, budget)));
+  }
+  tools::ThreadPool two(2), four(4);
+  std::mt19937 rng(seed);
+  std::mt19937 shuffle_rng(seed + 7);
+  const ModelShape& shape = s.shape;
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::size_t q_row = std::size_t{shape.q_heads} * shape.head_dim;
+  std::vector<RequestId> live;
+  std::map<RequestId, std::uint32_t> max_tokens;
+  for (std::uint32_t r = 0; r < s.requests; ++r) {
+    const RequestId id = 10 + r;
+    const std::uint32_t prompt = 1 + rng() % 600;
+    max_tokens[id] = prompt + 1 + rng() % s.steps;
+    for (auto& m : managers) m->add_request(id, max_tokens[id]);
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      const auto k = random_rows(rng, prompt * kv_row, shape.dtype), v = random_rows(rng, prompt * kv_row, shape.dtype);
+      for (auto& m : managers) m->prefill(id, l, k.data(), v.data(), prompt);
+    }
+    live.push_back(id);
+  }
+  std::uint64_t decodes = 0;
+  for (std::uint32_t step = 0; step < s.steps && !live.empty(); ++step) {
+    // A random non-empty subset of the live requests, in random order.
+    std::vector<RequestId> batch = live;
+    std::shuffle(batch.begin(), batch.end(), rng);
+    batch.resize(1 + rng() % batch.size());
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      const auto q = random_rows(rng, batch.size() * q_row, shape.dtype);
+      const auto k = random_rows(rng, batch.size() * kv_row, shape.dtype);
+      const auto v = random_rows(rng, batch.size() * kv_row, shape.dtype);
+      std::vector<std::vector<float>> outs(managers.size(), std::vector<float>(batch.size() * q_row));
+      for (std::size_t d = 0; d < managers.size(); ++d) {
+        decode(*managers[d], kDrives[d], batch, l, q.data(), k.data(), v.data(), outs[d].data(), shuffle_rng, two,
+               four);
+      }
+      for (std::size_t d = 1; d < managers.size(); ++d) {
+        CAPTURE(step, l, d, batch.size());
+        REQUIRE(std::memcmp(outs[d].data(), outs[0].data(), outs[0].size() * sizeof(float)) == 0);
+        for (std::size_t b = 0; b < batch.size(); ++b) {
+          require_same_retrieval(managers[d]->retrieval(b), managers[0]->retrieval(b));
+        }
+        const StepStats& got = managers[d]->stats();
+        const StepStats& want = managers[0]->stats();
+        REQUIRE(got.cache.hit_partitions == want.cache.hit_partitions);
+        REQUIRE(got.cache.miss_pages == want.cache.miss_pages);
+        REQUIRE(got.pages_saved == want.pages_saved);
+        REQUIRE(got.decode_steps == want.decode_steps);
+      }
+      ++decodes;
+    }
+    for (std::size_t d = 1; d < managers.size(); ++d) require_same_tables(*managers[d], *managers[0], live, shape);
+    // Requests at their max_tokens finish on every manager.
+    for (auto it = live.begin(); it != live.end();) {
+      if (managers[0]->buffer().sequence_length(*it, 0) < max_tokens.at(*it)) {
+        ++it;
+        continue;
+      }
+      for (auto& m : managers) m->finish(*it);
+      it = live.erase(it);
+    }
+  }
+  return decodes;
+}
+
+}  // namespace
+
+TEST_CASE("host step: the phases on any threads, in any order, equal the serial decode() bit for bit",
+          "[threads]") {
+  std::uint64_t decodes = 0;
+  std::vector<std::string> names = policy_names();
+  for (const std::string& e : eviction_policy_names()) names.push_back(e);
+  for (std::uint32_t seed = 1; seed <= 5; ++seed) {
+    std::mt19937 rng(seed);
+    const Scenario s = random_scenario(rng);
+    for (const std::string& name : names) {
+      const std::uint32_t budget = s.config.page_tokens * (2 + rng() % 4) + rng() % s.config.page_tokens;
+      CAPTURE(seed, name, budget, s.config.page_tokens, to_string(s.shape.dtype), s.shape.layers, s.shape.q_heads,
+              s.shape.kv_heads, s.shape.head_dim);
+      try {
+        RuntimeManager probe(s.shape, s.config, make_policy(name, budget));
+      } catch (const Error& e) {  // a budget or shape the policy cannot serve is refused at construction
+        REQUIRE(e.code() == ErrorCode::invalid_argument);
+        continue;
+      }
+      decodes += run(s, name, budget, seed * 100 + budget);
+    }
+  }
+  CHECK(decodes > 100);
+}
