@@ -226,7 +226,7 @@ class Manager {
   void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
                void* stream) {
     if (!device_selects()) {
-      host_select_prefill(request, layer, k, v, tokens, stream);
+      staged_prefill(request, layer, k, v, tokens, stream);
       return;
     }
     DeviceStep<Policy>& step = device_step();
@@ -243,7 +243,7 @@ class Manager {
   void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
               const void* v_new, float* out, void* stream) {
     if (!device_selects()) {
-      host_select_decode(batch, layer, q, k_new, v_new, out, stream);
+      staged_decode(batch, layer, q, k_new, v_new, out, stream);
       return;
     }
     DeviceStep<Policy>& step = device_step();
@@ -435,10 +435,11 @@ class Manager {
     return device_entries_;
   }
 
-  // The host-Select path of the device-tensor API: the tensors come down,
-  // the host-tensor call runs, `out` goes up; each call waits. Checked as
-  // the host calls check them, after the copies (which change nothing).
-  void host_select_prefill(RequestId request, std::uint32_t layer, const void* k, const void* v,
+  // The host-Select path of the device-tensor API (step/staged_tensors.hpp):
+  // the device tensors are staged in host memory, the host-tensor call runs,
+  // `out` goes up; each call waits. Checked as the host calls check them,
+  // after the copies (which change nothing).
+  void staged_prefill(RequestId request, std::uint32_t layer, const void* k, const void* v,
                            std::uint32_t tokens, void* stream) {
     require_device_tensors();
     state(request);
@@ -451,7 +452,7 @@ class Manager {
                  staged_.stage(*backend_, 2, v, bytes, stream), tokens, keys_, values_);
     use_api(Api::device);
   }
-  void host_select_decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
+  void staged_decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
                           const void* v_new, float* out, void* stream) {
     require_device_tensors();
     for (const auto& [what, p] : {std::pair{"decode q", q}, std::pair{"decode k_new", k_new},
