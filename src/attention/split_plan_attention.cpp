@@ -46,12 +46,13 @@ void SplitPlanAttention::prepare(const AttendCall& call) {
   call_ = call;
   group_ = call.q_heads / call.kv_heads;
   // A row's pages are the plan's pages [indptr[head_entries[r]], indptr[head_entries[r + 1]]).
-  const std::size_t chunk_pages = std::max<std::size_t>(1, kChunkTokens / pt);
+  const std::size_t base_pages = std::max<std::size_t>(1, kChunkTokens / pt);
   chunks_.clear();
   row_chunks_.assign(1, 0);
   for (std::size_t r = 0; r < rows; ++r) {
     const auto first = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r])]);
     const auto end = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r + 1])]);
+    const std::size_t chunk_pages = std::max(base_pages, (end - first + kMaxRowChunks - 1) / kMaxRowChunks);
     for (std::size_t p = first; p < end; p += chunk_pages) {
       chunks_.push_back({static_cast<std::uint32_t>(r), p, std::min(end, p + chunk_pages)});
     }
@@ -61,10 +62,18 @@ void SplitPlanAttention::prepare(const AttendCall& call) {
   acc_.resize(chunks_.size() * group_ * d);
   rows_.resize(chunks_.size() * 2 * d);
   scores_.resize(call.slot_weights != nullptr ? pages * pt * group_ : 0);
+  ran_.assign(chunks_.size(), 0);
 }
 
 void SplitPlanAttention::run(std::size_t first, std::size_t end) noexcept {
-  for (std::size_t c = first; c < end; ++c) run_chunk(c);
+  for (std::size_t c = first; c < end; ++c) {
+    run_chunk(c);
+    ran_[c] = 1;
+  }
+}
+
+bool SplitPlanAttention::all_ran() const noexcept {
+  return std::find(ran_.begin(), ran_.end(), 0) == ran_.end();
 }
 
 void SplitPlanAttention::run_chunk(std::size_t c) noexcept {

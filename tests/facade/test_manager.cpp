@@ -7,7 +7,9 @@
 #include <functional>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attention_test_data.hpp"
@@ -179,6 +181,50 @@ TEST_CASE("Manager: a backend that defers every copy gives the host backend's ou
     REQUIRE(deferred.transfer_.synchronizations > 0);
     REQUIRE(async.buffer().cpu_pool().used() == 0);
     REQUIRE(async.buffer().gpu_pool().used() == 0);
+  }
+}
+
+TEST_CASE("Manager: a moved Manager decodes on as if it had not moved", "[facade]") {
+  // Its steps are rebound to it: the same outputs, selections and hits as
+  // a Manager that never moved, and its requests finish cleanly.
+  for (const std::string& name : {std::string("quest"), std::string("h2o")}) {
+    INFO(name);
+    RuntimeManager still(kShape, facade_config(), make_policy(name, 64));
+    auto first = std::make_unique<RuntimeManager>(kShape, facade_config(), make_policy(name, 64));
+    std::mt19937 rng(3);
+    const std::vector<RequestId> batch{4, 9};
+    for (const RequestId id : batch) {
+      Tokens t;
+      t.add(rng, 90 + 20 * static_cast<std::uint32_t>(id));
+      for (RuntimeManager* m : {&still, first.get()}) {
+        m->add_request(id, 400);
+        for (std::uint32_t l = 0; l < kShape.layers; ++l) m->prefill(id, l, t.k.data(), t.v.data(), t.count());
+      }
+    }
+    std::optional<RuntimeManager> moved;
+    for (int step = 0; step < 24; ++step) {
+      if (step == 9) moved.emplace(std::move(*first));  // mid-run, tails part-filled
+      RuntimeManager& m = step < 9 ? *first : *moved;
+      Tokens t;
+      t.add(rng, static_cast<std::uint32_t>(batch.size()));
+      std::vector<std::uint16_t> q(batch.size() * kShape.q_heads * kD);
+      std::normal_distribution<float> normal;
+      for (auto& x : q) x = float_to_bf16(normal(rng));
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        std::vector<float> want(q.size()), got(q.size());
+        still.decode(batch, l, q.data(), t.k.data(), t.v.data(), want.data());
+        m.decode(batch, l, q.data(), t.k.data(), t.v.data(), got.data());
+        REQUIRE(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+        for (std::size_t b = 0; b < batch.size(); ++b) REQUIRE(m.retrieval(b).partitions == still.retrieval(b).partitions);
+      }
+    }
+    REQUIRE(moved->stats().cache.hit_partitions == still.stats().cache.hit_partitions);
+    for (const RequestId id : batch) {
+      moved->finish(id);
+      still.finish(id);
+    }
+    REQUIRE(moved->buffer().cpu_pool().used() == 0);
+    REQUIRE(moved->buffer().gpu_pool().used() == 0);
   }
 }
 

@@ -25,6 +25,7 @@
 #include "bucketed_lru_test_data.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/sparsekv.hpp"
+#include "test_support.hpp"
 #include "thread_pool.hpp"
 
 using namespace sparsekv;
@@ -247,4 +248,54 @@ TEST_CASE("host step: the phases on any threads, in any order, equal the serial 
     }
   }
   CHECK(decodes > 100);
+}
+
+TEST_CASE("host step: a phase with a slice that never ran is refused", "[threads]") {
+  const ModelShape shape{1, 4, 2, 16, DType::bf16};
+  Config config;
+  config.page_tokens = 8;
+  config.max_requests = 4;
+  config.max_context_tokens = 2048;
+  const std::size_t page = config.page_bytes(shape);
+  config.cpu_tier_bytes = config.gpu_tier_bytes = std::size_t{4} * shape.kv_heads * 600 * page;
+  config.host_chunk_bytes = 64 * page;
+  RuntimeManager m(shape, config, make_policy("dense", 0));
+  std::mt19937 rng(5);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::size_t q_row = std::size_t{shape.q_heads} * shape.head_dim;
+  const std::vector<RequestId> batch{1, 2};
+  for (const RequestId id : batch) {
+    m.add_request(id, 1024);
+    const auto k = random_rows(rng, 600 * kv_row, shape.dtype), v = random_rows(rng, 600 * kv_row, shape.dtype);
+    m.prefill(id, 0, k.data(), v.data(), 600);
+  }
+  const auto q = random_rows(rng, batch.size() * q_row, shape.dtype);
+  const auto k = random_rows(rng, batch.size() * kv_row, shape.dtype);
+  const auto v = random_rows(rng, batch.size() * kv_row, shape.dtype);
+  std::vector<float> out(batch.size() * q_row, -1.0f);
+
+  // Select: 4 units (2 requests x 2 kv heads), ith 1 of 2 never runs.
+  HostStep<AnyPolicy>& step = m.begin_decode(batch, 0, q.data(), k.data(), v.data(), out.data());
+  REQUIRE(step.select_units() == 4);
+  step.select(0, 2);
+  REQUIRE_SPARSEKV_ERROR(step.commit(), ErrorCode::failed_precondition);
+  REQUIRE(m.buffer().sequence_length(1, 0) == 600);  // nothing changed
+  REQUIRE(step.attend_units() == 0);                  // the step is over
+
+  // Attend: 601 tokens a row are 3 chunks (32 pages of 8 tokens each), 12 in
+  // all (2 requests x 2 kv heads); ith 2 of 3 never runs.
+  HostStep<AnyPolicy>& again = m.begin_decode(batch, 0, q.data(), k.data(), v.data(), out.data());
+  for (std::size_t ith = 0; ith < 3; ++ith) again.select(ith, 3);
+  again.commit();
+  REQUIRE(m.buffer().sequence_length(1, 0) == 601);
+  REQUIRE(again.attend_units() == 12);
+  again.attend(0, 3);
+  again.attend(1, 3);
+  REQUIRE_SPARSEKV_ERROR(again.finish(), ErrorCode::failed_precondition);
+  REQUIRE(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));  // not written
+
+  // The next step runs whole.
+  m.decode(batch, 0, q.data(), k.data(), v.data(), out.data());
+  REQUIRE(m.buffer().sequence_length(1, 0) == 602);
+  REQUIRE(std::none_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));
 }

@@ -2,8 +2,10 @@
 // SplitPlanAttention: the built-in Attend of an AttendCall (attend_plan.hpp)
 // on the host, split into chunks that any of the caller's threads may run
 // (split-K, as FlashDecoding and the CUDA kernel split a row's tokens). A row
-// -- one (request, kv head) -- is cut into chunks of its plan pages holding
-// about kChunkTokens slots; a chunk folds the row's GQA group of q heads over
+// -- one (request, kv head) -- is cut into chunks of whole plan pages holding
+// kChunkTokens slots (at least one page; a row longer than kMaxRowChunks such
+// chunks is cut into kMaxRowChunks longer ones, which bounds the partial
+// states the chunks keep); a chunk folds the row's GQA group of q heads over
 // its live tokens into partial softmax states (attention_partial.hpp's rules),
 // each K/V row loaded once for the group; finish() merges a row's chunks by
 // log-sum-exp in chunk order, then the policy's extra term, and writes the
@@ -22,8 +24,9 @@ namespace sparsekv {
 
 class SplitPlanAttention {
  public:
-  // Slots per chunk (whole pages; at least one page).
+  // Slots per chunk (whole pages; at least one page), and chunks per row at most.
   static constexpr std::uint32_t kChunkTokens = 256;
+  static constexpr std::uint32_t kMaxRowChunks = 64;
 
   // Serial: checks the call (live masks, token counts, extra terms, shapes)
   // and lays out its chunks. Throws invalid_argument before anything is
@@ -34,6 +37,8 @@ class SplitPlanAttention {
   // disjoint ranges. Reads the plan's pages and q; writes only this object's
   // per-chunk state. Throws nothing.
   void run(std::size_t first, std::size_t end) noexcept;
+  // Whether every chunk has run since prepare().
+  bool all_ran() const noexcept;
   // Serial, once every chunk has run: the outputs (and slot weights).
   void finish();
   // prepare(), every chunk, finish(): the whole Attend on this thread.
@@ -55,6 +60,7 @@ class SplitPlanAttention {
   std::vector<float> acc_;                  // [chunk][group][head_dim]
   std::vector<float> rows_;                 // [chunk][2][head_dim]: a K and a V row in fp32
   std::vector<float> scores_;               // with slot weights: [plan page][page_tokens][group], -inf unused
+  std::vector<char> ran_;                   // [chunk]: it ran
   std::vector<float> merged_, lse_;         // finish(): one row's group
 };
 

@@ -88,7 +88,8 @@ class Manager {
     bind_steps();
   }
   // A moved Manager keeps its requests, tiers and device runtime; the last
-  // step's plan and retrievals stay behind. Not during a step's phases.
+  // step's plan and retrievals stay behind. Not during a step's phases; the
+  // moved-from Manager may only be destroyed.
   Manager(Manager&& o)
       : shape_(o.shape_),
         config_(o.config_),
@@ -464,11 +465,11 @@ class Manager {
     const std::byte* host_q = staged_.stage(*backend_, 0, q, batch.size() * scope_.q_row() * elem, stream);
     const std::byte* host_k = staged_.stage(*backend_, 1, k_new, kv_bytes, stream);
     const std::byte* host_v = staged_.stage(*backend_, 2, v_new, kv_bytes, stream);
-    use_api(Api::device);
     backend_->check_attend(scope_.layout(), shape_.q_heads, shape_.kv_heads);
     begin_host_step(batch, layer, host_q, host_k, host_v, staged_.output(batch.size() * scope_.q_row()));
     host_step_->run(nullptr);
     staged_.write_output(*backend_, out, stream);
+    use_api(Api::device);
   }
 
   // The host/device latch: the first prefill picks the tensor kind.

@@ -43,6 +43,12 @@
 // Each must equal its slice of the whole-request call bit for bit; a policy
 // with only select() / attend() is run one request per thread.
 //
+// Threads: select, select_head, attend and attend_head may be called
+// concurrently on one const policy, for different requests and kv heads, when
+// an engine lends a step its threads; like a const member of a standard type,
+// they must not write shared state (no unguarded mutable scratch). index,
+// append and the eviction hooks are never called concurrently.
+//
 // Policies see fp32 copies of q/k/v; the facade converts the engine's dtype.
 // Adding an algorithm is one header: examples/custom_policy.cpp.
 #include <concepts>

@@ -28,6 +28,7 @@
 // phases the caller's threads must be synchronised (a barrier): the phases
 // happen-before each other. Until finish() returns, no other call may be made
 // on the Manager that began the step.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
@@ -77,14 +78,16 @@ class HostStep {
   // the model dtype, out [batch][q_heads][head_dim] fp32 or null (the step
   // stops at the plan: plan()). The entries are valid, distinct requests
   // (the Manager checked them); the tensors stay the caller's until finish().
-  // Throws invalid_argument (a non-finite value) or resource_exhausted (the
-  // pools), changing nothing.
+  // Throws, changing nothing: invalid_argument (a non-finite value),
+  // resource_exhausted (the pools), failed_precondition (a malformed regroup),
+  // or what the policy's append throws.
   void begin(std::span<const Entry> batch, std::uint32_t layer, const void* q, const void* k_new, const void* v_new,
              float* out);
   std::size_t select_units() const noexcept { return phase_ == Phase::begun ? select_units_ : 0; }
   void select(std::size_t ith, std::size_t nth) noexcept;
-  // Throws what a Select unit threw (the first in unit order) or a bad
-  // selection's invalid_argument, changing nothing; the step is then over.
+  // Throws failed_precondition when a select() slice did not run, then what
+  // a Select unit threw (the first in unit order) or a bad selection's
+  // invalid_argument, changing nothing; the step is then over.
   void commit();
   std::size_t attend_units() const noexcept {
     return phase_ == Phase::committed && split_ ? attention_.chunks() : 0;
@@ -142,6 +145,7 @@ class HostStep {
   std::vector<Selection> selections_;
   std::vector<AttentionPartial> extra_;  // a policy's own Attend terms, [batch][q_heads]
   std::vector<std::exception_ptr> errors_;  // per Select unit
+  std::vector<char> selected_;              // per Select unit: it ran
   // Commit and Attend.
   std::vector<Retrieval> retrievals_;
   AttendPlan plan_;
@@ -187,6 +191,7 @@ void HostStep<Policy>::begin(std::span<const Entry> batch, std::uint32_t layer, 
   step_plan_.begin(batch.size());
   select_units_ = 0;
   errors_.clear();
+  selected_.clear();
   extra_.clear();
   if (evicts_) {
     evicting_.prepare(entries_, layer, step_plan_);
@@ -211,6 +216,7 @@ void HostStep<Policy>::begin(std::span<const Entry> batch, std::uint32_t layer, 
     if (custom) extra_.assign(batch.size() * scope_.shape->q_heads, AttentionPartial(scope_.shape->head_dim));
     select_units_ = by_head_ ? batch.size() * kv_heads : batch.size();
     errors_.assign(select_units_, nullptr);
+    selected_.assign(select_units_, 0);
   }
   // Counted only for a step that commits.
   planned_s_ = seconds(Clock::now() - t0);
@@ -272,6 +278,7 @@ void HostStep<Policy>::select(std::size_t ith, std::size_t nth) noexcept {
     } catch (...) {
       errors_[u] = std::current_exception();
     }
+    selected_[u] = 1;
   }
 }
 
@@ -305,6 +312,10 @@ void HostStep<Policy>::commit() {
   require(Phase::begun, "commit()");
   phase_ = Phase::idle;  // whatever happens below, the step cannot be committed twice
   const auto t0 = Clock::now();
+  if (std::find(selected_.begin(), selected_.end(), 0) != selected_.end()) {
+    fail(ErrorCode::failed_precondition,
+         "decode step: commit() before every select(ith, nth) slice ran (each ith in [0, nth) once)");
+  }
   for (const std::exception_ptr& error : errors_) {
     if (error) std::rethrow_exception(error);
   }
@@ -430,6 +441,11 @@ void HostStep<Policy>::finish() {
   phase_ = Phase::idle;
   if (out_ != nullptr) {
     if (split_) {
+      if (!attention_.all_ran()) {
+        fail(ErrorCode::failed_precondition,
+             "decode step: finish() before every attend(ith, nth) slice ran (each ith in [0, nth) once); out is "
+             "not written");
+      }
       attention_.finish();
     } else {
       scope_.backend->attend(call_);
