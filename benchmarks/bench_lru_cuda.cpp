@@ -135,7 +135,7 @@ std::unique_ptr<Setup> make_setup(std::uint32_t heads, std::uint32_t slots) {
 
   // The host step on the host table: the reference for the first launch.
   BucketedLru lru(kBuckets);
-  RetrievePlan plan;
+  RetrievedPages retrieved;
   CacheStepStats host_total;
   std::vector<std::size_t> inst(heads);
   std::vector<std::uint32_t> selection_offsets{0}, page_offsets{0};
@@ -144,7 +144,7 @@ std::unique_ptr<Setup> make_setup(std::uint32_t heads, std::uint32_t slots) {
     const std::uint32_t layer = i / kKvHeads, head = i % kKvHeads;
     inst[i] = table.instance(0, layer, head);
     const std::uint32_t pages = lru.check(table, 0, layer, head, selections[i], slots);
-    host_total += lru.step(table, 0, layer, head, selections[i], plan);
+    host_total += lru.step(table, 0, layer, head, selections[i], retrieved);
     selected.insert(selected.end(), selections[i].begin(), selections[i].end());
     selection_offsets.push_back(static_cast<std::uint32_t>(selected.size()));
     page_offsets.push_back(page_offsets.back() + pages);
@@ -169,7 +169,7 @@ std::unique_ptr<Setup> make_setup(std::uint32_t heads, std::uint32_t slots) {
   CacheStepStats total;
   for (const CacheStepStats& st : host_copy(s->out.stats, heads)) total += st;
   if (total.hit_pages != host_total.hit_pages || total.miss_pages != host_total.miss_pages ||
-      total.evicted_pages != host_total.evicted_pages || host_copy(s->out.gpu_pages, s->pages) != plan.gpu_pages) {
+      total.evicted_pages != host_total.evicted_pages || host_copy(s->out.gpu_pages, s->pages) != retrieved.gpu_pages) {
     std::fprintf(stderr, "bucketed_lru_step disagrees with the host step (%u heads x %u slots)\n", heads, slots);
     std::exit(1);
   }

@@ -140,7 +140,7 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
       };
       for (std::uint32_t kv = 0; kv < h.kv_heads; ++kv) {
         got.for_each_page(kv, page_tokens, [&](sparsekv::PageId page, std::uint32_t tokens) { add_page(kv, page, tokens); });
-        r.pages_selected += got.plan.partition_offsets[got.head_offsets[kv + 1]] - got.plan.partition_offsets[got.head_offsets[kv]];
+        r.pages_selected += got.pages.partition_offsets[got.head_offsets[kv + 1]] - got.pages.partition_offsets[got.head_offsets[kv]];
       }
       for (std::uint32_t qh = 0; qh < h.q_heads; ++qh) {
         const double m = std::min(mass[qh], 1.0);  // rounding can pass 1 by an ulp

@@ -121,7 +121,7 @@ class RecordingSession final : public SparseSession {
       const std::size_t head = std::size_t{layer} * config_.kv_heads + h;
       auto& selected = trace_.selections[step][head];
       for (std::uint32_t i = r.head_offsets[h]; i < r.head_offsets[h + 1]; ++i) {
-        const std::uint32_t pages = r.plan.partition_offsets[i + 1] - r.plan.partition_offsets[i];
+        const std::uint32_t pages = r.pages.partition_offsets[i + 1] - r.pages.partition_offsets[i];
         if (pages == 0) continue;
         selected.push_back(trace_id(head, r.partitions[i], pages));
       }

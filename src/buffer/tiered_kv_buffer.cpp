@@ -490,7 +490,7 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
   out.head_offsets.assign(1, 0);
   out.partitions.clear();
   out.token_counts.clear();
-  out.plan.clear();
+  out.pages.clear();
   out.tail_pages.clear();
   out.tail_tokens.clear();
   out.page_masks.clear();
@@ -498,7 +498,7 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
   out.stats = {};
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const auto& selected = selections[h];
-    out.stats += lru_.step(table_, request, layer, h, selected, out.plan);
+    out.stats += lru_.step(table_, request, layer, h, selected, out.pages);
     for (PartitionId p : selected) {
       out.partitions.push_back(p);
       out.token_counts.push_back(table_.meta(request, layer, h, p).token_count());
@@ -520,14 +520,14 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
     }
     s.windows[std::size_t{layer} * shape_.kv_heads + h].record(selected);
   }
-  moves_.resize(out.plan.copies.size());
+  moves_.resize(out.pages.copies.size());
   for (std::size_t i = 0; i < moves_.size(); ++i) {
-    moves_[i] = {cpu_pool_.data(out.plan.copies[i].cpu_page), gpu_pool_.data(out.plan.copies[i].gpu_page)};
+    moves_[i] = {cpu_pool_.data(out.pages.copies[i].cpu_page), gpu_pool_.data(out.pages.copies[i].gpu_page)};
   }
   transfer_->load(moves_, layout_.page_bytes());
   stats_.cache += out.stats;
   stats_.retrieve_steps += shape_.kv_heads;
-  stats_.bytes_loaded += out.plan.copies.size() * layout_.page_bytes();
+  stats_.bytes_loaded += out.pages.copies.size() * layout_.page_bytes();
 }
 
 void TieredKVBuffer::regroup_demand(RequestId request, std::uint32_t layer,

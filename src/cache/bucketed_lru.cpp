@@ -54,7 +54,7 @@ std::uint32_t BucketedLru::check(const HierarchicalPageTable& table, RequestId r
 }
 
 CacheStepStats BucketedLru::step(HierarchicalPageTable& table, RequestId request, std::uint32_t layer,
-                                 std::uint32_t head, std::span<const PartitionId> selected, RetrievePlan& plan) {
+                                 std::uint32_t head, std::span<const PartitionId> selected, RetrievedPages& result) {
   const std::size_t inst = table.instance(request, layer, head);
   const auto meta = table.meta_view();
   const auto slots = table.gpu_page_view();
@@ -64,8 +64,8 @@ CacheStepStats BucketedLru::step(HierarchicalPageTable& table, RequestId request
 
   // 1. Hit/miss classification and the output layout.
   CacheStepStats stats;
-  const std::size_t base = plan.gpu_pages.size();
-  const std::size_t first_offset = plan.partition_offsets.size() - 1;
+  const std::size_t base = result.gpu_pages.size();
+  const std::size_t first_offset = result.partition_offsets.size() - 1;
   std::uint32_t demand = 0;
   for (PartitionId p : selected) {
     const MetaPartitionEntry m = *meta.find(inst, p);
@@ -78,11 +78,11 @@ CacheStepStats BucketedLru::step(HierarchicalPageTable& table, RequestId request
       stats.miss_pages += pages;
       demand += pages;
     }
-    plan.partition_offsets.push_back(plan.partition_offsets.back() + pages);
+    result.partition_offsets.push_back(result.partition_offsets.back() + pages);
   }
-  plan.gpu_pages.resize(base + (plan.partition_offsets.back() - plan.partition_offsets[first_offset]));
+  result.gpu_pages.resize(base + (result.partition_offsets.back() - result.partition_offsets[first_offset]));
   const auto out = [&](std::uint32_t selection_index, std::uint32_t page) -> PageId& {
-    return plan.gpu_pages[plan.partition_offsets[first_offset + selection_index] + page];
+    return result.gpu_pages[result.partition_offsets[first_offset + selection_index] + page];
   };
 
   // The selection index of an occupied slot's partition (selection_slot_ is 1-based, 0 = unselected).
@@ -123,7 +123,7 @@ CacheStepStats BucketedLru::step(HierarchicalPageTable& table, RequestId request
       MetaPartitionEntry& m = *meta.find(inst, p);
       lru_admit(e, p, page, top);
       out(miss, page) = e.gpu_page;
-      plan.copies.push_back({*lookup.cpu_pages.find(inst, *lookup.offsets.find(inst, p) + page), e.gpu_page});
+      result.copies.push_back({*lookup.cpu_pages.find(inst, *lookup.offsets.find(inst, p) + page), e.gpu_page});
       if (++page == pages_for_tokens(m.token_count(), lookup.page_tokens)) {
         // Marked resident only after its last page: the scan above still sees it as a miss.
         lru_set_resident(m);
@@ -175,8 +175,8 @@ BucketedLruCache::BucketedLruCache(std::uint32_t capacity_pages, std::span<const
 
 CacheStepStats BucketedLruCache::step(std::span<const PartitionId> selected) {
   lru_.check(table_, 0, 0, 0, selected, capacity_);
-  plan_.clear();
-  return lru_.step(table_, 0, 0, 0, selected, plan_);
+  pages_.clear();
+  return lru_.step(table_, 0, 0, 0, selected, pages_);
 }
 
 }  // namespace sparsekv

@@ -165,8 +165,8 @@ TEST_CASE("miss list emulation: the gather copies exactly the LRU host plan's co
       for (std::size_t h = 0; h < heads.size(); ++h) {
         zero_miss_heads += batch.host_stats[h].miss_pages == 0 ? 1 : 0;
         for (std::uint64_t c = 0; c < batch.host_stats[h].miss_pages; ++c, ++copy) {
-          cpu[batch.page_offsets[h] + c] = batch.plan.copies[copy].cpu_page;
-          gpu[batch.page_offsets[h] + c] = batch.plan.copies[copy].gpu_page;
+          cpu[batch.page_offsets[h] + c] = batch.retrieved.copies[copy].cpu_page;
+          gpu[batch.page_offsets[h] + c] = batch.retrieved.copies[copy].gpu_page;
         }
       }
       static_assert(sizeof(CacheStepStats) % sizeof(std::uint64_t) == 0);
@@ -181,11 +181,11 @@ TEST_CASE("miss list emulation: the gather copies exactly the LRU host plan's co
       std::vector<Copy> got = emulate_gather(misses, warps);
       std::sort(got.begin(), got.end());
       INFO("seed " << seed << " step " << step << " warps " << warps);
-      REQUIRE(got.size() == batch.plan.copies.size());
+      REQUIRE(got.size() == batch.retrieved.copies.size());
       for (std::size_t i = 0; i < got.size(); ++i) {
         REQUIRE(got[i].flat == i);  // every entry once
-        REQUIRE(got[i].cpu == batch.plan.copies[i].cpu_page);
-        REQUIRE(got[i].gpu == batch.plan.copies[i].gpu_page);
+        REQUIRE(got[i].cpu == batch.retrieved.copies[i].cpu_page);
+        REQUIRE(got[i].gpu == batch.retrieved.copies[i].gpu_page);
       }
       total_copies += got.size();
     }

@@ -190,7 +190,7 @@ std::vector<float> masked_attention(const TieredKVBuffer& b, const Retrieval& ou
   std::vector<float> result;
   for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
     std::vector<float> scores, values;
-    std::size_t page_index = out.plan.partition_offsets[out.head_offsets[h]];
+    std::size_t page_index = out.pages.partition_offsets[out.head_offsets[h]];
     out.for_each_page_masked(h, kPageTokens, [&](PageId page, std::uint32_t tokens, SlotMask mask) {
       const std::byte* data = b.gpu_pool().data(page);
       for (std::uint32_t t = 0; t < tokens; ++t) {
@@ -454,8 +454,8 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
         std::vector<std::vector<PartitionId>> selection(kShape.kv_heads);
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) b.live_partitions(r, l, h, selection[h]);
         b.retrieve(r, l, selection, outs[i]);
-        REQUIRE(outs[i].page_masks.size() == outs[i].plan.gpu_pages.size());
-        REQUIRE(outs[i].slot_positions.size() == outs[i].plan.gpu_pages.size() * kPageTokens);
+        REQUIRE(outs[i].page_masks.size() == outs[i].pages.gpu_pages.size());
+        REQUIRE(outs[i].slot_positions.size() == outs[i].pages.gpu_pages.size() * kPageTokens);
         const std::vector<float> got = masked_attention(b, outs[i], r, l, q);
         if (i == 0) first = got;
         for (std::size_t d = 0; d < got.size(); ++d) {

@@ -254,10 +254,10 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
           for (std::uint32_t i = out.head_offsets[h]; i < out.head_offsets[h + 1]; ++i) {
             const auto& tokens = head.partitions[out.partitions[i]];
             REQUIRE(out.token_counts[i] == tokens.size());
-            REQUIRE(out.plan.partition_offsets[i + 1] - out.plan.partition_offsets[i] ==
+            REQUIRE(out.pages.partition_offsets[i + 1] - out.pages.partition_offsets[i] ==
                     (tokens.size() + kPageTokens - 1) / kPageTokens);
             for (std::uint32_t t = 0; t < tokens.size(); ++t) {
-              const PageId page = out.plan.gpu_pages[out.plan.partition_offsets[i] + t / kPageTokens];
+              const PageId page = out.pages.gpu_pages[out.pages.partition_offsets[i] + t / kPageTokens];
               REQUIRE(row_matches(buffer.gpu_pool().data(page), t % kPageTokens, id, layer, h, tokens[t]));
             }
             REQUIRE(buffer.table().meta(id, layer, h, out.partitions[i]).resident());
@@ -265,7 +265,7 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
           r.last[layer * kShape.kv_heads + h] = selections[h];
           REQUIRE(out.tail_tokens[h] == buffer.tail_tokens(id, layer));
         }
-        copied = out.plan.copies.size();
+        copied = out.pages.copies.size();
         REQUIRE(copied == out.stats.miss_pages);
         ++done["retrieve"];
         if (out.stats.hit_pages > 0) ++done["retrieve-hit"];

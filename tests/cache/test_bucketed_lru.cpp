@@ -15,7 +15,7 @@ struct OneHead {
   HostMemoryResource memory{false};
   HierarchicalPageTable table;
   BucketedLru lru;
-  RetrievePlan plan;
+  RetrievedPages pages;
 
   static PageTableGeometry geometry() {
     PageTableGeometry g;
@@ -45,8 +45,8 @@ struct OneHead {
 
   CacheStepStats step(std::vector<PartitionId> selected, std::uint32_t budget = 64) {
     lru.check(table, 0, 0, 0, selected, budget);
-    plan.clear();
-    const CacheStepStats stats = lru.step(table, 0, 0, 0, selected, plan);
+    pages.clear();
+    const CacheStepStats stats = lru.step(table, 0, 0, 0, selected, pages);
     table.validate();
     return stats;
   }
@@ -62,10 +62,10 @@ TEST_CASE("BucketedLru: promotion, demotion, threshold eviction and ascending ad
   // Misses in selection order take free slots in ascending order.
   REQUIRE(h.slot(0).partition == 1);
   REQUIRE(h.slot(1).partition == 0);
-  REQUIRE(h.plan.gpu_pages == std::vector<PageId>{100, 101});
-  REQUIRE(h.plan.copies.size() == 2);
-  REQUIRE(h.plan.copies[0].cpu_page == 1);
-  REQUIRE(h.plan.copies[0].gpu_page == 100);
+  REQUIRE(h.pages.gpu_pages == std::vector<PageId>{100, 101});
+  REQUIRE(h.pages.copies.size() == 2);
+  REQUIRE(h.pages.copies[0].cpu_page == 1);
+  REQUIRE(h.pages.copies[0].gpu_page == 100);
   h.step({2});
   h.step({3});
   REQUIRE(h.slot(0).timestamp == 1);  // demoted twice from 3
@@ -75,8 +75,8 @@ TEST_CASE("BucketedLru: promotion, demotion, threshold eviction and ascending ad
   s = h.step({3});
   REQUIRE(s.hit_partitions == 1);
   REQUIRE(s.miss_pages == 0);
-  REQUIRE(h.plan.copies.empty());
-  REQUIRE(h.plan.gpu_pages == std::vector<PageId>{103});
+  REQUIRE(h.pages.copies.empty());
+  REQUIRE(h.pages.gpu_pages == std::vector<PageId>{103});
   REQUIRE(h.slot(0).timestamp == 0);
   REQUIRE(h.slot(2).timestamp == 1);
   // Full buffer, one miss. After demotion p1, p0 and p2 all sit in bucket 0:
@@ -106,17 +106,17 @@ TEST_CASE("BucketedLru: promotion, demotion, threshold eviction and ascending ad
   REQUIRE(h.slot(3).partition == 2);
   REQUIRE(h.slot(1).partition == 5);
   REQUIRE(h.slot(2).partition == 0);
-  REQUIRE(h.plan.gpu_pages == std::vector<PageId>{100, 103});
+  REQUIRE(h.pages.gpu_pages == std::vector<PageId>{100, 103});
 }
 
 TEST_CASE("BucketedLru: multi-page partitions keep page order and move together", "[cache]") {
   OneHead h({3, 2, 1, 2}, 6, 64);  // top = 63
   h.step({1});                      // p1 -> slots 0-1
   h.step({0, 2});                   // p0 -> slots 2-4, p2 -> slot 5
-  REQUIRE(h.plan.gpu_pages == std::vector<PageId>{102, 103, 104, 105});
+  REQUIRE(h.pages.gpu_pages == std::vector<PageId>{102, 103, 104, 105});
   h.step({1, 0});
-  REQUIRE(h.plan.gpu_pages == std::vector<PageId>{100, 101, 102, 103, 104});
-  REQUIRE(h.plan.partition_offsets == std::vector<std::uint32_t>{0, 2, 5});
+  REQUIRE(h.pages.gpu_pages == std::vector<PageId>{100, 101, 102, 103, 104});
+  REQUIRE(h.pages.partition_offsets == std::vector<std::uint32_t>{0, 2, 5});
   h.step({2, 1});
   h.step({0, 2});  // now p0, p2 at 63 and p1 at 62
   // p3 needs 2 pages, none free. After demotion p1 (2 pages) sits at 61 and
@@ -124,7 +124,7 @@ TEST_CASE("BucketedLru: multi-page partitions keep page order and move together"
   const auto s = h.step({3, 2});
   REQUIRE(s.miss_pages == 2);
   REQUIRE(s.evicted_pages == 2);
-  REQUIRE(h.plan.gpu_pages == std::vector<PageId>{100, 101, 105});
+  REQUIRE(h.pages.gpu_pages == std::vector<PageId>{100, 101, 105});
   REQUIRE(h.slot(0).page_in_partition == 0);
   REQUIRE(h.slot(1).page_in_partition == 1);
   REQUIRE_FALSE(h.table.meta(0, 0, 0, 1).resident());

@@ -206,8 +206,8 @@ TEST_CASE("lru batch emulation over a TieredKVBuffer: check_selection, page layo
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
           const std::uint32_t first = retrieval.head_offsets[h], last = retrieval.head_offsets[h + 1];
           selection_offsets.push_back(selection_offsets.back() + last - first);
-          page_offsets.push_back(page_offsets.back() + retrieval.plan.partition_offsets[last] -
-                                 retrieval.plan.partition_offsets[first]);
+          page_offsets.push_back(page_offsets.back() + retrieval.pages.partition_offsets[last] -
+                                 retrieval.pages.partition_offsets[first]);
         }
         selected.insert(selected.end(), retrieval.partitions.begin(), retrieval.partitions.end());
         tokens.insert(tokens.end(), retrieval.token_counts.begin(), retrieval.token_counts.end());

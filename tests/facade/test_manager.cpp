@@ -127,7 +127,7 @@ RunResult run(RuntimeManager& manager, std::uint32_t seed, std::vector<float>* o
       if (outputs != nullptr) outputs->insert(outputs->end(), out.begin(), out.end());
       for (std::size_t b = 0; b < batch.size(); ++b) {
         const Retrieval& r = manager.retrieval(b);
-        result.selected_pages += r.plan.gpu_pages.size();
+        result.selected_pages += r.pages.gpu_pages.size();
         for (std::uint32_t h = 0; h < kShape.q_heads; ++h) {
           const auto want = dense(q.data() + (b * kShape.q_heads + h) * kD, live[batch[b]][l], h / kShape.group_size());
           double num = 0, den = 0;
@@ -297,9 +297,9 @@ TEST_CASE("Manager: AttendPlan runs are FlashInfer-shaped and cover exactly the 
   REQUIRE(plan.indptr == std::vector<std::int64_t>{0, 3, 4, 7, 8});
   REQUIRE(plan.gpu_tier_base != nullptr);
   const Retrieval& r = manager.retrieval(0);
-  REQUIRE(plan.indices[0] == r.plan.gpu_pages[0]);
+  REQUIRE(plan.indices[0] == r.pages.gpu_pages[0]);
   REQUIRE(plan.indices[3] == r.tail_pages[0]);
-  REQUIRE(plan.gpu_tier_base + plan.indices[1] * plan.page_bytes == manager.buffer().gpu_pool().data(r.plan.gpu_pages[1]));
+  REQUIRE(plan.gpu_tier_base + plan.indices[1] * plan.page_bytes == manager.buffer().gpu_pool().data(r.pages.gpu_pages[1]));
 }
 
 TEST_CASE("Device-backend Attend: the kernel's walk over a plan's runs equals the host backend's Attend", "[facade]") {

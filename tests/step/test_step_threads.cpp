@@ -113,12 +113,12 @@ void require_same_retrieval(const Retrieval& a, const Retrieval& b) {
   REQUIRE(a.head_offsets == b.head_offsets);
   REQUIRE(a.partitions == b.partitions);
   REQUIRE(a.token_counts == b.token_counts);
-  REQUIRE(a.plan.gpu_pages == b.plan.gpu_pages);
-  REQUIRE(a.plan.partition_offsets == b.plan.partition_offsets);
-  REQUIRE(a.plan.copies.size() == b.plan.copies.size());
-  for (std::size_t i = 0; i < a.plan.copies.size(); ++i) {
-    REQUIRE(a.plan.copies[i].cpu_page == b.plan.copies[i].cpu_page);
-    REQUIRE(a.plan.copies[i].gpu_page == b.plan.copies[i].gpu_page);
+  REQUIRE(a.pages.gpu_pages == b.pages.gpu_pages);
+  REQUIRE(a.pages.partition_offsets == b.pages.partition_offsets);
+  REQUIRE(a.pages.copies.size() == b.pages.copies.size());
+  for (std::size_t i = 0; i < a.pages.copies.size(); ++i) {
+    REQUIRE(a.pages.copies[i].cpu_page == b.pages.copies[i].cpu_page);
+    REQUIRE(a.pages.copies[i].gpu_page == b.pages.copies[i].gpu_page);
   }
   REQUIRE(a.tail_pages == b.tail_pages);
   REQUIRE(a.tail_tokens == b.tail_tokens);

@@ -139,7 +139,7 @@ inline LockstepResult lockstep(RuntimeManager& reference, RuntimeManager& tested
       }
       ++result.decode_steps;
       for (std::size_t b = 0; b < batch.size(); ++b) {
-        REQUIRE(tested.retrieval(b).plan.gpu_pages == reference.retrieval(b).plan.gpu_pages);
+        REQUIRE(tested.retrieval(b).pages.gpu_pages == reference.retrieval(b).pages.gpu_pages);
         REQUIRE(tested.retrieval(b).stats.miss_pages == reference.retrieval(b).stats.miss_pages);
       }
       for (std::size_t i = 0; i < want.size(); i += shape.head_dim) {

@@ -66,7 +66,7 @@ struct HostStepBatch {
   std::vector<std::uint32_t> selection_offsets{0}, page_offsets{0};
   std::vector<PartitionId> selected_all;
   std::uint32_t max_selection = 0;
-  RetrievePlan plan;
+  RetrievedPages retrieved;
   std::vector<CacheStepStats> host_stats;
 
   // Steps `h` on `host_table`; the launch addresses `launch_table`'s instance.
@@ -74,7 +74,7 @@ struct HostStepBatch {
            const Head& h, const std::vector<PartitionId>& selected) {
     const std::uint32_t slots = host_table.gpu_slots(h.request, h.layer, h.head);
     const std::uint32_t pages = lru.check(host_table, h.request, h.layer, h.head, selected, slots);
-    host_stats.push_back(lru.step(host_table, h.request, h.layer, h.head, selected, plan));
+    host_stats.push_back(lru.step(host_table, h.request, h.layer, h.head, selected, retrieved));
     instances.push_back(launch_table.instance(h.request, h.layer, h.head));
     selected_all.insert(selected_all.end(), selected.begin(), selected.end());
     selection_offsets.push_back(static_cast<std::uint32_t>(selected_all.size()));
@@ -94,11 +94,11 @@ struct LruTotals {
   std::uint64_t evicted = 0, hits = 0, misses = 0;
 };
 
-// The launch's outputs equal the host steps' plan and stats; adds the host stats to `totals`.
+// The launch's outputs equal the host steps' pages and stats; adds the host stats to `totals`.
 inline void require_same_launch(const LaunchOutput& out, const HostStepBatch& batch, LruTotals& totals) {
-  const RetrievePlan& plan = batch.plan;
-  REQUIRE(out.partition_offsets == plan.partition_offsets);
-  REQUIRE(out.gpu_pages == plan.gpu_pages);
+  const RetrievedPages& pages = batch.retrieved;
+  REQUIRE(out.partition_offsets == pages.partition_offsets);
+  REQUIRE(out.gpu_pages == pages.gpu_pages);
   std::size_t copy = 0;
   for (std::size_t h = 0; h < batch.host_stats.size(); ++h) {
     INFO("head " << h);
@@ -109,15 +109,15 @@ inline void require_same_launch(const LaunchOutput& out, const HostStepBatch& ba
     REQUIRE(out.stats[h].miss_pages == want.miss_pages);
     REQUIRE(out.stats[h].evicted_pages == want.evicted_pages);
     for (std::uint64_t c = 0; c < out.stats[h].miss_pages; ++c, ++copy) {
-      REQUIRE(copy < plan.copies.size());
-      REQUIRE(out.copy_cpu_pages[batch.page_offsets[h] + c] == plan.copies[copy].cpu_page);
-      REQUIRE(out.copy_gpu_pages[batch.page_offsets[h] + c] == plan.copies[copy].gpu_page);
+      REQUIRE(copy < pages.copies.size());
+      REQUIRE(out.copy_cpu_pages[batch.page_offsets[h] + c] == pages.copies[copy].cpu_page);
+      REQUIRE(out.copy_gpu_pages[batch.page_offsets[h] + c] == pages.copies[copy].gpu_page);
     }
     totals.evicted += want.evicted_pages;
     totals.hits += want.hit_partitions;
     totals.misses += want.miss_partitions;
   }
-  REQUIRE(copy == plan.copies.size());
+  REQUIRE(copy == pages.copies.size());
 }
 
 // The head's GPU page entries (the first `a`'s slot count) and meta entries equal in both tables.

@@ -56,8 +56,8 @@ inline Retrieval random_retrieval(std::uint32_t kv_heads, std::uint32_t page_tok
       if (rng() % 5 == 0) tokens = pages * page_tokens;   // every page full
       r.partitions.push_back(static_cast<PartitionId>(r.partitions.size()));
       r.token_counts.push_back(tokens);
-      for (std::uint32_t p = 0; p < pages; ++p) r.plan.gpu_pages.push_back(next_page++ * 13 % 999983);
-      r.plan.partition_offsets.push_back(static_cast<std::uint32_t>(r.plan.gpu_pages.size()));
+      for (std::uint32_t p = 0; p < pages; ++p) r.pages.gpu_pages.push_back(next_page++ * 13 % 999983);
+      r.pages.partition_offsets.push_back(static_cast<std::uint32_t>(r.pages.gpu_pages.size()));
     }
     r.head_offsets.push_back(static_cast<std::uint32_t>(r.partitions.size()));
     const std::uint32_t tail = rng() % 4;
@@ -89,8 +89,8 @@ inline PlanCase random_plan_case(std::mt19937& rng, std::uint32_t kv_heads = 0, 
       c.max_row_pages = std::max(c.max_row_pages, static_cast<std::uint32_t>(c.host.indices.size()) - indices_before);
       c.max_row_runs = std::max(c.max_row_runs, runs);
       for (std::uint32_t i = r.head_offsets[h]; i < r.head_offsets[h + 1]; ++i) {
-        for (std::uint32_t p = r.plan.partition_offsets[i]; p < r.plan.partition_offsets[i + 1]; ++p)
-          c.gpu_pages.push_back(r.plan.gpu_pages[p]);
+        for (std::uint32_t p = r.pages.partition_offsets[i]; p < r.pages.partition_offsets[i + 1]; ++p)
+          c.gpu_pages.push_back(r.pages.gpu_pages[p]);
         c.partition_offsets.push_back(static_cast<std::uint32_t>(c.gpu_pages.size()));
         c.partition_tokens.push_back(r.token_counts[i]);
       }

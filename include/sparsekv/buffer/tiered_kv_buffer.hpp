@@ -126,14 +126,14 @@ struct Retrieval {
   std::vector<std::uint32_t> head_offsets;
   std::vector<PartitionId> partitions;
   std::vector<std::uint32_t> token_counts;  // per selected partition
-  // Pages of selected partition i: plan.gpu_pages[plan.partition_offsets[i] ..
-  // plan.partition_offsets[i + 1]); plan.copies were run before return.
-  RetrievePlan plan;
+  // Pages of selected partition i: pages.gpu_pages[pages.partition_offsets[i] ..
+  // pages.partition_offsets[i + 1]); pages.copies were run before return.
+  RetrievedPages pages;
   // The resident tail of each head: page and token count (0 = empty).
   std::vector<PageId> tail_pages;
   std::vector<std::uint32_t> tail_tokens;
   // Requests that evict only (else empty): the slot mask of each page of
-  // plan.gpu_pages, and the sequence position each of its slots holds,
+  // pages.gpu_pages, and the sequence position each of its slots holds,
   // slot_positions[i * page_tokens + t], kNoPosition for a slot not live.
   std::vector<SlotMask> page_masks;
   std::vector<std::uint32_t> slot_positions;
@@ -152,9 +152,9 @@ struct Retrieval {
   void for_each_page_masked(std::uint32_t head, std::uint32_t page_tokens, Fn&& fn) const {
     for (std::uint32_t i = head_offsets[head]; i < head_offsets[head + 1]; ++i) {
       std::uint32_t left = token_counts[i];
-      for (std::uint32_t p = plan.partition_offsets[i]; p < plan.partition_offsets[i + 1]; ++p) {
+      for (std::uint32_t p = pages.partition_offsets[i]; p < pages.partition_offsets[i + 1]; ++p) {
         const std::uint32_t tokens = left < page_tokens ? left : page_tokens;
-        fn(plan.gpu_pages[p], tokens, page_masks.empty() ? full_slot_mask(tokens) : page_masks[p]);
+        fn(pages.gpu_pages[p], tokens, page_masks.empty() ? full_slot_mask(tokens) : page_masks[p]);
         left -= tokens;
       }
     }

@@ -42,7 +42,7 @@ struct PageCopy {
 };
 
 // Output of retrieval steps, appended to head after head.
-struct RetrievePlan {
+struct RetrievedPages {
   std::vector<std::uint32_t> partition_offsets{0};  // [selected + 1] into gpu_pages
   std::vector<PageId> gpu_pages;                    // pages of every selected partition
   std::vector<PageCopy> copies;                     // misses: CPU page -> GPU page
@@ -67,7 +67,7 @@ class BucketedLru {
 
   // One replacement step (check() must have passed for this selection).
   CacheStepStats step(HierarchicalPageTable& table, RequestId request, std::uint32_t layer, std::uint32_t head,
-                      std::span<const PartitionId> selected, RetrievePlan& plan);
+                      std::span<const PartitionId> selected, RetrievedPages& result);
 
   std::uint32_t timestamp_buckets() const noexcept { return buckets_; }
 
@@ -94,7 +94,7 @@ class BucketedLruCache {
   HostMemoryResource memory_{false};
   HierarchicalPageTable table_;
   BucketedLru lru_;
-  RetrievePlan plan_;
+  RetrievedPages pages_;
   std::uint32_t capacity_;
 };
 

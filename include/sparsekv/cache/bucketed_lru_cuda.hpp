@@ -44,7 +44,7 @@ struct LruStepBatch {
 };
 
 // Where the step's results go (device-accessible). The layout is the
-// RetrievePlan's, heads after each other, except that copies stay in
+// RetrievedPages's, heads after each other, except that copies stay in
 // per-head regions.
 struct LruStepOutput {
   // [selection_offsets[heads] + 1]: selection i's pages are

@@ -130,7 +130,7 @@ class EvictingStep {
         weights_.reset(scope_.shape->kv_heads);
         for (std::uint32_t h = 0; h < scope_.shape->kv_heads; ++h) {
           for (std::uint32_t i = r.head_offsets[h]; i < r.head_offsets[h + 1]; ++i) {
-            for (std::uint32_t p = r.plan.partition_offsets[i]; p < r.plan.partition_offsets[i + 1]; ++p, ++index) {
+            for (std::uint32_t p = r.pages.partition_offsets[i]; p < r.pages.partition_offsets[i + 1]; ++p, ++index) {
               for (std::uint32_t t = 0; t < pt; ++t) {
                 const std::uint32_t pos = r.slot_positions[std::size_t{p} * pt + t];
                 if (pos != kNoPosition) weights_.heads[h].push_back({pos, slot_weights[index * pt + t]});

@@ -338,8 +338,8 @@ void HostStep<Policy>::commit() {
   }
   for (std::size_t b = 0; b < entries_.size(); ++b) {
     stats.cache += retrievals_[b].stats;
-    stats.pages_moved += retrievals_[b].plan.copies.size();
-    stats.bytes_moved += retrievals_[b].plan.copies.size() * buffer.cpu_pool().page_bytes();
+    stats.pages_moved += retrievals_[b].pages.copies.size();
+    stats.bytes_moved += retrievals_[b].pages.copies.size() * buffer.cpu_pool().page_bytes();
     ++stats.decode_steps;
   }
   const auto t1 = Clock::now();
