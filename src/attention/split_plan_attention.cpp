@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
+#include "sparsekv/attention/page_fold.hpp"
 #include "sparsekv/core/error.hpp"
-#include "sparsekv/core/numeric.hpp"
 
 namespace sparsekv {
 
@@ -60,7 +60,7 @@ void SplitPlanAttention::prepare(const AttendCall& call) {
   }
   states_.resize(chunks_.size() * group_);
   acc_.resize(chunks_.size() * group_ * d);
-  rows_.resize(chunks_.size() * 2 * d);
+  weights_.resize(chunks_.size() * group_ * pt);
   scores_.resize(call.slot_weights != nullptr ? pages * pt * group_ : 0);
   ran_.assign(chunks_.size(), 0);
 }
@@ -82,39 +82,23 @@ void SplitPlanAttention::run_chunk(std::size_t c) noexcept {
   const std::uint32_t d = layout.head_dim, pt = layout.page_tokens;
   const Chunk& chunk = chunks_[c];
   const std::uint32_t b = chunk.row / call_.kv_heads, h = chunk.row % call_.kv_heads;
-  const float* q = call_.q + (std::size_t{b} * call_.q_heads + std::size_t{h} * group_) * d;
-  SoftmaxState* states = states_.data() + c * group_;
-  float* acc = acc_.data() + c * group_ * d;
-  float* k = rows_.data() + c * 2 * d;
-  float* v = k + d;
-  std::fill_n(states, group_, SoftmaxState{});
-  std::fill_n(acc, std::size_t{group_} * d, 0.0f);
-  const bool scored = !scores_.empty();
+  PageFold fold;
+  fold.layout = layout;
+  fold.group = group_;
+  fold.scale = call_.scale;
+  fold.q = call_.q + (std::size_t{b} * call_.q_heads + std::size_t{h} * group_) * d;
+  fold.states = states_.data() + c * group_;
+  fold.acc = acc_.data() + c * group_ * d;
+  fold.weights = weights_.data() + c * group_ * pt;
+  std::fill_n(fold.states, group_, SoftmaxState{});
+  std::fill_n(fold.acc, std::size_t{group_} * d, 0.0f);
+  const auto page_at = [&](std::size_t i) {
+    return plan.gpu_tier_base + static_cast<std::size_t>(plan.indices[i]) * plan.page_bytes;
+  };
   for (std::size_t i = chunk.first_page; i < chunk.end_page; ++i) {
-    const std::byte* page = plan.gpu_tier_base + static_cast<std::size_t>(plan.indices[i]) * plan.page_bytes;
-    const SlotMask live = plan.live_masks.empty() ? ~SlotMask{0} : plan.live_masks[i];
-    float* page_scores = scored ? scores_.data() + i * pt * group_ : nullptr;
-    // Dead and unused slots keep -inf: their weight is then 0 (softmax_weight).
-    if (scored) std::fill_n(page_scores, std::size_t{pt} * group_, kNegativeInfinity);
-    for (std::uint32_t t = 0; t < page_tokens_[i]; ++t) {
-      if (!slot_live(live, t)) continue;
-      const void* k_row = page + layout.k_offset(t);
-      const void* v_row = page + layout.v_offset(t);
-      for (std::uint32_t j = 0; j < d; ++j) k[j] = load_element(k_row, j, layout.dtype);
-      for (std::uint32_t j = 0; j < d; ++j) v[j] = load_element(v_row, j, layout.dtype);
-      for (std::uint32_t g = 0; g < group_; ++g) {
-        const float* qg = q + std::size_t{g} * d;
-        float dot = 0.0f;
-        for (std::uint32_t j = 0; j < d; ++j) dot += qg[j] * k[j];
-        const float score = dot * call_.scale;
-        const RescaleStep step = softmax_fold(states[g], score, 1.0f);
-        float* ag = acc + std::size_t{g} * d;
-        if (step.value_weight != 0.0f || step.acc_scale != 1.0f) {
-          for (std::uint32_t j = 0; j < d; ++j) ag[j] = softmax_rescale_add(ag[j], step, v[j]);
-        }
-        if (scored) page_scores[std::size_t{t} * group_ + g] = score;
-      }
-    }
+    fold.scores = scores_.empty() ? nullptr : scores_.data() + i * pt * group_;
+    fold_page(fold, page_at(i), page_tokens_[i], plan.live_masks.empty() ? ~SlotMask{0} : plan.live_masks[i],
+              i + 1 < chunk.end_page ? page_at(i + 1) : nullptr);
   }
 }
 

@@ -454,8 +454,17 @@ TEST_CASE("HostBackend::attend honours AttendPlan::live_masks and fills AttendCa
     HostBackend backend;
     backend.attend(call);
     CAPTURE(group);
-    REQUIRE(out == want_out);
-    REQUIRE(weights == want_weights);
+    // HostBackend's Attend is the vectorized fold (attention/page_fold.hpp):
+    // within 1e-5 relative of the scalar reference, and a dead or unused
+    // slot's weight exactly 0 as there.
+    const auto close = [](float got, float want) { return std::abs(got - want) <= 1e-5f * std::max(1.0f, std::abs(want)); };
+    REQUIRE(out.size() == want_out.size());
+    for (std::size_t i = 0; i < out.size(); ++i) REQUIRE(close(out[i], want_out[i]));
+    REQUIRE(weights.size() == want_weights.size());
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      REQUIRE(close(weights[i], want_weights[i]));
+      REQUIRE((weights[i] == 0.0f) == (want_weights[i] == 0.0f));
+    }
     // Every row that attends to something gives its group a total weight of `group`.
     for (std::uint32_t row = 0; row < b.batch * b.kv_heads; ++row) {
       const std::int64_t first = b.indptr[b.row_entries[row]], end = b.indptr[b.row_entries[row + 1]];

@@ -1,0 +1,54 @@
+#pragma once
+// fold_page: the host Attend's inner kernel -- one head-wise page folded into
+// the partial softmax states of a GQA group (SplitPlanAttention runs it over
+// each chunk's pages). The tile is the page: every live slot's scores for the
+// whole group first, each K row loaded once for the group, then one max and
+// one exponential pass per q head over the tile (softmax_fold_tile, the CUDA
+// split kernel's rule), then the V rows added to the accumulators with their
+// weights, each V row loaded once for the group. Vectorized for the best
+// target the CPU has (Google Highway, runtime dispatch: AVX2+FMA+F16C, AVX-512,
+// and NEON / SVE on Arm from the same source); fp16 and bf16 rows are
+// converted with vector instructions. fold_page_scalar is the same rule, one
+// slot at a time: the reference every target is tested against.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sparsekv/attention/attention_partial.hpp"
+#include "sparsekv/memory/page_layout.hpp"
+
+namespace sparsekv {
+
+struct PageFold {
+  PageLayout layout;
+  std::uint32_t group = 0;         // q heads of the kv head
+  float scale = 1.0f;              // scores are q.k * scale
+  const float* q = nullptr;        // [group][head_dim]
+  SoftmaxState* states = nullptr;  // [group]
+  float* acc = nullptr;            // [group][head_dim], unnormalised
+  float* weights = nullptr;        // scratch, [group][page_tokens]
+  float* scores = nullptr;         // null, or [page_tokens][group]: each slot's score, -inf when unused or dead
+};
+
+// Folds slots [0, tokens) of `page` that `live` marks (tokens <= page_tokens)
+// into f.states and f.acc; `next` (or null) is the page folded after this one,
+// fetched ahead. Reads the page and q, writes only f's arrays.
+void fold_page(const PageFold& f, const std::byte* page, std::uint32_t tokens, SlotMask live, const std::byte* next);
+// The same rule one slot at a time in scalar code (the reference).
+void fold_page_scalar(const PageFold& f, const std::byte* page, std::uint32_t tokens, SlotMask live);
+
+// The targets fold_page was compiled for, best first, each with whether this
+// CPU can run it; and a way to make fold_page use one of them (0: the best the
+// CPU has again). For tests and benchmarks.
+struct FoldTarget {
+  std::string name;
+  std::int64_t bits = 0;
+  bool supported = false;
+};
+std::vector<FoldTarget> fold_page_targets();
+void use_fold_page_target(std::int64_t bits);
+// The target fold_page dispatches to now.
+std::string fold_page_target();
+
+}  // namespace sparsekv
