@@ -20,6 +20,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bucketed_lru_test_data.hpp"
@@ -298,4 +299,73 @@ TEST_CASE("host step: a phase with a slice that never ran is refused", "[threads
   m.decode(batch, 0, q.data(), k.data(), v.data(), out.data());
   REQUIRE(m.buffer().sequence_length(1, 0) == 602);
   REQUIRE(std::none_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));
+}
+
+namespace {
+
+// Dense that counts the pages append() saw and never regroups (kRegroups).
+struct CountingDense {
+  struct Options {};
+  struct LayerState {
+    DensePolicy::LayerState dense;
+    std::uint32_t appends = 0;
+  };
+  static constexpr std::string_view kName = "counting_dense";
+  static constexpr RopeStage kRope = RopeStage::post_rope;
+  static constexpr bool kRegroups = false;
+  std::vector<PartitionSpec> index(const LayerContext& c, const KvView& kv, LayerState& s) const {
+    return dense.index(c, kv, s.dense);
+  }
+  std::optional<Repartition> append(const LayerContext& c, const AppendedPage& page, LayerState& s) const {
+    ++s.appends;
+    return dense.append(c, page, s.dense);
+  }
+  void select(const LayerContext& c, const DecodeQuery& q, const LayerState& s, Selection& out) const {
+    dense.select(c, q, s.dense, out);
+  }
+  std::uint32_t mandatory_pages(const LayerContext& c) const { return dense.mandatory_pages(c); }
+  DensePolicy dense;
+};
+
+}  // namespace
+
+TEST_CASE("host step: a policy that never regroups sees each saved page once, at commit; a refused step none",
+          "[threads]") {
+  const ModelShape shape{1, 2, 1, 16, DType::f32};
+  Config config;
+  config.page_tokens = 4;
+  config.max_requests = 2;
+  config.max_context_tokens = 64;
+  config.min_buffer_ratio = 1.0;
+  const std::size_t page = config.page_bytes(shape);
+  config.cpu_tier_bytes = 5 * page;  // two prompts of two pages, and one decode page
+  config.gpu_tier_bytes = 80 * page;
+  config.host_chunk_bytes = page;
+  Manager<CountingDense> m(shape, config, CountingDense{});
+  std::mt19937 rng(9);
+  for (const RequestId id : {1, 2}) {
+    m.add_request(id, 64);
+    const auto prompt = random_rows(rng, 8 * 16, DType::f32);
+    m.prefill(id, 0, prompt.data(), prompt.data(), 8);
+  }
+  const std::vector<RequestId> one{1};
+  std::vector<float> out(32);
+  const auto decode = [&] {
+    const auto q = random_rows(rng, 32, DType::f32), k = random_rows(rng, 16, DType::f32);
+    m.decode(one, 0, q.data(), k.data(), k.data(), out.data());
+  };
+  for (int t = 0; t < 4; ++t) decode();  // the fourth token fills the tail: its page is saved
+  REQUIRE(m.stats().pages_saved == 1);
+  for (int t = 0; t < 3; ++t) decode();
+  REQUIRE(m.retrieval(0).partitions.size() == 3);  // Dense selects every partition it was shown
+  // The next fill needs another CPU page: refused, and the policy is not shown the page.
+  REQUIRE_SPARSEKV_ERROR(decode(), ErrorCode::resource_exhausted);
+  REQUIRE(m.buffer().sequence_length(1, 0) == 15);
+  REQUIRE(m.stats().pages_saved == 1);
+  m.finish(2);  // frees two CPU pages
+  decode();     // the same fill, now committed: Select saw the state before it
+  REQUIRE(m.stats().pages_saved == 2);
+  REQUIRE(m.retrieval(0).partitions.size() == 3);
+  decode();  // the page the retry saved, shown to the policy once
+  REQUIRE(m.retrieval(0).partitions.size() == 4);
 }

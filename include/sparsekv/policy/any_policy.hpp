@@ -26,6 +26,7 @@ class AnyPolicy {
   std::string_view name() const { return impl_->name(); }
   RopeStage rope() const { return impl_->rope(); }
   bool has_attend() const { return impl_->has_attend(); }
+  bool may_regroup() const { return impl_->may_regroup(); }
   // A fresh per-(request, layer) state.
   std::any make_state() const { return impl_->make_state(); }
 
@@ -94,6 +95,7 @@ class AnyPolicy {
     virtual std::string_view name() const = 0;
     virtual RopeStage rope() const = 0;
     virtual bool has_attend() const = 0;
+    virtual bool may_regroup() const = 0;
     virtual std::any make_state() const = 0;
     virtual std::vector<PartitionSpec> index(const LayerContext&, const KvView&, std::any&) const = 0;
     virtual std::optional<Repartition> append(const LayerContext&, const AppendedPage&, std::any&) const = 0;
@@ -128,6 +130,7 @@ class AnyPolicy {
     std::string_view name() const override { return P::kName; }
     RopeStage rope() const override { return P::kRope; }
     bool has_attend() const override { return CustomAttend<P>; }
+    bool may_regroup() const override { return sparsekv::may_regroup(policy); }
     std::any make_state() const override { return State{}; }
     std::vector<PartitionSpec> index(const LayerContext& c, const KvView& kv, std::any& s) const override {
       return policy.index(c, kv, std::any_cast<State&>(s));
@@ -211,6 +214,7 @@ namespace sparsekv {
 inline std::any make_layer_state(const AnyPolicy& p) { return p.make_state(); }
 inline std::string_view policy_name(const AnyPolicy& p) { return p.name(); }
 inline bool has_custom_attend(const AnyPolicy& p) { return p.has_attend(); }
+inline bool may_regroup(const AnyPolicy& p) { return p.may_regroup(); }
 inline void custom_attend(const AnyPolicy& p, const LayerContext& ctx, const DecodeQuery& q, const std::any& state,
                           const Selection& selection, std::span<AttentionPartial> extra) {
   p.attend(ctx, q, state, selection, extra);

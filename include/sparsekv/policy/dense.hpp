@@ -21,6 +21,7 @@ class DensePolicy {
   };
   static constexpr std::string_view kName = "dense";
   static constexpr RopeStage kRope = RopeStage::post_rope;
+  static constexpr bool kRegroups = false;  // append() never asks for a Repartition
 
   DensePolicy() = default;
   explicit DensePolicy(const Options&) {}

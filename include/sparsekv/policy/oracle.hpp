@@ -34,6 +34,7 @@ class OraclePolicy {
   };
   static constexpr std::string_view kName = "oracle";
   static constexpr RopeStage kRope = RopeStage::post_rope;
+  static constexpr bool kRegroups = false;  // append() never asks for a Repartition
 
   OraclePolicy() : OraclePolicy(Options{}) {}
   explicit OraclePolicy(const Options& options) : options_(options) {

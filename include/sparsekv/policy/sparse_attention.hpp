@@ -34,6 +34,13 @@
 //                               Config::head_capacity() (one partition per
 //                               page, twice the pages), too small for
 //                               partitions smaller than a page (RetroInfer's)
+// and optionally
+//   P::kRegroups = false        append() never returns a Repartition: the step
+//                               then shows it a filled page at commit, on its
+//                               own state, instead of on a copy of the state
+//                               made while it plans (a copy of every summary,
+//                               per page); its append must not throw for a
+//                               page and state the step checked
 // and optionally (SelectsByHead, AttendsByHead), so that a step can run each
 // kv head's Select on another of the engine's threads (step/host_step.hpp):
 //   p.select_head(ctx, q, state, h, ids)  what select() returns for kv head h
@@ -222,6 +229,15 @@ template <SparseAttention P>
 void attend_one_head(const P& p, const LayerContext& ctx, const DecodeQuery& q, const typename P::LayerState& state,
                      std::uint32_t head, std::span<const PartitionId> selected, std::span<AttentionPartial> extra) {
   if constexpr (AttendsByHead<P>) p.attend_head(ctx, q, state, head, selected, extra);
+}
+// Whether append() may return a Repartition (P::kRegroups, true unless declared).
+template <SparseAttention P>
+constexpr bool may_regroup(const P&) {
+  if constexpr (requires { P::kRegroups; }) {
+    return P::kRegroups;
+  } else {
+    return true;
+  }
 }
 // The policy's HeadCapacity, nullopt when it declares none.
 template <SparseAttention P>

@@ -112,6 +112,13 @@ class HostStep {
     if (phase_ != phase) fail(ErrorCode::failed_precondition, "decode step: {} out of its phase order", call);
   }
   void prepare_saves();
+  // The page entry `next` saves as the policy sees it, `tokens` in the
+  // sequence once it is saved.
+  AppendedPage appended_page(const PlannedEntry<State>& next, std::uint32_t tokens) const {
+    const ModelShape& shape = *scope_.shape;
+    const std::uint32_t pt = scope_.config->page_tokens;
+    return {KvView{next.page_k, next.page_v, pt, shape.kv_heads, shape.head_dim, tokens - pt}, next.partitions};
+  }
   void select_unit(std::size_t unit);
   void commit_selections();
   void build_plan();
@@ -224,9 +231,11 @@ void HostStep<Policy>::begin(std::span<const Entry> batch, std::uint32_t layer, 
   phase_ = Phase::begun;
 }
 
-// A request whose tail this token fills shows the full page to the policy on
-// a copy of its state; the page save plus any regroup the policy asks for are
-// planned against the pools.
+// A request whose tail this token fills shows the full page to a policy that
+// may regroup on a copy of its state; the page save plus any regroup the
+// policy asks for are planned against the pools. A policy that never regroups
+// (kRegroups) sees the page at commit, on its own state: no copy of every
+// summary per page.
 template <class Policy>
 void HostStep<Policy>::prepare_saves() {
   const Policy& policy = *scope_.policy;
@@ -243,19 +252,24 @@ void HostStep<Policy>::prepare_saves() {
     next.page_v = ls.recent_v;
     next.page_k.insert(next.page_k.end(), new_k(b).begin(), new_k(b).end());
     next.page_v.insert(next.page_v.end(), new_v(b).begin(), new_v(b).end());
-    const std::uint32_t tokens = buffer.sequence_length(id, layer_) + 1;
-    AppendedPage page;
-    page.page = KvView{next.page_k, next.page_v, page_tokens, shape.kv_heads, shape.head_dim, tokens - page_tokens};
+    next.partitions.resize(shape.kv_heads);
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
-      page.partitions.push_back(buffer.table().partition_count(id, layer_, h));
+      next.partitions[h] = buffer.table().partition_count(id, layer_, h);
     }
+    if (!may_regroup(policy)) {
+      // Nothing to size but the save: the policy sees the page at commit.
+      next.appends_at_commit = true;
+      step_plan_.add_save(id, buffer.save_demand(id, layer_), false);
+      continue;
+    }
+    const std::uint32_t tokens = buffer.sequence_length(id, layer_) + 1;
     next.state = ls.policy;  // the policy commits to the page only if the step does
-    next.regroup = policy.append(scope_.context(layer_, tokens), page, next.state);
+    next.regroup = policy.append(scope_.context(layer_, tokens), appended_page(next, tokens), next.state);
     SaveDemand demand;
     if (next.regroup) {
       for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
         check_regroup(policy_name(policy), buffer.table(), id, layer_, h, shape.kv_heads, page_tokens, *next.regroup,
-                      page.partitions[h]);
+                      next.partitions[h]);
       }
       demand = buffer.save_demand(id, layer_, next.regroup->first_partitions, next.regroup->specs);
     } else {
@@ -391,7 +405,12 @@ void HostStep<Policy>::commit_selections() {
       // it), at no GPU slot or copy. The next append starts the tail afresh.
       retrievals_[b].tail_tokens.assign(shape.kv_heads, scope_.config->page_tokens);
       if (next.regroup) buffer.repartition(id, layer_, next.regroup->first_partitions, next.regroup->specs);
-      ls.policy = std::move(next.state);
+      if (next.appends_at_commit) {
+        const std::uint32_t tokens = buffer.sequence_length(id, layer_);
+        scope_.policy->append(scope_.context(layer_, tokens), appended_page(next, tokens), ls.policy);
+      } else {
+        ls.policy = std::move(next.state);
+      }
       ls.recent_k.clear();
       ls.recent_v.clear();
       stats.pages_saved += shape.kv_heads;  // one page per kv head, as BufferStats counts

@@ -68,7 +68,11 @@ struct PlannedEntry {
   bool saves = false;                  // this token fills the tail page
   State state;                         // the policy state to commit (saves, or an evicting entry)
   std::optional<Repartition> regroup;  // the policy's, with the save
-  std::vector<float> page_k, page_v;   // the full page the policy saw, fp32 [token][kv_head][dim]
+  std::vector<float> page_k, page_v;   // the full page, fp32 [token][kv_head][dim]
+  std::vector<PartitionId> partitions; // its partition id in each kv head
+  // The policy never regroups (kRegroups): it sees the page at commit, on its
+  // own state, and `state` is unused.
+  bool appends_at_commit = false;
   bool feeds = false;                  // device path: the state was fed the pages since its last update
 };
 
@@ -81,6 +85,7 @@ class StepPlan {
     for (PlannedEntry<State>& e : entries_) {
       e.saves = false;
       e.regroup.reset();
+      e.appends_at_commit = false;
       e.feeds = false;
     }
     replay_.reset();
