@@ -25,6 +25,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -959,4 +960,34 @@ TEST_CASE("planted mutations of the estimate's decomposition are caught", "[sele
   CHECK(a.differing > 0);
   CHECK(b.differing > 0);
   CHECK(c.differing > 0);
+}
+
+TEST_CASE("quest_logits equals quest_logit bit for bit for every head", "[select-rules]") {
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal;
+  std::vector<float> lanes;
+  for (const std::uint32_t d : {1u, 7u, 8u, 13u, 64u, 100u, 128u}) {
+    for (const std::uint32_t group : {1u, 3u, 4u, 8u}) {
+      const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 40);
+      std::vector<float> q(std::size_t{group} * d), lo(std::size_t{n} * d), hi(lo.size());
+      for (auto& x : q) x = rng() % 9 == 0 ? -0.0f : normal(rng);  // negative zeros keep their sign rule
+      for (std::size_t i = 0; i < lo.size(); ++i) {
+        const float a = normal(rng), b = normal(rng);
+        lo[i] = std::min(a, b);
+        hi[i] = std::max(a, b);
+      }
+      for (const float spread : {1.0f, 0.0f, 0.5f}) {
+        std::vector<float> got(std::size_t{group} * n);
+        quest_logits(q.data(), group, lo.data(), hi.data(), n, d, spread, logit_scale(d), got.data(), lanes);
+        for (std::uint32_t g = 0; g < group; ++g) {
+          for (std::uint32_t i = 0; i < n; ++i) {
+            const float want = quest_logit(q.data() + std::size_t{g} * d, lo.data() + std::size_t{i} * d,
+                                           hi.data() + std::size_t{i} * d, d, spread, logit_scale(d));
+            CAPTURE(d, group, g, i, spread);
+            REQUIRE(std::bit_cast<std::uint32_t>(got[std::size_t{g} * n + i]) == std::bit_cast<std::uint32_t>(want));
+          }
+        }
+      }
+    }
+  }
 }

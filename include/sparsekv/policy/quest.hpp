@@ -139,16 +139,13 @@ class QuestPolicy {
     const std::uint32_t group = ctx.group_size();
     const std::uint32_t newest = n - 1;
     const float scale = logit_scale(ctx.head_dim);
-    std::vector<float> logits(n), rank(n, 0.0f);
-    // The rules cuda::quest_select shares (select_rules.hpp).
+    std::vector<float> logits(std::size_t{group} * newest), rank(n, 0.0f), lanes;
+    // The rules cuda::quest_select shares (select_rules.hpp): every head's
+    // logits in one pass over the boxes, then each head's softmax rank.
+    quest_logits(q.head(h * group, ctx.head_dim), group, state.min[h].data(), state.max[h].data(), newest,
+                 ctx.head_dim, options_.spread, scale, logits.data(), lanes);
     for (std::uint32_t g = 0; g < group; ++g) {
-      const float* qh = q.head(h * group + g, ctx.head_dim);
-      for (std::uint32_t i = 0; i < newest; ++i) {
-        const std::size_t at = std::size_t{i} * ctx.head_dim;
-        logits[i] = quest_logit(qh, state.min[h].data() + at, state.max[h].data() + at, ctx.head_dim,
-                                options_.spread, scale);
-      }
-      softmax_rank_add(newest, logits.data(), rank.data());
+      softmax_rank_add(newest, logits.data() + std::size_t{g} * newest, rank.data());
     }
     const QuestSteady steady = quest_steady(
         n, [&](std::uint32_t i) { return state.tokens[i]; }, options_.budget_tokens, options_.sink_tokens,

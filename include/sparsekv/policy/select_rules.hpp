@@ -271,6 +271,49 @@ SPARSEKV_HOST_DEVICE inline float quest_logit(const float* q, const float* min, 
   return mul_rn(sum, scale);
 }
 
+// quest_logit of candidates [0, n) (boxes min / max, [n][head_dim]) for the
+// `group` q heads q [group][head_dim] at once, into out [group][n]: the same
+// values bit for bit, each box's centre and half-width computed once for the
+// group and the lanes of every head filled in one pass (the host's loop;
+// `lanes` is scratch).
+inline void quest_logits(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
+                         std::uint32_t head_dim, float spread, float scale, float* out, std::vector<float>& lanes) {
+  lanes.resize(std::size_t{group} * 8);
+  const std::uint32_t whole = head_dim / 8 * 8;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const float* lo = min + std::size_t{i} * head_dim;
+    const float* hi = max + std::size_t{i} * head_dim;
+    std::fill(lanes.begin(), lanes.end(), 0.0f);
+    const auto term = [&](const float* qg, std::uint32_t d, float centre, float half_width) {
+      const float reach = mul_rn(qg[d] < 0.0f ? -qg[d] : qg[d], half_width);
+      return add_rn(mul_rn(qg[d], centre), mul_rn(spread, reach));
+    };
+    for (std::uint32_t d = 0; d < whole; d += 8) {
+      float centre[8], half_width[8];
+      for (std::uint32_t j = 0; j < 8; ++j) {
+        centre[j] = mul_rn(add_rn(lo[d + j], hi[d + j]), 0.5f);
+        half_width[j] = mul_rn(add_rn(hi[d + j], -lo[d + j]), 0.5f);
+      }
+      for (std::uint32_t g = 0; g < group; ++g) {
+        const float* qg = q + std::size_t{g} * head_dim;
+        float* lane = lanes.data() + std::size_t{g} * 8;
+        for (std::uint32_t j = 0; j < 8; ++j) lane[j] = add_rn(lane[j], term(qg, d + j, centre[j], half_width[j]));
+      }
+    }
+    for (std::uint32_t g = 0; g < group; ++g) {
+      const float* qg = q + std::size_t{g} * head_dim;
+      const float* lane = lanes.data() + std::size_t{g} * 8;
+      float half[4];
+      for (std::uint32_t j = 0; j < 4; ++j) half[j] = add_rn(lane[j], lane[j + 4]);
+      float sum = add_rn(add_rn(half[0], half[2]), add_rn(half[1], half[3]));
+      for (std::uint32_t d = whole; d < head_dim; ++d) {
+        sum = add_rn(sum, term(qg, d, mul_rn(add_rn(lo[d], hi[d]), 0.5f), mul_rn(add_rn(hi[d], -lo[d]), 0.5f)));
+      }
+      out[std::size_t{g} * n + i] = mul_rn(sum, scale);
+    }
+  }
+}
+
 // Quest's steady zone, taken before the ranked fill, each partition only if it
 // fits: the newest partition (always), then the partitions holding the first
 // `sink_tokens` tokens (the attention sink), then the partitions before the
