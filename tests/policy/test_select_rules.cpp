@@ -991,3 +991,21 @@ TEST_CASE("quest_logits equals quest_logit bit for bit for every head", "[select
     }
   }
 }
+
+TEST_CASE("shadowkv_logits equals shadowkv_logit bit for bit", "[select-rules]") {
+  std::mt19937 rng(29);
+  std::normal_distribution<float> normal;
+  for (const std::uint32_t d : {1u, 5u, 16u, 64u, 128u}) {
+    for (const std::uint32_t n : {1u, 7u, 8u, 9u, 40u}) {
+      std::vector<float> q(d), landmarks(std::size_t{n} * d), got(n);
+      for (auto& x : q) x = normal(rng);
+      for (auto& x : landmarks) x = normal(rng);
+      shadowkv_logits(q.data(), landmarks.data(), n, d, logit_scale(d), got.data());
+      for (std::uint32_t i = 0; i < n; ++i) {
+        CAPTURE(d, n, i);
+        const float want = shadowkv_logit(q.data(), landmarks.data() + std::size_t{i} * d, d, logit_scale(d));
+        REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want));
+      }
+    }
+  }
+}

@@ -360,6 +360,23 @@ SPARSEKV_HOST_DEVICE inline float shadowkv_logit(const float* q, const float* la
   return mul_rn(scale, dot_in_order(q, landmark, head_dim));
 }
 
+// shadowkv_logit of candidates [0, n) (landmarks [n][head_dim]) into out: the
+// same values bit for bit, eight candidates' dot products interleaved
+// (independent chains the CPU overlaps; the host's loop).
+inline void shadowkv_logits(const float* q, const float* landmarks, std::uint32_t n, std::uint32_t head_dim,
+                            float scale, float* out) {
+  std::uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    float acc[8] = {};
+    const float* rows = landmarks + std::size_t{i} * head_dim;
+    for (std::uint32_t d = 0; d < head_dim; ++d) {
+      for (std::uint32_t j = 0; j < 8; ++j) acc[j] = dot_step(acc[j], q[d], rows[std::size_t{j} * head_dim + d]);
+    }
+    for (std::uint32_t j = 0; j < 8; ++j) out[i + j] = mul_rn(scale, acc[j]);
+  }
+  for (; i < n; ++i) out[i] = shadowkv_logit(q, landmarks + std::size_t{i} * head_dim, head_dim, scale);
+}
+
 // RetroInfer: (q . centroid) * scale, the dot product in lane_order_sum's order.
 SPARSEKV_HOST_DEVICE inline float retroinfer_logit(const float* q, const float* centroid, std::uint32_t head_dim,
                                                    float scale) {

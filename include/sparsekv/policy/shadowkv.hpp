@@ -109,7 +109,7 @@ class ShadowKVPolicy {
     const std::uint32_t group = ctx.group_size();
     const float scale = logit_scale(ctx.head_dim);
     std::vector<char> taken(n, 0);
-    std::vector<float> scores(n, -std::numeric_limits<float>::infinity()), exps(n);
+    std::vector<float> scores(n, -std::numeric_limits<float>::infinity()), exps(n), logits(n);
     // The rules cuda::shadowkv_select shares (select_rules.hpp).
     const auto tokens = [&](std::uint32_t i) { return state.tokens[i]; };
     const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
@@ -126,11 +126,12 @@ class ShadowKVPolicy {
         n, outliers, [&](std::uint32_t i) { return -state.outlier_score[h][i]; }, untaken, tokens, take);
     // 3. Top-k: per q head, softmax over the non-static pages; max over the group.
     for (std::uint32_t g = 0; g < group; ++g) {
-      const float* qh = q.head(h * group + g, ctx.head_dim);
+      shadowkv_logits(q.head(h * group + g, ctx.head_dim), state.landmarks[h].data(), n, ctx.head_dim, scale,
+                      logits.data());
       float top = -std::numeric_limits<float>::infinity();
       for (std::uint32_t i = 0; i < n; ++i) {
         if (taken[i]) continue;
-        exps[i] = shadowkv_logit(qh, state.landmarks[h].data() + std::size_t{i} * ctx.head_dim, ctx.head_dim, scale);
+        exps[i] = logits[i];
         top = fold_max_score(top, exps[i]);
       }
       for (std::uint32_t i = 0; i < n; ++i) {
