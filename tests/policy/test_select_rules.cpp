@@ -513,6 +513,62 @@ TEST_CASE("rank keys order by descending score, ties to the lower index", "[sele
   for (std::uint32_t j = 0; j < 500; ++j) REQUIRE(rank_key_index(keys[j]) == want[j]);
 }
 
+// The fill over a full sort of the keys: what ranked_fill's rounds of
+// partial selection must offer, in the same order.
+template <class Filler>
+std::vector<std::uint32_t> fill_over_full_sort(const std::vector<float>& scores, const std::vector<char>& eligible,
+                                               const std::vector<std::uint32_t>& tokens, Filler fill) {
+  std::vector<std::uint64_t> keys;
+  for (std::uint32_t i = 0; i < scores.size(); ++i) {
+    if (eligible[i]) keys.push_back(rank_key(scores[i], i));
+  }
+  std::sort(keys.begin(), keys.end());
+  std::vector<std::uint32_t> taken;
+  for (const std::uint64_t key : keys) {
+    const std::uint32_t i = rank_key_index(key);
+    const Fill f = fill.offer(tokens[i]);
+    if (f == Fill::stop) break;
+    if (f == Fill::take) taken.push_back(i);
+  }
+  return taken;
+}
+
+TEST_CASE("ranked_fill's partial selection takes what a full sort takes, in order", "[select-rules]") {
+  std::mt19937 rng(11);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::uint32_t n = 1 + rng() % 1500;
+    std::vector<float> scores(n);
+    std::vector<char> eligible(n);
+    std::vector<std::uint32_t> tokens(n);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      const std::uint32_t r = rng() % 100;
+      // Ties, NaN and infinities as well as spread values.
+      scores[i] = r < 3 ? nan : r < 5 ? -std::numeric_limits<float>::infinity() : static_cast<float>(rng() % 64) * 0.5f;
+      eligible[i] = rng() % 8 != 0;
+      tokens[i] = 1 + rng() % 16;
+    }
+    const std::int64_t budget = rng() % (16 * n + 1);
+    const std::uint32_t limit = trial % 3 == 0 ? std::numeric_limits<std::uint32_t>::max() : rng() % (n + 1);
+    const auto score = [&](std::uint32_t i) { return scores[i]; };
+    const auto is_eligible = [&](std::uint32_t i) { return eligible[i] != 0; };
+    const auto token_count = [&](std::uint32_t i) { return tokens[i]; };
+    {
+      std::vector<std::uint32_t> taken;
+      SkipFill fill{budget, limit};
+      ranked_fill(n, fill, score, is_eligible, token_count, [&](std::uint32_t i) { taken.push_back(i); });
+      REQUIRE(taken == fill_over_full_sort(scores, eligible, tokens, SkipFill{budget, limit}));
+    }
+    {
+      std::vector<std::uint32_t> taken;
+      BreakFill fill{0, static_cast<std::uint32_t>(budget), limit};
+      ranked_fill(n, fill, score, is_eligible, token_count, [&](std::uint32_t i) { taken.push_back(i); });
+      REQUIRE(taken ==
+              fill_over_full_sort(scores, eligible, tokens, BreakFill{0, static_cast<std::uint32_t>(budget), limit}));
+    }
+  }
+}
+
 TEST_CASE("tile thresholds pick the kth smallest key", "[select-rules]") {
   std::mt19937 rng(5);
   for (const std::uint32_t n : {2u, 17u, 300u, 5000u}) {

@@ -216,6 +216,9 @@ struct BreakFill {
   }
 };
 
+// Candidates ranked in ranked_fill's first round.
+inline constexpr std::size_t kFirstRankRound = 64;
+
 // The host form of a ranked fill: offers the candidates [0, n) with
 // eligible(i), best first by rank_key(score(i), i), until the fill stops;
 // take(i) for each taken.
@@ -226,12 +229,23 @@ void ranked_fill(std::uint32_t n, Filler& fill, Score&& score, Eligible&& eligib
   for (std::uint32_t i = 0; i < n; ++i) {
     if (eligible(i)) keys.push_back(rank_key(score(i), i));
   }
-  std::sort(keys.begin(), keys.end());
-  for (const std::uint64_t key : keys) {
-    const std::uint32_t i = rank_key_index(key);
-    const Fill f = fill.offer(tokens(i));
-    if (f == Fill::stop) break;
-    if (f == Fill::take) take(i);
+  // Partial selection: the best `round` keys sorted, offered, then the next
+  // round (doubling) from what is left, so a fill that stops early sorts only
+  // a little more than it takes. Keys are distinct, so the order offered is
+  // exactly the full sort's.
+  auto first = keys.begin();
+  std::size_t round = kFirstRankRound;
+  while (first != keys.end()) {
+    const auto end = keys.end() - first > static_cast<std::ptrdiff_t>(round) ? first + round : keys.end();
+    if (end != keys.end()) std::nth_element(first, end, keys.end());
+    std::sort(first, end);
+    for (; first != end; ++first) {
+      const std::uint32_t i = rank_key_index(*first);
+      const Fill f = fill.offer(tokens(i));
+      if (f == Fill::stop) return;
+      if (f == Fill::take) take(i);
+    }
+    round *= 2;
   }
 }
 
