@@ -5,6 +5,8 @@
 //   --backend host   HostBackend, host tensors; --threads N lends each step
 //                    N threads (the loop's own pool, as a CPU engine keeps
 //                    one: tools/thread_pool.hpp) through decode()'s executor.
+//   --backend in-place  InPlaceBackend: as host, with no GPU tier (the CPU
+//                    pages attended where they are: a CPU engine's backend).
 //   --backend cuda   CudaBackend with the device-tensor API: the loop plays the
 //                    engine, holding q / k / v / out in its own device buffers
 //                    on its own stream (tools/backend_choice.hpp).
@@ -45,7 +47,7 @@ void usage() {
       "                   [--layers 4] [--q-heads 32] [--kv-heads 8] [--head-dim 128] [--seed 1]\n"
       "                   [--page-tokens N]   (default: 16 for quest -- the paper's Quest page, one KV page\n"
       "                                        per Quest page -- else 8)\n"
-      "                   [--backend host|cuda]   (default: cuda -- device tensors on a stream -- when built with\n"
+      "                   [--backend host|in-place|cuda]   (default: cuda -- device tensors on a stream -- when built with\n"
       "                                            it, a GPU is present and the policy has a device Select)\n"
       "                   [--threads 1]   host tensors: the threads each step's Select and Attend run on\n"
       "  --policy takes a comma-separated list (quest,shadowkv): one run per policy.\n"
@@ -225,8 +227,13 @@ bool run_policy(const Run& r, const std::string& policy_name) {
              "{} backend, {} tensors, {} thread(s)\n",
              r.batch, r.context, policy_name, r.budget, config.page_tokens, r.steps, shape.layers, backend, api,
              pool.threads());
-  fmt::print("  tokens/s        {:.2f}\n  hit ratio       {:.2f}%\n  pages moved     {}\n  bytes moved     {:.1f} MiB\n",
-             tokens_per_s, 100 * st.hit_ratio(), pages_moved, bytes_moved / double(1 << 20));
+  fmt::print("  tokens/s        {:.2f}\n", tokens_per_s);
+  if (manager.buffer().attend_site() == sparsekv::AttendSite::cpu_tier) {
+    fmt::print("  in place        the selected CPU pages attended where they are: no GPU tier, nothing moved\n");
+  } else {
+    fmt::print("  hit ratio       {:.2f}%\n  pages moved     {}\n  bytes moved     {:.1f} MiB\n", 100 * st.hit_ratio(),
+               pages_moved, bytes_moved / double(1 << 20));
+  }
   if (device) {
     // Select, Retrieve and Attend run on the device, inside the step's time:
     // sparsekv-bench-decode splits them. What the host spends per step:

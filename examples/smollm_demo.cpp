@@ -2,14 +2,16 @@
 // SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32) reads a long text
 // -- by default the GPL-3 every Debian system ships, cut to a few thousand
 // tokens -- and a question about it, then generates greedily with its decode
-// attention going through sparsekv's facade (host backend) with the chosen
-// policy and token budget. The prompt is prefilled densely once; its K/V go
+// attention going through sparsekv's facade with the chosen policy and token
+// budget: on InPlaceBackend, what a CPU engine uses (the selected CPU pages
+// attended where they are), or with --backend host on HostBackend (a host
+// GPU tier caching the selections: hit ratio and pages moved). The prompt is prefilled densely once; its K/V go
 // both to sparsekv and to a plain dense KV cache, which afterwards replays
 // the generated tokens (teacher-forced) to measure how often Dense would have
 // picked the same next token.
 //
 //   smollm-demo [--model PATH] [--text FILE] [--prompt-tokens N] [--new-tokens N]
-//               [--policy NAME] [--budget TOKENS]
+//               [--policy NAME] [--budget TOKENS] [--backend in-place|host]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -39,13 +41,15 @@ constexpr const char* kProgram = "smollm-demo";
 void usage() {
   std::fputs(
       "usage: smollm-demo [--model PATH] [--text FILE] [--prompt-tokens 4096] [--new-tokens 32]\n"
-      "                   [--policy shadowkv] [--budget 512]\n"
+      "                   [--policy shadowkv] [--budget 512] [--backend in-place]\n"
       "  --model PATH         default: ${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
       "  --text FILE          the document to read (default /usr/share/common-licenses/GPL-3)\n"
       "  --prompt-tokens N    tokens of the document kept (its start); a question is appended\n"
       "  --new-tokens N       tokens to generate (greedy; stops early at end of turn)\n"
       "  --policy NAME        dense, streaming, quest, shadowkv, retroinfer, retroinfer_no_estimation\n"
-      "  --budget TOKENS      tokens one decode step may select per kv head\n",
+      "  --budget TOKENS      tokens one decode step may select per kv head\n"
+      "  --backend NAME       in-place (a CPU engine's: no GPU tier) or host (a host GPU tier caching the\n"
+      "                       selections, as a GPU would: prints its hit ratio and pages moved)\n",
       stderr);
 }
 
@@ -56,7 +60,8 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 int main(int argc, char** argv) {
   try {
     const auto args = sparsekv::tools::parse_command_line<sparsekv::model::UserError>(
-        argc, argv, std::set<std::string>{"--model", "--text", "--prompt-tokens", "--new-tokens", "--policy", "--budget"},
+        argc, argv, std::set<std::string>{"--model", "--text", "--prompt-tokens", "--new-tokens", "--policy", "--budget",
+                              "--backend"},
         std::set<std::string>{"--help"});
     if (args.has("--help")) {
       usage();
@@ -70,6 +75,11 @@ int main(int argc, char** argv) {
     }
     const std::string policy_name = args.text("--policy", "shadowkv");
     const std::string text_path = args.text("--text", "/usr/share/common-licenses/GPL-3");
+    const std::string backend_name = args.text("--backend", "in-place");
+    if (backend_name != "in-place" && backend_name != "host") {
+      throw sparsekv::model::UserError(fmt::format("--backend must be in-place or host, not '{}'", backend_name));
+    }
+    const bool in_place = backend_name == "in-place";
 
     // Everything the user can get wrong is checked before the model loads.
     sparsekv::AnyPolicy policy = sparsekv::make_policy(policy_name, budget);
@@ -113,12 +123,15 @@ int main(int argc, char** argv) {
     fmt::print("  model {} loaded in {:.1f} s\n", model_path, load_s);
     fmt::print("  prompt {} tokens: the first {} of {}'s {} tokens, a question, the chat template\n", T, doc.size(),
                text_path, doc_total);
-    fmt::print("  decode attention: sparsekv {} with a budget of {} tokens per kv head (host backend)\n", policy_name,
-               budget);
+    fmt::print("  decode attention: sparsekv {} with a budget of {} tokens per kv head ({} backend)\n", policy_name,
+               budget, backend_name);
     std::fflush(stdout);
 
     const std::uint32_t max_tokens = T + new_tokens + 1;
-    auto manager = make_manager(c, policy, max_tokens);
+    auto manager =
+        in_place ? make_manager(c, policy, max_tokens, 1, sparsekv::EvictionStrategy::slot_reuse,
+                                std::make_unique<sparsekv::InPlaceBackend>())
+                 : make_manager(c, policy, max_tokens);
     const sparsekv::RequestId request = 1;
     manager->add_request(request, max_tokens);
     SparseSession sparse(*manager, request);
@@ -172,10 +185,15 @@ int main(int argc, char** argv) {
                  decode_steps / decode_s, policy_name);
       fmt::print("  dense      {} tokens in {:.2f} s: {:.1f} tokens/s (reference replay, no sparsekv)\n", decode_steps,
                  dense_s, decode_steps / dense_s);
-      fmt::print("  hit ratio  {:.2f}% of {} selected pages resident in the GPU working set\n", 100 * st.hit_ratio(),
-                 st.cache.hit_pages + st.cache.miss_pages);
-      fmt::print("  pages moved {} CPU -> GPU ({:.1f} MiB), {} tail pages saved\n", st.pages_moved,
-                 st.bytes_moved / double(1 << 20), st.pages_saved);
+      if (in_place) {
+        fmt::print("  in place   the selected CPU pages attended where they are: nothing moved, {} tail pages saved\n",
+                   st.pages_saved);
+      } else {
+        fmt::print("  hit ratio  {:.2f}% of {} selected pages resident in the GPU working set\n", 100 * st.hit_ratio(),
+                   st.cache.hit_pages + st.cache.miss_pages);
+        fmt::print("  pages moved {} CPU -> GPU ({:.1f} MiB), {} tail pages saved\n", st.pages_moved,
+                   st.bytes_moved / double(1 << 20), st.pages_saved);
+      }
       fmt::print("  agreement with Dense: {}/{} decode steps ({:.1f}%) pick the same greedy next token\n", agree,
                  decode_steps, 100.0 * agree / decode_steps);
       fmt::print("  sparsekv time per (layer, step): append {:.1f} us, select {:.1f} us, retrieve {:.1f} us, attend {:.1f} us\n",

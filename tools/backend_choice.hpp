@@ -1,8 +1,10 @@
 #pragma once
-// `--backend host|cuda` for the examples: the one runtime choice at the
-// facade edge, which also picks the Manager's tensor API.
+// `--backend host|in-place|cuda` for the examples: the one runtime choice at
+// the facade edge, which also picks the Manager's tensor API.
 //
-//   host  HostBackend, host tensors (the host-tensor API).
+//   host      HostBackend, host tensors (the host-tensor API).
+//   in-place  InPlaceBackend, host tensors: no GPU tier, the CPU pages
+//             attended where they are (what a CPU engine uses).
 //   cuda  CudaBackend, device tensors on the engine's stream (the
 //         device-tensor API, docs/integration.md). The examples show its
 //         device path, so they ask for a policy with a device Select
@@ -24,6 +26,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/core/model_shape.hpp"
 #include "sparsekv/facade/host_backend.hpp"
+#include "sparsekv/facade/in_place_backend.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #if SPARSEKV_EXAMPLE_CUDA
 #include "sparsekv/facade/cuda_backend.hpp"
@@ -55,12 +58,16 @@ inline std::string device_select_refusal(const AnyPolicy& policy, const ModelSha
 
 inline BackendChoice choose_backend(std::string_view name, const AnyPolicy& policy, const ModelShape& shape,
                                     const Config& config) {
-  if (!name.empty() && name != "host" && name != "cuda") {
-    fail(ErrorCode::invalid_argument, "--backend must be host or cuda, not '{}'", name);
+  if (!name.empty() && name != "host" && name != "in-place" && name != "cuda") {
+    fail(ErrorCode::invalid_argument, "--backend must be host, in-place or cuda, not '{}'", name);
   }
   BackendChoice choice;
   if (name == "host") {
     choice.backend = std::make_unique<HostBackend>();
+    return choice;
+  }
+  if (name == "in-place") {
+    choice.backend = std::make_unique<InPlaceBackend>();
     return choice;
   }
   const std::string refusal = device_select_refusal(policy, shape, config);

@@ -593,7 +593,8 @@ std::uint32_t DenseCache::tokens(std::uint32_t layer) const {
 
 // ---- helpers ----------------------------------------------------------------------
 std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& c, AnyPolicy policy, std::uint32_t max_tokens,
-                                             std::uint32_t requests, EvictionStrategy strategy) {
+                                             std::uint32_t requests, EvictionStrategy strategy,
+                                             std::unique_ptr<Backend> backend) {
   const ModelShape shape = c.shape();
   Config config;
   config.max_requests = requests;
@@ -636,7 +637,8 @@ std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& c, AnyPolicy pol
   if (slots() > held) config.min_buffer_ratio = held > need ? double(held - need) / need : 0.0;
   config.gpu_tier_bytes = heads * (slots() + 1) * page;
   config.host_chunk_bytes = std::min<std::size_t>(config.cpu_tier_bytes, std::size_t{64} << 20);
-  return std::make_unique<RuntimeManager>(shape, config, std::move(policy));
+  if (!backend) backend = std::make_unique<HostBackend>();
+  return std::make_unique<RuntimeManager>(shape, config, std::move(policy), std::move(backend));
 }
 
 std::uint32_t argmax(std::span<const float> logits) {

@@ -97,9 +97,11 @@ class SparseSession : public AttentionBackend {
 // Spin's 5x) and its tail pages, but never more slots than a head can hold
 // (Quest's dense layers make the whole context mandatory). `strategy` is what
 // a policy that evicts tokens does with dead slots (Config::eviction_strategy).
+// `backend`: HostBackend when null; an InPlaceBackend uses no GPU tier.
 std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& config, AnyPolicy policy, std::uint32_t max_tokens,
                                              std::uint32_t requests = 1,
-                                             EvictionStrategy strategy = EvictionStrategy::slot_reuse);
+                                             EvictionStrategy strategy = EvictionStrategy::slot_reuse,
+                                             std::unique_ptr<Backend> backend = nullptr);
 
 class LlamaModel {
  public:

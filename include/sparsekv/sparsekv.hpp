@@ -6,6 +6,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/core/model_shape.hpp"
 #include "sparsekv/attention/attend_plan.hpp"
+#include "sparsekv/facade/in_place_backend.hpp"
 #include "sparsekv/facade/manager.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/policy/dense.hpp"

@@ -32,6 +32,10 @@ void SplitPlanAttention::prepare(const AttendCall& call) {
     }
   }
   const std::size_t pages = plan.indices.size();
+  if (!plan.page_data.empty() && plan.page_data.size() != pages) {
+    fail(ErrorCode::invalid_argument, "attend: the plan has {} page addresses for {} pages", plan.page_data.size(),
+         pages);
+  }
   page_tokens_.resize(pages);
   for (std::size_t e = 0; e < plan.entries(); ++e) {
     const auto tokens = plan.last_page_len[e];
@@ -92,13 +96,10 @@ void SplitPlanAttention::run_chunk(std::size_t c) noexcept {
   fold.weights = weights_.data() + c * group_ * pt;
   std::fill_n(fold.states, group_, SoftmaxState{});
   std::fill_n(fold.acc, std::size_t{group_} * d, 0.0f);
-  const auto page_at = [&](std::size_t i) {
-    return plan.gpu_tier_base + static_cast<std::size_t>(plan.indices[i]) * plan.page_bytes;
-  };
   for (std::size_t i = chunk.first_page; i < chunk.end_page; ++i) {
     fold.scores = scores_.empty() ? nullptr : scores_.data() + i * pt * group_;
-    fold_page(fold, page_at(i), page_tokens_[i], plan.live_masks.empty() ? ~SlotMask{0} : plan.live_masks[i],
-              i + 1 < chunk.end_page ? page_at(i + 1) : nullptr);
+    fold_page(fold, plan.page(i), page_tokens_[i], plan.live_masks.empty() ? ~SlotMask{0} : plan.live_masks[i],
+              i + 1 < chunk.end_page ? plan.page(i + 1) : nullptr);
   }
 }
 

@@ -40,8 +40,9 @@ TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, Me
 
 TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier,
                                MemoryResource& gpu_pages, MemoryResource& gpu_tables, PageTransfer& transfer,
-                               const HeadCapacity& capacity)
+                               const HeadCapacity& capacity, AttendSite site)
     : transfer_(&transfer),
+      site_(site),
       shape_(shape),
       config_(validated(config, shape)),
       layout_{config.page_tokens, shape.head_dim, shape.dtype},
@@ -55,6 +56,9 @@ TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, Me
     fail(ErrorCode::invalid_argument,
          "TieredKVBuffer: the CPU tier and the page tables must be host-accessible (got {} and {})",
          to_string(cpu_tier.kind()), to_string(gpu_tables.kind()));
+  }
+  if (site == AttendSite::cpu_tier && !gpu_pages.host_accessible()) {
+    fail(ErrorCode::invalid_argument, "TieredKVBuffer: attending the CPU tier in place needs host memory");
   }
   if (!gpu_pages.host_accessible() && !transfer.reaches_device_memory()) {
     fail(ErrorCode::invalid_argument, "TieredKVBuffer: GPU-tier pages in device memory need a device transfer backend");
@@ -72,6 +76,7 @@ const TieredKVBuffer::RequestState& TieredKVBuffer::state(RequestId request) con
 }
 
 std::uint32_t TieredKVBuffer::min_slots_per_head(const RequestBudget& budget) const {
+  if (site_ == AttendSite::cpu_tier) return 0;  // nothing is cached: selected pages are read where they are
   // In double, then saturated: a budget too large to hold is refused by its caller.
   const double slots = budget.mandatory_pages + std::ceil(config_.min_buffer_ratio * budget.mandatory_pages);
   return slots >= 4294967295.0 ? 0xffffffffu : static_cast<std::uint32_t>(slots);
@@ -88,6 +93,11 @@ std::optional<TieredKVBuffer::Refusal> TieredKVBuffer::refusal(const RequestBudg
                    "a request that evicts needs slot masks; build the buffer with HeadCapacity::slot_masks"};
   }
   const std::uint32_t min_slots = min_slots_per_head(budget);
+  if (site_ == AttendSite::cpu_tier && budget.buffer_pages != 0) {
+    return Refusal{ErrorCode::invalid_argument,
+                   fmt::format("buffer_pages {}: a buffer that attends the CPU tier in place has no GPU pages",
+                               budget.buffer_pages)};
+  }
   if (budget.buffer_pages != 0 && budget.buffer_pages < min_slots) {
     return Refusal{ErrorCode::invalid_argument,
                    fmt::format("buffer_pages {} is below the minimum {} (mandatory {} x (1 + min_buffer_ratio {}))",
@@ -105,7 +115,12 @@ std::optional<TieredKVBuffer::Refusal> TieredKVBuffer::refusal(const RequestBudg
   std::uint64_t reclaimable = 0;
   for (const auto& [id, s] : requests_) reclaimable += heads() * reclaimable_slots(s);
   const std::uint64_t needed = heads() * (std::uint64_t{slots} + tail_pages_per_head(budget));
-  if (needed > gpu_pool_.available() + reclaimable) {
+  if (site_ == AttendSite::cpu_tier) {
+    if (needed > cpu_pool_.available()) {
+      return Refusal{ErrorCode::resource_exhausted,
+                     fmt::format("needs {} CPU pages for its tails, {} free", needed, cpu_pool_.available())};
+    }
+  } else if (needed > gpu_pool_.available() + reclaimable) {
     return Refusal{ErrorCode::resource_exhausted, fmt::format("needs {} GPU pages, {} free and {} reclaimable", needed,
                                                               gpu_pool_.available(), reclaimable)};
   }
@@ -129,6 +144,11 @@ AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const Req
   for (const auto& [id, s] : requests_) a.gpu_pages_reclaimable += heads() * reclaimable_slots(s);
   a.cpu_pages_needed =
       heads() * prompt_pages_per_head.value_or((std::uint64_t{prompt_tokens} + config_.page_tokens - 1) / config_.page_tokens);
+  if (site_ == AttendSite::cpu_tier) {
+    // The tails are CPU pages too, and there is no GPU tier.
+    a.cpu_pages_needed += a.gpu_pages_needed;
+    a.gpu_pages_needed = a.gpu_pages_free = 0;
+  }
   a.cpu_pages_free = cpu_pool_.available();
   if (const std::optional<Refusal> r = refusal(budget)) {
     a.reason = r->message;
@@ -154,14 +174,15 @@ void TieredKVBuffer::add_request(RequestId request, const RequestBudget& budget)
   s.windows.assign(heads(), WorkingSetWindow(config_.working_set_window));
   s.tail_pages.resize(heads() * tail_pages_per_head(budget));
   if (budget.evicts) s.eviction.resize(heads());
-  if (needed > gpu_pool_.available()) reclaim(needed - gpu_pool_.available());
-  gpu_pool_.allocate(s.tail_pages);
+  if (site_ == AttendSite::gpu_tier && needed > gpu_pool_.available()) reclaim(needed - gpu_pool_.available());
+  tail_pool().allocate(s.tail_pages);
   auto& stored = requests_.emplace(request, std::move(s)).first->second;
   grow_slots(request, stored, slots);
 }
 
 void TieredKVBuffer::grow_slots(RequestId request, RequestState& s, std::uint32_t slots) {
   const std::uint32_t old = s.slots;
+  if (slots == old) return;
   std::vector<PageId> pages(heads() * (slots - old));
   gpu_pool_.allocate(pages);  // checked by the callers, like the segments
   std::size_t next = 0;
@@ -286,7 +307,7 @@ void TieredKVBuffer::finish(RequestId request) {
       table_.resize_gpu_slots(request, l, h, 0);
     }
   }
-  gpu_pool_.release(s.tail_pages);
+  tail_pool().release(s.tail_pages);
   partitions_.unmap(request);
   table_.remove_request(request);
   requests_.erase(request);
@@ -444,7 +465,7 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
   const std::size_t row = layout_.row_bytes();
   moves_.resize(2 * std::size_t{shape_.kv_heads});
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    std::byte* tail = gpu_pool_.data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
+    std::byte* tail = tail_pool().data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
     moves_[2 * h] = {static_cast<const std::byte*>(token.k) + h * row, tail + layout_.k_offset(slot)};
     moves_[2 * h + 1] = {static_cast<const std::byte*>(token.v) + h * row, tail + layout_.v_offset(slot)};
   }
@@ -457,7 +478,7 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
   std::vector<PageMove> saves(shape_.kv_heads);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const MappedPartitions mapped = partitions_.map(request, layer, h, full);
-    saves[h] = {gpu_pool_.data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]),
+    saves[h] = {tail_pool().data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]),
                 cpu_pool_.data(mapped.placements[0].cpu_page)};
   }
   transfer_->save(saves, layout_.page_bytes());
@@ -473,7 +494,7 @@ void TieredKVBuffer::check_selection(RequestId request, std::uint32_t layer,
     fail(ErrorCode::invalid_argument, "{} selections given for {} kv heads", selections.size(), shape_.kv_heads);
   }
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    lru_.check(table_, request, layer, h, selections[h], s.budget.mandatory_pages);
+    lru_.check(table_, request, layer, h, selections[h], s.budget.mandatory_pages, site_ == AttendSite::gpu_tier);
     for (const PartitionId p : selections[h]) {
       if (s.budget.evicts && table_.partition_freed(request, layer, h, p)) {
         fail(ErrorCode::invalid_argument, "request {} layer {} kv head {}: partition {} is freed (every token evicted)",
@@ -496,9 +517,14 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
   out.page_masks.clear();
   out.slot_positions.clear();
   out.stats = {};
+  out.in_place = site_ == AttendSite::cpu_tier;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const auto& selected = selections[h];
-    out.stats += lru_.step(table_, request, layer, h, selected, out.pages);
+    if (out.in_place) {
+      locate(request, layer, h, selected, out.pages);
+    } else {
+      out.stats += lru_.step(table_, request, layer, h, selected, out.pages);
+    }
     for (PartitionId p : selected) {
       out.partitions.push_back(p);
       out.token_counts.push_back(table_.meta(request, layer, h, p).token_count());
@@ -528,6 +554,14 @@ void TieredKVBuffer::retrieve(RequestId request, std::uint32_t layer,
   stats_.cache += out.stats;
   stats_.retrieve_steps += shape_.kv_heads;
   stats_.bytes_loaded += out.pages.copies.size() * layout_.page_bytes();
+}
+
+void TieredKVBuffer::locate(RequestId request, std::uint32_t layer, std::uint32_t head,
+                            std::span<const PartitionId> selected, RetrievedPages& out) const {
+  for (const PartitionId p : selected) {
+    table_.cpu_pages(request, layer, head, p, out.gpu_pages);
+    out.partition_offsets.push_back(static_cast<std::uint32_t>(out.gpu_pages.size()));
+  }
 }
 
 void TieredKVBuffer::regroup_demand(RequestId request, std::uint32_t layer,
@@ -688,10 +722,11 @@ void TieredKVBuffer::validate() const {
     fail(ErrorCode::failed_precondition, "buffer invariant broken: {}", what);
   };
   std::uint64_t gpu_pages = 0;
-  std::unordered_set<PageId> owned, cpu_pages;
+  std::unordered_set<PageId> owned, cpu_pages, tails;  // tails: in the CPU tier, attending in place
   std::vector<PageId> mapped;
   for (const auto& [id, s] : requests_) {
     if (s.slots < min_slots_per_head(s.budget)) broken(fmt::format("request {} is below its minimum buffer", id));
+    if (site_ == AttendSite::cpu_tier && s.slots != 0) broken(fmt::format("request {} caches pages in place", id));
     for (std::uint32_t l = 0; l < shape_.layers; ++l) {
       if (s.tail_tokens[l] >= config_.page_tokens) broken(fmt::format("request {} layer {} tail overflows", id, l));
       if (s.budget.evicts && s.tail_tokens[l] != 0) broken(fmt::format("request {} evicts but has a tail", id));
@@ -713,7 +748,9 @@ void TieredKVBuffer::validate() const {
           continue;
         }
         const PageId tail = s.tail_pages[std::size_t{l} * shape_.kv_heads + h];
-        if (!gpu_pool_.is_allocated(tail) || !owned.insert(tail).second) broken("a tail page is shared or free");
+        if (!tail_pool().is_allocated(tail) || !(site_ == AttendSite::cpu_tier ? tails : owned).insert(tail).second) {
+          broken("a tail page is shared or free");
+        }
         std::uint64_t tokens = 0;
         for (PartitionId p = 0; p < table_.partition_count(id, l, h); ++p) tokens += table_.meta(id, l, h, p).token_count();
         if (tokens + s.tail_tokens[l] != s.tokens[l]) {
@@ -722,11 +759,16 @@ void TieredKVBuffer::validate() const {
         }
       }
     }
-    gpu_pages += heads() * (std::uint64_t{s.slots} + tail_pages_per_head(s.budget));
+    gpu_pages += heads() * s.slots;
+    if (site_ == AttendSite::gpu_tier) gpu_pages += heads() * tail_pages_per_head(s.budget);
+  }
+  for (const PageId tail : tails) {
+    if (cpu_pages.contains(tail)) broken(fmt::format("tail page {} is also a mapped CPU page", tail));
   }
   if (gpu_pages != gpu_pool_.used()) broken(fmt::format("{} GPU pages owned, the pool has {} in use", gpu_pages, gpu_pool_.used()));
-  if (cpu_pages.size() != cpu_pool_.used()) {
-    broken(fmt::format("{} CPU pages mapped, the pool has {} in use", cpu_pages.size(), cpu_pool_.used()));
+  if (cpu_pages.size() + tails.size() != cpu_pool_.used()) {
+    broken(fmt::format("{} CPU pages mapped and {} tails, the pool has {} in use", cpu_pages.size(), tails.size(),
+                       cpu_pool_.used()));
   }
 }
 

@@ -31,7 +31,8 @@ std::uint32_t BucketedLru::mark(std::span<const PartitionId> selected, std::uint
 }
 
 std::uint32_t BucketedLru::check(const HierarchicalPageTable& table, RequestId request, std::uint32_t layer,
-                                 std::uint32_t head, std::span<const PartitionId> selected, std::uint32_t max_pages) {
+                                 std::uint32_t head, std::span<const PartitionId> selected, std::uint32_t max_pages,
+                                 bool cached) {
   const std::size_t inst = table.instance(request, layer, head);  // checks request, layer, head
   const auto meta = table.meta_view();
   const std::uint32_t page_tokens = table.geometry().page_tokens;
@@ -46,7 +47,7 @@ std::uint32_t BucketedLru::check(const HierarchicalPageTable& table, RequestId r
          layer, head, request, pages, max_pages);
   }
   const std::uint32_t slots = table.gpu_slots(request, layer, head);
-  if (pages > slots) {
+  if (cached && pages > slots) {
     fail(ErrorCode::resource_exhausted, "head ({}, {}) of request {}: selection needs {} pages, the buffer has {}",
          layer, head, request, pages, slots);
   }

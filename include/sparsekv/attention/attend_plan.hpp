@@ -47,6 +47,14 @@ struct AttendPlan {
   std::vector<SlotMask> live_masks;             // empty or [indices.size()]: bit t = slot t of indices[i] live
   const std::byte* gpu_tier_base = nullptr;     // page p at gpu_tier_base + p * page_bytes
   std::size_t page_bytes = 0;
+  // Empty, or [indices.size()]: where page indices[i] is, for a plan over the
+  // CPU tier in place (a chunked pool, gpu_tier_base null; indices are then
+  // CPU-tier page ids).
+  std::vector<const std::byte*> page_data;
+
+  const std::byte* page(std::size_t i) const {
+    return page_data.empty() ? gpu_tier_base + static_cast<std::size_t>(indices[i]) * page_bytes : page_data[i];
+  }
 
   std::size_t entries() const { return last_page_len.size(); }
   void clear() {
@@ -56,6 +64,7 @@ struct AttendPlan {
     head_entries.assign(1, 0);
     extra.clear();
     live_masks.clear();
+    page_data.clear();
   }
 };
 

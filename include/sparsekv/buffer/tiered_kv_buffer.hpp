@@ -29,6 +29,12 @@
 //    pages as Config::eviction_strategy says (docs/buffer.md). The buffer maps
 //    sequence positions to (partition, slot); policies deal in positions only.
 //
+//  - Attending in place (AttendSite::cpu_tier, a CPU engine's backend): on a
+//    CPU both tiers are host memory, so nothing is cached: a request has no
+//    GPU slots, its tails are CPU pages, and retrieve() returns the selected
+//    partitions' CPU pages themselves (Retrieval::in_place), with no copy and
+//    no LRU step. Selections, tails and saves are otherwise the same.
+//
 // Engine layout of K/V: `k` and `v` are separate row-major arrays
 // [tokens][kv_heads][head_dim] of the model's dtype (f32 / f16 / bf16, bytes
 // copied unchanged; no conversion).
@@ -64,6 +70,10 @@
 #include "sparsekv/transfer/page_transfer.hpp"
 
 namespace sparsekv {
+
+// Where a step's Attend reads the selected pages: GPU-tier copies (the
+// cache), or the CPU pages where they are.
+enum class AttendSite : std::uint8_t { gpu_tier, cpu_tier };
 
 // K/V of `tokens` tokens of one layer, engine layout [tokens][kv_heads][head_dim].
 struct KvChunk {
@@ -128,6 +138,9 @@ struct Retrieval {
   std::vector<std::uint32_t> token_counts;  // per selected partition
   // Pages of selected partition i: pages.gpu_pages[pages.partition_offsets[i] ..
   // pages.partition_offsets[i + 1]); pages.copies were run before return.
+  // In place (a buffer of AttendSite::cpu_tier), these are CPU-tier pages,
+  // the tails too, and nothing is copied.
+  bool in_place = false;
   RetrievedPages pages;
   // The resident tail of each head: page and token count (0 = empty).
   std::vector<PageId> tail_pages;
@@ -183,11 +196,13 @@ class TieredKVBuffer {
   // host-accessible `gpu_tables`, bytes moved by `transfer`. All three must
   // outlive the buffer. `capacity`: the most partitions and CPU pages a head
   // can hold (the policy's, or Config::head_capacity()); the page table is
-  // sized for it.
+  // sized for it. `site`: AttendSite::cpu_tier attends the CPU tier in place
+  // (host memory only; gpu_pages then holds nothing).
   TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier, MemoryResource& gpu_pages,
                  MemoryResource& gpu_tables, PageTransfer& transfer);
   TieredKVBuffer(const ModelShape& shape, const Config& config, MemoryResource& cpu_tier, MemoryResource& gpu_pages,
-                 MemoryResource& gpu_tables, PageTransfer& transfer, const HeadCapacity& capacity);
+                 MemoryResource& gpu_tables, PageTransfer& transfer, const HeadCapacity& capacity,
+                 AttendSite site = AttendSite::gpu_tier);
 
   // Registers a request and gives it its GPU pages, reclaiming buffering
   // pages from other requests when the GPU tier is short.
@@ -305,6 +320,7 @@ class TieredKVBuffer {
   const Config& config() const noexcept { return config_; }
   const PagePool& cpu_pool() const noexcept { return cpu_pool_; }
   const PagePool& gpu_pool() const noexcept { return gpu_pool_; }
+  AttendSite attend_site() const noexcept { return site_; }
   const HierarchicalPageTable& table() const noexcept { return table_; }
   const PartitionMap& partitions() const noexcept { return partitions_; }
   PageTransfer& transfer() const noexcept { return *transfer_; }
@@ -347,6 +363,12 @@ class TieredKVBuffer {
   // Refuses (failed_precondition) a request that evicts: it has no GPU tail.
   void check_has_tail(RequestId request, const RequestState& s) const;
   static std::uint32_t tail_pages_per_head(const RequestBudget& budget) noexcept { return budget.evicts ? 0 : 1; }
+  // Where the tails live: the GPU tier, or the CPU tier in place.
+  PagePool& tail_pool() noexcept { return site_ == AttendSite::cpu_tier ? cpu_pool_ : gpu_pool_; }
+  const PagePool& tail_pool() const noexcept { return site_ == AttendSite::cpu_tier ? cpu_pool_ : gpu_pool_; }
+  // retrieve() in place: the selected partitions' CPU pages, in order.
+  void locate(RequestId request, std::uint32_t layer, std::uint32_t head, std::span<const PartitionId> selected,
+              RetrievedPages& out) const;
   const RequestState& evicting(RequestId request, std::uint32_t layer) const;
   EvictionHead& eviction_head(RequestState& s, std::uint32_t layer, std::uint32_t head);
   const EvictionHead& eviction_head(const RequestState& s, std::uint32_t layer, std::uint32_t head) const;
@@ -377,6 +399,7 @@ class TieredKVBuffer {
 
   HostPageTransfer host_transfer_;  // used when no transfer is given
   PageTransfer* transfer_;
+  AttendSite site_ = AttendSite::gpu_tier;
   ModelShape shape_;
   Config config_;
   PageLayout layout_;

@@ -60,10 +60,11 @@ class BucketedLru {
 
   // Checks a selection for one head without changing anything: partitions in
   // range and distinct, and their pages within `max_pages` and the head's
-  // GPU slots. Throws out_of_range / invalid_argument / resource_exhausted.
-  // Returns the selection's page count.
+  // GPU slots (unless `cached` is false: a buffer that attends the CPU tier
+  // in place caches nothing). Throws out_of_range / invalid_argument /
+  // resource_exhausted. Returns the selection's page count.
   std::uint32_t check(const HierarchicalPageTable& table, RequestId request, std::uint32_t layer, std::uint32_t head,
-                      std::span<const PartitionId> selected, std::uint32_t max_pages);
+                      std::span<const PartitionId> selected, std::uint32_t max_pages, bool cached = true);
 
   // One replacement step (check() must have passed for this selection).
   CacheStepStats step(HierarchicalPageTable& table, RequestId request, std::uint32_t layer, std::uint32_t head,

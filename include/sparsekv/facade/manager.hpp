@@ -84,7 +84,8 @@ class Manager {
     }
     budget(config_.max_context_tokens);  // a policy that cannot serve this shape or page size refuses here, not later
     buffer_ = std::make_unique<TieredKVBuffer>(shape, config, backend_->cpu_tier(), backend_->gpu_pages(),
-                                               backend_->gpu_tables(), backend_->transfer(), head_capacity());
+                                               backend_->gpu_tables(), backend_->transfer(), head_capacity(),
+                                               backend_->attend_site());
     bind_steps();
   }
   // A moved Manager keeps its requests, tiers and device runtime; the last

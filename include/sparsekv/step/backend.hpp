@@ -3,16 +3,18 @@
 // move between the tiers, how the built-in Attend runs and, for device
 // tensors, the device runtime. The Manager picks one at its edge (the backend
 // choice is the facade's: facade/host_backend.hpp, facade/cuda_backend.hpp);
-// everything below that choice is shared. Two exist:
+// everything below that choice is shared. Three exist:
 //
 //   HostBackend                   GPU tier in host memory standing in for HBM,
 //   (facade/host_backend.hpp)     memcpy transfers, host decode attention
 //                                 (attention/split_plan_attention.hpp).
+//   InPlaceBackend                No GPU tier: Attend reads the selected CPU
+//   (facade/in_place_backend.hpp) pages where they are (a CPU engine's choice).
 //   sparsekv::cuda::CudaBackend   GPU-tier pages in device memory, the Gather
 //   (facade/cuda_backend.hpp,     H2D kernel and asynchronous saves on the
 //    library sparsekv::cuda)      backend's stream, the split-K decode kernel.
 //
-// In both, the CPU tier is host memory (pinned when a device exists) and the
+// In all, the CPU tier is host memory (pinned when a device exists) and the
 // metadata tables are host-accessible: the replacement step runs on the host.
 #include <cstddef>
 #include <cstdint>
@@ -20,6 +22,7 @@
 #include <string_view>
 
 #include "sparsekv/attention/attend_plan.hpp"
+#include "sparsekv/buffer/tiered_kv_buffer.hpp"
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/memory/memory_resource.hpp"
 #include "sparsekv/memory/page_layout.hpp"
@@ -47,6 +50,9 @@ class Backend {
   // then runs its chunks on the engine's threads itself (step/host_step.hpp)
   // rather than calling attend(), with the same result.
   virtual bool attends_on_host() const noexcept { return false; }
+  // Where Attend reads the selected pages: GPU-tier copies (the cache), or
+  // the CPU tier in place (a CPU engine's backend: no GPU tier at all).
+  virtual AttendSite attend_site() const noexcept { return AttendSite::gpu_tier; }
   // Throws invalid_argument when attend() cannot run this shape; decode()
   // asks before it changes anything.
   virtual void check_attend(const PageLayout& /*layout*/, std::uint32_t /*q_heads*/,
