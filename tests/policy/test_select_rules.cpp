@@ -37,6 +37,8 @@
 #include <vector>
 
 #include "select_emulation.hpp"
+#include "sparsekv/attention/page_fold.hpp"
+#include "sparsekv/policy/select_scoring.hpp"
 #include "select_test_data.hpp"
 #include "test_support.hpp"
 #include "sparsekv/core/numeric.hpp"
@@ -1046,6 +1048,41 @@ TEST_CASE("quest_logits equals quest_logit bit for bit for every head", "[select
       }
     }
   }
+}
+
+TEST_CASE("quest_logits_simd equals quest_logits bit for bit on every target the CPU has", "[select-rules]") {
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal;
+  std::vector<float> lanes;
+  std::uint32_t targets_run = 0;
+  for (const FoldTarget& target : fold_page_targets()) {  // Highway's targets, the same for every dispatched kernel
+    if (!target.supported) continue;
+    use_fold_page_target(target.bits);
+    ++targets_run;
+    for (const std::uint32_t d : {1u, 7u, 8u, 13u, 16u, 64u, 100u, 128u}) {
+      for (const std::uint32_t group : {1u, 3u, 4u, 8u}) {
+        const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 60);
+        std::vector<float> q(std::size_t{group} * d), lo(std::size_t{n} * d), hi(lo.size());
+        for (auto& x : q) x = rng() % 9 == 0 ? -0.0f : normal(rng) * 3.0f;
+        for (std::size_t i = 0; i < lo.size(); ++i) {
+          const float a = normal(rng), b = normal(rng);
+          lo[i] = std::min(a, b);
+          hi[i] = std::max(a, b);
+        }
+        for (const float spread : {1.0f, 0.0f, 0.5f}) {
+          std::vector<float> want(std::size_t{group} * n), got(want.size());
+          quest_logits(q.data(), group, lo.data(), hi.data(), n, d, spread, logit_scale(d), want.data(), lanes);
+          quest_logits_simd(q.data(), group, lo.data(), hi.data(), n, d, spread, logit_scale(d), got.data());
+          for (std::size_t i = 0; i < want.size(); ++i) {
+            CAPTURE(target.name, d, group, n, i, spread);
+            REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want[i]));
+          }
+        }
+      }
+    }
+  }
+  use_fold_page_target(0);
+  CHECK(targets_run > 0);
 }
 
 TEST_CASE("shadowkv_logits equals shadowkv_logit bit for bit", "[select-rules]") {

@@ -54,6 +54,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
+#include "sparsekv/policy/select_scoring.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 #include "sparsekv/policy/token_eviction.hpp"
 
@@ -139,11 +140,12 @@ class QuestPolicy {
     const std::uint32_t group = ctx.group_size();
     const std::uint32_t newest = n - 1;
     const float scale = logit_scale(ctx.head_dim);
-    std::vector<float> logits(std::size_t{group} * newest), rank(n, 0.0f), lanes;
+    std::vector<float> logits(std::size_t{group} * newest), rank(n, 0.0f);
     // The rules cuda::quest_select shares (select_rules.hpp): every head's
-    // logits in one pass over the boxes, then each head's softmax rank.
-    quest_logits(q.head(h * group, ctx.head_dim), group, state.min[h].data(), state.max[h].data(), newest,
-                 ctx.head_dim, options_.spread, scale, logits.data(), lanes);
+    // logits in one pass over the boxes (vectorized, the same bits:
+    // select_scoring.hpp), then each head's softmax rank.
+    quest_logits_simd(q.head(h * group, ctx.head_dim), group, state.min[h].data(), state.max[h].data(), newest,
+                      ctx.head_dim, options_.spread, scale, logits.data());
     for (std::uint32_t g = 0; g < group; ++g) {
       softmax_rank_add(newest, logits.data() + std::size_t{g} * newest, rank.data());
     }

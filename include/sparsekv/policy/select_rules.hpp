@@ -525,14 +525,18 @@ SPARSEKV_HOST_DEVICE inline float softmax_inverse_sum(double sum) {
 }
 
 // The host form: adds one q head's shares of logits[0, m) to rank[0, m).
+// Each exponential is computed once, for the sum and for the share
+// (softmax_share's value, bit for bit).
 inline void softmax_rank_add(std::uint32_t m, const float* logits, float* rank) {
   float max = -std::numeric_limits<float>::infinity();
   for (std::uint32_t i = 0; i < m; ++i) max = fold_max_score(max, logits[i]);
+  thread_local std::vector<float> exps;
+  exps.resize(m);
+  for (std::uint32_t i = 0; i < m; ++i) exps[i] = portable_exp(add_rn(logits[i], -max));
   const double sum = lane_sum<double>(
-      m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(logits[i], -max))); },
-      [](std::uint32_t) { return true; });
+      m, [&](std::uint32_t i) { return static_cast<double>(exps[i]); }, [](std::uint32_t) { return true; });
   const float inverse = softmax_inverse_sum(sum);
-  for (std::uint32_t i = 0; i < m; ++i) rank[i] = add_rn(rank[i], softmax_share(logits[i], max, inverse));
+  for (std::uint32_t i = 0; i < m; ++i) rank[i] = add_rn(rank[i], mul_rn(exps[i], inverse));
 }
 
 // The retrieval zone's fill over the m ranked candidates after a steady zone

@@ -1,0 +1,18 @@
+#pragma once
+// The host Select's scoring, vectorized (Google Highway, runtime dispatch):
+// the shared rules of select_rules.hpp computed several lanes at a time, with
+// the same values bit for bit. A rule that sums in eight interleaved lanes
+// (lane_order_sum) maps each of its lanes onto a vector lane, and every step
+// keeps the rule's single roundings (src/policy/select_scoring.cpp is built
+// with -ffp-contract=off), so the CUDA kernels, the scalar rules and these
+// agree on every partition a Select ranks.
+#include <cstdint>
+
+namespace sparsekv {
+
+// quest_logits (select_rules.hpp): out[g * n + i], Quest's logit of box i for
+// q head g of the group, for n boxes min / max [n][head_dim].
+void quest_logits_simd(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
+                       std::uint32_t head_dim, float spread, float scale, float* out);
+
+}  // namespace sparsekv
