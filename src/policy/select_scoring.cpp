@@ -73,6 +73,84 @@ void QuestLogits(const float* q, std::uint32_t group, const float* min, const fl
   }
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// columns[k] lane j = rows[j * stride + k] for j, k < 8: eight rows of eight
+// floats transposed (8-lane vectors only).
+template <class D>
+HWY_INLINE void Transpose8(D d8, const float* rows, std::size_t stride, hn::Vec<D> (&columns)[8]) {
+  const hn::Repartition<double, D> d64;
+  hn::Vec<D> r[8];
+  for (std::size_t j = 0; j < 8; ++j) r[j] = hn::LoadU(d8, rows + j * stride);
+  // Pairs of rows, then pairs of pairs (64-bit), within each 128-bit half.
+  hn::Vec<D> t[8], u[8];
+  for (std::size_t p = 0; p < 4; ++p) {
+    t[2 * p] = hn::InterleaveLower(d8, r[2 * p], r[2 * p + 1]);  // j0 j1 of elements 0 1 | 4 5
+    t[2 * p + 1] = hn::InterleaveUpper(d8, r[2 * p], r[2 * p + 1]);  // 2 3 | 6 7
+  }
+  for (std::size_t h = 0; h < 2; ++h) {  // rows 0-3, rows 4-7
+    const auto a = hn::BitCast(d64, t[4 * h]), b = hn::BitCast(d64, t[4 * h + 2]);
+    const auto c = hn::BitCast(d64, t[4 * h + 1]), e = hn::BitCast(d64, t[4 * h + 3]);
+    u[4 * h + 0] = hn::BitCast(d8, hn::InterleaveLower(d64, a, b));  // element 0 | 4
+    u[4 * h + 1] = hn::BitCast(d8, hn::InterleaveUpper(d64, a, b));  // 1 | 5
+    u[4 * h + 2] = hn::BitCast(d8, hn::InterleaveLower(d64, c, e));  // 2 | 6
+    u[4 * h + 3] = hn::BitCast(d8, hn::InterleaveUpper(d64, c, e));  // 3 | 7
+  }
+  for (std::size_t k = 0; k < 4; ++k) {
+    columns[k] = hn::ConcatLowerLower(d8, u[4 + k], u[k]);
+    columns[k + 4] = hn::ConcatUpperUpper(d8, u[4 + k], u[k]);
+  }
+}
+#endif
+
+// Heads whose accumulators are kept at once for one block of candidates.
+constexpr std::uint32_t kHeadBlock = 4;
+
+void ShadowKVLogits(const float* q, std::uint32_t group, const float* landmarks, std::uint32_t n,
+                    std::uint32_t head_dim, float scale, float* out) {
+  // A lane per candidate: each lane runs dot_in_order for its own landmark,
+  // element d gathered from the lane's row, q[d] broadcast; each gathered
+  // vector serves up to kHeadBlock heads.
+  const hn::CappedTag<float, 8> d8;
+  const hn::RebindToSigned<decltype(d8)> di;
+  const auto lanes = static_cast<std::uint32_t>(hn::Lanes(d8));
+  const auto rows = hn::Mul(hn::Iota(di, 0), hn::Set(di, static_cast<std::int32_t>(head_dim)));
+  const auto vscale = hn::Set(d8, scale);
+  // With eight lanes, eight candidates' next eight elements are loaded as
+  // rows and transposed (no gather); a last partial block of dimensions and
+  // narrower vectors gather.
+  const bool transpose = lanes == 8;
+  const std::uint32_t whole = transpose ? head_dim / 8 * 8 : 0;
+  [[maybe_unused]] hn::Vec<decltype(d8)> columns[8];
+  std::uint32_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const float* block = landmarks + std::size_t{i} * head_dim;
+    for (std::uint32_t g0 = 0; g0 < group; g0 += kHeadBlock) {
+      const std::uint32_t heads = group - g0 < kHeadBlock ? group - g0 : kHeadBlock;
+      hn::Vec<decltype(d8)> acc[kHeadBlock];
+      for (std::uint32_t b = 0; b < kHeadBlock; ++b) acc[b] = hn::Zero(d8);
+      const auto step = [&](std::uint32_t d, hn::Vec<decltype(d8)> l) {
+        for (std::uint32_t b = 0; b < heads; ++b) {
+          acc[b] = hn::Add(acc[b], hn::Mul(hn::Set(d8, q[std::size_t{g0 + b} * head_dim + d]), l));
+        }
+      };
+#if HWY_TARGET != HWY_SCALAR
+      for (std::uint32_t d = 0; d < whole; d += 8) {
+        Transpose8(d8, block + d, head_dim, columns);
+        for (std::uint32_t k = 0; k < 8; ++k) step(d + k, columns[k]);
+      }
+#endif
+      for (std::uint32_t d = whole; d < head_dim; ++d) step(d, hn::GatherIndex(d8, block + d, rows));
+      for (std::uint32_t b = 0; b < heads; ++b) hn::StoreU(hn::Mul(vscale, acc[b]), d8, out + std::size_t{g0 + b} * n + i);
+    }
+  }
+  for (; i < n; ++i) {
+    for (std::uint32_t g = 0; g < group; ++g) {
+      out[std::size_t{g} * n + i] =
+          shadowkv_logit(q + std::size_t{g} * head_dim, landmarks + std::size_t{i} * head_dim, head_dim, scale);
+    }
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace sparsekv
 HWY_AFTER_NAMESPACE();
@@ -81,10 +159,16 @@ HWY_AFTER_NAMESPACE();
 namespace sparsekv {
 
 HWY_EXPORT(QuestLogits);
+HWY_EXPORT(ShadowKVLogits);
 
 void quest_logits_simd(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
                        std::uint32_t head_dim, float spread, float scale, float* out) {
   HWY_DYNAMIC_DISPATCH(QuestLogits)(q, group, min, max, n, head_dim, spread, scale, out);
+}
+
+void shadowkv_logits_simd(const float* q, std::uint32_t group, const float* landmarks, std::uint32_t n,
+                          std::uint32_t head_dim, float scale, float* out) {
+  HWY_DYNAMIC_DISPATCH(ShadowKVLogits)(q, group, landmarks, n, head_dim, scale, out);
 }
 
 }  // namespace sparsekv

@@ -1085,6 +1085,37 @@ TEST_CASE("quest_logits_simd equals quest_logits bit for bit on every target the
   CHECK(targets_run > 0);
 }
 
+TEST_CASE("shadowkv_logits_simd equals shadowkv_logits bit for bit on every target the CPU has", "[select-rules]") {
+  std::mt19937 rng(37);
+  std::normal_distribution<float> normal;
+  std::uint32_t targets_run = 0;
+  for (const FoldTarget& target : fold_page_targets()) {
+    if (!target.supported) continue;
+    use_fold_page_target(target.bits);
+    ++targets_run;
+    for (const std::uint32_t d : {1u, 7u, 64u, 100u, 128u}) {
+      for (const std::uint32_t group : {1u, 3u, 4u, 5u, 8u}) {
+        const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 70);
+        std::vector<float> q(std::size_t{group} * d), landmarks(std::size_t{n} * d);
+        for (auto& x : q) x = normal(rng);
+        for (auto& x : landmarks) x = rng() % 11 == 0 ? -0.0f : normal(rng);
+        std::vector<float> want(std::size_t{group} * n), got(want.size());
+        for (std::uint32_t g = 0; g < group; ++g) {
+          shadowkv_logits(q.data() + std::size_t{g} * d, landmarks.data(), n, d, logit_scale(d),
+                          want.data() + std::size_t{g} * n);
+        }
+        shadowkv_logits_simd(q.data(), group, landmarks.data(), n, d, logit_scale(d), got.data());
+        for (std::size_t i = 0; i < want.size(); ++i) {
+          CAPTURE(target.name, d, group, n, i);
+          REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want[i]));
+        }
+      }
+    }
+  }
+  use_fold_page_target(0);
+  CHECK(targets_run > 0);
+}
+
 TEST_CASE("shadowkv_logits equals shadowkv_logit bit for bit", "[select-rules]") {
   std::mt19937 rng(29);
   std::normal_distribution<float> normal;

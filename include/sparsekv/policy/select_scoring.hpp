@@ -2,8 +2,9 @@
 // The host Select's scoring, vectorized (Google Highway, runtime dispatch):
 // the shared rules of select_rules.hpp computed several lanes at a time, with
 // the same values bit for bit. A rule that sums in eight interleaved lanes
-// (lane_order_sum) maps each of its lanes onto a vector lane, and every step
-// keeps the rule's single roundings (src/policy/select_scoring.cpp is built
+// (lane_order_sum: Quest) maps each of its lanes onto a vector lane, a rule
+// that sums in dimension order (ShadowKV) gives each candidate a lane, and
+// every step keeps the rule's single roundings (src/policy/select_scoring.cpp is built
 // with -ffp-contract=off), so the CUDA kernels, the scalar rules and these
 // agree on every partition a Select ranks.
 #include <cstdint>
@@ -14,5 +15,11 @@ namespace sparsekv {
 // q head g of the group, for n boxes min / max [n][head_dim].
 void quest_logits_simd(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
                        std::uint32_t head_dim, float spread, float scale, float* out);
+
+// shadowkv_logit (select_rules.hpp) of landmarks [n][head_dim] for every q
+// head g of the group: out[g * n + i]. Each landmark is read once for up to
+// four heads.
+void shadowkv_logits_simd(const float* q, std::uint32_t group, const float* landmarks, std::uint32_t n,
+                          std::uint32_t head_dim, float scale, float* out);
 
 }  // namespace sparsekv

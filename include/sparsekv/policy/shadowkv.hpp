@@ -37,6 +37,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
+#include "sparsekv/policy/select_scoring.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 #include "sparsekv/policy/token_eviction.hpp"
 
@@ -109,7 +110,7 @@ class ShadowKVPolicy {
     const std::uint32_t group = ctx.group_size();
     const float scale = logit_scale(ctx.head_dim);
     std::vector<char> taken(n, 0);
-    std::vector<float> scores(n, -std::numeric_limits<float>::infinity()), exps(n), logits(n);
+    std::vector<float> scores(n, -std::numeric_limits<float>::infinity()), exps(n), logits(std::size_t{group} * n);
     // The rules cuda::shadowkv_select shares (select_rules.hpp).
     const auto tokens = [&](std::uint32_t i) { return state.tokens[i]; };
     const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
@@ -124,14 +125,17 @@ class ShadowKVPolicy {
     SkipFill outliers{window.left, outliers_};
     ranked_fill(
         n, outliers, [&](std::uint32_t i) { return -state.outlier_score[h][i]; }, untaken, tokens, take);
-    // 3. Top-k: per q head, softmax over the non-static pages; max over the group.
+    // 3. Top-k: per q head, softmax over the non-static pages; max over the
+    //    group. Every head's logits in one pass over the landmarks
+    //    (vectorized, the same bits: select_scoring.hpp).
+    shadowkv_logits_simd(q.head(h * group, ctx.head_dim), group, state.landmarks[h].data(), n, ctx.head_dim, scale,
+                         logits.data());
     for (std::uint32_t g = 0; g < group; ++g) {
-      shadowkv_logits(q.head(h * group + g, ctx.head_dim), state.landmarks[h].data(), n, ctx.head_dim, scale,
-                      logits.data());
+      const float* head_logits = logits.data() + std::size_t{g} * n;
       float top = -std::numeric_limits<float>::infinity();
       for (std::uint32_t i = 0; i < n; ++i) {
         if (taken[i]) continue;
-        exps[i] = logits[i];
+        exps[i] = head_logits[i];
         top = fold_max_score(top, exps[i]);
       }
       for (std::uint32_t i = 0; i < n; ++i) {
