@@ -592,6 +592,10 @@ std::uint32_t DenseCache::tokens(std::uint32_t layer) const {
 }
 
 // ---- helpers ----------------------------------------------------------------------
+StepExecutor engine_executor() {
+  return [](std::size_t n, const std::function<void(std::size_t)>& body) { parallel_units(n, body); };
+}
+
 std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& c, AnyPolicy policy, std::uint32_t max_tokens,
                                              std::uint32_t requests, EvictionStrategy strategy,
                                              std::unique_ptr<Backend> backend) {

@@ -69,17 +69,23 @@ class DenseCache final : public AttentionBackend {
   std::vector<float> scores_;
 };
 
+// The model's thread pool as a decode step's executor: the engine lends
+// sparsekv the threads it computes with (run from inside a pool task, the
+// work stays on the calling thread).
+StepExecutor engine_executor();
+
 // Attention through sparsekv: request `id` of `manager` (added by the caller
 // with enough max_tokens). Prefill = Index + Offload; decode = append,
-// Select, Retrieve, Attend.
+// Select, Retrieve, Attend, the step's Select and Attend on the model's
+// threads (engine_executor).
 class SparseSession : public AttentionBackend {
  public:
-  SparseSession(RuntimeManager& manager, RequestId id) : manager_(manager), id_(id) {}
+  SparseSession(RuntimeManager& manager, RequestId id) : manager_(manager), id_(id), executor_(engine_executor()) {}
   void prefill(std::uint32_t layer, const float* k, const float* v, std::uint32_t tokens) override {
     manager_.prefill(id_, layer, k, v, tokens);
   }
   void decode(std::uint32_t layer, const float* q, const float* k, const float* v, float* out) override {
-    manager_.decode(std::span<const RequestId>(&id_, 1), layer, q, k, v, out);
+    manager_.decode(std::span<const RequestId>(&id_, 1), layer, q, k, v, out, executor_);
   }
   RuntimeManager& manager() { return manager_; }
   RequestId id() const { return id_; }
@@ -87,6 +93,7 @@ class SparseSession : public AttentionBackend {
  private:
   RuntimeManager& manager_;
   RequestId id_;
+  StepExecutor executor_;
 };
 
 // A RuntimeManager sized for `requests` requests of up to `max_tokens` tokens
