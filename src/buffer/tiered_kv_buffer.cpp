@@ -228,6 +228,10 @@ void TieredKVBuffer::shrink_slots(RequestId request, RequestState& s, std::uint3
 
 void TieredKVBuffer::resize(RequestId request, std::uint32_t slots_per_head) {
   RequestState& s = state(request);
+  if (site_ == AttendSite::cpu_tier && slots_per_head != 0) {
+    fail(ErrorCode::failed_precondition, "request {}: a buffer that attends the CPU tier in place has no GPU pages",
+         request);
+  }
   if (slots_per_head < min_slots_per_head(s.budget)) {
     fail(ErrorCode::invalid_argument,
          "request {}: {} GPU pages per head are below its minimum of {} (mandatory {} plus the minimum buffer)",

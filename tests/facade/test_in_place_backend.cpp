@@ -204,6 +204,35 @@ TEST_CASE("in place: the tails are CPU pages, counted by can_admit and refused w
   REQUIRE_THROWS_AS(m.add_request(2, 128), Error);
   CHECK(m.buffer().cpu_pool().used() == 36);  // the refusal changed nothing
   m.buffer().validate();
+
   m.finish(1);
   CHECK(m.buffer().cpu_pool().used() == 0);
+}
+
+TEST_CASE("in place: a buffer refuses GPU slots and device memory", "[in-place]") {
+  const ModelShape shape{1, 2, 1, 16, DType::f32};
+  Config config;
+  config.page_tokens = 8;
+  config.max_context_tokens = 64;
+  config.max_requests = 2;
+  HostMemoryResource memory(false);
+  HostPageTransfer transfer;
+  TieredKVBuffer buffer(shape, config, memory, memory, memory, transfer, config.head_capacity(), AttendSite::cpu_tier);
+  RequestBudget with_slots;
+  with_slots.mandatory_pages = 2;
+  with_slots.buffer_pages = 4;
+  REQUIRE_THROWS_AS(buffer.add_request(1, with_slots), Error);
+  CHECK_FALSE(buffer.has_request(1));
+  buffer.add_request(1, RequestBudget{2, 0, false});
+  CHECK(buffer.slots_per_head(1) == 0);
+  // No GPU pages to grow into: refused, nothing changed.
+  try {
+    buffer.resize(1, 4);
+    FAIL("resize in place was not refused");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::failed_precondition);
+  }
+  CHECK(buffer.slots_per_head(1) == 0);
+  CHECK(buffer.gpu_pool().used() == 0);
+  buffer.validate();
 }

@@ -447,7 +447,9 @@ void HostStep<Policy>::build_plan() {
     plan_.gpu_tier_base = nullptr;
     plan_.page_bytes = buffer.cpu_pool().page_bytes();
     plan_.page_data.reserve(plan_.indices.size());
-    for (const std::int64_t page : plan_.indices) plan_.page_data.push_back(buffer.cpu_pool().data(static_cast<PageId>(page)));
+    for (const std::int64_t page : plan_.indices) {
+      plan_.page_data.push_back(buffer.cpu_pool().data(static_cast<PageId>(page)));
+    }
   }
   plan_.extra = std::move(extra_);
   extra_.clear();
