@@ -1,0 +1,60 @@
+# ggml's CPU backend, built from the llama.cpp source that scripts/setup
+# caches (the PyPI sdist llama-cpp-python==0.3.36, vendor/llama.cpp, checked
+# by SHA-256), for sparsekv-bench-host's ggml_flash_attn_ext column. Nothing
+# is downloaded here: without the cache SPARSEKV_HAS_GGML is OFF and the
+# benchmark builds without that column.
+#
+# What is built: ggml-base and ggml-cpu, static, native ISA, no OpenMP (ggml's
+# own thread pool, which the benchmark creates with the thread count it
+# measures), no llamafile sgemm or weight repacking (matrix-product paths
+# flash attention does not take). EXCLUDE_FROM_ALL: only the targets linking
+# it build it, and its install rules are not part of sparsekv's.
+#
+# Sets SPARSEKV_HAS_GGML (ON/OFF) and, when ON, the targets ggml and ggml-cpu.
+set(SPARSEKV_LLAMA_CPP_VERSION 0.3.36)
+if(DEFINED ENV{SPARSEKV_LLAMA_CPP_DIR})
+  set(_sparsekv_llama_cpp_default "$ENV{SPARSEKV_LLAMA_CPP_DIR}")
+else()
+  set(_sparsekv_llama_cpp_default "$ENV{HOME}/.cache/sparsekv/llama.cpp-${SPARSEKV_LLAMA_CPP_VERSION}")
+endif()
+set(SPARSEKV_LLAMA_CPP_DIR "${_sparsekv_llama_cpp_default}" CACHE PATH
+    "llama.cpp source tree extracted by scripts/setup (ggml/ inside it)")
+option(SPARSEKV_WITH_GGML "Build ggml's CPU backend from SPARSEKV_LLAMA_CPP_DIR when it is there" ON)
+
+set(SPARSEKV_HAS_GGML OFF)
+if(NOT SPARSEKV_WITH_GGML)
+  message(STATUS "sparsekv: ggml off (SPARSEKV_WITH_GGML=OFF)")
+elseif(TARGET ggml-cpu)
+  set(SPARSEKV_HAS_GGML ON)  # included twice, or the parent project brought its own
+elseif(NOT EXISTS "${SPARSEKV_LLAMA_CPP_DIR}/.sparsekv-source"
+       OR NOT EXISTS "${SPARSEKV_LLAMA_CPP_DIR}/ggml/CMakeLists.txt")
+  message(STATUS "sparsekv: no llama.cpp source at ${SPARSEKV_LLAMA_CPP_DIR} (scripts/setup fetches it); "
+                 "sparsekv-bench-host builds without its ggml column")
+else()
+  block(SCOPE_FOR VARIABLES)
+    # Normal variables override ggml's option() defaults (CMP0077).
+    set(BUILD_SHARED_LIBS OFF)
+    set(GGML_STATIC OFF)  # ON would also link libc statically
+    set(GGML_BACKEND_DL OFF)
+    set(GGML_CPU ON)
+    set(GGML_NATIVE ON)
+    set(GGML_OPENMP OFF)
+    set(GGML_LLAMAFILE OFF)
+    set(GGML_CPU_REPACK OFF)
+    set(GGML_BLAS OFF)
+    set(GGML_CUDA OFF)
+    set(GGML_VULKAN OFF)
+    set(GGML_METAL OFF)
+    set(GGML_BUILD_TESTS OFF)
+    set(GGML_BUILD_EXAMPLES OFF)
+    set(GGML_ALL_WARNINGS OFF)
+    # ggml's own ccache switch sets a global launch rule; use ours for C too.
+    set(GGML_CCACHE OFF)
+    if(SPARSEKV_CCACHE)
+      set(CMAKE_C_COMPILER_LAUNCHER ${SPARSEKV_CCACHE})
+    endif()
+    add_subdirectory("${SPARSEKV_LLAMA_CPP_DIR}/ggml" "${PROJECT_BINARY_DIR}/_deps/ggml" EXCLUDE_FROM_ALL)
+  endblock()
+  set(SPARSEKV_HAS_GGML ON)
+  message(STATUS "sparsekv: ggml CPU backend from ${SPARSEKV_LLAMA_CPP_DIR}")
+endif()
