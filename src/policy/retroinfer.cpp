@@ -1,4 +1,5 @@
 #include "sparsekv/policy/retroinfer.hpp"
+#include "sparsekv/policy/select_scoring.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -284,7 +285,7 @@ void score(const LayerContext& ctx, const DecodeQuery& q, std::uint32_t kv_head,
     const float* qh = q.head(kv_head * group + g, d);
     float* s = scores.data() + std::size_t{g} * m;
     for (std::uint32_t i = 0; i < m; ++i) s[i] = retroinfer_logit(qh, c.centroid(i, d), d, scale);
-    softmax_rank_add(m, s, rank.data());
+    softmax_rank_add_simd(m, s, rank.data());
   }
 }
 

@@ -4,6 +4,7 @@
 #include "sparsekv/policy/select_scoring.hpp"
 
 #include <cstddef>
+#include <limits>
 #include <vector>
 
 #include "sparsekv/policy/select_rules.hpp"
@@ -151,6 +152,39 @@ void ShadowKVLogits(const float* q, std::uint32_t group, const float* landmarks,
   }
 }
 
+// out[i] = portable_exp(add_rn(x[i], bias)), a vector at a time: the rule's
+// steps, each one rounding; a vector with a lane outside the rule's normal
+// path (NaN, beyond its range, a result that overflows or is subnormal)
+// takes the scalar rule for all its lanes.
+void PortableExps(const float* x, float bias, std::uint32_t n, float* out) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const auto lanes = static_cast<std::uint32_t>(hn::Lanes(df));
+  const auto vbias = hn::Set(df, bias);
+  const auto magic = hn::Set(df, 12582912.0f);
+  const auto ln2_hi = hn::Set(df, 0.693145751953125f), ln2_lo = hn::Set(df, 1.42860677e-06f);
+  const float terms[] = {1.38888889e-3f, 8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.0f, 1.0f};
+  std::uint32_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto v = hn::Add(hn::LoadU(df, x + i), vbias);
+    const auto k = hn::Sub(hn::Add(hn::Mul(v, hn::Set(df, 1.44269502f)), magic), magic);
+    const auto r = hn::Add(hn::Add(v, hn::Neg(hn::Mul(k, ln2_hi))), hn::Neg(hn::Mul(k, ln2_lo)));
+    auto p = hn::Set(df, 1.98412698e-4f);
+    for (const float t : terms) p = hn::Add(hn::Mul(p, r), hn::Set(df, t));
+    const auto e = hn::ConvertTo(di, k);
+    const auto out_of_range = hn::Or(hn::Not(hn::Eq(v, v)),
+                                     hn::Or(hn::Gt(v, hn::Set(df, 88.72283f)), hn::Lt(v, hn::Set(df, -103.972084f))));
+    const auto not_normal = hn::Or(hn::Gt(e, hn::Set(di, 127)), hn::Lt(e, hn::Set(di, -126)));
+    if (!hn::AllFalse(df, hn::Or(out_of_range, hn::RebindMask(df, not_normal)))) {
+      for (std::uint32_t j = i; j < i + lanes; ++j) out[j] = portable_exp(add_rn(x[j], bias));
+      continue;
+    }
+    const auto scale = hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(e, hn::Set(di, 127))));
+    hn::StoreU(hn::Mul(p, scale), df, out + i);
+  }
+  for (; i < n; ++i) out[i] = portable_exp(add_rn(x[i], bias));
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace sparsekv
 HWY_AFTER_NAMESPACE();
@@ -160,6 +194,7 @@ namespace sparsekv {
 
 HWY_EXPORT(QuestLogits);
 HWY_EXPORT(ShadowKVLogits);
+HWY_EXPORT(PortableExps);
 
 void quest_logits_simd(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
                        std::uint32_t head_dim, float spread, float scale, float* out) {
@@ -169,6 +204,22 @@ void quest_logits_simd(const float* q, std::uint32_t group, const float* min, co
 void shadowkv_logits_simd(const float* q, std::uint32_t group, const float* landmarks, std::uint32_t n,
                           std::uint32_t head_dim, float scale, float* out) {
   HWY_DYNAMIC_DISPATCH(ShadowKVLogits)(q, group, landmarks, n, head_dim, scale, out);
+}
+
+void portable_exps(const float* x, float bias, std::uint32_t n, float* out) {
+  HWY_DYNAMIC_DISPATCH(PortableExps)(x, bias, n, out);
+}
+
+void softmax_rank_add_simd(std::uint32_t m, const float* logits, float* rank) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (std::uint32_t i = 0; i < m; ++i) max = fold_max_score(max, logits[i]);
+  thread_local std::vector<float> exps;
+  exps.resize(m);
+  portable_exps(logits, -max, m, exps.data());
+  const double sum = lane_sum<double>(
+      m, [&](std::uint32_t i) { return static_cast<double>(exps[i]); }, [](std::uint32_t) { return true; });
+  const float inverse = softmax_inverse_sum(sum);
+  for (std::uint32_t i = 0; i < m; ++i) rank[i] = add_rn(rank[i], mul_rn(exps[i], inverse));
 }
 
 }  // namespace sparsekv

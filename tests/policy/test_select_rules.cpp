@@ -1116,6 +1116,47 @@ TEST_CASE("shadowkv_logits_simd equals shadowkv_logits bit for bit on every targ
   CHECK(targets_run > 0);
 }
 
+TEST_CASE("portable_exps and softmax_rank_add_simd equal the scalar rules bit for bit on every target",
+          "[select-rules]") {
+  std::mt19937 rng(41);
+  const float specials[] = {0.0f, -0.0f, 88.72283f, 88.8f, 89.0f, -87.3f, -87.4f, -100.0f, -103.9f, -103.972084f,
+                            -104.0f, -1e30f, 1e30f, std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  std::uint32_t targets_run = 0;
+  for (const FoldTarget& target : fold_page_targets()) {
+    if (!target.supported) continue;
+    use_fold_page_target(target.bits);
+    ++targets_run;
+    for (int trial = 0; trial < 200; ++trial) {
+      const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 100);
+      std::vector<float> x(n);
+      for (auto& v : x) {
+        const std::uint32_t pick = rng() % 10;
+        v = pick == 0 ? specials[rng() % std::size(specials)]
+                      : std::uniform_real_distribution<float>(pick < 5 ? -20.0f : -110.0f, pick < 8 ? 0.0f : 90.0f)(rng);
+      }
+      const float bias = trial % 4 == 0 ? 0.0f : std::uniform_real_distribution<float>(-5.0f, 5.0f)(rng);
+      std::vector<float> got(n);
+      portable_exps(x.data(), bias, n, got.data());
+      for (std::uint32_t i = 0; i < n; ++i) {
+        CAPTURE(target.name, x[i], bias);
+        REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(portable_exp(add_rn(x[i], bias))));
+      }
+      // Logits as a Select sees them (finite), ranked both ways.
+      for (auto& v : x) v = std::uniform_real_distribution<float>(-30.0f, 10.0f)(rng);
+      std::vector<float> want_rank(n, 0.25f), got_rank(n, 0.25f);
+      softmax_rank_add(n, x.data(), want_rank.data());
+      softmax_rank_add_simd(n, x.data(), got_rank.data());
+      for (std::uint32_t i = 0; i < n; ++i) {
+        CAPTURE(target.name, n, i);
+        REQUIRE(std::bit_cast<std::uint32_t>(got_rank[i]) == std::bit_cast<std::uint32_t>(want_rank[i]));
+      }
+    }
+  }
+  use_fold_page_target(0);
+  CHECK(targets_run > 0);
+}
+
 TEST_CASE("shadowkv_logits equals shadowkv_logit bit for bit", "[select-rules]") {
   std::mt19937 rng(29);
   std::normal_distribution<float> normal;

@@ -147,7 +147,7 @@ class QuestPolicy {
     quest_logits_simd(q.head(h * group, ctx.head_dim), group, state.min[h].data(), state.max[h].data(), newest,
                       ctx.head_dim, options_.spread, scale, logits.data());
     for (std::uint32_t g = 0; g < group; ++g) {
-      softmax_rank_add(newest, logits.data() + std::size_t{g} * newest, rank.data());
+      softmax_rank_add_simd(newest, logits.data() + std::size_t{g} * newest, rank.data());
     }
     const QuestSteady steady = quest_steady(
         n, [&](std::uint32_t i) { return state.tokens[i]; }, options_.budget_tokens, options_.sink_tokens,

@@ -22,4 +22,11 @@ void quest_logits_simd(const float* q, std::uint32_t group, const float* min, co
 void shadowkv_logits_simd(const float* q, std::uint32_t group, const float* landmarks, std::uint32_t n,
                           std::uint32_t head_dim, float scale, float* out);
 
+// out[i] = portable_exp(add_rn(x[i], bias)) (select_rules.hpp), bit for bit;
+// out may be x.
+void portable_exps(const float* x, float bias, std::uint32_t n, float* out);
+
+// softmax_rank_add (select_rules.hpp) with portable_exps: the same ranks.
+void softmax_rank_add_simd(std::uint32_t m, const float* logits, float* rank);
+
 }  // namespace sparsekv

@@ -138,9 +138,7 @@ class ShadowKVPolicy {
         exps[i] = head_logits[i];
         top = fold_max_score(top, exps[i]);
       }
-      for (std::uint32_t i = 0; i < n; ++i) {
-        if (!taken[i]) exps[i] = portable_exp(add_rn(exps[i], -top));
-      }
+      portable_exps(exps.data(), -top, n, exps.data());  // a taken candidate's value is never read
       const float sum = lane_sum<float>(n, [&](std::uint32_t i) { return exps[i]; }, untaken);
       for (std::uint32_t i = 0; i < n; ++i) {
         if (!taken[i]) scores[i] = fold_max_score(scores[i], div_rn(exps[i], sum));
