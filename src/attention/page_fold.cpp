@@ -20,22 +20,6 @@ namespace sparsekv {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// The dtype tag of a row element type (for the scalar tails).
-template <class T>
-struct DTypeOf;
-template <>
-struct DTypeOf<float> {
-  static constexpr DType value = DType::f32;
-};
-template <>
-struct DTypeOf<hwy::float16_t> {
-  static constexpr DType value = DType::f16;
-};
-template <>
-struct DTypeOf<hwy::bfloat16_t> {
-  static constexpr DType value = DType::bf16;
-};
-
 // q heads whose accumulators stay in registers at once.
 constexpr std::uint32_t kGroupBlock = 8;
 
@@ -94,7 +78,7 @@ HWY_INLINE void PrefetchRow(const std::byte* row, std::size_t bytes) {
 // FMA chains, each q vector loaded once for the R rows.
 template <class T, std::uint32_t G, std::uint32_t R, class D>
 HWY_INLINE void Dots(D df, const float* HWY_RESTRICT q, const T* const (&k)[R], std::uint32_t d, std::size_t full,
-                     float (&out)[R][G]) {
+                     DType dtype, float (&out)[R][G]) {
   const std::size_t lanes = hn::Lanes(df);
   hn::Vec<D> sums[R][G];
   for (std::uint32_t r = 0; r < R; ++r)
@@ -111,7 +95,7 @@ HWY_INLINE void Dots(D df, const float* HWY_RESTRICT q, const T* const (&k)[R], 
     for (std::uint32_t b = 0; b < G; ++b) {
       float dot = hn::GetLane(hn::SumOfLanes(df, sums[r][b]));
       for (std::size_t j = full; j < d; ++j) {
-        dot += q[std::size_t{b} * d + j] * load_element(k[r], static_cast<std::uint32_t>(j), DTypeOf<T>::value);
+        dot += q[std::size_t{b} * d + j] * load_element(k[r], static_cast<std::uint32_t>(j), dtype);
       }
       out[r][b] = dot;
     }
@@ -185,7 +169,7 @@ void FoldHeads(const PageFold& f, const std::byte* page, std::uint32_t tokens, S
       rows[r] = k_row(t + r);
     }
     float dots[R][G];
-    Dots<T, G, R>(df, q, rows, d, full, dots);
+    Dots<T, G, R>(df, q, rows, d, full, layout.dtype, dots);
     for (std::uint32_t r = 0; r < R; ++r) put(t + r, dots[r]);
   }
   for (; t < tokens; ++t) {
@@ -193,7 +177,7 @@ void FoldHeads(const PageFold& f, const std::byte* page, std::uint32_t tokens, S
     if (next != nullptr) PrefetchRow(next + layout.k_offset(t), row_bytes);
     const T* rows[1] = {k_row(t)};
     float dots[1][G];
-    Dots<T, G, 1>(df, q, rows, d, full, dots);
+    Dots<T, G, 1>(df, q, rows, d, full, layout.dtype, dots);
     put(t, dots[0]);
   }
   if (f.scores != nullptr) {

@@ -4,7 +4,6 @@
 #include "sparsekv/policy/select_scoring.hpp"
 
 #include <cstddef>
-#include <limits>
 #include <vector>
 
 #include "sparsekv/policy/select_rules.hpp"
@@ -211,15 +210,7 @@ void portable_exps(const float* x, float bias, std::uint32_t n, float* out) {
 }
 
 void softmax_rank_add_simd(std::uint32_t m, const float* logits, float* rank) {
-  float max = -std::numeric_limits<float>::infinity();
-  for (std::uint32_t i = 0; i < m; ++i) max = fold_max_score(max, logits[i]);
-  thread_local std::vector<float> exps;
-  exps.resize(m);
-  portable_exps(logits, -max, m, exps.data());
-  const double sum = lane_sum<double>(
-      m, [&](std::uint32_t i) { return static_cast<double>(exps[i]); }, [](std::uint32_t) { return true; });
-  const float inverse = softmax_inverse_sum(sum);
-  for (std::uint32_t i = 0; i < m; ++i) rank[i] = add_rn(rank[i], mul_rn(exps[i], inverse));
+  softmax_rank_add(m, logits, rank, [&](float bias, float* out) { portable_exps(logits, bias, m, out); });
 }
 
 }  // namespace sparsekv

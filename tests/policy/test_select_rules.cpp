@@ -31,6 +31,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <variant>
@@ -1020,100 +1021,76 @@ TEST_CASE("planted mutations of the estimate's decomposition are caught", "[sele
   CHECK(c.differing > 0);
 }
 
-TEST_CASE("quest_logits equals quest_logit bit for bit for every head", "[select-rules]") {
-  std::mt19937 rng(23);
-  std::normal_distribution<float> normal;
-  std::vector<float> lanes;
-  for (const std::uint32_t d : {1u, 7u, 8u, 13u, 64u, 100u, 128u}) {
-    for (const std::uint32_t group : {1u, 3u, 4u, 8u}) {
-      const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 40);
-      std::vector<float> q(std::size_t{group} * d), lo(std::size_t{n} * d), hi(lo.size());
-      for (auto& x : q) x = rng() % 9 == 0 ? -0.0f : normal(rng);  // negative zeros keep their sign rule
-      for (std::size_t i = 0; i < lo.size(); ++i) {
-        const float a = normal(rng), b = normal(rng);
-        lo[i] = std::min(a, b);
-        hi[i] = std::max(a, b);
-      }
-      for (const float spread : {1.0f, 0.0f, 0.5f}) {
-        std::vector<float> got(std::size_t{group} * n);
-        quest_logits(q.data(), group, lo.data(), hi.data(), n, d, spread, logit_scale(d), got.data(), lanes);
-        for (std::uint32_t g = 0; g < group; ++g) {
-          for (std::uint32_t i = 0; i < n; ++i) {
-            const float want = quest_logit(q.data() + std::size_t{g} * d, lo.data() + std::size_t{i} * d,
-                                           hi.data() + std::size_t{i} * d, d, spread, logit_scale(d));
-            CAPTURE(d, group, g, i, spread);
-            REQUIRE(std::bit_cast<std::uint32_t>(got[std::size_t{g} * n + i]) == std::bit_cast<std::uint32_t>(want));
-          }
-        }
-      }
-    }
-  }
-}
-
-TEST_CASE("quest_logits_simd equals quest_logits bit for bit on every target the CPU has", "[select-rules]") {
-  std::mt19937 rng(31);
-  std::normal_distribution<float> normal;
-  std::vector<float> lanes;
+// fn(target name) once on every Highway target the CPU runs (the choice is
+// global: every dispatched kernel follows it), then the best target again.
+template <class Fn>
+void on_every_target(Fn&& fn) {
   std::uint32_t targets_run = 0;
-  for (const FoldTarget& target : fold_page_targets()) {  // Highway's targets, the same for every dispatched kernel
+  for (const FoldTarget& target : fold_page_targets()) {
     if (!target.supported) continue;
     use_fold_page_target(target.bits);
     ++targets_run;
+    fn(target.name);
+  }
+  use_fold_page_target(0);
+  CHECK(targets_run > 0);
+}
+
+TEST_CASE("quest_logits_simd equals quest_logit bit for bit for every head, on every target", "[select-rules]") {
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal;
+  on_every_target([&](const std::string& target) {
     for (const std::uint32_t d : {1u, 7u, 8u, 13u, 16u, 64u, 100u, 128u}) {
       for (const std::uint32_t group : {1u, 3u, 4u, 8u}) {
         const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 60);
         std::vector<float> q(std::size_t{group} * d), lo(std::size_t{n} * d), hi(lo.size());
-        for (auto& x : q) x = rng() % 9 == 0 ? -0.0f : normal(rng) * 3.0f;
+        for (auto& x : q) x = rng() % 9 == 0 ? -0.0f : normal(rng) * 3.0f;  // negative zeros keep their sign rule
         for (std::size_t i = 0; i < lo.size(); ++i) {
           const float a = normal(rng), b = normal(rng);
           lo[i] = std::min(a, b);
           hi[i] = std::max(a, b);
         }
         for (const float spread : {1.0f, 0.0f, 0.5f}) {
-          std::vector<float> want(std::size_t{group} * n), got(want.size());
-          quest_logits(q.data(), group, lo.data(), hi.data(), n, d, spread, logit_scale(d), want.data(), lanes);
+          std::vector<float> got(std::size_t{group} * n);
           quest_logits_simd(q.data(), group, lo.data(), hi.data(), n, d, spread, logit_scale(d), got.data());
-          for (std::size_t i = 0; i < want.size(); ++i) {
-            CAPTURE(target.name, d, group, n, i, spread);
-            REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want[i]));
+          for (std::uint32_t g = 0; g < group; ++g) {
+            for (std::uint32_t i = 0; i < n; ++i) {
+              const float want = quest_logit(q.data() + std::size_t{g} * d, lo.data() + std::size_t{i} * d,
+                                             hi.data() + std::size_t{i} * d, d, spread, logit_scale(d));
+              CAPTURE(target, d, group, n, g, i, spread);
+              REQUIRE(std::bit_cast<std::uint32_t>(got[std::size_t{g} * n + i]) == std::bit_cast<std::uint32_t>(want));
+            }
           }
         }
       }
     }
-  }
-  use_fold_page_target(0);
-  CHECK(targets_run > 0);
+  });
 }
 
-TEST_CASE("shadowkv_logits_simd equals shadowkv_logits bit for bit on every target the CPU has", "[select-rules]") {
+TEST_CASE("shadowkv_logits_simd equals shadowkv_logit bit for bit for every head, on every target",
+          "[select-rules]") {
   std::mt19937 rng(37);
   std::normal_distribution<float> normal;
-  std::uint32_t targets_run = 0;
-  for (const FoldTarget& target : fold_page_targets()) {
-    if (!target.supported) continue;
-    use_fold_page_target(target.bits);
-    ++targets_run;
-    for (const std::uint32_t d : {1u, 7u, 64u, 100u, 128u}) {
+  on_every_target([&](const std::string& target) {
+    for (const std::uint32_t d : {1u, 5u, 7u, 16u, 64u, 100u, 128u}) {
       for (const std::uint32_t group : {1u, 3u, 4u, 5u, 8u}) {
         const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 70);
         std::vector<float> q(std::size_t{group} * d), landmarks(std::size_t{n} * d);
         for (auto& x : q) x = normal(rng);
         for (auto& x : landmarks) x = rng() % 11 == 0 ? -0.0f : normal(rng);
-        std::vector<float> want(std::size_t{group} * n), got(want.size());
-        for (std::uint32_t g = 0; g < group; ++g) {
-          shadowkv_logits(q.data() + std::size_t{g} * d, landmarks.data(), n, d, logit_scale(d),
-                          want.data() + std::size_t{g} * n);
-        }
+        std::vector<float> got(std::size_t{group} * n);
         shadowkv_logits_simd(q.data(), group, landmarks.data(), n, d, logit_scale(d), got.data());
-        for (std::size_t i = 0; i < want.size(); ++i) {
-          CAPTURE(target.name, d, group, n, i);
-          REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want[i]));
+        for (std::uint32_t g = 0; g < group; ++g) {
+          for (std::uint32_t i = 0; i < n; ++i) {
+            const float want =
+                shadowkv_logit(q.data() + std::size_t{g} * d, landmarks.data() + std::size_t{i} * d, d, logit_scale(d));
+            CAPTURE(target, d, group, n, g, i);
+            REQUIRE(std::bit_cast<std::uint32_t>(got[std::size_t{g} * n + i]) == std::bit_cast<std::uint32_t>(want));
+          }
         }
       }
     }
-  }
-  use_fold_page_target(0);
-  CHECK(targets_run > 0);
+  });
 }
 
 TEST_CASE("portable_exps and softmax_rank_add_simd equal the scalar rules bit for bit on every target",
@@ -1122,11 +1099,7 @@ TEST_CASE("portable_exps and softmax_rank_add_simd equal the scalar rules bit fo
   const float specials[] = {0.0f, -0.0f, 88.72283f, 88.8f, 89.0f, -87.3f, -87.4f, -100.0f, -103.9f, -103.972084f,
                             -104.0f, -1e30f, 1e30f, std::numeric_limits<float>::infinity(),
                             -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
-  std::uint32_t targets_run = 0;
-  for (const FoldTarget& target : fold_page_targets()) {
-    if (!target.supported) continue;
-    use_fold_page_target(target.bits);
-    ++targets_run;
+  on_every_target([&](const std::string& target) {
     for (int trial = 0; trial < 200; ++trial) {
       const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 100);
       std::vector<float> x(n);
@@ -1139,7 +1112,7 @@ TEST_CASE("portable_exps and softmax_rank_add_simd equal the scalar rules bit fo
       std::vector<float> got(n);
       portable_exps(x.data(), bias, n, got.data());
       for (std::uint32_t i = 0; i < n; ++i) {
-        CAPTURE(target.name, x[i], bias);
+        CAPTURE(target, x[i], bias);
         REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(portable_exp(add_rn(x[i], bias))));
       }
       // Logits as a Select sees them (finite), ranked both ways.
@@ -1148,29 +1121,10 @@ TEST_CASE("portable_exps and softmax_rank_add_simd equal the scalar rules bit fo
       softmax_rank_add(n, x.data(), want_rank.data());
       softmax_rank_add_simd(n, x.data(), got_rank.data());
       for (std::uint32_t i = 0; i < n; ++i) {
-        CAPTURE(target.name, n, i);
+        CAPTURE(target, n, i);
         REQUIRE(std::bit_cast<std::uint32_t>(got_rank[i]) == std::bit_cast<std::uint32_t>(want_rank[i]));
       }
     }
-  }
-  use_fold_page_target(0);
-  CHECK(targets_run > 0);
+  });
 }
 
-TEST_CASE("shadowkv_logits equals shadowkv_logit bit for bit", "[select-rules]") {
-  std::mt19937 rng(29);
-  std::normal_distribution<float> normal;
-  for (const std::uint32_t d : {1u, 5u, 16u, 64u, 128u}) {
-    for (const std::uint32_t n : {1u, 7u, 8u, 9u, 40u}) {
-      std::vector<float> q(d), landmarks(std::size_t{n} * d), got(n);
-      for (auto& x : q) x = normal(rng);
-      for (auto& x : landmarks) x = normal(rng);
-      shadowkv_logits(q.data(), landmarks.data(), n, d, logit_scale(d), got.data());
-      for (std::uint32_t i = 0; i < n; ++i) {
-        CAPTURE(d, n, i);
-        const float want = shadowkv_logit(q.data(), landmarks.data() + std::size_t{i} * d, d, logit_scale(d));
-        REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want));
-      }
-    }
-  }
-}

@@ -285,49 +285,6 @@ SPARSEKV_HOST_DEVICE inline float quest_logit(const float* q, const float* min, 
   return mul_rn(sum, scale);
 }
 
-// quest_logit of candidates [0, n) (boxes min / max, [n][head_dim]) for the
-// `group` q heads q [group][head_dim] at once, into out [group][n]: the same
-// values bit for bit, each box's centre and half-width computed once for the
-// group and the lanes of every head filled in one pass (the host's loop;
-// `lanes` is scratch).
-inline void quest_logits(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
-                         std::uint32_t head_dim, float spread, float scale, float* out, std::vector<float>& lanes) {
-  lanes.resize(std::size_t{group} * 8);
-  const std::uint32_t whole = head_dim / 8 * 8;
-  for (std::uint32_t i = 0; i < n; ++i) {
-    const float* lo = min + std::size_t{i} * head_dim;
-    const float* hi = max + std::size_t{i} * head_dim;
-    std::fill(lanes.begin(), lanes.end(), 0.0f);
-    const auto term = [&](const float* qg, std::uint32_t d, float centre, float half_width) {
-      const float reach = mul_rn(qg[d] < 0.0f ? -qg[d] : qg[d], half_width);
-      return add_rn(mul_rn(qg[d], centre), mul_rn(spread, reach));
-    };
-    for (std::uint32_t d = 0; d < whole; d += 8) {
-      float centre[8], half_width[8];
-      for (std::uint32_t j = 0; j < 8; ++j) {
-        centre[j] = mul_rn(add_rn(lo[d + j], hi[d + j]), 0.5f);
-        half_width[j] = mul_rn(add_rn(hi[d + j], -lo[d + j]), 0.5f);
-      }
-      for (std::uint32_t g = 0; g < group; ++g) {
-        const float* qg = q + std::size_t{g} * head_dim;
-        float* lane = lanes.data() + std::size_t{g} * 8;
-        for (std::uint32_t j = 0; j < 8; ++j) lane[j] = add_rn(lane[j], term(qg, d + j, centre[j], half_width[j]));
-      }
-    }
-    for (std::uint32_t g = 0; g < group; ++g) {
-      const float* qg = q + std::size_t{g} * head_dim;
-      const float* lane = lanes.data() + std::size_t{g} * 8;
-      float half[4];
-      for (std::uint32_t j = 0; j < 4; ++j) half[j] = add_rn(lane[j], lane[j + 4]);
-      float sum = add_rn(add_rn(half[0], half[2]), add_rn(half[1], half[3]));
-      for (std::uint32_t d = whole; d < head_dim; ++d) {
-        sum = add_rn(sum, term(qg, d, mul_rn(add_rn(lo[d], hi[d]), 0.5f), mul_rn(add_rn(hi[d], -lo[d]), 0.5f)));
-      }
-      out[std::size_t{g} * n + i] = mul_rn(sum, scale);
-    }
-  }
-}
-
 // Quest's steady zone, taken before the ranked fill, each partition only if it
 // fits: the newest partition (always), then the partitions holding the first
 // `sink_tokens` tokens (the attention sink), then the partitions before the
@@ -372,23 +329,6 @@ SPARSEKV_HOST_DEVICE inline float logit_scale(std::uint32_t head_dim) {
 SPARSEKV_HOST_DEVICE inline float shadowkv_logit(const float* q, const float* landmark, std::uint32_t head_dim,
                                                  float scale) {
   return mul_rn(scale, dot_in_order(q, landmark, head_dim));
-}
-
-// shadowkv_logit of candidates [0, n) (landmarks [n][head_dim]) into out: the
-// same values bit for bit, eight candidates' dot products interleaved
-// (independent chains the CPU overlaps; the host's loop).
-inline void shadowkv_logits(const float* q, const float* landmarks, std::uint32_t n, std::uint32_t head_dim,
-                            float scale, float* out) {
-  std::uint32_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    float acc[8] = {};
-    const float* rows = landmarks + std::size_t{i} * head_dim;
-    for (std::uint32_t d = 0; d < head_dim; ++d) {
-      for (std::uint32_t j = 0; j < 8; ++j) acc[j] = dot_step(acc[j], q[d], rows[std::size_t{j} * head_dim + d]);
-    }
-    for (std::uint32_t j = 0; j < 8; ++j) out[i + j] = mul_rn(scale, acc[j]);
-  }
-  for (; i < n; ++i) out[i] = shadowkv_logit(q, landmarks + std::size_t{i} * head_dim, head_dim, scale);
 }
 
 // RetroInfer: (q . centroid) * scale, the dot product in lane_order_sum's order.
@@ -525,18 +465,25 @@ SPARSEKV_HOST_DEVICE inline float softmax_inverse_sum(double sum) {
 }
 
 // The host form: adds one q head's shares of logits[0, m) to rank[0, m).
-// Each exponential is computed once, for the sum and for the share
-// (softmax_share's value, bit for bit).
-inline void softmax_rank_add(std::uint32_t m, const float* logits, float* rank) {
+// exps(bias, out) writes out[i] = portable_exp(add_rn(logits[i], bias)) for
+// i < m (vectorized: select_scoring.hpp's softmax_rank_add_simd); each
+// exponential serves the sum and the share (softmax_share's value).
+template <class Exps>
+void softmax_rank_add(std::uint32_t m, const float* logits, float* rank, Exps&& exps) {
   float max = -std::numeric_limits<float>::infinity();
   for (std::uint32_t i = 0; i < m; ++i) max = fold_max_score(max, logits[i]);
-  thread_local std::vector<float> exps;
-  exps.resize(m);
-  for (std::uint32_t i = 0; i < m; ++i) exps[i] = portable_exp(add_rn(logits[i], -max));
+  thread_local std::vector<float> shares;
+  shares.resize(m);
+  exps(-max, shares.data());
   const double sum = lane_sum<double>(
-      m, [&](std::uint32_t i) { return static_cast<double>(exps[i]); }, [](std::uint32_t) { return true; });
+      m, [&](std::uint32_t i) { return static_cast<double>(shares[i]); }, [](std::uint32_t) { return true; });
   const float inverse = softmax_inverse_sum(sum);
-  for (std::uint32_t i = 0; i < m; ++i) rank[i] = add_rn(rank[i], mul_rn(exps[i], inverse));
+  for (std::uint32_t i = 0; i < m; ++i) rank[i] = add_rn(rank[i], mul_rn(shares[i], inverse));
+}
+inline void softmax_rank_add(std::uint32_t m, const float* logits, float* rank) {
+  softmax_rank_add(m, logits, rank, [&](float bias, float* out) {
+    for (std::uint32_t i = 0; i < m; ++i) out[i] = portable_exp(add_rn(logits[i], bias));
+  });
 }
 
 // The retrieval zone's fill over the m ranked candidates after a steady zone

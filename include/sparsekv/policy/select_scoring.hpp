@@ -11,8 +11,9 @@
 
 namespace sparsekv {
 
-// quest_logits (select_rules.hpp): out[g * n + i], Quest's logit of box i for
-// q head g of the group, for n boxes min / max [n][head_dim].
+// quest_logit (select_rules.hpp) of boxes min / max [n][head_dim] for every q
+// head g of the group: out[g * n + i]. Each box's centre and half-width is
+// computed once for the group.
 void quest_logits_simd(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
                        std::uint32_t head_dim, float spread, float scale, float* out);
 
