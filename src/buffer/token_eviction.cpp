@@ -51,6 +51,7 @@ void TieredKVBuffer::record_offload(RequestState& s, std::uint32_t layer, std::u
     }
   }
   e.held_pages += spec.partition_count();
+  e.open = first + spec.partition_count() - 1;
 }
 
 std::vector<TieredKVBuffer::HeadEviction> TieredKVBuffer::plan_evict(
@@ -144,12 +145,10 @@ std::optional<std::uint32_t> TieredKVBuffer::place_target(RequestId request, std
       return partition * pt + static_cast<std::uint32_t>(std::countr_zero(~mask & full_slot_mask(tokens)));
     }
   }
-  const std::uint32_t count = table_.partition_count(request, layer, head);
-  if (count == 0) return std::nullopt;
-  const PartitionId last = count - 1;
-  const std::uint32_t tokens = table_.meta(request, layer, head, last).token_count();
-  if (tokens < pt && !table_.partition_freed(request, layer, head, last) && !shared(request, layer, head, last)) {
-    return last * pt + tokens;
+  if (e.open == kInvalidPartition) return std::nullopt;
+  const std::uint32_t tokens = table_.meta(request, layer, head, e.open).token_count();
+  if (tokens < pt && !table_.partition_freed(request, layer, head, e.open) && !shared(request, layer, head, e.open)) {
+    return e.open * pt + tokens;
   }
   return std::nullopt;
 }
@@ -162,6 +161,7 @@ EvictionDemand TieredKVBuffer::append_demand_evicting(RequestId request, std::ui
   d.live_partitions.resize(shape_.kv_heads);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const HeadEviction& plan = plans[h];
+    const EvictionHead& e = eviction_head(state(request), layer, h);
     const std::uint32_t count = table_.partition_count(request, layer, h);
     std::map<PartitionId, SlotMask> cleared(plan.cleared.begin(), plan.cleared.end());
     const auto released = [&](PartitionId p) {
@@ -185,7 +185,7 @@ EvictionDemand TieredKVBuffer::append_demand_evicting(RequestId request, std::ui
         const std::pair candidate{dead_slots(live_after(p), table_.meta(request, layer, h, p).token_count()), p};
         if (!fullest || candidate < *fullest) fullest = candidate;
       };
-      for (const auto& [dead, p] : eviction_head(state(request), layer, h).reusable) {
+      for (const auto& [dead, p] : e.reusable) {
         if (!released(p) && !cleared.contains(p) && !shared(request, layer, h, p)) consider(p);
       }
       for (const auto& [p, slots] : plan.cleared) {
@@ -199,19 +199,20 @@ EvictionDemand TieredKVBuffer::append_demand_evicting(RequestId request, std::ui
     if (new_page && plan.run && plan.run_live % pt != 0) {
       new_page = false;  // the compaction's last page is open
     } else if (new_page) {
-      const PartitionId end = plan.run && plan.run_live == 0 ? *plan.run : count;
-      if (end > 0) {
-        const PartitionId last = end - 1;
-        if (table_.meta(request, layer, h, last).token_count() < pt && !table_.partition_freed(request, layer, h, last) &&
-            !released(last) && !shared(request, layer, h, last)) {
-          new_page = false;
-          target_was_dead = live_after(last) == 0;
-        }
+      // The open page once evicted; a compaction that keeps no row leaves the page before its run open.
+      PartitionId open = e.open;
+      if (plan.run && plan.run_live == 0) open = *plan.run > 0 ? *plan.run - 1 : kInvalidPartition;
+      if (open != kInvalidPartition && table_.meta(request, layer, h, open).token_count() < pt &&
+          !table_.partition_freed(request, layer, h, open) && !released(open) && !shared(request, layer, h, open)) {
+        new_page = false;
+        target_was_dead = live_after(open) == 0;
       }
     }
     d.placed_pages += new_page ? 1 : 0;
+    // A new page takes a tombstone's id when the head has one (this step's included), else a new partition.
+    const bool appends = new_page && e.freed.empty() && plan.released.empty();
     const PartitionId keep = plan.run ? *plan.run : count;
-    d.segments += table_.replace_demand(request, layer, h, keep, run_new + (new_page ? 1 : 0), run_new + (new_page ? 1 : 0));
+    d.segments += table_.replace_demand(request, layer, h, keep, run_new + (appends ? 1 : 0), run_new + (appends ? 1 : 0));
     std::uint32_t live = run_new + (new_page || target_was_dead ? 1 : 0);
     for (PartitionId p = 0; p < keep; ++p) live += live_after(p) != 0 ? 1 : 0;
     d.live_partitions[h] = live;
@@ -261,6 +262,7 @@ void TieredKVBuffer::compact(RequestId request, RequestState& s, std::uint32_t l
   e.slot_position.resize(std::size_t{first} * pt);
   std::erase_if(e.reusable, [first](const auto& entry) { return entry.second >= first; });
   e.held_pages -= run_pages;
+  e.open = first > 0 ? first - 1 : kInvalidPartition;
   if (positions.empty()) return;
   const auto count = static_cast<std::uint32_t>(positions.size());
   const MappedPartitions mapped = partitions_.map(request, layer, head, PartitionSpec::uniform(count, pt));
@@ -274,6 +276,7 @@ void TieredKVBuffer::compact(RequestId request, RequestState& s, std::uint32_t l
     e.live[positions[t]] = flat;
   }
   e.held_pages += pages_for_tokens(count, pt);
+  e.open = table_.partition_count(request, layer, head) - 1;
   stats_.pages_copied += pages_for_tokens(count, pt);
   stats_.slots_copied += count;
 }
@@ -307,6 +310,7 @@ void TieredKVBuffer::evict(RequestId request, std::uint32_t layer,
       if (table_.meta(request, layer, h, partition).resident()) evict_partition(request, layer, h, partition);
       if (partitions_.release_page(request, layer, h, partition)) ++stats_.pages_freed;
       --e.held_pages;
+      e.freed.insert(partition);
     }
     if (plans[h].run) compact(request, s, layer, h, *plans[h].run);
   }
@@ -323,7 +327,7 @@ void TieredKVBuffer::place_token(RequestId request, std::uint32_t layer, const K
     targets[h] = place_target(request, layer, h);
     if (targets[h]) continue;
     ++new_pages;
-    segments += table_.append_demand(request, layer, h, 1, 1);
+    if (eviction_head(state(request), layer, h).freed.empty()) segments += table_.append_demand(request, layer, h, 1, 1);
   }
   if (new_pages > cpu_pool_.available()) {
     fail(ErrorCode::resource_exhausted, "request {} layer {}: placing a token needs {} CPU pages, {} free", request,
@@ -353,11 +357,19 @@ void TieredKVBuffer::place_token(RequestId request, std::uint32_t layer, const K
       table_.set_slot_mask(request, layer, h, index, after);
       const std::uint32_t dead = dead_slots(after, std::max(tokens, slot + 1));
       if (dead > 0) e.reusable.emplace(dead, partition);
+    } else if (!e.freed.empty()) {  // the lowest tombstone's id, slot 0 live
+      partition = *e.freed.begin();
+      partitions_.reuse_freed(request, layer, h, partition);
+      e.freed.erase(e.freed.begin());
+      slot = 0;
+      ++e.held_pages;
+      e.open = partition;
     } else {
       partition = partitions_.map(request, layer, h, PartitionSpec::uniform(1, pt)).first_partition;  // slot 0 live
       slot = 0;
       e.slot_position.resize((std::size_t{partition} + 1) * pt, kNoPosition);
       ++e.held_pages;
+      e.open = partition;
     }
     const std::uint32_t index = table_.first_page_index(request, layer, h, partition);
     e.live[position] = partition * pt + slot;
@@ -467,6 +479,7 @@ void TieredKVBuffer::share_prefix(RequestId request, RequestId source, std::uint
       if (p < partitions) e.reusable.emplace(dead, p);
     }
     e.held_pages = partitions;
+    e.open = partitions > 0 ? partitions - 1 : kInvalidPartition;
   }
   s.tokens[layer] = length;
 }
@@ -485,12 +498,15 @@ void TieredKVBuffer::validate_eviction(RequestId request, const RequestState& s,
   std::uint32_t held = 0;
   std::size_t live = 0;
   std::set<std::pair<std::uint32_t, PartitionId>> reusable;
+  std::set<PartitionId> freed_partitions;
+  if (e.open != kInvalidPartition && e.open >= count) broken(fmt::format("the open page {} is not a partition", e.open));
   for (PartitionId p = 0; p < count; ++p) {
     const std::uint32_t tokens = table_.meta(request, layer, head, p).token_count();
     if (tokens > pt) broken(fmt::format("partition {} spans more than one page", p));
     const SlotMask mask = table_.slot_mask(request, layer, head, table_.first_page_index(request, layer, head, p));
     const bool freed = table_.partition_freed(request, layer, head, p);
     held += freed ? 0 : 1;
+    if (freed) freed_partitions.insert(p);
     if (!freed && dead_slots(mask, tokens) > 0) reusable.emplace(dead_slots(mask, tokens), p);
     if (!freed && mask == 0 && frees) broken(fmt::format("partition {} holds no live slot but is not freed", p));
     for (std::uint32_t t = 0; t < pt; ++t) {
@@ -509,6 +525,7 @@ void TieredKVBuffer::validate_eviction(RequestId request, const RequestState& s,
   if (live != e.live.size()) broken(fmt::format("{} live slots, {} live positions", live, e.live.size()));
   if (held != e.held_pages) broken(fmt::format("{} pages held, {} recorded", held, e.held_pages));
   if (reusable != e.reusable) broken("the pages with a dead slot are recorded wrong");
+  if (freed_partitions != e.freed) broken("the freed partitions are recorded wrong");
 }
 
 }  // namespace sparsekv

@@ -455,6 +455,22 @@ PageId HierarchicalPageTable::free_page(RequestId request, std::uint32_t layer, 
   return held;
 }
 
+void HierarchicalPageTable::reuse_freed(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                        PartitionId partition, PageId page) {
+  masks();
+  const std::size_t inst = instance(request, layer, head);
+  check_index("partition", partition, meta_.length(inst));
+  if (!freed(inst, partition)) {
+    fail(ErrorCode::failed_precondition, "reuse_freed: partition {} of head ({}, {}) of request {} is not freed",
+         partition, layer, head, request);
+  }
+  if (page == kInvalidPage) fail(ErrorCode::invalid_argument, "reuse_freed: the CPU page is invalid");
+  const std::uint32_t index = offsets_.at(inst, partition);
+  meta_.at(inst, partition) = MetaPartitionEntry::make(1, false);
+  cpu_pages_.at(inst, index) = page;
+  masks_->at(inst, index) = full_slot_mask(1);
+}
+
 std::uint32_t HierarchicalPageTable::gpu_slots(RequestId request, std::uint32_t layer, std::uint32_t head) const {
   return gpu_pages_.length(instance(request, layer, head));
 }

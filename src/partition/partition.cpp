@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <span>
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/partition/partition_map.hpp"
@@ -219,6 +220,22 @@ bool PartitionMap::release_page(RequestId request, std::uint32_t layer, std::uin
   }
   const PageId page = table_->free_page(request, layer, head, partition);  // refuses a resident partition
   return cpu_pool_->release(page);
+}
+
+PageId PartitionMap::reuse_freed(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) {
+  if (!table_->partition_freed(request, layer, head, partition)) {
+    fail(ErrorCode::failed_precondition, "reuse_freed: partition {} of head ({}, {}) of request {} is not freed",
+         partition, layer, head, request);
+  }
+  PageId page = kInvalidPage;
+  cpu_pool_->allocate(std::span<PageId>(&page, 1));
+  try {
+    table_->reuse_freed(request, layer, head, partition, page);
+  } catch (...) {
+    cpu_pool_->release(page);
+    throw;
+  }
+  return page;
 }
 
 std::vector<PageId> PartitionMap::pages(RequestId request, std::uint32_t layer, std::uint32_t head,

@@ -779,17 +779,13 @@ TEST_CASE("Eviction: a step's segment demand is what evict and place_token map, 
       const SegmentDemand before = free_segments(b.table());
       REQUIRE((before.meta == free && before.offsets == free && before.cpu_pages == free && before.masks == free));
 
-      // A whole page evicted in each head (freed, not refilled), then a token placed: two new pages.
-      const std::vector<std::vector<std::uint32_t>> page{{0, 1, 2, 3}, {4, 5, 6, 7}};
-      const EvictionDemand demand = b.append_demand_evicting(1, 0, page);
-      REQUIRE(demand.freed_pages == 2);
+      // Every page full and nothing evicted: a token placed opens a new partition per head.
+      const std::vector<std::vector<std::uint32_t>> none(kShape.kv_heads);
+      const EvictionDemand demand = b.append_demand_evicting(1, 0, none);
+      REQUIRE(demand.freed_pages == 0);
       REQUIRE(demand.placed_pages == 2);
       const SegmentDemand& d = demand.segments;
       REQUIRE((d.meta == 2 && d.offsets == 2 && d.cpu_pages == 2 && d.masks == 2 && d.gpu_pages == 0));
-      b.evict(1, 0, page);
-      for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
-        for (const std::uint32_t p : page[h]) live[{1, 0, h}].erase(p);
-      }
       const Rows token(1, 0, 128, 1);
       if (enough) {
         b.place_token(1, 0, token.chunk());
@@ -800,6 +796,29 @@ TEST_CASE("Eviction: a step's segment demand is what evict and place_token map, 
         const Snapshot unchanged = snapshot(b, live);
         REQUIRE_SPARSEKV_ERROR(b.place_token(1, 0, token.chunk()), ErrorCode::resource_exhausted);
         REQUIRE(snapshot(b, live) == unchanged);
+      }
+      // Whole pages evicted in each head (the open one too) leave tombstones; the next page takes the
+      // lowest one's id, with no segment.
+      const std::uint32_t next = enough ? 129 : 128;
+      const std::uint32_t partitions = b.table().partition_count(1, 0, 0);
+      std::vector<std::vector<std::uint32_t>> page{{0, 1, 2, 3}, {4, 5, 6, 7}};
+      if (enough) {
+        for (auto& positions : page) positions.push_back(128);
+      }
+      const EvictionDemand reuse = b.append_demand_evicting(1, 0, page);
+      REQUIRE(reuse.freed_pages == (enough ? 4 : 2));
+      REQUIRE(reuse.placed_pages == 2);
+      REQUIRE((reuse.segments.meta == 0 && reuse.segments.offsets == 0 && reuse.segments.cpu_pages == 0 &&
+               reuse.segments.masks == 0));
+      b.evict(1, 0, page);
+      for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+        for (const std::uint32_t p : page[h]) live[{1, 0, h}].erase(p);
+      }
+      b.place_token(1, 0, Rows(1, 0, next, 1).chunk());
+      for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+        live[{1, 0, h}].insert(next);
+        REQUIRE(b.table().partition_count(1, 0, h) == partitions);
+        REQUIRE(b.position_slot(1, 0, h, next) == std::optional<std::uint32_t>(h * kPageTokens));
       }
       check_rows(b, live, strategy);
     }

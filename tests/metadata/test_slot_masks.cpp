@@ -321,6 +321,24 @@ TEST_CASE("PartitionMap: evict_slots and release_page follow the ref-count rule"
   REQUIRE_SPARSEKV_ERROR(map.release_page(1, 0, 0, 0), ErrorCode::failed_precondition);
   REQUIRE_NOTHROW(table.validate());
 
+  // A tombstone takes a fresh page again: one live token in slot 0; a held partition is refused, changing nothing.
+  REQUIRE_SPARSEKV_ERROR(map.reuse_freed(1, 0, 0, 1), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(table.reuse_freed(1, 0, 0, 1, 7), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(table.reuse_freed(1, 0, 0, 0, kInvalidPage), ErrorCode::invalid_argument);
+  REQUIRE(pool.used() == 4);
+  const PageId fresh = map.reuse_freed(1, 0, 0, 0);
+  REQUIRE(pool.used() == 5);
+  REQUIRE_FALSE(table.partition_freed(1, 0, 0, 0));
+  REQUIRE(map.pages(1, 0, 0, 0) == std::vector<PageId>{fresh});
+  REQUIRE(table.meta(1, 0, 0, 0).token_count() == 1);
+  REQUIRE_FALSE(table.meta(1, 0, 0, 0).resident());
+  REQUIRE(table.slot_mask(1, 0, 0, 0) == 0b1);
+  REQUIRE(table.partition_count(1, 0, 0) == 4);
+  REQUIRE_NOTHROW(table.validate());
+  REQUIRE(map.evict_slots(1, 0, 0, 0, 0b1) == 0);
+  REQUIRE(map.release_page(1, 0, 0, 0));
+  REQUIRE(pool.used() == 4);
+
   // A prefix holding a freed partition cannot be shared.
   REQUIRE_SPARSEKV_ERROR(map.map_shared_prefix(2, 1, 0, 0, 2), ErrorCode::failed_precondition);
   REQUIRE(table.partition_count(2, 0, 0) == 0);

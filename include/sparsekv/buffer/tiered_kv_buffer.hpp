@@ -281,9 +281,10 @@ class TieredKVBuffer {
   // The next position's K/V rows (one token, engine layout), written per kv
   // head into the slot the strategy picks: slot_reuse the lowest dead slot of
   // the fullest page with one (fewest dead slots, then lowest partition id);
-  // otherwise the next slot of the open last page; otherwise a new one-page
-  // partition. Throws resource_exhausted, changing nothing, when a new page
-  // does not fit.
+  // otherwise the next slot of the open page (the last one opened); otherwise
+  // a new one-page partition, under the lowest freed partition's id when the
+  // head has one (EvictionHead). Throws resource_exhausted, changing nothing,
+  // when a new page does not fit.
   void place_token(RequestId request, std::uint32_t layer, const KvChunk& token);
   // evict(positions) followed by place_token, as a dry run: checks what
   // check_evict checks and changes nothing.

@@ -175,6 +175,12 @@ class HierarchicalPageTable {
   // becomes kInvalidPage and its mask 0; returns the page it held, which is
   // the caller's to release. Refuses a resident or already freed partition.
   PageId free_page(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
+  // Maps CPU page `page` into a freed tombstone, making it a one-page
+  // partition of one live token (slot 0), not resident: a request that evicts
+  // reuses the ids of its freed pages, so its table never holds more
+  // partitions than pages it can hold at once. Refuses (failed_precondition)
+  // a partition that is not freed and (invalid_argument) an invalid page.
+  void reuse_freed(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition, PageId page);
   bool partition_freed(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const;
 
   // GPU page table: `gpu_slots` entries per head, the head's GPU buffer. Each

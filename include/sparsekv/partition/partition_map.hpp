@@ -13,7 +13,7 @@
 // Token eviction (SpvLLM §2), on tables built with slot masks: evict_slots
 // clears live bits of one-page partitions, and release_page turns a page none
 // of whose slots is live into a freed tombstone and drops this request's
-// reference to it. The ref-count rule: a page another request also maps
+// reference to it; reuse_freed maps a fresh page into a tombstone again. The ref-count rule: a page another request also maps
 // (PagePool::ref_count > 1) is never masked, since its bytes and the other
 // request's view of them are common.
 #include <cstdint>
@@ -68,6 +68,11 @@ class PartitionMap {
   // the page went back to the pool. Refuses (failed_precondition) a live slot,
   // a resident or an already freed partition.
   bool release_page(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
+  // Takes a fresh CPU page for a freed tombstone, which becomes a one-page
+  // partition whose slot 0 is live; returns the page. Refuses
+  // (failed_precondition) a partition that is not freed; on any error no page
+  // is taken.
+  PageId reuse_freed(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
 
   std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const {
     return table_->partition_count(request, layer, head);
