@@ -171,6 +171,8 @@ void TieredKVBuffer::add_request(RequestId request, const RequestBudget& budget)
   s.budget = budget;
   s.tokens.assign(shape_.layers, 0);
   s.tail_tokens.assign(shape_.layers, 0);
+  s.ordered_tokens.assign(shape_.layers, 0);
+  s.scattered.resize(heads());
   s.windows.assign(heads(), WorkingSetWindow(config_.working_set_window));
   s.tail_pages.resize(heads() * tail_pages_per_head(budget));
   if (budget.evicts) s.eviction.resize(heads());
@@ -337,10 +339,15 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
   const auto* v = static_cast<const std::byte*>(kv.v);
   transfer_->synchronize();  // a page freed by finish() may still be a save's target
   RequestState& s = state(request);
+  const bool scatters = s.tokens[layer] == 0 && !s.budget.evicts && !record_order(s, layer, specs, kv.tokens);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
     const MappedPartitions mapped = partitions_.map(request, layer, h, spec);
     if (s.budget.evicts) record_offload(s, layer, h, mapped.first_partition, spec, s.tokens[layer]);
+    if (scatters) {
+      s.scattered[std::size_t{layer} * shape_.kv_heads + h] = {mapped.placements,
+                                                              mapped.first_partition + spec.partition_count()};
+    }
     for (std::uint32_t t = 0; t < kv.tokens; ++t) {
       const TokenPlacement where = mapped.placements[t];
       std::byte* page = cpu_pool_.data(where.cpu_page);
@@ -353,6 +360,21 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
   stats_.bytes_offloaded += 2 * std::uint64_t{kv.tokens} * shape_.kv_heads * row;
 }
 
+bool TieredKVBuffer::record_order(RequestState& s, std::uint32_t layer, std::span<const PartitionSpec> specs,
+                                  std::uint32_t tokens) {
+  if (s.ordered_tokens[layer] != s.tokens[layer] || s.tokens[layer] % config_.page_tokens != 0) return false;
+  for (const PartitionSpec& spec : specs) {
+    if (spec.partition_tokens() != config_.page_tokens) return false;
+  }
+  s.ordered_tokens[layer] += tokens;
+  return true;
+}
+
+void TieredKVBuffer::record_save_order(RequestState& s, std::uint32_t layer) const {
+  const std::uint32_t first = s.tokens[layer] - config_.page_tokens;
+  if (s.ordered_tokens[layer] == first && first % config_.page_tokens == 0) s.ordered_tokens[layer] = s.tokens[layer];
+}
+
 void TieredKVBuffer::offload_on_device(RequestId request, std::uint32_t layer, std::uint32_t tokens,
                                        std::span<const PartitionSpec> specs, std::vector<TokenPlacement>& placements) {
   state(request);
@@ -362,6 +384,7 @@ void TieredKVBuffer::offload_on_device(RequestId request, std::uint32_t layer, s
   placements.resize(std::size_t{tokens} * shape_.kv_heads);
   transfer_->synchronize();  // a page freed by finish() may still be a save's target
   RequestState& s = state(request);
+  record_order(s, layer, specs, tokens);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
     const MappedPartitions mapped = partitions_.map(request, layer, h, spec);
@@ -372,8 +395,8 @@ void TieredKVBuffer::offload_on_device(RequestId request, std::uint32_t layer, s
   stats_.bytes_offloaded += 2 * std::uint64_t{tokens} * shape_.kv_heads * layout_.row_bytes();
 }
 
-void TieredKVBuffer::check_offload(RequestId request, std::uint32_t layer, std::uint32_t tokens,
-                                   std::span<const PartitionSpec> specs) const {
+void TieredKVBuffer::check_offload_specs(RequestId request, std::uint32_t layer, std::uint32_t tokens,
+                                         std::span<const PartitionSpec> specs) const {
   const RequestState& s = state(request);
   if (specs.size() != 1 && specs.size() != shape_.kv_heads) {
     fail(ErrorCode::invalid_argument, "{} partition specs given; expected 1 (shared) or {} (one per kv head)",
@@ -396,6 +419,11 @@ void TieredKVBuffer::check_offload(RequestId request, std::uint32_t layer, std::
   if (s.tail_tokens[layer] != 0) {
     fail(ErrorCode::failed_precondition, "request {} layer {}: offload after decode appends began", request, layer);
   }
+}
+
+void TieredKVBuffer::check_offload(RequestId request, std::uint32_t layer, std::uint32_t tokens,
+                                   std::span<const PartitionSpec> specs) const {
+  check_offload_specs(request, layer, tokens, specs);
   std::uint64_t pages = 0;
   SegmentDemand demand;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
@@ -455,6 +483,7 @@ TieredKVBuffer::DeviceAppendSlot TieredKVBuffer::append_on_device(RequestId requ
   }
   s.tail_tokens[layer] = 0;
   stats_.pages_saved += shape_.kv_heads;
+  record_save_order(s, layer);
   return slot;
 }
 
@@ -488,6 +517,7 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
   transfer_->save(saves, layout_.page_bytes());
   s.tail_tokens[layer] = 0;
   stats_.pages_saved += shape_.kv_heads;
+  record_save_order(s, layer);
 }
 
 void TieredKVBuffer::check_selection(RequestId request, std::uint32_t layer,
@@ -677,6 +707,9 @@ void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::sp
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     partitions_.truncate(request, layer, h, first_partitions[h]);
     s.windows[std::size_t{layer} * shape_.kv_heads + h].forget_from(first_partitions[h]);
+    s.ordered_tokens[layer] = std::min(s.ordered_tokens[layer], first_partitions[h] * config_.page_tokens);
+    RequestState::ScatteredPrompt& prompt = s.scattered[std::size_t{layer} * shape_.kv_heads + h];
+    if (first_partitions[h] < prompt.end) prompt = {};
   }
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const MappedPartitions mapped = partitions_.map(request, layer, h, specs[h]);

@@ -184,6 +184,7 @@ struct BufferStats {
   std::uint64_t pages_freed = 0;     // CPU pages evict() released (free_block, slot_reuse)
   std::uint64_t pages_copied = 0;    // CPU pages a sparse_copy compaction wrote
   std::uint64_t slots_copied = 0;    // live rows it moved into them
+  std::uint64_t pages_shared = 0;    // CPU pages offload_shared mapped by reference instead of writing
 };
 
 class TieredKVBuffer {
@@ -305,6 +306,27 @@ class TieredKVBuffer {
   // masks; `request`'s layer must be empty. Both must evict.
   void share_prefix(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t partitions);
 
+  // ---- Forks: a request started from another's first tokens (prefix caching) ----
+  // How many of the layer's first tokens a fork can take from `request`: its
+  // positions 0 .. n-1 held in the CPU tier in every kv head. Without
+  // eviction, the tokens that lie in page order from partition 0 (offloaded
+  // or saved in page-sized partitions from a page boundary; none once a
+  // policy regroups them); with eviction, the leading positions all still live.
+  std::uint32_t forkable_tokens(RequestId request, std::uint32_t layer) const;
+  // Copies the K/V rows of positions [0, tokens) of the layer into k and v
+  // ([tokens][kv_heads][head_dim], the model dtype): what a fork re-indexes.
+  // Refuses (out_of_range) tokens beyond forkable_tokens().
+  void read_prefix(RequestId request, std::uint32_t layer, std::uint32_t tokens, void* k, void* v) const;
+  // offload() of `source`'s first kv.tokens tokens (read_prefix's rows) into
+  // `request`'s empty layer, sharing `source`'s CPU pages by reference where
+  // the specs' partitions are the same full pages: a uniform spec of
+  // page-sized partitions shares every full page and writes the partial last
+  // one; any other spec, or a request that evicts, writes every row (the
+  // partitions differ, or masks must stay the request's own). Same checks as
+  // offload(), changing nothing on failure.
+  void offload_shared(RequestId request, RequestId source, std::uint32_t layer, const KvChunk& kv,
+                      std::span<const PartitionSpec> specs);
+
   bool has_request(RequestId request) const noexcept { return requests_.contains(request); }
   std::uint32_t slots_per_head(RequestId request) const;
   std::uint32_t min_slots_per_head(const RequestBudget& budget) const;
@@ -335,6 +357,17 @@ class TieredKVBuffer {
     std::vector<PageId> tail_pages;          // per (layer, kv head)
     std::vector<WorkingSetWindow> windows;   // per (layer, kv head)
     std::vector<EvictionHead> eviction;      // per (layer, kv head); empty unless budget.evicts
+    // Per layer: its first tokens that lie in page order from partition 0
+    // (positions p * page_tokens .. in partition p), in every kv head.
+    std::vector<std::uint32_t> ordered_tokens;
+    // Per (layer, kv head): where each prompt token went when the prompt was
+    // laid out off page order (a clustering policy), while no regroup has
+    // reached its partitions [0, end); empty otherwise. What a fork reads.
+    struct ScatteredPrompt {
+      std::vector<TokenPlacement> placements;  // by position
+      PartitionId end = 0;
+    };
+    std::vector<ScatteredPrompt> scattered;
   };
   // What evict() does to one head: the checks' result, computed before any change.
   struct HeadEviction {
@@ -357,7 +390,9 @@ class TieredKVBuffer {
   std::uint64_t heads() const noexcept { return std::uint64_t{shape_.layers} * shape_.kv_heads; }
   std::uint64_t reclaimable_slots(const RequestState& s) const;
   void check_chunk(const KvChunk& kv, std::uint32_t layer) const;
-  // offload()'s checks of the request's state, the specs and the pools.
+  // offload()'s checks of the request's state and the specs, then of the pools.
+  void check_offload_specs(RequestId request, std::uint32_t layer, std::uint32_t tokens,
+                           std::span<const PartitionSpec> specs) const;
   void check_offload(RequestId request, std::uint32_t layer, std::uint32_t tokens,
                      std::span<const PartitionSpec> specs) const;
   void check_tail_save(RequestId request, std::uint32_t layer) const;
@@ -380,6 +415,13 @@ class TieredKVBuffer {
   std::optional<std::uint32_t> place_target(RequestId request, std::uint32_t layer, std::uint32_t head) const;
   void record_offload(RequestState& s, std::uint32_t layer, std::uint32_t head, PartitionId first,
                       const PartitionSpec& spec, std::uint32_t first_position);
+  // Extends ordered_tokens over an offload of `tokens` tokens about to start
+  // at s.tokens[layer]: while the layer is in page order so far, page-sized
+  // uniform specs keep it so; returns whether it did.
+  bool record_order(RequestState& s, std::uint32_t layer, std::span<const PartitionSpec> specs, std::uint32_t tokens);
+  // Extends it over the page a full tail just became, when the order reached
+  // the page's first position on a page boundary.
+  void record_save_order(RequestState& s, std::uint32_t layer) const;
   void compact(RequestId request, RequestState& s, std::uint32_t layer, std::uint32_t head, PartitionId first);
   // validate()'s checks of one head of a request that evicts.
   void validate_eviction(RequestId request, const RequestState& s, std::uint32_t layer, std::uint32_t head) const;

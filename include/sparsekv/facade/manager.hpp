@@ -10,6 +10,10 @@
 //        Retrieve and returns an AttendPlan for the engine's own kernel
 //   finish(id)
 //
+// and, for an engine with a prefix cache, fork(id, source, tokens, max_tokens)
+// in place of add_request + prefill: the new request starts as the first
+// `tokens` tokens of a live one, sharing its full CPU pages.
+//
 // Tensors are row-major in the model's dtype (ModelShape::dtype):
 //   prefill k, v: [tokens][kv_heads][head_dim]
 //   decode  q: [batch][q_heads][head_dim], k_new / v_new: [batch][kv_heads][head_dim]
@@ -210,6 +214,51 @@ class Manager {
     begin_host_step(batch, layer, q, k_new, v_new, nullptr);
     host_step_->run(nullptr);
     return host_step_->plan();
+  }
+
+  // Starts `request` as the first `tokens` tokens of live request `source`
+  // (an engine's prefix cache, llama.cpp's seq_cp; docs/integration.md,
+  // "Shared prefixes"): add_request(request, max_tokens), then in every layer
+  // the prefill of those tokens' K/V, which the library reads back from
+  // `source`'s CPU pages. The policy indexes them as a prefill would; the full
+  // pages its partitions share with `source` (page-sized uniform ones) are
+  // mapped by reference, the partial last page is copied. The two requests
+  // then decode independently, each exactly as if prefilled unshared; either
+  // may finish first. `tokens` may reach only what the source holds in page
+  // order in the CPU tier in every layer (TieredKVBuffer::forkable_tokens:
+  // not its decode tail, nor tokens a policy regrouped or evicted). Host
+  // tensors only; throws (changing nothing) what add_request and prefill
+  // throw, and out_of_range past the forkable tokens.
+  void fork(RequestId request, RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) {
+    use_api(Api::host);
+    const RequestState& from = state(source);
+    if (request == source) fail(ErrorCode::invalid_argument, "request {} cannot fork itself", request);
+    if (tokens == 0) fail(ErrorCode::invalid_argument, "fork of request {}: tokens must be > 0", source);
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      if (!from.layers[l].prefilled) {
+        fail(ErrorCode::failed_precondition, "fork: request {} layer {} is not prefilled", source, l);
+      }
+      if (const std::uint32_t forkable = buffer_->forkable_tokens(source, l); tokens > forkable) {
+        fail(ErrorCode::out_of_range,
+             "fork: request {} layer {} holds its first {} tokens in order in the CPU tier (the rest are in the "
+             "decode tail, regrouped or evicted); cannot fork {}",
+             source, l, forkable, tokens);
+      }
+    }
+    add_request(request, max_tokens);
+    try {
+      const std::size_t bytes = std::size_t{tokens} * scope_.kv_row() * dtype_size(shape_.dtype);
+      fork_k_.resize(bytes);
+      fork_v_.resize(bytes);
+      for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+        buffer_->read_prefix(source, l, tokens, fork_k_.data(), fork_v_.data());
+        LayerStepState<State>& ls = prefill_entry(request, l, tokens);
+        host_prefill(scope_, request, l, ls, fork_k_.data(), fork_v_.data(), tokens, keys_, values_, source);
+      }
+    } catch (...) {
+      finish(request);
+      throw;
+    }
   }
 
   // ---- Device tensors (docs/integration.md, "Device tensors") ---------------
@@ -549,6 +598,7 @@ class Manager {
   std::optional<DeviceStep<Policy>> device_step_;
   std::vector<typename DeviceStep<Policy>::Entry> device_entries_;
   std::vector<float> keys_, values_;  // a host prompt in fp32
+  std::vector<std::byte> fork_k_, fork_v_;  // a fork's prompt read back, in the model dtype
   StagedTensors staged_;              // the host-Select path's tensors
 };
 

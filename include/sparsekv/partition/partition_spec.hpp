@@ -23,6 +23,8 @@ class PartitionSpec {
   static PartitionSpec variable(std::uint32_t tokens, const std::vector<std::vector<std::uint32_t>>& partitions);
 
   bool is_uniform() const noexcept { return partition_tokens_ != 0; }
+  // Tokens per partition of a uniform spec (the last may hold fewer); 0 for a variable one.
+  std::uint32_t partition_tokens() const noexcept { return partition_tokens_; }
   std::uint32_t token_count() const noexcept { return tokens_; }
   std::uint32_t partition_count() const noexcept { return partitions_; }
   // Tokens in partition p.

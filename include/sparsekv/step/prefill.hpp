@@ -22,11 +22,14 @@ namespace sparsekv {
 // then prefilled. A policy that evicts without attention weights
 // (StreamingLLM) cuts a prompt over its budget here; the buffer applies the
 // cut at the first decode step, as every decision, before that step's token
-// is placed. Throws what Index or Offload throw, changing nothing.
+// is placed. With `fork_of`, the prompt is that request's first tokens and
+// its pages are shared where they coincide (TieredKVBuffer::offload_shared).
+// Throws what Index or Offload throw, changing nothing.
 template <class Policy>
 void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::uint32_t layer,
                        LayerStepState<typename Policy::LayerState>& ls, const void* k, const void* v,
-                       std::span<const float> keys, std::span<const float> values, std::uint32_t tokens) {
+                       std::span<const float> keys, std::span<const float> values, std::uint32_t tokens,
+                       std::optional<RequestId> fork_of = std::nullopt) {
   using Clock = std::chrono::steady_clock;
   const Policy& policy = *scope.policy;
   const ModelShape& shape = *scope.shape;
@@ -45,7 +48,11 @@ void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::u
     if (drops_any(out)) cut = std::move(out);
   }
   const auto t1 = Clock::now();
-  scope.buffer->offload(request, layer, KvChunk{k, v, tokens, shape.dtype}, specs);
+  if (fork_of) {
+    scope.buffer->offload_shared(request, *fork_of, layer, KvChunk{k, v, tokens, shape.dtype}, specs);
+  } else {
+    scope.buffer->offload(request, layer, KvChunk{k, v, tokens, shape.dtype}, specs);
+  }
   ls.policy = std::move(indexed);
   ls.eviction = std::move(cut);
   scope.stats->index_s += std::chrono::duration<double>(t1 - t0).count();
@@ -59,13 +66,14 @@ void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::u
 template <class Policy>
 void host_prefill(const StepScope<Policy>& scope, RequestId request, std::uint32_t layer,
                   LayerStepState<typename Policy::LayerState>& ls, const void* k, const void* v, std::uint32_t tokens,
-                  std::vector<float>& keys, std::vector<float>& values) {
+                  std::vector<float>& keys, std::vector<float>& values,
+                  std::optional<RequestId> fork_of = std::nullopt) {
   const std::size_t n = std::size_t{tokens} * scope.kv_row();
   scope.to_float(k, n, keys);
   scope.to_float(v, n, values);
   scope.check_finite("prefill k", request, keys, 0);
   scope.check_finite("prefill v", request, values, 0);
-  index_and_offload(scope, request, layer, ls, k, v, keys, values, tokens);
+  index_and_offload(scope, request, layer, ls, k, v, keys, values, tokens, fork_of);
 }
 
 }  // namespace sparsekv

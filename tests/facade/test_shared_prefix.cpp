@@ -1,0 +1,240 @@
+// Manager::fork: a request started from the first tokens of a live one
+// decodes exactly as if it had been prefilled with those tokens unshared.
+//
+// Two managers see the same stream: in one, new requests fork a random live
+// request at a random point; in its twin, the same request is added and
+// prefilled with the same K/V. Requests arrive, fork and finish at random;
+// after every decode step both give the same outputs and selections, bit for
+// bit, and a fork's K/V stays intact when its source finishes first. Policies
+// whose partitions are full pages (dense, streaming, quest, shadowkv, oracle)
+// share the prompt's full pages: their reference count is 2 or more and the CPU tier
+// holds fewer pages than the twin's.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sparsekv/sparsekv.hpp"
+#include "test_support.hpp"
+
+using namespace sparsekv;
+
+namespace {
+
+constexpr ModelShape kShape{2, 4, 2, 8, DType::f32};
+constexpr std::uint32_t kPageTokens = 4;
+constexpr std::uint32_t kMaxTokens = 160;
+constexpr std::size_t kRow = std::size_t{kShape.kv_heads} * kShape.head_dim;  // one token's K or V
+
+Config config() {
+  Config c;
+  c.page_tokens = kPageTokens;
+  c.max_requests = 8;
+  c.max_context_tokens = kMaxTokens;
+  c.min_buffer_ratio = 1.0;
+  c.metadata_segment_entries = 32;
+  const std::size_t page = c.page_bytes(kShape);
+  c.host_chunk_bytes = 16 * page;
+  c.cpu_tier_bytes = 4096 * page;
+  c.gpu_tier_bytes = 4096 * page;
+  return c;
+}
+
+bool shares_pages(const std::string& policy) {
+  return policy != "retroinfer" && policy != "retroinfer_no_estimation" && policy != "h2o" &&
+         policy != "streaming_evict";
+}
+
+// A request's K and V so far, per layer: [position][kv_heads][head_dim].
+struct History {
+  std::vector<std::vector<float>> k, v;
+  std::uint32_t tokens() const { return static_cast<std::uint32_t>(k[0].size() / kRow); }
+};
+
+class Twins {
+ public:
+  Twins(const std::string& policy, std::uint32_t seed)
+      : forked_(kShape, config(), make_policy(policy, 24)), plain_(kShape, config(), make_policy(policy, 24)),
+        rng_(seed) {}
+
+  void add(RequestId id, std::uint32_t prompt) {
+    History h;
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      h.k.push_back(draw(prompt * kRow));
+      h.v.push_back(draw(prompt * kRow));
+    }
+    for (RuntimeManager* m : {&forked_, &plain_}) {
+      m->add_request(id, kMaxTokens);
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) m->prefill(id, l, h.k[l].data(), h.v[l].data(), prompt);
+    }
+    history_[id] = std::move(h);
+  }
+
+  // Forks `source` at `tokens` in one manager, prefills the same rows in the other.
+  void fork(RequestId id, RequestId source, std::uint32_t tokens) {
+    const std::uint64_t shared_before = forked_.buffer().stats().pages_shared;
+    forked_.fork(id, source, tokens, kMaxTokens);
+    History h;
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      h.k.emplace_back(history_[source].k[l].begin(), history_[source].k[l].begin() + tokens * kRow);
+      h.v.emplace_back(history_[source].v[l].begin(), history_[source].v[l].begin() + tokens * kRow);
+    }
+    plain_.add_request(id, kMaxTokens);
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) plain_.prefill(id, l, h.k[l].data(), h.v[l].data(), tokens);
+    history_[id] = std::move(h);
+    const std::uint64_t shared = forked_.buffer().stats().pages_shared - shared_before;
+    if (shares_pages(policy_name(forked_.policy()).data()) && tokens >= kPageTokens) {
+      // Every full page in every (layer, kv head), by reference: counted twice in the pool.
+      REQUIRE(shared == std::uint64_t{tokens / kPageTokens} * kShape.layers * kShape.kv_heads);
+      std::vector<PageId> page;
+      forked_.buffer().table().cpu_pages(id, 0, 0, 0, page);
+      REQUIRE(forked_.buffer().cpu_pool().ref_count(page[0]) >= 2);  // more when the source is a fork too
+    } else {
+      REQUIRE(shared == 0);
+    }
+    check_bytes(id);
+  }
+
+  void finish(RequestId id) {
+    forked_.finish(id);
+    plain_.finish(id);
+    history_.erase(id);
+  }
+
+  // One decode step of every live request, each layer compared bit for bit.
+  void step() {
+    std::vector<RequestId> batch;
+    for (const auto& [id, h] : history_) batch.push_back(id);
+    if (batch.empty()) return;
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      const std::vector<float> q = draw(batch.size() * kShape.q_heads * kShape.head_dim);
+      const std::vector<float> k = draw(batch.size() * kRow), v = draw(batch.size() * kRow);
+      std::vector<float> a(batch.size() * kShape.q_heads * kShape.head_dim), b(a.size());
+      forked_.decode(batch, l, q.data(), k.data(), v.data(), a.data());
+      plain_.decode(batch, l, q.data(), k.data(), v.data(), b.data());
+      REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+      for (std::size_t i = 0; i < batch.size(); ++i) {
+        CAPTURE(l, batch[i]);
+        REQUIRE(forked_.retrieval(i).partitions == plain_.retrieval(i).partitions);
+        REQUIRE(forked_.retrieval(i).token_counts == plain_.retrieval(i).token_counts);
+        REQUIRE(forked_.retrieval(i).tail_tokens == plain_.retrieval(i).tail_tokens);
+        History& h = history_[batch[i]];
+        h.k[l].insert(h.k[l].end(), k.begin() + i * kRow, k.begin() + (i + 1) * kRow);
+        h.v[l].insert(h.v[l].end(), v.begin() + i * kRow, v.begin() + (i + 1) * kRow);
+      }
+    }
+  }
+
+  // The rows the forked manager holds in order in its CPU tier are the request's own.
+  void check_bytes(RequestId id) {
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      const std::uint32_t n = forked_.buffer().forkable_tokens(id, l);
+      std::vector<float> k(n * kRow), v(n * kRow);
+      forked_.buffer().read_prefix(id, l, n, k.data(), v.data());
+      REQUIRE(std::equal(k.begin(), k.end(), history_[id].k[l].begin()));
+      REQUIRE(std::equal(v.begin(), v.end(), history_[id].v[l].begin()));
+    }
+  }
+
+  std::uint32_t forkable(RequestId id) const {
+    std::uint32_t n = kMaxTokens;
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) n = std::min(n, forked_.buffer().forkable_tokens(id, l));
+    return n;
+  }
+  std::uint32_t tokens(RequestId id) const { return history_.at(id).tokens(); }
+  std::vector<RequestId> live() const {
+    std::vector<RequestId> ids;
+    for (const auto& [id, h] : history_) ids.push_back(id);
+    return ids;
+  }
+  std::mt19937& rng() { return rng_; }
+  const RuntimeManager& forked() const { return forked_; }
+  const RuntimeManager& plain() const { return plain_; }
+
+ private:
+  std::vector<float> draw(std::size_t n) {
+    std::normal_distribution<float> normal;
+    std::vector<float> x(n);
+    for (float& e : x) e = normal(rng_);
+    return x;
+  }
+
+  RuntimeManager forked_, plain_;
+  std::map<RequestId, History> history_;
+  std::mt19937 rng_;
+};
+
+}  // namespace
+
+TEST_CASE("shared prefix: a fork decodes as the same request prefilled unshared, bit for bit, for every policy",
+          "[facade][shared-prefix]") {
+  std::vector<std::string> policies = policy_names();
+  for (const std::string& p : eviction_policy_names()) policies.push_back(p);
+  for (const std::string& policy : policies) {
+    for (const std::uint32_t seed : {1u, 2u}) {
+      CAPTURE(policy, seed);
+      Twins t(policy, seed);
+      std::uniform_int_distribution<std::uint32_t> percent(0, 99);
+      RequestId next = 1;
+      std::uint32_t forks = 0;
+      for (std::uint32_t step = 0; step < 80; ++step) {
+        CAPTURE(step);
+        std::vector<RequestId> live = t.live();
+        if (live.size() < 2 || (live.size() < 6 && percent(t.rng()) < 15)) {
+          t.add(next++, std::uniform_int_distribution<std::uint32_t>(1, 40)(t.rng()));
+        }
+        live = t.live();
+        const RequestId source = live[std::uniform_int_distribution<std::size_t>(0, live.size() - 1)(t.rng())];
+        if (live.size() < 6 && percent(t.rng()) < 25 && t.forkable(source) > 0) {
+          const std::uint32_t tokens = std::uniform_int_distribution<std::uint32_t>(1, t.forkable(source))(t.rng());
+          t.fork(next++, source, tokens);
+          ++forks;
+        }
+        live = t.live();
+        for (const RequestId id : live) {
+          // The source often goes first: its fork must keep every byte it shares.
+          if (t.tokens(id) + 1 >= kMaxTokens || (live.size() > 2 && percent(t.rng()) < 6)) {
+            t.finish(id);
+            live = t.live();
+            for (const RequestId other : live) t.check_bytes(other);
+            break;
+          }
+        }
+        t.step();
+      }
+      CHECK(forks > 0);
+      t.forked().buffer().validate();
+      t.plain().buffer().validate();
+      if (shares_pages(policy)) {
+        CHECK(t.forked().buffer().stats().pages_shared > 0);
+        CHECK(t.forked().buffer().cpu_pool().used() < t.plain().buffer().cpu_pool().used());
+      }
+    }
+  }
+}
+
+TEST_CASE("shared prefix: a fork past what the source holds in order, or of itself, is refused and changes nothing",
+          "[facade][shared-prefix][errors]") {
+  RuntimeManager m(kShape, config(), make_policy("quest", 24));
+  std::vector<float> k(10 * kRow, 1.0f), v(10 * kRow, 2.0f), q(kShape.q_heads * kShape.head_dim, 0.5f);
+  m.add_request(1, kMaxTokens);
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
+  // 10 tokens: the prompt's pages hold 4, 4 and 2; the first decode tokens go to the tail.
+  REQUIRE(m.buffer().forkable_tokens(1, 0) == 10);
+  const RequestId one[] = {1};
+  std::vector<float> out(q.size());
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) m.decode(one, l, q.data(), k.data(), v.data(), out.data());
+  const std::uint64_t used = m.buffer().cpu_pool().used();
+  REQUIRE_SPARSEKV_ERROR(m.fork(2, 1, 11, kMaxTokens), ErrorCode::out_of_range);
+  REQUIRE_SPARSEKV_ERROR(m.fork(1, 1, 4, kMaxTokens), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(m.fork(2, 1, 0, kMaxTokens), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(m.fork(2, 7, 4, kMaxTokens), ErrorCode::not_found);
+  REQUIRE_SPARSEKV_ERROR(m.fork(2, 1, 8, 4), ErrorCode::invalid_argument);  // past its own max_tokens
+  REQUIRE_FALSE(m.has_request(2));
+  REQUIRE(m.buffer().cpu_pool().used() == used);
+  m.fork(2, 1, 10, kMaxTokens);
+  REQUIRE(m.has_request(2));
+  m.buffer().validate();
+}
