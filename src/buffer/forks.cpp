@@ -1,9 +1,10 @@
 // TieredKVBuffer's forks: a request started from the first tokens of another
-// (an engine's prefix cache, llama.cpp's seq_cp). The fork's rows are read
-// back from the source's CPU pages for its policy to index, and the full
-// pages that its partitions would write identically are shared by reference
-// count instead (PagedAttention+FlexAttention, Alg. 1), never written again.
+// (an engine's prefix cache, llama.cpp's seq_cp). The fork's policy reads
+// the rows it indexes back from the source's CPU pages; the full pages that
+// its partitions would write identically are shared by reference count
+// instead (PagedAttention+FlexAttention, Alg. 1), never written again.
 #include <cstring>
+#include <vector>
 
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
 #include "sparsekv/core/error.hpp"
@@ -31,67 +32,73 @@ std::uint32_t TieredKVBuffer::forkable_tokens(RequestId request, std::uint32_t l
   return tokens;
 }
 
-void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::uint32_t tokens, void* k,
-                                 void* v) const {
+void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end,
+                                 void* k, void* v) const {
   const RequestState& s = state(request);
-  if (tokens > 0 && (k == nullptr || v == nullptr)) {
-    fail(ErrorCode::invalid_argument, "read_prefix: K/V pointers must not be null");
-  }
   const std::uint32_t forkable = forkable_tokens(request, layer);
-  if (tokens > forkable) {
+  if (first > end || end > forkable) {
     fail(ErrorCode::out_of_range,
          "request {} layer {} holds its first {} tokens in order in the CPU tier (the rest are in the decode tail, "
-         "regrouped or evicted); cannot read {}",
-         request, layer, forkable, tokens);
+         "regrouped or evicted); cannot read tokens {} .. {}",
+         request, layer, forkable, first, end);
+  }
+  if (first < end && (k == nullptr || v == nullptr)) {
+    fail(ErrorCode::invalid_argument, "read_prefix: K/V pointers must not be null");
   }
   transfer_->synchronize();  // the last saved page may still be on its way to the CPU tier
   const std::uint32_t pt = config_.page_tokens;
   const std::size_t row = layout_.row_bytes();
-  const bool ordered = s.budget.evicts || tokens <= s.ordered_tokens[layer];
+  const bool ordered = s.budget.evicts || end <= s.ordered_tokens[layer];
   std::vector<PageId> pages;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    for (std::uint32_t t = 0; t < tokens; ++t) {
+    for (std::uint32_t t = first; t < end; ++t) {
       // In page order, position t is slot t % pt of partition t / pt (one page each); with eviction, where
       // the position map says; in a scattered prompt, where its placement says.
-      TokenPlacement at = ordered ? TokenPlacement{} : s.scattered[std::size_t{layer} * shape_.kv_heads + h].placements[t];
+      TokenPlacement at;
       if (ordered) {
         const std::uint32_t flat = s.budget.evicts ? eviction_head(s, layer, h).live.at(t) : t;
         pages.clear();
         table_.cpu_pages(request, layer, h, flat / pt, pages);
         at = {pages[0], flat % pt};
+      } else {
+        at = s.scattered[std::size_t{layer} * shape_.kv_heads + h].placements[t];
       }
       const std::byte* from = cpu_pool_.data(at.cpu_page);
-      const std::size_t to = (std::size_t{t} * shape_.kv_heads + h) * row;
+      const std::size_t to = (std::size_t{t - first} * shape_.kv_heads + h) * row;
       std::memcpy(static_cast<std::byte*>(k) + to, from + layout_.k_offset(at.slot), row);
       std::memcpy(static_cast<std::byte*>(v) + to, from + layout_.v_offset(at.slot), row);
     }
   }
 }
 
-void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::uint32_t layer, const KvChunk& kv,
+void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t tokens,
                                     std::span<const PartitionSpec> specs) {
   const RequestState& from = state(source);
   RequestState& s = state(request);
-  check_chunk(kv, layer);
+  check_index("layer", layer, shape_.layers);
   if (request == source) fail(ErrorCode::invalid_argument, "request {} cannot fork itself", request);
+  if (tokens == 0) fail(ErrorCode::invalid_argument, "a fork needs at least one token");
   if (s.tokens[layer] != 0) {
     fail(ErrorCode::failed_precondition, "offload_shared: request {} layer {} already holds tokens", request, layer);
   }
-  if (kv.tokens > forkable_tokens(source, layer)) {
+  if (tokens > forkable_tokens(source, layer)) {
     fail(ErrorCode::out_of_range, "offload_shared: request {} layer {} has {} tokens in order; cannot share {}", source,
-         layer, forkable_tokens(source, layer), kv.tokens);
+         layer, forkable_tokens(source, layer), tokens);
   }
   const std::uint32_t pt = config_.page_tokens;
+  const std::size_t row = layout_.row_bytes();
   // The full pages both layouts hold alike: page-sized uniform partitions from position 0.
-  bool shares = !s.budget.evicts && !from.budget.evicts && kv.tokens >= pt;
+  bool shares = !s.budget.evicts && !from.budget.evicts && tokens >= pt;
   for (const PartitionSpec& spec : specs) shares = shares && spec.partition_tokens() == pt;
+  const std::uint32_t shared = shares ? tokens / pt : 0;
+  std::vector<std::byte> k(std::size_t{tokens - shared * pt} * shape_.kv_heads * row), v(k.size());
   if (!shares) {
-    offload(request, layer, kv, specs);
+    read_prefix(source, layer, 0, tokens, k.data(), v.data());
+    offload(request, layer, KvChunk{k.data(), v.data(), tokens, shape_.dtype}, specs);
     return;
   }
-  check_offload_specs(request, layer, kv.tokens, specs);
-  const std::uint32_t shared = kv.tokens / pt;
-  const std::uint32_t rest = kv.tokens - shared * pt;
+  check_offload_specs(request, layer, tokens, specs);
+  const std::uint32_t rest = tokens - shared * pt;
   SegmentDemand segments;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     segments += table_.append_demand(request, layer, h, shared + (rest > 0 ? 1 : 0), shared + (rest > 0 ? 1 : 0));
@@ -103,21 +110,20 @@ void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::ui
   }
   table_.check_segments(segments);
 
-  transfer_->synchronize();  // a page freed by finish() may still be a save's target
-  const std::size_t row = layout_.row_bytes();
+  read_prefix(source, layer, shared * pt, tokens, k.data(), v.data());  // the partial last page's rows
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     partitions_.map_shared_prefix(request, source, layer, h, shared);
     if (rest == 0) continue;
     const MappedPartitions mapped = partitions_.map(request, layer, h, PartitionSpec::uniform(rest, pt));
     for (std::uint32_t i = 0; i < rest; ++i) {
       std::byte* page = cpu_pool_.data(mapped.placements[i].cpu_page);
-      const std::size_t at = (std::size_t{shared * pt + i} * shape_.kv_heads + h) * row;
-      std::memcpy(page + layout_.k_offset(i), static_cast<const std::byte*>(kv.k) + at, row);
-      std::memcpy(page + layout_.v_offset(i), static_cast<const std::byte*>(kv.v) + at, row);
+      const std::size_t at = (std::size_t{i} * shape_.kv_heads + h) * row;
+      std::memcpy(page + layout_.k_offset(i), k.data() + at, row);
+      std::memcpy(page + layout_.v_offset(i), v.data() + at, row);
     }
   }
-  s.tokens[layer] = kv.tokens;
-  s.ordered_tokens[layer] = kv.tokens;
+  s.tokens[layer] = tokens;
+  s.ordered_tokens[layer] = tokens;
   stats_.pages_shared += std::uint64_t{shared} * shape_.kv_heads;
   stats_.bytes_offloaded += 2 * std::uint64_t{rest} * shape_.kv_heads * row;
 }

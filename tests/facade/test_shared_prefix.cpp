@@ -132,7 +132,7 @@ class Twins {
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
       const std::uint32_t n = forked_.buffer().forkable_tokens(id, l);
       std::vector<float> k(n * kRow), v(n * kRow);
-      forked_.buffer().read_prefix(id, l, n, k.data(), v.data());
+      forked_.buffer().read_prefix(id, l, 0, n, k.data(), v.data());
       REQUIRE(std::equal(k.begin(), k.end(), history_[id].k[l].begin()));
       REQUIRE(std::equal(v.begin(), v.end(), history_[id].v[l].begin()));
     }
@@ -237,4 +237,38 @@ TEST_CASE("shared prefix: a fork past what the source holds in order, or of itse
   m.fork(2, 1, 10, kMaxTokens);
   REQUIRE(m.has_request(2));
   m.buffer().validate();
+}
+
+TEST_CASE("shared prefix: a Manager on a static policy forks too, reusing its summaries", "[facade][shared-prefix]") {
+  QuestPolicy::Options options;
+  options.budget_tokens = 8;
+  Manager<QuestPolicy> forked(kShape, config(), QuestPolicy(options)), plain(kShape, config(), QuestPolicy(options));
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  const auto draw = [&](std::size_t n) {
+    std::vector<float> x(n);
+    for (float& e : x) e = normal(rng);
+    return x;
+  };
+  const std::vector<float> k = draw(30 * kRow), v = draw(30 * kRow);
+  for (auto* m : {&forked, &plain}) {
+    m->add_request(1, kMaxTokens);
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) m->prefill(1, l, k.data(), v.data(), 30);
+  }
+  forked.fork(2, 1, 27, kMaxTokens);
+  plain.add_request(2, kMaxTokens);
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) plain.prefill(2, l, k.data(), v.data(), 27);
+  // 6 full pages reused and shared per (layer, kv head); the 3-token page written.
+  REQUIRE(forked.buffer().stats().pages_shared == 6u * kShape.layers * kShape.kv_heads);
+  const RequestId batch[] = {2, 1};
+  for (std::uint32_t step = 0; step < 12; ++step) {
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      const std::vector<float> q = draw(2 * kShape.q_heads * kShape.head_dim), kn = draw(2 * kRow), vn = draw(2 * kRow);
+      std::vector<float> a(q.size()), b(q.size());
+      forked.decode(batch, l, q.data(), kn.data(), vn.data(), a.data());
+      plain.decode(batch, l, q.data(), kn.data(), vn.data(), b.data());
+      REQUIRE(a == b);
+      REQUIRE(forked.retrieval(0).partitions == plain.retrieval(0).partitions);
+    }
+  }
 }

@@ -313,18 +313,20 @@ class TieredKVBuffer {
   // or saved in page-sized partitions from a page boundary; none once a
   // policy regroups them); with eviction, the leading positions all still live.
   std::uint32_t forkable_tokens(RequestId request, std::uint32_t layer) const;
-  // Copies the K/V rows of positions [0, tokens) of the layer into k and v
-  // ([tokens][kv_heads][head_dim], the model dtype): what a fork re-indexes.
-  // Refuses (out_of_range) tokens beyond forkable_tokens().
-  void read_prefix(RequestId request, std::uint32_t layer, std::uint32_t tokens, void* k, void* v) const;
-  // offload() of `source`'s first kv.tokens tokens (read_prefix's rows) into
-  // `request`'s empty layer, sharing `source`'s CPU pages by reference where
-  // the specs' partitions are the same full pages: a uniform spec of
-  // page-sized partitions shares every full page and writes the partial last
-  // one; any other spec, or a request that evicts, writes every row (the
-  // partitions differ, or masks must stay the request's own). Same checks as
-  // offload(), changing nothing on failure.
-  void offload_shared(RequestId request, RequestId source, std::uint32_t layer, const KvChunk& kv,
+  // Copies the K/V rows of positions [first, end) of the layer into k and v
+  // ([end - first][kv_heads][head_dim], the model dtype): what a fork's
+  // policy indexes. Refuses (out_of_range) `end` beyond forkable_tokens().
+  void read_prefix(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end, void* k,
+                   void* v) const;
+  // offload() of `source`'s first `tokens` tokens into `request`'s empty
+  // layer, laid out by `specs`: where the specs' partitions are the same full
+  // pages (a uniform spec of page-sized partitions) the pages are `source`'s,
+  // shared by reference count, and only the partial last page is written;
+  // any other spec, or a request that evicts, has every row copied (the
+  // partitions differ, or masks must stay the request's own). The rows come
+  // from `source`'s CPU pages. Same checks as offload(), changing nothing on
+  // failure.
+  void offload_shared(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t tokens,
                       std::span<const PartitionSpec> specs);
 
   bool has_request(RequestId request) const noexcept { return requests_.contains(request); }

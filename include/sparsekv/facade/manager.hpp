@@ -219,10 +219,12 @@ class Manager {
   // Starts `request` as the first `tokens` tokens of live request `source`
   // (an engine's prefix cache, llama.cpp's seq_cp; docs/integration.md,
   // "Shared prefixes"): add_request(request, max_tokens), then in every layer
-  // the prefill of those tokens' K/V, which the library reads back from
-  // `source`'s CPU pages. The policy indexes them as a prefill would; the full
-  // pages its partitions share with `source` (page-sized uniform ones) are
-  // mapped by reference, the partial last page is copied. The two requests
+  // the prefill of those tokens' K/V, which the library takes from
+  // `source`'s CPU pages. The policy indexes them as a prefill would, reusing
+  // the source's summaries of the pages the two share where it can
+  // (ForksIndex); the full pages its partitions share with `source`
+  // (page-sized uniform ones) are mapped by reference, the partial last page
+  // is copied. The two requests
   // then decode independently, each exactly as if prefilled unshared; either
   // may finish first. `tokens` may reach only what the source holds in page
   // order in the CPU tier in every layer (TieredKVBuffer::forkable_tokens:
@@ -247,13 +249,15 @@ class Manager {
     }
     add_request(request, max_tokens);
     try {
-      const std::size_t bytes = std::size_t{tokens} * scope_.kv_row() * dtype_size(shape_.dtype);
-      fork_k_.resize(bytes);
-      fork_v_.resize(bytes);
       for (std::uint32_t l = 0; l < shape_.layers; ++l) {
-        buffer_->read_prefix(source, l, tokens, fork_k_.data(), fork_v_.data());
+        const State& from = state(source).layers[l].policy;
+        const ForkSource<Policy> fork{source, &from, reused_tokens(policy_, context(l, tokens), from)};
+        const std::size_t bytes = std::size_t{tokens - fork.reused_tokens} * scope_.kv_row() * dtype_size(shape_.dtype);
+        fork_k_.resize(bytes);
+        fork_v_.resize(bytes);
+        buffer_->read_prefix(source, l, fork.reused_tokens, tokens, fork_k_.data(), fork_v_.data());
         LayerStepState<State>& ls = prefill_entry(request, l, tokens);
-        host_prefill(scope_, request, l, ls, fork_k_.data(), fork_v_.data(), tokens, keys_, values_, source);
+        host_fork_prefill(scope_, request, l, ls, fork_k_.data(), fork_v_.data(), tokens, keys_, values_, fork);
       }
     } catch (...) {
       finish(request);

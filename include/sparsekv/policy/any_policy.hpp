@@ -33,6 +33,14 @@ class AnyPolicy {
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, std::any& state) const {
     return impl_->index(ctx, kv, state);
   }
+  // ForksIndex of the wrapped policy: 0 reused tokens and index() for a policy without it.
+  std::uint32_t reused_tokens(const LayerContext& ctx, const std::any& source) const {
+    return impl_->reused_tokens(ctx, source);
+  }
+  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const std::any& source, const KvView& kv,
+                                        std::any& state) const {
+    return impl_->fork_index(ctx, source, kv, state);
+  }
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, std::any& state) const {
     return impl_->append(ctx, page, state);
   }
@@ -98,6 +106,9 @@ class AnyPolicy {
     virtual bool may_regroup() const = 0;
     virtual std::any make_state() const = 0;
     virtual std::vector<PartitionSpec> index(const LayerContext&, const KvView&, std::any&) const = 0;
+    virtual std::uint32_t reused_tokens(const LayerContext&, const std::any&) const = 0;
+    virtual std::vector<PartitionSpec> fork_index(const LayerContext&, const std::any&, const KvView&,
+                                                  std::any&) const = 0;
     virtual std::optional<Repartition> append(const LayerContext&, const AppendedPage&, std::any&) const = 0;
     virtual void select(const LayerContext&, const DecodeQuery&, const std::any&, Selection&) const = 0;
     virtual bool selects_by_head() const = 0;
@@ -134,6 +145,13 @@ class AnyPolicy {
     std::any make_state() const override { return State{}; }
     std::vector<PartitionSpec> index(const LayerContext& c, const KvView& kv, std::any& s) const override {
       return policy.index(c, kv, std::any_cast<State&>(s));
+    }
+    std::uint32_t reused_tokens(const LayerContext& c, const std::any& source) const override {
+      return sparsekv::reused_tokens(policy, c, std::any_cast<const State&>(source));
+    }
+    std::vector<PartitionSpec> fork_index(const LayerContext& c, const std::any& source, const KvView& kv,
+                                          std::any& s) const override {
+      return sparsekv::fork_index(policy, c, std::any_cast<const State&>(source), kv, std::any_cast<State&>(s));
     }
     std::optional<Repartition> append(const LayerContext& c, const AppendedPage& p, std::any& s) const override {
       return policy.append(c, p, std::any_cast<State&>(s));
@@ -213,6 +231,13 @@ namespace sparsekv {
 // on a policy chosen at run time: one virtual call each.
 inline std::any make_layer_state(const AnyPolicy& p) { return p.make_state(); }
 inline std::string_view policy_name(const AnyPolicy& p) { return p.name(); }
+inline std::uint32_t reused_tokens(const AnyPolicy& p, const LayerContext& ctx, const std::any& source) {
+  return p.reused_tokens(ctx, source);
+}
+inline std::vector<PartitionSpec> fork_index(const AnyPolicy& p, const LayerContext& ctx, const std::any& source,
+                                             const KvView& kv, std::any& state) {
+  return p.fork_index(ctx, source, kv, state);
+}
 inline bool has_custom_attend(const AnyPolicy& p) { return p.has_attend(); }
 inline bool may_regroup(const AnyPolicy& p) { return p.may_regroup(); }
 inline void custom_attend(const AnyPolicy& p, const LayerContext& ctx, const DecodeQuery& q, const std::any& state,

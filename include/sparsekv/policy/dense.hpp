@@ -27,8 +27,13 @@ class DensePolicy {
   explicit DensePolicy(const Options&) {}
 
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
-    state.partitions.assign(ctx.kv_heads, PartitionSpec::uniform(kv.tokens, ctx.page_tokens).partition_count());
-    return {PartitionSpec::uniform(kv.tokens, ctx.page_tokens)};
+    return {pages(ctx, kv.tokens, state)};
+  }
+  // Index reads no K/V: a fork takes every token from its source.
+  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState&) const { return ctx.tokens; }
+  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState&, const KvView&,
+                                        LayerState& state) const {
+    return {pages(ctx, ctx.tokens, state)};
   }
   std::optional<Repartition> append(const LayerContext&, const AppendedPage&, LayerState& state) const {
     for (auto& count : state.partitions) ++count;
@@ -48,6 +53,13 @@ class DensePolicy {
   std::uint32_t mandatory_pages(const LayerContext& ctx) const {
     const std::uint64_t pages = (std::uint64_t{ctx.tokens} + ctx.page_tokens - 1) / ctx.page_tokens + 1;
     return static_cast<std::uint32_t>(std::min<std::uint64_t>(pages, std::numeric_limits<std::uint32_t>::max()));
+  }
+
+ private:
+  static PartitionSpec pages(const LayerContext& ctx, std::uint32_t tokens, LayerState& state) {
+    const PartitionSpec spec = PartitionSpec::uniform(tokens, ctx.page_tokens);
+    state.partitions.assign(ctx.kv_heads, spec.partition_count());
+    return spec;
   }
 };
 

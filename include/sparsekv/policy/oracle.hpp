@@ -51,6 +51,24 @@ class OraclePolicy {
         [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) { add_keys(s, h, kv, first, count); })};
   }
 
+  // A fork reuses the source's keys of its whole leading pages.
+  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState& source) const {
+    return reusable_uniform_tokens(ctx, source, ctx.page_tokens);
+  }
+  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState& source, const KvView& kv,
+                                        LayerState& state) const {
+    check_layer_context(kName, ctx);
+    check_kv_view(kName, ctx, kv, false);
+    return {fork_uniform_partitions(
+        ctx, source, kv, ctx.page_tokens, state,
+        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
+          to.keys.resize(ctx.kv_heads);
+          const std::size_t values = std::size_t{partitions} * ctx.page_tokens * ctx.head_dim;
+          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) to.keys[h].assign(from.keys[h].begin(), from.keys[h].begin() + values);
+        },
+        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) { add_keys(s, h, kv, first, count); })};
+  }
+
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
     check_layer_context(kName, ctx);
     check_appended_page(kName, ctx, page, false);

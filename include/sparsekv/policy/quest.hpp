@@ -114,6 +114,28 @@ class QuestPolicy {
         })};
   }
 
+  // A fork reuses the source's bounds of its whole leading Quest pages.
+  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState& source) const {
+    return reusable_uniform_tokens(ctx, source, partition_tokens(ctx));
+  }
+  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState& source, const KvView& kv,
+                                        LayerState& state) const {
+    check_kv(ctx, kv);
+    return {fork_uniform_partitions(
+        ctx, source, kv, partition_tokens(ctx), state,
+        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
+          to.min.resize(ctx.kv_heads);
+          to.max.resize(ctx.kv_heads);
+          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+            to.min[h].assign(from.min[h].begin(), from.min[h].begin() + std::size_t{partitions} * ctx.head_dim);
+            to.max[h].assign(from.max[h].begin(), from.max[h].begin() + std::size_t{partitions} * ctx.head_dim);
+          }
+        },
+        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
+          add_bounds(s, h, kv, first, count);
+        })};
+  }
+
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
     check_context(ctx);
     check_appended_page(kName, ctx, page, false);

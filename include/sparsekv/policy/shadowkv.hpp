@@ -85,6 +85,29 @@ class ShadowKVPolicy {
         })};
   }
 
+  // A fork reuses the source's landmarks and outlier scores of its whole leading pages.
+  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState& source) const {
+    return reusable_uniform_tokens(ctx, source, ctx.page_tokens);
+  }
+  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState& source, const KvView& kv,
+                                        LayerState& state) const {
+    check_kv(ctx, kv);
+    return {fork_uniform_partitions(
+        ctx, source, kv, ctx.page_tokens, state,
+        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
+          to.landmarks.resize(ctx.kv_heads);
+          to.outlier_score.resize(ctx.kv_heads);
+          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+            to.landmarks[h].assign(from.landmarks[h].begin(),
+                                   from.landmarks[h].begin() + std::size_t{partitions} * ctx.head_dim);
+            to.outlier_score[h].assign(from.outlier_score[h].begin(), from.outlier_score[h].begin() + partitions);
+          }
+        },
+        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
+          summarize(s, h, kv, first, count);
+        })};
+  }
+
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
     check_appended_page(kName, ctx, page, false);
     check_state(ctx, state);

@@ -49,6 +49,16 @@
 //                               given h's selection
 // Each must equal its slice of the whole-request call bit for bit; a policy
 // with only select() / attend() is run one request per thread.
+// and optionally (ForksIndex), so that a fork (Manager::fork: a request
+// started from the first tokens of another) reuses what the source's Index
+// built instead of indexing those tokens again:
+//   p.reused_tokens(ctx, source)  how many of the fork's first ctx.tokens
+//                               tokens fork_index takes from `source`, the
+//                               layer state of the request it starts from
+//   p.fork_index(ctx, source, kv, state)  index() of the fork's first
+//                               ctx.tokens tokens, bit for bit, given only
+//                               those from kv.first_position =
+//                               reused_tokens(ctx, source) on
 //
 // Threads: select, select_head, attend and attend_head may be called
 // concurrently on one const policy, for different requests and kv heads, when
@@ -68,6 +78,7 @@
 
 #include "sparsekv/attention/attention_partial.hpp"
 #include "sparsekv/core/config.hpp"
+#include "sparsekv/core/error.hpp"
 #include "sparsekv/core/ids.hpp"
 #include "sparsekv/partition/partition_spec.hpp"
 
@@ -189,6 +200,14 @@ concept DeclaresHeadCapacity = SparseAttention<P> && requires(const P& policy, c
   { policy.head_capacity(ctx) } -> std::same_as<HeadCapacity>;
 };
 
+template <class P>
+concept ForksIndex = SparseAttention<P> &&
+    requires(const P& policy, const typename P::LayerState& source, typename P::LayerState& state,
+             const LayerContext& ctx, const KvView& kv) {
+      { policy.reused_tokens(ctx, source) } -> std::same_as<std::uint32_t>;
+      { policy.fork_index(ctx, source, kv, state) } -> std::same_as<std::vector<PartitionSpec>>;
+    };
+
 // The calls a decode step makes on any policy, its optional parts answered
 // here once; AnyPolicy overloads each (any_policy.hpp), so a step templated on
 // the policy serves a static policy and one chosen at run time alike.
@@ -237,6 +256,26 @@ constexpr bool may_regroup(const P&) {
     return P::kRegroups;
   } else {
     return true;
+  }
+}
+// A fork's Index (ForksIndex): what it takes from the source's state, 0
+// without the hook; and the Index itself, index() of kv (all ctx.tokens
+// tokens, first_position 0) without it.
+template <SparseAttention P>
+std::uint32_t reused_tokens(const P& p, const LayerContext& ctx, const typename P::LayerState& source) {
+  if constexpr (ForksIndex<P>) {
+    return p.reused_tokens(ctx, source);
+  } else {
+    return 0;
+  }
+}
+template <SparseAttention P>
+std::vector<PartitionSpec> fork_index(const P& p, const LayerContext& ctx, const typename P::LayerState& source,
+                                      const KvView& kv, typename P::LayerState& state) {
+  if constexpr (ForksIndex<P>) {
+    return p.fork_index(ctx, source, kv, state);
+  } else {
+    return p.index(ctx, kv, state);
   }
 }
 // The policy's HeadCapacity, nullopt when it declares none.
@@ -295,6 +334,57 @@ void append_page_partition(const LayerContext& ctx, const AppendedPage& page, St
     state.ids[h].push_back(page.partitions[h]);
     summarize(state, h, page.page, 0, page.page.tokens);
   }
+}
+
+// A fork's Index of the same policies (ForksIndex): the leading whole
+// partitions of `source` numbered 0, 1, ... in every kv head are the fork's
+// too, summarised alike; reusable_uniform_tokens says how many tokens they
+// hold (at most ctx.tokens).
+template <class State>
+std::uint32_t reusable_uniform_tokens(const LayerContext& ctx, const State& source, std::uint32_t partition_tokens) {
+  const std::uint32_t most = ctx.tokens / partition_tokens;
+  std::uint32_t n = 0;
+  const auto numbered = [&](std::uint32_t p) {
+    if (source.ids.size() != ctx.kv_heads) return false;
+    for (const auto& ids : source.ids) {
+      if (ids.size() <= p || ids[p] != p) return false;
+    }
+    return true;
+  };
+  while (n < most && n < source.tokens.size() && source.tokens[n] == partition_tokens && numbered(n)) ++n;
+  return n * partition_tokens;
+}
+// fork_index of those policies: the reused partitions' ids and token counts,
+// copy_prefix(source, state, partitions) copying their summaries, then the
+// rest summarised as index_uniform_partitions does, from kv (tokens
+// kv.first_position .. ctx.tokens - 1). Built into a fresh State.
+template <class State, class CopyPrefix, class Summarize>
+PartitionSpec fork_uniform_partitions(const LayerContext& ctx, const State& source, const KvView& kv,
+                                      std::uint32_t partition_tokens, State& state, CopyPrefix&& copy_prefix,
+                                      Summarize&& summarize) {
+  if (kv.first_position != reusable_uniform_tokens(ctx, source, partition_tokens) ||
+      kv.first_position + kv.tokens != ctx.tokens) {
+    fail(ErrorCode::invalid_argument,
+         "fork_index: K/V of tokens {} .. {} given; the fork takes {} of its {} tokens from its source", kv.first_position,
+         kv.first_position + kv.tokens, reusable_uniform_tokens(ctx, source, partition_tokens), ctx.tokens);
+  }
+  const PartitionSpec spec = PartitionSpec::uniform(ctx.tokens, partition_tokens);
+  const std::uint32_t reused = kv.first_position / partition_tokens;
+  State next;
+  next.head_dim = ctx.head_dim;
+  next.tokens.assign(source.tokens.begin(), source.tokens.begin() + reused);
+  next.ids.resize(ctx.kv_heads);
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) next.ids[h].assign(source.ids[h].begin(), source.ids[h].begin() + reused);
+  copy_prefix(source, next, reused);
+  for (std::uint32_t p = reused; p < spec.partition_count(); ++p) {
+    next.tokens.push_back(spec.size(p));
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      next.ids[h].push_back(p);
+      summarize(next, h, spec.token(p, 0) - kv.first_position, spec.size(p));
+    }
+  }
+  state = std::move(next);
+  return spec;
 }
 
 // Top-k helper the policies share: indices of the k largest scores, ties to

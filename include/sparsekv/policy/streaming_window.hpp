@@ -42,6 +42,15 @@ class StreamingWindowPolicy {
     state.prompt_tokens = kv.tokens;
     return {spec};
   }
+  // Index reads no K/V: a fork takes every token from its source.
+  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState&) const { return ctx.tokens; }
+  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState&, const KvView&,
+                                        LayerState& state) const {
+    const PartitionSpec spec = PartitionSpec::uniform(ctx.tokens, ctx.page_tokens);
+    state.partitions.assign(ctx.kv_heads, spec.partition_count());
+    state.prompt_tokens = ctx.tokens;
+    return {spec};
+  }
   std::optional<Repartition> append(const LayerContext&, const AppendedPage&, LayerState& state) const {
     for (auto& count : state.partitions) ++count;
     return std::nullopt;
@@ -79,6 +88,13 @@ class StreamingWindowPolicy {
   }
 
  private:
+  static PartitionSpec pages(const LayerContext& ctx, std::uint32_t tokens, LayerState& state) {
+    const PartitionSpec spec = PartitionSpec::uniform(tokens, ctx.page_tokens);
+    state.partitions.assign(ctx.kv_heads, spec.partition_count());
+    state.prompt_tokens = tokens;
+    return spec;
+  }
+
   Options options_;
 };
 

@@ -17,27 +17,42 @@
 
 namespace sparsekv {
 
+// Where a fork's prompt comes from (Manager::fork): the request it starts
+// from, that request's policy state of the layer, and the tokens the
+// policy's fork_index takes from that state (they need no conversion nor Index).
+template <class Policy>
+struct ForkSource {
+  RequestId request = 0;
+  const typename Policy::LayerState* state = nullptr;
+  std::uint32_t reused_tokens = 0;
+};
+
 // Index of the prompt in `keys` / `values` (fp32 [tokens][kv_heads][head_dim])
 // and Offload of k / v (host, model dtype) into the CPU tier; the layer is
 // then prefilled. A policy that evicts without attention weights
 // (StreamingLLM) cuts a prompt over its budget here; the buffer applies the
 // cut at the first decode step, as every decision, before that step's token
-// is placed. With `fork_of`, the prompt is that request's first tokens and
-// its pages are shared where they coincide (TieredKVBuffer::offload_shared).
-// Throws what Index or Offload throw, changing nothing.
+// is placed. With `fork`, the prompt is the first tokens of fork->request:
+// keys / values hold only those past fork->reused_tokens, the policy's
+// fork_index takes the rest from fork->state, and the pages are shared where
+// they coincide (TieredKVBuffer::offload_shared). Throws what Index or
+// Offload throw, changing nothing.
 template <class Policy>
 void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::uint32_t layer,
                        LayerStepState<typename Policy::LayerState>& ls, const void* k, const void* v,
                        std::span<const float> keys, std::span<const float> values, std::uint32_t tokens,
-                       std::optional<RequestId> fork_of = std::nullopt) {
+                       const ForkSource<Policy>* fork = nullptr) {
   using Clock = std::chrono::steady_clock;
   const Policy& policy = *scope.policy;
   const ModelShape& shape = *scope.shape;
   const auto t0 = Clock::now();
-  const KvView view{keys, values, tokens, shape.kv_heads, shape.head_dim, 0};
+  const std::uint32_t first = fork ? fork->reused_tokens : 0;
+  const KvView view{keys, values, tokens - first, shape.kv_heads, shape.head_dim, first};
   // Indexed into a copy: a policy's state changes only if the offload succeeds.
   typename Policy::LayerState indexed = ls.policy;
-  std::vector<PartitionSpec> specs = policy.index(scope.context(layer, tokens), view, indexed);
+  const LayerContext ctx = scope.context(layer, tokens);
+  std::vector<PartitionSpec> specs =
+      fork ? sparsekv::fork_index(policy, ctx, *fork->state, view, indexed) : policy.index(ctx, view, indexed);
   std::optional<Eviction> cut;
   if (evicts_tokens(policy) && !needs_token_weights(policy)) {
     EvictionContext e;
@@ -48,8 +63,8 @@ void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::u
     if (drops_any(out)) cut = std::move(out);
   }
   const auto t1 = Clock::now();
-  if (fork_of) {
-    scope.buffer->offload_shared(request, *fork_of, layer, KvChunk{k, v, tokens, shape.dtype}, specs);
+  if (fork) {
+    scope.buffer->offload_shared(request, fork->request, layer, tokens, specs);
   } else {
     scope.buffer->offload(request, layer, KvChunk{k, v, tokens, shape.dtype}, specs);
   }
@@ -66,14 +81,28 @@ void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::u
 template <class Policy>
 void host_prefill(const StepScope<Policy>& scope, RequestId request, std::uint32_t layer,
                   LayerStepState<typename Policy::LayerState>& ls, const void* k, const void* v, std::uint32_t tokens,
-                  std::vector<float>& keys, std::vector<float>& values,
-                  std::optional<RequestId> fork_of = std::nullopt) {
+                  std::vector<float>& keys, std::vector<float>& values) {
   const std::size_t n = std::size_t{tokens} * scope.kv_row();
   scope.to_float(k, n, keys);
   scope.to_float(v, n, values);
   scope.check_finite("prefill k", request, keys, 0);
   scope.check_finite("prefill v", request, values, 0);
-  index_and_offload(scope, request, layer, ls, k, v, keys, values, tokens, fork_of);
+  index_and_offload(scope, request, layer, ls, k, v, keys, values, tokens);
+}
+
+// A fork's prefill (Manager::fork) of the source's first `tokens` tokens:
+// k / v hold the rows past fork.reused_tokens, read back from the CPU tier
+// (finite: the tier holds no other) for the policy to index; the buffer
+// takes the bytes from the source's pages itself.
+template <class Policy>
+void host_fork_prefill(const StepScope<Policy>& scope, RequestId request, std::uint32_t layer,
+                       LayerStepState<typename Policy::LayerState>& ls, const void* k, const void* v,
+                       std::uint32_t tokens, std::vector<float>& keys, std::vector<float>& values,
+                       const ForkSource<Policy>& fork) {
+  const std::size_t n = std::size_t{tokens - fork.reused_tokens} * scope.kv_row();
+  scope.to_float(k, n, keys);
+  scope.to_float(v, n, values);
+  index_and_offload(scope, request, layer, ls, nullptr, nullptr, keys, values, tokens, &fork);
 }
 
 }  // namespace sparsekv
