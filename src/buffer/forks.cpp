@@ -87,45 +87,50 @@ void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::ui
   }
   const std::uint32_t pt = config_.page_tokens;
   const std::size_t row = layout_.row_bytes();
-  // The full pages both layouts hold alike: page-sized uniform partitions from position 0.
-  bool shares = !s.budget.evicts && !from.budget.evicts && tokens >= pt;
-  for (const PartitionSpec& spec : specs) shares = shares && spec.partition_tokens() == pt;
-  const std::uint32_t shared = shares ? tokens / pt : 0;
-  std::vector<std::byte> k(std::size_t{tokens - shared * pt} * shape_.kv_heads * row), v(k.size());
-  if (!shares) {
+  // The full pages both layouts hold alike: page-sized uniform partitions from
+  // position 0; from a source that evicts, its leading pages that still hold
+  // positions p * pt .. in order, every slot live (the other rows copied).
+  bool uniform = true;
+  for (const PartitionSpec& spec : specs) uniform = uniform && spec.partition_tokens() == pt;
+  std::uint32_t shared = uniform ? tokens / pt : 0;
+  for (std::uint32_t h = 0; from.budget.evicts && h < shape_.kv_heads; ++h) {
+    const EvictionHead& e = eviction_head(from, layer, h);
+    for (std::uint32_t p = 0; p < shared; ++p) {
+      for (std::uint32_t i = 0; i < pt; ++i) {
+        if (e.slot_position[std::size_t{p} * pt + i] != p * pt + i) shared = p;
+      }
+    }
+  }
+  const std::uint32_t rest = tokens - shared * pt;
+  std::vector<std::byte> k(std::size_t{rest} * shape_.kv_heads * row), v(k.size());
+  if (shared == 0) {
     read_prefix(source, layer, 0, tokens, k.data(), v.data());
     offload(request, layer, KvChunk{k.data(), v.data(), tokens, shape_.dtype}, specs);
     return;
   }
   check_offload_specs(request, layer, tokens, specs);
-  const std::uint32_t rest = tokens - shared * pt;
+  const std::uint32_t rest_pages = pages_for_tokens(rest, pt);
   SegmentDemand segments;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    segments += table_.append_demand(request, layer, h, shared + (rest > 0 ? 1 : 0), shared + (rest > 0 ? 1 : 0));
+    segments += table_.append_demand(request, layer, h, shared + rest_pages, shared + rest_pages);
   }
-  const std::uint64_t written = rest > 0 ? shape_.kv_heads : 0;
+  const std::uint64_t written = std::uint64_t{rest_pages} * shape_.kv_heads;
   if (written > cpu_pool_.available()) {
     fail(ErrorCode::resource_exhausted, "request {} layer {}: offload needs {} CPU pages, {} free", request, layer,
          written, cpu_pool_.available());
   }
   table_.check_segments(segments);
 
-  read_prefix(source, layer, shared * pt, tokens, k.data(), v.data());  // the partial last page's rows
-  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    partitions_.map_shared_prefix(request, source, layer, h, shared);
-    if (rest == 0) continue;
-    const MappedPartitions mapped = partitions_.map(request, layer, h, PartitionSpec::uniform(rest, pt));
-    for (std::uint32_t i = 0; i < rest; ++i) {
-      std::byte* page = cpu_pool_.data(mapped.placements[i].cpu_page);
-      const std::size_t at = (std::size_t{i} * shape_.kv_heads + h) * row;
-      std::memcpy(page + layout_.k_offset(i), k.data() + at, row);
-      std::memcpy(page + layout_.v_offset(i), v.data() + at, row);
-    }
+  read_prefix(source, layer, shared * pt, tokens, k.data(), v.data());
+  if (s.budget.evicts) {
+    share_prefix(request, source, layer, shared);  // with the positions, masks and open page
+  } else {
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) partitions_.map_shared_prefix(request, source, layer, h, shared);
+    s.tokens[layer] = s.ordered_tokens[layer] = shared * pt;
   }
-  s.tokens[layer] = tokens;
-  s.ordered_tokens[layer] = tokens;
   stats_.pages_shared += std::uint64_t{shared} * shape_.kv_heads;
-  stats_.bytes_offloaded += 2 * std::uint64_t{rest} * shape_.kv_heads * row;
+  // The rest as a prefill continuing at position shared * pt.
+  if (rest > 0) offload(request, layer, KvChunk{k.data(), v.data(), rest, shape_.dtype}, std::vector{PartitionSpec::uniform(rest, pt)});
 }
 
 }  // namespace sparsekv

@@ -87,12 +87,8 @@ std::vector<TieredKVBuffer::HeadEviction> TieredKVBuffer::plan_evict(
     HeadEviction& plan = plans[h];
     std::map<PartitionId, SlotMask> after;
     for (const auto& [partition, slots_position] : dying) {
-      if (shared(request, layer, h, partition)) {
-        fail(ErrorCode::failed_precondition,
-             "request {} layer {} kv head {} position {} lies in a page shared with another request; shared prefix "
-             "pages cannot be masked",
-             request, layer, h, slots_position.second);
-      }
+      // Copy-on-evict: a fork's shared page is copied for this request, which then masks its copy.
+      if (shared(request, layer, h, partition)) plan.copied.push_back(partition);
       const SlotMask mask = table_.slot_mask(request, layer, h, table_.first_page_index(request, layer, h, partition));
       plan.cleared.emplace_back(partition, slots_position.first);
       after[partition] = mask & ~slots_position.first;
@@ -101,10 +97,10 @@ std::vector<TieredKVBuffer::HeadEviction> TieredKVBuffer::plan_evict(
     }
     if (strategy != EvictionStrategy::sparse_copy || dying.empty()) continue;
     // The run starts at the first page with a dead slot once evicted, among the
-    // trailing pages no other request shares (a shared prefix leads).
+    // trailing pages no other request shares once the copies are made (a shared prefix leads).
     const std::uint32_t count = table_.partition_count(request, layer, h);
     PartitionId unshared = count;
-    while (unshared > 0 && !shared(request, layer, h, unshared - 1)) --unshared;
+    while (unshared > 0 && (!shared(request, layer, h, unshared - 1) || dying.contains(unshared - 1))) --unshared;
     for (PartitionId p = unshared; p < count; ++p) {
       const std::uint32_t tokens = table_.meta(request, layer, h, p).token_count();
       const SlotMask mask = after.contains(p) ? after[p]
@@ -173,6 +169,7 @@ EvictionDemand TieredKVBuffer::append_demand_evicting(RequestId request, std::ui
       const auto it = cleared.find(p);
       return it == cleared.end() ? mask : mask & ~it->second;
     };
+    d.copied_pages += plan.copied.size();
     d.freed_pages += plan.released.size();
     const std::uint32_t run_new = plan.run ? pages_for_tokens(plan.run_live, pt) : 0;
     if (plan.run) d.freed_pages += plan.run_pages - run_new;
@@ -284,10 +281,22 @@ void TieredKVBuffer::compact(RequestId request, RequestState& s, std::uint32_t l
 void TieredKVBuffer::evict(RequestId request, std::uint32_t layer,
                            std::span<const std::vector<std::uint32_t>> positions) {
   const std::vector<HeadEviction> plans = plan_evict(request, layer, positions);  // every check
-  const bool compacts = std::any_of(plans.begin(), plans.end(), [](const HeadEviction& p) { return p.run.has_value(); });
+  const bool copies = std::any_of(plans.begin(), plans.end(), [](const HeadEviction& p) {
+    return p.run.has_value() || !p.copied.empty();
+  });
+  std::uint64_t copied = 0;
+  for (const HeadEviction& plan : plans) copied += plan.copied.size();
+  if (copied > cpu_pool_.available()) {
+    fail(ErrorCode::resource_exhausted, "request {} layer {}: copying the shared pages it evicts from needs {} CPU "
+         "pages, {} free", request, layer, copied, cpu_pool_.available());
+  }
   RequestState& s = state(request);
   const std::uint32_t pt = config_.page_tokens;
-  if (compacts) transfer_->synchronize();  // the run's rows may still be in flight to their CPU pages
+  if (copies) transfer_->synchronize();  // the rows may still be in flight to their CPU pages
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    for (const PartitionId partition : plans[h].copied) partitions_.unshare_page(request, layer, h, partition);
+    stats_.pages_unshared += plans[h].copied.size();
+  }
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     EvictionHead& e = eviction_head(s, layer, h);
     for (const auto& [partition, slots] : plans[h].cleared) {

@@ -471,6 +471,17 @@ void HierarchicalPageTable::reuse_freed(RequestId request, std::uint32_t layer, 
   masks_->at(inst, index) = full_slot_mask(1);
 }
 
+PageId HierarchicalPageTable::replace_page(RequestId request, std::uint32_t layer, std::uint32_t head,
+                                          PartitionId partition, PageId page) {
+  const std::size_t inst = instance(request, layer, head);
+  check_open_page(inst, partition, "replace_page");
+  if (page == kInvalidPage) fail(ErrorCode::invalid_argument, "replace_page: the CPU page is invalid");
+  const std::uint32_t index = offsets_.at(inst, partition);
+  const PageId held = cpu_pages_.at(inst, index);
+  cpu_pages_.at(inst, index) = page;
+  return held;
+}
+
 std::uint32_t HierarchicalPageTable::gpu_slots(RequestId request, std::uint32_t layer, std::uint32_t head) const {
   return gpu_pages_.length(instance(request, layer, head));
 }

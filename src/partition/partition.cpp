@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstring>
 #include <span>
 
 #include "sparsekv/core/error.hpp"
@@ -236,6 +237,19 @@ PageId PartitionMap::reuse_freed(RequestId request, std::uint32_t layer, std::ui
     throw;
   }
   return page;
+}
+
+void PartitionMap::unshare_page(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) {
+  const PageId shared = open_page(*table_, request, layer, head, partition, "unshare_page");
+  if (cpu_pool_->ref_count(shared) < 2) {
+    fail(ErrorCode::failed_precondition, "unshare_page: partition {} of head ({}, {}) of request {} is not shared",
+         partition, layer, head, request);
+  }
+  PageId copy = kInvalidPage;
+  cpu_pool_->allocate(std::span<PageId>(&copy, 1));
+  std::memcpy(cpu_pool_->data(copy), cpu_pool_->data(shared), cpu_pool_->page_bytes());
+  table_->replace_page(request, layer, head, partition, copy);
+  cpu_pool_->release(shared);
 }
 
 std::vector<PageId> PartitionMap::pages(RequestId request, std::uint32_t layer, std::uint32_t head,

@@ -18,9 +18,15 @@ void check_live_tokens(std::string_view policy, const LayerContext& ctx, const L
 
 PartitionSpec LiveTokens::index(std::string_view policy, const LayerContext& ctx, const KvView& kv) {
   check_kv_view(policy, ctx, kv, false);
-  const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, ctx.page_tokens);
-  std::vector<std::uint32_t> prompt(kv.tokens);
-  for (std::uint32_t t = 0; t < kv.tokens; ++t) prompt[t] = kv.first_position + t;
+  return lay_out(ctx, kv.tokens, kv.first_position);
+}
+
+PartitionSpec LiveTokens::index_fork(const LayerContext& ctx) { return lay_out(ctx, ctx.tokens, 0); }
+
+PartitionSpec LiveTokens::lay_out(const LayerContext& ctx, std::uint32_t tokens, std::uint32_t first_position) {
+  const PartitionSpec spec = PartitionSpec::uniform(tokens, ctx.page_tokens);
+  std::vector<std::uint32_t> prompt(tokens);
+  for (std::uint32_t t = 0; t < tokens; ++t) prompt[t] = first_position + t;
   std::vector<std::vector<std::uint32_t>> next(ctx.kv_heads, prompt);
   positions = std::move(next);
   partitions.assign(ctx.kv_heads, spec.partition_count());

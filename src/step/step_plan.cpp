@@ -6,7 +6,12 @@ namespace sparsekv {
 
 void PoolReplay::check(std::uint64_t cpu_free, CommitOrder order, const HierarchicalPageTable& table) const {
   const auto take = [&](const EntryDemand& e) {
-    cpu_free += e.freed_first;
+    if (e.copied_first > cpu_free) {
+      fail(ErrorCode::resource_exhausted,
+           "decode: request {} evicts from {} shared pages, whose private copies need as many CPU pages; {} free",
+           e.request, e.copied_first, cpu_free);
+    }
+    cpu_free = cpu_free - e.copied_first + e.freed_first;
     if (e.taken > cpu_free) {
       if (e.placement) {
         fail(ErrorCode::resource_exhausted, "decode: placing the token of request {} needs {} CPU pages, {} free",

@@ -572,7 +572,8 @@ TEST_CASE("Eviction: variable prompts and shared prefixes under random evict and
   for (const std::uint32_t seed : {11u, 12u, 13u}) random_eviction(seed, RandomMix{true, true});
 }
 
-TEST_CASE("Eviction: shared prefix pages are never masked, reused or compacted", "[buffer][eviction][errors]") {
+TEST_CASE("Eviction: shared prefix pages are copied before they are masked, never reused or compacted",
+          "[buffer][eviction][errors]") {
   for (const EvictionStrategy strategy : kStrategies) {
     INFO("strategy " << to_string(strategy));
     Rig rig(strategy);
@@ -599,12 +600,12 @@ TEST_CASE("Eviction: shared prefix pages are never masked, reused or compacted",
     b.add_request(3, RequestBudget{kMandatory, 0, true});
     REQUIRE_SPARSEKV_ERROR(b.share_prefix(3, 1, 0, 4), ErrorCode::out_of_range);
 
-    // Either request evicting a shared token is refused, with the other heads' valid positions: nothing changes.
+    // Either request evicting a shared token copies its page first (copy-on-evict): the dry runs count the
+    // copy and change nothing.
     const Snapshot before = snapshot(b, live);
-    REQUIRE_SPARSEKV_ERROR(b.evict(kB, 0, std::vector<std::vector<std::uint32_t>>{{}, {3}}), ErrorCode::failed_precondition);
-    REQUIRE_SPARSEKV_ERROR(b.evict(1, 1, std::vector<std::vector<std::uint32_t>>{{0}, {}}), ErrorCode::failed_precondition);
-    REQUIRE_SPARSEKV_ERROR(b.check_evict(1, 1, std::vector<std::vector<std::uint32_t>>{{0}, {}}),
-                           ErrorCode::failed_precondition);
+    REQUIRE(b.append_demand_evicting(kB, 0, std::vector<std::vector<std::uint32_t>>{{}, {3}}).copied_pages == 1);
+    REQUIRE(b.append_demand_evicting(1, 1, std::vector<std::vector<std::uint32_t>>{{0}, {4}}).copied_pages == 2);
+    REQUIRE_NOTHROW(b.check_evict(1, 1, std::vector<std::vector<std::uint32_t>>{{0}, {}}));
     REQUIRE(snapshot(b, live) == before);
 
     // New tokens of either request go to pages of its own, never into a shared page's free or dead slot.
@@ -639,6 +640,14 @@ TEST_CASE("Eviction: shared prefix pages are never masked, reused or compacted",
     const std::vector<float> got = masked_attention(b, out, 1, 0, q);
     const std::vector<float> want = dense_attention(live, 1, 0, q);
     for (std::size_t d = 0; d < got.size(); ++d) REQUIRE(std::abs(got[d] - want[d]) <= 1e-6f);
+
+    // B evicting a shared token masks a private copy of its page; A's page and view are untouched.
+    const std::uint64_t used = b.cpu_pool().used();
+    b.evict(kB, 1, std::vector<std::vector<std::uint32_t>>{{}, {6}});
+    live[{kB, 1, 1}].erase(6);
+    REQUIRE(b.cpu_pool().used() == used + 1);
+    REQUIRE(b.stats().pages_unshared == 1);
+    check_rows(b, live, strategy, true);
 
     // Once A is gone, the pages are B's alone and may be masked.
     b.finish(1);

@@ -6,9 +6,11 @@
 // prefilled with the same K/V. Requests arrive, fork and finish at random;
 // after every decode step both give the same outputs and selections, bit for
 // bit, and a fork's K/V stays intact when its source finishes first. Policies
-// whose partitions are full pages (dense, streaming, quest, shadowkv, oracle)
-// share the prompt's full pages: their reference count is 2 or more and the CPU tier
-// holds fewer pages than the twin's.
+// whose partitions are full pages (all but RetroInfer) share the prompt's
+// full pages: their reference count is 2 or more and the CPU tier holds
+// fewer pages than the twin's; H2O and StreamingLLM copy a shared page
+// before they mask it (copy-on-evict), so their evictions stay the unshared
+// run's.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -42,10 +44,11 @@ Config config() {
   return c;
 }
 
+// RetroInfer's clusters of a prefix are not the prompt's: its forks copy.
 bool shares_pages(const std::string& policy) {
-  return policy != "retroinfer" && policy != "retroinfer_no_estimation" && policy != "h2o" &&
-         policy != "streaming_evict";
+  return policy != "retroinfer" && policy != "retroinfer_no_estimation";
 }
+bool evicts(const std::string& policy) { return policy == "h2o" || policy == "streaming_evict"; }
 
 // A request's K and V so far, per layer: [position][kv_heads][head_dim].
 struct History {
@@ -75,6 +78,7 @@ class Twins {
   // Forks `source` at `tokens` in one manager, prefills the same rows in the other.
   void fork(RequestId id, RequestId source, std::uint32_t tokens) {
     const std::uint64_t shared_before = forked_.buffer().stats().pages_shared;
+    const std::uint64_t forked_used = forked_.buffer().cpu_pool().used(), plain_used = plain_.buffer().cpu_pool().used();
     forked_.fork(id, source, tokens, kMaxTokens);
     History h;
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
@@ -85,14 +89,22 @@ class Twins {
     for (std::uint32_t l = 0; l < kShape.layers; ++l) plain_.prefill(id, l, h.k[l].data(), h.v[l].data(), tokens);
     history_[id] = std::move(h);
     const std::uint64_t shared = forked_.buffer().stats().pages_shared - shared_before;
-    if (shares_pages(policy_name(forked_.policy()).data()) && tokens >= kPageTokens) {
-      // Every full page in every (layer, kv head), by reference: counted twice in the pool.
-      REQUIRE(shared == std::uint64_t{tokens / kPageTokens} * kShape.layers * kShape.kv_heads);
+    const std::string policy(policy_name(forked_.policy()));
+    const std::uint64_t full = std::uint64_t{tokens / kPageTokens} * kShape.layers * kShape.kv_heads;
+    if (!shares_pages(policy)) {
+      REQUIRE(shared == 0);
+    } else if (evicts(policy)) {
+      REQUIRE(shared <= full);  // the source's leading pages still in order, every slot live
+    } else {
+      REQUIRE(shared == full);  // every full page in every (layer, kv head)
+    }
+    // The shared pages are stored once: the fork took exactly that many fewer pages than its twin's prefill.
+    REQUIRE((plain_.buffer().cpu_pool().used() - plain_used) - (forked_.buffer().cpu_pool().used() - forked_used) ==
+            shared);
+    if (shared > 0) {
       std::vector<PageId> page;
       forked_.buffer().table().cpu_pages(id, 0, 0, 0, page);
       REQUIRE(forked_.buffer().cpu_pool().ref_count(page[0]) >= 2);  // more when the source is a fork too
-    } else {
-      REQUIRE(shared == 0);
     }
     check_bytes(id);
   }
@@ -207,10 +219,7 @@ TEST_CASE("shared prefix: a fork decodes as the same request prefilled unshared,
       CHECK(forks > 0);
       t.forked().buffer().validate();
       t.plain().buffer().validate();
-      if (shares_pages(policy)) {
-        CHECK(t.forked().buffer().stats().pages_shared > 0);
-        CHECK(t.forked().buffer().cpu_pool().used() < t.plain().buffer().cpu_pool().used());
-      }
+      if (shares_pages(policy)) CHECK(t.forked().buffer().stats().pages_shared > 0);
     }
   }
 }
@@ -270,5 +279,28 @@ TEST_CASE("shared prefix: a Manager on a static policy forks too, reusing its su
       REQUIRE(a == b);
       REQUIRE(forked.retrieval(0).partitions == plain.retrieval(0).partitions);
     }
+  }
+}
+
+TEST_CASE("shared prefix: an evicting request copies a shared page before it masks it (copy-on-evict)",
+          "[facade][shared-prefix][eviction]") {
+  for (const std::string policy : {"h2o", "streaming_evict"}) {
+    CAPTURE(policy);
+    Twins t(policy, 3);
+    t.add(1, 40);
+    t.fork(2, 1, 40);  // 10 full pages per (layer, kv head), shared
+    const std::uint64_t shared = t.forked().buffer().stats().pages_shared;
+    REQUIRE(shared == 10u * kShape.layers * kShape.kv_heads);
+    for (std::uint32_t step = 0; step < 30; ++step) t.step();  // both evict down to the budget of 24
+    // Each request masks its own copies; the pages neither has evicted from stay shared.
+    const std::uint64_t unshared = t.forked().buffer().stats().pages_unshared;
+    CHECK(unshared > 0);
+    CHECK(unshared <= 2 * shared);
+    t.check_bytes(1);
+    t.check_bytes(2);
+    t.forked().buffer().validate();
+    t.finish(1);
+    t.check_bytes(2);
+    for (std::uint32_t step = 0; step < 10; ++step) t.step();
   }
 }

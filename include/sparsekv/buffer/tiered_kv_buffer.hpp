@@ -107,10 +107,12 @@ struct SaveDemand {
 
 // What one decode step of a request that evicts takes, as a dry run of
 // evict() then place_token() (TieredKVBuffer::append_demand_evicting).
-// evict() returns `freed_pages` CPU pages to the pool (a sparse_copy
+// evict() first takes `copied_pages` CPU pages (private copies of the shared
+// pages it masks), then returns `freed_pages` to the pool (a sparse_copy
 // compaction's new pages already netted out: it frees its run before taking
 // them); place_token() then takes `placed_pages`.
 struct EvictionDemand {
+  std::uint64_t copied_pages = 0;
   std::uint64_t freed_pages = 0;
   std::uint64_t placed_pages = 0;
   SegmentDemand segments;                      // beyond those mapped now, at the most demanding point
@@ -185,6 +187,7 @@ struct BufferStats {
   std::uint64_t pages_copied = 0;    // CPU pages a sparse_copy compaction wrote
   std::uint64_t slots_copied = 0;    // live rows it moved into them
   std::uint64_t pages_shared = 0;    // CPU pages offload_shared mapped by reference instead of writing
+  std::uint64_t pages_unshared = 0;  // shared pages evict() copied for the request masking them
 };
 
 class TieredKVBuffer {
@@ -275,8 +278,10 @@ class TieredKVBuffer {
 
   // ---- Token eviction (requests whose budget evicts; others: failed_precondition) ----
   // positions[h]: the sequence positions kv head h drops, each live and listed
-  // once (else invalid_argument); none may lie in a page another request
-  // shares (failed_precondition). check_evict makes evict()'s checks only.
+  // once (else invalid_argument). A page another request shares (a fork's
+  // prefix) is copied first (copy-on-evict): the request masks its own copy
+  // and the other keeps the page as it was. check_evict makes evict()'s
+  // checks only.
   void check_evict(RequestId request, std::uint32_t layer, std::span<const std::vector<std::uint32_t>> positions) const;
   void evict(RequestId request, std::uint32_t layer, std::span<const std::vector<std::uint32_t>> positions);
   // The next position's K/V rows (one token, engine layout), written per kv
@@ -375,6 +380,7 @@ class TieredKVBuffer {
   struct HeadEviction {
     std::vector<std::pair<PartitionId, SlotMask>> cleared;  // partition, slots dying; ascending partitions
     std::vector<PartitionId> released;                      // pages whose last slot dies (free_block, slot_reuse)
+    std::vector<PartitionId> copied;                        // shared pages that get a private copy first
     std::optional<PartitionId> run;                         // sparse_copy: first partition compacted
     std::uint32_t run_live = 0;                             // live rows of the run once evicted
     std::uint32_t run_pages = 0;                            // CPU pages the run holds now

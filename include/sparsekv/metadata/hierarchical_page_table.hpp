@@ -181,6 +181,10 @@ class HierarchicalPageTable {
   // partitions than pages it can hold at once. Refuses (failed_precondition)
   // a partition that is not freed and (invalid_argument) an invalid page.
   void reuse_freed(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition, PageId page);
+  // Points a one-page, unfreed partition at CPU page `page` instead (a
+  // private copy of the page it shares); returns the page it held, the
+  // caller's to release. Mask, token count and residency are kept.
+  PageId replace_page(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition, PageId page);
   bool partition_freed(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const;
 
   // GPU page table: `gpu_slots` entries per head, the head's GPU buffer. Each

@@ -13,7 +13,9 @@
 // Token eviction (SpvLLM §2), on tables built with slot masks: evict_slots
 // clears live bits of one-page partitions, and release_page turns a page none
 // of whose slots is live into a freed tombstone and drops this request's
-// reference to it; reuse_freed maps a fresh page into a tombstone again. The ref-count rule: a page another request also maps
+// reference to it; reuse_freed maps a fresh page into a tombstone again.
+// unshare_page copies a shared page for this request alone, so that it can
+// mask it (copy-on-evict). The ref-count rule: a page another request also maps
 // (PagePool::ref_count > 1) is never masked, since its bytes and the other
 // request's view of them are common.
 #include <cstdint>
@@ -73,6 +75,12 @@ class PartitionMap {
   // (failed_precondition) a partition that is not freed; on any error no page
   // is taken.
   PageId reuse_freed(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
+  // Gives this request a private copy of a one-page partition's page that
+  // another request also maps (copy-on-evict): a fresh page with the same
+  // bytes takes its place here, and this request's reference to the shared
+  // page is dropped. Refuses (failed_precondition) a page no other request
+  // maps, and a freed or multi-page partition; on any error nothing changes.
+  void unshare_page(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition);
 
   std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const {
     return table_->partition_count(request, layer, head);

@@ -77,6 +77,16 @@ class H2OPolicy {
     state = std::move(next);
     return {spec};
   }
+  // Index reads no K/V: a fork takes every token from its source (scores start at 0 as in a prefill).
+  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState&) const { return ctx.tokens; }
+  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState&, const KvView&,
+                                        LayerState& state) const {
+    LayerState next;
+    const PartitionSpec spec = next.live.index_fork(ctx);
+    next.scores.assign(ctx.kv_heads, std::vector<double>(ctx.tokens, 0.0));
+    state = std::move(next);
+    return {spec};
+  }
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
     check_state(ctx, state);
     state.live.append(kName, ctx, page);

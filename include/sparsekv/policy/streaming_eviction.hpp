@@ -57,6 +57,15 @@ class StreamingEvictionPolicy {
     state = std::move(next);
     return {spec};
   }
+  // Index reads no K/V: a fork takes every token from its source.
+  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState&) const { return ctx.tokens; }
+  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState&, const KvView&,
+                                        LayerState& state) const {
+    LayerState next;
+    const PartitionSpec spec = next.live.index_fork(ctx);
+    state = std::move(next);
+    return {spec};
+  }
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
     state.live.append(kName, ctx, page);
     return std::nullopt;

@@ -27,11 +27,11 @@
 //    of step t + 1, before token t + 1 is placed, so that token can take a
 //    freed slot. The budget bounds the live tokens once a step's token is
 //    placed: evict leaves room for the next one.
-//  - EvictionContext::protected_prefix[h]: positions below it lie in pages
-//    shared with another request (prefix sharing); a page shared is never
-//    masked, so such positions are never proposed. The Manager shares no
-//    prefixes and passes none; a caller that shares pages through
-//    TieredKVBuffer::share_prefix fills it.
+//  - EvictionContext::protected_prefix[h]: positions below it are never
+//    proposed, for a caller that keeps the pages it shares with another
+//    request unmasked. The Manager passes none: the buffer copies a shared
+//    page before it masks it (copy-on-evict), so a fork evicts as it would
+//    unshared.
 //
 // Optionally (RewritesSummaries) a summary policy recomputes a partition's
 // summary from the live rows left after evictions or a slot rewrite, so a
@@ -154,6 +154,9 @@ struct LiveTokens {
   // Prefill: positions kv.first_position.. live in every kv head, one
   // partition per page.
   PartitionSpec index(std::string_view policy, const LayerContext& ctx, const KvView& kv);
+  // A fork's prefill (ForksIndex): the same for its first ctx.tokens
+  // positions, which need no K/V.
+  PartitionSpec index_fork(const LayerContext& ctx);
   // A full decode page became one more partition in every kv head.
   void append(std::string_view policy, const LayerContext& ctx, const AppendedPage& page);
   // Every partition made so far, in every kv head.
@@ -177,6 +180,8 @@ struct LiveTokens {
   // The whole context, as Dense: the first decode step attends every live
   // token and free_block can leave one live token per page.
   static std::uint32_t mandatory_pages(std::string_view policy, const LayerContext& ctx);
+ private:
+  PartitionSpec lay_out(const LayerContext& ctx, std::uint32_t tokens, std::uint32_t first_position);
 };
 
 // Checks a RewrittenPage against the layer and returns the partition's index

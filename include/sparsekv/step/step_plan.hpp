@@ -31,7 +31,8 @@ enum class CommitOrder : std::uint8_t {
 // What one batch entry takes and frees, in its commit's order.
 struct EntryDemand {
   RequestId request = 0;
-  bool placement = false;           // an evicting entry: frees `freed_first`, then places its token
+  bool placement = false;           // an evicting entry: copies, frees `freed_first`, then places its token
+  std::uint64_t copied_first = 0;   // private copies of the shared pages it evicts from, taken before any frees
   std::uint64_t freed_first = 0;
   std::uint64_t taken = 0;          // pages a save or placement takes
   bool regroups = false;            // then frees regroup_freed and takes regroup_taken
@@ -96,11 +97,11 @@ class StepPlan {
 
   // An entry whose tail fills: its save, then its regroup when it has one.
   void add_save(RequestId request, const SaveDemand& d, bool regroups) {
-    replay_.add({request, false, 0, d.saved_pages, regroups, d.regroup_pages, d.freed_pages, d.segments});
+    replay_.add({request, false, 0, 0, d.saved_pages, regroups, d.regroup_pages, d.freed_pages, d.segments});
   }
-  // An evicting entry: its evictions free pages, then its token takes some.
+  // An evicting entry: its evictions copy shared pages and free pages, then its token takes some.
   void add_placement(RequestId request, const EvictionDemand& d) {
-    replay_.add({request, true, d.freed_pages, d.placed_pages, false, 0, 0, d.segments});
+    replay_.add({request, true, d.copied_pages, d.freed_pages, d.placed_pages, false, 0, 0, d.segments});
   }
   // Throws resource_exhausted when the step as recorded would not fit.
   void check(const TieredKVBuffer& buffer, CommitOrder order) const {
