@@ -71,22 +71,10 @@ void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::ui
   }
 }
 
-void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t tokens,
-                                    std::span<const PartitionSpec> specs) {
+std::uint32_t TieredKVBuffer::fork_shared_pages(RequestId source, std::uint32_t layer, std::uint32_t tokens,
+                                                std::span<const PartitionSpec> specs) const {
   const RequestState& from = state(source);
-  RequestState& s = state(request);
-  check_index("layer", layer, shape_.layers);
-  if (request == source) fail(ErrorCode::invalid_argument, "request {} cannot fork itself", request);
-  if (tokens == 0) fail(ErrorCode::invalid_argument, "a fork needs at least one token");
-  if (s.tokens[layer] != 0) {
-    fail(ErrorCode::failed_precondition, "offload_shared: request {} layer {} already holds tokens", request, layer);
-  }
-  if (tokens > forkable_tokens(source, layer)) {
-    fail(ErrorCode::out_of_range, "offload_shared: request {} layer {} has {} tokens in order; cannot share {}", source,
-         layer, forkable_tokens(source, layer), tokens);
-  }
   const std::uint32_t pt = config_.page_tokens;
-  const std::size_t row = layout_.row_bytes();
   // The full pages both layouts hold alike: page-sized uniform partitions from
   // position 0; from a source that evicts, its leading pages that still hold
   // positions p * pt .. in order, every slot live (the other rows copied).
@@ -101,6 +89,43 @@ void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::ui
       }
     }
   }
+  return shared;
+}
+
+std::uint64_t TieredKVBuffer::fork_pages(RequestId source, std::uint32_t layer, std::uint32_t tokens,
+                                         std::span<const PartitionSpec> specs) const {
+  check_index("layer", layer, shape_.layers);
+  if (specs.size() != 1 && specs.size() != shape_.kv_heads) {
+    fail(ErrorCode::invalid_argument, "{} partition specs given; expected 1 (shared) or {} (one per kv head)",
+         specs.size(), shape_.kv_heads);
+  }
+  const std::uint32_t shared = fork_shared_pages(source, layer, tokens, specs);
+  if (shared > 0) return std::uint64_t{pages_for_tokens(tokens - shared * config_.page_tokens, config_.page_tokens)} * shape_.kv_heads;
+  std::uint64_t pages = 0;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
+    for (std::uint32_t p = 0; p < spec.partition_count(); ++p) pages += pages_for_tokens(spec.size(p), config_.page_tokens);
+  }
+  return pages;
+}
+
+void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t tokens,
+                                    std::span<const PartitionSpec> specs) {
+  state(source);
+  RequestState& s = state(request);
+  check_index("layer", layer, shape_.layers);
+  if (request == source) fail(ErrorCode::invalid_argument, "request {} cannot fork itself", request);
+  if (tokens == 0) fail(ErrorCode::invalid_argument, "a fork needs at least one token");
+  if (s.tokens[layer] != 0) {
+    fail(ErrorCode::failed_precondition, "offload_shared: request {} layer {} already holds tokens", request, layer);
+  }
+  if (tokens > forkable_tokens(source, layer)) {
+    fail(ErrorCode::out_of_range, "offload_shared: request {} layer {} has {} tokens in order; cannot share {}", source,
+         layer, forkable_tokens(source, layer), tokens);
+  }
+  const std::uint32_t pt = config_.page_tokens;
+  const std::size_t row = layout_.row_bytes();
+  const std::uint32_t shared = fork_shared_pages(source, layer, tokens, specs);
   const std::uint32_t rest = tokens - shared * pt;
   std::vector<std::byte> k(std::size_t{rest} * shape_.kv_heads * row), v(k.size());
   if (shared == 0) {

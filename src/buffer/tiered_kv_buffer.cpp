@@ -136,14 +136,20 @@ std::optional<TieredKVBuffer::Refusal> TieredKVBuffer::refusal(const RequestBudg
 
 AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget,
                                           std::optional<std::uint32_t> prompt_pages_per_head) const {
+  return can_admit_pages(prompt_tokens, budget,
+                         heads() * prompt_pages_per_head.value_or(
+                                       (std::uint64_t{prompt_tokens} + config_.page_tokens - 1) / config_.page_tokens));
+}
+
+AdmissionAdvice TieredKVBuffer::can_admit_pages(std::uint32_t prompt_tokens, const RequestBudget& budget,
+                                                std::uint64_t prompt_pages) const {
   AdmissionAdvice a;
   const std::uint64_t slots = std::max(budget.buffer_pages, min_slots_per_head(budget));
   a.request_slot_free = table_.request_count() < table_.geometry().max_requests;
   a.gpu_pages_needed = heads() * (slots + tail_pages_per_head(budget));
   a.gpu_pages_free = gpu_pool_.available();
   for (const auto& [id, s] : requests_) a.gpu_pages_reclaimable += heads() * reclaimable_slots(s);
-  a.cpu_pages_needed =
-      heads() * prompt_pages_per_head.value_or((std::uint64_t{prompt_tokens} + config_.page_tokens - 1) / config_.page_tokens);
+  a.cpu_pages_needed = prompt_pages;
   if (site_ == AttendSite::cpu_tier) {
     // The tails are CPU pages too, and there is no GPU tier.
     a.cpu_pages_needed += a.gpu_pages_needed;

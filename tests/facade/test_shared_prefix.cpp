@@ -79,6 +79,7 @@ class Twins {
   void fork(RequestId id, RequestId source, std::uint32_t tokens) {
     const std::uint64_t shared_before = forked_.buffer().stats().pages_shared;
     const std::uint64_t forked_used = forked_.buffer().cpu_pool().used(), plain_used = plain_.buffer().cpu_pool().used();
+    REQUIRE(forked_.can_fork(source, tokens, kMaxTokens).admit);
     forked_.fork(id, source, tokens, kMaxTokens);
     History h;
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
@@ -302,5 +303,50 @@ TEST_CASE("shared prefix: an evicting request copies a shared page before it mas
     t.finish(1);
     t.check_bytes(2);
     for (std::uint32_t step = 0; step < 10; ++step) t.step();
+  }
+}
+
+TEST_CASE("shared prefix: can_fork counts the shared pages once and agrees with fork", "[facade][shared-prefix]") {
+  for (const std::string policy : {"quest", "shadowkv", "h2o", "streaming_evict", "dense"}) {
+    CAPTURE(policy);
+    Config c = config();
+    const std::size_t page = c.page_bytes(kShape);
+    c.host_chunk_bytes = page;
+    c.cpu_tier_bytes = 48 * page;  // the source's 40 pages and two forks' partial pages
+    RuntimeManager m(kShape, c, make_policy(policy, 24));
+    std::mt19937 rng(4);
+    std::normal_distribution<float> normal;
+    std::vector<float> k(40 * kRow), v(40 * kRow);
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    m.add_request(1, kMaxTokens);
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 40);
+    REQUIRE(m.buffer().cpu_pool().used() == 40);
+    // Unshared, 38 tokens need 10 pages in each of the 4 (layer, kv head); forked, only the 2-token page.
+    REQUIRE_FALSE(m.can_admit(38, kMaxTokens).admit);
+    for (const RequestId id : {2u, 3u}) {
+      const AdmissionAdvice advice = m.can_fork(1, 38, kMaxTokens);
+      INFO(advice.reason);
+      REQUIRE(advice.admit);
+      REQUIRE(advice.cpu_pages_needed == 4);
+      m.fork(id, 1, 38, kMaxTokens);
+    }
+    REQUIRE(m.buffer().cpu_pool().used() == 48);
+    const AdmissionAdvice full = m.can_fork(1, 38, kMaxTokens);
+    REQUIRE_FALSE(full.admit);
+    REQUIRE(full.cpu_pages_needed == 4);
+    REQUIRE_SPARSEKV_ERROR(m.fork(4, 1, 38, kMaxTokens), ErrorCode::resource_exhausted);
+    REQUIRE_FALSE(m.has_request(4));
+    REQUIRE(m.buffer().cpu_pool().used() == 48);
+    // A fork of whole pages writes none.
+    REQUIRE(m.can_fork(1, 36, kMaxTokens).admit);
+    REQUIRE(m.can_fork(1, 36, kMaxTokens).cpu_pages_needed == 0);
+    m.fork(4, 1, 36, kMaxTokens);
+    // Arguments the fork refuses, advised against with a reason.
+    REQUIRE_FALSE(m.can_fork(9, 4, kMaxTokens).admit);
+    REQUIRE_FALSE(m.can_fork(1, 41, kMaxTokens).admit);
+    REQUIRE_FALSE(m.can_fork(1, 0, kMaxTokens).admit);
+    REQUIRE_FALSE(m.can_fork(1, 8, 4).admit);
+    m.buffer().validate();
   }
 }

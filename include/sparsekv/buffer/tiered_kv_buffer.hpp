@@ -273,6 +273,10 @@ class TieredKVBuffer {
   // by default the prompt in one-page partitions.
   AdmissionAdvice can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget,
                             std::optional<std::uint32_t> prompt_pages_per_head = std::nullopt) const;
+  // The same for a prompt whose CPU pages over every (layer, kv head) are
+  // `prompt_pages` in all (a fork's: fork_pages summed over the layers).
+  AdmissionAdvice can_admit_pages(std::uint32_t prompt_tokens, const RequestBudget& budget,
+                                  std::uint64_t prompt_pages) const;
   // Pages of the partitions selected over the last working_set_window steps, summed over heads.
   std::uint64_t working_set_pages(RequestId request) const;
 
@@ -333,6 +337,11 @@ class TieredKVBuffer {
   // failure.
   void offload_shared(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t tokens,
                       std::span<const PartitionSpec> specs);
+  // The CPU pages offload_shared(·, source, layer, tokens, specs) takes, over
+  // every kv head: what it writes, its shared pages counted once (the
+  // source's). Throws what offload_shared throws for bad arguments.
+  std::uint64_t fork_pages(RequestId source, std::uint32_t layer, std::uint32_t tokens,
+                           std::span<const PartitionSpec> specs) const;
 
   bool has_request(RequestId request) const noexcept { return requests_.contains(request); }
   std::uint32_t slots_per_head(RequestId request) const;
@@ -401,6 +410,10 @@ class TieredKVBuffer {
   // offload()'s checks of the request's state and the specs, then of the pools.
   void check_offload_specs(RequestId request, std::uint32_t layer, std::uint32_t tokens,
                            std::span<const PartitionSpec> specs) const;
+  // The leading pages of `source`'s layer a fork of `tokens` tokens laid out
+  // by `specs` shares (the same in every kv head).
+  std::uint32_t fork_shared_pages(RequestId source, std::uint32_t layer, std::uint32_t tokens,
+                                  std::span<const PartitionSpec> specs) const;
   void check_offload(RequestId request, std::uint32_t layer, std::uint32_t tokens,
                      std::span<const PartitionSpec> specs) const;
   void check_tail_save(RequestId request, std::uint32_t layer) const;

@@ -139,6 +139,39 @@ class Manager {
     return advice;
   }
 
+  // Advice for fork(request, source, tokens, max_tokens), as can_admit is for
+  // add_request + prefill: admit is true exactly when the fork would succeed
+  // now, the pages it shares with `source` counted once (the source's). For
+  // a policy with ForksIndex the fork's layout is worked out as the fork
+  // would (its Index on a copy, from the few rows past what it reuses); for
+  // any other (RetroInfer) the prompt's pages are the policy's bound, as in
+  // can_admit: the advice then errs on refusing.
+  AdmissionAdvice can_fork(RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) const {
+    AdmissionAdvice advice;
+    if (std::string bad = fork_refusal(source, tokens, max_tokens); !bad.empty()) {
+      advice.reason = std::move(bad);
+      return advice;
+    }
+    const RequestBudget b = budget(max_tokens);
+    if (!forks_index(policy_)) return buffer_->can_admit(tokens, b, prompt_pages(tokens));
+    std::uint64_t pages = 0;
+    std::vector<std::byte> k, v;
+    std::vector<float> keys, values;
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      const State& from = state(source).layers[l].policy;
+      const std::uint32_t reused = reused_tokens(policy_, context(l, tokens), from);
+      k.resize(std::size_t{tokens - reused} * scope_.kv_row() * dtype_size(shape_.dtype));
+      v.resize(k.size());
+      buffer_->read_prefix(source, l, reused, tokens, k.data(), v.data());
+      scope_.to_float(k.data(), std::size_t{tokens - reused} * scope_.kv_row(), keys);
+      scope_.to_float(v.data(), std::size_t{tokens - reused} * scope_.kv_row(), values);
+      State indexed = make_layer_state(policy_);
+      const KvView view{keys, values, tokens - reused, shape_.kv_heads, shape_.head_dim, reused};
+      pages += buffer_->fork_pages(source, l, tokens, fork_index(policy_, context(l, tokens), from, view, indexed));
+    }
+    return buffer_->can_admit_pages(tokens, b, pages);
+  }
+
   void add_request(RequestId request, std::uint32_t max_tokens) {
     if (std::string bad = max_tokens_refusal(max_tokens); !bad.empty()) {
       fail(ErrorCode::invalid_argument, "request {}: {}", request, bad);
@@ -233,18 +266,15 @@ class Manager {
   // throw, and out_of_range past the forkable tokens.
   void fork(RequestId request, RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) {
     use_api(Api::host);
-    const RequestState& from = state(source);
+    state(source);
     if (request == source) fail(ErrorCode::invalid_argument, "request {} cannot fork itself", request);
     if (tokens == 0) fail(ErrorCode::invalid_argument, "fork of request {}: tokens must be > 0", source);
     for (std::uint32_t l = 0; l < shape_.layers; ++l) {
-      if (!from.layers[l].prefilled) {
+      if (!state(source).layers[l].prefilled) {
         fail(ErrorCode::failed_precondition, "fork: request {} layer {} is not prefilled", source, l);
       }
       if (const std::uint32_t forkable = buffer_->forkable_tokens(source, l); tokens > forkable) {
-        fail(ErrorCode::out_of_range,
-             "fork: request {} layer {} holds its first {} tokens in order in the CPU tier (the rest are in the "
-             "decode tail, regrouped or evicted); cannot fork {}",
-             source, l, forkable, tokens);
+        fail(ErrorCode::out_of_range, "fork: {}", forkable_refusal(source, l, forkable, tokens));
       }
     }
     add_request(request, max_tokens);
@@ -408,6 +438,30 @@ class Manager {
       }
     }
     return most;
+  }
+
+  std::string forkable_refusal(RequestId source, std::uint32_t layer, std::uint32_t forkable,
+                               std::uint32_t tokens) const {
+    return fmt::format("request {} layer {} holds its first {} tokens in order in the CPU tier (the rest are in the "
+                       "decode tail, regrouped or evicted); cannot fork {}",
+                       source, layer, forkable, tokens);
+  }
+  // Why fork(·, source, tokens, max_tokens) would be refused for its
+  // arguments or the source's state, or "".
+  std::string fork_refusal(RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) const {
+    if (std::string bad = max_tokens_refusal(max_tokens); !bad.empty()) return bad;
+    if (!requests_.contains(source)) return fmt::format("unknown or finished request {}", source);
+    if (api_ == Api::device) return "forks take host tensors; this Manager serves device tensors";
+    if (tokens == 0 || tokens > max_tokens) {
+      return fmt::format("a fork of {} tokens must be in [1, max_tokens = {}]", tokens, max_tokens);
+    }
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      if (!state(source).layers[l].prefilled) return fmt::format("request {} layer {} is not prefilled", source, l);
+      if (const std::uint32_t forkable = buffer_->forkable_tokens(source, l); tokens > forkable) {
+        return forkable_refusal(source, l, forkable, tokens);
+      }
+    }
+    return {};
   }
 
   std::string max_tokens_refusal(std::uint32_t max_tokens) const {

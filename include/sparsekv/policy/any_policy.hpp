@@ -34,6 +34,7 @@ class AnyPolicy {
     return impl_->index(ctx, kv, state);
   }
   // ForksIndex of the wrapped policy: 0 reused tokens and index() for a policy without it.
+  bool forks_index() const { return impl_->forks_index(); }
   std::uint32_t reused_tokens(const LayerContext& ctx, const std::any& source) const {
     return impl_->reused_tokens(ctx, source);
   }
@@ -106,6 +107,7 @@ class AnyPolicy {
     virtual bool may_regroup() const = 0;
     virtual std::any make_state() const = 0;
     virtual std::vector<PartitionSpec> index(const LayerContext&, const KvView&, std::any&) const = 0;
+    virtual bool forks_index() const = 0;
     virtual std::uint32_t reused_tokens(const LayerContext&, const std::any&) const = 0;
     virtual std::vector<PartitionSpec> fork_index(const LayerContext&, const std::any&, const KvView&,
                                                   std::any&) const = 0;
@@ -146,6 +148,7 @@ class AnyPolicy {
     std::vector<PartitionSpec> index(const LayerContext& c, const KvView& kv, std::any& s) const override {
       return policy.index(c, kv, std::any_cast<State&>(s));
     }
+    bool forks_index() const override { return ForksIndex<P>; }
     std::uint32_t reused_tokens(const LayerContext& c, const std::any& source) const override {
       return sparsekv::reused_tokens(policy, c, std::any_cast<const State&>(source));
     }
@@ -231,6 +234,7 @@ namespace sparsekv {
 // on a policy chosen at run time: one virtual call each.
 inline std::any make_layer_state(const AnyPolicy& p) { return p.make_state(); }
 inline std::string_view policy_name(const AnyPolicy& p) { return p.name(); }
+inline bool forks_index(const AnyPolicy& p) { return p.forks_index(); }
 inline std::uint32_t reused_tokens(const AnyPolicy& p, const LayerContext& ctx, const std::any& source) {
   return p.reused_tokens(ctx, source);
 }

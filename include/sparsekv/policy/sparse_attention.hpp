@@ -258,9 +258,13 @@ constexpr bool may_regroup(const P&) {
     return true;
   }
 }
-// A fork's Index (ForksIndex): what it takes from the source's state, 0
-// without the hook; and the Index itself, index() of kv (all ctx.tokens
-// tokens, first_position 0) without it.
+// A fork's Index (ForksIndex): whether the policy has the hook; what it takes
+// from the source's state, 0 without the hook; and the Index itself, index()
+// of kv (all ctx.tokens tokens, first_position 0) without it.
+template <SparseAttention P>
+constexpr bool forks_index(const P&) {
+  return ForksIndex<P>;
+}
 template <SparseAttention P>
 std::uint32_t reused_tokens(const P& p, const LayerContext& ctx, const typename P::LayerState& source) {
   if constexpr (ForksIndex<P>) {
