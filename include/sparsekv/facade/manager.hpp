@@ -147,9 +147,9 @@ class Manager {
   // any other (RetroInfer) the prompt's pages are the policy's bound, as in
   // can_admit: the advice then errs on refusing.
   AdmissionAdvice can_fork(RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) const {
-    AdmissionAdvice advice;
-    if (std::string bad = fork_refusal(source, tokens, max_tokens); !bad.empty()) {
-      advice.reason = std::move(bad);
+    if (std::optional<Refusal> r = fork_refusal(source, tokens, max_tokens)) {
+      AdmissionAdvice advice;
+      advice.reason = std::move(r->message);
       return advice;
     }
     const RequestBudget b = budget(max_tokens);
@@ -257,26 +257,16 @@ class Manager {
   // the source's summaries of the pages the two share where it can
   // (ForksIndex); the full pages its partitions share with `source`
   // (page-sized uniform ones) are mapped by reference, the partial last page
-  // is copied. The two requests
-  // then decode independently, each exactly as if prefilled unshared; either
-  // may finish first. `tokens` may reach only what the source holds in page
+  // is copied. The two requests then decode independently, each exactly as
+  // if prefilled unshared; either may finish first. `tokens` may reach only what the source holds in page
   // order in the CPU tier in every layer (TieredKVBuffer::forkable_tokens:
   // not its decode tail, nor tokens a policy regrouped or evicted). Host
   // tensors only; throws (changing nothing) what add_request and prefill
   // throw, and out_of_range past the forkable tokens.
   void fork(RequestId request, RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) {
     use_api(Api::host);
-    state(source);
     if (request == source) fail(ErrorCode::invalid_argument, "request {} cannot fork itself", request);
-    if (tokens == 0) fail(ErrorCode::invalid_argument, "fork of request {}: tokens must be > 0", source);
-    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
-      if (!state(source).layers[l].prefilled) {
-        fail(ErrorCode::failed_precondition, "fork: request {} layer {} is not prefilled", source, l);
-      }
-      if (const std::uint32_t forkable = buffer_->forkable_tokens(source, l); tokens > forkable) {
-        fail(ErrorCode::out_of_range, "fork: {}", forkable_refusal(source, l, forkable, tokens));
-      }
-    }
+    if (std::optional<Refusal> r = fork_refusal(source, tokens, max_tokens)) fail(r->code, "fork: {}", r->message);
     add_request(request, max_tokens);
     try {
       for (std::uint32_t l = 0; l < shape_.layers; ++l) {
@@ -440,28 +430,37 @@ class Manager {
     return most;
   }
 
-  std::string forkable_refusal(RequestId source, std::uint32_t layer, std::uint32_t forkable,
-                               std::uint32_t tokens) const {
-    return fmt::format("request {} layer {} holds its first {} tokens in order in the CPU tier (the rest are in the "
-                       "decode tail, regrouped or evicted); cannot fork {}",
-                       source, layer, forkable, tokens);
-  }
   // Why fork(·, source, tokens, max_tokens) would be refused for its
-  // arguments or the source's state, or "".
-  std::string fork_refusal(RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) const {
-    if (std::string bad = max_tokens_refusal(max_tokens); !bad.empty()) return bad;
-    if (!requests_.contains(source)) return fmt::format("unknown or finished request {}", source);
-    if (api_ == Api::device) return "forks take host tensors; this Manager serves device tensors";
+  // arguments or the source's state: the code it throws and the message, or
+  // nothing. can_fork and fork share it so that they agree.
+  struct Refusal {
+    ErrorCode code;
+    std::string message;
+  };
+  std::optional<Refusal> fork_refusal(RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) const {
+    if (std::string bad = max_tokens_refusal(max_tokens); !bad.empty()) return Refusal{ErrorCode::invalid_argument, bad};
+    if (!requests_.contains(source)) {
+      return Refusal{ErrorCode::not_found, fmt::format("unknown or finished request {}", source)};
+    }
+    if (api_ == Api::device) {
+      return Refusal{ErrorCode::failed_precondition, "forks take host tensors; this Manager serves device tensors"};
+    }
     if (tokens == 0 || tokens > max_tokens) {
-      return fmt::format("a fork of {} tokens must be in [1, max_tokens = {}]", tokens, max_tokens);
+      return Refusal{ErrorCode::invalid_argument,
+                     fmt::format("a fork of {} tokens must be in [1, max_tokens = {}]", tokens, max_tokens)};
     }
     for (std::uint32_t l = 0; l < shape_.layers; ++l) {
-      if (!state(source).layers[l].prefilled) return fmt::format("request {} layer {} is not prefilled", source, l);
+      if (!state(source).layers[l].prefilled) {
+        return Refusal{ErrorCode::failed_precondition, fmt::format("request {} layer {} is not prefilled", source, l)};
+      }
       if (const std::uint32_t forkable = buffer_->forkable_tokens(source, l); tokens > forkable) {
-        return forkable_refusal(source, l, forkable, tokens);
+        return Refusal{ErrorCode::out_of_range,
+                       fmt::format("request {} layer {} holds its first {} tokens in order in the CPU tier (the rest "
+                                   "are in the decode tail, regrouped or evicted); cannot fork {}",
+                                   source, l, forkable, tokens)};
       }
     }
-    return {};
+    return std::nullopt;
   }
 
   std::string max_tokens_refusal(std::uint32_t max_tokens) const {
