@@ -1,8 +1,15 @@
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <string>
+#include <vector>
 
+#include "sparsekv/attention/page_fold.hpp"
 #include "sparsekv/core/config.hpp"
+#include "sparsekv/core/convert.hpp"
 #include "sparsekv/core/device.hpp"
 #include "sparsekv/core/dtype.hpp"
+#include "sparsekv/core/numeric.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;
@@ -89,4 +96,39 @@ TEST_CASE("device query never fails, with or without a driver", "[core]") {
   const int devices = cuda_device_count();
   REQUIRE(devices >= 0);
   if (!built_with_cuda()) REQUIRE(devices == 0);
+}
+
+TEST_CASE("widen_to_float equals the scalar rule for every f16 and bf16 value, on every target", "[core][convert]") {
+  // Every 16-bit pattern, then a few more so that the tail past the last whole vector is exercised.
+  std::vector<std::uint16_t> all(65536 + 5);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i);
+  std::vector<float> got(all.size() + 1);  // one past: nothing may be written there
+  std::uint32_t ran = 0;
+  for (const sparsekv::FoldTarget& target : sparsekv::fold_page_targets()) {
+    if (!target.supported) continue;
+    sparsekv::use_fold_page_target(target.bits);
+    ++ran;
+    for (const sparsekv::DType dtype : {sparsekv::DType::f16, sparsekv::DType::bf16}) {
+      for (const std::size_t n : {all.size(), std::size_t{1}, std::size_t{7}, std::size_t{17}}) {
+        CAPTURE(target.name, sparsekv::to_string(dtype), n);
+        std::fill(got.begin(), got.end(), -1.0f);
+        sparsekv::widen_to_float(all.data(), dtype, n, got.data());
+        for (std::size_t i = 0; i < n; ++i) {
+          const float want = sparsekv::load_element(all.data(), static_cast<std::uint32_t>(i), dtype);
+          if (std::isnan(want)) {
+            REQUIRE(std::isnan(got[i]));
+          } else {
+            REQUIRE(sparsekv::float_bits(got[i]) == sparsekv::float_bits(want));
+          }
+        }
+        REQUIRE(got[n] == -1.0f);  // nothing written past n
+      }
+    }
+  }
+  sparsekv::use_fold_page_target(0);
+  REQUIRE(ran > 0);
+  const std::vector<float> f32{1.5f, -0.0f, 3e-40f};
+  std::vector<float> copy(3);
+  sparsekv::widen_to_float(f32.data(), sparsekv::DType::f32, 3, copy.data());
+  REQUIRE(std::memcmp(copy.data(), f32.data(), sizeof(float) * 3) == 0);
 }

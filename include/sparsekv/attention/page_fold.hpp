@@ -41,8 +41,8 @@ void fold_page_scalar(const PageFold& f, const std::byte* page, std::uint32_t to
 // The targets fold_page was compiled for, best first, each with whether this
 // CPU can run it; and a way to make fold_page use one of them (0: the best the
 // CPU has again). Highway's choice is global: every kernel of the library it
-// dispatches (policy/select_scoring.hpp too) follows it. For tests and
-// benchmarks.
+// dispatches (policy/select_scoring.hpp, core/convert.hpp too) follows it.
+// For tests and benchmarks.
 struct FoldTarget {
   std::string name;
   std::int64_t bits = 0;

@@ -14,6 +14,7 @@
 
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
 #include "sparsekv/core/config.hpp"
+#include "sparsekv/core/convert.hpp"
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/core/model_shape.hpp"
 #include "sparsekv/core/numeric.hpp"
@@ -43,7 +44,7 @@ struct StepScope {
   // `n` model-dtype values at `data` as fp32 in `out`.
   void to_float(const void* data, std::size_t n, std::vector<float>& out) const {
     out.resize(n);
-    for (std::size_t i = 0; i < n; ++i) out[i] = load_element(data, static_cast<std::uint32_t>(i), shape->dtype);
+    widen_to_float(data, shape->dtype, n, out.data());
   }
   // Non-finite K/V must never reach the CPU tier, the source of truth: every
   // later output attending it would be NaN. `kv` holds [token][kv_head][dim]

@@ -1,0 +1,71 @@
+// widen_to_float (core/convert.hpp): compiled once per Highway target by
+// foreach_target.h, dispatched at run time. f16 and bf16 widen exactly to
+// fp32, so every target equals the scalar rule.
+#include "sparsekv/core/convert.hpp"
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "sparsekv/core/numeric.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "core/convert.cpp"
+#include <hwy/foreach_target.h>  // before highway.h
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace sparsekv {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Whether this target widens f16 in hardware. Highway 1.0.3 emulates it on
+// x86 below AVX2 (no F16C) and on the emulated targets, and that emulation
+// turns an infinity into 65536: those take the scalar rule instead.
+constexpr bool kNativeF16 = !(HWY_TARGET == HWY_SSSE3 || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_EMU128 ||
+                              HWY_TARGET == HWY_SCALAR);
+
+template <class T>
+void Widen(const T* HWY_RESTRICT in, std::size_t n, float* HWY_RESTRICT out) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<T, decltype(df)> dh;
+  const std::size_t lanes = hn::Lanes(df);
+  std::size_t i = 0;
+  if (std::is_same_v<T, hwy::bfloat16_t> || kNativeF16) {
+    for (; i + lanes <= n; i += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in + i)), df, out + i);
+  }
+  // The tail (or all of it) by the scalar rule, which every lane above equals.
+  for (; i < n; ++i) {
+    std::uint16_t bits;
+    std::memcpy(&bits, in + i, sizeof(bits));
+    out[i] = std::is_same_v<T, hwy::bfloat16_t> ? bf16_to_float(bits) : f16_to_float(bits);
+  }
+}
+
+void WidenToFloat(const void* data, bool bf16, std::size_t n, float* out) {
+  if (bf16) {
+    Widen(static_cast<const hwy::bfloat16_t*>(data), n, out);
+  } else {
+    Widen(static_cast<const hwy::float16_t*>(data), n, out);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace sparsekv
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace sparsekv {
+
+HWY_EXPORT(WidenToFloat);
+
+void widen_to_float(const void* data, DType dtype, std::size_t n, float* out) {
+  if (dtype == DType::f32) {
+    if (n > 0) std::memcpy(out, data, n * sizeof(float));
+    return;
+  }
+  HWY_DYNAMIC_DISPATCH(WidenToFloat)(data, dtype == DType::bf16, n, out);
+}
+
+}  // namespace sparsekv
+#endif  // HWY_ONCE
