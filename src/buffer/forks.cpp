@@ -3,6 +3,7 @@
 // the rows it indexes back from the source's CPU pages; the full pages that
 // its partitions would write identically are shared by reference count
 // instead (PagedAttention+FlexAttention, Alg. 1), never written again.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -81,6 +82,7 @@ std::uint32_t TieredKVBuffer::fork_shared_pages(RequestId source, std::uint32_t 
   bool uniform = true;
   for (const PartitionSpec& spec : specs) uniform = uniform && spec.partition_tokens() == pt;
   std::uint32_t shared = uniform ? tokens / pt : 0;
+  if (!from.budget.evicts) shared = std::min(shared, from.ordered_tokens[layer] / pt);  // not a scattered prompt
   for (std::uint32_t h = 0; from.budget.evicts && h < shape_.kv_heads; ++h) {
     const EvictionHead& e = eviction_head(from, layer, h);
     for (std::uint32_t p = 0; p < shared; ++p) {

@@ -66,7 +66,7 @@ std::vector<TieredKVBuffer::HeadEviction> TieredKVBuffer::plan_evict(
   std::vector<HeadEviction> plans(shape_.kv_heads);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const EvictionHead& e = eviction_head(s, layer, h);
-    std::map<PartitionId, std::pair<SlotMask, std::uint32_t>> dying;  // partition -> slots, one of their positions
+    std::map<PartitionId, SlotMask> dying;  // partition -> its slots that die
     for (const std::uint32_t position : positions[h]) {
       const auto it = e.live.find(position);
       if (it == e.live.end()) {
@@ -75,23 +75,22 @@ std::vector<TieredKVBuffer::HeadEviction> TieredKVBuffer::plan_evict(
              position >= s.tokens[layer] ? fmt::format("the sequence has {} positions", s.tokens[layer])
                                          : std::string("evicted already"));
       }
-      auto& [slots, named] = dying[it->second / pt];
+      SlotMask& slots = dying[it->second / pt];
       const SlotMask bit = SlotMask{1} << (it->second % pt);
       if ((slots & bit) != 0) {
         fail(ErrorCode::invalid_argument, "evict: request {} layer {} kv head {}: position {} is listed twice",
              request, layer, h, position);
       }
       slots |= bit;
-      named = position;
     }
     HeadEviction& plan = plans[h];
     std::map<PartitionId, SlotMask> after;
-    for (const auto& [partition, slots_position] : dying) {
+    for (const auto& [partition, slots] : dying) {
       // Copy-on-evict: a fork's shared page is copied for this request, which then masks its copy.
       if (shared(request, layer, h, partition)) plan.copied.push_back(partition);
       const SlotMask mask = table_.slot_mask(request, layer, h, table_.first_page_index(request, layer, h, partition));
-      plan.cleared.emplace_back(partition, slots_position.first);
-      after[partition] = mask & ~slots_position.first;
+      plan.cleared.emplace_back(partition, slots);
+      after[partition] = mask & ~slots;
       const bool frees = strategy == EvictionStrategy::free_block || strategy == EvictionStrategy::slot_reuse;
       if (frees && after[partition] == 0) plan.released.push_back(partition);
     }
