@@ -159,10 +159,7 @@ class Manager {
     std::vector<float> keys, values;
     for (std::uint32_t l = 0; l < shape_.layers; ++l) {
       const State& from = state(source).layers[l].policy;
-      const std::uint32_t reused = reused_tokens(policy_, context(l, tokens), from);
-      k.resize(std::size_t{tokens - reused} * scope_.kv_row() * dtype_size(shape_.dtype));
-      v.resize(k.size());
-      buffer_->read_prefix(source, l, reused, tokens, k.data(), v.data());
+      const std::uint32_t reused = read_fork_rows(source, l, tokens, k, v);
       scope_.to_float(k.data(), std::size_t{tokens - reused} * scope_.kv_row(), keys);
       scope_.to_float(v.data(), std::size_t{tokens - reused} * scope_.kv_row(), values);
       State indexed = make_layer_state(policy_);
@@ -270,12 +267,8 @@ class Manager {
     add_request(request, max_tokens);
     try {
       for (std::uint32_t l = 0; l < shape_.layers; ++l) {
-        const State& from = state(source).layers[l].policy;
-        const ForkSource<Policy> fork{source, &from, reused_tokens(policy_, context(l, tokens), from)};
-        const std::size_t bytes = std::size_t{tokens - fork.reused_tokens} * scope_.kv_row() * dtype_size(shape_.dtype);
-        fork_k_.resize(bytes);
-        fork_v_.resize(bytes);
-        buffer_->read_prefix(source, l, fork.reused_tokens, tokens, fork_k_.data(), fork_v_.data());
+        const ForkSource<Policy> fork{source, &state(source).layers[l].policy,
+                                      read_fork_rows(source, l, tokens, fork_k_, fork_v_)};
         LayerStepState<State>& ls = prefill_entry(request, l, tokens);
         host_fork_prefill(scope_, request, l, ls, fork_k_.data(), fork_v_.data(), tokens, keys_, values_, fork);
       }
@@ -430,6 +423,17 @@ class Manager {
     return most;
   }
 
+  // The rows of `source`'s layer a fork of `tokens` tokens indexes: those
+  // past what its policy reuses, read back into k / v (model dtype). Returns
+  // the reused tokens.
+  std::uint32_t read_fork_rows(RequestId source, std::uint32_t layer, std::uint32_t tokens, std::vector<std::byte>& k,
+                               std::vector<std::byte>& v) const {
+    const std::uint32_t reused = reused_tokens(policy_, context(layer, tokens), state(source).layers[layer].policy);
+    k.resize(std::size_t{tokens - reused} * scope_.kv_row() * dtype_size(shape_.dtype));
+    v.resize(k.size());
+    buffer_->read_prefix(source, layer, reused, tokens, k.data(), v.data());
+    return reused;
+  }
   // Why fork(·, source, tokens, max_tokens) would be refused for its
   // arguments or the source's state: the code it throws and the message, or
   // nothing. can_fork and fork share it so that they agree.
