@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <bit>
+#include <cmath>
 
 #include "sparsekv/core/config.hpp"
 #include "sparsekv/core/dtype.hpp"
@@ -73,6 +74,10 @@ void ModelShape::validate() const {
   }
 }
 
+float Config::softmax_scale(const ModelShape& shape) const noexcept {
+  return attention_scale > 0.0f ? attention_scale : 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+}
+
 void Config::validate(const ModelShape& shape) const {
   shape.validate();
   if (page_tokens == 0 || page_tokens > 1024 || !std::has_single_bit(page_tokens)) {
@@ -95,6 +100,10 @@ void Config::validate(const ModelShape& shape) const {
   }
   if (eviction_strategy > EvictionStrategy::slot_reuse) {
     fail(ErrorCode::invalid_argument, "Config.eviction_strategy has an unknown value");
+  }
+  if (!(attention_scale >= 0.0f) || !std::isfinite(attention_scale)) {
+    fail(ErrorCode::invalid_argument, "Config.attention_scale ({}) must be finite and >= 0 (0: 1/sqrt(head_dim))",
+         attention_scale);
   }
   if (working_set_window == 0) {
     fail(ErrorCode::invalid_argument, "Config.working_set_window must be > 0");

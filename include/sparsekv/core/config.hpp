@@ -57,6 +57,11 @@ struct Config {
   std::size_t host_chunk_bytes = std::size_t{64} << 20;
   // Slot handling for requests whose policy evicts tokens.
   EvictionStrategy eviction_strategy = EvictionStrategy::slot_reuse;
+  // The scale of q.k in the softmax; 0 means 1/sqrt(head_dim). A model that
+  // scales q itself passes what its attention applies (Gemma 3: 1.0). The
+  // host step folds it into its fp32 copy of q, so every policy's Select and
+  // Attend see the model's logits; device tensors take the default only.
+  float attention_scale = 0.0f;
 
   // Throws ErrorCode::invalid_argument naming the first bad field; checks the
   // shape too, and that each tier holds at least one page of that shape.
@@ -65,6 +70,8 @@ struct Config {
   std::size_t page_bytes(const ModelShape& shape) const noexcept {
     return std::size_t{page_tokens} * shape.head_token_bytes();
   }
+  // attention_scale, or 1/sqrt(head_dim) for 0.
+  float softmax_scale(const ModelShape& shape) const noexcept;
   std::uint32_t max_pages_per_head() const noexcept {
     return static_cast<std::uint32_t>((std::uint64_t{max_context_tokens} + page_tokens - 1) / page_tokens);
   }

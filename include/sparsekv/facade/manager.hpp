@@ -44,6 +44,7 @@
 // changing nothing. Manager<P> is templated on the policy; RuntimeManager
 // (Manager<AnyPolicy>) picks it by name at run time.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -200,8 +201,120 @@ class Manager {
     if (k == nullptr || v == nullptr || tokens == 0) {
       fail(ErrorCode::invalid_argument, "prefill of request {}: K/V must be non-null with tokens > 0", request);
     }
+    if (const std::uint32_t staged = state(request).layers[layer].staged_tokens; staged != 0) {
+      fail(ErrorCode::failed_precondition,
+           "prefill of request {} layer {}: {} tokens of its prompt are staged; send the rest with prefill_chunk",
+           request, layer, staged);
+    }
     LayerStepState<State>& ls = prefill_entry(request, layer, tokens);
     host_prefill(scope_, request, layer, ls, k, v, tokens, keys_, values_);
+  }
+
+  // A prompt in chunks, as an engine's ubatches bring it (docs/integration.md,
+  // "Prompts in chunks"): each chunk's K/V are kept in the model dtype until
+  // the layer's first decode step (or end_prompt), which prefills the whole
+  // prompt at once, so the result is exactly prefill() of the concatenated
+  // chunks for every policy (ShadowKV's SVD, RetroInfer's clusters and
+  // StreamingLLM's cut need the whole prompt). Host tensors. Throws, changing
+  // nothing: invalid_argument (null or non-finite K/V, no tokens, past
+  // max_tokens), failed_precondition once the layer is prefilled (a live
+  // request grows by extend()).
+  void prefill_chunk(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens) {
+    use_api(Api::host);
+    RequestState& s = state(request);
+    check_index("layer", layer, shape_.layers);
+    if (k == nullptr || v == nullptr || tokens == 0) {
+      fail(ErrorCode::invalid_argument, "prefill_chunk of request {}: K/V must be non-null with tokens > 0", request);
+    }
+    LayerStepState<State>& ls = s.layers[layer];
+    if (ls.prefilled) {
+      fail(ErrorCode::failed_precondition,
+           "prefill_chunk of request {} layer {}: the layer is prefilled; append to a live request with extend()",
+           request, layer);
+    }
+    if (std::uint64_t{ls.staged_tokens} + tokens > s.max_tokens) {
+      fail(ErrorCode::invalid_argument, "request {}: a prompt of {} + {} tokens exceeds its max_tokens {}", request,
+           ls.staged_tokens, tokens, s.max_tokens);
+    }
+    const std::size_t n = std::size_t{tokens} * scope_.kv_row();
+    scope_.to_float(k, n, keys_);
+    scope_.check_finite("prefill_chunk k", request, keys_, ls.staged_tokens);
+    scope_.to_float(v, n, values_);
+    scope_.check_finite("prefill_chunk v", request, values_, ls.staged_tokens);
+    const std::size_t bytes = n * dtype_size(shape_.dtype);
+    ls.staged_k.insert(ls.staged_k.end(), static_cast<const std::byte*>(k), static_cast<const std::byte*>(k) + bytes);
+    ls.staged_v.insert(ls.staged_v.end(), static_cast<const std::byte*>(v), static_cast<const std::byte*>(v) + bytes);
+    ls.staged_tokens += tokens;
+  }
+  // Prefills every layer of `request` that holds a staged prompt, now (each
+  // layer's first decode step does it otherwise). Throws what prefill()
+  // throws; the layers before the failing one stay prefilled, which is what
+  // their decode would have done.
+  void end_prompt(RequestId request) {
+    RequestState& s = state(request);
+    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+      if (s.layers[l].staged_tokens != 0) prefill_staged(request, l);
+    }
+  }
+  // Tokens of `layer`'s prompt staged by prefill_chunk and not yet prefilled;
+  // and whether the layer is prefilled (decode and extend need it).
+  std::uint32_t staged_tokens(RequestId request, std::uint32_t layer) const {
+    check_index("layer", layer, shape_.layers);
+    return state(request).layers[layer].staged_tokens;
+  }
+  bool prefilled(RequestId request, std::uint32_t layer) const {
+    check_index("layer", layer, shape_.layers);
+    return state(request).layers[layer].prefilled;
+  }
+
+  // Appends `tokens` tokens to the live request in `layer` -- a new chat turn,
+  // a speculative draft being verified, whose attention the engine computes
+  // itself -- as that many decode steps of batch 1 whose outputs are dropped:
+  // the request ends up exactly as if it had decoded them, its policy
+  // included (H2O weighs them by their attention). q [tokens][q_heads]
+  // [head_dim], k / v [tokens][kv_heads][head_dim], host tensors in the model
+  // dtype. Checks every token first and throws, changing nothing, what
+  // decode() throws (a layer not prefilled, non-finite values, past
+  // max_tokens); a pool that runs out mid-way throws resource_exhausted
+  // naming how many tokens went in (those stay: each was a whole step).
+  void extend(RequestId request, std::uint32_t layer, const void* q, const void* k, const void* v,
+              std::uint32_t tokens) {
+    use_api(Api::host);
+    RequestState& s = state(request);
+    check_index("layer", layer, shape_.layers);
+    if (q == nullptr || k == nullptr || v == nullptr || tokens == 0) {
+      fail(ErrorCode::invalid_argument, "extend of request {}: q, K and V must be non-null with tokens > 0",
+           request);
+    }
+    if (s.layers[layer].staged_tokens != 0) prefill_staged(request, layer);
+    const RequestId batch[] = {request};
+    check_batch_entry(batch, 0, layer);
+    const std::uint32_t length = buffer_->sequence_length(request, layer);
+    if (std::uint64_t{length} + tokens > s.max_tokens) {
+      fail(ErrorCode::resource_exhausted, "extend of request {} by {} tokens: {} + {} exceeds its max_tokens {}",
+           request, tokens, length, tokens, s.max_tokens);
+    }
+    const std::size_t qd = scope_.q_row(), kvd = scope_.kv_row(), size = dtype_size(shape_.dtype);
+    scope_.to_float(q, tokens * qd, keys_);
+    if (std::find_if(keys_.begin(), keys_.end(), [](float x) { return !std::isfinite(x); }) != keys_.end()) {
+      fail(ErrorCode::invalid_argument, "extend of request {}: a q value is not finite", request);
+    }
+    scope_.to_float(k, tokens * kvd, keys_);
+    scope_.check_finite("extend k", request, keys_, length);
+    scope_.to_float(v, tokens * kvd, values_);
+    scope_.check_finite("extend v", request, values_, length);
+    extend_out_.resize(qd);
+    const auto* qb = static_cast<const std::byte*>(q);
+    const auto* kb = static_cast<const std::byte*>(k);
+    const auto* vb = static_cast<const std::byte*>(v);
+    for (std::uint32_t t = 0; t < tokens; ++t) {
+      try {
+        decode(batch, layer, qb + t * qd * size, kb + t * kvd * size, vb + t * kvd * size, extend_out_.data());
+      } catch (const Error& e) {
+        if (t == 0) throw;
+        fail(e.code(), "extend of request {}: {} of {} tokens appended, then: {}", request, t, tokens, e.what());
+      }
+    }
   }
 
   // Built-in Attend: out[b] = attention of q[b] over request b's selected
@@ -498,6 +611,17 @@ class Manager {
     return ls;
   }
 
+  // Prefills `layer` of `request` with its staged prompt (prefill_chunk) and
+  // releases the staged bytes.
+  void prefill_staged(RequestId request, std::uint32_t layer) {
+    LayerStepState<State>& ls = prefill_entry(request, layer, state(request).layers[layer].staged_tokens);
+    host_prefill(scope_, request, layer, ls, ls.staged_k.data(), ls.staged_v.data(), ls.staged_tokens, keys_,
+                 values_);
+    ls.staged_k = {};
+    ls.staged_v = {};
+    ls.staged_tokens = 0;
+  }
+
   // Entry b of a decode batch, for either tensor kind: a known request, once
   // in the batch, prefilled in `layer` and below its max_tokens.
   RequestState& check_batch_entry(std::span<const RequestId> batch, std::size_t b, std::uint32_t layer) {
@@ -526,6 +650,7 @@ class Manager {
     }
     host_entries_.clear();
     for (std::size_t b = 0; b < batch.size(); ++b) {
+      if (state(batch[b]).layers[layer].staged_tokens != 0) prefill_staged(batch[b], layer);
       RequestState& s = check_batch_entry(batch, b, layer);
       host_entries_.push_back({batch[b], &s.layers[layer], s.mandatory_pages});
     }
@@ -601,9 +726,16 @@ class Manager {
   // step's path refuses the same in device_runtime()).
   void require_device_tensors() {
     if (api_ == Api::host) use_api(Api::device);  // throws
+    check_device_scale();
     if (!backend_->has_device_memory()) {
       fail(ErrorCode::unavailable, "backend {} serves host tensors only; device tensors need the CUDA backend",
            backend_->name());
+    }
+  }
+  void check_device_scale() const {
+    if (config_.attention_scale != 0.0f) {
+      fail(ErrorCode::unavailable,
+           "Config.attention_scale is served on host tensors only; device tensors attend with 1/sqrt(head_dim)");
     }
   }
   void check_device_pointer(std::string_view what, const void* p) const {
@@ -614,6 +746,7 @@ class Manager {
   // The device runtime, made at the first device-tensor call.
   DeviceRuntime& device_runtime() {
     if (api_ == Api::host) use_api(Api::device);  // throws: this Manager serves host tensors
+    check_device_scale();
     if (runtime_) return *runtime_;
     runtime_ = backend_->make_device_runtime(
         device_runtime_setup(scope_, head_capacity().partitions, budget(config_.max_context_tokens).mandatory_pages),
@@ -659,6 +792,7 @@ class Manager {
   std::optional<DeviceStep<Policy>> device_step_;
   std::vector<typename DeviceStep<Policy>::Entry> device_entries_;
   std::vector<float> keys_, values_;  // a host prompt in fp32
+  std::vector<float> extend_out_;     // extend()'s dropped outputs
   std::vector<std::byte> fork_k_, fork_v_;  // a fork's prompt read back, in the model dtype
   StagedTensors staged_;              // the host-Select path's tensors
 };

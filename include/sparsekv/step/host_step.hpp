@@ -181,6 +181,7 @@ void HostStep<Policy>::begin(std::span<const Entry> batch, std::uint32_t layer, 
            batch[i / qd].request);
     }
   }
+  scope_.rescale_queries(queries_);
   scope_.to_float(k_new, batch.size() * scope_.kv_row(), keys_);
   scope_.to_float(v_new, batch.size() * scope_.kv_row(), values_);
   for (std::size_t b = 0; b < batch.size(); ++b) {

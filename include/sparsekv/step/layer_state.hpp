@@ -3,6 +3,7 @@
 // policy's state and the decode tokens it has not seen as a page yet. The
 // Manager owns one per layer of each request (its registry); a step reads and
 // commits the ones of its batch.
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -15,6 +16,10 @@ template <class State>
 struct LayerStepState {
   State policy;
   bool prefilled = false;
+  // A prompt arriving in chunks (Manager::prefill_chunk), host tensors in the
+  // model dtype, [token][kv_head][dim], until the layer is prefilled with it.
+  std::vector<std::byte> staged_k, staged_v;
+  std::uint32_t staged_tokens = 0;
   // Host tensors: the decode tokens since the last saved page, fp32
   // [token][kv_head][dim], shown to the policy with the token that fills it.
   std::vector<float> recent_k, recent_v;

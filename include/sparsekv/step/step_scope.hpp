@@ -37,7 +37,16 @@ struct StepScope {
     return {layer, shape->layers, shape->q_heads, shape->kv_heads, shape->head_dim, config->page_tokens, tokens};
   }
   PageLayout layout() const { return {config->page_tokens, shape->head_dim, shape->dtype}; }
+  // The scale Attend and the policies apply to q.k: 1/sqrt(head_dim). A
+  // Config::attention_scale s is folded into q instead (rescale_queries:
+  // q * s * sqrt(head_dim)), so that Select ranks, and Attend weighs, by the
+  // model's own logits through rules that are shared with the device.
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape->head_dim)); }
+  void rescale_queries(std::vector<float>& q) const {
+    if (config->attention_scale == 0.0f) return;
+    const float factor = config->attention_scale * std::sqrt(static_cast<float>(shape->head_dim));
+    for (float& x : q) x *= factor;
+  }
   std::size_t kv_row() const { return std::size_t{shape->kv_heads} * shape->head_dim; }   // one token's K or V
   std::size_t q_row() const { return std::size_t{shape->q_heads} * shape->head_dim; }     // one token's q
 

@@ -1,0 +1,246 @@
+// What a real engine's calls need from the Manager (docs/integration.md,
+// "Prompts in chunks", "Continuations", "Attention scale"), each against a
+// twin that gets the same tokens the plain way:
+//  - a prompt in chunks (prefill_chunk, then the first decode or end_prompt)
+//    decodes bit for bit as one prefill() of the whole prompt;
+//  - extend() of n tokens leaves the request exactly as n decode steps would:
+//    every later output and selection is the same, bit for bit;
+//  - Config::attention_scale s attends by s * q.k: the same outputs as the
+//    default scale with q * s * sqrt(head_dim), and the softmax of s * q.k;
+//  - each misuse is refused with its code and changes nothing.
+// Every selection policy and both evicting ones.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sparsekv/sparsekv.hpp"
+#include "test_support.hpp"
+
+using namespace sparsekv;
+
+namespace {
+
+constexpr ModelShape kShape{2, 4, 2, 8, DType::f32};
+constexpr std::uint32_t kPageTokens = 4;
+constexpr std::uint32_t kMaxTokens = 128;
+constexpr std::size_t kRow = std::size_t{kShape.kv_heads} * kShape.head_dim;
+constexpr std::size_t kQRow = std::size_t{kShape.q_heads} * kShape.head_dim;
+
+Config config() {
+  Config c;
+  c.page_tokens = kPageTokens;
+  c.max_requests = 4;
+  c.max_context_tokens = kMaxTokens;
+  c.min_buffer_ratio = 1.0;
+  c.metadata_segment_entries = 32;
+  const std::size_t page = c.page_bytes(kShape);
+  c.host_chunk_bytes = 16 * page;
+  c.cpu_tier_bytes = 1024 * page;
+  c.gpu_tier_bytes = 1024 * page;
+  return c;
+}
+
+std::vector<std::string> all_policies() {
+  std::vector<std::string> p = policy_names();
+  for (const std::string& e : eviction_policy_names()) p.push_back(e);
+  return p;
+}
+
+std::vector<float> draw(std::mt19937& rng, std::size_t n) {
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (float& e : x) e = normal(rng);
+  return x;
+}
+
+// One decode step of request 1 in every layer of both managers, compared bit for bit.
+void step_both(RuntimeManager& a, RuntimeManager& b, std::mt19937& rng) {
+  const RequestId one[] = {1};
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+    const std::vector<float> q = draw(rng, kQRow), k = draw(rng, kRow), v = draw(rng, kRow);
+    std::vector<float> out_a(kQRow), out_b(kQRow);
+    a.decode(one, l, q.data(), k.data(), v.data(), out_a.data());
+    b.decode(one, l, q.data(), k.data(), v.data(), out_b.data());
+    REQUIRE(std::memcmp(out_a.data(), out_b.data(), out_a.size() * sizeof(float)) == 0);
+    REQUIRE(a.retrieval(0).partitions == b.retrieval(0).partitions);
+    REQUIRE(a.retrieval(0).token_counts == b.retrieval(0).token_counts);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("engine calls: a prompt in chunks decodes as one prefill, bit for bit", "[facade][engine-calls]") {
+  for (const std::string& policy : all_policies()) {
+    for (const std::uint32_t seed : {1u, 2u, 3u}) {
+      CAPTURE(policy, seed);
+      std::mt19937 rng(seed);
+      const std::uint32_t prompt = std::uniform_int_distribution<std::uint32_t>(1, 70)(rng);
+      std::vector<std::vector<float>> k, v;
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        k.push_back(draw(rng, prompt * kRow));
+        v.push_back(draw(rng, prompt * kRow));
+      }
+      RuntimeManager whole(kShape, config(), make_policy(policy, 16));
+      RuntimeManager chunked(kShape, config(), make_policy(policy, 16));
+      whole.add_request(1, kMaxTokens);
+      chunked.add_request(1, kMaxTokens);
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) whole.prefill(1, l, k[l].data(), v[l].data(), prompt);
+      // Layers get different cuts; chunks of 1..prompt tokens, not page-aligned.
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        for (std::uint32_t at = 0; at < prompt;) {
+          const std::uint32_t n = std::min(prompt - at, std::uniform_int_distribution<std::uint32_t>(1, 23)(rng));
+          chunked.prefill_chunk(1, l, k[l].data() + at * kRow, v[l].data() + at * kRow, n);
+          at += n;
+        }
+        REQUIRE(chunked.staged_tokens(1, l) == prompt);
+        REQUIRE_FALSE(chunked.prefilled(1, l));
+      }
+      if (seed == 2) {
+        chunked.end_prompt(1);
+        REQUIRE(chunked.prefilled(1, 0));
+        REQUIRE(chunked.staged_tokens(1, 0) == 0);
+      }
+      for (std::uint32_t s = 0; s < 12; ++s) step_both(whole, chunked, rng);
+      REQUIRE(chunked.prefilled(1, 1));
+      whole.buffer().validate();
+      chunked.buffer().validate();
+    }
+  }
+}
+
+TEST_CASE("engine calls: extend() leaves a request as that many decode steps would", "[facade][engine-calls]") {
+  for (const std::string& policy : all_policies()) {
+    for (const std::uint32_t seed : {1u, 2u}) {
+      CAPTURE(policy, seed);
+      std::mt19937 rng(seed);
+      const std::uint32_t prompt = std::uniform_int_distribution<std::uint32_t>(1, 40)(rng);
+      RuntimeManager stepped(kShape, config(), make_policy(policy, 16));
+      RuntimeManager extended(kShape, config(), make_policy(policy, 16));
+      for (RuntimeManager* m : {&stepped, &extended}) m->add_request(1, kMaxTokens);
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        const std::vector<float> k = draw(rng, prompt * kRow), v = draw(rng, prompt * kRow);
+        for (RuntimeManager* m : {&stepped, &extended}) m->prefill(1, l, k.data(), v.data(), prompt);
+      }
+      for (std::uint32_t s = 0; s < 3; ++s) step_both(stepped, extended, rng);
+      // A continuation of n tokens: the twin decodes them one by one.
+      const std::uint32_t n = std::uniform_int_distribution<std::uint32_t>(1, 30)(rng);
+      const RequestId one[] = {1};
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        const std::vector<float> q = draw(rng, n * kQRow), k = draw(rng, n * kRow), v = draw(rng, n * kRow);
+        extended.extend(1, l, q.data(), k.data(), v.data(), n);
+        std::vector<float> out(kQRow);
+        for (std::uint32_t t = 0; t < n; ++t) {
+          stepped.decode(one, l, q.data() + t * kQRow, k.data() + t * kRow, v.data() + t * kRow, out.data());
+        }
+      }
+      REQUIRE(extended.buffer().sequence_length(1, 0) == prompt + 3 + n);
+      for (std::uint32_t s = 0; s < 10; ++s) step_both(stepped, extended, rng);
+      extended.buffer().validate();
+    }
+  }
+}
+
+TEST_CASE("engine calls: chunks and continuations refused where they cannot be served, changing nothing",
+          "[facade][engine-calls][errors]") {
+  std::mt19937 rng(7);
+  RuntimeManager m(kShape, config(), make_policy("quest", 16));
+  RuntimeManager twin(kShape, config(), make_policy("quest", 16));
+  const std::vector<float> k = draw(rng, 20 * kRow), v = draw(rng, 20 * kRow), q = draw(rng, 20 * kQRow);
+  for (RuntimeManager* x : {&m, &twin}) x->add_request(1, 40);
+  // A chunk past max_tokens, a null or non-finite chunk: nothing staged.
+  std::vector<float> bad = k;
+  bad[3 * kRow + 5] = std::nanf("");
+  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, k.data(), v.data(), 41), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, nullptr, v.data(), 4), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, bad.data(), v.data(), 10), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 2, k.data(), v.data(), 4), ErrorCode::out_of_range);
+  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(9, 0, k.data(), v.data(), 4), ErrorCode::not_found);
+  REQUIRE(m.staged_tokens(1, 0) == 0);
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+    m.prefill_chunk(1, l, k.data(), v.data(), 12);
+    m.prefill_chunk(1, l, k.data() + 12 * kRow, v.data() + 12 * kRow, 8);
+    twin.prefill(1, l, k.data(), v.data(), 20);
+  }
+  // A staged prompt is not mixed with a whole one; a chunk over max_tokens in total is refused.
+  REQUIRE_SPARSEKV_ERROR(m.prefill(1, 0, k.data(), v.data(), 4), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, k.data(), v.data(), 21), ErrorCode::invalid_argument);
+  REQUIRE(m.staged_tokens(1, 0) == 20);
+  m.end_prompt(1);
+  // Once prefilled, the layer grows by extend(), not by chunks.
+  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, k.data(), v.data(), 1), ErrorCode::failed_precondition);
+  // extend: past max_tokens (20 + 21 > 40), a non-finite value, before any prefill: refused whole.
+  REQUIRE_SPARSEKV_ERROR(m.extend(1, 0, q.data(), k.data(), v.data(), 21), ErrorCode::resource_exhausted);
+  REQUIRE_SPARSEKV_ERROR(m.extend(1, 0, q.data(), bad.data(), v.data(), 10), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(m.extend(1, 0, nullptr, k.data(), v.data(), 1), ErrorCode::invalid_argument);
+  m.add_request(2, 40);
+  twin.add_request(2, 40);
+  REQUIRE_SPARSEKV_ERROR(m.extend(2, 0, q.data(), k.data(), v.data(), 1), ErrorCode::failed_precondition);
+  REQUIRE(m.buffer().sequence_length(1, 0) == 20);
+  // Nothing changed: the two decode alike.
+  for (std::uint32_t s = 0; s < 6; ++s) step_both(m, twin, rng);
+  m.buffer().validate();
+}
+
+TEST_CASE("engine calls: Config::attention_scale attends by s * q.k", "[facade][engine-calls][scale]") {
+  constexpr float kScale = 1.0f;  // Gemma 3's: q arrives pre-scaled
+  for (const std::string& policy : all_policies()) {
+    CAPTURE(policy);
+    std::mt19937 rng(11);
+    Config scaled_config = config();
+    scaled_config.attention_scale = kScale;
+    RuntimeManager scaled(kShape, scaled_config, make_policy(policy, 16));
+    RuntimeManager plain(kShape, config(), make_policy(policy, 16));
+    const std::uint32_t prompt = 30;
+    std::vector<std::vector<float>> hk(kShape.layers), hv(kShape.layers);
+    for (RuntimeManager* m : {&scaled, &plain}) m->add_request(1, kMaxTokens);
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      hk[l] = draw(rng, prompt * kRow);
+      hv[l] = draw(rng, prompt * kRow);
+      for (RuntimeManager* m : {&scaled, &plain}) m->prefill(1, l, hk[l].data(), hv[l].data(), prompt);
+    }
+    const float factor = kScale * std::sqrt(static_cast<float>(kShape.head_dim));
+    const RequestId one[] = {1};
+    for (std::uint32_t s = 0; s < 8; ++s) {
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        std::vector<float> q = draw(rng, kQRow);
+        const std::vector<float> k = draw(rng, kRow), v = draw(rng, kRow);
+        std::vector<float> q_folded = q;
+        for (float& x : q_folded) x *= factor;
+        std::vector<float> out_s(kQRow), out_p(kQRow);
+        scaled.decode(one, l, q.data(), k.data(), v.data(), out_s.data());
+        plain.decode(one, l, q_folded.data(), k.data(), v.data(), out_p.data());
+        REQUIRE(std::memcmp(out_s.data(), out_p.data(), out_s.size() * sizeof(float)) == 0);
+        hk[l].insert(hk[l].end(), k.begin(), k.end());
+        hv[l].insert(hv[l].end(), v.begin(), v.end());
+        if (policy != "dense") continue;
+        // Dense attends everything: the softmax of kScale * q.k, in double.
+        const std::size_t tokens = hk[l].size() / kRow;
+        const std::uint32_t group = kShape.group_size(), d = kShape.head_dim;
+        for (std::uint32_t h = 0; h < kShape.q_heads; ++h) {
+          const std::uint32_t kv = h / group;
+          std::vector<double> w(tokens);
+          double max = -INFINITY, sum = 0;
+          for (std::size_t t = 0; t < tokens; ++t) {
+            double dot = 0;
+            for (std::uint32_t i = 0; i < d; ++i) dot += double(q[h * d + i]) * hk[l][t * kRow + kv * d + i];
+            w[t] = kScale * dot;
+            max = std::max(max, w[t]);
+          }
+          for (double& x : w) sum += x = std::exp(x - max);
+          for (std::uint32_t i = 0; i < d; ++i) {
+            double o = 0;
+            for (std::size_t t = 0; t < tokens; ++t) o += w[t] * hv[l][t * kRow + kv * d + i];
+            REQUIRE(out_s[h * d + i] == Approx(o / sum).margin(1e-5));
+          }
+        }
+      }
+    }
+  }
+  Config bad = config();
+  for (const float s : {-1.0f, std::nanf(""), INFINITY}) {
+    bad.attention_scale = s;
+    REQUIRE_SPARSEKV_ERROR(RuntimeManager(kShape, bad, make_policy("dense", 16)), ErrorCode::invalid_argument);
+  }
+}
