@@ -19,6 +19,7 @@ std::string_view to_string(ErrorCode code) noexcept {
     case ErrorCode::failed_precondition: return "failed_precondition";
     case ErrorCode::unavailable: return "unavailable";
     case ErrorCode::cuda_error: return "cuda_error";
+    case ErrorCode::internal: return "internal";
   }
   return "unknown";
 }

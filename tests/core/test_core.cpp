@@ -1,7 +1,10 @@
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "sparsekv/attention/page_fold.hpp"
@@ -9,6 +12,7 @@
 #include "sparsekv/core/convert.hpp"
 #include "sparsekv/core/device.hpp"
 #include "sparsekv/core/dtype.hpp"
+#include "sparsekv/core/error_slot.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "test_support.hpp"
 
@@ -131,4 +135,44 @@ TEST_CASE("widen_to_float equals the scalar rule for every f16 and bf16 value, o
   std::vector<float> copy(3);
   sparsekv::widen_to_float(f32.data(), sparsekv::DType::f32, 3, copy.data());
   REQUIRE(std::memcmp(copy.data(), f32.data(), sizeof(float) * 3) == 0);
+}
+
+TEST_CASE("ErrorSlot keeps the first error any thread captures, with its code", "[core][error-slot]") {
+  ErrorSlot slot;
+  REQUIRE_FALSE(slot.failed());
+  REQUIRE_FALSE(slot.error().has_value());
+  std::vector<std::thread> threads;
+  std::atomic<int> first{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&slot, &first, t] {
+      try {
+        fail(ErrorCode::out_of_range, "thread {}", t);
+      } catch (...) {
+        if (slot.capture()) ++first;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  REQUIRE(first == 1);
+  REQUIRE(slot.failed());
+  REQUIRE(slot.error()->code == ErrorCode::out_of_range);
+  REQUIRE(slot.error()->message.starts_with("sparsekv out_of_range: thread "));
+  slot.clear();
+  REQUIRE_FALSE(slot.failed());
+  try {
+    throw std::bad_alloc();
+  } catch (...) {
+    REQUIRE(slot.capture());
+  }
+  REQUIRE(slot.error()->code == ErrorCode::resource_exhausted);
+  slot.clear();
+  try {
+    throw std::logic_error("outside");
+  } catch (...) {
+    REQUIRE(slot.capture());
+  }
+  REQUIRE(slot.error()->code == ErrorCode::internal);
+  REQUIRE(slot.error()->message == "outside");
+  REQUIRE_FALSE(slot.set(ErrorCode::invalid_argument, "second"));
+  REQUIRE(to_string(ErrorCode::internal) == "internal");
 }

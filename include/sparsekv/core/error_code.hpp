@@ -23,6 +23,7 @@ enum class ErrorCode {
   failed_precondition,  // the call is valid in general but not in this state
   unavailable,          // no CUDA device / driver for a device-only operation
   cuda_error,           // the CUDA runtime reported a failure
+  internal,             // an exception that was not a sparsekv::Error (ErrorSlot)
 };
 
 std::string_view to_string(ErrorCode code) noexcept;
