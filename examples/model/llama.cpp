@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/facade/serving_config.hpp"
 
 // Hot loops are compiled per instruction set and picked at load time (GCC
 // function multi-versioning): AVX-512 / AVX2+FMA where the CPU has them,
@@ -599,50 +600,11 @@ StepExecutor engine_executor() {
 std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& c, AnyPolicy policy, std::uint32_t max_tokens,
                                              std::uint32_t requests, EvictionStrategy strategy,
                                              std::unique_ptr<Backend> backend) {
-  const ModelShape shape = c.shape();
-  Config config;
-  config.max_requests = requests;
-  config.eviction_strategy = strategy;
-  const std::size_t page = config.page_bytes(shape);
-  const std::size_t heads = std::size_t{shape.layers} * shape.kv_heads * requests;
-  const auto context = [&](std::uint32_t layer) {
-    return LayerContext{layer, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim, config.page_tokens, max_tokens};
-  };
-  // Per (layer, kv head), over all layers: the pages one select may return
-  // (`need`) and the most CPU pages a head of max_tokens tokens can hold
-  // (`held`): the policy's bound where it declares one (clusters pad their
-  // last page), else one page per page_tokens tokens.
-  const std::uint32_t context_pages = (max_tokens + config.page_tokens - 1) / config.page_tokens;
-  std::uint32_t need = 1, held = context_pages;
-  for (std::uint32_t l = 0; l < shape.layers; ++l) {
-    need = std::max(need, policy.mandatory_pages(context(l)));
-    if (const auto capacity = policy.head_capacity(context(l))) held = std::max(held, capacity->cpu_pages);
-  }
-  // A budget beyond the context still reserves its pages: size the per-head
-  // directories for whichever is larger.
-  config.max_context_tokens = std::max(max_tokens, need * config.page_tokens) + config.page_tokens;
-  // CPU tier: what every head can hold, plus the margin of 64 pages per head
-  // it always had (it was twice the context before). The pool reserves host
-  // chunks as pages are taken, so the margin costs little.
-  constexpr std::uint32_t kCpuMarginPages = 64;
-  config.cpu_tier_bytes = heads * (std::size_t{held} + kCpuMarginPages) * page;
-  // GPU tier: each request's bucketed-LRU buffer of need x (1 +
-  // min_buffer_ratio) slots per head plus its tail page (TieredKVBuffer::
-  // add_request takes exactly that; it refuses fewer slots than that
-  // minimum). A buffer of at least `held` slots never evicts: it already
-  // holds every page the head will ever have, and more slots cannot change a
-  // hit, a miss or a move. Where need x (1 + ratio) exceeds that (Quest's dense
-  // layers and the dense policy make the whole context mandatory: 6x the
-  // context), the ratio is lowered so that the minimum is `held` (or `need`,
-  // if larger): the same results from a sixth of the memory.
-  const auto slots = [&] {
-    return std::uint64_t{need} + static_cast<std::uint64_t>(std::ceil(config.min_buffer_ratio * need));
-  };
-  if (slots() > held) config.min_buffer_ratio = held > need ? double(held - need) / need : 0.0;
-  config.gpu_tier_bytes = heads * (slots() + 1) * page;
-  config.host_chunk_bytes = std::min<std::size_t>(config.cpu_tier_bytes, std::size_t{64} << 20);
+  Config base;
+  base.eviction_strategy = strategy;
+  const Config config = serving_config(c.shape(), policy, max_tokens, requests, base);
   if (!backend) backend = std::make_unique<HostBackend>();
-  return std::make_unique<RuntimeManager>(shape, config, std::move(policy), std::move(backend));
+  return std::make_unique<RuntimeManager>(c.shape(), config, std::move(policy), std::move(backend));
 }
 
 std::uint32_t argmax(std::span<const float> logits) {

@@ -4,10 +4,12 @@
 // the layers below it live in their own folders (docs/design.md).
 #include "sparsekv/core/config.hpp"
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/core/error_slot.hpp"
 #include "sparsekv/core/model_shape.hpp"
 #include "sparsekv/attention/attend_plan.hpp"
 #include "sparsekv/facade/in_place_backend.hpp"
 #include "sparsekv/facade/manager.hpp"
+#include "sparsekv/facade/serving_config.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/policy/dense.hpp"
 #include "sparsekv/policy/streaming_window.hpp"
