@@ -7,8 +7,10 @@
 # What is built: ggml-base and ggml-cpu, static, native ISA, no OpenMP (ggml's
 # own thread pool, which the benchmark creates with the thread count it
 # measures), no llamafile sgemm or weight repacking (matrix-product paths
-# flash attention does not take). EXCLUDE_FROM_ALL: only the targets linking
-# it build it, and its install rules are not part of sparsekv's.
+# flash attention does not take) unless SPARSEKV_LLAMA (cmake/SparsekvLlama.cmake)
+# builds llama.cpp, whose matrix products need them for its normal CPU speed.
+# EXCLUDE_FROM_ALL: only the targets linking it build it, and its install rules
+# are not part of sparsekv's.
 #
 # Sets SPARSEKV_HAS_GGML (ON/OFF) and, when ON, the targets ggml and ggml-cpu.
 set(SPARSEKV_LLAMA_CPP_VERSION 0.3.36)
@@ -39,8 +41,13 @@ else()
     set(GGML_CPU ON)
     set(GGML_NATIVE ON)
     set(GGML_OPENMP OFF)
-    set(GGML_LLAMAFILE OFF)
-    set(GGML_CPU_REPACK OFF)
+    if(SPARSEKV_LLAMA)
+      set(GGML_LLAMAFILE ON)
+      set(GGML_CPU_REPACK ON)
+    else()
+      set(GGML_LLAMAFILE OFF)
+      set(GGML_CPU_REPACK OFF)
+    endif()
     set(GGML_BLAS OFF)
     set(GGML_CUDA OFF)
     set(GGML_VULKAN OFF)

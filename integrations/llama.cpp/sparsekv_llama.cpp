@@ -1,0 +1,460 @@
+#include "sparsekv_llama.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include "ggml-cpu.h"
+#include "llama-ext.h"
+#include "sparsekv/sparsekv.hpp"
+
+namespace sparsekv::llama_cpp {
+
+namespace {
+
+// ggml's threads meet here between a decode step's phases. ggml runs every
+// thread of its pool through a custom op with n_tasks = all, at once, so all
+// nth arrive; they spin, as ggml's own barrier between nodes does.
+class SpinBarrier {
+ public:
+  void wait(int nth) {
+    if (nth <= 1) return;
+    const unsigned generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == nth) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    while (generation_.load(std::memory_order_acquire) == generation) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#else
+      std::this_thread::yield();
+#endif
+    }
+  }
+
+ private:
+  std::atomic<int> arrived_{0};
+  std::atomic<unsigned> generation_{0};
+};
+
+struct Sequence {
+  RequestId request = 0;
+  bool broken = false;  // a ubatch of it failed: refused until it restarts at position 0
+};
+
+}  // namespace
+
+struct Hook::State {
+  llama_context* ctx = nullptr;
+  HookOptions options;
+  std::vector<std::int32_t> layers;         // hooked llama layers; the library's layer l is layers[l]
+  std::unique_ptr<RuntimeManager> manager;  // made at the first op, when the shape is known
+  std::map<llama_seq_id, Sequence> sequences;
+  RequestId next_request = 1;
+  ModelShape shape;              // the library's: one layer per hooked layer
+  float attention_scale = 0.0f;  // Config::attention_scale from llama.cpp's kq_scale
+  std::uint32_t max_tokens = 0;
+  ErrorSlot failure;
+  SpinBarrier barrier;
+  std::atomic<bool> stepping{false};  // this attend op's rows go through a library step
+  HostStep<AnyPolicy>* step = nullptr;
+  std::uint64_t rows = 0;
+  // The op's tensors in the model dtype, its batch, and where each batch row came from.
+  std::vector<std::byte> q, k, v;
+  std::vector<float> out;
+  std::vector<RequestId> batch;
+  std::vector<std::int32_t> batch_rows;
+
+  std::uint32_t layer_of(std::int32_t il) const {
+    const auto it = std::find(layers.begin(), layers.end(), il);
+    if (it == layers.end()) fail(ErrorCode::failed_precondition, "layer {} was not hooked when the library was made", il);
+    return static_cast<std::uint32_t>(it - layers.begin());
+  }
+
+  // The Manager, made at the first op: heads and head size come from the call,
+  // the requests and their context from the llama_context.
+  RuntimeManager& ensure_manager(const llama_attn_hook_call& c) {
+    if (manager) {
+      if (shape.q_heads != std::uint32_t(c.n_head) || shape.kv_heads != std::uint32_t(c.n_head_kv) ||
+          shape.head_dim != std::uint32_t(c.n_embd_head)) {
+        fail(ErrorCode::invalid_argument, "layer {}: {} q / {} kv heads of {} differ from the first hooked layer's",
+             c.il, c.n_head, c.n_head_kv, c.n_embd_head);
+      }
+      if (kq_scale_of(c) != attention_scale) {
+        fail(ErrorCode::invalid_argument, "layer {}: kq_scale {} differs from the first hooked layer's", c.il,
+             c.kq_scale);
+      }
+      return *manager;
+    }
+    std::sort(layers.begin(), layers.end());
+    shape = ModelShape{static_cast<std::uint32_t>(layers.size()), std::uint32_t(c.n_head),
+                       std::uint32_t(c.n_head_kv), std::uint32_t(c.n_embd_head), options.dtype};
+    attention_scale = kq_scale_of(c);
+    AnyPolicy policy = make_policy(options.policy, options.budget_tokens);
+    Config base;
+    base.page_tokens = options.page_tokens;
+    base.attention_scale = attention_scale;
+    max_tokens = llama_n_ctx_seq(ctx);
+    // One request more than llama.cpp's sequences: seq_rm keeps a sequence's
+    // first tokens by forking them before the old request finishes.
+    const Config config = serving_config(shape, policy, max_tokens, llama_n_seq_max(ctx) + 1, base);
+    manager = std::make_unique<RuntimeManager>(shape, config, std::move(policy), std::make_unique<InPlaceBackend>());
+    return *manager;
+  }
+  // 0 (the library's default) where llama.cpp's scale is 1/sqrt(head_dim).
+  static float kq_scale_of(const llama_attn_hook_call& c) {
+    const float standard = 1.0f / std::sqrt(static_cast<float>(c.n_embd_head));
+    return std::abs(c.kq_scale - standard) <= 1e-6f * standard ? 0.0f : c.kq_scale;
+  }
+
+  // The request of row i's sequence, checked: one sequence, not broken, and
+  // the row at the position the library expects next in `layer` (a row at
+  // position 0 restarts the sequence: llama.cpp holds nothing of it).
+  RequestId request_of(const llama_attn_hook_call& c, std::int32_t i, std::uint32_t layer) {
+    const llama_seq_id seq = c.seq[i];
+    const llama_pos pos = c.pos[i];
+    if (seq < 0) {
+      fail(ErrorCode::invalid_argument, "layer {} row {}: a token in several sequences cannot be followed", c.il, i);
+    }
+    auto it = sequences.find(seq);
+    if (pos == 0 && layer == 0) {
+      if (it != sequences.end()) {
+        manager->finish(it->second.request);
+        sequences.erase(it);
+      }
+      const RequestId id = next_request++;
+      manager->add_request(id, max_tokens);
+      it = sequences.emplace(seq, Sequence{id, false}).first;
+    }
+    if (it == sequences.end()) {
+      fail(ErrorCode::failed_precondition,
+           "sequence {}: a row at position {}, but the library never saw the sequence start (was the hook set after "
+           "its prompt?)",
+           seq, pos);
+    }
+    if (it->second.broken) {
+      fail(ErrorCode::failed_precondition,
+           "sequence {} failed in an earlier ubatch; remove it (seq_rm) and start again from position 0", seq);
+    }
+    const std::uint32_t held = tokens_held(it->second.request, layer);
+    if (std::uint32_t(pos) != held) {
+      fail(ErrorCode::failed_precondition,
+           "sequence {} layer {}: a row at position {}, but the library holds {} tokens (a context shift, "
+           "seq_add/seq_div, a state load or a partial removal outside the hook is not followed)",
+           seq, c.il, pos, held);
+    }
+    return it->second.request;
+  }
+  std::uint32_t tokens_held(RequestId id, std::uint32_t layer) const {
+    return manager->prefilled(id, layer) ? manager->buffer().sequence_length(id, layer)
+                                         : manager->staged_tokens(id, layer);
+  }
+
+  // n rows of `width` floats from `from` into `to` in the model dtype.
+  void narrow(const float* from, std::size_t n, std::vector<std::byte>& to) const {
+    to.resize(n * dtype_size(options.dtype));
+    switch (options.dtype) {
+      case DType::f32: std::memcpy(to.data(), from, n * sizeof(float)); return;
+      case DType::f16: ggml_cpu_fp32_to_fp16(from, reinterpret_cast<ggml_fp16_t*>(to.data()), std::int64_t(n)); return;
+      case DType::bf16: ggml_cpu_fp32_to_bf16(from, reinterpret_cast<ggml_bf16_t*>(to.data()), std::int64_t(n)); return;
+    }
+  }
+
+  void mark_broken(const llama_attn_hook_call& c) {
+    for (std::int32_t i = 0; i < c.n_tokens; ++i) {
+      if (const auto it = sequences.find(c.seq[i]); it != sequences.end()) it->second.broken = true;
+    }
+  }
+
+  // ---- The prompt side: a ubatch llama.cpp attends itself -----------------
+  void take_kv(const llama_attn_hook_call& c) {
+    RuntimeManager& m = ensure_manager(c);
+    const std::uint32_t layer = layer_of(c.il);
+    const std::size_t qd = std::size_t(c.n_head) * c.n_embd_head, kvd = std::size_t(c.n_head_kv) * c.n_embd_head;
+    // Runs of rows of one sequence at consecutive positions go in one call.
+    for (std::int32_t i = 0; i < c.n_tokens;) {
+      std::int32_t end = i + 1;
+      while (end < c.n_tokens && c.seq[end] == c.seq[i] && c.pos[end] == c.pos[end - 1] + 1) ++end;
+      const RequestId id = request_of(c, i, layer);
+      const auto n = static_cast<std::uint32_t>(end - i);
+      narrow(c.k + i * kvd, n * kvd, k);
+      narrow(c.v + i * kvd, n * kvd, v);
+      if (!m.prefilled(id, layer)) {
+        m.prefill_chunk(id, layer, k.data(), v.data(), n);
+      } else {
+        narrow(c.q + i * qd, n * qd, q);
+        m.extend(id, layer, q.data(), k.data(), v.data(), n);
+      }
+      i = end;
+    }
+  }
+
+  // ---- The decode side: one library step, its phases on ggml's threads -----
+  // Thread 0: checks the rows and begins the step. A row at position 0 (a
+  // one-token prompt) attends only itself: its output is its own V, and the
+  // token is staged as the sequence's prompt.
+  void begin_attend(const llama_attn_hook_call& c) {
+    RuntimeManager& m = ensure_manager(c);
+    const std::uint32_t layer = layer_of(c.il);
+    const std::size_t d = c.n_embd_head, qd = c.n_head * d, kvd = c.n_head_kv * d;
+    const std::uint32_t group = std::uint32_t(c.n_head / c.n_head_kv);
+    batch.clear();
+    batch_rows.clear();
+    for (std::int32_t i = 0; i < c.n_tokens; ++i) {
+      const RequestId id = request_of(c, i, layer);
+      if (c.pos[i] != 0) {
+        batch.push_back(id);
+        batch_rows.push_back(i);
+        continue;
+      }
+      narrow(c.k + i * kvd, kvd, k);
+      narrow(c.v + i * kvd, kvd, v);
+      m.prefill_chunk(id, layer, k.data(), v.data(), 1);
+      std::vector<float> own(kvd);
+      widen_to_float(v.data(), options.dtype, kvd, own.data());
+      for (std::int32_t h = 0; h < c.n_head; ++h) std::copy_n(own.data() + (h / group) * d, d, c.out + i * qd + h * d);
+    }
+    if (batch.empty()) return;
+    std::vector<float> rows(batch.size() * qd);
+    for (std::size_t b = 0; b < batch.size(); ++b) std::copy_n(c.q + batch_rows[b] * qd, qd, rows.data() + b * qd);
+    std::vector<std::byte> qn;
+    narrow(rows.data(), rows.size(), qn);
+    q = std::move(qn);
+    rows.assign(batch.size() * kvd, 0.0f);
+    for (std::size_t b = 0; b < batch.size(); ++b) std::copy_n(c.k + batch_rows[b] * kvd, kvd, rows.data() + b * kvd);
+    narrow(rows.data(), rows.size(), k);
+    for (std::size_t b = 0; b < batch.size(); ++b) std::copy_n(c.v + batch_rows[b] * kvd, kvd, rows.data() + b * kvd);
+    narrow(rows.data(), rows.size(), v);
+    out.resize(batch.size() * qd);
+    step = &m.begin_decode(batch, layer, q.data(), k.data(), v.data(), out.data());
+    stepping.store(true, std::memory_order_relaxed);
+  }
+  void finish_attend(const llama_attn_hook_call& c) {
+    step->finish();
+    const std::size_t qd = std::size_t(c.n_head) * c.n_embd_head;
+    for (std::size_t b = 0; b < batch.size(); ++b) std::copy_n(out.data() + b * qd, qd, c.out + batch_rows[b] * qd);
+    rows += batch.size();
+  }
+};
+
+namespace {
+
+Hook::State& state_of(void* user) { return *static_cast<Hook::State*>(user); }
+
+bool hook_layer(void* user, std::int32_t il) {
+  Hook::State& s = state_of(user);
+  if (std::find(s.layers.begin(), s.layers.end(), il) != s.layers.end()) return true;
+  if (s.manager) return false;  // the library's layers are fixed once it is made: llama.cpp attends this one
+  s.layers.push_back(il);
+  return true;
+}
+
+void hook_kv(void* user, const llama_attn_hook_call* call, std::int32_t ith, std::int32_t) {
+  Hook::State& s = state_of(user);
+  if (ith != 0 || s.failure.failed()) return;
+  try {
+    s.take_kv(*call);
+  } catch (...) {
+    s.failure.capture();
+    s.mark_broken(*call);
+  }
+}
+
+// Every thread runs it: begin (thread 0) | select (all) | commit (0) | attend (all) | finish (0).
+// A failure stops the phases after it; the abort callback then stops the graph.
+void hook_attend(void* user, const llama_attn_hook_call* call, std::int32_t ith, std::int32_t nth) {
+  Hook::State& s = state_of(user);
+  const auto serial = [&](auto&& work) {
+    if (ith == 0 && !s.failure.failed()) {
+      try {
+        work();
+      } catch (...) {
+        s.failure.capture();
+        s.mark_broken(*call);
+      }
+    }
+    s.barrier.wait(nth);
+  };
+  serial([&] {
+    s.stepping.store(false, std::memory_order_relaxed);
+    s.begin_attend(*call);
+  });
+  if (!s.stepping.load(std::memory_order_relaxed) || s.failure.failed()) return;
+  s.step->select(std::size_t(ith), std::size_t(nth));
+  s.barrier.wait(nth);
+  serial([&] { s.step->commit(); });
+  if (s.failure.failed()) return;
+  s.step->attend(std::size_t(ith), std::size_t(nth));
+  s.barrier.wait(nth);
+  if (ith == 0) {
+    try {
+      s.finish_attend(*call);
+    } catch (...) {
+      s.failure.capture();
+      s.mark_broken(*call);
+    }
+  }
+}
+
+bool hook_abort(void* user) { return state_of(user).failure.failed(); }
+
+}  // namespace
+
+Hook::Hook(llama_context* ctx, const HookOptions& options) : state_(std::make_unique<State>()) {
+  if (ctx == nullptr) fail(ErrorCode::invalid_argument, "Hook: llama_context must not be null");
+  make_policy(options.policy, options.budget_tokens);  // throws on an unknown policy before anything is set
+  if (options.page_tokens == 0 || (options.page_tokens & (options.page_tokens - 1)) != 0) {
+    fail(ErrorCode::invalid_argument, "Hook: page_tokens ({}) must be a power of two", options.page_tokens);
+  }
+  state_->ctx = ctx;
+  state_->options = options;
+  const llama_attn_hook hook{state_.get(), hook_layer, hook_kv, hook_attend};
+  llama_set_attn_hook(ctx, &hook);
+  llama_set_abort_callback(ctx, hook_abort, state_.get());
+}
+
+Hook::~Hook() {
+  llama_set_attn_hook(state_->ctx, nullptr);
+  llama_set_abort_callback(state_->ctx, nullptr, nullptr);
+}
+
+bool Hook::seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
+  State& s = *state_;
+  llama_memory_t memory = llama_get_memory(s.ctx);
+  if (seq < 0) {  // llama.cpp: every sequence
+    if (p0 > 0 || p1 >= 0) {
+      s.failure.set(ErrorCode::invalid_argument, "seq_rm: sparsekv follows removing every sequence whole only");
+      return false;
+    }
+    if (!llama_memory_seq_rm(memory, seq, p0, p1)) return false;
+    for (const auto& [id, sequence] : s.sequences) s.manager->finish(sequence.request);
+    s.sequences.clear();
+    return true;
+  }
+  const auto it = s.sequences.find(seq);
+  if (it == s.sequences.end() || !s.manager) return llama_memory_seq_rm(memory, seq, p0, p1);
+  const RequestId id = it->second.request;
+  if (p0 <= 0 && p1 < 0) {
+    if (!llama_memory_seq_rm(memory, seq, p0, p1)) return false;
+    s.manager->finish(id);
+    s.sequences.erase(it);
+    return true;
+  }
+  if (p1 >= 0 || it->second.broken) {
+    s.failure.set(ErrorCode::invalid_argument,
+                  "seq_rm: sparsekv follows the removal of a whole sequence or of its tail, not of a middle range");
+    return false;
+  }
+  // Keep the first p0 tokens: they become a new request forked from the old one.
+  const std::uint32_t keep = std::uint32_t(p0);
+  if (keep >= s.tokens_held(id, 0)) return llama_memory_seq_rm(memory, seq, p0, p1);
+  try {
+    s.manager->end_prompt(id);  // a staged prompt is indexed, then forked like any other
+  } catch (...) {
+    s.failure.capture();
+    return false;
+  }
+  for (std::uint32_t l = 0; l < s.layers.size(); ++l) {
+    if (s.manager->buffer().forkable_tokens(id, l) < keep) {
+      s.failure.set(ErrorCode::failed_precondition,
+                    "seq_rm: sparsekv keeps the first tokens of a sequence only where every layer holds them in page "
+                    "order (not its decode tail, nor tokens a policy regrouped or evicted)");
+      return false;
+    }
+  }
+  const RequestId fresh = s.next_request;
+  try {
+    s.manager->fork(fresh, id, keep, s.max_tokens);
+  } catch (...) {
+    s.failure.capture();
+    return false;
+  }
+  if (!llama_memory_seq_rm(memory, seq, p0, p1)) {
+    s.manager->finish(fresh);
+    return false;
+  }
+  ++s.next_request;
+  s.manager->finish(id);
+  it->second.request = fresh;
+  return true;
+}
+
+bool Hook::seq_cp(llama_seq_id source, llama_seq_id dest, llama_pos p0, llama_pos p1) {
+  State& s = *state_;
+  const auto it = s.sequences.find(source);
+  if (it == s.sequences.end() || !s.manager) {
+    s.failure.set(ErrorCode::not_found, "seq_cp: sparsekv holds nothing of the source sequence");
+    return false;
+  }
+  if (p0 > 0 || p1 >= 0 || s.sequences.contains(dest) || it->second.broken) {
+    s.failure.set(ErrorCode::invalid_argument, "seq_cp: sparsekv copies a whole sequence into an empty one only");
+    return false;
+  }
+  const RequestId id = it->second.request;
+  const std::uint32_t tokens = s.tokens_held(id, 0);
+  const RequestId fresh = s.next_request;
+  try {
+    s.manager->end_prompt(id);
+    s.manager->fork(fresh, id, tokens, s.max_tokens);
+  } catch (...) {
+    s.failure.capture();
+    return false;
+  }
+  ++s.next_request;
+  s.sequences.emplace(dest, Sequence{fresh, false});
+  llama_memory_seq_cp(llama_get_memory(s.ctx), source, dest, p0, p1);
+  return true;
+}
+
+bool Hook::seq_keep(llama_seq_id seq) {
+  State& s = *state_;
+  for (auto it = s.sequences.begin(); it != s.sequences.end();) {
+    if (it->first == seq) {
+      ++it;
+      continue;
+    }
+    s.manager->finish(it->second.request);
+    it = s.sequences.erase(it);
+  }
+  llama_memory_seq_keep(llama_get_memory(s.ctx), seq);
+  return true;
+}
+
+bool Hook::seq_add(llama_seq_id, llama_pos, llama_pos, llama_pos) {
+  state_->failure.set(ErrorCode::failed_precondition,
+                      "seq_add: sparsekv does not follow a position shift (context shift); its pages hold the "
+                      "tokens' RoPE'd keys");
+  return false;
+}
+
+bool Hook::seq_div(llama_seq_id, llama_pos, llama_pos, int) {
+  state_->failure.set(ErrorCode::failed_precondition,
+                      "seq_div: sparsekv does not follow a position division (self-extend)");
+  return false;
+}
+
+void Hook::clear() {
+  State& s = *state_;
+  for (const auto& [seq, sequence] : s.sequences) s.manager->finish(sequence.request);
+  s.sequences.clear();
+  llama_memory_clear(llama_get_memory(s.ctx), true);
+}
+
+std::optional<ErrorRecord> Hook::failure() const { return state_->failure.error(); }
+void Hook::clear_failure() { state_->failure.clear(); }
+
+StepStats Hook::stats() const { return state_->manager ? state_->manager->stats() : StepStats{}; }
+std::uint64_t Hook::decode_rows() const { return state_->rows; }
+std::vector<std::int32_t> Hook::hooked_layers() const { return state_->layers; }
+std::uint32_t Hook::tokens(llama_seq_id seq) const {
+  const auto it = state_->sequences.find(seq);
+  return it == state_->sequences.end() ? 0 : state_->tokens_held(it->second.request, 0);
+}
+
+}  // namespace sparsekv::llama_cpp

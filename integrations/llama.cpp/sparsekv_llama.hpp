@@ -1,0 +1,93 @@
+#pragma once
+// sparsekv inside llama.cpp: the decode attention of a llama_context served by
+// a sparsekv Manager, on ggml's own threads (docs/llama-cpp.md). Needs the
+// patched llama.cpp (attn-hook.patch: llama_set_attn_hook in llama-ext.h).
+//
+// What it does, per hooked layer (every layer that is not sliding-window):
+//  - a ubatch llama.cpp attends itself (a prompt chunk, a new turn) hands its
+//    post-RoPE K/V over: a sequence's prompt is staged chunk by chunk
+//    (Manager::prefill_chunk) and indexed whole at its first decode; a
+//    sequence that has decoded grows by Manager::extend;
+//  - a decode-shaped ubatch (one token per sequence) is one decode step of the
+//    library, its rows the batch: Select and Attend split over ggml's threads
+//    (the op's (ith, nth)), the output replacing llama.cpp's attention.
+// llama.cpp keeps its own KV cache as it is: its attention still serves the
+// ubatches it attends itself.
+//
+// What the library cannot follow is refused, never silently wrong: a row whose
+// position is not its sequence's next token (context shift, seq_add/seq_div,
+// a state load, a partial removal made behind the hook's back), a token in
+// several sequences, a layer with attention sinks or a bias, a quantized or
+// differently shaped KV cache. A refusal inside llama_decode stops the graph
+// (the hook owns the context's abort callback): llama_decode returns 2 and
+// failure() says why. The sequences of a failed ubatch are then refused until
+// they restart at position 0 (after a whole removal).
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "llama.h"
+#include "sparsekv/core/dtype.hpp"
+#include "sparsekv/core/error_slot.hpp"
+#include "sparsekv/step/step_stats.hpp"
+
+namespace sparsekv::llama_cpp {
+
+struct HookOptions {
+  std::string policy = "quest";    // make_policy's names (sparsekv::policy_names, eviction_policy_names)
+  std::uint32_t budget_tokens = 1024;
+  std::uint32_t page_tokens = 16;
+  DType dtype = DType::f16;        // the library's copy of K/V (llama.cpp's default cache type)
+};
+
+class Hook {
+ public:
+  // Installs the hook and the abort callback on ctx, which must outlive the
+  // Hook. Throws sparsekv::Error: invalid_argument (an unknown policy, a bad
+  // budget or page size).
+  Hook(llama_context* ctx, const HookOptions& options);
+  // Clears the hook and the abort callback: later graphs are llama.cpp's own.
+  ~Hook();
+  Hook(const Hook&) = delete;
+  Hook& operator=(const Hook&) = delete;
+
+  // llama.cpp's memory operations through the hook: each makes the
+  // llama_memory_* call too when the library can follow it; when it cannot,
+  // it returns false with failure() set and changes nothing in either.
+  //  - seq_rm of a whole sequence (p0 <= 0, p1 < 0) finishes its request;
+  //    keeping its first p0 tokens (p1 < 0) forks them into a new request when
+  //    every layer holds them in page order (Manager::fork), else is refused;
+  //    other ranges are refused.
+  //  - seq_cp of a whole sequence into an empty one forks it (shared pages).
+  //  - seq_keep finishes every other sequence; clear finishes all.
+  //  - seq_add and seq_div (context shift) are always refused.
+  bool seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1);
+  bool seq_cp(llama_seq_id source, llama_seq_id dest, llama_pos p0, llama_pos p1);
+  bool seq_keep(llama_seq_id seq);
+  bool seq_add(llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta);
+  bool seq_div(llama_seq_id seq, llama_pos p0, llama_pos p1, int d);
+  void clear();
+
+  // Why the last llama_decode returned 2, or a memory call returned false;
+  // empty otherwise. clear_failure() lets llama_decode run again.
+  std::optional<ErrorRecord> failure() const;
+  void clear_failure();
+
+  // The library's figures since the first decode: hits, pages moved, time per
+  // operation (StepStats), and the decode rows and hooked layers served.
+  StepStats stats() const;
+  std::uint64_t decode_rows() const;
+  std::vector<std::int32_t> hooked_layers() const;
+  // Tokens the library holds for `seq` in its first hooked layer (staged
+  // prompt included); 0 for an unknown sequence.
+  std::uint32_t tokens(llama_seq_id seq) const;
+
+  struct State;  // the hook's callbacks reach it through llama_attn_hook::user
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace sparsekv::llama_cpp

@@ -1,0 +1,220 @@
+// sparsekv-llama: llama.cpp with its decode attention through sparsekv
+// (docs/llama-cpp.md). Written against llama.h and the hook alone.
+//
+//   sparsekv-llama generate --model F (--prompt TEXT | --prompt-file F) [--tokens N] [--policy P]
+//                           [--budget B] [--threads T] [--hook on|off] [--ctx N]
+//       greedy decoding: prints the text and the decode rate.
+//   sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]
+//                       [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32] [--json FILE]
+//       teacher-forced decoding of the text: llama.cpp alone, Dense through the hook, then each policy x
+//       budget: perplexity, KL divergence from llama.cpp's own distribution, top-1 agreement, tokens/s.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "command_line.hpp"
+#include "llama.h"
+#include "llama_eval.hpp"
+#include "sparsekv/core/error.hpp"
+#include "sparsekv_llama.hpp"
+
+namespace {
+
+using namespace sparsekv;
+using namespace sparsekv::llama_cpp;
+
+constexpr const char* kUsage =
+    "usage: sparsekv-llama generate --model F (--prompt TEXT | --prompt-file F) [--tokens N] [--policy P]\n"
+    "                               [--budget B] [--threads T] [--hook on|off] [--ctx N]\n"
+    "       sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]\n"
+    "                           [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32]\n"
+    "                           [--json FILE]\n";
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(ErrorCode::not_found, "cannot read {}", path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+bool on_off(const tools::CommandLine& cli, const std::string& name, bool fallback) {
+  const std::string v = cli.text(name, fallback ? "on" : "off");
+  if (v != "on" && v != "off") fail(ErrorCode::invalid_argument, "{} takes on or off, got '{}'", name, v);
+  return v == "on";
+}
+
+struct ModelDeleter {
+  void operator()(llama_model* m) const { llama_model_free(m); }
+};
+struct ContextDeleter {
+  void operator()(llama_context* c) const { llama_free(c); }
+};
+
+std::unique_ptr<llama_model, ModelDeleter> load_model(const std::string& path) {
+  llama_model_params params = llama_model_default_params();
+  std::unique_ptr<llama_model, ModelDeleter> model(llama_model_load_from_file(path.c_str(), params));
+  if (!model) fail(ErrorCode::not_found, "cannot load the model {}", path);
+  return model;
+}
+
+int generate(const tools::CommandLine& cli) {
+  const auto model = load_model(cli.text("--model", ""));
+  const std::string prompt = cli.has("--prompt") ? cli.text("--prompt", "") : read_file(cli.text("--prompt-file", ""));
+  const auto new_tokens = cli.number<std::uint32_t>("--tokens", 64);
+  const bool hooked = on_off(cli, "--hook", true);
+  std::vector<llama_token> tokens = tokenize(model.get(), prompt);
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = cli.number<std::uint32_t>("--ctx", std::uint32_t((tokens.size() + new_tokens + 255) / 256 * 256));
+  params.n_batch = 512;
+  params.n_ubatch = 512;
+  params.n_threads = params.n_threads_batch = cli.number<std::int32_t>("--threads", 2);
+  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+  params.no_perf = true;
+  const std::unique_ptr<llama_context, ContextDeleter> ctx(llama_init_from_model(model.get(), params));
+  if (!ctx) fail(ErrorCode::internal, "llama_init_from_model failed");
+  const AttachedThreadpool pool(ctx.get(), params.n_threads);
+  std::optional<Hook> hook;
+  HookOptions options;
+  options.policy = cli.text("--policy", "quest");
+  options.budget_tokens = cli.number<std::uint32_t>("--budget", 1024);
+  if (hooked) hook.emplace(ctx.get(), options);
+  const auto check = [&](std::int32_t rc) {
+    if (rc == 0) return;
+    if (hook && hook->failure()) fail(hook->failure()->code, "llama_decode: {}", hook->failure()->message);
+    fail(ErrorCode::internal, "llama_decode returned {}", rc);
+  };
+  fmt::print(stderr, "sparsekv-llama: {} prompt tokens, decode attention: {}\n", tokens.size(),
+             hooked ? fmt::format("sparsekv {} at {} tokens", options.policy, options.budget_tokens)
+                    : std::string("llama.cpp"));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::size_t at = 0; at < tokens.size(); at += params.n_batch) {
+    const auto n = std::int32_t(std::min<std::size_t>(params.n_batch, tokens.size() - at));
+    check(llama_decode(ctx.get(), llama_batch_get_one(tokens.data() + at, n)));
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  const llama_vocab* vocab = llama_model_get_vocab(model.get());
+  const std::int32_t n_vocab = llama_vocab_n_tokens(vocab);
+  std::uint32_t produced = 0;
+  for (; produced < new_tokens; ++produced) {
+    const float* logits = llama_get_logits_ith(ctx.get(), -1);
+    llama_token next = 0;
+    for (llama_token i = 1; i < n_vocab; ++i) next = logits[i] > logits[next] ? i : next;
+    if (llama_vocab_is_eog(vocab, next)) break;
+    char piece[256];
+    const std::int32_t len = llama_token_to_piece(vocab, next, piece, sizeof piece, 0, false);
+    if (len > 0) std::fwrite(piece, 1, std::size_t(len), stdout);
+    std::fflush(stdout);
+    check(llama_decode(ctx.get(), llama_batch_get_one(&next, 1)));
+  }
+  const auto t2 = std::chrono::steady_clock::now();
+  const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+  fmt::print("\n");
+  fmt::print(stderr, "sparsekv-llama: prompt {:.1f} tokens/s, decode {} tokens at {:.1f} tokens/s\n",
+             double(tokens.size()) / prefill_s, produced, produced > 0 ? produced / decode_s : 0.0);
+  return 0;
+}
+
+std::vector<std::uint32_t> numbers(const std::vector<std::string>& items) {
+  std::vector<std::uint32_t> out;
+  for (const std::string& s : items) {
+    std::size_t end = 0;
+    const unsigned long v = std::stoul(s, &end);
+    if (end != s.size() || v == 0) fail(ErrorCode::invalid_argument, "'{}' is not a positive number", s);
+    out.push_back(std::uint32_t(v));
+  }
+  return out;
+}
+
+int eval(const tools::CommandLine& cli) {
+  const auto model = load_model(cli.text("--model", ""));
+  EvalSetup setup;
+  setup.model = model.get();
+  setup.prefill = cli.number<std::uint32_t>("--prefill", 1024);
+  setup.tokens = cli.number<std::uint32_t>("--tokens", 64);
+  setup.parallel = cli.number<std::uint32_t>("--parallel", 1);
+  setup.threads = cli.number<std::int32_t>("--threads", 2);
+  setup.page_tokens = cli.number<std::uint32_t>("--page", 16);
+  setup.flash_attn = on_off(cli, "--flash-attn", true);
+  const std::string kv = cli.text("--kv", "f16");
+  if (kv != "f16" && kv != "f32") fail(ErrorCode::invalid_argument, "--kv takes f16 or f32, got '{}'", kv);
+  setup.f32_kv = kv == "f32";
+  setup.text = tokenize(model.get(), read_file(cli.text("--text", "")));
+  // A short text is read again from its start: a long context from any text.
+  const std::size_t own = setup.text.size();
+  while (setup.text.size() < eval_text_tokens(setup)) {
+    setup.text.insert(setup.text.end(), setup.text.begin() + 1, setup.text.begin() + std::ptrdiff_t(own));
+  }
+  std::vector<EvalVariant> variants{{"llama", 0}, {"dense", setup.prefill + setup.tokens}};
+  for (const std::string& p : cli.list("--policies", "quest,shadowkv")) {
+    for (const std::uint32_t b : numbers(cli.list("--budgets", "256,1024"))) variants.push_back({p, b});
+  }
+  fmt::print("sparsekv-llama eval: {} prompt tokens x {} sequences, {} teacher-forced steps, {} threads\n",
+             setup.prefill, setup.parallel, setup.tokens, setup.threads);
+  fmt::print("{:<12} {:>7} {:>11} {:>10} {:>7} {:>9}\n", "policy", "budget", "perplexity", "kld_mean", "top1",
+             "tokens/s");
+  Distributions reference;
+  std::vector<EvalResult> results;
+  for (const EvalVariant& v : variants) {
+    const bool first = results.empty();
+    results.push_back(eval_variant(setup, v, first ? nullptr : &reference, first ? &reference : nullptr));
+    const EvalResult& r = results.back();
+    fmt::print("{:<12} {:>7} {:>11.4f} {:>10.2e} {:>7.3f} {:>9.1f}\n", r.policy,
+               r.budget_tokens == 0 ? std::string("-") : fmt::format("{}", r.budget_tokens), r.perplexity,
+               r.kld_mean, r.top1_agreement, r.tokens_per_s);
+    std::fflush(stdout);
+  }
+  if (cli.has("--json")) {
+    std::ofstream out(cli.text("--json", ""));
+    out << fmt::format("{{\"prefill\": {}, \"tokens\": {}, \"parallel\": {}, \"threads\": {}, \"results\": [",
+                       setup.prefill, setup.tokens, setup.parallel, setup.threads);
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const EvalResult& r = results[i];
+      out << fmt::format(
+          "{}\n  {{\"policy\": \"{}\", \"budget_tokens\": {}, \"perplexity\": {:.6f}, \"kld_mean\": {:.6e}, "
+          "\"top1_agreement\": {:.6f}, \"tokens_per_s\": {:.3f}, \"hook_rows\": {}}}",
+          i == 0 ? "" : ",", r.policy, r.budget_tokens, r.perplexity, r.kld_mean, r.top1_agreement, r.tokens_per_s,
+          r.hook_rows);
+    }
+    out << "\n]}\n";
+  }
+  return 0;
+}
+
+void quiet_log(ggml_log_level level, const char* text, void*) {
+  if (level >= GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  const std::string command = argv[1];
+  try {
+    llama_log_set(quiet_log, nullptr);
+    llama_backend_init();
+    const tools::CommandLine cli(argc - 1, argv + 1,
+                                 {"--model", "--prompt", "--prompt-file", "--tokens", "--policy", "--budget",
+                                  "--threads", "--hook", "--ctx", "--text", "--prefill", "--policies", "--budgets",
+                                  "--parallel", "--page", "--flash-attn", "--kv", "--json"},
+                                 {});
+    if (command == "generate") return generate(cli);
+    if (command == "eval") return eval(cli);
+    std::fputs(kUsage, stderr);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sparsekv-llama: %s\n", e.what());
+    return 1;
+  }
+}
