@@ -73,14 +73,20 @@ EvalSetup setup(std::uint32_t parallel) {
   return s;
 }
 
+// `sequences` sequences of `tokens` tokens each, 2 threads, 512-token batches.
+llama_context_params context_params(std::uint32_t sequences, std::uint32_t tokens) {
+  llama_context_params p = llama_context_default_params();
+  p.n_ctx = tokens * sequences;
+  p.n_batch = p.n_ubatch = 512;
+  p.n_seq_max = sequences;
+  p.n_threads = p.n_threads_batch = 2;
+  return p;
+}
+
 struct Context {
   llama_context* ctx = nullptr;
   explicit Context(std::uint32_t sequences) {
-    llama_context_params p = llama_context_default_params();
-    p.n_ctx = 1024 * sequences;
-    p.n_batch = p.n_ubatch = 512;
-    p.n_seq_max = sequences;
-    p.n_threads = p.n_threads_batch = 2;
+    llama_context_params p = context_params(sequences, 1024);
     p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
     ctx = llama_init_from_model(model().model, p);
     REQUIRE(ctx != nullptr);
@@ -139,11 +145,7 @@ TEST_CASE("llama.cpp hook: Dense through the hook computes llama.cpp's attention
     CAPTURE(sequences);
     Capture runs[2];
     for (int hooked = 0; hooked < 2; ++hooked) {
-      llama_context_params p = llama_context_default_params();
-      p.n_ctx = 512 * sequences;
-      p.n_batch = p.n_ubatch = 512;
-      p.n_seq_max = sequences;
-      p.n_threads = p.n_threads_batch = 2;
+      llama_context_params p = context_params(sequences, 512);
       p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
       p.type_k = p.type_v = GGML_TYPE_F32;
       p.cb_eval = capture;
