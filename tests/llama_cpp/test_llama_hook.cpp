@@ -263,8 +263,12 @@ TEST_CASE("llama.cpp hook: what the library cannot follow is refused with its er
   REQUIRE(hook.failure()->message.find("seq_add") != std::string::npos);
   REQUIRE(llama_memory_seq_pos_max(memory, 0) == 300);
   hook.clear_failure();
-  // A middle range: refused.
+  // A middle range, a division of positions (self-extend): refused.
   REQUIRE_FALSE(hook.seq_rm(0, 10, 20));
+  REQUIRE(llama_memory_seq_pos_max(memory, 0) == 300);
+  hook.clear_failure();
+  REQUIRE_FALSE(hook.seq_div(0, 0, -1, 2));
+  REQUIRE(hook.failure()->message.find("seq_div") != std::string::npos);
   REQUIRE(llama_memory_seq_pos_max(memory, 0) == 300);
   hook.clear_failure();
 
@@ -311,4 +315,30 @@ TEST_CASE("llama.cpp hook: a sequence cut back to its prompt's first tokens deco
   };
   const std::vector<float> cut = logits_after(true), whole = logits_after(false);
   for (std::size_t i = 0; i < cut.size(); ++i) REQUIRE(cut[i] == Approx(whole[i]).margin(1e-3));
+}
+
+TEST_CASE("llama.cpp hook: a token in several sequences is refused", "[model-file][llama-hook]") {
+  const std::vector<llama_token> t = text();
+  llama_context_params p = context_params(2, 512);
+  p.kv_unified = true;  // llama.cpp's own batches keep a token in several sequences only here
+  llama_context* ctx = llama_init_from_model(model().model, p);
+  REQUIRE(ctx != nullptr);
+  {
+    Hook hook(ctx, HookOptions{});
+    llama_batch b = llama_batch_init(8, 0, 2);
+    for (std::int32_t i = 0; i < 8; ++i) {
+      b.token[i] = t[std::size_t(i)];
+      b.pos[i] = i;
+      b.n_seq_id[i] = 2;
+      b.seq_id[i][0] = 0;
+      b.seq_id[i][1] = 1;
+      b.logits[i] = i == 7;
+    }
+    b.n_tokens = 8;
+    REQUIRE(llama_decode(ctx, b) == 2);
+    REQUIRE(hook.failure()->code == ErrorCode::invalid_argument);
+    REQUIRE(hook.failure()->message.find("several sequences") != std::string::npos);
+    llama_batch_free(b);
+  }
+  llama_free(ctx);
 }
