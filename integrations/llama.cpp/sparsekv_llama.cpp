@@ -70,6 +70,7 @@ struct Hook::State {
   std::vector<float> out;
   std::vector<RequestId> batch;
   std::vector<std::int32_t> batch_rows;
+  std::vector<float> gathered;  // rows gathered before narrow_rows, or a one-token prompt's V
 
   std::uint32_t layer_of(std::int32_t il) const {
     const auto it = std::find(layers.begin(), layers.end(), il);
@@ -166,6 +167,20 @@ struct Hook::State {
     }
   }
 
+  // The batch's rows of a [n_tokens][width] tensor in the model dtype; the
+  // rows are gathered first only when some row left the batch.
+  void narrow_rows(const float* from, std::size_t width, std::vector<std::byte>& to) {
+    if (batch_rows.back() + 1 == std::int32_t(batch_rows.size())) {  // rows 0..n-1, in order
+      narrow(from, batch_rows.size() * width, to);
+      return;
+    }
+    gathered.resize(batch_rows.size() * width);
+    for (std::size_t b = 0; b < batch_rows.size(); ++b) {
+      std::copy_n(from + batch_rows[b] * width, width, gathered.data() + b * width);
+    }
+    narrow(gathered.data(), gathered.size(), to);
+  }
+
   void mark_broken(const llama_attn_hook_call& c) {
     for (std::int32_t i = 0; i < c.n_tokens; ++i) {
       if (const auto it = sequences.find(c.seq[i]); it != sequences.end()) it->second.broken = true;
@@ -216,21 +231,16 @@ struct Hook::State {
       narrow(c.k + i * kvd, kvd, k);
       narrow(c.v + i * kvd, kvd, v);
       m.prefill_chunk(id, layer, k.data(), v.data(), 1);
-      std::vector<float> own(kvd);
-      widen_to_float(v.data(), options.dtype, kvd, own.data());
-      for (std::int32_t h = 0; h < c.n_head; ++h) std::copy_n(own.data() + (h / group) * d, d, c.out + i * qd + h * d);
+      gathered.resize(kvd);
+      widen_to_float(v.data(), options.dtype, kvd, gathered.data());
+      for (std::int32_t h = 0; h < c.n_head; ++h) {
+        std::copy_n(gathered.data() + (h / group) * d, d, c.out + i * qd + h * d);
+      }
     }
     if (batch.empty()) return;
-    std::vector<float> rows(batch.size() * qd);
-    for (std::size_t b = 0; b < batch.size(); ++b) std::copy_n(c.q + batch_rows[b] * qd, qd, rows.data() + b * qd);
-    std::vector<std::byte> qn;
-    narrow(rows.data(), rows.size(), qn);
-    q = std::move(qn);
-    rows.assign(batch.size() * kvd, 0.0f);
-    for (std::size_t b = 0; b < batch.size(); ++b) std::copy_n(c.k + batch_rows[b] * kvd, kvd, rows.data() + b * kvd);
-    narrow(rows.data(), rows.size(), k);
-    for (std::size_t b = 0; b < batch.size(); ++b) std::copy_n(c.v + batch_rows[b] * kvd, kvd, rows.data() + b * kvd);
-    narrow(rows.data(), rows.size(), v);
+    narrow_rows(c.q, qd, q);
+    narrow_rows(c.k, kvd, k);
+    narrow_rows(c.v, kvd, v);
     out.resize(batch.size() * qd);
     step = &m.begin_decode(batch, layer, q.data(), k.data(), v.data(), out.data());
     stepping.store(true, std::memory_order_relaxed);

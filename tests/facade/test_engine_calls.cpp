@@ -28,19 +28,7 @@ constexpr std::uint32_t kMaxTokens = 128;
 constexpr std::size_t kRow = std::size_t{kShape.kv_heads} * kShape.head_dim;
 constexpr std::size_t kQRow = std::size_t{kShape.q_heads} * kShape.head_dim;
 
-Config config() {
-  Config c;
-  c.page_tokens = kPageTokens;
-  c.max_requests = 4;
-  c.max_context_tokens = kMaxTokens;
-  c.min_buffer_ratio = 1.0;
-  c.metadata_segment_entries = 32;
-  const std::size_t page = c.page_bytes(kShape);
-  c.host_chunk_bytes = 16 * page;
-  c.cpu_tier_bytes = 1024 * page;
-  c.gpu_tier_bytes = 1024 * page;
-  return c;
-}
+Config config() { return test::small_config(kShape, kPageTokens, 4, kMaxTokens, 1024); }
 
 std::vector<std::string> all_policies() {
   std::vector<std::string> p = policy_names();

@@ -30,19 +30,7 @@ constexpr std::uint32_t kPageTokens = 4;
 constexpr std::uint32_t kMaxTokens = 160;
 constexpr std::size_t kRow = std::size_t{kShape.kv_heads} * kShape.head_dim;  // one token's K or V
 
-Config config() {
-  Config c;
-  c.page_tokens = kPageTokens;
-  c.max_requests = 8;
-  c.max_context_tokens = kMaxTokens;
-  c.min_buffer_ratio = 1.0;
-  c.metadata_segment_entries = 32;
-  const std::size_t page = c.page_bytes(kShape);
-  c.host_chunk_bytes = 16 * page;
-  c.cpu_tier_bytes = 4096 * page;
-  c.gpu_tier_bytes = 4096 * page;
-  return c;
-}
+Config config() { return test::small_config(kShape, kPageTokens, 8, kMaxTokens, 4096); }
 
 // RetroInfer's clusters of a prefix are not the prompt's: its forks copy.
 bool shares_pages(const std::string& policy) {
