@@ -12,16 +12,27 @@
 
 namespace sparsekv {
 
+std::uint32_t TieredKVBuffer::prompt_readable(const RequestState& s, std::uint32_t layer) const {
+  std::uint32_t scattered = s.tokens[layer];
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const auto& prompt = s.scattered[std::size_t{layer} * shape_.kv_heads + h].placements;
+    scattered = std::min(scattered, static_cast<std::uint32_t>(prompt.size()));
+  }
+  return std::max(s.ordered_tokens[layer], scattered);
+}
+
 std::uint32_t TieredKVBuffer::forkable_tokens(RequestId request, std::uint32_t layer) const {
   const RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
   if (!s.budget.evicts) {
-    std::uint32_t scattered = s.tokens[layer];
+    // The prompt's layout, then the saved decode pages that go on from it.
+    const std::uint32_t prompt = prompt_readable(s, layer);
+    std::uint32_t tail = s.tokens[layer];
     for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-      const auto& prompt = s.scattered[std::size_t{layer} * shape_.kv_heads + h].placements;
-      scattered = std::min(scattered, static_cast<std::uint32_t>(prompt.size()));
+      const RequestState::SavedTail& run = s.saved_tail[std::size_t{layer} * shape_.kv_heads + h];
+      tail = std::min(tail, run.first_position == prompt ? run.tokens : 0);
     }
-    return std::max(s.ordered_tokens[layer], scattered);
+    return prompt + tail;
   }
   std::uint32_t tokens = s.tokens[layer];
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
@@ -39,8 +50,8 @@ void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::ui
   const std::uint32_t forkable = forkable_tokens(request, layer);
   if (first > end || end > forkable) {
     fail(ErrorCode::out_of_range,
-         "request {} layer {} holds its first {} tokens in order in the CPU tier (the rest are in the decode tail, "
-         "regrouped or evicted); cannot read tokens {} .. {}",
+         "request {} layer {} holds its first {} tokens in order in the CPU tier (the rest are in the unsaved decode "
+         "tail, regrouped or evicted); cannot read tokens {} .. {}",
          request, layer, forkable, first, end);
   }
   if (first < end && (k == nullptr || v == nullptr)) {
@@ -49,18 +60,26 @@ void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::ui
   transfer_->synchronize();  // the last saved page may still be on its way to the CPU tier
   const std::uint32_t pt = config_.page_tokens;
   const std::size_t row = layout_.row_bytes();
-  const bool ordered = s.budget.evicts || end <= s.ordered_tokens[layer];
+  const std::uint32_t prompt = s.budget.evicts ? forkable : prompt_readable(s, layer);
+  const bool ordered = s.budget.evicts || prompt <= s.ordered_tokens[layer];
   std::vector<PageId> pages;
+  const auto page_slot = [&](std::uint32_t h, PartitionId partition, std::uint32_t slot) {
+    pages.clear();
+    table_.cpu_pages(request, layer, h, partition, pages);
+    return TokenPlacement{pages[0], slot};
+  };
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    const RequestState::SavedTail& run = s.saved_tail[std::size_t{layer} * shape_.kv_heads + h];
     for (std::uint32_t t = first; t < end; ++t) {
       // In page order, position t is slot t % pt of partition t / pt (one page each); with eviction, where
-      // the position map says; in a scattered prompt, where its placement says.
+      // the position map says; in a scattered prompt, where its placement says; past the prompt, in the
+      // saved-tail run.
       TokenPlacement at;
-      if (ordered) {
+      if (t >= prompt) {
+        at = page_slot(h, run.first_partition + (t - prompt) / pt, (t - prompt) % pt);
+      } else if (ordered) {
         const std::uint32_t flat = s.budget.evicts ? eviction_head(s, layer, h).live.at(t) : t;
-        pages.clear();
-        table_.cpu_pages(request, layer, h, flat / pt, pages);
-        at = {pages[0], flat % pt};
+        at = page_slot(h, flat / pt, flat % pt);
       } else {
         at = s.scattered[std::size_t{layer} * shape_.kv_heads + h].placements[t];
       }

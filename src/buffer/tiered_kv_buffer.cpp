@@ -179,6 +179,7 @@ void TieredKVBuffer::add_request(RequestId request, const RequestBudget& budget)
   s.tail_tokens.assign(shape_.layers, 0);
   s.ordered_tokens.assign(shape_.layers, 0);
   s.scattered.resize(heads());
+  s.saved_tail.resize(heads());
   s.windows.assign(heads(), WorkingSetWindow(config_.working_set_window));
   s.tail_pages.resize(heads() * tail_pages_per_head(budget));
   if (budget.evicts) s.eviction.resize(heads());
@@ -376,9 +377,24 @@ bool TieredKVBuffer::record_order(RequestState& s, std::uint32_t layer, std::spa
   return true;
 }
 
-void TieredKVBuffer::record_save_order(RequestState& s, std::uint32_t layer) const {
-  const std::uint32_t first = s.tokens[layer] - config_.page_tokens;
-  if (s.ordered_tokens[layer] == first && first % config_.page_tokens == 0) s.ordered_tokens[layer] = s.tokens[layer];
+void TieredKVBuffer::record_save_order(RequestState& s, std::uint32_t layer, std::span<const PartitionId> saved) const {
+  const std::uint32_t pt = config_.page_tokens;
+  const std::uint32_t first = s.tokens[layer] - pt;
+  if (s.ordered_tokens[layer] == first && first % pt == 0) {
+    s.ordered_tokens[layer] = s.tokens[layer];
+    return;
+  }
+  RequestState::SavedTail* run = &s.saved_tail[std::size_t{layer} * shape_.kv_heads];
+  bool extends = true;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    extends = extends && run[h].tokens != 0 && run[h].first_position + run[h].tokens == first &&
+              run[h].first_partition + run[h].tokens / pt == saved[h];
+  }
+  const bool starts = !extends && prompt_readable(s, layer) == first;
+  for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
+    if (extends) run[h].tokens += pt;
+    if (starts) run[h] = {first, saved[h], pt};
+  }
 }
 
 void TieredKVBuffer::offload_on_device(RequestId request, std::uint32_t layer, std::uint32_t tokens,
@@ -484,12 +500,15 @@ TieredKVBuffer::DeviceAppendSlot TieredKVBuffer::append_on_device(RequestId requ
   s.tail_tokens[layer] = slot.tail_slot + 1;
   if (!slot.fills_tail) return slot;
   const PartitionSpec full = PartitionSpec::uniform(config_.page_tokens, config_.page_tokens);
+  saved_partitions_.resize(shape_.kv_heads);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-    cpu_pages[h] = partitions_.map(request, layer, h, full).placements[0].cpu_page;
+    const MappedPartitions mapped = partitions_.map(request, layer, h, full);
+    cpu_pages[h] = mapped.placements[0].cpu_page;
+    saved_partitions_[h] = mapped.first_partition;
   }
   s.tail_tokens[layer] = 0;
   stats_.pages_saved += shape_.kv_heads;
-  record_save_order(s, layer);
+  record_save_order(s, layer, saved_partitions_);
   return slot;
 }
 
@@ -515,15 +534,17 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
   // Save (SparseServe §3.2.2): the page moves whole; its layout is the CPU page's.
   const PartitionSpec full = PartitionSpec::uniform(config_.page_tokens, config_.page_tokens);
   std::vector<PageMove> saves(shape_.kv_heads);
+  saved_partitions_.resize(shape_.kv_heads);
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const MappedPartitions mapped = partitions_.map(request, layer, h, full);
     saves[h] = {tail_pool().data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]),
                 cpu_pool_.data(mapped.placements[0].cpu_page)};
+    saved_partitions_[h] = mapped.first_partition;
   }
   transfer_->save(saves, layout_.page_bytes());
   s.tail_tokens[layer] = 0;
   stats_.pages_saved += shape_.kv_heads;
-  record_save_order(s, layer);
+  record_save_order(s, layer, saved_partitions_);
 }
 
 void TieredKVBuffer::check_selection(RequestId request, std::uint32_t layer,
@@ -716,6 +737,10 @@ void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::sp
     s.ordered_tokens[layer] = std::min(s.ordered_tokens[layer], first_partitions[h] * config_.page_tokens);
     RequestState::ScatteredPrompt& prompt = s.scattered[std::size_t{layer} * shape_.kv_heads + h];
     if (first_partitions[h] < prompt.end) prompt = {};
+    RequestState::SavedTail& run = s.saved_tail[std::size_t{layer} * shape_.kv_heads + h];
+    run.tokens = first_partitions[h] <= run.first_partition
+                     ? 0
+                     : std::min(run.tokens, (first_partitions[h] - run.first_partition) * config_.page_tokens);
   }
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const MappedPartitions mapped = partitions_.map(request, layer, h, specs[h]);

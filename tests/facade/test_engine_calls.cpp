@@ -232,3 +232,66 @@ TEST_CASE("engine calls: Config::attention_scale attends by s * q.k", "[facade][
     REQUIRE_SPARSEKV_ERROR(RuntimeManager(kShape, bad, make_policy("dense", 16)), ErrorCode::invalid_argument);
   }
 }
+
+TEST_CASE("engine calls: read_kv gives back the prompt staged and the CPU tier's rows in order",
+          "[facade][engine-calls][read-kv]") {
+  for (const std::string& policy : all_policies()) {
+    CAPTURE(policy);
+    std::mt19937 rng(7);
+    const std::uint32_t prompt = 37;
+    const std::vector<float> k = draw(rng, prompt * kRow), v = draw(rng, prompt * kRow);
+    RuntimeManager m(kShape, config(), make_policy(policy, 16));
+    m.add_request(1, kMaxTokens);
+    m.prefill_chunk(1, 0, k.data(), v.data(), 20);
+    m.prefill_chunk(1, 0, k.data() + 20 * kRow, v.data() + 20 * kRow, prompt - 20);
+    m.prefill_chunk(1, 1, k.data(), v.data(), prompt);
+    REQUIRE(m.readable_tokens(1, 0) == prompt);
+    std::vector<float> rk(prompt * kRow, -1.0f), rv(prompt * kRow, -1.0f);
+    m.read_kv(1, 0, 3, prompt, rk.data(), rv.data());
+    REQUIRE(std::memcmp(rk.data(), k.data() + 3 * kRow, (prompt - 3) * kRow * sizeof(float)) == 0);
+    REQUIRE(std::memcmp(rv.data(), v.data() + 3 * kRow, (prompt - 3) * kRow * sizeof(float)) == 0);
+
+    // Refusals write nothing.
+    std::fill(rk.begin(), rk.end(), -1.0f);
+    REQUIRE_SPARSEKV_ERROR(m.read_kv(1, 0, 0, prompt + 1, rk.data(), rv.data()), ErrorCode::out_of_range);
+    REQUIRE_SPARSEKV_ERROR(m.read_kv(1, 0, 5, 4, rk.data(), rv.data()), ErrorCode::out_of_range);
+    REQUIRE_SPARSEKV_ERROR(m.read_kv(2, 0, 0, 1, rk.data(), rv.data()), ErrorCode::not_found);
+    REQUIRE(rk[0] == -1.0f);
+
+    // Prefilled: what is readable is the CPU tier's, and it is the prompt.
+    m.end_prompt(1);
+    const std::uint32_t readable = m.readable_tokens(1, 0);
+    REQUIRE(readable == m.buffer().forkable_tokens(1, 0));
+    REQUIRE(readable <= prompt);
+    if (policy == "quest" || policy == "dense") REQUIRE(readable == prompt);
+    m.read_kv(1, 0, 0, readable, rk.data(), rv.data());
+    REQUIRE(std::memcmp(rk.data(), k.data(), readable * kRow * sizeof(float)) == 0);
+    REQUIRE(std::memcmp(rv.data(), v.data(), readable * kRow * sizeof(float)) == 0);
+    REQUIRE_SPARSEKV_ERROR(m.read_kv(1, 0, 0, readable + 1, rk.data(), rv.data()), ErrorCode::out_of_range);
+    if (policy != "quest" && policy != "dense") continue;
+
+    // Decoded tokens: the saved decode pages go on from a prompt that ends
+    // off a page boundary (37 = 9 pages + 1); the unsaved tail page is not read.
+    std::vector<float> all_k = k, all_v = v;
+    const RequestId one[] = {1};
+    for (std::uint32_t step = 0; step < 2 * kPageTokens + 1; ++step) {
+      for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+        const std::vector<float> q = draw(rng, kQRow), dk = draw(rng, kRow), dv = draw(rng, kRow);
+        std::vector<float> out(kQRow);
+        m.decode(one, l, q.data(), dk.data(), dv.data(), out.data());
+        if (l == 0) {
+          all_k.insert(all_k.end(), dk.begin(), dk.end());
+          all_v.insert(all_v.end(), dv.begin(), dv.end());
+        }
+      }
+    }
+    const std::uint32_t held = prompt + 2 * kPageTokens + 1;
+    REQUIRE(m.readable_tokens(1, 0) == held - 1);
+    rk.resize(held * kRow);
+    rv.resize(held * kRow);
+    m.read_kv(1, 0, 0, held - 1, rk.data(), rv.data());
+    REQUIRE(std::memcmp(rk.data(), all_k.data(), (held - 1) * kRow * sizeof(float)) == 0);
+    REQUIRE(std::memcmp(rv.data(), all_v.data(), (held - 1) * kRow * sizeof(float)) == 0);
+    REQUIRE_SPARSEKV_ERROR(m.read_kv(1, 0, 0, held, rk.data(), rv.data()), ErrorCode::out_of_range);
+  }
+}

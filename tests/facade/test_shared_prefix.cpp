@@ -41,6 +41,10 @@ bool evicts(const std::string& policy) { return policy == "h2o" || policy == "st
 // A request's K and V so far, per layer: [position][kv_heads][head_dim].
 struct History {
   std::vector<std::vector<float>> k, v;
+  // Its first tokens in page order: all of them after a prompt (or fork) of
+  // whole pages, else the prompt alone (the decode pages after it start off
+  // a page boundary: readable, never shared).
+  std::uint32_t page_order = kMaxTokens;
   std::uint32_t tokens() const { return static_cast<std::uint32_t>(k[0].size() / kRow); }
 };
 
@@ -60,6 +64,7 @@ class Twins {
       m->add_request(id, kMaxTokens);
       for (std::uint32_t l = 0; l < kShape.layers; ++l) m->prefill(id, l, h.k[l].data(), h.v[l].data(), prompt);
     }
+    if (prompt % kPageTokens != 0) h.page_order = prompt;
     history_[id] = std::move(h);
   }
 
@@ -76,16 +81,18 @@ class Twins {
     }
     plain_.add_request(id, kMaxTokens);
     for (std::uint32_t l = 0; l < kShape.layers; ++l) plain_.prefill(id, l, h.k[l].data(), h.v[l].data(), tokens);
+    if (tokens % kPageTokens != 0) h.page_order = tokens;
+    const std::uint32_t in_order = std::min(tokens, history_[source].page_order);
     history_[id] = std::move(h);
     const std::uint64_t shared = forked_.buffer().stats().pages_shared - shared_before;
     const std::string policy(policy_name(forked_.policy()));
-    const std::uint64_t full = std::uint64_t{tokens / kPageTokens} * kShape.layers * kShape.kv_heads;
+    const std::uint64_t full = std::uint64_t{in_order / kPageTokens} * kShape.layers * kShape.kv_heads;
     if (!shares_pages(policy)) {
       REQUIRE(shared == 0);
-    } else if (evicts(policy)) {
-      REQUIRE(shared <= full);  // the source's leading pages still in order, every slot live
+    } else if (evicts(policy)) {  // no decode tail: the source's leading pages still in order, every slot live
+      REQUIRE(shared <= std::uint64_t{tokens / kPageTokens} * kShape.layers * kShape.kv_heads);
     } else {
-      REQUIRE(shared == full);  // every full page in every (layer, kv head)
+      REQUIRE(shared == full);  // every full page in page order, in every (layer, kv head)
     }
     // The shared pages are stored once: the fork took exactly that many fewer pages than its twin's prefill.
     REQUIRE((plain_.buffer().cpu_pool().used() - plain_used) - (forked_.buffer().cpu_pool().used() - forked_used) ==

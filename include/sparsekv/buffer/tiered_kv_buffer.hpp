@@ -318,9 +318,10 @@ class TieredKVBuffer {
   // ---- Forks: a request started from another's first tokens (prefix caching) ----
   // How many of the layer's first tokens a fork can take from `request`: its
   // positions 0 .. n-1 held in the CPU tier in every kv head. Without
-  // eviction, the tokens that lie in page order from partition 0 (offloaded
-  // or saved in page-sized partitions from a page boundary; none once a
-  // policy regroups them); with eviction, the leading positions all still live.
+  // eviction, the prompt's tokens in page order from partition 0 or in its
+  // scattered placements, then the decode pages saved after them (none once
+  // a policy regroups them); with eviction, the leading positions all still
+  // live.
   std::uint32_t forkable_tokens(RequestId request, std::uint32_t layer) const;
   // Copies the K/V rows of positions [first, end) of the layer into k and v
   // ([end - first][kv_heads][head_dim], the model dtype): what a fork's
@@ -376,6 +377,17 @@ class TieredKVBuffer {
     // Per layer: its first tokens that lie in page order from partition 0
     // (positions p * page_tokens .. in partition p), in every kv head.
     std::vector<std::uint32_t> ordered_tokens;
+    // Per (layer, kv head): the decode tail's saved pages that go on from the
+    // layer's prompt where its order ended off a page boundary (or the prompt
+    // was scattered): positions first_position .. + tokens, a page each in
+    // partitions first_partition ... What a fork or read_prefix reads past
+    // the prompt; cut where a regroup reaches its partitions.
+    struct SavedTail {
+      std::uint32_t first_position = 0;
+      PartitionId first_partition = 0;
+      std::uint32_t tokens = 0;
+    };
+    std::vector<SavedTail> saved_tail;
     // Per (layer, kv head): where each prompt token went when the prompt was
     // laid out off page order (a clustering policy), while no regroup has
     // reached its partitions [0, end); empty otherwise. What a fork reads.
@@ -440,9 +452,13 @@ class TieredKVBuffer {
   // at s.tokens[layer]: while the layer is in page order so far, page-sized
   // uniform specs keep it so; returns whether it did.
   bool record_order(RequestState& s, std::uint32_t layer, std::span<const PartitionSpec> specs, std::uint32_t tokens);
-  // Extends it over the page a full tail just became, when the order reached
-  // the page's first position on a page boundary.
-  void record_save_order(RequestState& s, std::uint32_t layer) const;
+  // Extends it over the page a full tail just became (saved[h]: its partition
+  // in head h), when the order reached the page's first position on a page
+  // boundary; else extends or starts the layer's saved-tail run.
+  void record_save_order(RequestState& s, std::uint32_t layer, std::span<const PartitionId> saved) const;
+  // The layer's first tokens readable from the prompt's layout alone (page
+  // order or scattered placements), without eviction.
+  std::uint32_t prompt_readable(const RequestState& s, std::uint32_t layer) const;
   void compact(RequestId request, RequestState& s, std::uint32_t layer, std::uint32_t head, PartitionId first);
   // validate()'s checks of one head of a request that evicts.
   void validate_eviction(RequestId request, const RequestState& s, std::uint32_t layer, std::uint32_t head) const;
@@ -475,6 +491,7 @@ class TieredKVBuffer {
   std::map<RequestId, RequestState> requests_;  // ordered: reclaim walks requests deterministically
   BufferStats stats_;
   std::vector<PageMove> moves_;  // scratch: a decode token's rows, Retrieve's copies
+  std::vector<PartitionId> saved_partitions_;  // scratch: a saved tail page's partition per kv head
 };
 
 }  // namespace sparsekv

@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -266,6 +267,36 @@ class Manager {
     check_index("layer", layer, shape_.layers);
     return state(request).layers[layer].prefilled;
   }
+  // Reads back positions [first, end) of the layer's K/V into k and v
+  // ([end - first][kv_heads][head_dim], the model dtype): what an engine saves
+  // beside its own state, or checks against its own cache. Readable are a
+  // staged prompt's tokens and, once the layer is prefilled, the CPU tier's
+  // tokens in order (TieredKVBuffer::forkable_tokens: not the unsaved decode
+  // page, nor a policy's regrouped or evicted tokens). Throws, writing nothing: not_found (unknown
+  // request), out_of_range (`end` past what is readable, or first > end).
+  void read_kv(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end, void* k,
+               void* v) const {
+    check_index("layer", layer, shape_.layers);
+    const LayerStepState<State>& ls = state(request).layers[layer];
+    const std::uint32_t readable = readable_tokens(request, layer);
+    if (first > end || end > readable) {
+      fail(ErrorCode::out_of_range, "read_kv of request {} layer {}: positions [{}, {}) but {} are readable", request,
+           layer, first, end, readable);
+    }
+    if (ls.prefilled) {
+      buffer_->read_prefix(request, layer, first, end, k, v);
+      return;
+    }
+    const std::size_t row = scope_.kv_row() * dtype_size(shape_.dtype);
+    std::memcpy(k, ls.staged_k.data() + first * row, (end - first) * row);
+    std::memcpy(v, ls.staged_v.data() + first * row, (end - first) * row);
+  }
+  // The layer's first tokens read_kv can read.
+  std::uint32_t readable_tokens(RequestId request, std::uint32_t layer) const {
+    check_index("layer", layer, shape_.layers);
+    const LayerStepState<State>& ls = state(request).layers[layer];
+    return ls.prefilled ? buffer_->forkable_tokens(request, layer) : ls.staged_tokens;
+  }
 
   // Appends `tokens` tokens to the live request in `layer` -- a new chat turn,
   // a speculative draft being verified, whose attention the engine computes
@@ -368,9 +399,9 @@ class Manager {
   // (ForksIndex); the full pages its partitions share with `source`
   // (page-sized uniform ones) are mapped by reference, the partial last page
   // is copied. The two requests then decode independently, each exactly as
-  // if prefilled unshared; either may finish first. `tokens` may reach only what the source holds in page
+  // if prefilled unshared; either may finish first. `tokens` may reach only what the source holds in
   // order in the CPU tier in every layer (TieredKVBuffer::forkable_tokens:
-  // not its decode tail, nor tokens a policy regrouped or evicted). Host
+  // not its unsaved decode page, nor tokens a policy regrouped or evicted). Host
   // tensors only; throws (changing nothing) what add_request and prefill
   // throw, and out_of_range past the forkable tokens.
   void fork(RequestId request, RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) {
@@ -573,7 +604,7 @@ class Manager {
       if (const std::uint32_t forkable = buffer_->forkable_tokens(source, l); tokens > forkable) {
         return Refusal{ErrorCode::out_of_range,
                        fmt::format("request {} layer {} holds its first {} tokens in order in the CPU tier (the rest "
-                                   "are in the decode tail, regrouped or evicted); cannot fork {}",
+                                   "are in the unsaved decode page, regrouped or evicted); cannot fork {}",
                                    source, l, forkable, tokens)};
       }
     }
