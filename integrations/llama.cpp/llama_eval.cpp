@@ -80,8 +80,9 @@ std::vector<llama_token> tokenize(const llama_model* model, const std::string& t
   return tokens;
 }
 
-EvalResult eval_variant(const EvalSetup& s, const EvalVariant& variant, const Distributions* reference,
-                        Distributions* keep) {
+namespace {
+
+void check_setup(const EvalSetup& s) {
   if (s.model == nullptr || s.prefill == 0 || s.tokens == 0 || s.parallel == 0) {
     fail(ErrorCode::invalid_argument, "eval: a model, prefill > 0, tokens > 0 and parallel > 0 are needed");
   }
@@ -89,41 +90,94 @@ EvalResult eval_variant(const EvalSetup& s, const EvalVariant& variant, const Di
     fail(ErrorCode::invalid_argument, "eval: the text has {} tokens; {} are needed ({} sequences x {} steps + {} + {} + 1)",
          s.text.size(), eval_text_tokens(s), s.parallel, s.tokens, s.prefill, s.tokens);
   }
+}
+
+using Context = std::unique_ptr<llama_context, ContextDeleter>;
+constexpr std::uint32_t kBatch = 512;
+
+Context make_context(const EvalSetup& s) {
   const std::uint32_t per_sequence = (s.prefill + s.tokens + 1 + 255) / 256 * 256;
   llama_context_params params = llama_context_default_params();
   params.n_ctx = per_sequence * s.parallel;
-  params.n_batch = 512;
-  params.n_ubatch = 512;
+  params.n_batch = kBatch;
+  params.n_ubatch = kBatch;
   params.n_seq_max = s.parallel;
   params.n_threads = s.threads;
   params.n_threads_batch = s.threads;
   params.flash_attn_type = s.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
   params.no_perf = true;
   if (s.f32_kv) params.type_k = params.type_v = GGML_TYPE_F32;
-  const std::unique_ptr<llama_context, ContextDeleter> ctx(llama_init_from_model(s.model, params));
+  Context ctx(llama_init_from_model(s.model, params));
   if (!ctx) fail(ErrorCode::internal, "llama_init_from_model failed");
-  const AttachedThreadpool pool(ctx.get(), s.threads);
-  std::optional<Hook> hook;
-  if (variant.policy != "llama") {
-    HookOptions options;
-    options.policy = variant.policy;
-    options.budget_tokens = variant.budget_tokens;
-    options.page_tokens = s.page_tokens;
-    options.dtype = s.f32_kv ? DType::f32 : DType::f16;
-    hook.emplace(ctx.get(), options);
-  }
-  const Hook* h = hook ? &*hook : nullptr;
+  return ctx;
+}
 
-  // The prompts, one sequence at a time, in llama.cpp's batches.
+HookOptions hook_options(const EvalSetup& s, const std::string& policy, std::uint32_t budget) {
+  HookOptions options;
+  options.policy = policy;
+  options.budget_tokens = budget;
+  options.page_tokens = s.page_tokens;
+  options.dtype = s.f32_kv ? DType::f32 : DType::f16;
+  return options;
+}
+
+// The prompts, one sequence at a time, in llama.cpp's batches.
+void prefill(const EvalSetup& s, llama_context* ctx, const Hook* hook) {
   for (std::uint32_t j = 0; j < s.parallel; ++j) {
     const std::size_t start = std::size_t{j} * s.tokens;
-    for (std::uint32_t at = 0; at < s.prefill; at += params.n_batch) {
-      const std::uint32_t n = std::min(params.n_batch, s.prefill - at);
+    for (std::uint32_t at = 0; at < s.prefill; at += kBatch) {
+      const std::uint32_t n = std::min(kBatch, s.prefill - at);
       BatchOwner b{std::int32_t(n)};
       for (std::uint32_t i = 0; i < n; ++i) {
         b.add(s.text[start + at + i], llama_pos(at + i), llama_seq_id(j), at + i + 1 == s.prefill);
       }
-      decode_or_throw(ctx.get(), b.batch, h);
+      decode_or_throw(ctx, b.batch, hook);
+    }
+  }
+}
+
+}  // namespace
+
+SavedPrompts prefill_prompts(const EvalSetup& s) {
+  check_setup(s);
+  const Context ctx = make_context(s);
+  const AttachedThreadpool pool(ctx.get(), s.threads);
+  const Hook hook(ctx.get(), hook_options(s, "dense", 0));
+  prefill(s, ctx.get(), &hook);
+  SavedPrompts saved;
+  for (std::uint32_t j = 0; j < s.parallel; ++j) {
+    std::vector<std::uint8_t>& bytes = saved.llama_state.emplace_back(llama_state_seq_get_size(ctx.get(), j));
+    if (llama_state_seq_get_data(ctx.get(), bytes.data(), bytes.size(), j) != bytes.size()) {
+      fail(ErrorCode::internal, "llama_state_seq_get_data of sequence {} failed", j);
+    }
+    saved.library.push_back(hook.save_sequence(j));
+  }
+  return saved;
+}
+
+EvalResult eval_variant(const EvalSetup& s, const SavedPrompts* prompts, const EvalVariant& variant,
+                        const Distributions* reference, Distributions* keep) {
+  check_setup(s);
+  if (prompts != nullptr && (prompts->llama_state.size() != s.parallel || prompts->library.size() != s.parallel)) {
+    fail(ErrorCode::invalid_argument, "eval: the saved prompts hold {} sequences, the setup {}",
+         prompts->llama_state.size(), s.parallel);
+  }
+  const Context ctx = make_context(s);
+  const AttachedThreadpool pool(ctx.get(), s.threads);
+  std::optional<Hook> hook;
+  if (variant.policy != "llama") hook.emplace(ctx.get(), hook_options(s, variant.policy, variant.budget_tokens));
+  const Hook* h = hook ? &*hook : nullptr;
+  if (prompts == nullptr) {
+    prefill(s, ctx.get(), h);
+  } else {
+    for (std::uint32_t j = 0; j < s.parallel; ++j) {
+      const std::vector<std::uint8_t>& bytes = prompts->llama_state[j];
+      if (llama_state_seq_set_data(ctx.get(), bytes.data(), bytes.size(), j) != bytes.size()) {
+        fail(ErrorCode::internal, "llama_state_seq_set_data of sequence {} failed", j);
+      }
+      if (hook && !hook->load_sequence(j, prompts->library[j])) {
+        fail(hook->failure()->code, "{}", hook->failure()->message);
+      }
     }
   }
 

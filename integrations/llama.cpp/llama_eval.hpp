@@ -3,8 +3,10 @@
 // sparsekv hook: what `sparsekv-llama eval` reports and the integration test
 // checks. Every variant gets a fresh llama_context of the same parameters;
 // the prompt (the text's first `prefill` tokens of each sequence) is
-// llama.cpp's own attention in every variant, the `tokens` decode steps after
-// it are one llama_decode each (one row per sequence), and each step's
+// llama.cpp's own attention in every variant, either prefilled in that
+// context or prefilled once and loaded (SavedPrompts: the same cache bytes,
+// one prefill for a run of many variants); the `tokens` decode steps after it
+// are one llama_decode each (one row per sequence), and each step's
 // next-token distribution is compared with the hook-off run's.
 #include <cstdint>
 #include <optional>
@@ -13,6 +15,7 @@
 
 #include "llama.h"
 #include "sparsekv/core/dtype.hpp"
+#include "sparsekv_llama.hpp"
 
 namespace sparsekv::llama_cpp {
 
@@ -64,14 +67,24 @@ class AttachedThreadpool {
   ggml_threadpool* pool_;
 };
 
+// Every sequence's prompt, prefilled once through the hook: llama.cpp's state
+// of each sequence (llama_state_seq_get_data) and the library's copy of its
+// K/V (Hook::save_sequence), to be loaded into each variant's context.
+struct SavedPrompts {
+  std::vector<std::vector<std::uint8_t>> llama_state;  // [sequence]
+  std::vector<SequenceSnapshot> library;               // [sequence]
+};
+SavedPrompts prefill_prompts(const EvalSetup& setup);
+
 // Tokens the text needs: parallel * tokens + prefill + tokens + 1.
 std::size_t eval_text_tokens(const EvalSetup& setup);
-// Runs one variant. `reference` (the hook-off run) gives kld and top-1;
+// Runs one variant, its prompts loaded from `prompts` or, when null,
+// prefilled in its own context. `reference` (the hook-off run) gives kld and top-1;
 // `keep`, when given, receives this run's distributions. Throws
 // sparsekv::Error: invalid_argument (a short text), or what llama_decode or
 // the hook reported (its message).
-EvalResult eval_variant(const EvalSetup& setup, const EvalVariant& variant, const Distributions* reference,
-                        Distributions* keep);
+EvalResult eval_variant(const EvalSetup& setup, const SavedPrompts* prompts, const EvalVariant& variant,
+                        const Distributions* reference, Distributions* keep);
 
 // The text tokenized with the model's vocabulary (a BOS first where the model adds one).
 std::vector<llama_token> tokenize(const llama_model* model, const std::string& text);

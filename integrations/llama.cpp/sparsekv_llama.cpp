@@ -58,7 +58,7 @@ struct Hook::State {
   std::map<llama_seq_id, Sequence> sequences;
   RequestId next_request = 1;
   ModelShape shape;              // the library's: one layer per hooked layer
-  float attention_scale = 0.0f;  // Config::attention_scale from llama.cpp's kq_scale
+  float llama_kq_scale = 0.0f;  // every hooked layer's; Config::attention_scale follows from it
   std::uint32_t max_tokens = 0;
   ErrorSlot failure;
   SpinBarrier barrier;
@@ -78,40 +78,41 @@ struct Hook::State {
     return static_cast<std::uint32_t>(it - layers.begin());
   }
 
-  // The Manager, made at the first op: heads and head size come from the call,
-  // the requests and their context from the llama_context.
+  // The Manager, made at the first op (or a loaded sequence): heads and head
+  // size come from the call, the requests and their context from the
+  // llama_context.
   RuntimeManager& ensure_manager(const llama_attn_hook_call& c) {
+    return ensure_manager(c.il, std::uint32_t(c.n_head), std::uint32_t(c.n_head_kv), std::uint32_t(c.n_embd_head),
+                          c.kq_scale);
+  }
+  RuntimeManager& ensure_manager(std::int32_t il, std::uint32_t q_heads, std::uint32_t kv_heads, std::uint32_t head_dim,
+                                 float kq_scale) {
     if (manager) {
-      if (shape.q_heads != std::uint32_t(c.n_head) || shape.kv_heads != std::uint32_t(c.n_head_kv) ||
-          shape.head_dim != std::uint32_t(c.n_embd_head)) {
-        fail(ErrorCode::invalid_argument, "layer {}: {} q / {} kv heads of {} differ from the first hooked layer's",
-             c.il, c.n_head, c.n_head_kv, c.n_embd_head);
+      if (shape.q_heads != q_heads || shape.kv_heads != kv_heads || shape.head_dim != head_dim) {
+        fail(ErrorCode::invalid_argument, "layer {}: {} q / {} kv heads of {} differ from the first hooked layer's", il,
+             q_heads, kv_heads, head_dim);
       }
-      if (kq_scale_of(c) != attention_scale) {
-        fail(ErrorCode::invalid_argument, "layer {}: kq_scale {} differs from the first hooked layer's", c.il,
-             c.kq_scale);
+      if (kq_scale != llama_kq_scale) {
+        fail(ErrorCode::invalid_argument, "layer {}: kq_scale {} differs from the first hooked layer's ({})", il,
+             kq_scale, llama_kq_scale);
       }
       return *manager;
     }
     std::sort(layers.begin(), layers.end());
-    shape = ModelShape{static_cast<std::uint32_t>(layers.size()), std::uint32_t(c.n_head),
-                       std::uint32_t(c.n_head_kv), std::uint32_t(c.n_embd_head), options.dtype};
-    attention_scale = kq_scale_of(c);
+    shape = ModelShape{static_cast<std::uint32_t>(layers.size()), q_heads, kv_heads, head_dim, options.dtype};
+    llama_kq_scale = kq_scale;
     AnyPolicy policy = make_policy(options.policy, options.budget_tokens);
     Config base;
     base.page_tokens = options.page_tokens;
-    base.attention_scale = attention_scale;
+    // 0 (the library's default) where llama.cpp's scale is 1/sqrt(head_dim).
+    const float standard = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    base.attention_scale = std::abs(kq_scale - standard) <= 1e-6f * standard ? 0.0f : kq_scale;
     max_tokens = llama_n_ctx_seq(ctx);
     // One request more than llama.cpp's sequences: seq_rm keeps a sequence's
     // first tokens by forking them before the old request finishes.
     const Config config = serving_config(shape, policy, max_tokens, llama_n_seq_max(ctx) + 1, base);
     manager = std::make_unique<RuntimeManager>(shape, config, std::move(policy), std::make_unique<InPlaceBackend>());
     return *manager;
-  }
-  // 0 (the library's default) where llama.cpp's scale is 1/sqrt(head_dim).
-  static float kq_scale_of(const llama_attn_hook_call& c) {
-    const float standard = 1.0f / std::sqrt(static_cast<float>(c.n_embd_head));
-    return std::abs(c.kq_scale - standard) <= 1e-6f * standard ? 0.0f : c.kq_scale;
   }
 
   // The request of row i's sequence, checked: one sequence, not broken, and
@@ -373,8 +374,9 @@ bool Hook::seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
   for (std::uint32_t l = 0; l < s.layers.size(); ++l) {
     if (s.manager->buffer().forkable_tokens(id, l) < keep) {
       s.failure.set(ErrorCode::failed_precondition,
-                    "seq_rm: sparsekv keeps the first tokens of a sequence only where every layer holds them in page "
-                    "order (not its decode tail, nor tokens a policy regrouped or evicted)");
+                    "seq_rm: sparsekv keeps the first tokens of a sequence only where every layer holds them in "
+                    "order in the CPU tier (not its last decode page while unsaved, nor tokens a policy regrouped "
+                    "or evicted)");
       return false;
     }
   }
@@ -454,6 +456,102 @@ void Hook::clear() {
   for (const auto& [seq, sequence] : s.sequences) s.manager->finish(sequence.request);
   s.sequences.clear();
   llama_memory_clear(llama_get_memory(s.ctx), true);
+}
+
+std::uint32_t Hook::readable_tokens(llama_seq_id seq) const {
+  const State& s = *state_;
+  const auto it = s.sequences.find(seq);
+  if (it == s.sequences.end()) return 0;
+  std::uint32_t readable = s.tokens_held(it->second.request, 0);
+  for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
+    readable = std::min(readable, s.manager->readable_tokens(it->second.request, l));
+  }
+  return readable;
+}
+
+SequenceSnapshot Hook::save_sequence(llama_seq_id seq, std::optional<std::uint32_t> tokens) const {
+  const State& s = *state_;
+  const auto it = s.sequences.find(seq);
+  if (it == s.sequences.end()) fail(ErrorCode::not_found, "save_sequence: the hook holds no sequence {}", seq);
+  const RequestId id = it->second.request;
+  SequenceSnapshot snapshot{s.layers, s.shape.q_heads, s.shape.kv_heads, s.shape.head_dim, s.llama_kq_scale,
+                            s.options.dtype, tokens.value_or(s.tokens_held(id, 0)), {}, {}};
+  const std::size_t bytes = std::size_t{snapshot.tokens} * s.shape.kv_heads * s.shape.head_dim *
+                            dtype_size(s.options.dtype);
+  for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
+    snapshot.k.emplace_back(bytes);
+    snapshot.v.emplace_back(bytes);
+    s.manager->read_kv(id, l, 0, snapshot.tokens, snapshot.k.back().data(), snapshot.v.back().data());
+  }
+  return snapshot;
+}
+
+bool Hook::load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot) {
+  State& s = *state_;
+  try {
+    if (seq < 0) fail(ErrorCode::invalid_argument, "load_sequence: sequence {} is not a sequence id", seq);
+    if (s.sequences.contains(seq)) {
+      fail(ErrorCode::failed_precondition, "load_sequence: the hook holds sequence {}; remove it (seq_rm) first", seq);
+    }
+    const std::size_t bytes = std::size_t{snapshot.tokens} * snapshot.kv_heads * snapshot.head_dim *
+                              dtype_size(snapshot.dtype);
+    const auto holds = [&](const std::vector<std::vector<std::byte>>& rows) {
+      return rows.size() == snapshot.layers.size() &&
+             std::all_of(rows.begin(), rows.end(), [&](const auto& r) { return r.size() == bytes; });
+    };
+    const bool sized = holds(snapshot.k) && holds(snapshot.v);
+    if (snapshot.tokens == 0 || snapshot.layers.empty() || !sized) {
+      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot's K/V do not hold {} tokens of {} layers",
+           snapshot.tokens, snapshot.layers.size());
+    }
+    if (snapshot.dtype != s.options.dtype) {
+      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot holds {} K/V, the hook {}",
+           to_string(snapshot.dtype), to_string(s.options.dtype));
+    }
+    if (snapshot.tokens > llama_n_ctx_seq(s.ctx)) {
+      fail(ErrorCode::invalid_argument, "load_sequence: {} tokens exceed the context's {} per sequence",
+           snapshot.tokens, llama_n_ctx_seq(s.ctx));
+    }
+    const llama_pos last = llama_memory_seq_pos_max(llama_get_memory(s.ctx), seq);
+    if (last != llama_pos(snapshot.tokens) - 1) {
+      fail(ErrorCode::failed_precondition,
+           "load_sequence: llama.cpp's cache holds sequence {} up to position {}, the snapshot {} tokens (load "
+           "llama.cpp's state of the same sequence first)",
+           seq, last, snapshot.tokens);
+    }
+    std::vector<std::int32_t> layers = snapshot.layers;
+    std::sort(layers.begin(), layers.end());
+    if (layers != snapshot.layers || (!s.layers.empty() && s.layers != layers)) {
+      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot's hooked layers are not this context's");
+    }
+    if (!s.manager) {
+      const std::vector<std::int32_t> before = std::exchange(s.layers, layers);
+      try {
+        s.ensure_manager(layers.front(), snapshot.q_heads, snapshot.kv_heads, snapshot.head_dim, snapshot.kq_scale);
+      } catch (...) {
+        s.layers = before;
+        throw;
+      }
+    }
+    RuntimeManager& m = s.ensure_manager(layers.front(), snapshot.q_heads, snapshot.kv_heads, snapshot.head_dim,
+                                         snapshot.kq_scale);
+    const RequestId id = s.next_request;
+    m.add_request(id, s.max_tokens);
+    try {
+      for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
+        m.prefill_chunk(id, l, snapshot.k[l].data(), snapshot.v[l].data(), snapshot.tokens);
+      }
+    } catch (...) {
+      m.finish(id);
+      throw;
+    }
+    ++s.next_request;
+    s.sequences.emplace(seq, Sequence{id, false});
+    return true;
+  } catch (...) {
+    s.failure.capture();
+    return false;
+  }
 }
 
 std::optional<ErrorRecord> Hook::failure() const { return state_->failure.error(); }

@@ -35,6 +35,18 @@
 
 namespace sparsekv::llama_cpp {
 
+// A sequence's K/V as the library holds them, in its hooked layers: what goes
+// beside llama_state_seq_get_data's bytes so that a saved sequence can be
+// loaded again (a prompt cache; one prefill shared by several hooks).
+struct SequenceSnapshot {
+  std::vector<std::int32_t> layers;  // the hooked llama layers; k[l] / v[l] are layers[l]'s
+  std::uint32_t q_heads = 0, kv_heads = 0, head_dim = 0;
+  float kq_scale = 0;                // llama.cpp's, as the hook received it
+  DType dtype = DType::f16;
+  std::uint32_t tokens = 0;          // positions 0 .. tokens-1
+  std::vector<std::vector<std::byte>> k, v;  // [layer][tokens][kv_heads][head_dim], dtype
+};
+
 struct HookOptions {
   std::string policy = "quest";    // make_policy's names (sparsekv::policy_names, eviction_policy_names)
   std::uint32_t budget_tokens = 1024;
@@ -58,8 +70,8 @@ class Hook {
   // it returns false with failure() set and changes nothing in either.
   //  - seq_rm of a whole sequence (p0 <= 0, p1 < 0) finishes its request;
   //    keeping its first p0 tokens (p1 < 0) forks them into a new request when
-  //    every layer holds them in page order (Manager::fork), else is refused;
-  //    other ranges are refused.
+  //    every layer holds them in order in the CPU tier (Manager::fork), else
+  //    is refused; other ranges are refused.
   //  - seq_cp of a whole sequence into an empty one forks it (shared pages).
   //  - seq_keep finishes every other sequence; clear finishes all.
   //  - seq_add and seq_div (context shift) are always refused.
@@ -69,6 +81,28 @@ class Hook {
   bool seq_add(llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta);
   bool seq_div(llama_seq_id seq, llama_pos p0, llama_pos p1, int d);
   void clear();
+
+  // State save and load. llama.cpp's llama_state_seq_* calls save and load
+  // its own cache only; the library's copy goes with them:
+  //  - save_sequence(seq) after llama_state_seq_get_data: the first `tokens`
+  //    positions (all of them by default) in every hooked layer. Readable
+  //    are a prompt not yet decoded, and the tokens the CPU tier holds in
+  //    order (readable_tokens; Manager::read_kv). Throws sparsekv::Error:
+  //    not_found (a sequence the hook does not hold), out_of_range (more
+  //    than readable).
+  //  - load_sequence(seq, snapshot) after llama_state_seq_set_data into an
+  //    empty sequence: llama.cpp's cache must hold exactly positions 0 ..
+  //    tokens-1 of seq, and the snapshot's layers, shape and scale must be
+  //    this context's. The prompt is staged, as if llama.cpp had just
+  //    prefilled it. Returns false with failure() set and changes nothing
+  //    when it cannot.
+  // A state load without load_sequence is refused by llama_decode (the row's
+  // position is not what the hook holds), unless the hook already holds
+  // exactly as many tokens of that sequence: remove the sequence through the
+  // hook (seq_rm) before loading it.
+  std::uint32_t readable_tokens(llama_seq_id seq) const;
+  SequenceSnapshot save_sequence(llama_seq_id seq, std::optional<std::uint32_t> tokens = std::nullopt) const;
+  bool load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot);
 
   // Why the last llama_decode returned 2, or a memory call returned false;
   // empty otherwise. clear_failure() lets llama_decode run again.

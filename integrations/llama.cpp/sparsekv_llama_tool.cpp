@@ -6,8 +6,11 @@
 //       greedy decoding: prints the text and the decode rate.
 //   sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]
 //                       [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32] [--json FILE]
+//                       [--shared-prefill on|off]
 //       teacher-forced decoding of the text: llama.cpp alone, Dense through the hook, then each policy x
 //       budget: perplexity, KL divergence from llama.cpp's own distribution, top-1 agreement, tokens/s.
+//       The prompt is prefilled once and loaded into every variant's context (Hook::save_sequence /
+//       load_sequence beside llama.cpp's state), unless --shared-prefill off.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -35,7 +38,7 @@ constexpr const char* kUsage =
     "                               [--budget B] [--threads T] [--hook on|off] [--ctx N]\n"
     "       sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]\n"
     "                           [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32]\n"
-    "                           [--json FILE]\n";
+    "                           [--json FILE] [--shared-prefill on|off]\n";
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -159,15 +162,24 @@ int eval(const tools::CommandLine& cli) {
   }
   fmt::print("sparsekv-llama eval: {} prompt tokens x {} sequences, {} teacher-forced steps, {} threads\n",
              setup.prefill, setup.parallel, setup.tokens, setup.threads);
-  fmt::print("{:<12} {:>7} {:>11} {:>10} {:>7} {:>9}\n", "policy", "budget", "perplexity", "kld_mean", "top1",
+  fmt::print("{:<16} {:>7} {:>11} {:>10} {:>7} {:>9}\n", "policy", "budget", "perplexity", "kld_mean", "top1",
              "tokens/s");
+  // One prefill for every variant (--shared-prefill off: one each).
+  std::optional<SavedPrompts> prompts;
+  if (on_off(cli, "--shared-prefill", true)) {
+    const auto t0 = std::chrono::steady_clock::now();
+    prompts = prefill_prompts(setup);
+    fmt::print("prefilled once in {:.1f} s; every variant loads it\n",
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
   Distributions reference;
   std::vector<EvalResult> results;
   for (const EvalVariant& v : variants) {
     const bool first = results.empty();
-    results.push_back(eval_variant(setup, v, first ? nullptr : &reference, first ? &reference : nullptr));
+    results.push_back(eval_variant(setup, prompts ? &*prompts : nullptr, v, first ? nullptr : &reference,
+                                   first ? &reference : nullptr));
     const EvalResult& r = results.back();
-    fmt::print("{:<12} {:>7} {:>11.4f} {:>10.2e} {:>7.3f} {:>9.1f}\n", r.policy,
+    fmt::print("{:<16} {:>7} {:>11.4f} {:>10.2e} {:>7.3f} {:>9.1f}\n", r.policy,
                r.budget_tokens == 0 ? std::string("-") : fmt::format("{}", r.budget_tokens), r.perplexity,
                r.kld_mean, r.top1_agreement, r.tokens_per_s);
     std::fflush(stdout);
@@ -207,7 +219,7 @@ int main(int argc, char** argv) {
     const tools::CommandLine cli(argc - 1, argv + 1,
                                  {"--model", "--prompt", "--prompt-file", "--tokens", "--policy", "--budget",
                                   "--threads", "--hook", "--ctx", "--text", "--prefill", "--policies", "--budgets",
-                                  "--parallel", "--page", "--flash-attn", "--kv", "--json"},
+                                  "--parallel", "--page", "--flash-attn", "--kv", "--json", "--shared-prefill"},
                                  {});
     if (command == "generate") return generate(cli);
     if (command == "eval") return eval(cli);

@@ -1,12 +1,15 @@
 // sparsekv inside llama.cpp (integrations/llama.cpp), on SmolLM2-135M at a 1K
 // context: Dense through the hook decodes as llama.cpp alone does, a sparse
-// policy runs, two sequences decode at once, and what the library cannot
+// policy runs, two sequences decode at once, four sequences finishing and
+// starting lose nothing (the library's CPU tier against llama.cpp's own
+// cache), a saved sequence loads back exactly, and what the library cannot
 // follow is refused with its error -- never a silent desynchronisation.
 // [model-file]: skipped (ctest, exit 77) without the model scripts/setup fetches.
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -224,17 +227,17 @@ TEST_CASE("llama.cpp hook: Dense through the hook is as close to llama.cpp as it
     // rounds differently.
     const EvalSetup usual = setup(parallel);
     Distributions reference;
-    const EvalResult own = eval_variant(usual, {"llama", 0}, nullptr, &reference);
+    const EvalResult own = eval_variant(usual, nullptr, {"llama", 0}, nullptr, &reference);
     EvalSetup no_flash = usual;
     no_flash.flash_attn = false;
-    const EvalResult llama_no_flash = eval_variant(no_flash, {"llama", 0}, &reference, nullptr);
-    const EvalResult dense = eval_variant(usual, {"dense", 1024}, &reference, nullptr);
+    const EvalResult llama_no_flash = eval_variant(no_flash, nullptr, {"llama", 0}, &reference, nullptr);
+    const EvalResult dense = eval_variant(usual, nullptr, {"dense", 1024}, &reference, nullptr);
     CHECK(dense.hook_rows == std::uint64_t{usual.tokens} * parallel * 30);  // every row of every layer
     CHECK(dense.kld_mean <= 2 * llama_no_flash.kld_mean + 1e-4);
     CHECK(dense.top1_agreement >= llama_no_flash.top1_agreement - 0.05);
     CHECK(dense.perplexity == Approx(own.perplexity).epsilon(0.02));
     // A sparse policy at a quarter of the context runs and stays close.
-    const EvalResult quest = eval_variant(usual, {"quest", 256}, &reference, nullptr);
+    const EvalResult quest = eval_variant(usual, nullptr, {"quest", 256}, &reference, nullptr);
     CHECK(quest.hook_rows == dense.hook_rows);
     CHECK(std::isfinite(quest.perplexity));
     CHECK(quest.kld_mean < 0.5);
@@ -341,4 +344,245 @@ TEST_CASE("llama.cpp hook: a token in several sequences is refused", "[model-fil
     llama_batch_free(b);
   }
   llama_free(ctx);
+}
+
+namespace {
+
+// One sequence of llama.cpp's own KV cache, read from llama_state_seq_get_data
+// (llama_context::state_seq_get_data and llama_kv_cache::state_write in the
+// pinned llama.cpp): a magic number and the sequence id, then per stream a
+// cell count, each cell's position and sequences, then every layer's K rows
+// and every layer's V rows (flash attention on: V not transposed).
+struct CachedSequence {
+  std::vector<llama_pos> positions;          // per cell
+  std::vector<std::vector<std::byte>> k, v;  // [layer][cell][row bytes]
+  std::size_t row_bytes = 0;
+};
+CachedSequence cached_sequence(llama_context* ctx, llama_seq_id seq) {
+  std::vector<std::uint8_t> bytes(llama_state_seq_get_size(ctx, seq));
+  REQUIRE(llama_state_seq_get_data(ctx, bytes.data(), bytes.size(), seq) == bytes.size());
+  std::size_t at = 0;
+  const auto take = [&](void* to, std::size_t n) {
+    REQUIRE(at + n <= bytes.size());
+    std::memcpy(to, bytes.data() + at, n);
+    at += n;
+  };
+  const auto get = [&]<typename T>(T) {
+    T x;
+    take(&x, sizeof(T));
+    return x;
+  };
+  CachedSequence c;
+  REQUIRE(get(std::uint32_t{}) == 0xaf143cd8u);
+  REQUIRE(get(llama_seq_id{}) == seq);
+  const auto streams = get(std::uint32_t{});
+  for (std::uint32_t s = 0; s < streams; ++s) {
+    const auto cells = get(std::uint32_t{});
+    if (cells == 0) continue;
+    REQUIRE(c.positions.empty());  // one stream holds the sequence
+    for (std::uint32_t i = 0; i < cells; ++i) {
+      c.positions.push_back(get(llama_pos{}));
+      at += get(std::uint32_t{}) * sizeof(llama_seq_id);
+    }
+    REQUIRE(get(std::uint32_t{}) == 0);  // V not transposed
+    const auto layers = get(std::uint32_t{});
+    for (auto* rows : {&c.k, &c.v}) {
+      for (std::uint32_t l = 0; l < layers; ++l) {
+        REQUIRE(get(std::int32_t{}) == GGML_TYPE_F16);
+        c.row_bytes = get(std::uint64_t{});
+        rows->emplace_back(c.row_bytes * cells);
+        take(rows->back().data(), rows->back().size());
+      }
+    }
+  }
+  REQUIRE(at == bytes.size());
+  return c;
+}
+
+// The library's copy of `seq` in the CPU tier against llama.cpp's cache: the
+// same positions, and every readable position's K and V rows equal, byte for
+// byte (both are llama.cpp's f32 rows rounded to f16 by ggml). Readable are
+// all but the tokens decoded into a page not yet full (16-token pages).
+// Returns the positions compared.
+std::uint32_t check_against_llama(const Hook& hook, llama_context* ctx, llama_seq_id seq) {
+  const CachedSequence cache = cached_sequence(ctx, seq);
+  const std::uint32_t held = hook.tokens(seq);
+  REQUIRE(cache.positions.size() == held);
+  const std::uint32_t readable = hook.readable_tokens(seq);
+  REQUIRE(readable + 16 > held);  // all but the decode tail's unfilled page
+  const SequenceSnapshot lib = hook.save_sequence(seq, readable);
+  REQUIRE(lib.layers.size() == cache.k.size());
+  REQUIRE(std::size_t{lib.kv_heads} * lib.head_dim * 2 == cache.row_bytes);
+  std::vector<bool> seen(held);
+  for (std::size_t cell = 0; cell < cache.positions.size(); ++cell) {
+    const auto p = std::uint32_t(cache.positions[cell]);
+    REQUIRE(p < held);
+    REQUIRE_FALSE(seen[p]);
+    seen[p] = true;
+    if (p >= readable) continue;
+    for (std::size_t l = 0; l < lib.layers.size(); ++l) {
+      INFO("sequence " << seq << " position " << p << " layer " << l);
+      REQUIRE(std::memcmp(lib.k[l].data() + p * cache.row_bytes, cache.k[l].data() + cell * cache.row_bytes,
+                          cache.row_bytes) == 0);
+      REQUIRE(std::memcmp(lib.v[l].data() + p * cache.row_bytes, cache.v[l].data() + cell * cache.row_bytes,
+                          cache.row_bytes) == 0);
+    }
+  }
+  return readable;
+}
+
+}  // namespace
+
+TEST_CASE("llama.cpp hook: four sequences finishing and starting lose nothing of llama.cpp's K/V",
+          "[model-file][llama-hook][parallel]") {
+  // generate at --parallel 4: four slots, ten requests of different prompt and
+  // answer lengths. A slot whose request ends is checked, removed through the
+  // hook and given the next request, whose prompt goes into the same
+  // llama_decode as the other slots' next tokens (a ubatch llama.cpp attends
+  // itself: the live sequences grow by extend, the new one is staged).
+  const std::vector<llama_token> t = text();
+  Context c(4);
+  HookOptions options;
+  options.policy = "quest";
+  options.budget_tokens = 128;
+  Hook hook(c.ctx, options);
+  struct Slot {
+    int request = -1;
+    std::uint32_t prompt = 0, answer = 0, pos = 0;
+    llama_token next = 0;
+  };
+  std::vector<Slot> slots(4);
+  int started = 0, finished = 0;
+  std::uint32_t compared = 0, checks = 0;
+  const llama_vocab* vocab = llama_model_get_vocab(model().model);
+  const auto n_vocab = llama_vocab_n_tokens(vocab);
+  llama_batch b = llama_batch_init(512, 0, 1);
+  while (finished < 10) {
+    b.n_tokens = 0;
+    std::vector<std::pair<std::size_t, std::int32_t>> outputs;  // slot, batch row
+    for (std::size_t s = 0; s < slots.size(); ++s) {
+      Slot& slot = slots[s];
+      const auto seq = llama_seq_id(s);
+      if (slot.request >= 0 && slot.pos == slot.prompt + slot.answer) {
+        compared += check_against_llama(hook, c.ctx, seq);
+        ++checks;
+        REQUIRE(hook.seq_rm(seq, -1, -1));
+        REQUIRE(hook.tokens(seq) == 0);
+        slot.request = -1;
+        ++finished;
+      }
+      if (slot.request < 0 && started < 10) {
+        slot = Slot{started, 60 + 37 * std::uint32_t(started % 5), 8 + 13 * std::uint32_t(started % 4), 0, 0};
+        ++started;
+        for (std::uint32_t i = 0; i < slot.prompt; ++i) {
+          const std::int32_t r = b.n_tokens++;
+          b.token[r] = t[std::size_t(slot.request) * 50 + i];
+          b.pos[r] = llama_pos(i);
+          b.n_seq_id[r] = 1;
+          b.seq_id[r][0] = seq;
+          b.logits[r] = i + 1 == slot.prompt;
+        }
+        slot.pos = slot.prompt;
+        outputs.emplace_back(s, b.n_tokens - 1);
+        continue;
+      }
+      if (slot.request < 0) continue;
+      const std::int32_t r = b.n_tokens++;
+      b.token[r] = slot.next;
+      b.pos[r] = llama_pos(slot.pos++);
+      b.n_seq_id[r] = 1;
+      b.seq_id[r][0] = seq;
+      b.logits[r] = true;
+      outputs.emplace_back(s, r);
+    }
+    if (b.n_tokens == 0) continue;
+    const std::int32_t rc = llama_decode(c.ctx, b);
+    INFO((hook.failure() ? hook.failure()->message : std::string()));
+    REQUIRE(rc == 0);
+    for (const auto& [s, r] : outputs) {  // greedy
+      const float* logits = llama_get_logits_ith(c.ctx, r);
+      slots[s].next = llama_token(std::max_element(logits, logits + n_vocab) - logits);
+    }
+  }
+  llama_batch_free(b);
+  REQUIRE(checks == 10);
+  REQUIRE(hook.decode_rows() > 0);
+  REQUIRE_FALSE(hook.failure().has_value());
+  WARN("10 requests over 4 slots: " << compared << " positions of the CPU tier equal llama.cpp's cache, "
+                                    << hook.decode_rows() << " decode rows through the hook");
+  REQUIRE(compared >= 10 * 60);
+}
+
+TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load behind the hook's back is refused",
+          "[model-file][llama-hook][state]") {
+  // Through the eval: the prompt prefilled once and loaded into each
+  // variant's context decodes bit for bit as one prefilled there.
+  EvalSetup s = setup(1);
+  s.prefill = 600;
+  s.tokens = 12;
+  const SavedPrompts saved = prefill_prompts(s);
+  REQUIRE(saved.library.size() == 1);
+  REQUIRE(saved.library[0].tokens == 600);
+  for (const char* policy : {"llama", "dense", "quest"}) {
+    CAPTURE(policy);
+    Distributions own, loaded;
+    eval_variant(s, nullptr, {policy, 256}, nullptr, &own);
+    eval_variant(s, &saved, {policy, 256}, nullptr, &loaded);
+    REQUIRE(own.log_probs == loaded.log_probs);
+  }
+
+  // By hand, and the refusals.
+  const std::vector<llama_token> t = text();
+  std::vector<std::uint8_t> state;
+  SequenceSnapshot snapshot;
+  {
+    Context c(2);
+    Hook hook(c.ctx, HookOptions{});
+    REQUIRE(c.decode(t, 0, 300, 0) == 0);
+    state.resize(llama_state_seq_get_size(c.ctx, 0));
+    REQUIRE(llama_state_seq_get_data(c.ctx, state.data(), state.size(), 0) == state.size());
+    REQUIRE_THROWS_MATCHES(hook.save_sequence(1), Error, Catch::Predicate<Error>([](const Error& e) {
+                             return e.code() == ErrorCode::not_found;
+                           }));
+    REQUIRE_THROWS_MATCHES(hook.save_sequence(0, 301), Error, Catch::Predicate<Error>([](const Error& e) {
+                             return e.code() == ErrorCode::out_of_range;
+                           }));
+    snapshot = hook.save_sequence(0);
+    REQUIRE(snapshot.tokens == 300);
+  }
+  Context c(2);
+  Hook hook(c.ctx, HookOptions{});
+  // llama.cpp's state alone: the hook never saw the sequence, the next decode is refused.
+  REQUIRE(llama_state_seq_set_data(c.ctx, state.data(), state.size(), 0) == state.size());
+  REQUIRE(c.decode(t, 300, 301, 300) == 2);
+  REQUIRE(hook.failure()->code == ErrorCode::failed_precondition);
+  REQUIRE(hook.failure()->message.find("never saw the sequence start") != std::string::npos);
+  hook.clear_failure();
+  // Loads refused, changing nothing: into a sequence llama.cpp does not hold
+  // at that length, with another dtype, or with other layers.
+  REQUIRE_FALSE(hook.load_sequence(1, snapshot));
+  REQUIRE(hook.failure()->code == ErrorCode::failed_precondition);
+  hook.clear_failure();
+  SequenceSnapshot f32 = snapshot;
+  f32.dtype = DType::f32;
+  REQUIRE_FALSE(hook.load_sequence(0, f32));
+  REQUIRE(hook.failure()->code == ErrorCode::invalid_argument);
+  hook.clear_failure();
+  SequenceSnapshot fewer = snapshot;
+  fewer.layers.pop_back();
+  fewer.k.pop_back();
+  fewer.v.pop_back();
+  REQUIRE_FALSE(hook.load_sequence(0, fewer));
+  REQUIRE(hook.failure()->code == ErrorCode::invalid_argument);
+  hook.clear_failure();
+  REQUIRE(hook.tokens(0) == 0);
+  // The load that matches: decoding goes on, the second load of it is refused.
+  REQUIRE(hook.load_sequence(0, snapshot));
+  REQUIRE(hook.tokens(0) == 300);
+  REQUIRE_FALSE(hook.load_sequence(0, snapshot));
+  REQUIRE(hook.failure()->message.find("remove it") != std::string::npos);
+  hook.clear_failure();
+  REQUIRE(c.decode(t, 300, 301, 300) == 0);
+  REQUIRE(hook.tokens(0) == 301);
+  REQUIRE(check_against_llama(hook, c.ctx, 0) >= 300);
 }
