@@ -6,11 +6,12 @@
 //       greedy decoding: prints the text and the decode rate.
 //   sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]
 //                       [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32] [--json FILE]
-//                       [--shared-prefill on|off]
+//                       [--shared-prefill on|off] [--yardstick on|off]
 //       teacher-forced decoding of the text: llama.cpp alone, Dense through the hook, then each policy x
 //       budget: perplexity, KL divergence from llama.cpp's own distribution, top-1 agreement, tokens/s.
 //       The prompt is prefilled once and loaded into every variant's context (Hook::save_sequence /
-//       load_sequence beside llama.cpp's state), unless --shared-prefill off.
+//       load_sequence beside llama.cpp's state), unless --shared-prefill off. --yardstick on adds llama.cpp
+//       alone with flash attention flipped: how far llama.cpp's own two attentions are apart.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -38,7 +39,7 @@ constexpr const char* kUsage =
     "                               [--budget B] [--threads T] [--hook on|off] [--ctx N]\n"
     "       sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]\n"
     "                           [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32]\n"
-    "                           [--json FILE] [--shared-prefill on|off]\n";
+    "                           [--json FILE] [--shared-prefill on|off] [--yardstick on|off]\n";
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -160,34 +161,48 @@ int eval(const tools::CommandLine& cli) {
   for (const std::string& p : cli.list("--policies", "quest,shadowkv")) {
     for (const std::uint32_t b : numbers(cli.list("--budgets", "256,1024"))) variants.push_back({p, b});
   }
+  // One prefill for every variant (--shared-prefill off: one each).
+  std::optional<SavedPrompts> prompts;
+  double prefill_s = 0;
+  if (on_off(cli, "--shared-prefill", true)) {
+    const auto t0 = std::chrono::steady_clock::now();
+    prompts = prefill_prompts(setup);
+    prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    fmt::print("sparsekv-llama eval: prefilled once in {:.1f} s; every variant loads it\n", prefill_s);
+  }
   fmt::print("sparsekv-llama eval: {} prompt tokens x {} sequences, {} teacher-forced steps, {} threads\n",
              setup.prefill, setup.parallel, setup.tokens, setup.threads);
   fmt::print("{:<16} {:>7} {:>11} {:>10} {:>7} {:>9}\n", "policy", "budget", "perplexity", "kld_mean", "top1",
              "tokens/s");
-  // One prefill for every variant (--shared-prefill off: one each).
-  std::optional<SavedPrompts> prompts;
-  if (on_off(cli, "--shared-prefill", true)) {
-    const auto t0 = std::chrono::steady_clock::now();
-    prompts = prefill_prompts(setup);
-    fmt::print("prefilled once in {:.1f} s; every variant loads it\n",
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
   Distributions reference;
   std::vector<EvalResult> results;
-  for (const EvalVariant& v : variants) {
-    const bool first = results.empty();
-    results.push_back(eval_variant(setup, prompts ? &*prompts : nullptr, v, first ? nullptr : &reference,
-                                   first ? &reference : nullptr));
-    const EvalResult& r = results.back();
+  // --yardstick on: llama.cpp alone without flash attention too (its own
+  // exact attention, rounded differently): how far llama.cpp is from itself.
+  const bool yardstick = on_off(cli, "--yardstick", false);
+  const auto show = [](const EvalResult& r) {
     fmt::print("{:<16} {:>7} {:>11.4f} {:>10.2e} {:>7.3f} {:>9.1f}\n", r.policy,
                r.budget_tokens == 0 ? std::string("-") : fmt::format("{}", r.budget_tokens), r.perplexity,
                r.kld_mean, r.top1_agreement, r.tokens_per_s);
     std::fflush(stdout);
+  };
+  for (const EvalVariant& v : variants) {
+    const bool first = results.empty();
+    results.push_back(eval_variant(setup, prompts ? &*prompts : nullptr, v, first ? nullptr : &reference,
+                                   first ? &reference : nullptr));
+    show(results.back());
+    if (first && yardstick) {
+      EvalSetup flipped = setup;
+      flipped.flash_attn = !setup.flash_attn;
+      results.push_back(eval_variant(flipped, nullptr, v, &reference, nullptr));
+      results.back().policy = setup.flash_attn ? "llama_no_fa" : "llama_fa";
+      show(results.back());
+    }
   }
   if (cli.has("--json")) {
     std::ofstream out(cli.text("--json", ""));
-    out << fmt::format("{{\"prefill\": {}, \"tokens\": {}, \"parallel\": {}, \"threads\": {}, \"results\": [",
-                       setup.prefill, setup.tokens, setup.parallel, setup.threads);
+    out << fmt::format("{{\"prefill\": {}, \"tokens\": {}, \"parallel\": {}, \"threads\": {}, "
+                       "\"shared_prefill_s\": {:.1f}, \"results\": [",
+                       setup.prefill, setup.tokens, setup.parallel, setup.threads, prefill_s);
     for (std::size_t i = 0; i < results.size(); ++i) {
       const EvalResult& r = results[i];
       out << fmt::format(
@@ -219,7 +234,7 @@ int main(int argc, char** argv) {
     const tools::CommandLine cli(argc - 1, argv + 1,
                                  {"--model", "--prompt", "--prompt-file", "--tokens", "--policy", "--budget",
                                   "--threads", "--hook", "--ctx", "--text", "--prefill", "--policies", "--budgets",
-                                  "--parallel", "--page", "--flash-attn", "--kv", "--json", "--shared-prefill"},
+                                  "--parallel", "--page", "--flash-attn", "--kv", "--json", "--shared-prefill", "--yardstick"},
                                  {});
     if (command == "generate") return generate(cli);
     if (command == "eval") return eval(cli);
