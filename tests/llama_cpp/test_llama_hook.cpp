@@ -86,6 +86,13 @@ llama_context_params context_params(std::uint32_t sequences, std::uint32_t token
   return p;
 }
 
+HookOptions options_for(const char* policy, std::uint32_t budget) {
+  HookOptions options;
+  options.policy = policy;
+  options.budget_tokens = budget;
+  return options;
+}
+
 struct Context {
   llama_context* ctx = nullptr;
   explicit Context(std::uint32_t sequences) {
@@ -226,18 +233,19 @@ TEST_CASE("llama.cpp hook: Dense through the hook is as close to llama.cpp as it
     // without flash attention is the yardstick: an exact attention that
     // rounds differently.
     const EvalSetup usual = setup(parallel);
+    const SavedPrompts prompts = prefill_prompts(usual);  // one prefill for the variants of this setup
     Distributions reference;
-    const EvalResult own = eval_variant(usual, nullptr, {"llama", 0}, nullptr, &reference);
+    const EvalResult own = eval_variant(usual, &prompts, {"llama", 0}, nullptr, &reference);
     EvalSetup no_flash = usual;
     no_flash.flash_attn = false;
     const EvalResult llama_no_flash = eval_variant(no_flash, nullptr, {"llama", 0}, &reference, nullptr);
-    const EvalResult dense = eval_variant(usual, nullptr, {"dense", 1024}, &reference, nullptr);
+    const EvalResult dense = eval_variant(usual, &prompts, {"dense", 1024}, &reference, nullptr);
     CHECK(dense.hook_rows == std::uint64_t{usual.tokens} * parallel * 30);  // every row of every layer
     CHECK(dense.kld_mean <= 2 * llama_no_flash.kld_mean + 1e-4);
     CHECK(dense.top1_agreement >= llama_no_flash.top1_agreement - 0.05);
     CHECK(dense.perplexity == Approx(own.perplexity).epsilon(0.02));
     // A sparse policy at a quarter of the context runs and stays close.
-    const EvalResult quest = eval_variant(usual, nullptr, {"quest", 256}, &reference, nullptr);
+    const EvalResult quest = eval_variant(usual, &prompts, {"quest", 256}, &reference, nullptr);
     CHECK(quest.hook_rows == dense.hook_rows);
     CHECK(std::isfinite(quest.perplexity));
     CHECK(quest.kld_mean < 0.5);
@@ -251,10 +259,7 @@ TEST_CASE("llama.cpp hook: Dense through the hook is as close to llama.cpp as it
 TEST_CASE("llama.cpp hook: what the library cannot follow is refused with its error", "[model-file][llama-hook]") {
   const std::vector<llama_token> t = text();
   Context c(1);
-  HookOptions options;
-  options.policy = "quest";
-  options.budget_tokens = 256;
-  Hook hook(c.ctx, options);
+  Hook hook(c.ctx, options_for("quest", 256));
   REQUIRE(c.decode(t, 0, 300, 0) == 0);
   REQUIRE(c.decode(t, 300, 301, 300) == 0);
   REQUIRE(hook.tokens(0) == 301);
@@ -295,9 +300,7 @@ TEST_CASE("llama.cpp hook: a sequence cut back to its prompt's first tokens deco
   const std::vector<llama_token> t = text();
   const auto logits_after = [&](bool cut) {
     Context c(1);
-    HookOptions options;
-    options.policy = "dense";
-    Hook hook(c.ctx, options);
+    Hook hook(c.ctx, options_for("dense", 1024));
     if (cut) {
       REQUIRE(c.decode(t, 0, 400, 0) == 0);  // the prompt, then keep its first 320 tokens
       const bool cut_ok = hook.seq_rm(0, 320, -1);
@@ -442,10 +445,7 @@ TEST_CASE("llama.cpp hook: four sequences finishing and starting lose nothing of
   // itself: the live sequences grow by extend, the new one is staged).
   const std::vector<llama_token> t = text();
   Context c(4);
-  HookOptions options;
-  options.policy = "quest";
-  options.budget_tokens = 128;
-  Hook hook(c.ctx, options);
+  Hook hook(c.ctx, options_for("quest", 128));
   struct Slot {
     int request = -1;
     std::uint32_t prompt = 0, answer = 0, pos = 0;
