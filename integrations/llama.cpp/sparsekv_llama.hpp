@@ -16,9 +16,11 @@
 //
 // What the library cannot follow is refused, never silently wrong: a row whose
 // position is not its sequence's next token (context shift, seq_add/seq_div,
-// a state load, a partial removal made behind the hook's back), a token in
-// several sequences, a layer with attention sinks or a bias, a quantized or
-// differently shaped KV cache. A refusal inside llama_decode stops the graph
+// a state load without load_sequence, a partial removal made behind the
+// hook's back), a token in several sequences, a layer with attention sinks or
+// a bias, a layer shaped differently from the first hooked one. (A quantized
+// cache is served: the hook receives llama.cpp's f32 rows, so the library's
+// copy is exact.) A refusal inside llama_decode stops the graph
 // (the hook owns the context's abort callback): llama_decode returns 2 and
 // failure() says why. The sequences of a failed ubatch are then refused until
 // they restart at position 0 (after a whole removal).
