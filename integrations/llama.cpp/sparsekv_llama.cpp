@@ -524,17 +524,18 @@ bool Hook::load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot) {
     if (layers != snapshot.layers || (!s.layers.empty() && s.layers != layers)) {
       fail(ErrorCode::invalid_argument, "load_sequence: the snapshot's hooked layers are not this context's");
     }
-    if (!s.manager) {
-      const std::vector<std::int32_t> before = std::exchange(s.layers, layers);
-      try {
-        s.ensure_manager(layers.front(), snapshot.q_heads, snapshot.kv_heads, snapshot.head_dim, snapshot.kq_scale);
-      } catch (...) {
-        s.layers = before;
-        throw;
-      }
+    // Made from the snapshot when no op has run yet (its layers then become
+    // the hooked ones), else checked against it; a refusal restores the layers.
+    const std::vector<std::int32_t> before = std::exchange(s.layers, layers);
+    RuntimeManager* made = nullptr;
+    try {
+      made = &s.ensure_manager(layers.front(), snapshot.q_heads, snapshot.kv_heads, snapshot.head_dim,
+                               snapshot.kq_scale);
+    } catch (...) {
+      s.layers = before;
+      throw;
     }
-    RuntimeManager& m = s.ensure_manager(layers.front(), snapshot.q_heads, snapshot.kv_heads, snapshot.head_dim,
-                                         snapshot.kq_scale);
+    RuntimeManager& m = *made;
     const RequestId id = s.next_request;
     m.add_request(id, s.max_tokens);
     try {
