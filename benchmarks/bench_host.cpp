@@ -21,6 +21,12 @@
 //     over_read_bw  read-bound time / our time = GBps / read_GBps: the
 //                   fraction of the streaming-read bandwidth the Attend
 //                   reaches (target >= 0.6)
+//     scattered_GBps the read bound of the same pages where they are: an
+//                   AVX2 sum of the step's pages in the Attend's order, split
+//                   over the threads as its chunks are, the next page asked
+//                   for before each (one page ahead, as fold_page does)
+//     over_scattered scattered-read time / our time: how much of what the
+//                   memory gives for scattered pages the Attend reaches
 //     over_ggml     our time / ggml's time for the same tokens: ggml's CPU
 //                   ggml_flash_attn_ext (llama.cpp's decode attention, from
 //                   llama-cpp-python 0.3.36's vendored source) on f16 K/V,
@@ -157,11 +163,10 @@ std::pair<std::size_t, std::size_t> slice(std::size_t n, std::size_t i, std::siz
 // every dtype reads the same pool.
 std::byte* page_pool() {
   static std::byte* pool = [] {
-    auto* p = static_cast<std::byte*>(std::aligned_alloc(2 * kMiB, kPoolBytes));
-    if (p == nullptr) {
-      std::fprintf(stderr, "bench_host: cannot allocate the 1 GiB pool\n");
-      std::exit(1);
-    }
+    // As the CPU tier holds its pages: the library's host memory (2 MiB
+    // aligned, transparent huge pages where Linux gives them).
+    static HostMemoryResource memory(false);
+    auto* p = static_cast<std::byte*>(memory.allocate(kPoolBytes));
     auto* words = reinterpret_cast<std::uint32_t*>(p);
     std::uint64_t x = 0x9e3779b97f4a7c15ull;
     for (std::size_t i = 0; i < kPoolBytes / 4; ++i) {
@@ -519,10 +524,38 @@ GgmlAttention& ggml_attention(AttendWork& w, std::string& error) {
 }
 #endif
 
+// Mean seconds of reading the pages of w's plans (each call the next set),
+// in the Attend's order, split in halves of the pages as its chunks are:
+// each page summed with AVX2, the next page's lines asked for before it (one
+// page ahead, as fold_page asks for the next page's K).
+double scattered_read_seconds(AttendWork& w, unsigned threads) {
+  const bool avx2 = __builtin_cpu_supports("avx2");
+  const std::size_t page_bytes = w.layout.page_bytes();
+  std::vector<std::uint64_t> sinks(threads);
+  std::size_t set = 0;
+  const double s = mean_seconds([&] {
+    const AttendPlan& plan = w.plans[set];
+    set = (set + 1) % w.plans.size();
+    const std::size_t pages = plan.indices.size();
+    pool(threads).parallel_for(threads, [&](std::size_t i) {
+      const auto [first, end] = slice(pages, i, threads);
+      for (std::size_t p = first; p < end; ++p) {
+        if (p + 1 < end) {
+          const std::byte* next = plan.page(p + 1);
+          for (std::size_t at = 0; at < page_bytes; at += 64) __builtin_prefetch(next + at);
+        }
+        sinks[i] += avx2 ? sum_avx2(plan.page(p), page_bytes) : sum_scalar(plan.page(p), page_bytes);
+      }
+    });
+  });
+  benchmark::DoNotOptimize(sinks.data());
+  return s;
+}
+
 // The bounds of a row, measured just before it (once, though Google Benchmark
 // calls the row's function several times): the VM's bandwidth drifts.
 struct Bounds {
-  double read_s = 0;
+  double read_s = 0, scattered_s = 0;
 #if SPARSEKV_BENCH_GGML
   GgmlAttention::Timing ggml{};
   double ggml_bytes = 0;
@@ -536,6 +569,7 @@ const Bounds& row_bounds(AttendWork& w, unsigned threads) {
   if (auto it = rows.find(key); it != rows.end()) return it->second;
   Bounds b;
   b.read_s = read_seconds(w.step_bytes(), threads);
+  b.scattered_s = scattered_read_seconds(w, threads);
 #if SPARSEKV_BENCH_GGML
   GgmlAttention& ggml = ggml_attention(w, b.error);
   if (b.error.empty()) {
@@ -569,6 +603,8 @@ void BM_Attend(benchmark::State& state, AttendKey key, unsigned threads) {
   state.counters["GBps"] = bytes / ours / 1e9;
   state.counters["read_GBps"] = bytes / read_s / 1e9;
   state.counters["over_read_bw"] = read_s / ours;
+  state.counters["scattered_GBps"] = bytes / bounds.scattered_s / 1e9;
+  state.counters["over_scattered"] = bounds.scattered_s / ours;
   state.counters["tokens"] = key.budget;
   state.counters["batch"] = w.batch;
 #if SPARSEKV_BENCH_GGML

@@ -3,6 +3,8 @@
 #include "sparsekv/attention/page_fold.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -22,6 +24,16 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 // q heads whose accumulators stay in registers at once.
 constexpr std::uint32_t kGroupBlock = 8;
+// The tile holds each slot's scores (then weights) for a block of G heads in
+// one row of RowWidth(G) floats, G rounded up to a power of two: a vector then
+// holds whole rows (or a row whole vectors), so one pass of vector max and
+// exponentials serves every head of the block, and a slot's G dot products
+// reduce into one vector store. The lanes past G are never read as weights.
+constexpr std::uint32_t RowWidth(std::uint32_t g) { return g == 1 ? 1 : g == 2 ? 2 : g <= 4 ? 4 : 8; }
+constexpr std::size_t kMaxLanes = HWY_MAX_BYTES / sizeof(float);
+static_assert(RowWidth(kGroupBlock) <= kPageFoldRowFloats && kMaxLanes <= kPageFoldPadFloats);
+// One pattern period of the tile: max(row width, lanes) floats.
+constexpr std::size_t kMaxPeriod = kMaxLanes > RowWidth(kGroupBlock) ? kMaxLanes : RowWidth(kGroupBlock);
 
 template <class T, class D>
 HWY_INLINE hn::Vec<D> LoadRow(D d, const T* HWY_RESTRICT p) {
@@ -33,52 +45,61 @@ HWY_INLINE hn::Vec<D> LoadRow(D d, const T* HWY_RESTRICT p) {
   }
 }
 
-// The page's tile for q heads [g0, g0 + G) (G a compile-time count, so the
-// accumulators stay in registers): the scores of every live slot, each K row
-// loaded once for the G heads; the tile fold per head; then the weighted V
-// rows, each loaded once for the G heads.
-// softmax_fold_tile with the exponentials a vector at a time (Highway's Exp,
-// within 1 ulp of std::exp; 0 below -104, so -inf gives exactly 0): one max
-// and one exponential pass over the tile's n scores, which become weights.
-template <class D>
-HWY_INLINE float FoldTile(D df, SoftmaxState& s, float* HWY_RESTRICT w, std::uint32_t n) {
-  const std::size_t lanes = hn::Lanes(df);
-  float tile_max = kNegativeInfinity;
-  for (std::uint32_t j = 0; j < n; ++j) tile_max = !(w[j] <= tile_max) ? w[j] : tile_max;
-  if (tile_max == kNegativeInfinity) {
-    std::fill_n(w, n, 0.0f);
-    return 1.0f;
-  }
-  const float m = s.max > tile_max ? s.max : tile_max;
-  const float scale = softmax_exp(s.max - m);  // 0 for an empty state (m finite)
-  const auto vm = hn::Set(df, m);
-  auto sums = hn::Zero(df);
-  std::uint32_t j = 0;
-  for (; j + lanes <= n; j += static_cast<std::uint32_t>(lanes)) {
-    const auto e = hn::Exp(df, hn::Sub(hn::LoadU(df, w + j), vm));
-    hn::StoreU(e, df, w + j);
-    sums = hn::Add(sums, e);
-  }
-  float sum = s.sum * scale + hn::GetLane(hn::SumOfLanes(df, sums));
-  for (; j < n; ++j) {
-    w[j] = softmax_exp(w[j] - m);
-    sum += w[j];
-  }
-  s.sum = sum;
-  s.max = m;
-  return scale;
-}
-
 // Prefetches one K or V row (whole cache lines).
 HWY_INLINE void PrefetchRow(const std::byte* row, std::size_t bytes) {
   for (std::size_t at = 0; at < bytes; at += 64) hwy::Prefetch(row + at);
 }
 
-// q.k for `R` rows of K (one or two tokens) and G q heads: R * G independent
-// FMA chains, each q vector loaded once for the R rows.
+#if HWY_TARGET != HWY_SCALAR
+// Per 128-bit block, the sums of a, b, c and e over the block's four lanes,
+// in that order: the first step of reducing four dot products at once.
+template <class D>
+HWY_INLINE hn::Vec<D> BlockSums4(D d, hn::Vec<D> a, hn::Vec<D> b, hn::Vec<D> c, hn::Vec<D> e) {
+  const hn::Repartition<std::uint64_t, D> d64;
+  const auto ab = hn::Add(hn::InterleaveLower(d, a, b), hn::InterleaveUpper(d, a, b));
+  const auto ce = hn::Add(hn::InterleaveLower(d, c, e), hn::InterleaveUpper(d, c, e));
+  const auto lo = hn::InterleaveLower(d64, hn::BitCast(d64, ab), hn::BitCast(d64, ce));
+  const auto hi = hn::InterleaveUpper(d64, hn::BitCast(d64, ab), hn::BitCast(d64, ce));
+  return hn::Add(hn::BitCast(d, lo), hn::BitCast(d, hi));
+}
+
+// out[4i .. 4i + 4) = scale * the lane sums of the i-th four of `x` (Q fours,
+// Q <= 2), where each x is already summed per 128-bit block (BlockSums4) and
+// the vectors have 4 or 8 lanes.
+template <class D>
+HWY_INLINE void StoreQuadSums(D d, const hn::Vec<D> (&x)[2], std::uint32_t quads, float scale,
+                              float* HWY_RESTRICT out) {
+  if constexpr (hn::MaxLanes(d) == 4) {
+    for (std::uint32_t i = 0; i < quads; ++i) hn::StoreU(hn::Mul(x[i], hn::Set(d, scale)), d, out + 4 * i);
+  } else {
+    static_assert(hn::MaxLanes(d) == 8);
+    const hn::Half<D> dh;
+    if (quads == 2) {
+      const auto both = hn::Add(hn::ConcatLowerLower(d, x[1], x[0]), hn::ConcatUpperUpper(d, x[1], x[0]));
+      hn::StoreU(hn::Mul(both, hn::Set(d, scale)), d, out);
+    } else {
+      const auto one = hn::Add(hn::LowerHalf(dh, x[0]), hn::UpperHalf(dh, x[0]));
+      hn::StoreU(hn::Mul(one, hn::Set(dh, scale)), dh, out);
+    }
+  }
+}
+
+#endif  // HWY_TARGET != HWY_SCALAR
+
+// Whether Dots reduces its sums four at a time on this target: fixed vectors
+// of 4, 8 or 16 lanes (otherwise each sum is reduced alone).
+template <class D>
+constexpr bool kQuadSums = !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR &&
+                           (hn::MaxLanes(D()) == 4 || hn::MaxLanes(D()) == 8 || hn::MaxLanes(D()) == 16);
+
+// scale * q.k for R rows of K (one or two slots) and G q heads, written as R
+// tile rows: out[r * RowWidth(G) + b] (0 in the padding lanes). R * G
+// independent FMA chains, each q vector loaded once for the R rows; the R * G
+// sums reduce four at a time into whole rows where the target allows.
 template <class T, std::uint32_t G, std::uint32_t R, class D>
 HWY_INLINE void Dots(D df, const float* HWY_RESTRICT q, const T* const (&k)[R], std::uint32_t d, std::size_t full,
-                     DType dtype, float (&out)[R][G]) {
+                     DType dtype, float scale, float* HWY_RESTRICT out) {
+  constexpr std::uint32_t W = RowWidth(G);
   const std::size_t lanes = hn::Lanes(df);
   hn::Vec<D> sums[R][G];
   for (std::uint32_t r = 0; r < R; ++r)
@@ -91,26 +112,152 @@ HWY_INLINE void Dots(D df, const float* HWY_RESTRICT q, const T* const (&k)[R], 
       for (std::uint32_t r = 0; r < R; ++r) sums[r][b] = hn::MulAdd(qv, rows[r], sums[r][b]);
     }
   }
-  for (std::uint32_t r = 0; r < R; ++r) {
-    for (std::uint32_t b = 0; b < G; ++b) {
-      float dot = hn::GetLane(hn::SumOfLanes(df, sums[r][b]));
-      for (std::size_t j = full; j < d; ++j) {
-        dot += q[std::size_t{b} * d + j] * load_element(k[r], static_cast<std::uint32_t>(j), dtype);
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kQuadSums<D> && R * W <= 8) {
+    if (full == d) {
+      // The rows' sums in tile order, padded with zeros to whole fours.
+      constexpr std::uint32_t kQuads = (R * W + 3) / 4;
+      const auto sum_at = [&](std::uint32_t i) {
+        const std::uint32_t r = i / W, b = i % W;
+        return r < R && b < G ? sums[r][b] : hn::Zero(df);
+      };
+      if constexpr (hn::MaxLanes(df) == 16) {
+        const hn::Half<D> dh;
+        hn::Vec<decltype(dh)> x[2];
+        for (std::uint32_t i = 0; i < kQuads; ++i) {
+          const auto blocks = BlockSums4(df, sum_at(4 * i), sum_at(4 * i + 1), sum_at(4 * i + 2), sum_at(4 * i + 3));
+          x[i] = hn::Add(hn::LowerHalf(dh, blocks), hn::UpperHalf(dh, blocks));
+        }
+        StoreQuadSums(dh, x, kQuads, scale, out);
+      } else {
+        hn::Vec<D> x[2];
+        for (std::uint32_t i = 0; i < kQuads; ++i) {
+          x[i] = BlockSums4(df, sum_at(4 * i), sum_at(4 * i + 1), sum_at(4 * i + 2), sum_at(4 * i + 3));
+        }
+        StoreQuadSums(df, x, kQuads, scale, out);
       }
-      out[r][b] = dot;
+      return;
+    }
+  }
+#endif
+  for (std::uint32_t r = 0; r < R; ++r) {
+    for (std::uint32_t b = 0; b < W; ++b) {
+      float dot = 0.0f;
+      if (b < G) {
+        dot = hn::GetLane(hn::SumOfLanes(df, sums[r][b]));
+        for (std::size_t j = full; j < d; ++j) {
+          dot += q[std::size_t{b} * d + j] * load_element(k[r], static_cast<std::uint32_t>(j), dtype);
+        }
+      }
+      out[r * W + b] = dot * scale;
     }
   }
 }
 
-// out[b][j .. j + R lanes) = scale[b] * acc + sum over live t of w[b][t] * V[t]:
+// softmax_fold_tile for the G heads of a tile at once, the exponentials a
+// vector at a time (Highway's Exp, within 1 ulp of std::exp; 0 below -104, so
+// -inf gives exactly 0): one max pass and one exponential pass over the
+// tile's rows, which become weights; scales[b] is head b's accumulator scale.
+// A head whose tile is all -inf changes nothing (scale 1, weights 0); a tile
+// with a NaN score takes std::exp, so the NaN reaches the state as in the rule.
+template <std::uint32_t G, class D>
+HWY_INLINE void FoldTile(D df, SoftmaxState* HWY_RESTRICT states, float* HWY_RESTRICT w, std::uint32_t tokens,
+                         float (&scales)[G]) {
+  constexpr std::uint32_t W = RowWidth(G);
+  const std::size_t lanes = hn::Lanes(df);
+  const std::size_t period = std::max<std::size_t>(W, lanes), phases = period / lanes;
+  const std::size_t n = std::size_t{tokens} * W, vectors = (n + lanes - 1) / lanes;
+  std::fill(w + n, w + vectors * lanes, kNegativeInfinity);
+  alignas(64) float lane_of[kMaxPeriod];  // per pattern lane: maxes, then m, then sums
+  std::fill_n(lane_of, period, kNegativeInfinity);
+  // Max pass: phase p holds the vectors whose lane i is head (p * lanes + i) % W.
+  bool has_nan = false;
+  if (phases <= 2) {
+    auto max0 = hn::Set(df, kNegativeInfinity), max1 = max0;
+    auto nan = hn::MaskFromVec(hn::Zero(df));
+    for (std::size_t v = 0; v < vectors; ++v) {
+      const auto x = hn::LoadU(df, w + v * lanes);
+      nan = hn::Or(nan, hn::IsNaN(x));
+      if (v % phases == 0) {
+        max0 = hn::Max(max0, x);
+      } else {
+        max1 = hn::Max(max1, x);
+      }
+    }
+    hn::StoreU(max0, df, lane_of);
+    if (phases == 2) hn::StoreU(max1, df, lane_of + lanes);
+    has_nan = !hn::AllFalse(df, nan);
+  } else {  // one-lane vectors (the scalar target)
+    for (std::size_t v = 0; v < vectors; ++v) {
+      float& m = lane_of[v % phases];
+      m = !(w[v] <= m) ? w[v] : m;
+    }
+  }
+  float tile_max[W];
+  for (std::uint32_t b = 0; b < W; ++b) tile_max[b] = kNegativeInfinity;
+  for (std::size_t i = 0; i < period; ++i) {
+    const float x = lane_of[i];
+    float& m = tile_max[i % W];
+    m = !(x <= m) ? x : m;
+  }
+  if (has_nan) {  // a vector max may drop a NaN: a head with one gets a NaN max, as softmax_fold's state
+    for (std::uint32_t b = 0; b < G; ++b) {
+      for (std::uint32_t t = 0; t < tokens; ++t) {
+        if (std::isnan(w[t * W + b])) tile_max[b] = w[t * W + b];
+      }
+    }
+  }
+  // Each head's new max; an all -inf head (and the padding) gets +inf, so its weights are exactly 0.
+  float m[W];
+  for (std::uint32_t b = 0; b < W; ++b) m[b] = std::numeric_limits<float>::infinity();
+  for (std::uint32_t b = 0; b < G; ++b) {
+    scales[b] = 1.0f;
+    if (tile_max[b] == kNegativeInfinity) continue;
+    const SoftmaxState& s = states[b];
+    m[b] = s.max > tile_max[b] ? s.max : tile_max[b];
+    scales[b] = softmax_exp(s.max - m[b]);  // 0 for an empty state (m finite)
+  }
+  float tile_sum[W] = {};
+  if (phases <= 2 && !has_nan) {
+    for (std::size_t i = 0; i < period; ++i) lane_of[i] = m[i % W];
+    auto sum0 = hn::Zero(df), sum1 = sum0;
+    const auto m0 = hn::LoadU(df, lane_of), m1 = phases == 2 ? hn::LoadU(df, lane_of + lanes) : m0;
+    for (std::size_t v = 0; v < vectors; ++v) {
+      const auto e = hn::Exp(df, hn::Sub(hn::LoadU(df, w + v * lanes), v % phases == 0 ? m0 : m1));
+      hn::StoreU(e, df, w + v * lanes);
+      if (v % phases == 0) {
+        sum0 = hn::Add(sum0, e);
+      } else {
+        sum1 = hn::Add(sum1, e);
+      }
+    }
+    hn::StoreU(sum0, df, lane_of);
+    if (phases == 2) hn::StoreU(sum1, df, lane_of + lanes);
+    for (std::size_t i = 0; i < period; ++i) tile_sum[i % W] += lane_of[i];
+  } else {  // one-lane vectors, or a NaN score, which Highway's Exp does not carry: std::exp
+    for (std::size_t i = 0; i < vectors * lanes; ++i) {
+      w[i] = softmax_exp(w[i] - m[i % W]);
+      tile_sum[i % W] += w[i];
+    }
+  }
+  for (std::uint32_t b = 0; b < G; ++b) {
+    if (tile_max[b] == kNegativeInfinity) continue;
+    SoftmaxState& s = states[b];
+    s.sum = s.sum * scales[b] + tile_sum[b];
+    s.max = m[b];
+  }
+}
+
+// out[b][j .. j + R lanes) = scale[b] * acc + sum over live t of w[t][b] * V[t]:
 // R vectors of each of G heads, R * G independent FMA chains, each weight
 // broadcast once for the R vectors.
 template <class T, std::uint32_t G, std::uint32_t R, class D>
 HWY_INLINE void WeightedRows(D df, const PageLayout& layout, const std::byte* page, std::uint32_t tokens,
                              SlotMask live, bool all_live, const float* HWY_RESTRICT w, const float (&scales)[G],
                              float* HWY_RESTRICT acc, std::size_t j) {
+  constexpr std::uint32_t W = RowWidth(G);
   const std::size_t lanes = hn::Lanes(df);
-  const std::uint32_t d = layout.head_dim, pt = layout.page_tokens;
+  const std::uint32_t d = layout.head_dim;
   hn::Vec<D> accs[R][G];
   for (std::uint32_t b = 0; b < G; ++b) {
     for (std::uint32_t r = 0; r < R; ++r) {
@@ -124,7 +271,7 @@ HWY_INLINE void WeightedRows(D df, const PageLayout& layout, const std::byte* pa
     hn::Vec<D> rows[R];
     for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadRow(df, v + r * lanes);
     for (std::uint32_t b = 0; b < G; ++b) {
-      const auto wb = hn::Set(df, w[b * pt + t]);
+      const auto wb = hn::Set(df, w[t * W + b]);
       for (std::uint32_t r = 0; r < R; ++r) accs[r][b] = hn::MulAdd(wb, rows[r], accs[r][b]);
     }
   }
@@ -133,32 +280,35 @@ HWY_INLINE void WeightedRows(D df, const PageLayout& layout, const std::byte* pa
 }
 
 // The page's tile for q heads [g0, g0 + G) (G a compile-time count, so the
-// accumulators stay in registers): the scores of every live slot, each K row
-// loaded once for the G heads; the tile fold per head; then the weighted V
-// rows, each loaded once for the G heads. Up to 4 heads, two tokens (scores)
+// accumulators stay in registers): the scores of every slot, each K row
+// loaded once for the G heads; the tile fold of all G heads; then the weighted
+// V rows, each loaded once for the G heads. Up to 4 heads, two slots (scores)
 // and two vectors (V) go at once: eight FMA chains hide the FMA latency that
 // four would wait on.
 template <class T, std::uint32_t G>
 void FoldHeads(const PageFold& f, const std::byte* page, std::uint32_t tokens, SlotMask live, std::uint32_t g0,
                const std::byte* next) {
   constexpr std::uint32_t R = G <= 4 ? 2 : 1;
+  constexpr std::uint32_t W = RowWidth(G);
   const hn::ScalableTag<float> df;
   const std::size_t lanes = hn::Lanes(df);
   const PageLayout& layout = f.layout;
-  const std::uint32_t d = layout.head_dim, pt = layout.page_tokens, group = f.group;
+  const std::uint32_t d = layout.head_dim, group = f.group;
   const std::size_t full = d / lanes * lanes;  // the tail [full, d) in scalar code
   const bool all_live = (live & full_slot_mask(tokens)) == full_slot_mask(tokens);
-  float* HWY_RESTRICT w = f.weights + std::size_t{g0} * pt;  // [G][pt]: scores, then weights
+  float* HWY_RESTRICT w = f.weights;  // [tokens][W]: scores, then weights
   const float* HWY_RESTRICT q = f.q + std::size_t{g0} * d;
-  // 1. Scores (a dead slot's is computed, then -inf). Each token's turn also
+  // 1. Scores (a dead slot's is computed, then -inf). Each slot's turn also
   //    asks for its V row (read in step 3 column by column, which the
   //    hardware prefetcher does not follow) and for the next page's K row t:
   //    a few lines at a time, within what the core keeps in flight.
   const std::size_t row_bytes = layout.row_bytes();
   const auto k_row = [&](std::uint32_t t) { return reinterpret_cast<const T*>(page + layout.k_offset(t)); };
-  const auto put = [&](std::uint32_t t, const float (&dots)[G]) {
-    const bool alive = slot_live(live, t);
-    for (std::uint32_t b = 0; b < G; ++b) w[b * pt + t] = alive ? dots[b] * f.scale : kNegativeInfinity;
+  const auto scored = [&](std::uint32_t t, std::uint32_t count) {
+    if (all_live) return;
+    for (std::uint32_t u = t; u < t + count; ++u) {
+      if (!slot_live(live, u)) std::fill_n(w + std::size_t{u} * W, W, kNegativeInfinity);
+    }
   };
   std::uint32_t t = 0;
   for (; t + R <= tokens; t += R) {
@@ -168,30 +318,27 @@ void FoldHeads(const PageFold& f, const std::byte* page, std::uint32_t tokens, S
       if (next != nullptr) PrefetchRow(next + layout.k_offset(t + r), row_bytes);
       rows[r] = k_row(t + r);
     }
-    float dots[R][G];
-    Dots<T, G, R>(df, q, rows, d, full, layout.dtype, dots);
-    for (std::uint32_t r = 0; r < R; ++r) put(t + r, dots[r]);
+    Dots<T, G, R>(df, q, rows, d, full, layout.dtype, f.scale, w + std::size_t{t} * W);
+    scored(t, R);
   }
   for (; t < tokens; ++t) {
     PrefetchRow(page + layout.v_offset(t), row_bytes);
     if (next != nullptr) PrefetchRow(next + layout.k_offset(t), row_bytes);
     const T* rows[1] = {k_row(t)};
-    float dots[1][G];
-    Dots<T, G, 1>(df, q, rows, d, full, layout.dtype, dots);
-    put(t, dots[0]);
+    Dots<T, G, 1>(df, q, rows, d, full, layout.dtype, f.scale, w + std::size_t{t} * W);
+    scored(t, 1);
   }
   if (f.scores != nullptr) {
-    for (std::uint32_t i = 0; i < pt; ++i) {
+    for (std::uint32_t i = 0; i < layout.page_tokens; ++i) {
       for (std::uint32_t b = 0; b < G; ++b) {
-        f.scores[i * group + g0 + b] = i < tokens ? w[b * pt + i] : kNegativeInfinity;
+        f.scores[i * group + g0 + b] = i < tokens ? w[i * W + b] : kNegativeInfinity;
       }
     }
   }
-  // 2. One max and one exponential pass per q head over the tile, the
-  //    accumulator rescaled once (FoldTile: softmax_fold_tile's rule;
-  //    softmax_rescale_tile).
+  // 2. One max and one exponential pass over the tile for the G heads, each
+  //    accumulator rescaled once (softmax_fold_tile's rule; softmax_rescale_tile).
   float scales[G];
-  for (std::uint32_t b = 0; b < G; ++b) scales[b] = FoldTile(df, f.states[g0 + b], w + b * pt, tokens);
+  FoldTile<G>(df, f.states + g0, w, tokens, scales);
   // 3. The weighted V rows, in slot order.
   float* HWY_RESTRICT acc = f.acc + std::size_t{g0} * d;
   std::size_t j = 0;
@@ -204,7 +351,7 @@ void FoldHeads(const PageFold& f, const std::byte* page, std::uint32_t tokens, S
     for (std::uint32_t u = 0; u < tokens; ++u) {
       if (!slot_live(live, u)) continue;
       const float v = load_element(page + layout.v_offset(u), static_cast<std::uint32_t>(j), layout.dtype);
-      for (std::uint32_t b = 0; b < G; ++b) acc[b * d + j] += w[b * pt + u] * v;
+      for (std::uint32_t b = 0; b < G; ++b) acc[b * d + j] += w[u * W + b] * v;
     }
   }
 }

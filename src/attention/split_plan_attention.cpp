@@ -64,7 +64,7 @@ void SplitPlanAttention::prepare(const AttendCall& call) {
   }
   states_.resize(chunks_.size() * group_);
   acc_.resize(chunks_.size() * group_ * d);
-  weights_.resize(chunks_.size() * group_ * pt);
+  weights_.resize(chunks_.size() * page_fold_scratch_floats(pt));
   scores_.resize(call.slot_weights != nullptr ? pages * pt * group_ : 0);
   ran_.assign(chunks_.size(), 0);
 }
@@ -93,7 +93,7 @@ void SplitPlanAttention::run_chunk(std::size_t c) noexcept {
   fold.q = call_.q + (std::size_t{b} * call_.q_heads + std::size_t{h} * group_) * d;
   fold.states = states_.data() + c * group_;
   fold.acc = acc_.data() + c * group_ * d;
-  fold.weights = weights_.data() + c * group_ * pt;
+  fold.weights = weights_.data() + c * page_fold_scratch_floats(pt);
   std::fill_n(fold.states, group_, SoftmaxState{});
   std::fill_n(fold.acc, std::size_t{group_} * d, 0.0f);
   for (std::size_t i = chunk.first_page; i < chunk.end_page; ++i) {

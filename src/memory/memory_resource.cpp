@@ -3,6 +3,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "sparsekv/core/device.hpp"
 #include "sparsekv/core/error.hpp"
 
@@ -14,8 +18,27 @@ namespace sparsekv {
 namespace {
 
 constexpr std::size_t kAlignment = 256;
+// A block this large starts on a 2 MiB boundary and asks Linux for
+// transparent huge pages: the host Attend reads scattered pages, and each one
+// would otherwise cost a page walk (a nested one in a VM). Measured on a
+// 2 vCPU VM, a read of random 8 KiB pages of a 1 GiB pool: 7.8 GB/s on 4 KiB
+// pages, 10.2 on huge ones (docs/performance.md, "Scattered pages").
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
 
-std::size_t round_up(std::size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+void* allocate_plain(std::size_t bytes) {
+  const std::size_t alignment = bytes >= kHugePage ? kHugePage : kAlignment;
+  void* pointer = nullptr;
+  if (posix_memalign(&pointer, alignment, bytes) != 0) {
+    fail(ErrorCode::resource_exhausted, "host allocation of {} bytes failed", bytes);
+  }
+#if defined(MADV_HUGEPAGE)
+  // Advice on the whole huge pages of the block (no rounding up, so no more
+  // memory than asked for); where THP is off the pages stay small.
+  if (alignment == kHugePage) madvise(pointer, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);
+#endif
+  std::memset(pointer, 0, bytes);  // after the advice: the first touch gets the huge pages
+  return pointer;
+}
 
 }  // namespace
 
@@ -40,10 +63,7 @@ void* HostMemoryResource::allocate(std::size_t bytes) {
     return pointer;
   }
 #endif
-  void* pointer = std::aligned_alloc(kAlignment, round_up(bytes));
-  if (pointer == nullptr) fail(ErrorCode::resource_exhausted, "host allocation of {} bytes failed", bytes);
-  std::memset(pointer, 0, bytes);
-  return pointer;
+  return allocate_plain(bytes);
 }
 
 void HostMemoryResource::deallocate(void* pointer, std::size_t) noexcept {

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -35,7 +36,7 @@ Heads start(std::mt19937& rng, std::uint32_t group, std::uint32_t d, std::uint32
   // A state that already folded something: max around 1, a positive sum.
   for (auto& s : h.states) s = {normal(rng), 1.0f + std::abs(normal(rng))};
   for (auto& a : h.acc) a = normal(rng);
-  h.weights.resize(std::size_t{group} * pt);
+  h.weights.resize(page_fold_scratch_floats(pt));
   h.scores.resize(std::size_t{pt} * group);
   return h;
 }
@@ -102,6 +103,40 @@ void check_case(std::mt19937& rng) {
   }
 }
 
+// A NaN K element makes every head's state NaN, on the vector path as in the
+// reference (a vector max may drop a NaN; the fold must not).
+void check_nan_case(std::uint32_t group, std::uint32_t pt, std::uint32_t nan_slot) {
+  const std::uint32_t d = 64;
+  const PageLayout layout{pt, d, DType::f32};
+  std::mt19937 rng(group * 131 + pt);
+  std::normal_distribution<float> normal;
+  std::vector<std::byte> page(layout.page_bytes());
+  for (std::uint32_t i = 0; i < 2 * pt * d; ++i) store_element(page.data(), i, DType::f32, normal(rng));
+  store_element(page.data() + layout.k_offset(nan_slot), 3, DType::f32, std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> q(std::size_t{group} * d);
+  for (auto& x : q) x = normal(rng);
+  Heads want = start(rng, group, d, pt), got = want;
+  const auto fold_of = [&](Heads& h) {
+    PageFold f;
+    f.layout = layout;
+    f.group = group;
+    f.scale = 0.125f;
+    f.q = q.data();
+    f.states = h.states.data();
+    f.acc = h.acc.data();
+    f.weights = h.weights.data();
+    return f;
+  };
+  fold_page_scalar(fold_of(want), page.data(), pt, full_slot_mask(pt));
+  fold_page(fold_of(got), page.data(), pt, full_slot_mask(pt), nullptr);
+  for (std::uint32_t g = 0; g < group; ++g) {
+    CAPTURE(group, pt, nan_slot, g, got.states[g].max, got.states[g].sum, want.states[g].max, want.states[g].sum);
+    REQUIRE(std::isnan(softmax_lse(want.states[g])));
+    REQUIRE(std::isnan(softmax_lse(got.states[g])));
+    REQUIRE(std::isnan(softmax_output(got.acc[std::size_t{g} * d], got.states[g])));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("fold_page equals the scalar reference on every target the CPU has", "[fold-page]") {
@@ -128,6 +163,9 @@ TEST_CASE("fold_page equals the scalar reference on every target the CPU has", "
     REQUIRE(fold_page_target() == t.name);
     std::mt19937 rng(17);
     for (int i = 0; i < 300; ++i) check_case(rng);
+    for (const std::uint32_t group : {1u, 3u, 4u, 8u, 12u}) {
+      for (const std::uint32_t pt : {1u, 8u, 16u, 64u}) check_nan_case(group, pt, pt / 2);
+    }
     ++ran;
   }
   use_fold_page_target(0);

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <random>
@@ -188,4 +189,22 @@ TEST_CASE("Device memory without a device reports unavailable", "[memory]") {
     HostMemoryResource host;  // falls back to plain aligned memory
     REQUIRE(host.kind() == MemoryKind::host);
   }
+}
+
+TEST_CASE("plain host memory: zeroed, 256-byte aligned, large blocks on 2 MiB boundaries", "[memory]") {
+  HostMemoryResource memory(false);
+  for (const std::size_t bytes : {std::size_t{1}, std::size_t{300}, (std::size_t{2} << 20) - 1, std::size_t{2} << 20,
+                                  (std::size_t{5} << 20) + 77}) {
+    CAPTURE(bytes);
+    auto* p = static_cast<unsigned char*>(memory.allocate(bytes));
+    REQUIRE(p != nullptr);
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    REQUIRE(address % 256 == 0);
+    // Blocks of 2 MiB or more start on a huge-page boundary, so THP can back them.
+    if (bytes >= (std::size_t{2} << 20)) REQUIRE(address % (std::size_t{2} << 20) == 0);
+    REQUIRE(std::all_of(p, p + bytes, [](unsigned char c) { return c == 0; }));
+    p[bytes - 1] = 1;  // the whole block is writable
+    memory.deallocate(p, bytes);
+  }
+  REQUIRE(memory.allocate(0) == nullptr);
 }

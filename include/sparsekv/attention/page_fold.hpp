@@ -27,9 +27,18 @@ struct PageFold {
   const float* q = nullptr;        // [group][head_dim]
   SoftmaxState* states = nullptr;  // [group]
   float* acc = nullptr;            // [group][head_dim], unnormalised
-  float* weights = nullptr;        // scratch, [group][page_tokens]
+  float* weights = nullptr;        // scratch, page_fold_scratch_floats(layout.page_tokens)
   float* scores = nullptr;         // null, or [page_tokens][group]: each slot's score, -inf when unused or dead
 };
+
+// fold_page's scratch: a tile row of up to kPageFoldRowFloats per slot (a
+// block of up to 8 q heads, padded to a power of two), and padding to whole
+// vectors of any target.
+inline constexpr std::size_t kPageFoldRowFloats = 8;
+inline constexpr std::size_t kPageFoldPadFloats = 64;
+constexpr std::size_t page_fold_scratch_floats(std::uint32_t page_tokens) {
+  return std::size_t{page_tokens} * kPageFoldRowFloats + kPageFoldPadFloats;
+}
 
 // Folds slots [0, tokens) of `page` that `live` marks (tokens <= page_tokens)
 // into f.states and f.acc; `next` (or null) is the page folded after this one,

@@ -58,7 +58,7 @@ class SplitPlanAttention {
   std::vector<std::uint32_t> page_tokens_;  // valid slots of plan page i
   std::vector<SoftmaxState> states_;        // [chunk][group]
   std::vector<float> acc_;                  // [chunk][group][head_dim]
-  std::vector<float> weights_;              // [chunk][group][page_tokens]: fold_page's scratch
+  std::vector<float> weights_;              // [chunk][page_fold_scratch_floats]: fold_page's scratch
   std::vector<float> scores_;               // with slot weights: [plan page][page_tokens][group], -inf unused
   std::vector<char> ran_;                   // [chunk]: it ran
   std::vector<float> merged_, lse_;         // finish(): one row's group

@@ -1,8 +1,9 @@
 #pragma once
 // Where pages and metadata segments live. Host memory is pinned (cudaHostAlloc,
 // mapped so GPU kernels read it through unified virtual addressing) whenever a
-// CUDA device is present, and plain 256-byte aligned memory otherwise; device
-// memory comes from cudaMalloc and needs a device.
+// CUDA device is present, and plain 256-byte aligned memory otherwise (blocks
+// of 2 MiB or more 2 MiB aligned, on transparent huge pages where Linux gives
+// them); device memory comes from cudaMalloc and needs a device.
 #include <cstddef>
 #include <string_view>
 
