@@ -59,6 +59,13 @@
 //   (Attend/llama/bf16/budget:1024/page:16 at the same thread count; the
 //   issue's target is <= 0.15).
 //
+// FoldInCache/<shape>/<dtype>/page:P
+//   fold_page alone, one core, on 4 pages of one kv head folded in turn over
+//   and over (all in L1/L2): the fold's arithmetic without DRAM, for kernel
+//   work that the Attend rows' misses and the VM's drifting bandwidth would
+//   hide. Counters: ns_per_token (a slot folded into the whole GQA group),
+//   GBps (K/V bytes folded a second), target (the Highway target).
+//
 // SharedPrefix/<policy>
 //   Eight requests starting from one 4,096-token prompt at the SmolLM2 shape
 //   (30 layers, 3 kv heads, head_dim 64, f16, 8-token pages) through a
@@ -93,6 +100,7 @@
 #include <immintrin.h>
 
 #include "sparsekv/attention/attend_plan.hpp"
+#include "sparsekv/attention/page_fold.hpp"
 #include "sparsekv/attention/split_plan_attention.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/memory/page_layout.hpp"
@@ -763,6 +771,45 @@ void BM_SharedPrefix(benchmark::State& state, const std::string& policy) {
   state.counters["bytes_ratio"] = shared_bytes / unshared_bytes;
 }
 
+void BM_FoldInCache(benchmark::State& state, int shape_index, DType dtype, std::uint32_t page_tokens) {
+  const Shape& shape = kShapes[shape_index];
+  const PageLayout layout{page_tokens, shape.head_dim, dtype};
+  const std::uint32_t group = shape.q_heads / shape.kv_heads;
+  constexpr std::size_t kPages = 4;
+  const std::byte* pages = page_pool();  // the first pages of the pool: finite values of unit order
+  std::vector<float> q(std::size_t{group} * shape.head_dim), acc(q.size()),
+      scratch(page_fold_scratch_floats(page_tokens));
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (float& x : q) x = normal(rng);
+  std::vector<SoftmaxState> states(group);
+  PageFold fold;
+  fold.layout = layout;
+  fold.group = group;
+  fold.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  fold.q = q.data();
+  fold.states = states.data();
+  fold.acc = acc.data();
+  fold.weights = scratch.data();
+  const SlotMask live = full_slot_mask(page_tokens);
+  double total = 0;
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    for (std::size_t p = 0; p < kPages; ++p) {
+      const std::byte* next = p + 1 < kPages ? pages + (p + 1) * layout.page_bytes() : nullptr;
+      fold_page(fold, pages + p * layout.page_bytes(), page_tokens, live, next);
+    }
+    const double s = seconds_since(start);
+    state.SetIterationTime(s);
+    total += s;
+  }
+  benchmark::DoNotOptimize(acc.data());
+  const double folds = double(state.iterations()) * kPages;
+  state.counters["ns_per_token"] = total / (folds * page_tokens) * 1e9;
+  state.counters["GBps"] = folds * double(layout.page_bytes()) / total / 1e9;
+  state.SetLabel("target " + fold_page_target());
+}
+
 void register_all() {
   const std::pair<DType, const char*> dtypes[] = {{DType::f16, "f16"}, {DType::bf16, "bf16"}, {DType::f32, "f32"}};
   for (int s = 0; s < 2; ++s) {
@@ -779,6 +826,15 @@ void register_all() {
                 ->MinTime(0.2);
           }
         }
+      }
+    }
+  }
+  for (int s = 0; s < 2; ++s) {
+    for (const auto& [dtype, dname] : dtypes) {
+      for (const std::uint32_t page : {8u, 16u}) {
+        const std::string name =
+            std::string("FoldInCache/") + kShapes[s].name + "/" + dname + "/page:" + std::to_string(page);
+        benchmark::RegisterBenchmark(name.c_str(), BM_FoldInCache, s, dtype, page)->UseManualTime()->MinTime(0.2);
       }
     }
   }

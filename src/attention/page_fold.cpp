@@ -191,6 +191,7 @@ HWY_INLINE void FoldTile(D df, SoftmaxState* HWY_RESTRICT states, float* HWY_RES
     for (std::size_t v = 0; v < vectors; ++v) {
       float& m = lane_of[v % phases];
       m = !(w[v] <= m) ? w[v] : m;
+      has_nan = has_nan || std::isnan(w[v]);
     }
   }
   float tile_max[W];

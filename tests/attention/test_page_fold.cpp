@@ -46,6 +46,20 @@ bool close(float got, float want) {
   return std::abs(got - want) <= 1e-5f * std::max(1.0f, std::abs(want));
 }
 
+// fold_page's arguments over h's arrays.
+PageFold fold_over(Heads& h, const PageLayout& layout, std::uint32_t group, const std::vector<float>& q, bool scored) {
+  PageFold f;
+  f.layout = layout;
+  f.group = group;
+  f.scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim));
+  f.q = q.data();
+  f.states = h.states.data();
+  f.acc = h.acc.data();
+  f.weights = h.weights.data();
+  f.scores = scored ? h.scores.data() : nullptr;
+  return f;
+}
+
 // One random case on the current target.
 void check_case(std::mt19937& rng) {
   const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
@@ -66,18 +80,7 @@ void check_case(std::mt19937& rng) {
   std::vector<float> q(std::size_t{group} * d);
   for (auto& x : q) x = normal(rng);
   Heads want = start(rng, group, d, pt), got = want;
-  const auto fold_of = [&](Heads& h) {
-    PageFold f;
-    f.layout = layout;
-    f.group = group;
-    f.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    f.q = q.data();
-    f.states = h.states.data();
-    f.acc = h.acc.data();
-    f.weights = h.weights.data();
-    f.scores = scored ? h.scores.data() : nullptr;
-    return f;
-  };
+  const auto fold_of = [&](Heads& h) { return fold_over(h, layout, group, q, scored); };
   for (std::uint32_t p = 0; p < pages; ++p) {
     const std::byte* page = data.data() + p * layout.page_bytes();
     const std::uint32_t tokens = 1 + rng() % pt;
@@ -116,17 +119,7 @@ void check_nan_case(std::uint32_t group, std::uint32_t pt, std::uint32_t nan_slo
   std::vector<float> q(std::size_t{group} * d);
   for (auto& x : q) x = normal(rng);
   Heads want = start(rng, group, d, pt), got = want;
-  const auto fold_of = [&](Heads& h) {
-    PageFold f;
-    f.layout = layout;
-    f.group = group;
-    f.scale = 0.125f;
-    f.q = q.data();
-    f.states = h.states.data();
-    f.acc = h.acc.data();
-    f.weights = h.weights.data();
-    return f;
-  };
+  const auto fold_of = [&](Heads& h) { return fold_over(h, layout, group, q, false); };
   fold_page_scalar(fold_of(want), page.data(), pt, full_slot_mask(pt));
   fold_page(fold_of(got), page.data(), pt, full_slot_mask(pt), nullptr);
   for (std::uint32_t g = 0; g < group; ++g) {
