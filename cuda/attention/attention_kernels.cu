@@ -188,7 +188,9 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
   DecodeAttentionCursor cursor;
   if (tokens > 0) cursor = DecodeAttentionCursor(p.pages, row_span, first_pos);
 
-  // Head k of this thread is head_row + k * kHeadRows of the slice.
+  // Head k of this thread is head_row + k * kHeadRows of the slice. A chunk
+  // without tokens never uses q: it is not read (an engine's rows past its
+  // live batch may hold anything; initcheck flagged the read on an H100).
   float q[kHeads][kPerVec];
   float acc[kHeads][kPerVec];
   SoftmaxState state[kHeads];
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitParam
     const std::uint32_t h = head_row + k * kHeadRows;
 #pragma unroll
     for (std::uint32_t i = 0; i < kPerVec; ++i) {
-      q[k][i] = h < heads ? p.q[(q_head0 + h) * D + dim0 + i] : 0.0f;
+      q[k][i] = h < heads && tokens > 0 ? p.q[(q_head0 + h) * D + dim0 + i] : 0.0f;
       acc[k][i] = 0.0f;
     }
   }

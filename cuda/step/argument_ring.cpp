@@ -36,9 +36,13 @@ ArgsLayout::ArgsLayout(std::uint32_t batch, std::uint32_t rows) {
   bytes = next;
 }
 
-ArgumentRing::ArgumentRing(std::uint32_t max_batch, std::uint32_t rows)
-    : layout_(max_batch, rows), device_(layout_.bytes), errors_(sizeof(std::uint64_t) * kSlots) {
+ArgumentRing::ArgumentRing(std::uint32_t max_batch, std::uint32_t rows, std::uint32_t captured_blocks)
+    : layout_(max_batch, rows),
+      device_(layout_.bytes),
+      errors_(sizeof(std::uint64_t) * kSlots),
+      captured_blocks_(std::max(captured_blocks, 1u)) {
   for (auto& slot : slots_) slot = PinnedBytes(layout_.bytes);
+  while (spares_.size() < captured_blocks_) spares_.emplace_back(layout_.bytes + sizeof(std::uint64_t));
   for (auto& e : events_) check_runtime(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   std::fill_n(errors_.as<std::uint64_t>(), kSlots, kNoAppendError);
 }
@@ -51,11 +55,14 @@ ArgumentRing::Slot ArgumentRing::acquire(bool captured, const Past& past) {
   Slot slot;
   slot.captured = captured;
   if (captured) {
-    captured_.emplace_back(layout_.bytes + sizeof(std::uint64_t));
+    check_capture();
+    captured_.push_back(std::move(spares_.back()));
+    spares_.pop_back();
     slot.index = kSlots;
     slot.args = captured_.back().as<std::byte>();
     slot.error_word = at<std::uint64_t>(slot.args, layout_.bytes);
   } else {
+    while (spares_.size() < captured_blocks_) spares_.emplace_back(layout_.bytes + sizeof(std::uint64_t));
     slot.index = next_++ % kSlots;
     if (in_flight_[slot.index]) {
       check_runtime(cudaEventSynchronize(events_[slot.index]), "cudaEventSynchronize");  // kSlots steps in flight
@@ -66,6 +73,15 @@ ArgumentRing::Slot ArgumentRing::acquire(bool captured, const Past& past) {
   }
   *slot.error_word = kNoAppendError;
   return slot;
+}
+
+void ArgumentRing::check_capture() const {
+  if (spares_.empty()) {
+    fail(ErrorCode::failed_precondition,
+         "decode: this capture already holds {} steps, as many as a capture can take (one a layer); "
+         "an eager step between captures makes room again",
+         captured_blocks_);
+  }
 }
 
 void ArgumentRing::enqueued(const Slot& slot, cudaStream_t stream) {

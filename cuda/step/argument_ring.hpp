@@ -5,7 +5,11 @@
 // an event per slot marking when its step is past, so the host waits only
 // when kSlots steps are in flight. A step captured into a CUDA graph gets a
 // slot of its own, kept for the ring's life: its graph copies from it at every
-// replay, long after the ring has moved on. Each slot also carries the step's
+// replay, long after the ring has moved on. Those blocks are allocated ahead,
+// one a layer, and refilled by the next eager step: a capture may not allocate
+// pinned memory (cudaHostAlloc failed inside a global-mode capture on an
+// H100), so a capture that takes every layer's step, a whole forward pass,
+// still finds a block for each. Each slot also carries the step's
 // append error word (buffer/append_cuda.hpp), read back once the step is past.
 // Private to cuda/step/.
 #include <cuda_runtime.h>
@@ -49,7 +53,8 @@ class ArgumentRing {
   // step) and the error word it left.
   using Past = std::function<void(std::size_t slot, std::uint64_t error_word)>;
 
-  ArgumentRing(std::uint32_t max_batch, std::uint32_t rows);
+  // captured_blocks: the captured steps one capture may hold (>= 1).
+  ArgumentRing(std::uint32_t max_batch, std::uint32_t rows, std::uint32_t captured_blocks);
   ~ArgumentRing();
   ArgumentRing(const ArgumentRing&) = delete;
   ArgumentRing& operator=(const ArgumentRing&) = delete;
@@ -57,8 +62,13 @@ class ArgumentRing {
   const ArgsLayout& layout() const noexcept { return layout_; }
   // The block the launches read, in device memory.
   std::byte* device_block() const noexcept { return device_.as<std::byte>(); }
+  // Refuses a captured step that would find no block allocated ahead
+  // (failed_precondition).
+  void check_capture() const;
   // A slot for the next step, its error word reset; an eager slot still in
-  // use is waited for and reported past first.
+  // use is waited for and reported past first, and the blocks captured steps
+  // took are allocated again. A captured step without a block is refused
+  // (failed_precondition).
   Slot acquire(bool captured, const Past& past);
   // After the step's last launch: an eager slot is in flight until its event.
   void enqueued(const Slot& slot, cudaStream_t stream);
@@ -78,6 +88,8 @@ class ArgumentRing {
   std::array<bool, kSlots> in_flight_{};
   PinnedBytes errors_;                 // [kSlots] error words of the eager slots
   std::vector<PinnedBytes> captured_;  // a captured step's block, its error word after it
+  std::vector<PinnedBytes> spares_;    // blocks for the next captured steps, allocated ahead
+  std::uint32_t captured_blocks_;
   std::size_t next_ = 0;
 };
 

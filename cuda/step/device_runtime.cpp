@@ -48,7 +48,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
         buffer_(buffer),
         layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
         rows_(setup.max_batch * setup.shape.kv_heads),
-        ring_(setup.max_batch, rows_),
+        ring_(setup.max_batch, rows_, setup.shape.layers),
         replica_copy_(buffer.transfer()),
         replica_(buffer.table(), device_memory, replica_copy_),
         summaries_(store_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads,
@@ -224,7 +224,10 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   }
 
   void check_values(void* stream) override {
-    if (stream_capturing(static_cast<cudaStream_t>(stream))) return;
+    if (stream_capturing(static_cast<cudaStream_t>(stream))) {
+      ring_.check_capture();  // here, before the step changes the buffer, rather than in acquire()
+      return;
+    }
     ring_.collect_past(past_);
     if (!bad_) return;
     const AppendError e = decode_append_error(std::exchange(bad_word_, kNoAppendError));

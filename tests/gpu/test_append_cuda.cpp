@@ -177,8 +177,9 @@ TEST_CASE("append_tokens refuses bad arguments before enqueuing anything", "[app
   refused(a, AppendSummaries{AppendSummary::shadowkv, rows.data, nullptr, nullptr, out.data, out.data});
   check(cudaDeviceSynchronize());
   CHECK(word.download()[0] == 12345);
-  // batch 0 enqueues nothing, even with null tensors.
+  // batch 0 enqueues nothing, even with null tensors (the tier's geometry is still checked).
   DeviceAppend empty;
   empty.q_heads = empty.kv_heads = 1;
+  empty.page_stride = empty.layout.page_bytes();
   append_tokens(empty, nullptr);
 }

@@ -79,7 +79,7 @@ TEST_CASE("CudaBackend::attend honours live masks and returns slot weights as Ho
 TEST_CASE("CudaBackend: h2o through the facade evicts as on the host backend", "[gpu][backend][eviction]") {
   // H2O's scores come from the kernel's slot weights: the same evictions need
   // them within the float noise of the host's (fp32 pages, no near-ties).
-  const test::EvictionStream s({30, 75}, 100, 21);
+  const test::EvictionStream s({30, 75}, 100, 21, 1, 64);  // the kernel's smallest head_dim
   for (const EvictionStrategy strategy : {EvictionStrategy::slot_reuse, EvictionStrategy::sparse_copy}) {
     CAPTURE(to_string(strategy));
     const Config config = s.config(strategy);

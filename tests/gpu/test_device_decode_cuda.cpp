@@ -29,11 +29,15 @@ using namespace sparsekv::test;
 
 namespace {
 
+// A GPU tier that admits 4 requests of 1024 tokens under every policy (Quest's
+// two dense layers and the default min_buffer_ratio of 5 ask 2,346 pages of
+// 4 KiB each): with 8 MiB, Quest, Dense and RetroInfer admitted none and their
+// lockstep passed without a step (found on an H100).
 Config device_config() {
   Config c;
   c.page_tokens = 16;
   c.cpu_tier_bytes = std::size_t{64} << 20;
-  c.gpu_tier_bytes = std::size_t{8} << 20;
+  c.gpu_tier_bytes = std::size_t{48} << 20;
   c.max_requests = 6;
   c.max_context_tokens = 2048;
   c.host_chunk_bytes = std::size_t{4} << 20;
@@ -72,6 +76,7 @@ void run_lockstep(const Policy& policy, std::uint32_t seed) {
   std::vector<RequestId> live;
   RequestId next = 1;
   CacheStepStats host_cache;
+  int admitted = 0, decodes = 0, plans = 0;
   for (int step = 0; step < 160; ++step) {
     INFO("seed " << seed << " step " << step);
     if (live.size() < 4 && rng() % 4 == 0) {
@@ -88,6 +93,7 @@ void run_lockstep(const Policy& policy, std::uint32_t seed) {
           device.prefill(id, l, dk.data, dv.data, prompt, stream.stream);
         }
         live.push_back(id);
+        ++admitted;
       }
     }
     if (!live.empty() && rng() % 23 == 0) {
@@ -109,7 +115,11 @@ void run_lockstep(const Policy& policy, std::uint32_t seed) {
         // plan(): selections, LRU page ids and runs identical to the host plan.
         const AttendPlan& want = host.plan(batch, l, q.data(), k.data(), v.data());
         for (std::size_t b = 0; b < batch.size(); ++b) host_cache += host.retrieval(b).stats;
-        const PlanCopy got = download_plan(device.plan(batch, l, dq.data, dk.data, dv.data, stream.stream));
+        const DeviceAttendPlan plan = device.plan(batch, l, dq.data, dk.data, dv.data, stream.stream);
+        // The test's stream does not block the legacy stream download_plan copies on.
+        check(cudaStreamSynchronize(stream.stream));
+        const PlanCopy got = download_plan(plan);
+        ++plans;
         REQUIRE(got.head_entries == want.head_entries);
         REQUIRE(got.indptr == want.indptr);
         REQUIRE(got.indices == want.indices);
@@ -121,11 +131,18 @@ void run_lockstep(const Policy& policy, std::uint32_t seed) {
       for (std::size_t b = 0; b < batch.size(); ++b) host_cache += host.retrieval(b).stats;
       DeviceArray<float> out(want.size());
       device.decode(batch, l, dq.data, dk.data, dv.data, out.data, stream.stream);
-      const std::vector<float> got = out.download();  // a sync copy: after the step
+      // The step is on a non-blocking stream: cudaMemcpy (legacy stream) would not wait for it.
+      check(cudaStreamSynchronize(stream.stream));
+      const std::vector<float> got = out.download();
+      ++decodes;
       for (std::size_t i = 0; i < want.size(); ++i) REQUIRE(std::abs(got[i] - want[i]) <= 2e-3f);
     }
   }
   device.synchronize();
+  CAPTURE(admitted, decodes, plans);
+  REQUIRE(admitted >= 4);  // a lockstep that admitted nothing compared nothing
+  REQUIRE(decodes > 0);
+  REQUIRE(plans > 0);
   REQUIRE(device.stats().cache.hit_pages == host_cache.hit_pages);
   REQUIRE(device.stats().cache.miss_pages == host_cache.miss_pages);
 }
@@ -194,9 +211,17 @@ TEST_CASE("device-tensor decode: one layer's step captured in a CUDA graph equal
       continue;
     }
     cudaGraph_t captured = nullptr;
-    // Global mode: any synchronizing call during the capture fails it.
+    // Global mode: any synchronizing call or allocation during the capture fails it.
     check(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeGlobal));
-    graph.decode(batch, l, q.data, k.data, v.data, b.data, stream.stream);
+    try {
+      graph.decode(batch, l, q.data, k.data, v.data, b.data, stream.stream);
+    } catch (...) {
+      // End the capture, or every later test's CUDA call fails with it.
+      cudaStreamEndCapture(stream.stream, &captured);
+      if (captured != nullptr) cudaGraphDestroy(captured);
+      cudaGetLastError();
+      throw;
+    }
     check(cudaStreamEndCapture(stream.stream, &captured));
     cudaGraphExec_t exec = nullptr;
     check(cudaGraphInstantiate(&exec, captured, 0));
@@ -210,6 +235,60 @@ TEST_CASE("device-tensor decode: one layer's step captured in a CUDA graph equal
   graph.synchronize();
   REQUIRE(eager.stats().cache.hit_pages == graph.stats().cache.hit_pages);
   REQUIRE(eager.stats().cache.miss_pages == graph.stats().cache.miss_pages);
+}
+
+TEST_CASE("device-tensor decode: a capture takes one step a layer, the next is refused unchanged",
+          "[gpu][device-decode]") {
+  // The captured steps' argument blocks are allocated ahead, one a layer (no
+  // allocation is permitted inside a capture): a whole forward pass fits, one
+  // more step is refused before the buffer changes, and an eager step after
+  // the capture makes room again.
+  const ModelShape shape = device_shape();
+  QuestPolicy::Options options;
+  options.budget_tokens = 128;
+  options.page_tokens_per_partition = 16;
+  Manager<QuestPolicy> m(shape, device_config(), QuestPolicy(options), std::make_unique<cuda::CudaBackend>());
+  Stream stream;
+  std::mt19937 rng(12);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::size_t q_row = std::size_t{shape.q_heads} * shape.head_dim;
+  const std::vector<RequestId> batch = {1};
+  m.add_request(1, 1024);
+  DeviceArray<std::uint16_t> k(random_bf16(200 * kv_row, rng)), v(random_bf16(200 * kv_row, rng));
+  for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data, v.data, 200, stream.stream);
+  DeviceArray<std::uint16_t> q(random_bf16(q_row, rng)), k_new(random_bf16(kv_row, rng)), v_new(random_bf16(kv_row, rng));
+  DeviceArray<float> out(q_row);
+  for (std::uint32_t l = 0; l < shape.layers; ++l) m.decode(batch, l, q.data, k_new.data, v_new.data, out.data, stream.stream);
+  check(cudaStreamSynchronize(stream.stream));
+  cudaGraph_t captured = nullptr;
+  check(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeGlobal));
+  ErrorCode refused = ErrorCode::internal;
+  std::uint32_t length_before = 0, length_after = 0;
+  try {
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      m.decode(batch, l, q.data, k_new.data, v_new.data, out.data, stream.stream);
+    }
+    length_before = m.buffer().sequence_length(1, 0);
+    refused = code_of([&] { m.decode(batch, 0, q.data, k_new.data, v_new.data, out.data, stream.stream); });
+    length_after = m.buffer().sequence_length(1, 0);
+  } catch (...) {
+    cudaStreamEndCapture(stream.stream, &captured);
+    if (captured != nullptr) cudaGraphDestroy(captured);
+    cudaGetLastError();
+    throw;
+  }
+  check(cudaStreamEndCapture(stream.stream, &captured));
+  REQUIRE(refused == ErrorCode::failed_precondition);
+  REQUIRE(length_after == length_before);
+  cudaGraphExec_t exec = nullptr;
+  check(cudaGraphInstantiate(&exec, captured, 0));
+  check(cudaGraphLaunch(exec, stream.stream));
+  check(cudaStreamSynchronize(stream.stream));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(captured);
+  m.decode(batch, 0, q.data, k_new.data, v_new.data, out.data, stream.stream);  // eager: refills the blocks
+  m.synchronize();
+  REQUIRE(m.buffer().sequence_length(1, 0) == length_before + 1);
 }
 
 TEST_CASE("device-tensor API: bad input is refused before anything is enqueued", "[gpu][device-decode]") {

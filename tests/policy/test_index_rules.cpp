@@ -122,6 +122,10 @@ TEST_CASE("dot, mean and cosine rules on known data", "[index-rules]") {
   CHECK(dot_in_order(big, ones, 3) == 0.0f);
   CHECK(page_mean(10.0f, 4) == 2.5f);
   CHECK(page_mean(1.0f, 3) == 1.0f / 3.0f);
+  // Any NaN sum gives the one NaN a GPU's arithmetic returns (payloads differ on x86).
+  for (const std::uint32_t nan : {0x7fc00001u, 0xffc12345u, 0x7f800001u}) {
+    CHECK(float_bits(page_mean(bits_float(nan), 3)) == kCanonicalNaNBits);
+  }
   // key (3, 4) against landmark (3, 4): cos 1; against (4, -3): 0; zero key or landmark: 0.
   CHECK(landmark_cosine(25.0f, 25.0f, 5.0f) == 1.0f);
   CHECK(landmark_cosine(25.0f, 0.0f, 5.0f) == 0.0f);
@@ -132,6 +136,23 @@ TEST_CASE("dot, mean and cosine rules on known data", "[index-rules]") {
   CHECK(std::isnan(landmark_cosine(1.0f, kNaN, 1.0f)));
   // The outlier score folds with fold_min from 1: a NaN cosine is ignored.
   CHECK(fold_min(fold_min(kOutlierScoreStart, 0.5f), kNaN) == 0.5f);
+}
+
+TEST_CASE("page sums end in the NaN a GPU returns, whatever payload the page held", "[index-rules]") {
+  // Two tokens of one channel, the second a NaN with a payload x86 would keep.
+  const float keys[2] = {1.0f, bits_float(0x7fc0beefu)};
+  const float values[2] = {bits_float(0xffc0beefu), 2.0f};
+  const auto key = [&](std::uint32_t t) { return &keys[t]; };
+  const auto value = [&](std::uint32_t t) { return &values[t]; };
+  CHECK(float_bits(page_mean_channel(key, 2, 0, DType::f32)) == kCanonicalNaNBits);
+  float mean = 0.0f, value_sum = 0.0f;
+  page_key_mean_value_sum_channel(key, value, 2, 0, DType::f32, mean, value_sum);
+  CHECK(float_bits(mean) == kCanonicalNaNBits);
+  CHECK(float_bits(value_sum) == kCanonicalNaNBits);
+  // Finite pages are untouched by it.
+  page_key_mean_value_sum_channel(key, key, 1, 0, DType::f32, mean, value_sum);
+  CHECK(mean == 1.0f);
+  CHECK(value_sum == 1.0f);
 }
 
 TEST_CASE("dot_in_order equals a sequential float inner product", "[index-rules]") {

@@ -24,9 +24,11 @@ struct EvictionStream {
   std::vector<std::vector<std::vector<float>>> prompt_k, prompt_v;
   std::vector<std::vector<std::vector<float>>> q, k, v;
 
+  // head_dim: 16 keeps the host tests small; the CUDA kernel takes 64 or 128.
   EvictionStream(std::vector<std::uint32_t> prompt_tokens, std::uint32_t decode_steps, std::uint32_t seed,
-                 RequestId first = 1)
+                 RequestId first = 1, std::uint32_t head_dim = 16)
       : prompts(std::move(prompt_tokens)), steps(decode_steps), first_id(first) {
+    shape.head_dim = head_dim;
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal;
     const auto draw = [&](std::size_t n) {

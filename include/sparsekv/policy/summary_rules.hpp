@@ -31,6 +31,14 @@ namespace sparsekv {
 
 // ---- single roundings ------------------------------------------------------
 
+// A GPU's float arithmetic returns one NaN pattern (0x7fffffff) whatever NaN
+// went in; x86 keeps an input's payload. Summaries that add up elements (a
+// page of raw bytes can hold any NaN) end in this, so that they have the same
+// bits on host and device (found on an H100: ShadowKV's and RetroInfer's
+// append summaries differed in NaN payloads alone).
+inline constexpr std::uint32_t kCanonicalNaNBits = 0x7fffffffu;
+SPARSEKV_HOST_DEVICE inline float canonical_nan(float x) { return x != x ? bits_float(kCanonicalNaNBits) : x; }
+
 SPARSEKV_HOST_DEVICE inline float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
@@ -90,7 +98,7 @@ SPARSEKV_HOST_DEVICE inline float dot_in_order(const float* a, const float* b, s
 // The landmark element: the page's keys summed in token order from +0 (with
 // add_rn), divided by the token count.
 SPARSEKV_HOST_DEVICE inline float page_mean(float sum, std::uint32_t count) {
-  return div_rn(sum, static_cast<float>(count));
+  return canonical_nan(div_rn(sum, static_cast<float>(count)));
 }
 
 // cos(key, landmark) from key.key, key.landmark and |landmark|. A zero key or
@@ -163,8 +171,8 @@ SPARSEKV_HOST_DEVICE inline void page_key_mean_value_sum_channel(const KeyRow& k
     keys = add_rn(keys, load_element(key(t), d, dtype));
     values = add_rn(values, load_element(value(t), d, dtype));
   }
-  mean = mul_rn(keys, div_rn(1.0f, static_cast<float>(count)));
-  value_sum = values;
+  mean = canonical_nan(mul_rn(keys, div_rn(1.0f, static_cast<float>(count))));
+  value_sum = canonical_nan(values);
 }
 
 // ---- RetroInfer: spherical k-means -----------------------------------------
