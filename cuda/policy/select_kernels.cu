@@ -1,7 +1,12 @@
 // CUDA kernels of the Select stage (Spin §4.1): Quest, ShadowKV (Spin §4.2),
 // RetroInfer (RetroInfer §4.2), StreamingWindow (StreamingLLM) and Dense
-// selections, one block per (request, kv head) row. Scores come from the rules of select_rules.hpp, one candidate
-// per thread; sums over candidates run in the lane order those rules define
+// selections, one block per (request, kv head) row. Quest's and ShadowKV's
+// logits come first from their own kernel over (row, tile of candidates), a
+// thread a candidate and the group's heads in one pass over its summary row
+// (quest_group_logits / shadowkv_group_logits), into the workspace;
+// RetroInfer's from the row's block, one candidate per thread. (One block a row scoring its
+// candidates took about 5 ms a row at 8,192 candidates on an H100, whatever
+// the batch.) Sums over candidates run in the lane order the rules define
 // (warp 0, strided, then a __shfl_down tree); the ranked list is produced in
 // rounds of kSelectTile keys (a radix-select threshold pass when more keys
 // are left, then cub::BlockRadixSort) and consumed by thread 0 with the
@@ -45,10 +50,11 @@ using CountReduce = cub::BlockReduce<std::uint64_t, kThreads>;
 
 // The workspace: one slice per row, so its size follows the batch and the
 // region capacity (max_row_candidates), not the arena the rows point into.
-// A row's slice: per candidate a score, `logits` scratch floats (Select
-// reuses one per candidate for every q head; the estimate keeps the group's,
-// [group][max_row_candidates]) and a taken flag; max_row_candidates + 1
-// chosen ids (RetroInfer's sink is one more).
+// A row's slice: per candidate a score, the group's logits
+// ([group][max_row_candidates]: the logits kernel's output for Quest and
+// ShadowKV, the estimate's kept terms; RetroInfer's Select reuses the first)
+// and a taken flag; max_row_candidates + 1 chosen ids (RetroInfer's sink is
+// one more).
 constexpr std::size_t kAlign = 256;
 constexpr std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 struct Workspace {
@@ -284,31 +290,88 @@ __device__ std::uint64_t row_tokens(Shared& s, const Row& row) {
   return block_sum(s, total);
 }
 
-// The group-summed softmax rank (softmax_rank_add's rule) over the
-// candidates [0, m): q head g's logits logit(qh, i) at row.scratch + g *
-// stride (stride 0: one row reused), their block max and lane-ordered double
-// sum, the shares summed over the group into row.scores.
+// Q head g's share of the group-summed softmax rank (softmax_rank_add's
+// rule) over the candidates [0, m), from its logits: their block max and
+// lane-ordered double sum, the shares added into row.scores.
+__device__ void add_softmax_shares(Shared& s, const Row& row, std::uint32_t g, std::uint32_t m, const float* logits) {
+  float top = kMinusInf;
+  for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) top = fold_max_score(top, logits[i]);
+  top = block_max(s, top);
+  const double sum = block_lane_sum<double>(
+      s, m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(logits[i], -top))); },
+      [](std::uint32_t) { return true; });
+  const float inverse = softmax_inverse_sum(sum);
+  for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
+    row.scores[i] = add_rn(g == 0 ? 0.0f : row.scores[i], softmax_share(logits[i], top, inverse));
+  }
+  __syncthreads();
+}
+
+// The group-summed softmax rank over [0, m) with the logits computed here:
+// q head g's logit(qh, i) at row.scratch + g * stride (stride 0: one row reused).
 template <class Logit>
 __device__ void group_softmax_rank(Shared& s, const Row& row, const SelectRows& rows, std::uint32_t m,
                                    std::size_t stride, Logit logit) {
   for (std::uint32_t g = 0; g < rows.group; ++g) {
     const float* qh = row.q + static_cast<std::size_t>(g) * rows.head_dim;
     float* logits = row.scratch + g * stride;
-    float top = kMinusInf;
-    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
-      logits[i] = logit(qh, i);
-      top = fold_max_score(top, logits[i]);
-    }
-    top = block_max(s, top);
-    const double sum = block_lane_sum<double>(
-        s, m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(logits[i], -top))); },
-        [](std::uint32_t) { return true; });
-    const float inverse = softmax_inverse_sum(sum);
-    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) {
-      row.scores[i] = add_rn(g == 0 ? 0.0f : row.scores[i], softmax_share(logits[i], top, inverse));
-    }
-    __syncthreads();
+    for (std::uint32_t i = threadIdx.x; i < m; i += kThreads) logits[i] = logit(qh, i);
+    // add_softmax_shares reads back only this thread's logits before its first barrier.
+    add_softmax_shares(s, row, g, m, logits);
   }
+}
+
+// ---- the logits kernel (Quest, ShadowKV) --------------------------------------
+// Grid: x = row, y = tile of kThreads candidates; thread i of the row writes
+// the group's logits of candidate i at the row's scratch + g * slice + i, for
+// i < count(n) (the candidates its Select kernel scores).
+
+struct QuestLogits {
+  QuestSelect quest;
+  float scale;
+  __device__ std::uint32_t count(std::uint32_t n) const { return n > 0 ? n - 1 : 0; }  // all but the newest
+  template <class Emit>
+  __device__ void operator()(const SelectRows& rows, std::size_t candidate, const float* q, Emit&& emit) const {
+    const std::size_t at = candidate * rows.head_dim;
+    quest_group_logits(q, rows.group, quest.min + at, quest.max + at, rows.head_dim, quest.spread, scale, emit);
+  }
+};
+
+struct ShadowKVLogits {
+  const float* landmarks;
+  float scale;
+  __device__ std::uint32_t count(std::uint32_t n) const { return n; }
+  template <class Emit>
+  __device__ void operator()(const SelectRows& rows, std::size_t candidate, const float* q, Emit&& emit) const {
+    shadowkv_group_logits(q, rows.group, landmarks + candidate * rows.head_dim, rows.head_dim, scale, emit);
+  }
+};
+
+template <class Logits>
+__global__ void __launch_bounds__(kThreads) select_logits_kernel(SelectRows rows, Logits logits, Workspace w) {
+  const std::uint32_t r = blockIdx.x;
+  const SelectRowSpan span = select_row_span(rows.first[r], rows.count[r], rows.max_row_candidates, rows.candidates);
+  const std::uint32_t i = blockIdx.y * kThreads + threadIdx.x;
+  if (i >= logits.count(span.n)) return;
+  float* out = w.scratch + (static_cast<std::size_t>(r) * w.logits * w.slice) + i;
+  const float* q = rows.q + static_cast<std::size_t>(r) * rows.group * rows.head_dim;
+  logits(rows, static_cast<std::size_t>(span.first) + i, q, [&](std::uint32_t g, float x) { out[g * w.slice] = x; });
+}
+
+// Enqueues the logits kernel of every row (nothing without candidates).
+constexpr std::uint32_t kMaxGridY = 65535;
+
+template <class Logits>
+void launch_select_logits(const char* function, const SelectRows& rows, const Logits& logits, const Workspace& w,
+                          cudaStream_t stream) {
+  if (rows.rows == 0 || rows.max_row_candidates == 0) return;
+  const std::uint32_t tiles = (rows.max_row_candidates + kThreads - 1) / kThreads;
+  if (tiles > kMaxGridY) {
+    throw_invalid(function, "max_row_candidates " + std::to_string(rows.max_row_candidates) + " exceeds " +
+                                std::to_string(kMaxGridY * kThreads) + " (the logits kernel's grid)");
+  }
+  select_logits_kernel<<<dim3(rows.rows, tiles), kThreads, 0, stream>>>(rows, logits, w);
+  check_launch(function);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -321,11 +384,7 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const std::uint32_t newest = row.n - 1;
-  const float scale = logit_scale(rows.head_dim);
-  group_softmax_rank(s, row, rows, newest, 0, [&](const float* qh, std::uint32_t i) {
-    const std::size_t at = (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
-    return quest_logit(qh, quest.min + at, quest.max + at, rows.head_dim, quest.spread, scale);
-  });
+  for (std::uint32_t g = 0; g < rows.group; ++g) add_softmax_shares(s, row, g, newest, row.scratch + g * w.slice);
   __shared__ QuestSteady steady;
   if (threadIdx.x == 0) {
     s.chosen = 0;
@@ -373,26 +432,20 @@ __global__ void __launch_bounds__(kThreads)
   const float* outlier = shadowkv.outlier_scores + row.first;
   block_ranked_fill(
       s, row, outliers, [&](std::uint32_t i) { return -outlier[i]; }, untaken, take);
-  const float scale = logit_scale(rows.head_dim);
   for (std::uint32_t g = 0; g < rows.group; ++g) {
-    const float* qh = row.q + static_cast<std::size_t>(g) * rows.head_dim;
+    float* logits = row.scratch + g * w.slice;  // the logits kernel's; exponentiated in place
     float top = kMinusInf;
     for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
-      if (!untaken(i)) continue;
-      const float* landmark = shadowkv.landmarks + (static_cast<std::size_t>(row.first) + i) * rows.head_dim;
-      row.scratch[i] = shadowkv_logit(qh, landmark, rows.head_dim, scale);
-      top = fold_max_score(top, row.scratch[i]);
+      if (untaken(i)) top = fold_max_score(top, logits[i]);
     }
     top = block_max(s, top);
     for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
-      if (untaken(i)) row.scratch[i] = portable_exp(add_rn(row.scratch[i], -top));
+      if (untaken(i)) logits[i] = portable_exp(add_rn(logits[i], -top));
     }
     __syncthreads();
-    const float sum = block_lane_sum<float>(s, row.n, [&](std::uint32_t i) { return row.scratch[i]; }, untaken);
+    const float sum = block_lane_sum<float>(s, row.n, [&](std::uint32_t i) { return logits[i]; }, untaken);
     for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
-      if (untaken(i)) {
-        row.scores[i] = fold_max_score(g == 0 ? kMinusInf : row.scores[i], div_rn(row.scratch[i], sum));
-      }
+      if (untaken(i)) row.scores[i] = fold_max_score(g == 0 ? kMinusInf : row.scores[i], div_rn(logits[i], sum));
     }
     __syncthreads();
   }
@@ -639,7 +692,7 @@ void check_positional(const char* function, const SelectRows& rows, const Stream
 }  // namespace
 
 std::size_t select_workspace_bytes(const SelectRows& rows) {
-  return workspace_bytes(rows.rows, rows.max_row_candidates, 1);
+  return workspace_bytes(rows.rows, rows.max_row_candidates, rows.group);
 }
 std::size_t estimate_workspace_bytes(const SelectRows& rows) {
   return workspace_bytes(rows.rows, rows.max_row_candidates, rows.group);
@@ -670,8 +723,12 @@ void quest_select(const SelectRows& rows, const QuestSelect& quest, const Select
   if (rows.candidates > 0 && (quest.min == nullptr || quest.max == nullptr)) {
     throw_invalid("quest_select", "null min or max");
   }
-  quest_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, quest, out, carve(workspace, rows.rows, rows.max_row_candidates, 1));
+  const Workspace w = carve(workspace, rows.rows, rows.max_row_candidates, rows.group);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (!quest.dense_layer) {
+    launch_select_logits("quest_select", rows, QuestLogits{quest, logit_scale(rows.head_dim)}, w, s);
+  }
+  quest_select_kernel<<<rows.rows, kThreads, 0, s>>>(rows, quest, out, w);
   check_launch("quest_select");
 }
 
@@ -683,8 +740,11 @@ void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, con
   if (rows.candidates > 0 && (shadowkv.landmarks == nullptr || shadowkv.outlier_scores == nullptr)) {
     throw_invalid("shadowkv_select", "null landmarks or outlier scores");
   }
-  shadowkv_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, shadowkv, out, carve(workspace, rows.rows, rows.max_row_candidates, 1));
+  const Workspace w = carve(workspace, rows.rows, rows.max_row_candidates, rows.group);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const ShadowKVLogits logits{shadowkv.landmarks, logit_scale(rows.head_dim)};
+  launch_select_logits("shadowkv_select", rows, logits, w, s);
+  shadowkv_select_kernel<<<rows.rows, kThreads, 0, s>>>(rows, shadowkv, out, w);
   check_launch("shadowkv_select");
 }
 
@@ -697,7 +757,7 @@ void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfe
   check_retroinfer("retroinfer_select", rows, retroinfer);
   if (rows.rows == 0) return;
   retroinfer_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      rows, retroinfer, out, carve(workspace, rows.rows, rows.max_row_candidates, 1));
+      rows, retroinfer, out, carve(workspace, rows.rows, rows.max_row_candidates, rows.group));
   check_launch("retroinfer_select");
 }
 

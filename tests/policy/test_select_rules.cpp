@@ -1093,6 +1093,60 @@ TEST_CASE("shadowkv_logits_simd equals shadowkv_logit bit for bit for every head
   });
 }
 
+TEST_CASE("a candidate's group logits in one pass equal quest_logit and shadowkv_logit bit for bit",
+          "[select-rules]") {
+  // What the GPU's logits kernel runs: kLogitHeads heads a pass over the
+  // summary row; groups past it take more passes. NaN, infinities and signed
+  // zeros included.
+  std::mt19937 rng(43);
+  std::normal_distribution<float> normal;
+  const float specials[] = {-0.0f, 0.0f, std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  const auto draw = [&] { return rng() % 23 == 0 ? specials[rng() % 5] : normal(rng) * 2.0f; };
+  for (const std::uint32_t d : {1u, 7u, 8u, 13u, 64u, 100u, 128u}) {
+    for (const std::uint32_t group : {1u, 2u, 3u, 4u, 5u, 8u, 12u}) {
+      for (int trial = 0; trial < 4; ++trial) {
+        std::vector<float> q(std::size_t{group} * d), lo(d), hi(d), landmark(d);
+        for (auto& x : q) x = draw();
+        for (std::uint32_t j = 0; j < d; ++j) {
+          const float a = draw(), b = draw();
+          lo[j] = std::min(a, b);
+          hi[j] = std::max(a, b);
+          landmark[j] = draw();
+        }
+        const float spread = trial % 2 == 0 ? 1.0f : 0.5f;
+        std::vector<float> quest(group, -7.0f), shadow(group, -7.0f);
+        std::vector<int> emitted(group, 0);
+        quest_group_logits(q.data(), group, lo.data(), hi.data(), d, spread, logit_scale(d),
+                           [&](std::uint32_t g, float x) {
+                             quest[g] = x;
+                             ++emitted[g];
+                           });
+        shadowkv_group_logits(q.data(), group, landmark.data(), d, logit_scale(d),
+                              [&](std::uint32_t g, float x) { shadow[g] = x; });
+        for (std::uint32_t g = 0; g < group; ++g) {
+          CAPTURE(d, group, trial, g);
+          REQUIRE(emitted[g] == 1);
+          const float* qh = q.data() + std::size_t{g} * d;
+          const float want_quest = quest_logit(qh, lo.data(), hi.data(), d, spread, logit_scale(d));
+          const float want_shadow = shadowkv_logit(qh, landmark.data(), d, logit_scale(d));
+          // Bits, but a NaN only as a NaN: its payload is the platform's (GPUs return one pattern).
+          if (std::isnan(want_quest)) {
+            REQUIRE(std::isnan(quest[g]));
+          } else {
+            REQUIRE(std::bit_cast<std::uint32_t>(quest[g]) == std::bit_cast<std::uint32_t>(want_quest));
+          }
+          if (std::isnan(want_shadow)) {
+            REQUIRE(std::isnan(shadow[g]));
+          } else {
+            REQUIRE(std::bit_cast<std::uint32_t>(shadow[g]) == std::bit_cast<std::uint32_t>(want_shadow));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("portable_exps and softmax_rank_add_simd equal the scalar rules bit for bit on every target",
           "[select-rules]") {
   std::mt19937 rng(41);

@@ -149,19 +149,15 @@ inline const float* row_q(const HostRows& rows, std::uint32_t r) {
   return rows.q.data() + std::size_t{r} * rows.group * rows.head_dim;
 }
 
-// group_softmax_rank: per q head g the logits logit(qh, i) of the candidates
-// [0, m) (kept in logits[g * m ..]), a strided block max, the warp-0 double
-// lane sum, the shares summed over the group into scores.
-template <class Logit>
-void emulated_group_softmax_rank(const HostRows& rows, std::uint32_t r, std::uint32_t m, std::vector<float>& logits,
-                                 std::vector<float>& scores, Logit logit) {
+// add_softmax_shares for every q head g over the candidates [0, m), from
+// logits[g * m ..]: a strided block max, the warp-0 double lane sum, the
+// shares summed over the group into scores.
+inline void emulated_softmax_shares(const HostRows& rows, std::uint32_t m, const std::vector<float>& logits,
+                                    std::vector<float>& scores) {
   const auto all = [](std::uint32_t) { return true; };
-  logits.assign(std::size_t{rows.group} * m, 0.0f);
   scores.assign(m, 0.0f);
   for (std::uint32_t g = 0; g < rows.group; ++g) {
-    const float* qh = row_q(rows, r) + std::size_t{g} * rows.head_dim;
-    float* s = logits.data() + std::size_t{g} * m;
-    for (std::uint32_t i = 0; i < m; ++i) s[i] = logit(qh, i);
+    const float* s = logits.data() + std::size_t{g} * m;
     const float top = emulated_max(m, [&](std::uint32_t i) { return s[i]; }, all);
     const double sum = emulated_lane_sum<double>(
         m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(s[i], -top))); }, all);
@@ -172,6 +168,30 @@ void emulated_group_softmax_rank(const HostRows& rows, std::uint32_t r, std::uin
   }
 }
 
+// group_softmax_rank: per q head g the logits logit(qh, i) of [0, m) (kept
+// in logits[g * m ..]), then the shares.
+template <class Logit>
+void emulated_group_softmax_rank(const HostRows& rows, std::uint32_t r, std::uint32_t m, std::vector<float>& logits,
+                                 std::vector<float>& scores, Logit logit) {
+  logits.assign(std::size_t{rows.group} * m, 0.0f);
+  for (std::uint32_t g = 0; g < rows.group; ++g) {
+    const float* qh = row_q(rows, r) + std::size_t{g} * rows.head_dim;
+    for (std::uint32_t i = 0; i < m; ++i) logits[std::size_t{g} * m + i] = logit(qh, i);
+  }
+  emulated_softmax_shares(rows, m, logits, scores);
+}
+
+// select_logits_kernel for row r: thread i < m writes the group's logits of
+// candidate i, all heads in one pass (logits(q, i, emit)), at logits[g * m + i].
+template <class Logits>
+std::vector<float> emulated_logits_kernel(const HostRows& rows, std::uint32_t r, std::uint32_t m, Logits logits) {
+  std::vector<float> out(std::size_t{rows.group} * m, 0.0f);
+  for (std::uint32_t i = 0; i < m; ++i) {
+    logits(row_q(rows, r), i, [&](std::uint32_t g, float x) { out[std::size_t{g} * m + i] = x; });
+  }
+  return out;
+}
+
 inline std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows& rows, std::uint32_t r,
                                        const cuda::QuestSelect& quest) {
   const cuda::SelectRowSpan span = row_span(e, rows, r);
@@ -179,11 +199,13 @@ inline std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows
   if (quest.dense_layer || row_total(rows, span) <= quest.budget_tokens) return row_partitions(rows, span);
   const std::uint32_t newest = n - 1;
   const float scale = logit_scale(dim);
-  std::vector<float> logits, scores;
-  emulated_group_softmax_rank(rows, r, newest, logits, scores, [&](const float* qh, std::uint32_t i) {
-    const std::size_t at = (std::size_t{first} + i) * dim;
-    return quest_logit(qh, rows.a.data() + at, rows.b.data() + at, dim, quest.spread, scale);
-  });
+  const std::vector<float> logits =
+      emulated_logits_kernel(rows, r, newest, [&](const float* q, std::uint32_t i, auto&& emit) {
+        const std::size_t at = (std::size_t{first} + i) * dim;
+        quest_group_logits(q, rows.group, rows.a.data() + at, rows.b.data() + at, dim, quest.spread, scale, emit);
+      });
+  std::vector<float> scores;
+  emulated_softmax_shares(rows, newest, logits, scores);
   scores.resize(n);
   const QuestSteady steady = quest_steady(
       n, [&](std::uint32_t i) { return rows.tokens[first + i]; }, quest.budget_tokens, quest.sink_tokens,
@@ -236,10 +258,13 @@ inline std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostR
   emulated_ranked_fill(
       e, n, tokens, outliers, [&](std::uint32_t i) { return -rows.b[first + i]; }, untaken, take);
   const float scale = logit_scale(dim);
+  const auto candidate_logits = [&](const float* q, std::uint32_t i, auto&& emit) {
+    shadowkv_group_logits(q, rows.group, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale, emit);
+  };
+  const std::vector<float> logits = emulated_logits_kernel(rows, r, n, candidate_logits);
   for (std::uint32_t g = 0; g < rows.group; ++g) {
-    const float* qh = row_q(rows, r) + std::size_t{g} * dim;
     for (std::uint32_t i = 0; i < n; ++i) {
-      if (untaken(i)) scratch[i] = shadowkv_logit(qh, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale);
+      if (untaken(i)) scratch[i] = logits[std::size_t{g} * n + i];
     }
     const float top = emulated_max(n, [&](std::uint32_t i) { return scratch[i]; }, untaken);
     for (std::uint32_t i = 0; i < n; ++i) {

@@ -274,15 +274,58 @@ SPARSEKV_HOST_DEVICE inline float lane_order_sum(std::uint32_t head_dim, Term&& 
 // times its half-width, summed in lane order, times `scale`. spread = 1 is
 // the paper's bound on q.k over the keys inside the box (sum_d max(q_d min_d,
 // q_d max_d), up to rounding); spread = 0 scores the box's centre.
+SPARSEKV_HOST_DEVICE inline float quest_term(float q, float lo, float hi, float spread) {
+  const float centre = mul_rn(add_rn(lo, hi), 0.5f);
+  const float half_width = mul_rn(add_rn(hi, -lo), 0.5f);
+  const float reach = mul_rn(q < 0.0f ? -q : q, half_width);
+  return add_rn(mul_rn(q, centre), mul_rn(spread, reach));
+}
 SPARSEKV_HOST_DEVICE inline float quest_logit(const float* q, const float* min, const float* max,
                                               std::uint32_t head_dim, float spread, float scale) {
-  const float sum = lane_order_sum(head_dim, [&](std::uint32_t d) {
-    const float centre = mul_rn(add_rn(min[d], max[d]), 0.5f);
-    const float half_width = mul_rn(add_rn(max[d], -min[d]), 0.5f);
-    const float reach = mul_rn(q[d] < 0.0f ? -q[d] : q[d], half_width);
-    return add_rn(mul_rn(q[d], centre), mul_rn(spread, reach));
-  });
+  const float sum = lane_order_sum(head_dim, [&](std::uint32_t d) { return quest_term(q[d], min[d], max[d], spread); });
   return mul_rn(sum, scale);
+}
+
+// ---- one candidate's logits for a GQA group, in one pass ---------------------
+// What the GPU's logits kernel runs (a thread a candidate): each head's
+// arithmetic is quest_logit's / shadowkv_logit's step for step, but
+// kLogitHeads heads share each pass over the candidate's summary row, so the
+// row is read once for up to kLogitHeads heads instead of once a head.
+// q: [count][head_dim]; emit(h, logit) for h < count.
+inline constexpr std::uint32_t kLogitHeads = 4;
+
+// lane_order_sum of term(h, d) for the heads h < kLogitHeads at once.
+template <class Term>
+SPARSEKV_HOST_DEVICE inline void lane_order_sums(std::uint32_t head_dim, Term&& term, float* sums) {
+  float lanes[kLogitHeads][8] = {};
+  std::uint32_t d = 0;
+  for (; d + 8 <= head_dim; d += 8) {
+    for (std::uint32_t j = 0; j < 8; ++j) {
+      for (std::uint32_t h = 0; h < kLogitHeads; ++h) lanes[h][j] = add_rn(lanes[h][j], term(h, d + j));
+    }
+  }
+  for (std::uint32_t h = 0; h < kLogitHeads; ++h) {
+    float half[4];
+    for (std::uint32_t j = 0; j < 4; ++j) half[j] = add_rn(lanes[h][j], lanes[h][j + 4]);
+    sums[h] = add_rn(add_rn(half[0], half[2]), add_rn(half[1], half[3]));
+  }
+  for (; d < head_dim; ++d) {
+    for (std::uint32_t h = 0; h < kLogitHeads; ++h) sums[h] = add_rn(sums[h], term(h, d));
+  }
+}
+
+template <class Emit>
+SPARSEKV_HOST_DEVICE inline void quest_group_logits(const float* q, std::uint32_t count, const float* min,
+                                                    const float* max, std::uint32_t head_dim, float spread,
+                                                    float scale, Emit&& emit) {
+  for (std::uint32_t h0 = 0; h0 < count; h0 += kLogitHeads) {
+    const float* qh[kLogitHeads];
+    for (std::uint32_t h = 0; h < kLogitHeads; ++h) qh[h] = q + std::size_t{h0 + (h0 + h < count ? h : 0)} * head_dim;
+    float sums[kLogitHeads];
+    lane_order_sums(
+        head_dim, [&](std::uint32_t h, std::uint32_t d) { return quest_term(qh[h][d], min[d], max[d], spread); }, sums);
+    for (std::uint32_t h = 0; h < kLogitHeads && h0 + h < count; ++h) emit(h0 + h, mul_rn(sums[h], scale));
+  }
 }
 
 // Quest's steady zone, taken before the ranked fill, each partition only if it
@@ -329,6 +372,23 @@ SPARSEKV_HOST_DEVICE inline float logit_scale(std::uint32_t head_dim) {
 SPARSEKV_HOST_DEVICE inline float shadowkv_logit(const float* q, const float* landmark, std::uint32_t head_dim,
                                                  float scale) {
   return mul_rn(scale, dot_in_order(q, landmark, head_dim));
+}
+
+// shadowkv_logit of `count` heads (q: [count][head_dim]) in one pass over the
+// landmark, kLogitHeads at a time; emit(h, logit).
+template <class Emit>
+SPARSEKV_HOST_DEVICE inline void shadowkv_group_logits(const float* q, std::uint32_t count,
+                                                       const float* landmark, std::uint32_t head_dim, float scale,
+                                                       Emit&& emit) {
+  for (std::uint32_t h0 = 0; h0 < count; h0 += kLogitHeads) {
+    const float* qh[kLogitHeads];
+    for (std::uint32_t h = 0; h < kLogitHeads; ++h) qh[h] = q + std::size_t{h0 + (h0 + h < count ? h : 0)} * head_dim;
+    float acc[kLogitHeads] = {};
+    for (std::uint32_t d = 0; d < head_dim; ++d) {
+      for (std::uint32_t h = 0; h < kLogitHeads; ++h) acc[h] = dot_step(acc[h], qh[h][d], landmark[d]);
+    }
+    for (std::uint32_t h = 0; h < kLogitHeads && h0 + h < count; ++h) emit(h0 + h, mul_rn(scale, acc[h]));
+  }
 }
 
 // RetroInfer: (q . centroid) * scale, the dot product in lane_order_sum's order.
