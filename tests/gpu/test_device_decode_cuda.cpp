@@ -63,6 +63,25 @@ PlanCopy download_plan(const DeviceAttendPlan& p) {
   return c;
 }
 
+// `enqueue` inside a global-mode capture of `stream` (any synchronizing call
+// or allocation fails it); the graph. When it throws, the capture is ended
+// first, or every later CUDA call of the process fails with it.
+template <class Enqueue>
+cudaGraph_t capture(cudaStream_t stream, Enqueue&& enqueue) {
+  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  cudaGraph_t graph = nullptr;
+  try {
+    enqueue();
+  } catch (...) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
+  }
+  check(cudaStreamEndCapture(stream, &graph));
+  return graph;
+}
+
 template <class Policy>
 void run_lockstep(const Policy& policy, std::uint32_t seed) {
   const ModelShape shape = device_shape();
@@ -210,19 +229,8 @@ TEST_CASE("device-tensor decode: one layer's step captured in a CUDA graph equal
       check(cudaStreamSynchronize(stream.stream));
       continue;
     }
-    cudaGraph_t captured = nullptr;
-    // Global mode: any synchronizing call or allocation during the capture fails it.
-    check(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeGlobal));
-    try {
-      graph.decode(batch, l, q.data, k.data, v.data, b.data, stream.stream);
-    } catch (...) {
-      // End the capture, or every later test's CUDA call fails with it.
-      cudaStreamEndCapture(stream.stream, &captured);
-      if (captured != nullptr) cudaGraphDestroy(captured);
-      cudaGetLastError();
-      throw;
-    }
-    check(cudaStreamEndCapture(stream.stream, &captured));
+    cudaGraph_t captured =
+        capture(stream.stream, [&] { graph.decode(batch, l, q.data, k.data, v.data, b.data, stream.stream); });
     cudaGraphExec_t exec = nullptr;
     check(cudaGraphInstantiate(&exec, captured, 0));
     check(cudaGraphLaunch(exec, stream.stream));
@@ -260,24 +268,16 @@ TEST_CASE("device-tensor decode: a capture takes one step a layer, the next is r
   DeviceArray<float> out(q_row);
   for (std::uint32_t l = 0; l < shape.layers; ++l) m.decode(batch, l, q.data, k_new.data, v_new.data, out.data, stream.stream);
   check(cudaStreamSynchronize(stream.stream));
-  cudaGraph_t captured = nullptr;
-  check(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeGlobal));
   ErrorCode refused = ErrorCode::internal;
   std::uint32_t length_before = 0, length_after = 0;
-  try {
+  cudaGraph_t captured = capture(stream.stream, [&] {
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
       m.decode(batch, l, q.data, k_new.data, v_new.data, out.data, stream.stream);
     }
     length_before = m.buffer().sequence_length(1, 0);
     refused = code_of([&] { m.decode(batch, 0, q.data, k_new.data, v_new.data, out.data, stream.stream); });
     length_after = m.buffer().sequence_length(1, 0);
-  } catch (...) {
-    cudaStreamEndCapture(stream.stream, &captured);
-    if (captured != nullptr) cudaGraphDestroy(captured);
-    cudaGetLastError();
-    throw;
-  }
-  check(cudaStreamEndCapture(stream.stream, &captured));
+  });
   REQUIRE(refused == ErrorCode::failed_precondition);
   REQUIRE(length_after == length_before);
   cudaGraphExec_t exec = nullptr;
