@@ -322,30 +322,46 @@ __device__ void group_softmax_rank(Shared& s, const Row& row, const SelectRows& 
 }
 
 // ---- the logits kernel (Quest, ShadowKV) --------------------------------------
-// Grid: x = row, y = tile of kThreads candidates; thread i of the row writes
-// the group's logits of candidate i at the row's scratch + g * slice + i, for
-// i < count(n) (the candidates its Select kernel scores).
+// Thread i of a row writes the group's logits of candidate i at the row's
+// scratch + g * slice + i, for i < count(n) (the candidates its Select
+// kernel scores), from the candidate's summary rows (kArrays of head_dim
+// floats). Two forms of one rule: staged, a warp a block over 32 candidates
+// whose rows it first copies into shared memory with coalesced loads (a
+// thread reading its own row from global memory makes each warp load touch
+// 32 rows); plain, a thread a candidate straight from global memory, for
+// rows too long to stage.
 
 struct QuestLogits {
+  static constexpr std::uint32_t kArrays = 2;  // min, max
   QuestSelect quest;
   float scale;
   __device__ std::uint32_t count(std::uint32_t n) const { return n > 0 ? n - 1 : 0; }  // all but the newest
+  __device__ const float* array(std::uint32_t a) const { return a == 0 ? quest.min : quest.max; }
   template <class Emit>
-  __device__ void operator()(const SelectRows& rows, std::size_t candidate, const float* q, Emit&& emit) const {
-    const std::size_t at = candidate * rows.head_dim;
-    quest_group_logits(q, rows.group, quest.min + at, quest.max + at, rows.head_dim, quest.spread, scale, emit);
+  __device__ void operator()(const SelectRows& rows, const float* const* summary, const float* q, Emit&& emit) const {
+    quest_group_logits(q, rows.group, summary[0], summary[1], rows.head_dim, quest.spread, scale, emit);
   }
 };
 
 struct ShadowKVLogits {
+  static constexpr std::uint32_t kArrays = 1;  // the landmark
   const float* landmarks;
   float scale;
   __device__ std::uint32_t count(std::uint32_t n) const { return n; }
+  __device__ const float* array(std::uint32_t) const { return landmarks; }
   template <class Emit>
-  __device__ void operator()(const SelectRows& rows, std::size_t candidate, const float* q, Emit&& emit) const {
-    shadowkv_group_logits(q, rows.group, landmarks + candidate * rows.head_dim, rows.head_dim, scale, emit);
+  __device__ void operator()(const SelectRows& rows, const float* const* summary, const float* q, Emit&& emit) const {
+    shadowkv_group_logits(q, rows.group, summary[0], rows.head_dim, scale, emit);
   }
 };
+
+constexpr std::uint32_t kStagedCandidates = kWarp;  // a block
+constexpr std::size_t kStagedSharedLimit = 48 * 1024;
+constexpr std::uint32_t kMaxGridY = 65535;
+
+// A staged row's stride in floats: odd, so that the 32 lanes reading
+// dimension d of their own rows hit 32 different banks.
+__host__ __device__ constexpr std::uint32_t staged_stride(std::uint32_t head_dim) { return head_dim | 1u; }
 
 template <class Logits>
 __global__ void __launch_bounds__(kThreads) select_logits_kernel(SelectRows rows, Logits logits, Workspace w) {
@@ -355,16 +371,54 @@ __global__ void __launch_bounds__(kThreads) select_logits_kernel(SelectRows rows
   if (i >= logits.count(span.n)) return;
   float* out = w.scratch + (static_cast<std::size_t>(r) * w.logits * w.slice) + i;
   const float* q = rows.q + static_cast<std::size_t>(r) * rows.group * rows.head_dim;
-  logits(rows, static_cast<std::size_t>(span.first) + i, q, [&](std::uint32_t g, float x) { out[g * w.slice] = x; });
+  const std::size_t at = (static_cast<std::size_t>(span.first) + i) * rows.head_dim;
+  const float* summary[Logits::kArrays];
+  for (std::uint32_t a = 0; a < Logits::kArrays; ++a) summary[a] = logits.array(a) + at;
+  logits(rows, summary, q, [&](std::uint32_t g, float x) { out[g * w.slice] = x; });
 }
 
-// Enqueues the logits kernel of every row (nothing without candidates).
-constexpr std::uint32_t kMaxGridY = 65535;
+template <class Logits>
+__global__ void __launch_bounds__(kStagedCandidates)
+    select_logits_staged_kernel(SelectRows rows, Logits logits, Workspace w) {
+  extern __shared__ float staged[];  // [kArrays][kStagedCandidates][staged_stride]
+  const std::uint32_t r = blockIdx.x;
+  const SelectRowSpan span = select_row_span(rows.first[r], rows.count[r], rows.max_row_candidates, rows.candidates);
+  const std::uint32_t count = logits.count(span.n);
+  const std::uint32_t i0 = blockIdx.y * kStagedCandidates;
+  if (i0 >= count) return;  // the whole block
+  const std::uint32_t here = min(kStagedCandidates, count - i0);
+  const std::uint32_t dim = rows.head_dim, stride = staged_stride(dim);
+  const std::uint32_t lane = threadIdx.x;
+  for (std::uint32_t a = 0; a < Logits::kArrays; ++a) {
+    const float* source = logits.array(a) + (static_cast<std::size_t>(span.first) + i0) * dim;
+    for (std::uint32_t c = 0; c < here; ++c) {
+      float* row = staged + (a * kStagedCandidates + c) * stride;
+      for (std::uint32_t d = lane; d < dim; d += kWarp) row[d] = source[static_cast<std::size_t>(c) * dim + d];
+    }
+  }
+  __syncwarp();
+  if (lane >= here) return;
+  float* out = w.scratch + (static_cast<std::size_t>(r) * w.logits * w.slice) + i0 + lane;
+  const float* q = rows.q + static_cast<std::size_t>(r) * rows.group * dim;
+  const float* summary[Logits::kArrays];
+  for (std::uint32_t a = 0; a < Logits::kArrays; ++a) summary[a] = staged + (a * kStagedCandidates + lane) * stride;
+  logits(rows, summary, q, [&](std::uint32_t g, float x) { out[g * w.slice] = x; });
+}
 
+// Enqueues the logits kernel of every row (nothing without candidates):
+// staged when 32 candidates' rows fit the default shared memory.
 template <class Logits>
 void launch_select_logits(const char* function, const SelectRows& rows, const Logits& logits, const Workspace& w,
                           cudaStream_t stream) {
   if (rows.rows == 0 || rows.max_row_candidates == 0) return;
+  const std::size_t shared =
+      sizeof(float) * Logits::kArrays * kStagedCandidates * staged_stride(rows.head_dim);
+  const std::uint32_t staged_tiles = (rows.max_row_candidates + kStagedCandidates - 1) / kStagedCandidates;
+  if (shared <= kStagedSharedLimit && staged_tiles <= kMaxGridY) {
+    select_logits_staged_kernel<<<dim3(rows.rows, staged_tiles), kStagedCandidates, shared, stream>>>(rows, logits, w);
+    check_launch(function);
+    return;
+  }
   const std::uint32_t tiles = (rows.max_row_candidates + kThreads - 1) / kThreads;
   if (tiles > kMaxGridY) {
     throw_invalid(function, "max_row_candidates " + std::to_string(rows.max_row_candidates) + " exceeds " +
