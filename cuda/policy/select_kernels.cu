@@ -363,18 +363,25 @@ constexpr std::uint32_t kMaxGridY = 65535;
 // dimension d of their own rows hit 32 different banks.
 __host__ __device__ constexpr std::uint32_t staged_stride(std::uint32_t head_dim) { return head_dim | 1u; }
 
+// Candidate i of row r: its logits from its summary rows, written for each q head.
+template <class Logits>
+__device__ void write_candidate_logits(const SelectRows& rows, const Logits& logits, const Workspace& w,
+                                       std::uint32_t r, std::uint32_t i, const float* const* summary) {
+  float* out = w.scratch + static_cast<std::size_t>(r) * w.logits * w.slice + i;
+  const float* q = rows.q + static_cast<std::size_t>(r) * rows.group * rows.head_dim;
+  logits(rows, summary, q, [&](std::uint32_t g, float x) { out[g * w.slice] = x; });
+}
+
 template <class Logits>
 __global__ void __launch_bounds__(kThreads) select_logits_kernel(SelectRows rows, Logits logits, Workspace w) {
   const std::uint32_t r = blockIdx.x;
   const SelectRowSpan span = select_row_span(rows.first[r], rows.count[r], rows.max_row_candidates, rows.candidates);
   const std::uint32_t i = blockIdx.y * kThreads + threadIdx.x;
   if (i >= logits.count(span.n)) return;
-  float* out = w.scratch + (static_cast<std::size_t>(r) * w.logits * w.slice) + i;
-  const float* q = rows.q + static_cast<std::size_t>(r) * rows.group * rows.head_dim;
   const std::size_t at = (static_cast<std::size_t>(span.first) + i) * rows.head_dim;
   const float* summary[Logits::kArrays];
   for (std::uint32_t a = 0; a < Logits::kArrays; ++a) summary[a] = logits.array(a) + at;
-  logits(rows, summary, q, [&](std::uint32_t g, float x) { out[g * w.slice] = x; });
+  write_candidate_logits(rows, logits, w, r, i, summary);
 }
 
 template <class Logits>
@@ -398,11 +405,9 @@ __global__ void __launch_bounds__(kStagedCandidates)
   }
   __syncwarp();
   if (lane >= here) return;
-  float* out = w.scratch + (static_cast<std::size_t>(r) * w.logits * w.slice) + i0 + lane;
-  const float* q = rows.q + static_cast<std::size_t>(r) * rows.group * dim;
   const float* summary[Logits::kArrays];
   for (std::uint32_t a = 0; a < Logits::kArrays; ++a) summary[a] = staged + (a * kStagedCandidates + lane) * stride;
-  logits(rows, summary, q, [&](std::uint32_t g, float x) { out[g * w.slice] = x; });
+  write_candidate_logits(rows, logits, w, r, i0 + lane, summary);
 }
 
 // Enqueues the logits kernel of every row (nothing without candidates):
