@@ -30,7 +30,11 @@ class DeviceBytes {
   explicit DeviceBytes(std::size_t bytes) : bytes_(std::max<std::size_t>(bytes, 16)) {
     check_runtime(cudaMalloc(&data_, bytes_), "cudaMalloc");
   }
-  ~DeviceBytes() { cudaFree(data_); }
+  // A moved-from owner frees nothing: cudaFree(nullptr) inside a stream
+  // capture is a prohibited call that invalidates the capture.
+  ~DeviceBytes() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
   DeviceBytes(DeviceBytes&& o) noexcept : data_(std::exchange(o.data_, nullptr)), bytes_(o.bytes_) {}
   DeviceBytes& operator=(DeviceBytes&& o) noexcept {
     std::swap(data_, o.data_);
@@ -56,7 +60,11 @@ class PinnedBytes {
     check_runtime(cudaHostAlloc(&data_, std::max<std::size_t>(bytes, 16), cudaHostAllocMapped | cudaHostAllocPortable),
                   "cudaHostAlloc");
   }
-  ~PinnedBytes() { cudaFreeHost(data_); }
+  // As ~DeviceBytes: a moved-from block (the ring moves them during a
+  // capture) must make no call.
+  ~PinnedBytes() {
+    if (data_ != nullptr) cudaFreeHost(data_);
+  }
   PinnedBytes(PinnedBytes&& o) noexcept : data_(std::exchange(o.data_, nullptr)) {}
   PinnedBytes& operator=(PinnedBytes&& o) noexcept {
     std::swap(data_, o.data_);
