@@ -325,111 +325,109 @@ __device__ void group_softmax_rank(Shared& s, const Row& row, const SelectRows& 
 // Thread i of a row writes the group's logits of candidate i at the row's
 // scratch + g * slice + i, for i < count(n) (the candidates its Select
 // kernel scores), from the candidate's summary rows (kArrays of head_dim
-// floats). Two forms of one rule: staged, a warp a block over 32 candidates
-// whose rows it first copies into shared memory with coalesced loads (a
-// thread reading its own row from global memory makes each warp load touch
-// 32 rows); plain, a thread a candidate straight from global memory, for
-// rows too long to stage.
+// floats). A warp a block takes 32 candidates and walks their rows a piece
+// of kLogitPiece dimensions at a time: the warp copies the piece of each
+// row into shared memory with coalesced loads (a thread reading its own row
+// from global memory would make each warp load touch 32 rows), then each
+// thread adds its candidate's piece to its heads' sums (the rules'
+// *GroupLogits, which carry the sums across pieces). A piece rather than
+// the whole row keeps a block at 8 KB of shared memory whatever head_dim,
+// so that about 27 warps share an SM instead of 6 (whole Quest rows of
+// head_dim 128 took 33 KB a warp).
 
 struct QuestLogits {
   static constexpr std::uint32_t kArrays = 2;  // min, max
+  using Group = QuestGroupLogits;
   QuestSelect quest;
   float scale;
   __device__ std::uint32_t count(std::uint32_t n) const { return n > 0 ? n - 1 : 0; }  // all but the newest
   __device__ const float* array(std::uint32_t a) const { return a == 0 ? quest.min : quest.max; }
+  __device__ Group group(const SelectRows& rows, const float* q, std::uint32_t h0) const {
+    return Group(q, rows.group, h0, rows.head_dim, quest.spread, scale);
+  }
+  __device__ void add(Group& g, const float* const* piece, std::uint32_t d0, std::uint32_t d1) const {
+    g.add(piece[0], piece[1], d0, d1);
+  }
   template <class Emit>
-  __device__ void operator()(const SelectRows& rows, const float* const* summary, const float* q, Emit&& emit) const {
-    quest_group_logits(q, rows.group, summary[0], summary[1], rows.head_dim, quest.spread, scale, emit);
+  __device__ void finish(const Group& g, const SelectRows& rows, const float* const* piece, std::uint32_t d0,
+                         std::uint32_t h0, Emit&& emit) const {
+    g.finish(piece[0], piece[1], d0, rows.head_dim, rows.group, h0, emit);
   }
 };
 
 struct ShadowKVLogits {
   static constexpr std::uint32_t kArrays = 1;  // the landmark
+  using Group = ShadowKVGroupLogits;
   const float* landmarks;
   float scale;
   __device__ std::uint32_t count(std::uint32_t n) const { return n; }
   __device__ const float* array(std::uint32_t) const { return landmarks; }
+  __device__ Group group(const SelectRows& rows, const float* q, std::uint32_t h0) const {
+    return Group(q, rows.group, h0, rows.head_dim, scale);
+  }
+  __device__ void add(Group& g, const float* const* piece, std::uint32_t d0, std::uint32_t d1) const {
+    g.add(piece[0], d0, d1);
+  }
   template <class Emit>
-  __device__ void operator()(const SelectRows& rows, const float* const* summary, const float* q, Emit&& emit) const {
-    shadowkv_group_logits(q, rows.group, summary[0], rows.head_dim, scale, emit);
+  __device__ void finish(const Group& g, const SelectRows& rows, const float* const*, std::uint32_t,
+                         std::uint32_t h0, Emit&& emit) const {
+    g.finish(rows.group, h0, emit);
   }
 };
 
-constexpr std::uint32_t kStagedCandidates = kWarp;  // a block
-constexpr std::size_t kStagedSharedLimit = 48 * 1024;
+constexpr std::uint32_t kLogitCandidates = kWarp;  // a block
 constexpr std::uint32_t kMaxGridY = 65535;
-
-// A staged row's stride in floats: odd, so that the 32 lanes reading
-// dimension d of their own rows hit 32 different banks.
-__host__ __device__ constexpr std::uint32_t staged_stride(std::uint32_t head_dim) { return head_dim | 1u; }
-
-// Candidate i of row r: its logits from its summary rows, written for each q head.
-template <class Logits>
-__device__ void write_candidate_logits(const SelectRows& rows, const Logits& logits, const Workspace& w,
-                                       std::uint32_t r, std::uint32_t i, const float* const* summary) {
-  float* out = w.scratch + static_cast<std::size_t>(r) * w.logits * w.slice + i;
-  const float* q = rows.q + static_cast<std::size_t>(r) * rows.group * rows.head_dim;
-  logits(rows, summary, q, [&](std::uint32_t g, float x) { out[g * w.slice] = x; });
-}
+// A staged piece's stride in floats: odd, so that the 32 lanes reading
+// dimension d of their own candidates hit 32 different banks.
+constexpr std::uint32_t kPieceStride = kLogitPiece + 1;
 
 template <class Logits>
-__global__ void __launch_bounds__(kThreads) select_logits_kernel(SelectRows rows, Logits logits, Workspace w) {
-  const std::uint32_t r = blockIdx.x;
-  const SelectRowSpan span = select_row_span(rows.first[r], rows.count[r], rows.max_row_candidates, rows.candidates);
-  const std::uint32_t i = blockIdx.y * kThreads + threadIdx.x;
-  if (i >= logits.count(span.n)) return;
-  const std::size_t at = (static_cast<std::size_t>(span.first) + i) * rows.head_dim;
-  const float* summary[Logits::kArrays];
-  for (std::uint32_t a = 0; a < Logits::kArrays; ++a) summary[a] = logits.array(a) + at;
-  write_candidate_logits(rows, logits, w, r, i, summary);
-}
-
-template <class Logits>
-__global__ void __launch_bounds__(kStagedCandidates)
-    select_logits_staged_kernel(SelectRows rows, Logits logits, Workspace w) {
-  extern __shared__ float staged[];  // [kArrays][kStagedCandidates][staged_stride]
+__global__ void __launch_bounds__(kLogitCandidates) select_logits_kernel(SelectRows rows, Logits logits, Workspace w) {
+  __shared__ float staged[Logits::kArrays][kLogitCandidates][kPieceStride];
   const std::uint32_t r = blockIdx.x;
   const SelectRowSpan span = select_row_span(rows.first[r], rows.count[r], rows.max_row_candidates, rows.candidates);
   const std::uint32_t count = logits.count(span.n);
-  const std::uint32_t i0 = blockIdx.y * kStagedCandidates;
+  const std::uint32_t i0 = blockIdx.y * kLogitCandidates;
   if (i0 >= count) return;  // the whole block
-  const std::uint32_t here = min(kStagedCandidates, count - i0);
-  const std::uint32_t dim = rows.head_dim, stride = staged_stride(dim);
+  const std::uint32_t here = min(kLogitCandidates, count - i0);
+  const std::uint32_t dim = rows.head_dim;
   const std::uint32_t lane = threadIdx.x;
-  for (std::uint32_t a = 0; a < Logits::kArrays; ++a) {
-    const float* source = logits.array(a) + (static_cast<std::size_t>(span.first) + i0) * dim;
-    for (std::uint32_t c = 0; c < here; ++c) {
-      float* row = staged + (a * kStagedCandidates + c) * stride;
-      for (std::uint32_t d = lane; d < dim; d += kWarp) row[d] = source[static_cast<std::size_t>(c) * dim + d];
+  const float* q = rows.q + static_cast<std::size_t>(r) * rows.group * dim;
+  float* out = w.scratch + static_cast<std::size_t>(r) * w.logits * w.slice + i0 + lane;
+  const float* piece[Logits::kArrays];
+  for (std::uint32_t a = 0; a < Logits::kArrays; ++a) piece[a] = staged[a][lane];
+  for (std::uint32_t h0 = 0; h0 < rows.group; h0 += kLogitHeads) {
+    typename Logits::Group group = logits.group(rows, q, h0);
+    std::uint32_t d0 = 0;
+    for (;; d0 += kLogitPiece) {
+      const std::uint32_t d1 = min(d0 + kLogitPiece, dim);
+      __syncwarp();  // every lane is done with the last piece
+      for (std::uint32_t a = 0; a < Logits::kArrays; ++a) {
+        const float* source = logits.array(a) + (static_cast<std::size_t>(span.first) + i0) * dim;
+        for (std::uint32_t c = 0; c < here; ++c) {
+          if (d0 + lane < d1) staged[a][c][lane] = source[static_cast<std::size_t>(c) * dim + d0 + lane];
+        }
+      }
+      __syncwarp();
+      if (lane < here) logits.add(group, piece, d0, d1);
+      if (d1 == dim) break;
     }
+    if (lane < here) logits.finish(group, rows, piece, d0, h0, [&](std::uint32_t g, float x) { out[g * w.slice] = x; });
   }
-  __syncwarp();
-  if (lane >= here) return;
-  const float* summary[Logits::kArrays];
-  for (std::uint32_t a = 0; a < Logits::kArrays; ++a) summary[a] = staged + (a * kStagedCandidates + lane) * stride;
-  write_candidate_logits(rows, logits, w, r, i0 + lane, summary);
 }
 
-// Enqueues the logits kernel of every row (nothing without candidates):
-// staged when 32 candidates' rows fit the default shared memory.
+// Enqueues the logits kernel of every row (nothing without candidates).
 template <class Logits>
 void launch_select_logits(const char* function, const SelectRows& rows, const Logits& logits, const Workspace& w,
                           cudaStream_t stream) {
+  static_assert(kLogitPiece == kWarp, "a lane copies one dimension of a piece");
   if (rows.rows == 0 || rows.max_row_candidates == 0) return;
-  const std::size_t shared =
-      sizeof(float) * Logits::kArrays * kStagedCandidates * staged_stride(rows.head_dim);
-  const std::uint32_t staged_tiles = (rows.max_row_candidates + kStagedCandidates - 1) / kStagedCandidates;
-  if (shared <= kStagedSharedLimit && staged_tiles <= kMaxGridY) {
-    select_logits_staged_kernel<<<dim3(rows.rows, staged_tiles), kStagedCandidates, shared, stream>>>(rows, logits, w);
-    check_launch(function);
-    return;
-  }
-  const std::uint32_t tiles = (rows.max_row_candidates + kThreads - 1) / kThreads;
+  const std::uint32_t tiles = (rows.max_row_candidates + kLogitCandidates - 1) / kLogitCandidates;
   if (tiles > kMaxGridY) {
     throw_invalid(function, "max_row_candidates " + std::to_string(rows.max_row_candidates) + " exceeds " +
-                                std::to_string(kMaxGridY * kThreads) + " (the logits kernel's grid)");
+                                std::to_string(kMaxGridY * kLogitCandidates) + " (the logits kernel's grid)");
   }
-  select_logits_kernel<<<dim3(rows.rows, tiles), kThreads, 0, stream>>>(rows, logits, w);
+  select_logits_kernel<<<dim3(rows.rows, tiles), kLogitCandidates, 0, stream>>>(rows, logits, w);
   check_launch(function);
 }
 

@@ -59,6 +59,8 @@ namespace {
 // ---- sweeps: emulation against the host policies ------------------------------------
 
 constexpr std::uint32_t kGroups[] = {1, 2, 4, 8};
+// One piece of the logits kernel (8, 32), and three with a tail past the last whole 8 (76).
+constexpr std::uint32_t sweep_head_dim(std::uint32_t group) { return group == 8 ? 8 : group == 2 ? 76 : 32; }
 
 // How a sweep lays its rows out: end to end in row order (a CSR would
 // address them too), or scattered over an arena of fixed-capacity regions
@@ -92,7 +94,7 @@ Sweep quest_sweep(const Emulation& e, std::uint32_t seed, Layout layout = Layout
   Sweep sweep;
   for (const std::uint32_t group : kGroups) {
     for (const std::uint32_t n : {1u, 2u, 19u, 300u, 2300u}) {
-      const LayerContext base = layer_context(2, group == 8 ? 8 : 32, 8, group);
+      const LayerContext base = layer_context(2, sweep_head_dim(group), 8, group);
       std::vector<SelectRequest<QuestPolicy::LayerState>> batch;
       for (int b = 0; b < 2; ++b) batch.push_back(quest_request(base, n, 16, rng));
       const std::uint32_t total = covering(batch[0].state.tokens);
@@ -130,7 +132,7 @@ Sweep shadowkv_sweep(const Emulation& e, std::uint32_t seed, Layout layout = Lay
   Sweep sweep;
   for (const std::uint32_t group : kGroups) {
     for (const std::uint32_t n : {1u, 3u, 40u, 500u, 2200u}) {
-      const LayerContext ctx = layer_context(2, group == 8 ? 8 : 32, 8, group);
+      const LayerContext ctx = layer_context(2, sweep_head_dim(group), 8, group);
       std::vector<SelectRequest<ShadowKVPolicy::LayerState>> batch;
       for (int b = 0; b < 2; ++b) batch.push_back(shadowkv_request(ctx, n, rng));
       const std::uint32_t total = covering(batch[0].state.tokens);
@@ -1093,17 +1095,18 @@ TEST_CASE("shadowkv_logits_simd equals shadowkv_logit bit for bit for every head
   });
 }
 
-TEST_CASE("a candidate's group logits in one pass equal quest_logit and shadowkv_logit bit for bit",
+TEST_CASE("a candidate's group logits, whole or in pieces, equal quest_logit and shadowkv_logit bit for bit",
           "[select-rules]") {
   // What the GPU's logits kernel runs: kLogitHeads heads a pass over the
-  // summary row; groups past it take more passes. NaN, infinities and signed
-  // zeros included.
+  // summary row, which it takes in pieces cut at multiples of 8 (each piece a
+  // copy, as the kernel stages it); groups past kLogitHeads take more passes.
+  // NaN, infinities and signed zeros included.
   std::mt19937 rng(43);
   std::normal_distribution<float> normal;
   const float specials[] = {-0.0f, 0.0f, std::numeric_limits<float>::infinity(),
                             -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
   const auto draw = [&] { return rng() % 23 == 0 ? specials[rng() % 5] : normal(rng) * 2.0f; };
-  for (const std::uint32_t d : {1u, 7u, 8u, 13u, 64u, 100u, 128u}) {
+  for (const std::uint32_t d : {1u, 7u, 8u, 13u, 64u, 100u, 128u, 200u, 256u}) {
     for (const std::uint32_t group : {1u, 2u, 3u, 4u, 5u, 8u, 12u}) {
       for (int trial = 0; trial < 4; ++trial) {
         std::vector<float> q(std::size_t{group} * d), lo(d), hi(d), landmark(d);
@@ -1124,6 +1127,27 @@ TEST_CASE("a candidate's group logits in one pass equal quest_logit and shadowkv
                            });
         shadowkv_group_logits(q.data(), group, landmark.data(), d, logit_scale(d),
                               [&](std::uint32_t g, float x) { shadow[g] = x; });
+        // The same in pieces of 8 x (1..5) dimensions, the last one shorter.
+        std::vector<float> quest_pieces(group, -7.0f), shadow_pieces(group, -7.0f);
+        for (std::uint32_t h0 = 0; h0 < group; h0 += kLogitHeads) {
+          QuestGroupLogits pieced_quest(q.data(), group, h0, d, spread, logit_scale(d));
+          ShadowKVGroupLogits pieced_shadow(q.data(), group, h0, d, logit_scale(d));
+          std::vector<float> lo_piece, hi_piece, landmark_piece;
+          std::uint32_t d0 = 0;
+          for (;;) {
+            const std::uint32_t d1 = std::min<std::uint32_t>(d0 + 8 * (1 + rng() % 5), d);
+            lo_piece.assign(lo.begin() + d0, lo.begin() + d1);
+            hi_piece.assign(hi.begin() + d0, hi.begin() + d1);
+            landmark_piece.assign(landmark.begin() + d0, landmark.begin() + d1);
+            pieced_quest.add(lo_piece.data(), hi_piece.data(), d0, d1);
+            pieced_shadow.add(landmark_piece.data(), d0, d1);
+            if (d1 == d) break;
+            d0 = d1;
+          }
+          pieced_quest.finish(lo_piece.data(), hi_piece.data(), d0, d, group, h0,
+                              [&](std::uint32_t g, float x) { quest_pieces[g] = x; });
+          pieced_shadow.finish(group, h0, [&](std::uint32_t g, float x) { shadow_pieces[g] = x; });
+        }
         for (std::uint32_t g = 0; g < group; ++g) {
           CAPTURE(d, group, trial, g);
           REQUIRE(emitted[g] == 1);
@@ -1131,16 +1155,13 @@ TEST_CASE("a candidate's group logits in one pass equal quest_logit and shadowkv
           const float want_quest = quest_logit(qh, lo.data(), hi.data(), d, spread, logit_scale(d));
           const float want_shadow = shadowkv_logit(qh, landmark.data(), d, logit_scale(d));
           // Bits, but a NaN only as a NaN: its payload is the platform's (GPUs return one pattern).
-          if (std::isnan(want_quest)) {
-            REQUIRE(std::isnan(quest[g]));
-          } else {
-            REQUIRE(std::bit_cast<std::uint32_t>(quest[g]) == std::bit_cast<std::uint32_t>(want_quest));
-          }
-          if (std::isnan(want_shadow)) {
-            REQUIRE(std::isnan(shadow[g]));
-          } else {
-            REQUIRE(std::bit_cast<std::uint32_t>(shadow[g]) == std::bit_cast<std::uint32_t>(want_shadow));
-          }
+          const auto same = [](float got, float want) {
+            return std::isnan(want) ? std::isnan(got) : std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want);
+          };
+          REQUIRE(same(quest[g], want_quest));
+          REQUIRE(same(quest_pieces[g], want_quest));
+          REQUIRE(same(shadow[g], want_shadow));
+          REQUIRE(same(shadow_pieces[g], want_shadow));
         }
       }
     }

@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -181,13 +182,35 @@ void emulated_group_softmax_rank(const HostRows& rows, std::uint32_t r, std::uin
   emulated_softmax_shares(rows, m, logits, scores);
 }
 
-// select_logits_kernel for row r: thread i < m writes the group's logits of
-// candidate i, all heads in one pass (logits(q, i, emit)), at logits[g * m + i].
-template <class Logits>
-std::vector<float> emulated_logits_kernel(const HostRows& rows, std::uint32_t r, std::uint32_t m, Logits logits) {
+// select_logits_kernel for row r: thread i < m takes candidate i's summary
+// rows (arrays[a] + (first + i) * head_dim) a piece of kLogitPiece dimensions
+// at a time, as the warp stages them, into the sums of each kLogitHeads of
+// the group (make(q, h0), add(group, piece, d0, d1), then finish(group,
+// last piece, its d0, h0, emit)); the logits at logits[g * m + i].
+template <std::size_t kArrays, class Make, class Add, class Finish>
+std::vector<float> emulated_logits_kernel(const HostRows& rows, std::uint32_t r, std::uint32_t first, std::uint32_t m,
+                                          const std::array<const float*, kArrays>& arrays, Make make, Add add,
+                                          Finish finish) {
+  const std::uint32_t dim = rows.head_dim;
   std::vector<float> out(std::size_t{rows.group} * m, 0.0f);
+  std::array<std::array<float, kLogitPiece>, kArrays> staged{};
+  const float* piece[kArrays];
+  for (std::size_t a = 0; a < kArrays; ++a) piece[a] = staged[a].data();
   for (std::uint32_t i = 0; i < m; ++i) {
-    logits(row_q(rows, r), i, [&](std::uint32_t g, float x) { out[std::size_t{g} * m + i] = x; });
+    for (std::uint32_t h0 = 0; h0 < rows.group; h0 += kLogitHeads) {
+      auto group = make(row_q(rows, r), h0);
+      std::uint32_t d0 = 0;
+      for (;; d0 += kLogitPiece) {
+        const std::uint32_t d1 = std::min(d0 + kLogitPiece, dim);
+        for (std::size_t a = 0; a < kArrays; ++a) {
+          const float* row = arrays[a] + (std::size_t{first} + i) * dim;
+          std::copy(row + d0, row + d1, staged[a].begin());
+        }
+        add(group, piece, d0, d1);
+        if (d1 == dim) break;
+      }
+      finish(group, piece, d0, h0, [&](std::uint32_t g, float x) { out[std::size_t{g} * m + i] = x; });
+    }
   }
   return out;
 }
@@ -199,10 +222,14 @@ inline std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows
   if (quest.dense_layer || row_total(rows, span) <= quest.budget_tokens) return row_partitions(rows, span);
   const std::uint32_t newest = n - 1;
   const float scale = logit_scale(dim);
-  const std::vector<float> logits =
-      emulated_logits_kernel(rows, r, newest, [&](const float* q, std::uint32_t i, auto&& emit) {
-        const std::size_t at = (std::size_t{first} + i) * dim;
-        quest_group_logits(q, rows.group, rows.a.data() + at, rows.b.data() + at, dim, quest.spread, scale, emit);
+  const std::vector<float> logits = emulated_logits_kernel<2>(
+      rows, r, first, newest, {rows.a.data(), rows.b.data()},
+      [&](const float* q, std::uint32_t h0) { return QuestGroupLogits(q, rows.group, h0, dim, quest.spread, scale); },
+      [](QuestGroupLogits& g, const float* const* piece, std::uint32_t d0, std::uint32_t d1) {
+        g.add(piece[0], piece[1], d0, d1);
+      },
+      [&](const QuestGroupLogits& g, const float* const* piece, std::uint32_t d0, std::uint32_t h0, auto&& emit) {
+        g.finish(piece[0], piece[1], d0, dim, rows.group, h0, emit);
       });
   std::vector<float> scores;
   emulated_softmax_shares(rows, newest, logits, scores);
@@ -258,10 +285,15 @@ inline std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostR
   emulated_ranked_fill(
       e, n, tokens, outliers, [&](std::uint32_t i) { return -rows.b[first + i]; }, untaken, take);
   const float scale = logit_scale(dim);
-  const auto candidate_logits = [&](const float* q, std::uint32_t i, auto&& emit) {
-    shadowkv_group_logits(q, rows.group, rows.a.data() + (std::size_t{first} + i) * dim, dim, scale, emit);
-  };
-  const std::vector<float> logits = emulated_logits_kernel(rows, r, n, candidate_logits);
+  const std::vector<float> logits = emulated_logits_kernel<1>(
+      rows, r, first, n, {rows.a.data()},
+      [&](const float* q, std::uint32_t h0) { return ShadowKVGroupLogits(q, rows.group, h0, dim, scale); },
+      [](ShadowKVGroupLogits& g, const float* const* piece, std::uint32_t d0, std::uint32_t d1) {
+        g.add(piece[0], d0, d1);
+      },
+      [&](const ShadowKVGroupLogits& g, const float* const*, std::uint32_t, std::uint32_t h0, auto&& emit) {
+        g.finish(rows.group, h0, emit);
+      });
   for (std::uint32_t g = 0; g < rows.group; ++g) {
     for (std::uint32_t i = 0; i < n; ++i) {
       if (untaken(i)) scratch[i] = logits[std::size_t{g} * n + i];

@@ -290,41 +290,87 @@ SPARSEKV_HOST_DEVICE inline float quest_logit(const float* q, const float* min, 
 // What the GPU's logits kernel runs (a thread a candidate): each head's
 // arithmetic is quest_logit's / shadowkv_logit's step for step, but
 // kLogitHeads heads share each pass over the candidate's summary row, so the
-// row is read once for up to kLogitHeads heads instead of once a head.
+// row is read once for up to kLogitHeads heads instead of once a head. The
+// kernel holds a piece of kLogitPiece dimensions of its candidates' rows at a
+// time (QuestGroupLogits / ShadowKVGroupLogits take the row piece by piece);
+// the sums carry from piece to piece, so any cut gives the same bits.
 // q: [count][head_dim]; emit(h, logit) for h < count.
 inline constexpr std::uint32_t kLogitHeads = 4;
+inline constexpr std::uint32_t kLogitPiece = 32;  // a multiple of lane_order_sum's 8 lanes
 
-// lane_order_sum of term(h, d) for the heads h < kLogitHeads at once.
-template <class Term>
-SPARSEKV_HOST_DEVICE inline void lane_order_sums(std::uint32_t head_dim, Term&& term, float* sums) {
+// lane_order_sum of term(h, d) for the heads h < kLogitHeads at once, in
+// pieces: add() the whole blocks of eight in [d0, d1) (d0 a multiple of 8),
+// in order, then finish() reduces the lanes and adds the dimensions past
+// the last whole block.
+struct LaneOrderSums {
   float lanes[kLogitHeads][8] = {};
-  std::uint32_t d = 0;
-  for (; d + 8 <= head_dim; d += 8) {
-    for (std::uint32_t j = 0; j < 8; ++j) {
-      for (std::uint32_t h = 0; h < kLogitHeads; ++h) lanes[h][j] = add_rn(lanes[h][j], term(h, d + j));
+  template <class Term>
+  SPARSEKV_HOST_DEVICE void add(std::uint32_t d0, std::uint32_t d1, Term&& term) {
+    for (std::uint32_t d = d0; d + 8 <= d1; d += 8) {
+      for (std::uint32_t j = 0; j < 8; ++j) {
+        for (std::uint32_t h = 0; h < kLogitHeads; ++h) lanes[h][j] = add_rn(lanes[h][j], term(h, d + j));
+      }
     }
   }
-  for (std::uint32_t h = 0; h < kLogitHeads; ++h) {
-    float half[4];
-    for (std::uint32_t j = 0; j < 4; ++j) half[j] = add_rn(lanes[h][j], lanes[h][j + 4]);
-    sums[h] = add_rn(add_rn(half[0], half[2]), add_rn(half[1], half[3]));
+  template <class Term>
+  SPARSEKV_HOST_DEVICE void finish(std::uint32_t head_dim, Term&& term, float* sums) const {
+    for (std::uint32_t h = 0; h < kLogitHeads; ++h) {
+      float half[4];
+      for (std::uint32_t j = 0; j < 4; ++j) half[j] = add_rn(lanes[h][j], lanes[h][j + 4]);
+      sums[h] = add_rn(add_rn(half[0], half[2]), add_rn(half[1], half[3]));
+    }
+    for (std::uint32_t d = head_dim / 8 * 8; d < head_dim; ++d) {
+      for (std::uint32_t h = 0; h < kLogitHeads; ++h) sums[h] = add_rn(sums[h], term(h, d));
+    }
   }
-  for (; d < head_dim; ++d) {
-    for (std::uint32_t h = 0; h < kLogitHeads; ++h) sums[h] = add_rn(sums[h], term(h, d));
+};
+
+// The q rows of heads [h0, h0 + kLogitHeads), the heads past `count` reading head h0's.
+struct LogitHeads {
+  const float* q[kLogitHeads];
+  SPARSEKV_HOST_DEVICE LogitHeads(const float* queries, std::uint32_t count, std::uint32_t h0,
+                                  std::uint32_t head_dim) {
+    for (std::uint32_t h = 0; h < kLogitHeads; ++h) {
+      q[h] = queries + std::size_t{h0 + (h0 + h < count ? h : 0)} * head_dim;
+    }
   }
-}
+};
+
+// quest_logit of heads [h0, h0 + kLogitHeads) of `count`, the row taken in
+// pieces [d0, d1) cut at multiples of 8, in order: min / max point at the
+// piece's first dimension (min[d - d0]). finish() takes the last piece.
+struct QuestGroupLogits {
+  LogitHeads heads;
+  float spread, scale;
+  LaneOrderSums sums;
+  SPARSEKV_HOST_DEVICE QuestGroupLogits(const float* q, std::uint32_t count, std::uint32_t h0, std::uint32_t head_dim,
+                                        float spread_, float scale_)
+      : heads(q, count, h0, head_dim), spread(spread_), scale(scale_) {}
+  SPARSEKV_HOST_DEVICE void add(const float* min, const float* max, std::uint32_t d0, std::uint32_t d1) {
+    sums.add(d0, d1, [&](std::uint32_t h, std::uint32_t d) {
+      return quest_term(heads.q[h][d], min[d - d0], max[d - d0], spread);
+    });
+  }
+  template <class Emit>
+  SPARSEKV_HOST_DEVICE void finish(const float* min, const float* max, std::uint32_t d0, std::uint32_t head_dim,
+                                   std::uint32_t count, std::uint32_t h0, Emit&& emit) const {
+    float total[kLogitHeads];
+    sums.finish(
+        head_dim,
+        [&](std::uint32_t h, std::uint32_t d) { return quest_term(heads.q[h][d], min[d - d0], max[d - d0], spread); },
+        total);
+    for (std::uint32_t h = 0; h < kLogitHeads && h0 + h < count; ++h) emit(h0 + h, mul_rn(total[h], scale));
+  }
+};
 
 template <class Emit>
 SPARSEKV_HOST_DEVICE inline void quest_group_logits(const float* q, std::uint32_t count, const float* min,
                                                     const float* max, std::uint32_t head_dim, float spread,
                                                     float scale, Emit&& emit) {
   for (std::uint32_t h0 = 0; h0 < count; h0 += kLogitHeads) {
-    const float* qh[kLogitHeads];
-    for (std::uint32_t h = 0; h < kLogitHeads; ++h) qh[h] = q + std::size_t{h0 + (h0 + h < count ? h : 0)} * head_dim;
-    float sums[kLogitHeads];
-    lane_order_sums(
-        head_dim, [&](std::uint32_t h, std::uint32_t d) { return quest_term(qh[h][d], min[d], max[d], spread); }, sums);
-    for (std::uint32_t h = 0; h < kLogitHeads && h0 + h < count; ++h) emit(h0 + h, mul_rn(sums[h], scale));
+    QuestGroupLogits group(q, count, h0, head_dim, spread, scale);
+    group.add(min, max, 0, head_dim);
+    group.finish(min, max, 0, head_dim, count, h0, emit);
   }
 }
 
@@ -374,6 +420,26 @@ SPARSEKV_HOST_DEVICE inline float shadowkv_logit(const float* q, const float* la
   return mul_rn(scale, dot_in_order(q, landmark, head_dim));
 }
 
+// shadowkv_logit of heads [h0, h0 + kLogitHeads) of `count`, the landmark
+// taken in pieces [d0, d1) in order (landmark[d - d0]).
+struct ShadowKVGroupLogits {
+  LogitHeads heads;
+  float scale;
+  float acc[kLogitHeads] = {};
+  SPARSEKV_HOST_DEVICE ShadowKVGroupLogits(const float* q, std::uint32_t count, std::uint32_t h0,
+                                           std::uint32_t head_dim, float scale_)
+      : heads(q, count, h0, head_dim), scale(scale_) {}
+  SPARSEKV_HOST_DEVICE void add(const float* landmark, std::uint32_t d0, std::uint32_t d1) {
+    for (std::uint32_t d = d0; d < d1; ++d) {
+      for (std::uint32_t h = 0; h < kLogitHeads; ++h) acc[h] = dot_step(acc[h], heads.q[h][d], landmark[d - d0]);
+    }
+  }
+  template <class Emit>
+  SPARSEKV_HOST_DEVICE void finish(std::uint32_t count, std::uint32_t h0, Emit&& emit) const {
+    for (std::uint32_t h = 0; h < kLogitHeads && h0 + h < count; ++h) emit(h0 + h, mul_rn(scale, acc[h]));
+  }
+};
+
 // shadowkv_logit of `count` heads (q: [count][head_dim]) in one pass over the
 // landmark, kLogitHeads at a time; emit(h, logit).
 template <class Emit>
@@ -381,13 +447,9 @@ SPARSEKV_HOST_DEVICE inline void shadowkv_group_logits(const float* q, std::uint
                                                        const float* landmark, std::uint32_t head_dim, float scale,
                                                        Emit&& emit) {
   for (std::uint32_t h0 = 0; h0 < count; h0 += kLogitHeads) {
-    const float* qh[kLogitHeads];
-    for (std::uint32_t h = 0; h < kLogitHeads; ++h) qh[h] = q + std::size_t{h0 + (h0 + h < count ? h : 0)} * head_dim;
-    float acc[kLogitHeads] = {};
-    for (std::uint32_t d = 0; d < head_dim; ++d) {
-      for (std::uint32_t h = 0; h < kLogitHeads; ++h) acc[h] = dot_step(acc[h], qh[h][d], landmark[d]);
-    }
-    for (std::uint32_t h = 0; h < kLogitHeads && h0 + h < count; ++h) emit(h0 + h, mul_rn(scale, acc[h]));
+    ShadowKVGroupLogits group(q, count, h0, head_dim, scale);
+    group.add(landmark, 0, head_dim);
+    group.finish(count, h0, emit);
   }
 }
 
