@@ -9,8 +9,13 @@
 //  - host_ms: the host's wall time in Manager::decode in those steps (its
 //    checks and bookkeeping, then the launches; the stream starts the step's
 //    kernels only as they are enqueued). On an H100, step_ms minus the stage
-//    times came to 1.8-3.4 ms at every batch: host_ms says how much of it is
-//    the host's part;
+//    times came to 1.8-3.4 ms at every batch, and host_ms (a second run)
+//    1.9-2.8 ms: the step is host-bound;
+//  - runtime_host_ms: of that, the device runtime's part (DeviceStageTimes::
+//    host_step_ms: argument slot to the last enqueue), and host_append_ms /
+//    host_select_ms / host_lru_ms / host_gather_ms / host_attend_ms its host
+//    time enqueuing each stage; host_ms - runtime_host_ms is the Manager's
+//    and DeviceStep's checks and bookkeeping;
 //  - append_ms / select_ms / lru_ms / gather_ms / attend_ms: the split of
 //    the step's stream time (DeviceRuntime::time_stages), over kTimedSteps
 //    further steps with stage timing on -- a separate run, so that step_ms is
@@ -279,6 +284,12 @@ SparseRun run_sparse(const Policy& policy, std::uint32_t batch, std::uint32_t co
   r.stages.lru_ms = (stages_after.lru_ms - stages_before.lru_ms) / timed;
   r.stages.gather_ms = (stages_after.gather_ms - stages_before.gather_ms) / timed;
   r.stages.attend_ms = (stages_after.attend_ms - stages_before.attend_ms) / timed;
+  r.stages.host_append_ms = (stages_after.host_append_ms - stages_before.host_append_ms) / timed;
+  r.stages.host_select_ms = (stages_after.host_select_ms - stages_before.host_select_ms) / timed;
+  r.stages.host_lru_ms = (stages_after.host_lru_ms - stages_before.host_lru_ms) / timed;
+  r.stages.host_gather_ms = (stages_after.host_gather_ms - stages_before.host_gather_ms) / timed;
+  r.stages.host_attend_ms = (stages_after.host_attend_ms - stages_before.host_attend_ms) / timed;
+  r.stages.host_step_ms = (stages_after.host_step_ms - stages_before.host_step_ms) / timed;
   const double hits = double(after.cache.hit_pages - before.cache.hit_pages);
   const double misses = double(after.cache.miss_pages - before.cache.miss_pages);
   r.selected_pages = (hits + misses) / kTimedSteps;
@@ -349,6 +360,12 @@ void decode_step(benchmark::State& state, const Policy& policy, std::uint32_t su
   state.counters["select_ms"] = r.stages.select_ms;
   state.counters["lru_ms"] = r.stages.lru_ms;
   state.counters["gather_ms"] = r.stages.gather_ms;
+  state.counters["runtime_host_ms"] = r.stages.host_step_ms;
+  state.counters["host_append_ms"] = r.stages.host_append_ms;
+  state.counters["host_select_ms"] = r.stages.host_select_ms;
+  state.counters["host_lru_ms"] = r.stages.host_lru_ms;
+  state.counters["host_gather_ms"] = r.stages.host_gather_ms;
+  state.counters["host_attend_ms"] = r.stages.host_attend_ms;
   state.counters["attend_ms"] = r.stages.attend_ms;
   state.counters["floor_ms"] = floor_ms;
   state.counters["step_over_floor"] = r.step_ms / floor_ms;

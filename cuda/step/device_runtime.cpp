@@ -171,8 +171,9 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     const auto stream = static_cast<cudaStream_t>(step.stream);
     const std::uint32_t rows = step.batch * setup_.shape.kv_heads;
     // 0. The step's arguments, written into a ring slot no launch still reads.
+    const auto entered = StageTimer::Clock::now();
     const ArgumentRing::Slot slot = ring_.acquire(stream_capturing(stream), past_);
-    timer_.begin(slot);
+    timer_.begin(slot, entered);
     timer_.mark(StageTimer::start, stream);
     fill_arguments(step, slot.args);
     refresh_chunks();
@@ -197,6 +198,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
                   "cudaMemcpyAsync D2H");
     check_runtime(cudaMemsetAsync(error_.as<void>(), 0xff, sizeof(std::uint64_t), stream), "cudaMemsetAsync");
     ring_.enqueued(slot, stream);
+    timer_.end();
   }
 
   DeviceAttendPlan plan() const override {

@@ -21,14 +21,34 @@ void StageTimer::enable(bool on) {
   enabled_ = on;
 }
 
-void StageTimer::begin(const ArgumentRing::Slot& slot) {
+namespace {
+
+double ms_between(StageTimer::Clock::time_point a, StageTimer::Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
+
+void StageTimer::begin(const ArgumentRing::Slot& slot, Clock::time_point entered) {
   timing_ = enabled_ && !slot.captured;
   slot_ = slot.index;
   if (!slot.captured) timed_[slot.index] = timing_;
+  entered_ = last_ = entered;
 }
 
 void StageTimer::mark(Mark mark, cudaStream_t stream) {
-  if (timing_) check_runtime(cudaEventRecord(events_[slot_][mark], stream), "cudaEventRecord");
+  if (!timing_) return;
+  check_runtime(cudaEventRecord(events_[slot_][mark], stream), "cudaEventRecord");
+  if (mark == start) return;  // the slot, the arguments and their copy count as append's
+  const Clock::time_point now = Clock::now();
+  double* const host[kMarks] = {nullptr,           &totals_.host_append_ms, &totals_.host_select_ms,
+                                &totals_.host_lru_ms, &totals_.host_gather_ms, &totals_.host_attend_ms};
+  *host[mark] += ms_between(last_, now);
+  last_ = now;
+}
+
+void StageTimer::end() {
+  if (timing_) totals_.host_step_ms += ms_between(entered_, Clock::now());
 }
 
 void StageTimer::past(std::size_t slot) {

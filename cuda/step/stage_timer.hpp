@@ -2,11 +2,13 @@
 // Opt-in timing of the device step's stages (DeviceRuntime::time_stages,
 // DeviceStageTimes): cudaEvents recorded on the step's stream at the stage
 // boundaries, one set per argument-ring slot, read when the ring reports the
-// slot's step past -- no host sync added to a step. Steps captured into a
-// CUDA graph are not timed. Private to cuda/step/.
+// slot's step past -- no host sync added to a step -- and the host's wall
+// time to enqueue each stage, read from a steady clock at the same marks.
+// Steps captured into a CUDA graph are not timed. Private to cuda/step/.
 #include <cuda_runtime.h>
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 
 #include "argument_ring.hpp"
@@ -26,9 +28,13 @@ class StageTimer {
 
   // Later eager steps are timed (on) or not; the events are made at the first `on`.
   void enable(bool on);
-  // The step about to be enqueued in `slot`: timed when enabled and eager.
-  void begin(const ArgumentRing::Slot& slot);
+  using Clock = std::chrono::steady_clock;
+  // The step about to be enqueued in `slot`, entered at `entered`: timed when
+  // enabled and eager.
+  void begin(const ArgumentRing::Slot& slot, Clock::time_point entered);
   void mark(Mark mark, cudaStream_t stream);
+  // The step is enqueued: its host time joins the totals.
+  void end();
   // The step of ring slot `slot` is past: its stage times join the totals.
   void past(std::size_t slot);
   const DeviceStageTimes& totals() const noexcept { return totals_; }
@@ -37,6 +43,7 @@ class StageTimer {
   bool enabled_ = false;
   bool timing_ = false;  // the step being enqueued
   std::size_t slot_ = 0;
+  Clock::time_point entered_, last_;  // the step's entry, its last mark
   std::array<std::array<cudaEvent_t, kMarks>, ArgumentRing::kSlots> events_{};
   std::array<bool, ArgumentRing::kSlots> timed_{};
   DeviceStageTimes totals_;

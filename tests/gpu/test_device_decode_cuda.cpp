@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <random>
@@ -357,7 +358,10 @@ TEST_CASE("device-tensor decode: opt-in stage timing splits the steps' stream ti
   check(cudaEventCreate(&start));
   check(cudaEventCreate(&stop));
   check(cudaEventRecord(start, stream.stream));
+  const auto host_start = std::chrono::steady_clock::now();
   for (int s = 0; s < 6; ++s) m.decode(batch, s % 3, q.data, k.data, v.data, out.data, stream.stream);
+  const double host_decode_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_start).count();
   check(cudaEventRecord(stop, stream.stream));
   const DeviceStageTimes t = m.device_stage_times();
   float wall = 0;
@@ -366,6 +370,13 @@ TEST_CASE("device-tensor decode: opt-in stage timing splits the steps' stream ti
   for (const double ms : {t.append_ms, t.select_ms, t.lru_ms, t.gather_ms, t.attend_ms}) REQUIRE(ms > 0);
   // The stages tile each step's stream time, which the events around all steps contain.
   REQUIRE(t.append_ms + t.select_ms + t.lru_ms + t.gather_ms + t.attend_ms <= double(wall) * 1.001 + 1e-3);
+  // The host's enqueue times: each stage's, within the runtime's whole step, within the host's calls.
+  const double host_stages = t.host_append_ms + t.host_select_ms + t.host_lru_ms + t.host_gather_ms + t.host_attend_ms;
+  for (const double ms : {t.host_append_ms, t.host_select_ms, t.host_lru_ms, t.host_gather_ms, t.host_attend_ms}) {
+    REQUIRE(ms > 0);
+  }
+  REQUIRE(host_stages <= t.host_step_ms);
+  REQUIRE(t.host_step_ms <= host_decode_ms);
   m.time_device_stages(false);
   m.decode(batch, 1, q.data, k.data, v.data, out.data, stream.stream);
   REQUIRE(m.device_stage_times().steps == 6);

@@ -83,7 +83,14 @@ struct DeviceStepInput {
 // the step) is not in it.
 struct DeviceStageTimes {
   std::uint64_t steps = 0;  // timed steps completed
+  // Stream time of each stage, between events recorded at its ends.
   double append_ms = 0, select_ms = 0, lru_ms = 0, gather_ms = 0, attend_ms = 0;
+  // Host wall time the runtime spent enqueuing each stage (append's from the
+  // step's entry: the argument slot and its copy included), and its whole
+  // step, entry to return: beside the stream times, where a host-bound step
+  // spends its time.
+  double host_append_ms = 0, host_select_ms = 0, host_lru_ms = 0, host_gather_ms = 0, host_attend_ms = 0;
+  double host_step_ms = 0;
 };
 
 class DeviceRuntime {
