@@ -332,7 +332,8 @@ __device__ void group_softmax_rank(Shared& s, const Row& row, const SelectRows& 
 // thread adds its candidate's piece to its heads' sums (the rules'
 // *GroupLogits, which carry the sums across pieces). A piece rather than
 // the whole row keeps a block at 8 KB of shared memory whatever head_dim,
-// so that about 27 warps share an SM instead of 6 (whole Quest rows of
+// so that registers, not shared memory, bound the warps an SM holds (21
+// for Quest at 90 registers, against 6 when whole Quest rows of
 // head_dim 128 took 33 KB a warp).
 
 struct QuestLogits {
