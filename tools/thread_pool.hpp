@@ -3,6 +3,8 @@
 // keeps them (llama.cpp's pool runs every graph node on all its threads):
 // `threads - 1` workers that live as long as the pool, the caller taking
 // part as the last one. parallel_for has the shape of sparsekv::StepExecutor.
+// Between calls the workers, and the caller waiting for them, poll before
+// they sleep (spin_wait.hpp): a step's phases are short.
 // The library itself starts no threads; the examples, tools and tests that
 // play an engine use this one.
 #include <atomic>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "sparsekv/step/step_executor.hpp"
+#include "spin_wait.hpp"
 
 namespace sparsekv::tools {
 
@@ -26,7 +29,7 @@ class ThreadPool {
   ~ThreadPool() {
     {
       const std::lock_guard lock(mutex_);
-      stop_ = true;
+      stop_.store(true);
     }
     wake_.notify_all();
     for (std::thread& t : workers_) t.join();
@@ -48,13 +51,14 @@ class ThreadPool {
       body_ = &body;
       n_ = n;
       next_.store(0, std::memory_order_relaxed);
-      busy_ = workers_.size();
-      ++generation_;
+      busy_.store(workers_.size(), std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     run();
+    spin_until([this] { return busy_.load(std::memory_order_acquire) == 0; });
     std::unique_lock lock(mutex_);
-    done_.wait(lock, [this] { return busy_ == 0; });
+    done_.wait(lock, [this] { return busy_.load(std::memory_order_acquire) == 0; });
     body_ = nullptr;
   }
 
@@ -72,24 +76,28 @@ class ThreadPool {
   }
   void work() {
     std::uint64_t seen = 0;
-    std::unique_lock lock(mutex_);
     for (;;) {
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      lock.unlock();
+      spin_until([&] { return generation_.load(std::memory_order_acquire) != seen || stop_.load(); });
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+        if (stop_.load()) return;
+        seen = generation_.load();
+      }
       run();
-      lock.lock();
-      if (--busy_ == 0) done_.notify_one();
+      if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        const std::lock_guard lock(mutex_);
+        done_.notify_one();
+      }
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_, done_;
-  bool stop_ = false;
-  std::uint64_t generation_ = 0;
-  std::size_t busy_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<std::size_t> busy_{0};
   const std::function<void(std::size_t)>* body_ = nullptr;
   std::size_t n_ = 0;
   std::atomic<std::size_t> next_{0};

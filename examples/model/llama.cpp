@@ -17,6 +17,7 @@
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/facade/serving_config.hpp"
+#include "spin_wait.hpp"
 
 // Hot loops are compiled per instruction set and picked at load time (GCC
 // function multi-versioning): AVX-512 / AVX2+FMA where the CPU has them,
@@ -34,7 +35,10 @@ namespace {
 // ---- thread pool ------------------------------------------------------------
 // run(fn) calls fn(i) for i in [0, size()) on size() threads (the caller is
 // thread 0) and returns when all are done. A run from inside a run executes
-// serially on the calling thread.
+// serially on the calling thread. A decode step hands the pool many short
+// jobs (each layer's matmuls, sparsekv's select and attend phases), so a
+// worker waiting for the next job, and the caller waiting for the workers,
+// poll before they sleep (tools/spin_wait.hpp).
 class Pool {
  public:
   explicit Pool(unsigned threads) {
@@ -43,7 +47,7 @@ class Pool {
   ~Pool() {
     {
       std::lock_guard lock(m_);
-      stop_ = true;
+      stop_.store(true);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
@@ -58,9 +62,9 @@ class Pool {
     {
       std::lock_guard lock(m_);
       job_ = &fn;
-      pending_ = static_cast<unsigned>(workers_.size());
-      ++generation_;
       error_ = nullptr;
+      pending_.store(static_cast<unsigned>(workers_.size()));
+      generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     std::exception_ptr mine;
@@ -71,9 +75,12 @@ class Pool {
       mine = std::current_exception();
     }
     inside_ = false;
-    std::unique_lock lock(m_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    job_ = nullptr;
+    tools::spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
+    {
+      std::unique_lock lock(m_);
+      done_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+      job_ = nullptr;
+    }
     if (mine) std::rethrow_exception(mine);
     if (error_) std::rethrow_exception(error_);
   }
@@ -82,12 +89,13 @@ class Pool {
   void work(unsigned index) {
     std::uint64_t seen = 0;
     while (true) {
+      tools::spin_until([&] { return generation_.load(std::memory_order_acquire) != seen || stop_.load(); });
       const std::function<void(unsigned)>* job = nullptr;
       {
         std::unique_lock lock(m_);
-        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+        if (stop_.load()) return;
+        seen = generation_.load();
         job = job_;
       }
       inside_ = true;
@@ -98,9 +106,9 @@ class Pool {
         if (!error_) error_ = std::current_exception();
       }
       inside_ = false;
-      {
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         std::lock_guard lock(m_);
-        if (--pending_ == 0) done_.notify_one();
+        done_.notify_one();
       }
     }
   }
@@ -109,9 +117,9 @@ class Pool {
   std::mutex m_;
   std::condition_variable cv_, done_;
   const std::function<void(unsigned)>* job_ = nullptr;
-  std::uint64_t generation_ = 0;
-  unsigned pending_ = 0;
-  bool stop_ = false;
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<unsigned> pending_{0};
+  std::atomic<bool> stop_{false};
   std::exception_ptr error_;
   static thread_local bool inside_;
 };
