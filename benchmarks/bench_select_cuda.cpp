@@ -487,7 +487,7 @@ std::unique_ptr<Setup> make_setup(Kind kind, std::uint32_t rows, std::uint32_t n
       s->capacity = cuda::retroinfer_select_capacity(sr, s->retro);
       summaries = cand * kHeadDim * 4 + double(rows) * 12;
       if (kind == Kind::retroinfer_estimate) {
-        s->estimate_workspace = Buffer<std::byte>(cuda::estimate_workspace_bytes(sr));
+        s->estimate_workspace = Buffer<std::byte>(cuda::select_workspace_bytes(sr));
         const std::size_t terms = std::size_t{rows} * kGroup;
         s->term_max = Buffer<float>(terms);
         s->term_sum = Buffer<float>(terms);

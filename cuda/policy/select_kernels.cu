@@ -752,9 +752,6 @@ void check_positional(const char* function, const SelectRows& rows, const Stream
 std::size_t select_workspace_bytes(const SelectRows& rows) {
   return workspace_bytes(rows.rows, rows.max_row_candidates, rows.group);
 }
-std::size_t estimate_workspace_bytes(const SelectRows& rows) {
-  return workspace_bytes(rows.rows, rows.max_row_candidates, rows.group);
-}
 
 std::uint32_t quest_select_capacity(const SelectRows& rows, const QuestSelect& quest) {
   return capacity(rows, quest.budget_tokens, quest.dense_layer, 0);
@@ -841,7 +838,7 @@ void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroin
                          std::size_t workspace_bytes, void* stream) {
   check_rows("retroinfer_estimate", rows, retroinfer_token_cap(retroinfer.budget_tokens), estimate.selected,
              estimate.selected_count, estimate.max_selected, retroinfer_select_capacity(rows, retroinfer), workspace,
-             workspace_bytes, estimate_workspace_bytes(rows));
+             workspace_bytes, select_workspace_bytes(rows));
   check_retroinfer("retroinfer_estimate", rows, retroinfer);
   // RetroInferPolicy::Options' rule.
   if (!(estimate.estimation_fraction >= 0.0f &&

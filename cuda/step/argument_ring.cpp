@@ -42,7 +42,7 @@ ArgumentRing::ArgumentRing(std::uint32_t max_batch, std::uint32_t rows, std::uin
       errors_(sizeof(std::uint64_t) * kSlots),
       captured_blocks_(std::max(captured_blocks, 1u)) {
   for (auto& slot : slots_) slot = PinnedBytes(layout_.bytes);
-  while (spares_.size() < captured_blocks_) spares_.emplace_back(layout_.bytes + sizeof(std::uint64_t));
+  refill_spares();
   for (auto& e : events_) check_runtime(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   std::fill_n(errors_.as<std::uint64_t>(), kSlots, kNoAppendError);
 }
@@ -62,7 +62,7 @@ ArgumentRing::Slot ArgumentRing::acquire(bool captured, const Past& past) {
     slot.args = captured_.back().as<std::byte>();
     slot.error_word = at<std::uint64_t>(slot.args, layout_.bytes);
   } else {
-    while (spares_.size() < captured_blocks_) spares_.emplace_back(layout_.bytes + sizeof(std::uint64_t));
+    refill_spares();
     slot.index = next_++ % kSlots;
     if (in_flight_[slot.index]) {
       check_runtime(cudaEventSynchronize(events_[slot.index]), "cudaEventSynchronize");  // kSlots steps in flight
@@ -73,6 +73,10 @@ ArgumentRing::Slot ArgumentRing::acquire(bool captured, const Past& past) {
   }
   *slot.error_word = kNoAppendError;
   return slot;
+}
+
+void ArgumentRing::refill_spares() {
+  while (spares_.size() < captured_blocks_) spares_.emplace_back(layout_.bytes + sizeof(std::uint64_t));
 }
 
 void ArgumentRing::check_capture() const {

@@ -80,6 +80,8 @@ class ArgumentRing {
 
  private:
   void report(std::size_t k, const Past& past);
+  // Allocates blocks for captured steps up to captured_blocks_ (never inside a capture).
+  void refill_spares();
 
   ArgsLayout layout_;
   DeviceBytes device_;

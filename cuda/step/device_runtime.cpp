@@ -62,9 +62,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     selected_ = DeviceBytes(sizeof(PartitionId) * max_selected);
     selected_count_ = DeviceBytes(sizeof(std::uint32_t) * rows_);
     select_rows_ = rows_template(rows_);
-    select_workspace_ = DeviceBytes(retroinfer ? std::max(select_workspace_bytes(select_rows_),
-                                                          estimate_workspace_bytes(select_rows_))
-                                               : select_workspace_bytes(select_rows_));
+    select_workspace_ = DeviceBytes(select_workspace_bytes(select_rows_));
     if (retroinfer) {
       const std::size_t terms = std::size_t{setup.max_batch} * s.q_heads;
       extra_max_ = DeviceBytes(sizeof(float) * terms);

@@ -91,7 +91,7 @@ constexpr std::uint32_t kGroups[] = {1, 2, 4, 8};
 struct DeviceRetro {
   explicit DeviceRetro(const HostRows& h)
       : dev(h), sinks(h.sink_partitions), sink_tokens(h.sink_tokens), recent(h.recent), windows(h.windows) {
-    estimate_workspace.reserve(cuda::estimate_workspace_bytes(dev.rows));
+    estimate_workspace.reserve(cuda::select_workspace_bytes(dev.rows));
     const std::size_t terms = std::size_t{dev.rows.rows} * dev.rows.group;
     max.reserve(terms);
     sum.reserve(terms);
@@ -456,7 +456,7 @@ TEST_CASE("select entry points refuse bad arguments before launching", "[gpu][se
                                   dev.workspace.data, bytes, nullptr);
         }) == ErrorCode::invalid_argument);
   DeviceArray<float> terms(std::size_t{dev.rows.rows} * dev.rows.group * dev.rows.head_dim);
-  DeviceArray<std::byte> estimate_workspace(cuda::estimate_workspace_bytes(dev.rows));
+  DeviceArray<std::byte> estimate_workspace(cuda::select_workspace_bytes(dev.rows));
   const cuda::EstimateOutput terms_out{terms.data, terms.data, terms.data};
   const auto estimate_call = [&](cuda::RetroInferSelect r, cuda::RetroInferEstimate e, cuda::EstimateOutput o,
                                  std::size_t ws) {

@@ -182,12 +182,11 @@ struct StreamingSelect {
 inline constexpr std::uint32_t kSelectTile = 2048;
 
 // Bytes of the caller-owned workspace the select entry points take for
-// `rows`: per row a slice of max_row_candidates slots (a score, a logit, a
-// taken flag and a chosen id each) and one more id (RetroInfer's sink),
-// independent of `candidates`. retroinfer_estimate keeps every q head's
-// logits (group per slot) and takes more.
+// `rows`: per row a slice of max_row_candidates slots (a score, the group's
+// logits, a taken flag and a chosen id each) and one more id (RetroInfer's
+// sink), independent of `candidates`. Every Select and retroinfer_estimate
+// take this size.
 std::size_t select_workspace_bytes(const SelectRows& rows);
-std::size_t estimate_workspace_bytes(const SelectRows& rows);
 
 // The smallest max_selected the entry points accept: a selection covers at
 // most max(budget, one candidate) tokens, so it holds at most budget_tokens
@@ -241,7 +240,7 @@ void dense_select(const SelectRows& rows, const SelectOutput& out, void* stream)
 // invalid_argument, enqueuing nothing, for what retroinfer_select refuses
 // (max_selected is the selection's), an estimation fraction below 0 or
 // summing with the retrieval fraction to more than 1, a workspace smaller
-// than estimate_workspace_bytes, or a null value_sums, selection or output
+// than select_workspace_bytes, or a null value_sums, selection or output
 // pointer. rows == 0 enqueues nothing.
 void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroinfer,
                          const RetroInferEstimate& estimate, const EstimateOutput& out, void* workspace,
