@@ -58,10 +58,16 @@
 //   Select time / Attend time per (request, layer) for the same budget
 //   (Attend/llama/bf16/budget:1024/page:16 at the same thread count; the
 //   issue's target is <= 0.15).
+// Select/shadowkv/smollm/context:4096/page:8/threads:N
+//   The same at smollm-demo's Select: the SmolLM2 shape, ShadowKV over
+//   8-token pages, budget 512, a 4,096-token context; over_attend against
+//   Attend/smollm/f16/budget:512/page:8. Its 3 kv heads split 2 + 1 over
+//   two threads, as the demo's step splits them.
 //
 // FoldInCache/<shape>/<dtype>/page:P
-//   fold_page alone, one core, on 4 pages of one kv head folded in turn over
-//   and over (all in L1/L2): the fold's arithmetic without DRAM, for kernel
+//   The fold alone, one core, on 8 pages of one kv head folded in turn over
+//   and over (all in L1/L2), in tiles as the Attend cuts them (fold_pages,
+//   fold_tile_tokens): the fold's arithmetic without DRAM, for kernel
 //   work that the Attend rows' misses and the VM's drifting bandwidth would
 //   hide. Counters: ns_per_token (a slot folded into the whole GQA group),
 //   GBps (K/V bytes folded a second), target (the Highway target).
@@ -642,30 +648,42 @@ std::size_t state_bytes(const typename Policy::LayerState& s) {
   return n;
 }
 
+// One Select row: the shape, its context and pages, the budget, and the
+// Attend row its time is compared with.
+struct SelectCase {
+  int shape = 0;
+  std::uint32_t context = 0;
+  std::uint32_t page_tokens = kSelectPageTokens;
+  std::uint32_t budget = kSelectBudget;
+  DType attend_dtype = DType::bf16;
+  auto operator<=>(const SelectCase&) const = default;
+};
+
 template <class Policy>
-void BM_Select(benchmark::State& state, std::uint32_t context, unsigned threads) {
-  const Shape& shape = kShapes[0];
+void BM_Select(benchmark::State& state, SelectCase select, unsigned threads) {
+  const Shape& shape = kShapes[select.shape];
+  const std::uint32_t context = select.context;
   LayerContext ctx;
   ctx.layer = 2;  // past Quest's dense layers
   ctx.layers = 32;
   ctx.q_heads = shape.q_heads;
   ctx.kv_heads = shape.kv_heads;
   ctx.head_dim = shape.head_dim;
-  ctx.page_tokens = kSelectPageTokens;
+  ctx.page_tokens = select.page_tokens;
   ctx.tokens = context;
   typename Policy::Options options;
-  options.budget_tokens = kSelectBudget;
+  options.budget_tokens = select.budget;
   const Policy policy(options);
 
   // Summaries of random keys (index), copied for the rotation; kept across
   // Google Benchmark's repeated calls of this function.
   struct Work {
-    std::uint32_t context = 0;
+    SelectCase select;
     std::vector<typename Policy::LayerState> states;
     std::vector<float> q;
   };
   static Work work;
-  if (work.context != context) {
+  if (work.select != select) {
     work = Work{};
     std::mt19937 rng(3);
     std::normal_distribution<float> normal;
@@ -686,7 +704,7 @@ void BM_Select(benchmark::State& state, std::uint32_t context, unsigned threads)
     work.states.assign(copies, first);
     work.q.resize(std::size_t{shape.q_heads} * shape.head_dim);
     for (float& x : work.q) x = normal(rng);
-    work.context = context;
+    work.select = select;
   }
   const DecodeQuery query{work.q, context};
   std::vector<std::vector<PartitionId>> chosen(shape.kv_heads);
@@ -707,8 +725,8 @@ void BM_Select(benchmark::State& state, std::uint32_t context, unsigned threads)
     selected += chosen[0].size();
   }
   const double ours = total / double(state.iterations());
-  const AttendKey attend{0, kSelectBudget, DType::bf16, kSelectPageTokens};
-  const double attend_per_request = attend_seconds(attend, threads) / attend_batch(shape, kSelectBudget);
+  const AttendKey attend{select.shape, select.budget, select.attend_dtype, select.page_tokens};
+  const double attend_per_request = attend_seconds(attend, threads) / attend_batch(shape, select.budget);
   state.counters["us"] = ours * 1e6;
   state.counters["over_attend"] = ours / attend_per_request;
   state.counters["attend_us"] = attend_per_request * 1e6;
@@ -775,7 +793,7 @@ void BM_FoldInCache(benchmark::State& state, int shape_index, DType dtype, std::
   const Shape& shape = kShapes[shape_index];
   const PageLayout layout{page_tokens, shape.head_dim, dtype};
   const std::uint32_t group = shape.q_heads / shape.kv_heads;
-  constexpr std::size_t kPages = 4;
+  constexpr std::size_t kPages = 8;
   const std::byte* pages = page_pool();  // the first pages of the pool: finite values of unit order
   std::vector<float> q(std::size_t{group} * shape.head_dim), acc(q.size()),
       scratch(page_fold_scratch_floats(page_tokens));
@@ -791,13 +809,16 @@ void BM_FoldInCache(benchmark::State& state, int shape_index, DType dtype, std::
   fold.states = states.data();
   fold.acc = acc.data();
   fold.weights = scratch.data();
-  const SlotMask live = full_slot_mask(page_tokens);
+  // The pages in tiles, as SplitPlanAttention cuts a chunk's.
+  const std::size_t tile_pages = std::max<std::size_t>(1, fold_tile_tokens(layout) / page_tokens);
+  std::vector<FoldPageRef> refs;
+  for (std::size_t p = 0; p < kPages; ++p) refs.push_back({pages + p * layout.page_bytes(), page_tokens});
   double total = 0;
   for (auto _ : state) {
     const auto start = Clock::now();
-    for (std::size_t p = 0; p < kPages; ++p) {
-      const std::byte* next = p + 1 < kPages ? pages + (p + 1) * layout.page_bytes() : nullptr;
-      fold_page(fold, pages + p * layout.page_bytes(), page_tokens, live, next);
+    for (std::size_t p = 0; p < kPages; p += tile_pages) {
+      const std::size_t count = std::min(tile_pages, kPages - p);
+      fold_pages(fold, std::span(refs).subspan(p, count), p + count < kPages ? refs[p + count].data : nullptr);
     }
     const double s = seconds_since(start);
     state.SetIterationTime(s);
@@ -841,15 +862,25 @@ void register_all() {
   for (const std::uint32_t context : {8192u, 32768u}) {
     for (const unsigned threads : {1u, 2u}) {
       const std::string suffix = "/context:" + std::to_string(context) + "/threads:" + std::to_string(threads);
-      benchmark::RegisterBenchmark(("Select/quest" + suffix).c_str(), BM_Select<QuestPolicy>, context, threads)
+      const SelectCase select{0, context};
+      benchmark::RegisterBenchmark(("Select/quest" + suffix).c_str(), BM_Select<QuestPolicy>, select, threads)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond)
           ->MinTime(0.2);
-      benchmark::RegisterBenchmark(("Select/shadowkv" + suffix).c_str(), BM_Select<ShadowKVPolicy>, context, threads)
+      benchmark::RegisterBenchmark(("Select/shadowkv" + suffix).c_str(), BM_Select<ShadowKVPolicy>, select, threads)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond)
           ->MinTime(0.2);
     }
+  }
+  for (const unsigned threads : {1u, 2u}) {
+    const SelectCase select{1, 4096, 8, 512, DType::f16};
+    benchmark::RegisterBenchmark(
+        ("Select/shadowkv/smollm/context:4096/page:8/threads:" + std::to_string(threads)).c_str(),
+        BM_Select<ShadowKVPolicy>, select, threads)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond)
+        ->MinTime(0.2);
   }
   // RetroInfer is left out: its fork re-indexes (k-means of the whole prefix) as its prefill does, about 8 s each.
   for (const char* policy : {"quest", "shadowkv", "h2o"}) {

@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "sparsekv/core/error.hpp"
 #include "sparsekv/core/numeric.hpp"
 
 #undef HWY_TARGET_INCLUDE
@@ -249,13 +250,14 @@ HWY_INLINE void FoldTile(D df, SoftmaxState* HWY_RESTRICT states, float* HWY_RES
   }
 }
 
-// out[b][j .. j + R lanes) = scale[b] * acc + sum over live t of w[t][b] * V[t]:
-// R vectors of each of G heads, R * G independent FMA chains, each weight
-// broadcast once for the R vectors.
+// out[b][j .. j + R lanes) = scale[b] * acc + sum over the tile's live
+// slots t of w[t][b] * V[t], page by page in tile order: R vectors of each of
+// G heads, R * G independent FMA chains, each weight broadcast once for the R
+// vectors; the accumulators are loaded and stored once for the whole tile.
 template <class T, std::uint32_t G, std::uint32_t R, class D>
-HWY_INLINE void WeightedRows(D df, const PageLayout& layout, const std::byte* page, std::uint32_t tokens,
-                             SlotMask live, bool all_live, const float* HWY_RESTRICT w, const float (&scales)[G],
-                             float* HWY_RESTRICT acc, std::size_t j) {
+HWY_INLINE void WeightedRows(D df, const PageLayout& layout, const FoldPageRef* pages, std::uint32_t count,
+                             const float* HWY_RESTRICT w, const float (&scales)[G], float* HWY_RESTRICT acc,
+                             std::size_t j) {
   constexpr std::uint32_t W = RowWidth(G);
   const std::size_t lanes = hn::Lanes(df);
   const std::uint32_t d = layout.head_dim;
@@ -266,125 +268,142 @@ HWY_INLINE void WeightedRows(D df, const PageLayout& layout, const std::byte* pa
       accs[r][b] = scales[b] == 0.0f ? hn::Zero(df) : scales[b] == 1.0f ? a : hn::Mul(a, hn::Set(df, scales[b]));
     }
   }
-  for (std::uint32_t t = 0; t < tokens; ++t) {
-    if (!all_live && !slot_live(live, t)) continue;
-    const T* v = reinterpret_cast<const T*>(page + layout.v_offset(t)) + j;
-    hn::Vec<D> rows[R];
-    for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadRow(df, v + r * lanes);
-    for (std::uint32_t b = 0; b < G; ++b) {
-      const auto wb = hn::Set(df, w[t * W + b]);
-      for (std::uint32_t r = 0; r < R; ++r) accs[r][b] = hn::MulAdd(wb, rows[r], accs[r][b]);
+  for (std::uint32_t p = 0; p < count; ++p) {
+    const FoldPageRef& page = pages[p];
+    const bool all_live = (page.live & full_slot_mask(page.tokens)) == full_slot_mask(page.tokens);
+    for (std::uint32_t t = 0; t < page.tokens; ++t, w += W) {
+      if (!all_live && !slot_live(page.live, t)) continue;
+      const T* v = reinterpret_cast<const T*>(page.data + layout.v_offset(t)) + j;
+      hn::Vec<D> rows[R];
+      for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadRow(df, v + r * lanes);
+      for (std::uint32_t b = 0; b < G; ++b) {
+        const auto wb = hn::Set(df, w[b]);
+        for (std::uint32_t r = 0; r < R; ++r) accs[r][b] = hn::MulAdd(wb, rows[r], accs[r][b]);
+      }
     }
   }
   for (std::uint32_t b = 0; b < G; ++b)
     for (std::uint32_t r = 0; r < R; ++r) hn::StoreU(accs[r][b], df, acc + std::size_t{b} * d + j + r * lanes);
 }
 
-// The page's tile for q heads [g0, g0 + G) (G a compile-time count, so the
-// accumulators stay in registers): the scores of every slot, each K row
-// loaded once for the G heads; the tile fold of all G heads; then the weighted
-// V rows, each loaded once for the G heads. Up to 4 heads, two slots (scores)
-// and two vectors (V) go at once: eight FMA chains hide the FMA latency that
-// four would wait on.
+// The tile -- `count` pages, in order -- for q heads [g0, g0 + G) (G a
+// compile-time count, so the accumulators stay in registers): the scores of
+// every slot, each K row loaded once for the G heads; the tile fold of all G
+// heads; then the weighted V rows, each loaded once for the G heads. Up to 4
+// heads, two slots (scores) and two vectors (V) go at once: eight FMA chains
+// hide the FMA latency that four would wait on. A tile of several small pages
+// pays the fold's fixed costs (the max and exponential passes, the rescale,
+// the accumulators' loads and stores) once for all of them.
 template <class T, std::uint32_t G>
-void FoldHeads(const PageFold& f, const std::byte* page, std::uint32_t tokens, SlotMask live, std::uint32_t g0,
+void FoldHeads(const PageFold& f, const FoldPageRef* pages, std::uint32_t count, std::uint32_t g0,
                const std::byte* next) {
   constexpr std::uint32_t R = G <= 4 ? 2 : 1;
   constexpr std::uint32_t W = RowWidth(G);
   const hn::ScalableTag<float> df;
   const std::size_t lanes = hn::Lanes(df);
   const PageLayout& layout = f.layout;
-  const std::uint32_t d = layout.head_dim, group = f.group;
+  const std::uint32_t d = layout.head_dim, group = f.group, pt = layout.page_tokens;
   const std::size_t full = d / lanes * lanes;  // the tail [full, d) in scalar code
-  const bool all_live = (live & full_slot_mask(tokens)) == full_slot_mask(tokens);
-  float* HWY_RESTRICT w = f.weights;  // [tokens][W]: scores, then weights
+  float* HWY_RESTRICT w = f.weights;  // [tile slots][W]: scores, then weights
   const float* HWY_RESTRICT q = f.q + std::size_t{g0} * d;
   // 1. Scores (a dead slot's is computed, then -inf). Each slot's turn also
   //    asks for its V row (read in step 3 column by column, which the
   //    hardware prefetcher does not follow) and for the next page's K row t:
   //    a few lines at a time, within what the core keeps in flight.
   const std::size_t row_bytes = layout.row_bytes();
-  const auto k_row = [&](std::uint32_t t) { return reinterpret_cast<const T*>(page + layout.k_offset(t)); };
-  const auto scored = [&](std::uint32_t t, std::uint32_t count) {
-    if (all_live) return;
-    for (std::uint32_t u = t; u < t + count; ++u) {
-      if (!slot_live(live, u)) std::fill_n(w + std::size_t{u} * W, W, kNegativeInfinity);
+  std::uint32_t tile_tokens = 0;
+  for (std::uint32_t p = 0; p < count; ++p) {
+    const std::byte* page = pages[p].data;
+    const std::uint32_t tokens = pages[p].tokens;
+    const SlotMask live = pages[p].live;
+    const std::byte* ahead = p + 1 < count ? pages[p + 1].data : next;
+    float* HWY_RESTRICT page_w = w + std::size_t{tile_tokens} * W;
+    const bool all_live = (live & full_slot_mask(tokens)) == full_slot_mask(tokens);
+    const auto k_row = [&](std::uint32_t t) { return reinterpret_cast<const T*>(page + layout.k_offset(t)); };
+    const auto scored = [&](std::uint32_t t, std::uint32_t n) {
+      if (all_live) return;
+      for (std::uint32_t u = t; u < t + n; ++u) {
+        if (!slot_live(live, u)) std::fill_n(page_w + std::size_t{u} * W, W, kNegativeInfinity);
+      }
+    };
+    std::uint32_t t = 0;
+    for (; t + R <= tokens; t += R) {
+      const T* rows[R];
+      for (std::uint32_t r = 0; r < R; ++r) {
+        PrefetchRow(page + layout.v_offset(t + r), row_bytes);
+        if (ahead != nullptr) PrefetchRow(ahead + layout.k_offset(t + r), row_bytes);
+        rows[r] = k_row(t + r);
+      }
+      Dots<T, G, R>(df, q, rows, d, full, layout.dtype, f.scale, page_w + std::size_t{t} * W);
+      scored(t, R);
     }
-  };
-  std::uint32_t t = 0;
-  for (; t + R <= tokens; t += R) {
-    const T* rows[R];
-    for (std::uint32_t r = 0; r < R; ++r) {
-      PrefetchRow(page + layout.v_offset(t + r), row_bytes);
-      if (next != nullptr) PrefetchRow(next + layout.k_offset(t + r), row_bytes);
-      rows[r] = k_row(t + r);
+    for (; t < tokens; ++t) {
+      PrefetchRow(page + layout.v_offset(t), row_bytes);
+      if (ahead != nullptr) PrefetchRow(ahead + layout.k_offset(t), row_bytes);
+      const T* rows[1] = {k_row(t)};
+      Dots<T, G, 1>(df, q, rows, d, full, layout.dtype, f.scale, page_w + std::size_t{t} * W);
+      scored(t, 1);
     }
-    Dots<T, G, R>(df, q, rows, d, full, layout.dtype, f.scale, w + std::size_t{t} * W);
-    scored(t, R);
-  }
-  for (; t < tokens; ++t) {
-    PrefetchRow(page + layout.v_offset(t), row_bytes);
-    if (next != nullptr) PrefetchRow(next + layout.k_offset(t), row_bytes);
-    const T* rows[1] = {k_row(t)};
-    Dots<T, G, 1>(df, q, rows, d, full, layout.dtype, f.scale, w + std::size_t{t} * W);
-    scored(t, 1);
-  }
-  if (f.scores != nullptr) {
-    for (std::uint32_t i = 0; i < layout.page_tokens; ++i) {
-      for (std::uint32_t b = 0; b < G; ++b) {
-        f.scores[i * group + g0 + b] = i < tokens ? w[i * W + b] : kNegativeInfinity;
+    if (f.scores != nullptr) {
+      float* scores = f.scores + std::size_t{p} * pt * group;
+      for (std::uint32_t i = 0; i < pt; ++i) {
+        for (std::uint32_t b = 0; b < G; ++b) {
+          scores[i * group + g0 + b] = i < tokens ? page_w[i * W + b] : kNegativeInfinity;
+        }
       }
     }
+    tile_tokens += tokens;
   }
   // 2. One max and one exponential pass over the tile for the G heads, each
   //    accumulator rescaled once (softmax_fold_tile's rule; softmax_rescale_tile).
   float scales[G];
-  FoldTile<G>(df, f.states + g0, w, tokens, scales);
+  FoldTile<G>(df, f.states + g0, w, tile_tokens, scales);
   // 3. The weighted V rows, in slot order.
   float* HWY_RESTRICT acc = f.acc + std::size_t{g0} * d;
   std::size_t j = 0;
-  for (; j + R * lanes <= full; j += R * lanes) {
-    WeightedRows<T, G, R>(df, layout, page, tokens, live, all_live, w, scales, acc, j);
-  }
-  for (; j < full; j += lanes) WeightedRows<T, G, 1>(df, layout, page, tokens, live, all_live, w, scales, acc, j);
+  for (; j + R * lanes <= full; j += R * lanes) WeightedRows<T, G, R>(df, layout, pages, count, w, scales, acc, j);
+  for (; j < full; j += lanes) WeightedRows<T, G, 1>(df, layout, pages, count, w, scales, acc, j);
   for (j = full; j < d; ++j) {
     for (std::uint32_t b = 0; b < G; ++b) acc[b * d + j] = softmax_rescale_tile(acc[b * d + j], scales[b]);
-    for (std::uint32_t u = 0; u < tokens; ++u) {
-      if (!slot_live(live, u)) continue;
-      const float v = load_element(page + layout.v_offset(u), static_cast<std::uint32_t>(j), layout.dtype);
-      for (std::uint32_t b = 0; b < G; ++b) acc[b * d + j] += w[u * W + b] * v;
+    const float* slot_w = w;
+    for (std::uint32_t p = 0; p < count; ++p) {
+      for (std::uint32_t u = 0; u < pages[p].tokens; ++u, slot_w += W) {
+        if (!slot_live(pages[p].live, u)) continue;
+        const float v = load_element(pages[p].data + layout.v_offset(u), static_cast<std::uint32_t>(j), layout.dtype);
+        for (std::uint32_t b = 0; b < G; ++b) acc[b * d + j] += slot_w[b] * v;
+      }
     }
   }
 }
 
 // The group in blocks of up to kGroupBlock heads; the first block prefetches.
 template <class T>
-void FoldPageOf(const PageFold& f, const std::byte* page, std::uint32_t tokens, SlotMask live, const std::byte* next) {
+void FoldPagesOf(const PageFold& f, const FoldPageRef* pages, std::uint32_t count, const std::byte* next) {
   for (std::uint32_t g0 = 0; g0 < f.group; g0 += kGroupBlock) {
     const std::byte* ahead = g0 == 0 ? next : nullptr;
     switch (std::min(kGroupBlock, f.group - g0)) {
-      case 1: FoldHeads<T, 1>(f, page, tokens, live, g0, ahead); break;
-      case 2: FoldHeads<T, 2>(f, page, tokens, live, g0, ahead); break;
-      case 3: FoldHeads<T, 3>(f, page, tokens, live, g0, ahead); break;
-      case 4: FoldHeads<T, 4>(f, page, tokens, live, g0, ahead); break;
-      case 5: FoldHeads<T, 5>(f, page, tokens, live, g0, ahead); break;
-      case 6: FoldHeads<T, 6>(f, page, tokens, live, g0, ahead); break;
-      case 7: FoldHeads<T, 7>(f, page, tokens, live, g0, ahead); break;
-      default: FoldHeads<T, 8>(f, page, tokens, live, g0, ahead); break;
+      case 1: FoldHeads<T, 1>(f, pages, count, g0, ahead); break;
+      case 2: FoldHeads<T, 2>(f, pages, count, g0, ahead); break;
+      case 3: FoldHeads<T, 3>(f, pages, count, g0, ahead); break;
+      case 4: FoldHeads<T, 4>(f, pages, count, g0, ahead); break;
+      case 5: FoldHeads<T, 5>(f, pages, count, g0, ahead); break;
+      case 6: FoldHeads<T, 6>(f, pages, count, g0, ahead); break;
+      case 7: FoldHeads<T, 7>(f, pages, count, g0, ahead); break;
+      default: FoldHeads<T, 8>(f, pages, count, g0, ahead); break;
     }
   }
 }
 
-void FoldPage(const PageFold& f, const std::byte* page, std::uint32_t tokens, SlotMask live, const std::byte* next) {
+void FoldPages(const PageFold& f, const FoldPageRef* pages, std::uint32_t count, const std::byte* next) {
   switch (f.layout.dtype) {
     case DType::f32:
-      FoldPageOf<float>(f, page, tokens, live, next);
+      FoldPagesOf<float>(f, pages, count, next);
       return;
     case DType::f16:
-      FoldPageOf<hwy::float16_t>(f, page, tokens, live, next);
+      FoldPagesOf<hwy::float16_t>(f, pages, count, next);
       return;
     case DType::bf16:
-      FoldPageOf<hwy::bfloat16_t>(f, page, tokens, live, next);
+      FoldPagesOf<hwy::bfloat16_t>(f, pages, count, next);
       return;
   }
 }
@@ -398,11 +417,29 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace sparsekv {
 
-HWY_EXPORT(FoldPage);
+HWY_EXPORT(FoldPages);
 HWY_EXPORT(TargetHere);
 
 void fold_page(const PageFold& f, const std::byte* page, std::uint32_t tokens, SlotMask live, const std::byte* next) {
-  HWY_DYNAMIC_DISPATCH(FoldPage)(f, page, tokens, live, next);
+  const FoldPageRef one{page, tokens, live};
+  HWY_DYNAMIC_DISPATCH(FoldPages)(f, &one, 1, next);
+}
+
+void fold_pages(const PageFold& f, std::span<const FoldPageRef> pages, const std::byte* next) {
+  if (pages.empty()) return;
+  std::size_t tokens = 0;
+  for (const FoldPageRef& page : pages) {
+    if (page.tokens > f.layout.page_tokens) {
+      fail(ErrorCode::invalid_argument, "fold_pages: a page holds {} tokens, at most {}", page.tokens,
+           f.layout.page_tokens);
+    }
+    tokens += page.tokens;
+  }
+  if (pages.size() > 1 && tokens > fold_tile_tokens(f.layout)) {
+    fail(ErrorCode::invalid_argument, "fold_pages: a tile of {} pages holds {} tokens, at most {}", pages.size(),
+         tokens, fold_tile_tokens(f.layout));
+  }
+  HWY_DYNAMIC_DISPATCH(FoldPages)(f, pages.data(), static_cast<std::uint32_t>(pages.size()), next);
 }
 
 void fold_page_scalar(const PageFold& f, const std::byte* page, std::uint32_t tokens, SlotMask live) {

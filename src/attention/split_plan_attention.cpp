@@ -96,10 +96,21 @@ void SplitPlanAttention::run_chunk(std::size_t c) noexcept {
   fold.weights = weights_.data() + c * page_fold_scratch_floats(pt);
   std::fill_n(fold.states, group_, SoftmaxState{});
   std::fill_n(fold.acc, std::size_t{group_} * d, 0.0f);
-  for (std::size_t i = chunk.first_page; i < chunk.end_page; ++i) {
-    fold.scores = scores_.empty() ? nullptr : scores_.data() + i * pt * group_;
-    fold_page(fold, plan.page(i), page_tokens_[i], plan.live_masks.empty() ? ~SlotMask{0} : plan.live_masks[i],
-              i + 1 < chunk.end_page ? plan.page(i + 1) : nullptr);
+  // Tiles of whole pages up to fold_tile_tokens slots (a longer page alone):
+  // cut by the plan alone, so the result does not depend on the threads.
+  const std::uint32_t tile_tokens = fold_tile_tokens(layout);
+  FoldPageRef tile[kFoldTileTokens];
+  std::size_t i = chunk.first_page;
+  while (i < chunk.end_page) {
+    const std::size_t first = i;
+    std::uint32_t count = 0, tokens = 0;
+    do {
+      tile[count++] = {plan.page(i), page_tokens_[i], plan.live_masks.empty() ? ~SlotMask{0} : plan.live_masks[i]};
+      tokens += page_tokens_[i];
+      ++i;
+    } while (i < chunk.end_page && tokens + page_tokens_[i] <= tile_tokens);
+    fold.scores = scores_.empty() ? nullptr : scores_.data() + first * pt * group_;
+    fold_pages(fold, std::span<const FoldPageRef>(tile, count), i < chunk.end_page ? plan.page(i) : nullptr);
   }
 }
 

@@ -1,7 +1,8 @@
 // fold_page (attention/page_fold.hpp) on every Highway target this build has,
 // against the scalar reference fold_page_scalar: random head sizes (vector
 // tails included), GQA groups 1-12, pages of 1-64 slots, live masks, fp32 /
-// fp16 / bf16, several pages folded in turn into non-empty states. Outputs
+// fp16 / bf16, up to 12 pages folded in turn into non-empty states, one at a
+// time or in multi-page tiles (fold_pages). Outputs
 // (acc / sum), log-sum-exps and slot scores agree within 1e-5 relative. A
 // target the CPU lacks is reported skipped: with SPARSEKV_FOLD_TARGET=<name>
 // (ctest fold-page-<name>) the process exits 77, else a warning names it.
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -60,7 +62,10 @@ PageFold fold_over(Heads& h, const PageLayout& layout, std::uint32_t group, cons
   return f;
 }
 
-// One random case on the current target.
+// One random case on the current target: `pages` pages folded into the same
+// states, one page at a time (fold_page) or in tiles of consecutive pages
+// (fold_pages, up to fold_tile_tokens slots, cut at random as a chunk's
+// pages are cut), against the reference one slot at a time.
 void check_case(std::mt19937& rng) {
   const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
   const std::uint32_t dims[] = {4, 8, 16, 24, 40, 64, 96, 128, 136, 256};
@@ -69,9 +74,10 @@ void check_case(std::mt19937& rng) {
   const std::uint32_t pt = 1 + rng() % 64;
   const DType dtype = dtypes[rng() % 3];
   const PageLayout layout{pt, d, dtype};
-  const std::uint32_t pages = 1 + rng() % 4;
+  const std::uint32_t pages = 1 + rng() % 12;
   const bool scored = rng() % 2 == 0;
-  CAPTURE(d, group, pt, to_string(dtype), pages, scored);
+  const bool tiled = rng() % 2 == 0;
+  CAPTURE(d, group, pt, to_string(dtype), pages, scored, tiled);
   std::normal_distribution<float> normal;
   std::vector<std::byte> data(pages * layout.page_bytes());
   for (std::size_t i = 0; i < data.size() / dtype_size(dtype); ++i) {
@@ -79,21 +85,39 @@ void check_case(std::mt19937& rng) {
   }
   std::vector<float> q(std::size_t{group} * d);
   for (auto& x : q) x = normal(rng);
-  Heads want = start(rng, group, d, pt), got = want;
-  const auto fold_of = [&](Heads& h) { return fold_over(h, layout, group, q, scored); };
+  std::vector<FoldPageRef> refs(pages);
   for (std::uint32_t p = 0; p < pages; ++p) {
-    const std::byte* page = data.data() + p * layout.page_bytes();
-    const std::uint32_t tokens = 1 + rng() % pt;
-    SlotMask live = ~SlotMask{0};
-    if (rng() % 3 == 0) live = (SlotMask{rng()} << 32 | rng());  // some slots dead, maybe all
-    CAPTURE(p, tokens, live);
-    fold_page_scalar(fold_of(want), page, tokens, live);
-    fold_page(fold_of(got), page, tokens, live, p + 1 < pages ? page + layout.page_bytes() : nullptr);
-    if (scored) {
-      for (std::size_t i = 0; i < want.scores.size(); ++i) {
-        CAPTURE(i);
-        REQUIRE(close(got.scores[i], want.scores[i]));
-      }
+    refs[p].data = data.data() + p * layout.page_bytes();
+    refs[p].tokens = 1 + rng() % pt;
+    if (rng() % 3 == 0) refs[p].live = (SlotMask{rng()} << 32 | rng());  // some slots dead, maybe all
+  }
+  Heads want = start(rng, group, d, pt), got = want;
+  want.scores.assign(std::size_t{pages} * pt * group, 0.0f);
+  got.scores = want.scores;
+  const auto fold_of = [&](Heads& h, std::uint32_t p) {
+    PageFold f = fold_over(h, layout, group, q, scored);
+    if (scored) f.scores = h.scores.data() + std::size_t{p} * pt * group;
+    return f;
+  };
+  for (std::uint32_t p = 0; p < pages; ++p) fold_page_scalar(fold_of(want, p), refs[p].data, refs[p].tokens, refs[p].live);
+  for (std::uint32_t p = 0; p < pages;) {
+    std::uint32_t count = 1, tokens = refs[p].tokens;
+    while (tiled && p + count < pages && tokens + refs[p + count].tokens <= fold_tile_tokens(layout) &&
+           rng() % 4 != 0) {
+      tokens += refs[p + count++].tokens;
+    }
+    const std::byte* next = p + count < pages ? refs[p + count].data : nullptr;
+    if (count == 1 && rng() % 2 == 0) {
+      fold_page(fold_of(got, p), refs[p].data, refs[p].tokens, refs[p].live, next);
+    } else {
+      fold_pages(fold_of(got, p), std::span(refs).subspan(p, count), next);
+    }
+    p += count;
+  }
+  if (scored) {
+    for (std::size_t i = 0; i < want.scores.size(); ++i) {
+      CAPTURE(i);
+      REQUIRE(close(got.scores[i], want.scores[i]));
     }
   }
   for (std::uint32_t g = 0; g < group; ++g) {
@@ -163,4 +187,36 @@ TEST_CASE("fold_page equals the scalar reference on every target the CPU has", "
   }
   use_fold_page_target(0);
   REQUIRE(ran > 0);
+}
+
+TEST_CASE("fold_pages refuses a tile past its slots, changing nothing", "[fold-page]") {
+  const PageLayout layout{16, 64, DType::f16};
+  const std::uint32_t group = 3;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<std::byte> data(8 * layout.page_bytes());
+  for (std::size_t i = 0; i < data.size() / 2; ++i) store_element(data.data(), static_cast<std::uint32_t>(i), DType::f16, normal(rng));
+  std::vector<float> q(std::size_t{group} * layout.head_dim);
+  for (auto& x : q) x = normal(rng);
+  Heads h = start(rng, group, layout.head_dim, layout.page_tokens);
+  const Heads before = h;
+  const PageFold f = fold_over(h, layout, group, q, false);
+  const auto unchanged = [&] {
+    for (std::uint32_t g = 0; g < group; ++g) {
+      if (h.states[g].max != before.states[g].max || h.states[g].sum != before.states[g].sum) return false;
+    }
+    return h.acc == before.acc;
+  };
+  const std::uint32_t fit = fold_tile_tokens(layout) / layout.page_tokens;  // pages that fill a tile
+  REQUIRE(fit + 1 <= 8);
+  std::vector<FoldPageRef> refs;
+  for (std::uint32_t p = 0; p <= fit; ++p) refs.push_back({data.data() + p * layout.page_bytes(), layout.page_tokens});
+  CHECK_THROWS_WITH(fold_pages(f, refs, nullptr), Catch::Contains("at most " + std::to_string(fit * 16)));
+  CHECK(unchanged());
+  refs[0].tokens = layout.page_tokens + 1;
+  CHECK_THROWS_WITH(fold_pages(f, std::span(refs).first(1), nullptr), Catch::Contains("a page holds 17 tokens"));
+  CHECK(unchanged());
+  refs[0].tokens = layout.page_tokens;
+  CHECK_NOTHROW(fold_pages(f, std::span(refs).first(fit), nullptr));
+  CHECK_FALSE(unchanged());
 }

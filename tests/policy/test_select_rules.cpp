@@ -507,6 +507,21 @@ TEST_CASE("rank keys order by descending score, ties to the lower index", "[sele
   CHECK(rank_key(-inf, 9) < rank_key(nan, 0));  // NaN last
   CHECK(rank_key(-1.0f, 0) < rank_key(-2.0f, 0));
   CHECK(rank_key_index(rank_key(-1.5f, 77)) == 77);
+  // score_order_bits (branch-free) orders any two floats as < does, over
+  // random bit patterns: subnormals, infinities and NaNs included.
+  std::mt19937 bits_rng(9);
+  for (int i = 0; i < 200000; ++i) {
+    const float a = std::bit_cast<float>(static_cast<std::uint32_t>(bits_rng()));
+    const float b = i % 4 == 0 ? -a : std::bit_cast<float>(static_cast<std::uint32_t>(bits_rng()));
+    CAPTURE(a, b);
+    if (std::isnan(a)) {
+      REQUIRE(score_order_bits(a) == 0);
+    } else if (!std::isnan(b)) {
+      REQUIRE((score_order_bits(a) < score_order_bits(b)) == (a < b));
+      REQUIRE((score_order_bits(a) == score_order_bits(b)) == (a == b));
+      REQUIRE(score_order_bits(a) > 0);
+    }
+  }
   // The same order as top_k on finite scores with ties.
   std::mt19937 rng(4);
   std::vector<float> scores(500);

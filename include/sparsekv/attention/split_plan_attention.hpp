@@ -6,12 +6,13 @@
 // kChunkTokens slots (at least one page; a row longer than kMaxRowChunks such
 // chunks is cut into kMaxRowChunks longer ones, which bounds the partial
 // states the chunks keep); a chunk folds the row's GQA group of q heads over
-// its live tokens into partial softmax states, a page at a time (fold_page:
-// vectorized, each K/V row loaded once for the group); finish() merges a
-// row's chunks by log-sum-exp in chunk order, then the policy's extra term,
-// and writes the outputs and slot weights. Chunk boundaries depend on the plan alone, never
-// on how many threads run the chunks or in which order, so the result is bit
-// for bit the same for any split (step/host_step.hpp runs it on an engine's
+// its live tokens into partial softmax states, a tile of whole pages of up to
+// fold_tile_tokens slots at a time (fold_pages: vectorized, each K/V row
+// loaded once for the group); finish() merges a row's chunks by log-sum-exp
+// in chunk order, then the policy's extra term, and writes the outputs and
+// slot weights. Chunk and tile boundaries depend on the plan alone, never on
+// how many threads run the chunks or in which order, so the result is bit for
+// bit the same for any split (step/host_step.hpp runs it on an engine's
 // threads; HostBackend runs it on one).
 #include <cstddef>
 #include <cstdint>
@@ -58,7 +59,7 @@ class SplitPlanAttention {
   std::vector<std::uint32_t> page_tokens_;  // valid slots of plan page i
   std::vector<SoftmaxState> states_;        // [chunk][group]
   std::vector<float> acc_;                  // [chunk][group][head_dim]
-  std::vector<float> weights_;              // [chunk][page_fold_scratch_floats]: fold_page's scratch
+  std::vector<float> weights_;              // [chunk][page_fold_scratch_floats]: the fold's scratch
   std::vector<float> scores_;               // with slot weights: [plan page][page_tokens][group], -inf unused
   std::vector<char> ran_;                   // [chunk]: it ran
   std::vector<float> merged_, lse_;         // finish(): one row's group

@@ -104,9 +104,11 @@ SPARSEKV_HOST_DEVICE inline float fold_max_score(float current, float x) { retur
 // An unsigned image of a score, larger for a larger score; -0 and +0 tie (as
 // top_k's == does) and NaN ranks below -inf.
 SPARSEKV_HOST_DEVICE inline std::uint32_t score_order_bits(float s) {
-  if (s != s) return 0;
-  const std::uint32_t u = float_bits(s == 0.0f ? 0.0f : s);
-  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+  // Without branches (random signs would mispredict half the time): a
+  // negative score's bits flipped, a positive's sign bit set.
+  const std::uint32_t u = float_bits(s) & (s == 0.0f ? 0u : ~0u);
+  const std::uint32_t flip = (0u - (u >> 31)) | 0x80000000u;
+  return s != s ? 0u : u ^ flip;
 }
 
 // Ascending keys rank candidates best first: descending score in the high
@@ -199,6 +201,8 @@ struct SkipFill {
     --limit;
     return Fill::take;
   }
+  // Whether every offer from now on stops.
+  SPARSEKV_HOST_DEVICE bool full() const { return limit == 0 || left <= 0; }
 };
 
 // RetroInfer: the first `limit` ranked, in order, stopping at the first that
@@ -214,6 +218,7 @@ struct BreakFill {
     --limit;
     return Fill::take;
   }
+  SPARSEKV_HOST_DEVICE bool full() const { return limit == 0; }
 };
 
 // Candidates ranked in ranked_fill's first round.
@@ -224,20 +229,34 @@ inline constexpr std::size_t kFirstRankRound = 64;
 // take(i) for each taken.
 template <class Filler, class Score, class Eligible, class Tokens, class Take>
 void ranked_fill(std::uint32_t n, Filler& fill, Score&& score, Eligible&& eligible, Tokens&& tokens, Take&& take) {
-  std::vector<std::uint64_t> keys;
-  keys.reserve(n);
-  for (std::uint32_t i = 0; i < n; ++i) {
-    if (eligible(i)) keys.push_back(rank_key(score(i), i));
+  thread_local std::vector<std::uint64_t> keys;  // Select runs on the engine's threads, a head each
+  keys.resize(n);
+  std::size_t eligible_keys = 0;
+  for (std::uint32_t i = 0; i < n; ++i) {  // no branch: an ineligible key is overwritten
+    keys[eligible_keys] = rank_key(score(i), i);
+    eligible_keys += eligible(i) ? 1 : 0;
   }
-  // Partial selection: the best `round` keys sorted, offered, then the next
-  // round (doubling) from what is left, so a fill that stops early sorts only
-  // a little more than it takes. Keys are distinct, so the order offered is
-  // exactly the full sort's.
+  keys.resize(eligible_keys);
+  // Rounds: the best `round` keys left, found as the kernels find a tile's
+  // (TileThreshold: a histogram pass per 8-bit digit, no comparisons to
+  // mispredict), moved to the front, sorted and offered; the next round
+  // (doubling) starts only if the fill can still take. Keys are distinct, so
+  // the order offered is exactly the full sort's.
   auto first = keys.begin();
   std::size_t round = kFirstRankRound;
-  while (first != keys.end()) {
-    const auto end = keys.end() - first > static_cast<std::ptrdiff_t>(round) ? first + round : keys.end();
-    if (end != keys.end()) std::nth_element(first, end, keys.end());
+  while (first != keys.end() && !fill.full()) {
+    auto end = keys.end();
+    if (keys.end() - first > static_cast<std::ptrdiff_t>(round)) {
+      TileThreshold t{0, static_cast<std::uint32_t>(round)};
+      std::uint32_t histogram[kRadixBins];
+      while (!t.done) {
+        std::fill_n(histogram, kRadixBins, 0u);
+        for (auto k = first; k != keys.end(); ++k) histogram[t.digit(*k)] += t.matches(*k) ? 1 : 0;
+        t.step(histogram);
+      }
+      const std::uint64_t threshold = t.threshold();  // exactly `round` keys are <= it
+      end = std::partition(first, keys.end(), [&](std::uint64_t k) { return k <= threshold; });
+    }
     std::sort(first, end);
     for (; first != end; ++first) {
       const std::uint32_t i = rank_key_index(*first);
