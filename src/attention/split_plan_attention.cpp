@@ -67,12 +67,27 @@ void SplitPlanAttention::prepare(const AttendCall& call) {
   weights_.resize(chunks_.size() * page_fold_scratch_floats(pt));
   scores_.resize(call.slot_weights != nullptr ? pages * pt * group_ : 0);
   ran_.assign(chunks_.size(), 0);
+  merged_.resize(rows * group_ * d);
+  lse_.resize(rows * group_);
+  if (chunks_left_capacity_ < rows) {
+    chunks_left_ = std::make_unique<std::atomic<std::uint32_t>[]>(rows);
+    chunks_left_capacity_ = rows;
+  }
+  for (std::size_t r = 0; r < rows; ++r) {
+    chunks_left_[r].store(static_cast<std::uint32_t>(row_chunks_[r + 1] - row_chunks_[r]), std::memory_order_relaxed);
+  }
+  // Pages no row reaches get no weight; merge_row writes the others'.
+  if (call.slot_weights != nullptr) std::fill_n(call.slot_weights, pages * pt, 0.0f);
 }
 
 void SplitPlanAttention::run(std::size_t first, std::size_t end) noexcept {
   for (std::size_t c = first; c < end; ++c) {
     run_chunk(c);
     ran_[c] = 1;
+    // acq_rel: the thread that runs a row's last chunk sees every other
+    // chunk's states (a release sequence of the row's counter).
+    const std::uint32_t row = chunks_[c].row;
+    if (chunks_left_[row].fetch_sub(1, std::memory_order_acq_rel) == 1) merge_row(row);
   }
 }
 
@@ -114,39 +129,46 @@ void SplitPlanAttention::run_chunk(std::size_t c) noexcept {
   }
 }
 
-void SplitPlanAttention::finish() {
+// The row's chunks merged in chunk order, then the extra term, into the row's
+// outputs in merged_ (finish() hands them out); then the slot weights of the
+// row's pages.
+void SplitPlanAttention::merge_row(std::size_t r) noexcept {
   const AttendPlan& plan = *call_.plan;
   const std::uint32_t d = call_.layout.head_dim, pt = call_.layout.page_tokens;
-  // Pages no row reaches get no weight.
-  if (call_.slot_weights != nullptr) std::fill_n(call_.slot_weights, plan.indices.size() * pt, 0.0f);
-  merged_.resize(d);
-  lse_.resize(group_);
+  float* lse = lse_.data() + r * group_;
+  const std::size_t b = r / call_.kv_heads, h = r % call_.kv_heads;
+  for (std::uint32_t g = 0; g < group_; ++g) {
+    const std::size_t head = b * call_.q_heads + h * group_ + g;
+    float* out = merged_.data() + (r * group_ + g) * d;
+    SoftmaxState state;
+    std::fill_n(out, d, 0.0f);
+    const auto merge = [&](SoftmaxState other, const float* other_acc) {
+      const RescaleStep step = softmax_merge(state, other);
+      for (std::uint32_t j = 0; j < d; ++j) out[j] = softmax_rescale_add(out[j], step, other_acc[j]);
+    };
+    for (std::size_t c = row_chunks_[r]; c < row_chunks_[r + 1]; ++c) {
+      merge(states_[c * group_ + g], acc_.data() + (c * group_ + g) * d);
+    }
+    if (!plan.extra.empty() && !plan.extra[head].empty()) merge(plan.extra[head].state(), plan.extra[head].acc.data());
+    for (std::uint32_t j = 0; j < d; ++j) out[j] = softmax_output(out[j], state);
+    lse[g] = softmax_lse(state);
+  }
+  if (call_.slot_weights == nullptr) return;
+  const auto first = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r])]);
+  const auto end = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r + 1])]);
+  for (std::size_t s = first * pt; s < end * pt; ++s) {
+    call_.slot_weights[s] = softmax_group_weight(scores_.data() + s * group_, lse, group_);
+  }
+}
+
+void SplitPlanAttention::finish() {
   const std::size_t rows = row_chunks_.size() - 1;
   for (std::size_t r = 0; r < rows; ++r) {
-    const std::size_t b = r / call_.kv_heads, h = r % call_.kv_heads;
-    for (std::uint32_t g = 0; g < group_; ++g) {
-      const std::size_t head = b * call_.q_heads + h * group_ + g;
-      SoftmaxState state;
-      std::fill(merged_.begin(), merged_.end(), 0.0f);
-      const auto merge = [&](SoftmaxState other, const float* other_acc) {
-        const RescaleStep step = softmax_merge(state, other);
-        for (std::uint32_t j = 0; j < d; ++j) merged_[j] = softmax_rescale_add(merged_[j], step, other_acc[j]);
-      };
-      for (std::size_t c = row_chunks_[r]; c < row_chunks_[r + 1]; ++c) {
-        merge(states_[c * group_ + g], acc_.data() + (c * group_ + g) * d);
-      }
-      if (!plan.extra.empty() && !plan.extra[head].empty()) merge(plan.extra[head].state(), plan.extra[head].acc.data());
-      float* out = call_.out + head * d;
-      for (std::uint32_t j = 0; j < d; ++j) out[j] = softmax_output(merged_[j], state);
-      lse_[g] = softmax_lse(state);
-    }
-    if (call_.slot_weights == nullptr) continue;
-    const auto first = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r])]);
-    const auto end = static_cast<std::size_t>(plan.indptr[static_cast<std::size_t>(plan.head_entries[r + 1])]);
-    for (std::size_t s = first * pt; s < end * pt; ++s) {
-      call_.slot_weights[s] = softmax_group_weight(scores_.data() + s * group_, lse_.data(), group_);
-    }
+    if (row_chunks_[r] == row_chunks_[r + 1]) merge_row(r);
   }
+  // Rows are (request, kv head) and a kv head's group is its q heads in order:
+  // merged_ is laid out as out.
+  std::copy(merged_.begin(), merged_.end(), call_.out);
 }
 
 void SplitPlanAttention::attend(const AttendCall& call) {
