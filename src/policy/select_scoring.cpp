@@ -184,6 +184,58 @@ void PortableExps(const float* x, float bias, std::uint32_t n, float* out) {
   for (; i < n; ++i) out[i] = portable_exp(add_rn(x[i], bias));
 }
 
+// shadowkv_head_scores with vectors of up to eight lanes: the max and the
+// folds are lane-wise (a max's order does not matter, see select_rules.hpp),
+// the sum keeps lane_sum's kSumLanes partials as kSumLanes / lanes vectors,
+// each lane adding its candidates in index order.
+void ShadowKVHeadScores(std::uint32_t n, const float* logits, const char* taken, float* shares, float* scores) {
+  const hn::CappedTag<float, 8> df;
+  const hn::Rebind<std::int32_t, decltype(df)> di;
+  const hn::Rebind<std::uint8_t, decltype(df)> d8;
+  const auto lanes = static_cast<std::uint32_t>(hn::Lanes(df));
+  static_assert(kSumLanes % 8 == 0);
+  const std::uint32_t whole = n / lanes * lanes;
+  const auto untaken_at = [&](std::uint32_t i) {
+    return hn::RebindMask(df, hn::Eq(hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const std::uint8_t*>(taken) + i)),
+                                     hn::Zero(di)));
+  };
+  auto vtop = hn::Set(df, kNegativeInfinity);
+  for (std::uint32_t i = 0; i < whole; i += lanes) {
+    const auto x = hn::LoadU(df, logits + i);
+    vtop = hn::IfThenElse(hn::And(untaken_at(i), hn::Lt(vtop, x)), x, vtop);
+  }
+  alignas(64) float lane[kSumLanes];
+  hn::StoreU(vtop, df, lane);
+  float top = kNegativeInfinity;
+  for (std::uint32_t l = 0; l < lanes; ++l) top = fold_max_score(top, lane[l]);
+  for (std::uint32_t i = whole; i < n; ++i) {
+    if (taken[i] == 0) top = fold_max_score(top, logits[i]);
+  }
+  PortableExps(logits, -top, n, shares);
+  // lane_sum: candidate i in partial i % kSumLanes.
+  const std::uint32_t parts = kSumLanes / lanes;
+  hn::Vec<decltype(df)> sums[kSumLanes];
+  for (std::uint32_t p = 0; p < parts; ++p) sums[p] = hn::Zero(df);
+  for (std::uint32_t i = 0; i < whole; i += lanes) {
+    const std::uint32_t p = (i % kSumLanes) / lanes;
+    sums[p] = hn::Add(sums[p], hn::IfThenElseZero(untaken_at(i), hn::LoadU(df, shares + i)));
+  }
+  for (std::uint32_t p = 0; p < parts; ++p) hn::StoreU(sums[p], df, lane + p * lanes);
+  for (std::uint32_t i = whole; i < n; ++i) {
+    if (taken[i] == 0) lane[i % kSumLanes] = lane[i % kSumLanes] + shares[i];
+  }
+  const float sum = tree_combine(lane);
+  const auto vsum = hn::Set(df, sum);
+  for (std::uint32_t i = 0; i < whole; i += lanes) {
+    const auto share = hn::Div(hn::LoadU(df, shares + i), vsum);
+    const auto old = hn::LoadU(df, scores + i);
+    hn::StoreU(hn::IfThenElse(hn::And(untaken_at(i), hn::Lt(old, share)), share, old), df, scores + i);
+  }
+  for (std::uint32_t i = whole; i < n; ++i) {
+    if (taken[i] == 0) scores[i] = fold_max_score(scores[i], div_rn(shares[i], sum));
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace sparsekv
 HWY_AFTER_NAMESPACE();
@@ -194,6 +246,7 @@ namespace sparsekv {
 HWY_EXPORT(QuestLogits);
 HWY_EXPORT(ShadowKVLogits);
 HWY_EXPORT(PortableExps);
+HWY_EXPORT(ShadowKVHeadScores);
 
 void quest_logits_simd(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
                        std::uint32_t head_dim, float spread, float scale, float* out) {
@@ -207,6 +260,11 @@ void shadowkv_logits_simd(const float* q, std::uint32_t group, const float* land
 
 void portable_exps(const float* x, float bias, std::uint32_t n, float* out) {
   HWY_DYNAMIC_DISPATCH(PortableExps)(x, bias, n, out);
+}
+
+void shadowkv_head_scores_simd(std::uint32_t n, const float* logits, const char* taken, float* shares,
+                               float* scores) {
+  HWY_DYNAMIC_DISPATCH(ShadowKVHeadScores)(n, logits, taken, shares, scores);
 }
 
 void softmax_rank_add_simd(std::uint32_t m, const float* logits, float* rank) {

@@ -1110,6 +1110,38 @@ TEST_CASE("shadowkv_logits_simd equals shadowkv_logit bit for bit for every head
   });
 }
 
+TEST_CASE("shadowkv_head_scores_simd equals shadowkv_head_scores bit for bit on every target", "[select-rules]") {
+  // Random taken masks (none, some, all), a head after others (scores already
+  // folded), logits with NaN and infinities, and spreads wide enough that
+  // some shares underflow.
+  std::mt19937 rng(47);
+  const float specials[] = {-0.0f, 0.0f, std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  on_every_target([&](const std::string& target) {
+    for (int trial = 0; trial < 300; ++trial) {
+      const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 150);
+      const float spread = trial % 3 == 0 ? 150.0f : 8.0f;
+      std::vector<float> logits(n), scores(n);
+      std::vector<char> taken(n);
+      const std::uint32_t taken_every = 1 + static_cast<std::uint32_t>(rng() % 5);
+      for (std::uint32_t i = 0; i < n; ++i) {
+        logits[i] = rng() % 29 == 0 ? specials[rng() % 5] : std::uniform_real_distribution<float>(-spread, 4.0f)(rng);
+        scores[i] = trial % 2 == 0 ? -std::numeric_limits<float>::infinity()
+                                   : std::uniform_real_distribution<float>(0.0f, 0.05f)(rng);
+        taken[i] = trial % 7 == 0 ? 1 : static_cast<char>(rng() % taken_every == 0);
+      }
+      std::vector<float> want = scores, got = scores, want_shares(n), got_shares(n);
+      shadowkv_head_scores(n, logits.data(), taken.data(), want_shares.data(), want.data());
+      shadowkv_head_scores_simd(n, logits.data(), taken.data(), got_shares.data(), got.data());
+      for (std::uint32_t i = 0; i < n; ++i) {
+        CAPTURE(target, trial, n, i, logits[i], int(taken[i]));
+        REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want[i]));
+        if (taken[i] == 0) REQUIRE(std::bit_cast<std::uint32_t>(got_shares[i]) == std::bit_cast<std::uint32_t>(want_shares[i]));
+      }
+    }
+  });
+}
+
 TEST_CASE("a candidate's group logits, whole or in pieces, equal quest_logit and shadowkv_logit bit for bit",
           "[select-rules]") {
   // What the GPU's logits kernel runs: kLogitHeads heads a pass over the

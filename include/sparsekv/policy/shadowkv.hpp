@@ -133,7 +133,7 @@ class ShadowKVPolicy {
     const std::uint32_t group = ctx.group_size();
     const float scale = logit_scale(ctx.head_dim);
     std::vector<char> taken(n, 0);
-    std::vector<float> scores(n, -std::numeric_limits<float>::infinity()), exps(n), logits(std::size_t{group} * n);
+    std::vector<float> scores(n, -std::numeric_limits<float>::infinity()), shares(n), logits(std::size_t{group} * n);
     // The rules cuda::shadowkv_select shares (select_rules.hpp).
     const auto tokens = [&](std::uint32_t i) { return state.tokens[i]; };
     const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
@@ -149,23 +149,13 @@ class ShadowKVPolicy {
     ranked_fill(
         n, outliers, [&](std::uint32_t i) { return -state.outlier_score[h][i]; }, untaken, tokens, take);
     // 3. Top-k: per q head, softmax over the non-static pages; max over the
-    //    group. Every head's logits in one pass over the landmarks
-    //    (vectorized, the same bits: select_scoring.hpp).
+    //    group (shadowkv_head_scores). Every head's logits in one pass over
+    //    the landmarks, and each head's softmax, vectorized with the same
+    //    bits (select_scoring.hpp).
     shadowkv_logits_simd(q.head(h * group, ctx.head_dim), group, state.landmarks[h].data(), n, ctx.head_dim, scale,
                          logits.data());
     for (std::uint32_t g = 0; g < group; ++g) {
-      const float* head_logits = logits.data() + std::size_t{g} * n;
-      float top = -std::numeric_limits<float>::infinity();
-      for (std::uint32_t i = 0; i < n; ++i) {
-        if (taken[i]) continue;
-        exps[i] = head_logits[i];
-        top = fold_max_score(top, exps[i]);
-      }
-      portable_exps(exps.data(), -top, n, exps.data());  // a taken candidate's value is never read
-      const float sum = lane_sum<float>(n, [&](std::uint32_t i) { return exps[i]; }, untaken);
-      for (std::uint32_t i = 0; i < n; ++i) {
-        if (!taken[i]) scores[i] = fold_max_score(scores[i], div_rn(exps[i], sum));
-      }
+      shadowkv_head_scores_simd(n, logits.data() + std::size_t{g} * n, taken.data(), shares.data(), scores.data());
     }
     SkipFill top_k{outliers.left};
     ranked_fill(
