@@ -62,13 +62,19 @@ void SplitPlanAttention::prepare(const AttendCall& call) {
     }
     row_chunks_.push_back(chunks_.size());
   }
-  states_.resize(chunks_.size() * group_);
-  acc_.resize(chunks_.size() * group_ * d);
-  weights_.resize(chunks_.size() * page_fold_scratch_floats(pt));
-  scores_.resize(call.slot_weights != nullptr ? pages * pt * group_ : 0);
+  // Scratch only grows: a model's layers alternate sizes (Quest's dense
+  // layers, then sparse ones), and regrowing would zero megabytes a step.
+  // Every element used is written before it is read.
+  const auto at_least = [](auto& v, std::size_t n) {
+    if (v.size() < n) v.resize(n);
+  };
+  at_least(states_, chunks_.size() * group_);
+  at_least(acc_, chunks_.size() * group_ * d);
+  at_least(weights_, chunks_.size() * page_fold_scratch_floats(pt));
+  if (call.slot_weights != nullptr) at_least(scores_, pages * pt * group_);
+  at_least(merged_, rows * group_ * d);
+  at_least(lse_, rows * group_);
   ran_.assign(chunks_.size(), 0);
-  merged_.resize(rows * group_ * d);
-  lse_.resize(rows * group_);
   if (chunks_left_capacity_ < rows) {
     chunks_left_ = std::make_unique<std::atomic<std::uint32_t>[]>(rows);
     chunks_left_capacity_ = rows;
@@ -124,7 +130,7 @@ void SplitPlanAttention::run_chunk(std::size_t c) noexcept {
       tokens += page_tokens_[i];
       ++i;
     } while (i < chunk.end_page && tokens + page_tokens_[i] <= tile_tokens);
-    fold.scores = scores_.empty() ? nullptr : scores_.data() + first * pt * group_;
+    fold.scores = call_.slot_weights == nullptr ? nullptr : scores_.data() + first * pt * group_;
     fold_pages(fold, std::span<const FoldPageRef>(tile, count), i < chunk.end_page ? plan.page(i) : nullptr);
   }
 }
@@ -168,7 +174,7 @@ void SplitPlanAttention::finish() {
   }
   // Rows are (request, kv head) and a kv head's group is its q heads in order:
   // merged_ is laid out as out.
-  std::copy(merged_.begin(), merged_.end(), call_.out);
+  std::copy_n(merged_.data(), rows * group_ * call_.layout.head_dim, call_.out);
 }
 
 void SplitPlanAttention::attend(const AttendCall& call) {

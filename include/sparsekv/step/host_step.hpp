@@ -15,10 +15,12 @@
 //                              selections, then commits: append, Retrieve, the
 //                              policy's page and regroup, and the attend plan
 //   attend(ith, nth)  any      Attend chunks [ith * n / nth, ...) of a backend
-//                              that attends on the host (SplitPlanAttention)
-//   finish()          serial   merges the chunks by log-sum-exp in a fixed
-//                              order (or runs the backend's Attend), then an
-//                              evicting policy's decisions (evicting_step.hpp)
+//                              that attends on the host (SplitPlanAttention);
+//                              a row's last chunk to run merges the row's
+//                              chunks by log-sum-exp in a fixed order
+//   finish()          serial   writes the outputs (or runs the backend's
+//                              Attend), then an evicting policy's decisions
+//                              (evicting_step.hpp)
 //
 // Units and chunks depend on the batch and the plan, never on nth or the order
 // the slices run in, so every output, selection and table is bit-identical to
