@@ -566,7 +566,8 @@ TEST_CASE("ranked_fill's partial selection takes what a full sort takes, in orde
       // Ties, NaN and infinities as well as spread values.
       scores[i] = r < 3 ? nan : r < 5 ? -std::numeric_limits<float>::infinity() : static_cast<float>(rng() % 64) * 0.5f;
       eligible[i] = rng() % 8 != 0;
-      tokens[i] = 1 + rng() % 16;
+      // Pages of 8 tokens but a last partial one (a prompt's), as Select sees them, or any size.
+      tokens[i] = trial % 4 == 1 ? (i + 1 == n ? 1 + rng() % 8 : 8) : 1 + rng() % 16;
     }
     const std::int64_t budget = rng() % (16 * n + 1);
     const std::uint32_t limit = trial % 3 == 0 ? std::numeric_limits<std::uint32_t>::max() : rng() % (n + 1);

@@ -201,8 +201,12 @@ struct SkipFill {
     --limit;
     return Fill::take;
   }
-  // Whether every offer from now on stops.
-  SPARSEKV_HOST_DEVICE bool full() const { return limit == 0 || left <= 0; }
+  // Whether no offer from now on takes, when no candidate left is smaller
+  // than `smallest` tokens (a budget left smaller than every page would skip
+  // them all).
+  SPARSEKV_HOST_DEVICE bool full(std::uint32_t smallest) const {
+    return limit == 0 || left <= 0 || left < std::int64_t{smallest};
+  }
 };
 
 // RetroInfer: the first `limit` ranked, in order, stopping at the first that
@@ -218,7 +222,9 @@ struct BreakFill {
     --limit;
     return Fill::take;
   }
-  SPARSEKV_HOST_DEVICE bool full() const { return limit == 0; }
+  SPARSEKV_HOST_DEVICE bool full(std::uint32_t smallest) const {
+    return limit == 0 || used + smallest > budget;
+  }
 };
 
 // Candidates ranked in ranked_fill's first round.
@@ -232,19 +238,25 @@ void ranked_fill(std::uint32_t n, Filler& fill, Score&& score, Eligible&& eligib
   thread_local std::vector<std::uint64_t> keys;  // Select runs on the engine's threads, a head each
   keys.resize(n);
   std::size_t eligible_keys = 0;
+  std::uint32_t smallest = std::numeric_limits<std::uint32_t>::max();  // tokens of the smallest candidate
   for (std::uint32_t i = 0; i < n; ++i) {  // no branch: an ineligible key is overwritten
     keys[eligible_keys] = rank_key(score(i), i);
-    eligible_keys += eligible(i) ? 1 : 0;
+    const bool counts = eligible(i);
+    const std::uint32_t t = tokens(i);
+    smallest = counts && t < smallest ? t : smallest;
+    eligible_keys += counts ? 1 : 0;
   }
   keys.resize(eligible_keys);
   // Rounds: the best `round` keys left, found as the kernels find a tile's
   // (TileThreshold: a histogram pass per 8-bit digit, no comparisons to
   // mispredict), moved to the front, sorted and offered; the next round
-  // (doubling) starts only if the fill can still take. Keys are distinct, so
-  // the order offered is exactly the full sort's.
+  // (doubling) starts only if the fill can still take something, and the
+  // offers end once nothing left would fit (a budget left below the smallest
+  // candidate: the rest would all be skipped). Keys are distinct, so the
+  // order offered is exactly the full sort's.
   auto first = keys.begin();
   std::size_t round = kFirstRankRound;
-  while (first != keys.end() && !fill.full()) {
+  while (first != keys.end() && !fill.full(smallest)) {
     auto end = keys.end();
     if (keys.end() - first > static_cast<std::ptrdiff_t>(round)) {
       TileThreshold t{0, static_cast<std::uint32_t>(round)};
@@ -258,7 +270,7 @@ void ranked_fill(std::uint32_t n, Filler& fill, Score&& score, Eligible&& eligib
       end = std::partition(first, keys.end(), [&](std::uint64_t k) { return k <= threshold; });
     }
     std::sort(first, end);
-    for (; first != end; ++first) {
+    for (; first != end && !fill.full(smallest); ++first) {
       const std::uint32_t i = rank_key_index(*first);
       const Fill f = fill.offer(tokens(i));
       if (f == Fill::stop) return;
