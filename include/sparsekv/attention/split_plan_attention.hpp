@@ -10,8 +10,9 @@
 // fold_tile_tokens slots at a time (fold_pages: vectorized, each K/V row
 // loaded once for the group). Whichever thread runs a row's last chunk then
 // merges the row's chunks by log-sum-exp in chunk order, then the policy's
-// extra term, and writes its outputs and slot weights: the merge runs on the
-// threads too, not serially after them. Chunk and tile boundaries and the
+// extra term, into this object's output buffer, and writes the row's slot
+// weights: the merge runs on the threads too, not serially after them;
+// finish() copies the outputs out. Chunk and tile boundaries and the
 // merge order depend on the plan alone, never on how many threads run the
 // chunks or in which order, so the result is bit for bit the same for any
 // split (step/host_step.hpp runs it on an engine's threads; HostBackend runs
