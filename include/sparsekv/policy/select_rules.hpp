@@ -515,31 +515,23 @@ SPARSEKV_HOST_DEVICE ShadowKVWindow shadowkv_window(std::uint32_t n, Tokens toke
 
 // ShadowKV's top-k score of one q head, folded into the group's: the softmax
 // of the head's logits over the candidates not taken (the max by
-// fold_max_score, portable_exp(logit - max) by `exps`, summed in float by
-// lane_sum), each untaken candidate's share div_rn(e, sum) kept in scores[i]
-// when larger (fold_max_score: the max over the group). `shares` is [n]
-// scratch; a taken candidate's share and score are not read or written.
-// exps(bias, out) writes out[i] = portable_exp(add_rn(logits[i], bias)) for
-// every i (shadowkv_head_scores_simd: the same bits, vectorized).
-template <class Exps>
-void shadowkv_head_scores(std::uint32_t n, const float* logits, const char* taken, float* shares, float* scores,
-                          Exps&& exps) {
+// fold_max_score, portable_exp(logit - max), summed in float by lane_sum),
+// each untaken candidate's share div_rn(e, sum) kept in scores[i] when larger
+// (fold_max_score: the max over the group). `shares` is [n] scratch; a taken
+// candidate's score is not read or written. The scalar reference of
+// shadowkv_head_scores_simd (select_scoring.hpp: the same bits, vectorized).
+inline void shadowkv_head_scores(std::uint32_t n, const float* logits, const char* taken, float* shares,
+                                 float* scores) {
   float top = kNegativeInfinity;
   for (std::uint32_t i = 0; i < n; ++i) {
     if (taken[i] == 0) top = fold_max_score(top, logits[i]);
   }
-  exps(-top, shares);
+  for (std::uint32_t i = 0; i < n; ++i) shares[i] = portable_exp(add_rn(logits[i], -top));
   const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
   const float sum = lane_sum<float>(n, [&](std::uint32_t i) { return shares[i]; }, untaken);
   for (std::uint32_t i = 0; i < n; ++i) {
     if (taken[i] == 0) scores[i] = fold_max_score(scores[i], div_rn(shares[i], sum));
   }
-}
-inline void shadowkv_head_scores(std::uint32_t n, const float* logits, const char* taken, float* shares,
-                                 float* scores) {
-  shadowkv_head_scores(n, logits, taken, shares, scores, [&](float bias, float* out) {
-    for (std::uint32_t i = 0; i < n; ++i) out[i] = portable_exp(add_rn(logits[i], bias));
-  });
 }
 
 // ---- StreamingWindow and Dense: positional zones --------------------------------
