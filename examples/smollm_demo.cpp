@@ -8,10 +8,12 @@
 // GPU tier caching the selections: hit ratio and pages moved). The prompt is prefilled densely once; its K/V go
 // both to sparsekv and to a plain dense KV cache, which afterwards replays
 // the generated tokens (teacher-forced) to measure how often Dense would have
-// picked the same next token.
+// picked the same next token. sparsekv keeps K/V in f16 by default, as
+// llama.cpp's cache does (--kv-type); the dense reference keeps them in fp32.
 //
 //   smollm-demo [--model PATH] [--text FILE] [--prompt-tokens N] [--new-tokens N]
 //               [--policy NAME] [--budget TOKENS] [--backend in-place|host]
+//               [--kv-type f16|bf16|f32]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -41,7 +43,7 @@ constexpr const char* kProgram = "smollm-demo";
 void usage() {
   std::fputs(
       "usage: smollm-demo [--model PATH] [--text FILE] [--prompt-tokens 4096] [--new-tokens 32]\n"
-      "                   [--policy shadowkv] [--budget 512] [--backend in-place]\n"
+      "                   [--policy shadowkv] [--budget 512] [--backend in-place] [--kv-type f16]\n"
       "  --model PATH         default: ${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
       "  --text FILE          the document to read (default /usr/share/common-licenses/GPL-3)\n"
       "  --prompt-tokens N    tokens of the document kept (its start); a question is appended\n"
@@ -49,7 +51,9 @@ void usage() {
       "  --policy NAME        dense, streaming, quest, shadowkv, retroinfer, retroinfer_no_estimation\n"
       "  --budget TOKENS      tokens one decode step may select per kv head\n"
       "  --backend NAME       in-place (a CPU engine's: no GPU tier) or host (a host GPU tier caching the\n"
-      "                       selections, as a GPU would: prints its hit ratio and pages moved)\n",
+      "                       selections, as a GPU would: prints its hit ratio and pages moved)\n"
+      "  --kv-type NAME       f16, bf16 or f32: what sparsekv stores K/V (and takes q) in; the model computes\n"
+      "                       in fp32 and the dense reference keeps fp32 K/V\n",
       stderr);
 }
 
@@ -61,7 +65,7 @@ int main(int argc, char** argv) {
   try {
     const auto args = sparsekv::tools::parse_command_line<sparsekv::model::UserError>(
         argc, argv, std::set<std::string>{"--model", "--text", "--prompt-tokens", "--new-tokens", "--policy", "--budget",
-                              "--backend"},
+                              "--backend", "--kv-type"},
         std::set<std::string>{"--help"});
     if (args.has("--help")) {
       usage();
@@ -80,6 +84,14 @@ int main(int argc, char** argv) {
       throw sparsekv::model::UserError(fmt::format("--backend must be in-place or host, not '{}'", backend_name));
     }
     const bool in_place = backend_name == "in-place";
+    const std::string kv_type = args.text("--kv-type", "f16");
+    const sparsekv::DType kv_dtype = [&] {
+      try {
+        return sparsekv::parse_dtype(kv_type);
+      } catch (const sparsekv::Error&) {
+        throw sparsekv::model::UserError(fmt::format("--kv-type must be f16, bf16 or f32, not '{}'", kv_type));
+      }
+    }();
 
     // Everything the user can get wrong is checked before the model loads.
     sparsekv::AnyPolicy policy = sparsekv::make_policy(policy_name, budget);
@@ -97,7 +109,8 @@ int main(int argc, char** argv) {
     }();
     const BpeTokenizer tokenizer(file);
     const LlamaModel model(file);
-    const LlamaConfig& c = model.config();
+    LlamaConfig c = model.config();
+    c.kv_dtype = kv_dtype;
     const double load_s = since(t_load);
 
     // Prompt: chat template around the document's first tokens and a question.
@@ -123,8 +136,8 @@ int main(int argc, char** argv) {
     fmt::print("  model {} loaded in {:.1f} s\n", model_path, load_s);
     fmt::print("  prompt {} tokens: the first {} of {}'s {} tokens, a question, the chat template\n", T, doc.size(),
                text_path, doc_total);
-    fmt::print("  decode attention: sparsekv {} with a budget of {} tokens per kv head ({} backend)\n", policy_name,
-               budget, backend_name);
+    fmt::print("  decode attention: sparsekv {} with a budget of {} tokens per kv head ({} backend, {} K/V)\n",
+               policy_name, budget, backend_name, kv_type);
     std::fflush(stdout);
 
     const std::uint32_t max_tokens = T + new_tokens + 1;

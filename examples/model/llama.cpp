@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/serving_config.hpp"
 #include "spin_wait.hpp"
 
@@ -598,6 +599,30 @@ void DenseCache::decode(std::uint32_t layer, const float* q, const float* k, con
 std::uint32_t DenseCache::tokens(std::uint32_t layer) const {
   check_index("layer", layer, config_.layers);
   return static_cast<std::uint32_t>(keys_[layer].size() / (std::size_t{config_.kv_heads} * config_.head_dim));
+}
+
+SparseSession::SparseSession(RuntimeManager& manager, RequestId id)
+    : manager_(manager), id_(id), executor_(engine_executor()), dtype_(manager.buffer().shape().dtype) {}
+
+const void* SparseSession::stored(const float* values, std::size_t n, std::vector<std::byte>& scratch) const {
+  if (dtype_ == DType::f32) return values;
+  const std::size_t size = dtype_size(dtype_);
+  scratch.resize(n * size);
+  for (std::size_t i = 0; i < n; ++i) store_element(scratch.data() + i * size, 0, dtype_, values[i]);
+  return scratch.data();
+}
+
+void SparseSession::prefill(std::uint32_t layer, const float* k, const float* v, std::uint32_t tokens) {
+  const ModelShape& shape = manager_.buffer().shape();
+  const std::size_t n = std::size_t{tokens} * shape.kv_heads * shape.head_dim;
+  manager_.prefill(id_, layer, stored(k, n, k_), stored(v, n, v_), tokens);
+}
+
+void SparseSession::decode(std::uint32_t layer, const float* q, const float* k, const float* v, float* out) {
+  const ModelShape& shape = manager_.buffer().shape();
+  const std::size_t nq = std::size_t{shape.q_heads} * shape.head_dim, nkv = std::size_t{shape.kv_heads} * shape.head_dim;
+  manager_.decode(std::span<const RequestId>(&id_, 1), layer, stored(q, nq, q_), stored(k, nkv, k_),
+                  stored(v, nkv, v_), out, executor_);
 }
 
 // ---- helpers ----------------------------------------------------------------------

@@ -39,8 +39,12 @@ struct LlamaConfig {
   std::uint32_t context = 0;  // training context (llama.context_length)
   float rms_eps = 1e-5f;
   float rope_base = 10000.0f;
+  // What sparsekv stores K/V (and takes q) in. The model computes in fp32;
+  // f16 or bf16 halves the bytes a decode step reads (llama.cpp's default
+  // KV cache is f16). Not a GGUF field: the caller's choice.
+  DType kv_dtype = DType::f32;
 
-  ModelShape shape() const { return {layers, q_heads, kv_heads, head_dim, DType::f32}; }
+  ModelShape shape() const { return {layers, q_heads, kv_heads, head_dim, kv_dtype}; }
 };
 
 // One sequence's attention from the model's point of view. Row-major fp32,
@@ -55,7 +59,8 @@ class AttentionBackend {
   virtual void decode(std::uint32_t layer, const float* q, const float* k, const float* v, float* out) = 0;
 };
 
-// The model's own exact KV cache: the Dense reference, no sparsekv involved.
+// The model's own exact KV cache: the Dense reference, no sparsekv involved;
+// fp32 K/V whatever config.kv_dtype says.
 class DenseCache final : public AttentionBackend {
  public:
   explicit DenseCache(const LlamaConfig& config);
@@ -77,28 +82,32 @@ StepExecutor engine_executor();
 // Attention through sparsekv: request `id` of `manager` (added by the caller
 // with enough max_tokens). Prefill = Index + Offload; decode = append,
 // Select, Retrieve, Attend, the step's Select and Attend on the model's
-// threads (engine_executor).
+// threads (engine_executor). The model's fp32 q, K and V are rounded to the
+// manager's dtype (LlamaConfig::kv_dtype) on the way in, as an engine with
+// an f16 cache stores them.
 class SparseSession : public AttentionBackend {
  public:
-  SparseSession(RuntimeManager& manager, RequestId id) : manager_(manager), id_(id), executor_(engine_executor()) {}
-  void prefill(std::uint32_t layer, const float* k, const float* v, std::uint32_t tokens) override {
-    manager_.prefill(id_, layer, k, v, tokens);
-  }
-  void decode(std::uint32_t layer, const float* q, const float* k, const float* v, float* out) override {
-    manager_.decode(std::span<const RequestId>(&id_, 1), layer, q, k, v, out, executor_);
-  }
+  SparseSession(RuntimeManager& manager, RequestId id);
+  void prefill(std::uint32_t layer, const float* k, const float* v, std::uint32_t tokens) override;
+  void decode(std::uint32_t layer, const float* q, const float* k, const float* v, float* out) override;
   RuntimeManager& manager() { return manager_; }
   RequestId id() const { return id_; }
 
  private:
+  // `values` fp32 values in the manager's dtype: `values` itself for f32,
+  // else a copy in `scratch`.
+  const void* stored(const float* values, std::size_t n, std::vector<std::byte>& scratch) const;
+
   RuntimeManager& manager_;
   RequestId id_;
   StepExecutor executor_;
+  DType dtype_;
+  std::vector<std::byte> q_, k_, v_;
 };
 
 // A RuntimeManager sized for `requests` requests of up to `max_tokens` tokens
-// each of `config`'s shape (f32 K/V, host backend), tiers sized from what the
-// policy needs: the CPU tier every page a head can hold (the policy's
+// each of `config`'s shape (K/V in its kv_dtype, host backend), tiers sized
+// from what the policy needs: the CPU tier every page a head can hold (the policy's
 // head_capacity, else the context's pages) plus a small margin; the GPU tier
 // each request's bucketed-LRU buffer (mandatory pages x (1 + min_buffer_ratio),
 // Spin's 5x) and its tail pages, but never more slots than a head can hold

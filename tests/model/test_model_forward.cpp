@@ -20,6 +20,7 @@
 // relative): logits within 1e-4.
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -31,6 +32,7 @@
 
 #include "model/gguf.hpp"
 #include "model/llama.hpp"
+#include "sparsekv/core/numeric.hpp"
 
 namespace {
 
@@ -228,6 +230,62 @@ TEST_CASE("make_manager sizes tiers from the policy's needs", "[model]") {
       }
       if (name == "streaming" && budget == 64) {
         CHECK(gpu == heads * (6 * (64 / 8) + 1));  // the 5x buffer and the tail: min_buffer_ratio untouched
+      }
+    }
+  }
+}
+
+// SparseSession rounds the model's fp32 q, K and V to the manager's dtype: an
+// f16 session's output is bit for bit that of a manager handed the rounded
+// values, and within f16's rounding of the fp32 dense cache.
+TEST_CASE("SparseSession stores K/V in the config's kv_dtype", "[model]") {
+  for (const sparsekv::DType dtype : {sparsekv::DType::f16, sparsekv::DType::bf16}) {
+    INFO("kv_dtype " << to_string(dtype));
+    LlamaConfig c;
+    c.layers = 2;
+    c.q_heads = 4;
+    c.kv_heads = 2;
+    c.head_dim = 16;
+    c.kv_dtype = dtype;
+    constexpr std::uint32_t kPrompt = 37, kSteps = 3, kMaxTokens = kPrompt + kSteps;
+    const std::size_t kvd = std::size_t{c.kv_heads} * c.head_dim, qd = std::size_t{c.q_heads} * c.head_dim;
+    std::uint32_t seed = 7;
+    const auto draw = [&](std::size_t n) {
+      std::vector<float> x(n);
+      for (float& e : x) {
+        seed = seed * 1664525u + 1013904223u;
+        e = static_cast<float>(seed >> 8) / float(1u << 24) * 2.0f - 1.0f;
+      }
+      return x;
+    };
+    const auto rounded = [&](const std::vector<float>& x) {
+      std::vector<std::uint16_t> r(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) sparsekv::store_element(r.data(), static_cast<std::uint32_t>(i), dtype, x[i]);
+      return r;
+    };
+    const auto session_manager = make_manager(c, sparsekv::make_policy("dense", kMaxTokens), kMaxTokens);
+    const auto direct = make_manager(c, sparsekv::make_policy("dense", kMaxTokens), kMaxTokens);
+    session_manager->add_request(1, kMaxTokens);
+    direct->add_request(1, kMaxTokens);
+    SparseSession session(*session_manager, 1);
+    DenseCache dense(c);
+    for (std::uint32_t layer = 0; layer < c.layers; ++layer) {
+      const std::vector<float> k = draw(kPrompt * kvd), v = draw(kPrompt * kvd);
+      session.prefill(layer, k.data(), v.data(), kPrompt);
+      dense.prefill(layer, k.data(), v.data(), kPrompt);
+      direct->prefill(1, layer, rounded(k).data(), rounded(v).data(), kPrompt);
+    }
+    for (std::uint32_t step = 0; step < kSteps; ++step) {
+      for (std::uint32_t layer = 0; layer < c.layers; ++layer) {
+        const std::vector<float> q = draw(qd), k = draw(kvd), v = draw(kvd);
+        std::vector<float> out(qd), want(qd), exact(qd);
+        session.decode(layer, q.data(), k.data(), v.data(), out.data());
+        dense.decode(layer, q.data(), k.data(), v.data(), exact.data());
+        const sparsekv::RequestId id = 1;
+        direct->decode(std::span(&id, 1), layer, rounded(q).data(), rounded(k).data(), rounded(v).data(), want.data());
+        INFO("step " << step << " layer " << layer);
+        CHECK(std::memcmp(out.data(), want.data(), qd * sizeof(float)) == 0);
+        for (std::size_t i = 0; i < qd; ++i) CHECK(std::abs(out[i] - exact[i]) <= (dtype == sparsekv::DType::f16 ? 5e-3 : 4e-2));
       }
     }
   }
