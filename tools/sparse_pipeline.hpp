@@ -122,7 +122,7 @@ class SparsePipeline {
   AnyPolicy policy_;
   std::uint32_t max_tokens_;
   Config config_;
-  HostMemoryResource cpu_{false}, gpu_{false};
+  HostMemoryResource cpu_{false}, gpu_{false, Residency::at_allocation};
   std::unique_ptr<TieredKVBuffer> buffer_;
   std::vector<std::any> states_;
   std::vector<Recent> recent_;

@@ -192,7 +192,9 @@ TEST_CASE("Device memory without a device reports unavailable", "[memory]") {
 }
 
 TEST_CASE("plain host memory: zeroed, 256-byte aligned, large blocks on 2 MiB boundaries", "[memory]") {
-  HostMemoryResource memory(false);
+  const Residency residency = GENERATE(Residency::on_first_touch, Residency::at_allocation);
+  CAPTURE(residency == Residency::at_allocation);
+  HostMemoryResource memory(false, residency);
   for (const std::size_t bytes : {std::size_t{1}, std::size_t{300}, (std::size_t{2} << 20) - 1, std::size_t{2} << 20,
                                   (std::size_t{5} << 20) + 77}) {
     CAPTURE(bytes);
@@ -204,6 +206,14 @@ TEST_CASE("plain host memory: zeroed, 256-byte aligned, large blocks on 2 MiB bo
     if (bytes >= (std::size_t{2} << 20)) REQUIRE(address % (std::size_t{2} << 20) == 0);
     REQUIRE(std::all_of(p, p + bytes, [](unsigned char c) { return c == 0; }));
     p[bytes - 1] = 1;  // the whole block is writable
+    memory.deallocate(p, bytes);
+  }
+  // Memory given back and asked for again comes back zeroed, whoever wrote it.
+  for (int round = 0; round < 3; ++round) {
+    const std::size_t bytes = (std::size_t{4} << 20) + 4096 * round;
+    auto* p = static_cast<unsigned char*>(memory.allocate(bytes));
+    REQUIRE(std::all_of(p, p + bytes, [](unsigned char c) { return c == 0; }));
+    std::fill(p, p + bytes, static_cast<unsigned char>(0xff));
     memory.deallocate(p, bytes);
   }
   REQUIRE(memory.allocate(0) == nullptr);

@@ -24,7 +24,7 @@ class HostBackend final : public Backend {
 
  private:
   HostMemoryResource cpu_memory_{true};   // pinned when a CUDA device is present
-  HostMemoryResource gpu_memory_{false};  // stands in for HBM
+  HostMemoryResource gpu_memory_{false, Residency::at_allocation};  // stands in for HBM
   HostPageTransfer transfer_;
   SplitPlanAttention attention_;
 };
