@@ -23,6 +23,8 @@ class LearnedGatePolicy {
   explicit LearnedGatePolicy(Options o) : o_(std::move(o)) {}
   std::vector<PartitionSpec> index(const LayerContext& c, const KvView& kv, LayerState& s) const {
     s.pooled.assign(c.kv_heads, {});
+    const std::uint32_t blocks = c.reserved_partitions((kv.tokens + c.page_tokens - 1) / c.page_tokens);
+    for (auto& p : s.pooled) p.reserve(std::size_t{blocks} * c.head_dim);  // no decode step reallocates it
     for (std::uint32_t t = 0; t < kv.tokens; t += c.page_tokens) pool(kv, t, std::min(c.page_tokens, kv.tokens - t), s);
     return {PartitionSpec::uniform(kv.tokens, c.page_tokens)};  // partition b = block b
   }

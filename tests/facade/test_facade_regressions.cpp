@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <limits>
 #include <random>
 #include <string>
@@ -49,6 +50,15 @@ struct OldestFirstPolicy {
     }
   }
   std::uint32_t mandatory_pages(const LayerContext&) const { return mandatory; }
+};
+
+// OldestFirstPolicy that notes the reserve_tokens each Index is given.
+struct ReserveNotingPolicy : OldestFirstPolicy {
+  std::shared_ptr<std::vector<std::uint32_t>> seen = std::make_shared<std::vector<std::uint32_t>>();
+  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
+    seen->push_back(ctx.reserve_tokens);
+    return OldestFirstPolicy::index(ctx, kv, state);
+  }
 };
 
 // Tiers for two requests of up to `request_tokens` tokens, with room for
@@ -571,4 +581,23 @@ TEST_CASE("Review: a policy that cannot serve the configuration is refused at co
                          ErrorCode::invalid_argument);
   // Its default page is the KV page, whatever its size.
   RuntimeManager one_page(shape, small_config(shape, 32, 64), make_policy("quest", 512));
+}
+
+// Index learns each request's max_tokens (LayerContext::reserve_tokens), so
+// that a policy can reserve its state once instead of reallocating it in a
+// decode step.
+TEST_CASE("Index is told the request's max_tokens to reserve for", "[facade]") {
+  const ModelShape shape{2, 4, 2, 16, DType::f32};
+  ReserveNotingPolicy policy;
+  const auto seen = policy.seen;
+  Manager<ReserveNotingPolicy> manager(shape, small_config(shape, 8, 64), policy);
+  const std::size_t row = std::size_t{shape.kv_heads} * shape.head_dim;
+  const std::vector<float> kv(20 * row, 0.5f);
+  manager.add_request(1, 60);
+  manager.add_request(2, 33);
+  for (std::uint32_t layer = 0; layer < shape.layers; ++layer) {
+    manager.prefill(1, layer, kv.data(), kv.data(), 20);
+    manager.prefill(2, layer, kv.data(), kv.data(), 20);
+  }
+  CHECK(*seen == std::vector<std::uint32_t>{60, 33, 60, 33});
 }

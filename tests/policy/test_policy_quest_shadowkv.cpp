@@ -632,3 +632,87 @@ TEST_CASE("A budget covering the context makes Quest and ShadowKV select what De
     }
   }
 }
+
+// ---- Index reserves for the request's max_tokens ---------------------------
+
+namespace {
+
+// Where each of a state's growing arrays lives: a reallocation moves one.
+std::vector<const void*> homes(const QuestPolicy::LayerState& s) {
+  std::vector<const void*> at{s.tokens.data()};
+  for (std::size_t h = 0; h < s.ids.size(); ++h) at.insert(at.end(), {s.ids[h].data(), s.min[h].data(), s.max[h].data()});
+  return at;
+}
+std::vector<const void*> homes(const ShadowKVPolicy::LayerState& s) {
+  std::vector<const void*> at{s.tokens.data()};
+  for (std::size_t h = 0; h < s.ids.size(); ++h) {
+    at.insert(at.end(), {s.ids[h].data(), s.landmarks[h].data(), s.outlier_score[h].data()});
+  }
+  return at;
+}
+std::vector<const void*> homes(const OraclePolicy::LayerState& s) {
+  std::vector<const void*> at{s.tokens.data()};
+  for (std::size_t h = 0; h < s.ids.size(); ++h) at.insert(at.end(), {s.ids[h].data(), s.keys[h].data()});
+  return at;
+}
+
+// Index (or a fork's Index) with reserve_tokens 83 past the prompt: the
+// eleven decode pages that reach it (the last one partial) append without
+// moving any array of the state; the pages past it may.
+template <class P>
+void check_reserved(const P& policy, bool fork) {
+  LayerContext ctx = context();
+  const Chunk prompt(ctx, 100, 21);
+  ctx.tokens = prompt.tokens;
+  ctx.reserve_tokens = prompt.tokens + 83;
+  typename P::LayerState state;
+  if (fork) {
+    typename P::LayerState source;
+    LayerContext plain = ctx;
+    plain.reserve_tokens = 0;
+    policy.index(plain, prompt.view(), source);
+    const std::uint32_t reused = policy.reused_tokens(ctx, source);
+    REQUIRE(reused > 0);
+    const std::size_t row = std::size_t{ctx.kv_heads} * ctx.head_dim;
+    const Vec keys(prompt.keys.begin() + reused * row, prompt.keys.end()),
+        values(prompt.values.begin() + reused * row, prompt.values.end());
+    sparsekv::fork_index(policy, ctx, source, KvView{keys, values, prompt.tokens - reused, ctx.kv_heads, ctx.head_dim, reused},
+                         state);
+  } else {
+    policy.index(ctx, prompt.view(), state);
+  }
+  const std::vector<const void*> before = homes(state);
+  auto id = static_cast<PartitionId>(state.tokens.size());
+  for (std::uint32_t page = 0; page < 11; ++page, ++id) {
+    const Chunk kv(ctx, ctx.page_tokens, 30 + page);
+    REQUIRE_FALSE(policy.append(ctx, AppendedPage{kv.view(), std::vector<PartitionId>(ctx.kv_heads, id)}, state).has_value());
+    ctx.tokens += ctx.page_tokens;
+    INFO("decode page " << page);
+    CHECK(homes(state) == before);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("Index reserves the summaries for the request's max_tokens: no decode page moves them", "[policy]") {
+  const bool fork = GENERATE(false, true);
+  CAPTURE(fork);
+  check_reserved(QuestPolicy({.budget_tokens = 32}), fork);
+  check_reserved(QuestPolicy({.budget_tokens = 32, .page_tokens_per_partition = 16}), fork);
+  check_reserved(ShadowKVPolicy({.budget_tokens = 32}), fork);
+  check_reserved(OraclePolicy({.budget_tokens = 32}), fork);
+}
+
+TEST_CASE("LayerContext::reserved_partitions counts a partition per decode page up to reserve_tokens", "[policy]") {
+  LayerContext ctx = context();
+  ctx.tokens = 100;
+  CHECK(ctx.reserved_partitions(13) == 13);  // no hint
+  ctx.reserve_tokens = 100;
+  CHECK(ctx.reserved_partitions(13) == 13);
+  ctx.reserve_tokens = 101;
+  CHECK(ctx.reserved_partitions(13) == 14);
+  ctx.reserve_tokens = 100 + 83;
+  CHECK(ctx.reserved_partitions(13) == 24);
+  ctx.reserve_tokens = 50;  // below the prompt: nothing to add
+  CHECK(ctx.reserved_partitions(13) == 13);
+}

@@ -190,7 +190,10 @@ class Manager {
     s.max_tokens = max_tokens;
     s.mandatory_pages = b.mandatory_pages;
     s.layers.resize(shape_.layers);
-    for (auto& layer : s.layers) layer.policy = make_layer_state(policy_);
+    for (auto& layer : s.layers) {
+      layer.policy = make_layer_state(policy_);
+      layer.max_tokens = max_tokens;
+    }
   }
 
   // ---- Host tensors ---------------------------------------------------------

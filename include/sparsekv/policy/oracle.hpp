@@ -47,7 +47,11 @@ class OraclePolicy {
     check_layer_context(kName, ctx);
     check_kv_view(kName, ctx, kv, false);
     return {index_uniform_partitions(
-        ctx, kv, ctx.page_tokens, state, [&](LayerState& s) { s.keys.resize(ctx.kv_heads); },
+        ctx, kv, ctx.page_tokens, state,
+        [&](LayerState& s, std::uint32_t reserved) {
+          s.keys.resize(ctx.kv_heads);
+          for (auto& keys : s.keys) keys.reserve(std::size_t{reserved} * ctx.page_tokens * ctx.head_dim);
+        },
         [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) { add_keys(s, h, kv, first, count); })};
   }
 
@@ -61,10 +65,13 @@ class OraclePolicy {
     check_kv_view(kName, ctx, kv, false);
     return {fork_uniform_partitions(
         ctx, source, kv, ctx.page_tokens, state,
-        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
+        [&](const LayerState& from, LayerState& to, std::uint32_t partitions, std::uint32_t reserved) {
           to.keys.resize(ctx.kv_heads);
           const std::size_t values = std::size_t{partitions} * ctx.page_tokens * ctx.head_dim;
-          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) to.keys[h].assign(from.keys[h].begin(), from.keys[h].begin() + values);
+          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+            to.keys[h].reserve(std::size_t{reserved} * ctx.page_tokens * ctx.head_dim);
+            to.keys[h].assign(from.keys[h].begin(), from.keys[h].begin() + values);
+          }
         },
         [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) { add_keys(s, h, kv, first, count); })};
   }

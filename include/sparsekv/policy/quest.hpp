@@ -105,9 +105,13 @@ class QuestPolicy {
     check_kv(ctx, kv);
     return {index_uniform_partitions(
         ctx, kv, partition_tokens(ctx), state,
-        [&](LayerState& s) {
+        [&](LayerState& s, std::uint32_t reserved) {
           s.min.resize(ctx.kv_heads);
           s.max.resize(ctx.kv_heads);
+          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+            s.min[h].reserve(std::size_t{reserved} * ctx.head_dim);
+            s.max[h].reserve(std::size_t{reserved} * ctx.head_dim);
+          }
         },
         [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
           add_bounds(s, h, kv, first, count);
@@ -123,10 +127,12 @@ class QuestPolicy {
     check_kv(ctx, kv);
     return {fork_uniform_partitions(
         ctx, source, kv, partition_tokens(ctx), state,
-        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
+        [&](const LayerState& from, LayerState& to, std::uint32_t partitions, std::uint32_t reserved) {
           to.min.resize(ctx.kv_heads);
           to.max.resize(ctx.kv_heads);
           for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+            to.min[h].reserve(std::size_t{reserved} * ctx.head_dim);
+            to.max[h].reserve(std::size_t{reserved} * ctx.head_dim);
             to.min[h].assign(from.min[h].begin(), from.min[h].begin() + std::size_t{partitions} * ctx.head_dim);
             to.max[h].assign(from.max[h].begin(), from.max[h].begin() + std::size_t{partitions} * ctx.head_dim);
           }

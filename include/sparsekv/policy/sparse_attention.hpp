@@ -68,6 +68,7 @@
 //
 // Policies see fp32 copies of q/k/v; the facade converts the engine's dtype.
 // Adding an algorithm is one header: examples/custom_policy.cpp.
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
 #include <optional>
@@ -97,8 +98,21 @@ struct LayerContext {
   std::uint32_t head_dim = 0;
   std::uint32_t page_tokens = 8;
   std::uint32_t tokens = 0;  // tokens in partitions (the decode tail excluded)
+  // Index and fork_index only: the tokens the request may reach (its
+  // max_tokens; 0: not known). A policy whose state grows by a partition a
+  // saved page reserves it for them, so that no decode step reallocates it:
+  // that copies every summary of the (request, layer), a stall that grows
+  // with the context (docs/performance.md, "Summaries reserved at Index").
+  std::uint32_t reserve_tokens = 0;
 
   std::uint32_t group_size() const noexcept { return q_heads / kv_heads; }
+  // Partitions a state of `partitions` now holds when the request reaches
+  // reserve_tokens, each decode page one more (the tail's page included).
+  std::uint32_t reserved_partitions(std::uint32_t partitions) const noexcept {
+    const std::uint64_t growth =
+        reserve_tokens > tokens ? (std::uint64_t{reserve_tokens} - tokens + page_tokens - 1) / page_tokens : 0;
+    return static_cast<std::uint32_t>(std::min<std::uint64_t>(partitions + growth, UINT32_MAX));
+  }
 };
 
 // K and V of `tokens` consecutive tokens of one layer, fp32, [token][kv_head][dim].
@@ -308,15 +322,19 @@ void check_appended_page(std::string_view policy, const LayerContext& ctx, const
 // each summarised by summarize(state, head, first_token, tokens). Built into a fresh State, so a
 // failure leaves the caller's as it was; State has head_dim, tokens
 // ([partition]) and ids ([kv head][partition]), its summary arrays sized by
-// the caller's `prepare(state)`.
+// the caller's `prepare(state, partitions)` and reserved there for
+// `partitions` (ctx.reserved_partitions), as tokens and ids are here.
 template <class State, class Prepare, class Summarize>
 PartitionSpec index_uniform_partitions(const LayerContext& ctx, const KvView& kv, std::uint32_t partition_tokens,
                                        State& state, Prepare&& prepare, Summarize&& summarize) {
   const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, partition_tokens);
+  const std::uint32_t reserved = ctx.reserved_partitions(spec.partition_count());
   State next;
   next.head_dim = ctx.head_dim;
+  next.tokens.reserve(reserved);
   next.ids.resize(ctx.kv_heads);
-  prepare(next);
+  for (auto& ids : next.ids) ids.reserve(reserved);
+  prepare(next, reserved);
   for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
     next.tokens.push_back(spec.size(p));
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
@@ -359,9 +377,10 @@ std::uint32_t reusable_uniform_tokens(const LayerContext& ctx, const State& sour
   return n * partition_tokens;
 }
 // fork_index of those policies: the reused partitions' ids and token counts,
-// copy_prefix(source, state, partitions) copying their summaries, then the
-// rest summarised as index_uniform_partitions does, from kv (tokens
-// kv.first_position .. ctx.tokens - 1). Built into a fresh State.
+// copy_prefix(source, state, partitions, reserved) copying their summaries
+// (reserved as prepare's are), then the rest summarised as
+// index_uniform_partitions does, from kv (tokens kv.first_position ..
+// ctx.tokens - 1). Built into a fresh State.
 template <class State, class CopyPrefix, class Summarize>
 PartitionSpec fork_uniform_partitions(const LayerContext& ctx, const State& source, const KvView& kv,
                                       std::uint32_t partition_tokens, State& state, CopyPrefix&& copy_prefix,
@@ -374,12 +393,17 @@ PartitionSpec fork_uniform_partitions(const LayerContext& ctx, const State& sour
   }
   const PartitionSpec spec = PartitionSpec::uniform(ctx.tokens, partition_tokens);
   const std::uint32_t reused = kv.first_position / partition_tokens;
+  const std::uint32_t reserved = ctx.reserved_partitions(spec.partition_count());
   State next;
   next.head_dim = ctx.head_dim;
+  next.tokens.reserve(reserved);
   next.tokens.assign(source.tokens.begin(), source.tokens.begin() + reused);
   next.ids.resize(ctx.kv_heads);
-  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) next.ids[h].assign(source.ids[h].begin(), source.ids[h].begin() + reused);
-  copy_prefix(source, next, reused);
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    next.ids[h].reserve(reserved);
+    next.ids[h].assign(source.ids[h].begin(), source.ids[h].begin() + reused);
+  }
+  copy_prefix(source, next, reused, reserved);
   for (std::uint32_t p = reused; p < spec.partition_count(); ++p) {
     next.tokens.push_back(spec.size(p));
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {

@@ -16,6 +16,9 @@ template <class State>
 struct LayerStepState {
   State policy;
   bool prefilled = false;
+  // The request's max_tokens, for which Index reserves the policy's state
+  // (LayerContext::reserve_tokens).
+  std::uint32_t max_tokens = 0;
   // A prompt arriving in chunks (Manager::prefill_chunk), host tensors in the
   // model dtype, [token][kv_head][dim], until the layer is prefilled with it.
   std::vector<std::byte> staged_k, staged_v;

@@ -50,7 +50,8 @@ void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::u
   const KvView view{keys, values, tokens - first, shape.kv_heads, shape.head_dim, first};
   // Indexed into a copy: a policy's state changes only if the offload succeeds.
   typename Policy::LayerState indexed = ls.policy;
-  const LayerContext ctx = scope.context(layer, tokens);
+  LayerContext ctx = scope.context(layer, tokens);
+  ctx.reserve_tokens = ls.max_tokens;
   std::vector<PartitionSpec> specs =
       fork ? sparsekv::fork_index(policy, ctx, *fork->state, view, indexed) : policy.index(ctx, view, indexed);
   std::optional<Eviction> cut;
