@@ -166,6 +166,7 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   sparsekv::tools::ThreadPool pool(device ? 1 : r.threads);
   const sparsekv::StepExecutor executor = pool.executor();
   double seconds = 0;
+  std::vector<double> step_seconds;  // a stall shows as the worst step, which the mean hides
   for (std::uint32_t s = 0; s < r.steps; ++s) {
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
       for (std::size_t i = 0; i < qn; ++i) {
@@ -196,7 +197,8 @@ bool run_policy(const Run& r, const std::string& policy_name) {
 #endif
     }
     if (device) manager.synchronize();  // the step is done: an engine would sample here
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    seconds += step_seconds.back();
   }
 #if SPARSEKV_EXAMPLE_CUDA
   if (device) out = d_out.download(qn, stream->get());
@@ -208,6 +210,11 @@ bool run_policy(const Run& r, const std::string& policy_name) {
 
   const sparsekv::StepStats& st = manager.stats();
   const double tokens_per_s = double(r.steps) * r.batch / seconds;
+  const auto worst = std::max_element(step_seconds.begin(), step_seconds.end());
+  const auto worst_step = static_cast<std::size_t>(worst - step_seconds.begin());
+  const double worst_s = *worst;
+  std::nth_element(step_seconds.begin(), step_seconds.begin() + step_seconds.size() / 2, step_seconds.end());
+  const double median_s = step_seconds[step_seconds.size() / 2];
   // The device path gathers exactly its miss pages; the host path counts its copies.
   const std::uint64_t pages_moved = device ? st.cache.miss_pages : st.pages_moved;
   const std::uint64_t bytes_moved = device ? st.cache.miss_pages * page : st.bytes_moved;
@@ -217,9 +224,9 @@ bool run_policy(const Run& r, const std::string& policy_name) {
         "{{\"backend\": \"{}\", \"api\": \"{}\", \"policy\": \"{}\", \"context\": {}, \"batch\": {}, \"budget\": {}, "
         "\"page_tokens\": {}, \"steps\": {}, \"threads\": {}, \"tokens_per_s\": {:.3f}, \"hit_ratio\": {:.4f}, \"pages_moved\": {}, "
         "\"bytes_moved\": {}, \"append_s\": {:.4f}, \"select_s\": {:.4f}, \"retrieve_s\": {:.4f}, \"attend_s\": {:.4f}, "
-        "\"prefill_s\": {:.3f}, \"cpu_tier_reserved_bytes\": {}}}\n",
+        "\"step_median_s\": {:.6f}, \"step_worst_s\": {:.6f}, \"prefill_s\": {:.3f}, \"cpu_tier_reserved_bytes\": {}}}\n",
         backend, api, policy_name, r.context, r.batch, r.budget, config.page_tokens, r.steps, pool.threads(), tokens_per_s,
-        st.hit_ratio(), pages_moved, bytes_moved, st.append_s, st.select_s, st.retrieve_s, st.attend_s, prefill_s,
+        st.hit_ratio(), pages_moved, bytes_moved, st.append_s, st.select_s, st.retrieve_s, st.attend_s, median_s, worst_s, prefill_s,
         manager.cpu_tier_reserved_bytes());
     return true;
   }
@@ -228,6 +235,7 @@ bool run_policy(const Run& r, const std::string& policy_name) {
              r.batch, r.context, policy_name, r.budget, config.page_tokens, r.steps, shape.layers, backend, api,
              pool.threads());
   fmt::print("  tokens/s        {:.2f}\n", tokens_per_s);
+  fmt::print("  step time       median {:.2f} ms, worst {:.2f} ms (step {})\n", 1e3 * median_s, 1e3 * worst_s, worst_step);
   if (manager.buffer().attend_site() == sparsekv::AttendSite::cpu_tier) {
     fmt::print("  in place        the selected CPU pages attended where they are: no GPU tier, nothing moved\n");
   } else {
