@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
 namespace sparsekv {
@@ -33,10 +34,13 @@ void check_decode_query(std::string_view policy, const LayerContext& ctx, const 
          ctx.q_heads, ctx.head_dim);
   }
   // Scores of a non-finite query have no order: top-k would be undefined.
-  for (std::size_t i = 0; i < q.q.size(); ++i) {
-    if (!std::isfinite(q.q[i])) {
-      fail(ErrorCode::invalid_argument, "{}: query value {} is not finite", policy, i);
-    }
+  // One pass without an early exit, which vectorizes: every select_head of
+  // a step checks the whole query (32 x 128 values for Llama-8B).
+  bool all_finite = true;
+  for (const float x : q.q) all_finite &= is_finite(x);
+  if (!all_finite) {
+    const auto bad = std::find_if(q.q.begin(), q.q.end(), [](float x) { return !is_finite(x); });
+    fail(ErrorCode::invalid_argument, "{}: query value {} is not finite", policy, bad - q.q.begin());
   }
 }
 

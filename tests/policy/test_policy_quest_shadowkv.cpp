@@ -1,7 +1,9 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <limits>
 #include <numeric>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -715,4 +717,37 @@ TEST_CASE("LayerContext::reserved_partitions counts a partition per decode page 
   CHECK(ctx.reserved_partitions(13) == 24);
   ctx.reserve_tokens = 50;  // below the prompt: nothing to add
   CHECK(ctx.reserved_partitions(13) == 13);
+}
+
+TEST_CASE("A query with a NaN or an infinity anywhere is refused, naming the value", "[policy]") {
+  LayerContext ctx = context();
+  const Chunk prompt(ctx, 64, 41);
+  ctx.tokens = prompt.tokens;
+  const QuestPolicy quest({.budget_tokens = 16});
+  const ShadowKVPolicy shadow({.budget_tokens = 16});
+  QuestPolicy::LayerState quest_state;
+  ShadowKVPolicy::LayerState shadow_state;
+  quest.index(ctx, prompt.view(), quest_state);
+  shadow.index(ctx, prompt.view(), shadow_state);
+  const std::size_t n = std::size_t{ctx.q_heads} * ctx.head_dim;
+  for (const std::size_t at : {std::size_t{0}, n / 2 + 3, n - 1}) {
+    for (const float bad : {std::nanf(""), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+      Vec q = random_query(ctx, 5);
+      q[at] = bad;
+      const DecodeQuery query{q, ctx.tokens};
+      const auto refused = [&](const auto& call) {
+        try {
+          call();
+        } catch (const Error& e) {
+          CHECK(e.code() == ErrorCode::invalid_argument);
+          return std::string(e.what()).find("query value " + std::to_string(at) + " is not finite") != std::string::npos;
+        }
+        return false;
+      };
+      INFO("value " << at << " = " << bad);
+      std::vector<PartitionId> chosen;
+      CHECK(refused([&] { quest.select_head(ctx, query, quest_state, 1, chosen); }));
+      CHECK(refused([&] { shadow.select_head(ctx, query, shadow_state, 0, chosen); }));
+    }
+  }
 }
