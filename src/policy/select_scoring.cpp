@@ -21,6 +21,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 // The rule's eight lanes as `parts` vectors of up to eight lanes each.
 constexpr std::size_t kRuleLanes = 8;
+// Heads whose Quest sums are kept at once.
+constexpr std::uint32_t kQuestHeads = 4;
 
 void QuestLogits(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
                  std::uint32_t head_dim, float spread, float scale, float* out) {
@@ -46,30 +48,41 @@ void QuestLogits(const float* q, std::uint32_t group, const float* min, const fl
       hn::StoreU(hn::Mul(hn::Add(l, h), vhalf), d8, centre + d);
       hn::StoreU(hn::Mul(hn::Sub(h, l), vhalf), d8, half_width + d);
     }
-    for (std::uint32_t g = 0; g < group; ++g) {
-      const float* qg = q + std::size_t{g} * head_dim;
-      const float* ag = q_abs + std::size_t{g} * head_dim;
-      hn::Vec<decltype(d8)> acc[kRuleLanes];
-      for (std::size_t p = 0; p < parts; ++p) acc[p] = hn::Zero(d8);
+    // Up to kQuestHeads heads at once: their sums are independent chains of
+    // adds, which one head alone would leave waiting on the add latency.
+    for (std::uint32_t g0 = 0; g0 < group; g0 += kQuestHeads) {
+      const std::uint32_t heads = group - g0 < kQuestHeads ? group - g0 : kQuestHeads;
+      hn::Vec<decltype(d8)> acc[kQuestHeads][kRuleLanes];
+      for (std::uint32_t b = 0; b < kQuestHeads; ++b)
+        for (std::size_t p = 0; p < parts; ++p) acc[b][p] = hn::Zero(d8);
       for (std::uint32_t d = 0; d < whole; d += kRuleLanes) {
         for (std::size_t p = 0; p < parts; ++p) {
           const std::size_t at = d + p * lanes;
-          const auto reach = hn::Mul(hn::LoadU(d8, ag + at), hn::LoadU(d8, half_width + at));
-          const auto term = hn::Add(hn::Mul(hn::LoadU(d8, qg + at), hn::LoadU(d8, centre + at)), hn::Mul(vspread, reach));
-          acc[p] = hn::Add(acc[p], term);
+          const auto c = hn::LoadU(d8, centre + at), w = hn::LoadU(d8, half_width + at);
+          for (std::uint32_t b = 0; b < heads; ++b) {
+            const std::size_t row = std::size_t{g0 + b} * head_dim + at;
+            const auto reach = hn::Mul(hn::LoadU(d8, q_abs + row), w);
+            const auto term = hn::Add(hn::Mul(hn::LoadU(d8, q + row), c), hn::Mul(vspread, reach));
+            acc[b][p] = hn::Add(acc[b][p], term);
+          }
         }
       }
-      for (std::size_t p = 0; p < parts; ++p) hn::StoreU(acc[p], d8, lane + p * lanes);
-      // The rule's combination (lane_order_sum), then its tail, in order.
-      float halves[4];
-      for (std::uint32_t j = 0; j < 4; ++j) halves[j] = lane[j] + lane[j + 4];
-      float sum = (halves[0] + halves[2]) + (halves[1] + halves[3]);
-      for (std::uint32_t d = whole; d < head_dim; ++d) {
-        const float c = mul_rn(add_rn(lo[d], hi[d]), 0.5f);
-        const float w = mul_rn(add_rn(hi[d], -lo[d]), 0.5f);
-        sum = add_rn(sum, add_rn(mul_rn(qg[d], c), mul_rn(spread, mul_rn(ag[d], w))));
+      for (std::uint32_t b = 0; b < heads; ++b) {
+        const std::uint32_t g = g0 + b;
+        const float* qg = q + std::size_t{g} * head_dim;
+        const float* ag = q_abs + std::size_t{g} * head_dim;
+        for (std::size_t p = 0; p < parts; ++p) hn::StoreU(acc[b][p], d8, lane + p * lanes);
+        // The rule's combination (lane_order_sum), then its tail, in order.
+        float halves[4];
+        for (std::uint32_t j = 0; j < 4; ++j) halves[j] = lane[j] + lane[j + 4];
+        float sum = (halves[0] + halves[2]) + (halves[1] + halves[3]);
+        for (std::uint32_t d = whole; d < head_dim; ++d) {
+          const float c = mul_rn(add_rn(lo[d], hi[d]), 0.5f);
+          const float w = mul_rn(add_rn(hi[d], -lo[d]), 0.5f);
+          sum = add_rn(sum, add_rn(mul_rn(qg[d], c), mul_rn(spread, mul_rn(ag[d], w))));
+        }
+        out[std::size_t{g} * n + i] = mul_rn(sum, scale);
       }
-      out[std::size_t{g} * n + i] = mul_rn(sum, scale);
     }
   }
 }

@@ -1059,7 +1059,7 @@ TEST_CASE("quest_logits_simd equals quest_logit bit for bit for every head, on e
   std::normal_distribution<float> normal;
   on_every_target([&](const std::string& target) {
     for (const std::uint32_t d : {1u, 7u, 8u, 13u, 16u, 64u, 100u, 128u}) {
-      for (const std::uint32_t group : {1u, 3u, 4u, 8u}) {
+      for (const std::uint32_t group : {1u, 3u, 4u, 6u, 8u}) {
         const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 60);
         std::vector<float> q(std::size_t{group} * d), lo(std::size_t{n} * d), hi(lo.size());
         for (auto& x : q) x = rng() % 9 == 0 ? -0.0f : normal(rng) * 3.0f;  // negative zeros keep their sign rule
