@@ -124,6 +124,30 @@ constexpr std::uint32_t kHeadBlock = 4;
 // 38-42 -> 22-23 us a kv head at 512 x 128; 1 block ahead beat 2 and 4.
 constexpr std::size_t kPrefetchBlocks = 1;
 
+// One block of eight candidates (a lane each) for heads q[0 .. H) (H a
+// compile-time count, so the sums and the transposed columns stay in
+// registers): each lane runs dot_in_order over its landmark, element d taken
+// from the lane's row, q[d] broadcast. out[b * n + lane] = scale * sum.
+template <std::uint32_t H, class D, class VI>
+HWY_INLINE void ShadowKVBlock(D d8, const float* HWY_RESTRICT q, const float* HWY_RESTRICT block,
+                              std::uint32_t head_dim, std::uint32_t whole, VI rows, hn::Vec<D> vscale,
+                              std::uint32_t n, float* HWY_RESTRICT out) {
+  hn::Vec<D> acc[H];
+  for (std::uint32_t b = 0; b < H; ++b) acc[b] = hn::Zero(d8);
+  const auto step = [&](std::uint32_t d, hn::Vec<D> l) {
+    for (std::uint32_t b = 0; b < H; ++b) acc[b] = hn::Add(acc[b], hn::Mul(hn::Set(d8, q[std::size_t{b} * head_dim + d]), l));
+  };
+#if HWY_TARGET != HWY_SCALAR
+  for (std::uint32_t d = 0; d < whole; d += 8) {
+    hn::Vec<D> columns[8];
+    Transpose8(d8, block + d, head_dim, columns);
+    for (std::uint32_t k = 0; k < 8; ++k) step(d + k, columns[k]);
+  }
+#endif
+  for (std::uint32_t d = whole; d < head_dim; ++d) step(d, hn::GatherIndex(d8, block + d, rows));
+  for (std::uint32_t b = 0; b < H; ++b) hn::StoreU(hn::Mul(vscale, acc[b]), d8, out + std::size_t{b} * n);
+}
+
 void ShadowKVLogits(const float* q, std::uint32_t group, const float* landmarks, std::uint32_t n,
                     std::uint32_t head_dim, float scale, float* out) {
   // A lane per candidate: each lane runs dot_in_order for its own landmark,
@@ -139,7 +163,6 @@ void ShadowKVLogits(const float* q, std::uint32_t group, const float* landmarks,
   // narrower vectors gather.
   const bool transpose = lanes == 8;
   const std::uint32_t whole = transpose ? head_dim / 8 * 8 : 0;
-  [[maybe_unused]] hn::Vec<decltype(d8)> columns[8];
   std::uint32_t i = 0;
   const std::size_t block_bytes = std::size_t{lanes} * head_dim * sizeof(float);
   for (; i + lanes <= n; i += lanes) {
@@ -149,22 +172,14 @@ void ShadowKVLogits(const float* q, std::uint32_t group, const float* landmarks,
       for (std::size_t at = 0; at < block_bytes; at += 64) hwy::Prefetch(ahead + at);
     }
     for (std::uint32_t g0 = 0; g0 < group; g0 += kHeadBlock) {
-      const std::uint32_t heads = group - g0 < kHeadBlock ? group - g0 : kHeadBlock;
-      hn::Vec<decltype(d8)> acc[kHeadBlock];
-      for (std::uint32_t b = 0; b < kHeadBlock; ++b) acc[b] = hn::Zero(d8);
-      const auto step = [&](std::uint32_t d, hn::Vec<decltype(d8)> l) {
-        for (std::uint32_t b = 0; b < heads; ++b) {
-          acc[b] = hn::Add(acc[b], hn::Mul(hn::Set(d8, q[std::size_t{g0 + b} * head_dim + d]), l));
-        }
-      };
-#if HWY_TARGET != HWY_SCALAR
-      for (std::uint32_t d = 0; d < whole; d += 8) {
-        Transpose8(d8, block + d, head_dim, columns);
-        for (std::uint32_t k = 0; k < 8; ++k) step(d + k, columns[k]);
+      const float* qb = q + std::size_t{g0} * head_dim;
+      float* ob = out + std::size_t{g0} * n + i;
+      switch (group - g0 < kHeadBlock ? group - g0 : kHeadBlock) {
+        case 1: ShadowKVBlock<1>(d8, qb, block, head_dim, whole, rows, vscale, n, ob); break;
+        case 2: ShadowKVBlock<2>(d8, qb, block, head_dim, whole, rows, vscale, n, ob); break;
+        case 3: ShadowKVBlock<3>(d8, qb, block, head_dim, whole, rows, vscale, n, ob); break;
+        default: ShadowKVBlock<kHeadBlock>(d8, qb, block, head_dim, whole, rows, vscale, n, ob); break;
       }
-#endif
-      for (std::uint32_t d = whole; d < head_dim; ++d) step(d, hn::GatherIndex(d8, block + d, rows));
-      for (std::uint32_t b = 0; b < heads; ++b) hn::StoreU(hn::Mul(vscale, acc[b]), d8, out + std::size_t{g0 + b} * n + i);
     }
   }
   for (; i < n; ++i) {
