@@ -207,6 +207,12 @@ struct SkipFill {
   SPARSEKV_HOST_DEVICE bool full(std::uint32_t smallest) const {
     return limit == 0 || left <= 0 || left < std::int64_t{smallest};
   }
+  // At most this many offers take, when no candidate is smaller than
+  // `smallest` (> 0) tokens.
+  SPARSEKV_HOST_DEVICE std::uint64_t most_takes(std::uint32_t smallest) const {
+    const std::uint64_t fit = left <= 0 ? 0 : static_cast<std::uint64_t>(left) / smallest;
+    return fit < limit ? fit : limit;
+  }
 };
 
 // RetroInfer: the first `limit` ranked, in order, stopping at the first that
@@ -225,9 +231,13 @@ struct BreakFill {
   SPARSEKV_HOST_DEVICE bool full(std::uint32_t smallest) const {
     return limit == 0 || used + smallest > budget;
   }
+  SPARSEKV_HOST_DEVICE std::uint64_t most_takes(std::uint32_t smallest) const {
+    const std::uint64_t fit = used >= budget ? 0 : (budget - used) / smallest;
+    return fit < limit ? fit : limit;
+  }
 };
 
-// Candidates ranked in ranked_fill's first round.
+// Candidates ranked in ranked_fill's first round, at least.
 inline constexpr std::size_t kFirstRankRound = 64;
 
 // The host form of a ranked fill: offers the candidates [0, n) with
@@ -250,12 +260,18 @@ void ranked_fill(std::uint32_t n, Filler& fill, Score&& score, Eligible&& eligib
   // Rounds: the best `round` keys left, found as the kernels find a tile's
   // (TileThreshold: a histogram pass per 8-bit digit, no comparisons to
   // mispredict), moved to the front, sorted and offered; the next round
-  // (doubling) starts only if the fill can still take something, and the
+  // (doubling) starts only if the fill can still take something (skips left
+  // it short), and the
   // offers end once nothing left would fit (a budget left below the smallest
   // candidate: the rest would all be skipped). Keys are distinct, so the
   // order offered is exactly the full sort's.
   auto first = keys.begin();
+  // The first round holds every key the fill could take, unless skips
+  // intervene: one threshold search, not one per doubling.
   std::size_t round = kFirstRankRound;
+  if (smallest != 0 && smallest != std::numeric_limits<std::uint32_t>::max()) {
+    while (round < fill.most_takes(smallest) && round < keys.size()) round *= 2;
+  }
   while (first != keys.end() && !fill.full(smallest)) {
     auto end = keys.end();
     if (keys.end() - first > static_cast<std::ptrdiff_t>(round)) {
