@@ -261,10 +261,9 @@ void ranked_fill(std::uint32_t n, Filler& fill, Score&& score, Eligible&& eligib
   // (TileThreshold: a histogram pass per 8-bit digit, no comparisons to
   // mispredict), moved to the front, sorted and offered; the next round
   // (doubling) starts only if the fill can still take something (skips left
-  // it short), and the
-  // offers end once nothing left would fit (a budget left below the smallest
-  // candidate: the rest would all be skipped). Keys are distinct, so the
-  // order offered is exactly the full sort's.
+  // it short), and the offers end once nothing left would fit (a budget left
+  // below the smallest candidate: the rest would all be skipped). Keys are
+  // distinct, so the order offered is exactly the full sort's.
   auto first = keys.begin();
   // The first round holds every key the fill could take, unless skips
   // intervene: one threshold search, not one per doubling.

@@ -9,7 +9,8 @@
 //   P::Options                  its knobs, defaulted to its paper's settings
 //   P::LayerState               what it keeps per (request, layer): summaries
 //   P::kName, P::kRope          a name, and whether it reads pre- or post-RoPE q/k
-//   p.index(ctx, kv, state)     prefill: one PartitionSpec per kv head
+//   p.index(ctx, kv, state)     prefill: one PartitionSpec per kv head (state
+//                               may be reserved for ctx.reserve_tokens)
 //   p.append(ctx, page, state)  decode: a full page of new tokens became a
 //                               one-page partition in every kv head; update
 //                               summaries, optionally ask for a repartition
