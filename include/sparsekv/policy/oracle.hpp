@@ -48,10 +48,7 @@ class OraclePolicy {
     check_kv_view(kName, ctx, kv, false);
     return {index_uniform_partitions(
         ctx, kv, ctx.page_tokens, state,
-        [&](LayerState& s, std::uint32_t reserved) {
-          s.keys.resize(ctx.kv_heads);
-          for (auto& keys : s.keys) keys.reserve(std::size_t{reserved} * ctx.page_tokens * ctx.head_dim);
-        },
+        [&](LayerState& s, std::uint32_t reserved) { prepare_keys(ctx, s, reserved); },
         [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) { add_keys(s, h, kv, first, count); })};
   }
 
@@ -65,13 +62,10 @@ class OraclePolicy {
     check_kv_view(kName, ctx, kv, false);
     return {fork_uniform_partitions(
         ctx, source, kv, ctx.page_tokens, state,
-        [&](const LayerState& from, LayerState& to, std::uint32_t partitions, std::uint32_t reserved) {
-          to.keys.resize(ctx.kv_heads);
+        [&](LayerState& s, std::uint32_t reserved) { prepare_keys(ctx, s, reserved); },
+        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
           const std::size_t values = std::size_t{partitions} * ctx.page_tokens * ctx.head_dim;
-          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-            to.keys[h].reserve(std::size_t{reserved} * ctx.page_tokens * ctx.head_dim);
-            to.keys[h].assign(from.keys[h].begin(), from.keys[h].begin() + values);
-          }
+          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) to.keys[h].assign(from.keys[h].begin(), from.keys[h].begin() + values);
         },
         [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) { add_keys(s, h, kv, first, count); })};
   }
@@ -141,6 +135,11 @@ class OraclePolicy {
   }
 
  private:
+  // A state's key arrays, one per kv head, reserved for `partitions` pages.
+  static void prepare_keys(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
+    s.keys.resize(ctx.kv_heads);
+    for (auto& keys : s.keys) keys.reserve(std::size_t{partitions} * ctx.page_tokens * ctx.head_dim);
+  }
   static void check_state(const LayerContext& ctx, const LayerState& state) {
     if (state.tokens.empty() || state.ids.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
       fail(ErrorCode::invalid_argument, "oracle: layer state was not indexed for {} kv heads x {} dims", ctx.kv_heads,

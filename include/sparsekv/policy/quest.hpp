@@ -105,14 +105,7 @@ class QuestPolicy {
     check_kv(ctx, kv);
     return {index_uniform_partitions(
         ctx, kv, partition_tokens(ctx), state,
-        [&](LayerState& s, std::uint32_t reserved) {
-          s.min.resize(ctx.kv_heads);
-          s.max.resize(ctx.kv_heads);
-          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-            s.min[h].reserve(std::size_t{reserved} * ctx.head_dim);
-            s.max[h].reserve(std::size_t{reserved} * ctx.head_dim);
-          }
-        },
+        [&](LayerState& s, std::uint32_t reserved) { prepare_bounds(ctx, s, reserved); },
         [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
           add_bounds(s, h, kv, first, count);
         })};
@@ -127,12 +120,9 @@ class QuestPolicy {
     check_kv(ctx, kv);
     return {fork_uniform_partitions(
         ctx, source, kv, partition_tokens(ctx), state,
-        [&](const LayerState& from, LayerState& to, std::uint32_t partitions, std::uint32_t reserved) {
-          to.min.resize(ctx.kv_heads);
-          to.max.resize(ctx.kv_heads);
+        [&](LayerState& s, std::uint32_t reserved) { prepare_bounds(ctx, s, reserved); },
+        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
           for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-            to.min[h].reserve(std::size_t{reserved} * ctx.head_dim);
-            to.max[h].reserve(std::size_t{reserved} * ctx.head_dim);
             to.min[h].assign(from.min[h].begin(), from.min[h].begin() + std::size_t{partitions} * ctx.head_dim);
             to.max[h].assign(from.max[h].begin(), from.max[h].begin() + std::size_t{partitions} * ctx.head_dim);
           }
@@ -216,6 +206,15 @@ class QuestPolicy {
   }
 
  private:
+  // A state's bound arrays, one per kv head, reserved for `partitions`.
+  static void prepare_bounds(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
+    s.min.resize(ctx.kv_heads);
+    s.max.resize(ctx.kv_heads);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      s.min[h].reserve(std::size_t{partitions} * ctx.head_dim);
+      s.max[h].reserve(std::size_t{partitions} * ctx.head_dim);
+    }
+  }
   void check_context(const LayerContext& ctx) const {
     check_layer_context(kName, ctx);
     if (partition_tokens(ctx) % ctx.page_tokens != 0) {

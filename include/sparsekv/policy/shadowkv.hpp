@@ -76,14 +76,7 @@ class ShadowKVPolicy {
     check_kv(ctx, kv);
     return {index_uniform_partitions(
         ctx, kv, ctx.page_tokens, state,
-        [&](LayerState& s, std::uint32_t reserved) {
-          s.landmarks.resize(ctx.kv_heads);
-          s.outlier_score.resize(ctx.kv_heads);
-          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-            s.landmarks[h].reserve(std::size_t{reserved} * ctx.head_dim);
-            s.outlier_score[h].reserve(reserved);
-          }
-        },
+        [&](LayerState& s, std::uint32_t reserved) { prepare_summaries(ctx, s, reserved); },
         [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
           summarize(s, h, kv, first, count);
         })};
@@ -98,12 +91,9 @@ class ShadowKVPolicy {
     check_kv(ctx, kv);
     return {fork_uniform_partitions(
         ctx, source, kv, ctx.page_tokens, state,
-        [&](const LayerState& from, LayerState& to, std::uint32_t partitions, std::uint32_t reserved) {
-          to.landmarks.resize(ctx.kv_heads);
-          to.outlier_score.resize(ctx.kv_heads);
+        [&](LayerState& s, std::uint32_t reserved) { prepare_summaries(ctx, s, reserved); },
+        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
           for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-            to.landmarks[h].reserve(std::size_t{reserved} * ctx.head_dim);
-            to.outlier_score[h].reserve(reserved);
             to.landmarks[h].assign(from.landmarks[h].begin(),
                                    from.landmarks[h].begin() + std::size_t{partitions} * ctx.head_dim);
             to.outlier_score[h].assign(from.outlier_score[h].begin(), from.outlier_score[h].begin() + partitions);
@@ -193,6 +183,15 @@ class ShadowKVPolicy {
   }
 
  private:
+  // A state's landmark and outlier arrays, one per kv head, reserved for `partitions`.
+  static void prepare_summaries(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
+    s.landmarks.resize(ctx.kv_heads);
+    s.outlier_score.resize(ctx.kv_heads);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      s.landmarks[h].reserve(std::size_t{partitions} * ctx.head_dim);
+      s.outlier_score[h].reserve(partitions);
+    }
+  }
   static void check_kv(const LayerContext& ctx, const KvView& kv) { check_kv_view(kName, ctx, kv, false); }
   static void check_state(const LayerContext& ctx, const LayerState& state) {
     check_layer_context(kName, ctx);

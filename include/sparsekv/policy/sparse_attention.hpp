@@ -378,14 +378,14 @@ std::uint32_t reusable_uniform_tokens(const LayerContext& ctx, const State& sour
   return n * partition_tokens;
 }
 // fork_index of those policies: the reused partitions' ids and token counts,
-// copy_prefix(source, state, partitions, reserved) copying their summaries
-// (reserved as prepare's are), then the rest summarised as
-// index_uniform_partitions does, from kv (tokens kv.first_position ..
-// ctx.tokens - 1). Built into a fresh State.
-template <class State, class CopyPrefix, class Summarize>
+// the summary arrays sized and reserved by prepare(state, partitions) as
+// index_uniform_partitions does, copy_prefix(source, state, partitions)
+// copying the reused summaries into them, then the rest summarised from kv
+// (tokens kv.first_position .. ctx.tokens - 1). Built into a fresh State.
+template <class State, class Prepare, class CopyPrefix, class Summarize>
 PartitionSpec fork_uniform_partitions(const LayerContext& ctx, const State& source, const KvView& kv,
-                                      std::uint32_t partition_tokens, State& state, CopyPrefix&& copy_prefix,
-                                      Summarize&& summarize) {
+                                      std::uint32_t partition_tokens, State& state, Prepare&& prepare,
+                                      CopyPrefix&& copy_prefix, Summarize&& summarize) {
   if (kv.first_position != reusable_uniform_tokens(ctx, source, partition_tokens) ||
       kv.first_position + kv.tokens != ctx.tokens) {
     fail(ErrorCode::invalid_argument,
@@ -404,7 +404,8 @@ PartitionSpec fork_uniform_partitions(const LayerContext& ctx, const State& sour
     next.ids[h].reserve(reserved);
     next.ids[h].assign(source.ids[h].begin(), source.ids[h].begin() + reused);
   }
-  copy_prefix(source, next, reused, reserved);
+  prepare(next, reserved);
+  copy_prefix(source, next, reused);
   for (std::uint32_t p = reused; p < spec.partition_count(); ++p) {
     next.tokens.push_back(spec.size(p));
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
