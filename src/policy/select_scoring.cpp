@@ -24,54 +24,62 @@ constexpr std::size_t kRuleLanes = 8;
 // Heads whose Quest sums are kept at once.
 constexpr std::uint32_t kQuestHeads = 4;
 
+// One box's sums for q heads [0, H) of q / q_abs (H a compile-time count, so
+// that the sums stay in registers and the heads' loop unrolls): the box's
+// centre and half-width taken from lo / hi a vector at a time and used at
+// once, never stored. lanes[b][j]: lane j of head b's sum (lane_order_sum's
+// lanes), `whole` dimensions.
+template <std::uint32_t H, class D>
+HWY_INLINE void QuestBox(D d8, const float* HWY_RESTRICT q, const float* HWY_RESTRICT q_abs,
+                         const float* HWY_RESTRICT lo, const float* HWY_RESTRICT hi, std::uint32_t head_dim,
+                         std::uint32_t whole, float spread, float (*HWY_RESTRICT lanes)[kRuleLanes]) {
+  const std::size_t n = hn::Lanes(d8), parts = kRuleLanes / n;
+  const auto vhalf = hn::Set(d8, 0.5f), vspread = hn::Set(d8, spread);
+  hn::Vec<D> acc[H][kRuleLanes];
+  for (std::uint32_t b = 0; b < H; ++b)
+    for (std::size_t p = 0; p < parts; ++p) acc[b][p] = hn::Zero(d8);
+  for (std::uint32_t d = 0; d < whole; d += kRuleLanes) {
+    for (std::size_t p = 0; p < parts; ++p) {
+      const std::size_t at = d + p * n;
+      const auto l = hn::LoadU(d8, lo + at), h = hn::LoadU(d8, hi + at);
+      const auto c = hn::Mul(hn::Add(l, h), vhalf), w = hn::Mul(hn::Sub(h, l), vhalf);
+      for (std::uint32_t b = 0; b < H; ++b) {
+        const std::size_t row = std::size_t{b} * head_dim + at;
+        const auto reach = hn::Mul(hn::LoadU(d8, q_abs + row), w);
+        const auto term = hn::Add(hn::Mul(hn::LoadU(d8, q + row), c), hn::Mul(vspread, reach));
+        acc[b][p] = hn::Add(acc[b][p], term);
+      }
+    }
+  }
+  for (std::uint32_t b = 0; b < H; ++b)
+    for (std::size_t p = 0; p < parts; ++p) hn::StoreU(acc[b][p], d8, lanes[b] + p * n);
+}
+
 void QuestLogits(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
                  std::uint32_t head_dim, float spread, float scale, float* out) {
   const hn::CappedTag<float, kRuleLanes> d8;
-  const std::size_t lanes = hn::Lanes(d8);
-  const std::size_t parts = kRuleLanes / lanes;
   const std::uint32_t whole = head_dim / kRuleLanes * kRuleLanes;
-  thread_local std::vector<float> scratch;
-  scratch.resize(std::size_t{group} * head_dim + 2 * std::size_t{whole});
-  float* q_abs = scratch.data();  // |q|: exact
-  float* centre = q_abs + std::size_t{group} * head_dim;
-  float* half_width = centre + whole;
-  for (std::size_t j = 0; j < std::size_t{group} * head_dim; ++j) q_abs[j] = q[j] < 0.0f ? -q[j] : q[j];
-  const auto vhalf = hn::Set(d8, 0.5f);
-  const auto vspread = hn::Set(d8, spread);
-  alignas(64) float lane[kRuleLanes];
+  thread_local std::vector<float> q_abs;  // |q|: exact
+  q_abs.resize(std::size_t{group} * head_dim);
+  for (std::size_t j = 0; j < q_abs.size(); ++j) q_abs[j] = q[j] < 0.0f ? -q[j] : q[j];
+  alignas(64) float lanes[kQuestHeads][kRuleLanes];
   for (std::uint32_t i = 0; i < n; ++i) {
     const float* lo = min + std::size_t{i} * head_dim;
     const float* hi = max + std::size_t{i} * head_dim;
-    // The box's centre and half-width, once for the group.
-    for (std::uint32_t d = 0; d < whole; d += static_cast<std::uint32_t>(lanes)) {
-      const auto l = hn::LoadU(d8, lo + d), h = hn::LoadU(d8, hi + d);
-      hn::StoreU(hn::Mul(hn::Add(l, h), vhalf), d8, centre + d);
-      hn::StoreU(hn::Mul(hn::Sub(h, l), vhalf), d8, half_width + d);
-    }
     // Up to kQuestHeads heads at once: their sums are independent chains of
     // adds, which one head alone would leave waiting on the add latency.
     for (std::uint32_t g0 = 0; g0 < group; g0 += kQuestHeads) {
       const std::uint32_t heads = group - g0 < kQuestHeads ? group - g0 : kQuestHeads;
-      hn::Vec<decltype(d8)> acc[kQuestHeads][kRuleLanes];
-      for (std::uint32_t b = 0; b < kQuestHeads; ++b)
-        for (std::size_t p = 0; p < parts; ++p) acc[b][p] = hn::Zero(d8);
-      for (std::uint32_t d = 0; d < whole; d += kRuleLanes) {
-        for (std::size_t p = 0; p < parts; ++p) {
-          const std::size_t at = d + p * lanes;
-          const auto c = hn::LoadU(d8, centre + at), w = hn::LoadU(d8, half_width + at);
-          for (std::uint32_t b = 0; b < heads; ++b) {
-            const std::size_t row = std::size_t{g0 + b} * head_dim + at;
-            const auto reach = hn::Mul(hn::LoadU(d8, q_abs + row), w);
-            const auto term = hn::Add(hn::Mul(hn::LoadU(d8, q + row), c), hn::Mul(vspread, reach));
-            acc[b][p] = hn::Add(acc[b][p], term);
-          }
-        }
+      const float* qb = q + std::size_t{g0} * head_dim;
+      const float* ab = q_abs.data() + std::size_t{g0} * head_dim;
+      switch (heads) {
+        case 1: QuestBox<1>(d8, qb, ab, lo, hi, head_dim, whole, spread, lanes); break;
+        case 2: QuestBox<2>(d8, qb, ab, lo, hi, head_dim, whole, spread, lanes); break;
+        case 3: QuestBox<3>(d8, qb, ab, lo, hi, head_dim, whole, spread, lanes); break;
+        default: QuestBox<kQuestHeads>(d8, qb, ab, lo, hi, head_dim, whole, spread, lanes); break;
       }
       for (std::uint32_t b = 0; b < heads; ++b) {
-        const std::uint32_t g = g0 + b;
-        const float* qg = q + std::size_t{g} * head_dim;
-        const float* ag = q_abs + std::size_t{g} * head_dim;
-        for (std::size_t p = 0; p < parts; ++p) hn::StoreU(acc[b][p], d8, lane + p * lanes);
+        const float* lane = lanes[b];
         // The rule's combination (lane_order_sum), then its tail, in order.
         float halves[4];
         for (std::uint32_t j = 0; j < 4; ++j) halves[j] = lane[j] + lane[j + 4];
@@ -79,9 +87,9 @@ void QuestLogits(const float* q, std::uint32_t group, const float* min, const fl
         for (std::uint32_t d = whole; d < head_dim; ++d) {
           const float c = mul_rn(add_rn(lo[d], hi[d]), 0.5f);
           const float w = mul_rn(add_rn(hi[d], -lo[d]), 0.5f);
-          sum = add_rn(sum, add_rn(mul_rn(qg[d], c), mul_rn(spread, mul_rn(ag[d], w))));
+          sum = add_rn(sum, add_rn(mul_rn(qb[b * head_dim + d], c), mul_rn(spread, mul_rn(ab[b * head_dim + d], w))));
         }
-        out[std::size_t{g} * n + i] = mul_rn(sum, scale);
+        out[std::size_t{g0 + b} * n + i] = mul_rn(sum, scale);
       }
     }
   }
