@@ -643,7 +643,7 @@ std::size_t state_bytes(const typename Policy::LayerState& s) {
   std::size_t n = s.tokens.size() * 4;
   for (const auto& ids : s.ids) n += ids.size() * sizeof(PartitionId);
   if constexpr (std::is_same_v<Policy, QuestPolicy>) {
-    for (std::size_t h = 0; h < s.min.size(); ++h) n += (s.min[h].size() + s.max[h].size()) * 4;
+    for (std::size_t h = 0; h < s.min.size(); ++h) n += s.min[h].bytes() + s.max[h].bytes();
   } else {
     for (std::size_t h = 0; h < s.landmarks.size(); ++h) n += (s.landmarks[h].size() + s.outlier_score[h].size()) * 4;
   }
@@ -673,6 +673,7 @@ void BM_Select(benchmark::State& state, SelectCase select, unsigned threads) {
   ctx.head_dim = shape.head_dim;
   ctx.page_tokens = select.page_tokens;
   ctx.tokens = context;
+  ctx.kv_dtype = select.attend_dtype;  // as the facade: the K/V's dtype (Quest keeps its boxes in it)
   typename Policy::Options options;
   options.budget_tokens = select.budget;
   const Policy policy(options);
@@ -697,6 +698,14 @@ void BM_Select(benchmark::State& state, SelectCase select, unsigned threads) {
       for (std::size_t i = 0; i < dir.size(); ++i) {
         dir[i] = 0.98f * dir[i] + 0.2f * normal(rng);
         keys[std::size_t{t} * dir.size() + i] = dir[i] + 0.3f * normal(rng);
+      }
+    }
+    // Widened from the K/V dtype, as the facade hands keys to a policy.
+    if (select.attend_dtype != DType::f32) {
+      for (float& x : keys) {
+        std::uint16_t h = 0;
+        store_element(&h, 0, select.attend_dtype, x);
+        x = load_element(&h, 0, select.attend_dtype);
       }
     }
     const KvView kv{keys, values, context, shape.kv_heads, shape.head_dim, 0};

@@ -346,8 +346,8 @@ void verify(Setup& s) {
         st.tokens = slice(s.h_tokens, row0 * n, n);
         for (std::uint32_t h = 0; h < kKvHeads; ++h) {
           st.ids.push_back(slice(s.h_ids, (row0 + h) * n, n));
-          st.min.push_back(slice(s.h_a, (row0 + h) * n * d, n * d));
-          st.max.push_back(slice(s.h_b, (row0 + h) * n * d, n * d));
+          st.min.emplace_back(DType::f32, d, slice(s.h_a, (row0 + h) * n * d, n * d), BoxSide::lower);
+          st.max.emplace_back(DType::f32, d, slice(s.h_b, (row0 + h) * n * d, n * d), BoxSide::upper);
         }
         QuestPolicy::Options o;
         o.budget_tokens = kBudget;

@@ -4,7 +4,10 @@
 #include "sparsekv/policy/select_scoring.hpp"
 
 #include <cstddef>
+#include <type_traits>
 #include <vector>
+
+#include "sparsekv/core/numeric.hpp"
 
 #include "sparsekv/policy/select_rules.hpp"
 
@@ -24,14 +27,25 @@ constexpr std::size_t kRuleLanes = 8;
 // Heads whose Quest sums are kept at once.
 constexpr std::uint32_t kQuestHeads = 4;
 
+// A vector of T (fp32, or 16-bit box rows widened exactly).
+template <class T, class D>
+HWY_INLINE hn::Vec<D> LoadWidened(D d, const T* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(d, p);
+  } else {
+    const hn::Rebind<T, D> narrow;
+    return hn::PromoteTo(d, hn::LoadU(narrow, p));
+  }
+}
+
 // One box's sums for q heads [0, H) of q / q_abs (H a compile-time count, so
 // that the sums stay in registers and the heads' loop unrolls): the box's
 // centre and half-width taken from lo / hi a vector at a time and used at
 // once, never stored. lanes[b][j]: lane j of head b's sum (lane_order_sum's
 // lanes), `whole` dimensions.
-template <std::uint32_t H, class D>
+template <std::uint32_t H, class T, class D>
 HWY_INLINE void QuestBox(D d8, const float* HWY_RESTRICT q, const float* HWY_RESTRICT q_abs,
-                         const float* HWY_RESTRICT lo, const float* HWY_RESTRICT hi, std::uint32_t head_dim,
+                         const T* HWY_RESTRICT lo, const T* HWY_RESTRICT hi, std::uint32_t head_dim,
                          std::uint32_t whole, float spread, float (*HWY_RESTRICT lanes)[kRuleLanes]) {
   const std::size_t n = hn::Lanes(d8), parts = kRuleLanes / n;
   const auto vhalf = hn::Set(d8, 0.5f), vspread = hn::Set(d8, spread);
@@ -41,7 +55,7 @@ HWY_INLINE void QuestBox(D d8, const float* HWY_RESTRICT q, const float* HWY_RES
   for (std::uint32_t d = 0; d < whole; d += kRuleLanes) {
     for (std::size_t p = 0; p < parts; ++p) {
       const std::size_t at = d + p * n;
-      const auto l = hn::LoadU(d8, lo + at), h = hn::LoadU(d8, hi + at);
+      const auto l = LoadWidened(d8, lo + at), h = LoadWidened(d8, hi + at);
       const auto c = hn::Mul(hn::Add(l, h), vhalf), w = hn::Mul(hn::Sub(h, l), vhalf);
       for (std::uint32_t b = 0; b < H; ++b) {
         const std::size_t row = std::size_t{b} * head_dim + at;
@@ -55,8 +69,9 @@ HWY_INLINE void QuestBox(D d8, const float* HWY_RESTRICT q, const float* HWY_RES
     for (std::size_t p = 0; p < parts; ++p) hn::StoreU(acc[b][p], d8, lanes[b] + p * n);
 }
 
-void QuestLogits(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
-                 std::uint32_t head_dim, float spread, float scale, float* out) {
+template <class T>
+void QuestLogitsOf(const float* q, std::uint32_t group, const T* min, const T* max, DType dtype, std::uint32_t n,
+                   std::uint32_t head_dim, float spread, float scale, float* out) {
   const hn::CappedTag<float, kRuleLanes> d8;
   const std::uint32_t whole = head_dim / kRuleLanes * kRuleLanes;
   thread_local std::vector<float> q_abs;  // |q|: exact
@@ -64,8 +79,8 @@ void QuestLogits(const float* q, std::uint32_t group, const float* min, const fl
   for (std::size_t j = 0; j < q_abs.size(); ++j) q_abs[j] = q[j] < 0.0f ? -q[j] : q[j];
   alignas(64) float lanes[kQuestHeads][kRuleLanes];
   for (std::uint32_t i = 0; i < n; ++i) {
-    const float* lo = min + std::size_t{i} * head_dim;
-    const float* hi = max + std::size_t{i} * head_dim;
+    const T* lo = min + std::size_t{i} * head_dim;
+    const T* hi = max + std::size_t{i} * head_dim;
     // Up to kQuestHeads heads at once: their sums are independent chains of
     // adds, which one head alone would leave waiting on the add latency.
     for (std::uint32_t g0 = 0; g0 < group; g0 += kQuestHeads) {
@@ -85,13 +100,32 @@ void QuestLogits(const float* q, std::uint32_t group, const float* min, const fl
         for (std::uint32_t j = 0; j < 4; ++j) halves[j] = lane[j] + lane[j + 4];
         float sum = (halves[0] + halves[2]) + (halves[1] + halves[3]);
         for (std::uint32_t d = whole; d < head_dim; ++d) {
-          const float c = mul_rn(add_rn(lo[d], hi[d]), 0.5f);
-          const float w = mul_rn(add_rn(hi[d], -lo[d]), 0.5f);
+          const float l = load_element(lo, d, dtype), h = load_element(hi, d, dtype);
+          const float c = mul_rn(add_rn(l, h), 0.5f);
+          const float w = mul_rn(add_rn(h, -l), 0.5f);
           sum = add_rn(sum, add_rn(mul_rn(qb[b * head_dim + d], c), mul_rn(spread, mul_rn(ab[b * head_dim + d], w))));
         }
         out[std::size_t{g0 + b} * n + i] = mul_rn(sum, scale);
       }
     }
+  }
+}
+
+void QuestLogits(const float* q, std::uint32_t group, const void* min, const void* max, DType dtype,
+                 std::uint32_t n, std::uint32_t head_dim, float spread, float scale, float* out) {
+  switch (dtype) {
+    case DType::f32:
+      QuestLogitsOf(q, group, static_cast<const float*>(min), static_cast<const float*>(max), dtype, n, head_dim,
+                    spread, scale, out);
+      return;
+    case DType::f16:
+      QuestLogitsOf(q, group, static_cast<const hwy::float16_t*>(min), static_cast<const hwy::float16_t*>(max), dtype,
+                    n, head_dim, spread, scale, out);
+      return;
+    case DType::bf16:
+      QuestLogitsOf(q, group, static_cast<const hwy::bfloat16_t*>(min), static_cast<const hwy::bfloat16_t*>(max),
+                    dtype, n, head_dim, spread, scale, out);
+      return;
   }
 }
 
@@ -295,9 +329,9 @@ HWY_EXPORT(ShadowKVLogits);
 HWY_EXPORT(PortableExps);
 HWY_EXPORT(ShadowKVHeadScores);
 
-void quest_logits_simd(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
-                       std::uint32_t head_dim, float spread, float scale, float* out) {
-  HWY_DYNAMIC_DISPATCH(QuestLogits)(q, group, min, max, n, head_dim, spread, scale, out);
+void quest_logits_simd(const float* q, std::uint32_t group, const void* min, const void* max, DType dtype,
+                       std::uint32_t n, std::uint32_t head_dim, float spread, float scale, float* out) {
+  HWY_DYNAMIC_DISPATCH(QuestLogits)(q, group, min, max, dtype, n, head_dim, spread, scale, out);
 }
 
 void shadowkv_logits_simd(const float* q, std::uint32_t group, const float* landmarks, std::uint32_t n,

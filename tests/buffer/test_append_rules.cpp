@@ -234,8 +234,8 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
         return std::vector<float>(v.begin() + r * n, v.begin() + (r + 1) * n);
       };
       if (tr.kind == AppendSummary::quest) {
-        expect(same_bits(summary_row(first, rows[i], tr.dim), summary_row(quest_state.min[h], 1, tr.dim)), "quest min");
-        expect(same_bits(summary_row(second, rows[i], tr.dim), summary_row(quest_state.max[h], 1, tr.dim)), "quest max");
+        expect(same_bits(summary_row(first, rows[i], tr.dim), summary_row(quest_state.min[h].widened(), 1, tr.dim)), "quest min");
+        expect(same_bits(summary_row(second, rows[i], tr.dim), summary_row(quest_state.max[h].widened(), 1, tr.dim)), "quest max");
       } else if (tr.kind == AppendSummary::shadowkv) {
         expect(same_bits(summary_row(first, rows[i], tr.dim), summary_row(shadow_state.landmarks[h], 1, tr.dim)),
                "shadowkv landmark");

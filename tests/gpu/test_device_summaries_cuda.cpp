@@ -191,8 +191,8 @@ void run_store(AppendSummary kind, DType dtype, std::mt19937& rng) {
         const std::vector<std::uint32_t> got(tokens.begin() + first, tokens.begin() + first + n);
         if (kind == AppendSummary::quest) {
           CHECK(got == r.quest[layer].tokens);
-          CHECK(same_bits(region_rows(ds.min(layer), ds, r.slot, h, n, kDim), r.quest[layer].min[h]));
-          CHECK(same_bits(region_rows(ds.max(layer), ds, r.slot, h, n, kDim), r.quest[layer].max[h]));
+          CHECK(same_bits(region_rows(ds.min(layer), ds, r.slot, h, n, kDim), r.quest[layer].min[h].widened()));
+          CHECK(same_bits(region_rows(ds.max(layer), ds, r.slot, h, n, kDim), r.quest[layer].max[h].widened()));
         } else {
           CHECK(got == r.shadowkv[layer].tokens);
           CHECK(same_bits(region_rows(ds.landmarks(layer), ds, r.slot, h, n, kDim), r.shadowkv[layer].landmarks[h]));

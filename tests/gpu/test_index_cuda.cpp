@@ -123,7 +123,8 @@ TEST_CASE("page_min_max equals Quest's bounds bit for bit", "[gpu][index]") {
               store_element(keys.bytes.data(), at, dtype, std::numeric_limits<float>::quiet_NaN());
               keys.fp32[at] = load_element(keys.bytes.data(), at, dtype);
             }
-            const LayerContext ctx = layer_context(kv_heads, dim, 8, 1);
+            LayerContext ctx = layer_context(kv_heads, dim, 8, 1);
+            ctx.kv_dtype = dtype;  // boxes in the keys' dtype (box_rows.hpp): the device's fp32 values exactly
             QuestPolicy::Options options;
             options.page_tokens_per_partition = page_tokens;
             QuestPolicy::LayerState state;
@@ -132,8 +133,13 @@ TEST_CASE("page_min_max equals Quest's bounds bit for bit", "[gpu][index]") {
             const std::uint32_t pages = cuda::page_count(tokens, page_tokens);
             REQUIRE(pages == state.tokens.size());
             const std::size_t bounds = std::size_t{kv_heads} * pages * dim;
-            require_same_summaries(cuda::page_min_max, keys, page_tokens, {"min", bounds, state.min},
-                                   {"max", bounds, state.max});
+            std::vector<std::vector<float>> min, max;
+            for (std::uint32_t h = 0; h < kv_heads; ++h) {
+              REQUIRE(state.min[h].dtype() == dtype);
+              min.push_back(state.min[h].widened());
+              max.push_back(state.max[h].widened());
+            }
+            require_same_summaries(cuda::page_min_max, keys, page_tokens, {"min", bounds, min}, {"max", bounds, max});
           }
         }
       }

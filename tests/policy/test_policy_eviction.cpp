@@ -431,13 +431,13 @@ TEST_CASE("quest / shadowkv rewrite: a summary of the live rows only", "[policy]
   const auto box = [](const std::vector<float>& v, std::uint32_t i) {
     return std::vector<float>(v.begin() + i * 16, v.begin() + (i + 1) * 16);
   };
-  CHECK(box(q.min[1], 0) == q_fresh.min[0]);
-  CHECK(box(q.max[1], 0) == q_fresh.max[0]);
+  CHECK(box(q.min[1].widened(), 0) == q_fresh.min[0].widened());
+  CHECK(box(q.max[1].widened(), 0) == q_fresh.max[0].widened());
   for (std::uint32_t d = 0; d < 16; ++d) {
-    CHECK((d % 2 == 0 ? q.max[1][d] < 9.0f : q.min[1][d] > -9.0f));  // the box shrank
+    CHECK((d % 2 == 0 ? q.max[1].at(0, d) < 9.0f : q.min[1].at(0, d) > -9.0f));  // the box shrank
   }
   CHECK(q.min[0] == q_before.min[0]);  // other heads and partitions as they were
-  CHECK(box(q.max[1], 1) == box(q_before.max[1], 1));
+  CHECK(box(q.max[1].widened(), 1) == box(q_before.max[1].widened(), 1));
   CHECK(q.tokens == q_before.tokens);
 
   ShadowKVPolicy::Options so;

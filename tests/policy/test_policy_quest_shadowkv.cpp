@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <array>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <limits>
@@ -402,7 +403,7 @@ TEST_CASE("Quest rejects bad input", "[policy][quest]") {
   REQUIRE_SPARSEKV_ERROR(quest.append(ctx, AppendedPage{half.view(), {4, 4}}, state), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(quest.append(ctx, AppendedPage{page.view(), {4}}, state), ErrorCode::invalid_argument);
   CHECK(state.tokens.size() == 8);  // unchanged: 64 tokens in 8-token Quest pages
-  CHECK(state.min[0].size() == 8 * 16);
+  CHECK(state.min[0].rows() == 8);
 }
 
 // ---- ShadowKV ---------------------------------------------------------------
@@ -750,4 +751,111 @@ TEST_CASE("A query with a NaN or an infinity anywhere is refused, naming the val
       CHECK(refused([&] { shadow.select_head(ctx, query, shadow_state, 0, chosen); }));
     }
   }
+}
+
+TEST_CASE("round_outward keeps what a 16-bit dtype holds and steps one value outward otherwise", "[policy][quest]") {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    CAPTURE(to_string(dtype));
+    const auto widen = [&](std::uint16_t h) { return load_element(&h, 0, dtype); };
+    const auto lower = [&](float x) { return widen(round_outward(x, dtype, BoxSide::lower)); };
+    const auto upper = [&](float x) { return widen(round_outward(x, dtype, BoxSide::upper)); };
+    std::mt19937 rng(17);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    for (int i = 0; i < 20000; ++i) {
+      const float x = i % 4 == 0 ? normal(rng) * 1e-6f : normal(rng);
+      const float lo = lower(x), hi = upper(x);
+      const float held = widen(dtype == DType::f16 ? float_to_f16(x) : float_to_bf16(x));
+      CAPTURE(x, lo, hi);
+      if (held == x) {
+        REQUIRE((lo == x && hi == x));
+      } else {
+        REQUIRE((lo < x && x < hi));
+        // Adjacent: the nearest value is one of them, and nothing lies between.
+        REQUIRE((held == lo || held == hi));
+        REQUIRE((upper(lo) == lo && lower(hi) == hi));
+      }
+    }
+    CHECK(std::signbit(lower(-0.0f)));
+    CHECK(!std::signbit(upper(0.0f)));
+    const float tiny = std::numeric_limits<float>::denorm_min();  // below either dtype's smallest value
+    CHECK((lower(tiny) == 0.0f && upper(tiny) > 0.0f));
+    CHECK((upper(-tiny) == 0.0f && lower(-tiny) < 0.0f));
+    CHECK(std::isnan(lower(std::numeric_limits<float>::quiet_NaN())));
+    CHECK((upper(inf) == inf && lower(-inf) == -inf));
+  }
+  // Past f16's largest value (65504): the lower side stays finite.
+  CHECK(load_element(std::array{round_outward(1e6f, DType::f16, BoxSide::lower)}.data(), 0, DType::f16) == 65504.0f);
+  CHECK(load_element(std::array{round_outward(1e6f, DType::f16, BoxSide::upper)}.data(), 0, DType::f16) ==
+        std::numeric_limits<float>::infinity());
+}
+
+TEST_CASE("Quest's boxes in a 16-bit K/V dtype: the fp32 boxes' values in half the bytes, the same selections",
+          "[policy][quest]") {
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    CAPTURE(to_string(dtype));
+    const LayerContext wide = context(2, 8, 2);
+    LayerContext narrow = wide;
+    narrow.kv_dtype = dtype;
+    // Keys as the facade hands them over: widened from the K/V dtype.
+    Chunk kv(wide, 400, 9, true);
+    for (float& x : kv.keys) {
+      std::uint16_t h = 0;
+      store_element(&h, 0, dtype, x);
+      x = load_element(&h, 0, dtype);
+    }
+    const QuestPolicy quest({.budget_tokens = 96, .page_tokens_per_partition = 16});
+    QuestPolicy::LayerState fp32, half;
+    quest.index(wide, kv.view(), fp32);
+    quest.index(narrow, kv.view(), half);
+    for (std::uint32_t h = 0; h < wide.kv_heads; ++h) {
+      REQUIRE(fp32.min[h].dtype() == DType::f32);
+      REQUIRE(half.min[h].dtype() == dtype);
+      CHECK(half.min[h].bytes() * 2 == fp32.min[h].bytes());
+      // Bit for bit: the widened rows stored as fp32 rows again.
+      CHECK(BoxRows(DType::f32, wide.head_dim, half.min[h].widened(), BoxSide::lower) == fp32.min[h]);
+      CHECK(BoxRows(DType::f32, wide.head_dim, half.max[h].widened(), BoxSide::upper) == fp32.max[h]);
+    }
+    LayerContext at = wide;
+    at.tokens = kv.tokens;
+    for (std::uint32_t seed = 0; seed < 24; ++seed) {
+      const Vec q = random_query(wide, 100 + seed);
+      Selection a, b;
+      quest.select(at, DecodeQuery{q, kv.tokens}, fp32, a);
+      quest.select(at, DecodeQuery{q, kv.tokens}, half, b);
+      CHECK(a.partitions == b.partitions);
+    }
+  }
+}
+
+TEST_CASE("Keys a 16-bit K/V dtype cannot hold get boxes rounded outward that still hold them", "[policy][quest]") {
+  LayerContext ctx = context();
+  ctx.kv_dtype = DType::f16;
+  const Chunk kv(ctx, 100, 4);  // fp32 noise: most values are not f16 values
+  const QuestPolicy quest({.budget_tokens = 32});
+  QuestPolicy::LayerState state;
+  quest.index(ctx, kv.view(), state);
+  LayerContext wide = ctx;
+  wide.kv_dtype = DType::f32;
+  QuestPolicy::LayerState exact;
+  quest.index(wide, kv.view(), exact);
+  std::size_t rounded = 0;
+  for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+    for (std::uint32_t t = 0; t < kv.tokens; ++t) {
+      const std::uint32_t i = t / ctx.page_tokens;
+      for (std::uint32_t d = 0; d < ctx.head_dim; ++d) {
+        const float key = kv.view().key(t, h)[d];
+        REQUIRE((state.min[h].at(i, d) <= key && key <= state.max[h].at(i, d)));
+      }
+    }
+    for (std::uint32_t i = 0; i < state.min[h].rows(); ++i) {
+      for (std::uint32_t d = 0; d < ctx.head_dim; ++d) {
+        const float lo = exact.min[h].at(i, d);
+        REQUIRE(state.min[h].at(i, d) == load_element(std::array{round_outward(lo, DType::f16, BoxSide::lower)}.data(),
+                                                      0, DType::f16));
+        rounded += state.min[h].at(i, d) != lo ? 1 : 0;
+      }
+    }
+  }
+  CHECK(rounded > 0);
 }

@@ -25,6 +25,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -39,6 +40,7 @@
 
 #include "select_emulation.hpp"
 #include "sparsekv/attention/page_fold.hpp"
+#include "sparsekv/policy/box_rows.hpp"
 #include "sparsekv/policy/select_scoring.hpp"
 #include "select_test_data.hpp"
 #include "test_support.hpp"
@@ -283,7 +285,7 @@ Sweep store_sweep(const Emulation& e, std::uint32_t seed) {
     }
     const HostRows quest_rows = store_rows(
         shape, ctx, quest_batch, ctx.head_dim,
-        [](const QuestPolicy::LayerState& s, std::uint32_t h) { return std::pair{s.min[h], s.max[h]}; }, rng);
+        [](const QuestPolicy::LayerState& s, std::uint32_t h) { return std::pair{s.min[h].widened(), s.max[h].widened()}; }, rng);
     const HostRows shadowkv_rows = store_rows(
         shape, ctx, shadowkv_batch, 1,
         [](const ShadowKVPolicy::LayerState& s, std::uint32_t h) {
@@ -1068,14 +1070,21 @@ TEST_CASE("quest_logits_simd equals quest_logit bit for bit for every head, on e
           lo[i] = std::min(a, b);
           hi[i] = std::max(a, b);
         }
+        // Boxes of keys in each dtype (policy/box_rows.hpp): 16-bit rows of
+        // values they hold, widened in the kernel.
+        const DType dtype = std::array{DType::f32, DType::f16, DType::bf16}[rng() % 3];
+        const BoxRows lo_rows(dtype, d, lo, BoxSide::lower), hi_rows(dtype, d, hi, BoxSide::upper);
+        lo = lo_rows.widened();
+        hi = hi_rows.widened();
         for (const float spread : {1.0f, 0.0f, 0.5f}) {
           std::vector<float> got(std::size_t{group} * n);
-          quest_logits_simd(q.data(), group, lo.data(), hi.data(), n, d, spread, logit_scale(d), got.data());
+          quest_logits_simd(q.data(), group, lo_rows.data(), hi_rows.data(), dtype, n, d, spread, logit_scale(d),
+                            got.data());
           for (std::uint32_t g = 0; g < group; ++g) {
             for (std::uint32_t i = 0; i < n; ++i) {
               const float want = quest_logit(q.data() + std::size_t{g} * d, lo.data() + std::size_t{i} * d,
                                              hi.data() + std::size_t{i} * d, d, spread, logit_scale(d));
-              CAPTURE(target, d, group, n, g, i, spread);
+              CAPTURE(target, d, group, n, g, i, spread, to_string(dtype));
               REQUIRE(std::bit_cast<std::uint32_t>(got[std::size_t{g} * n + i]) == std::bit_cast<std::uint32_t>(want));
             }
           }

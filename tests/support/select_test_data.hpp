@@ -79,8 +79,8 @@ inline SelectRequest<QuestPolicy::LayerState> quest_request(const LayerContext& 
       std::copy_n(lo.begin() + std::size_t{a} * ctx.head_dim, ctx.head_dim, lo.begin() + std::size_t{b} * ctx.head_dim);
       std::copy_n(hi.begin() + std::size_t{a} * ctx.head_dim, ctx.head_dim, hi.begin() + std::size_t{b} * ctx.head_dim);
     }
-    s.min.push_back(std::move(lo));
-    s.max.push_back(std::move(hi));
+    s.min.emplace_back(DType::f32, ctx.head_dim, lo, BoxSide::lower);
+    s.max.emplace_back(DType::f32, ctx.head_dim, hi, BoxSide::upper);
   }
   return r;
 }
@@ -237,8 +237,8 @@ inline HostRows quest_rows(const LayerContext& ctx, const std::vector<SelectRequ
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
       rows.tokens.insert(rows.tokens.end(), req.state.tokens.begin(), req.state.tokens.end());
       rows.partitions.insert(rows.partitions.end(), req.state.ids[h].begin(), req.state.ids[h].end());
-      rows.append(rows.a, req.state.min[h], 0, std::size_t{n} * ctx.head_dim);
-      rows.append(rows.b, req.state.max[h], 0, std::size_t{n} * ctx.head_dim);
+      rows.append(rows.a, req.state.min[h].widened(), 0, std::size_t{n} * ctx.head_dim);
+      rows.append(rows.b, req.state.max[h].widened(), 0, std::size_t{n} * ctx.head_dim);
       rows.close_row();
     }
   }

@@ -621,7 +621,9 @@ class Manager {
   }
 
   LayerContext context(std::uint32_t layer, std::uint32_t tokens) const {
-    return {layer, shape_.layers, shape_.q_heads, shape_.kv_heads, shape_.head_dim, config_.page_tokens, tokens};
+    LayerContext ctx{layer, shape_.layers, shape_.q_heads, shape_.kv_heads, shape_.head_dim, config_.page_tokens, tokens};
+    ctx.kv_dtype = shape_.dtype;
+    return ctx;
   }
   RequestState& state(RequestId request) {
     const auto it = requests_.find(request);

@@ -44,6 +44,9 @@
 //  - Layers below `dense_layers` (paper: 2) select everything, so their
 //    mandatory_pages is the whole context: those layers need the whole
 //    context in the GPU buffer.
+//  - The boxes are stored in the K/V's dtype (LayerContext::kv_dtype;
+//    policy/box_rows.hpp): exact for keys of that dtype, as the facade's
+//    are, and half the bytes of fp32 for f16 / bf16 models.
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -52,6 +55,7 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/box_rows.hpp"
 #include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/select_scoring.hpp"
@@ -74,7 +78,7 @@ class QuestPolicy {
     std::uint32_t head_dim = 0;
     std::vector<std::uint32_t> tokens;         // per partition, the same in every kv head
     std::vector<std::vector<PartitionId>> ids;  // [kv head][partition]
-    std::vector<std::vector<float>> min, max;  // [kv head][partition * head_dim + d]
+    std::vector<BoxRows> min, max;              // [kv head], a row per partition
   };
   static constexpr std::string_view kName = "quest";
   static constexpr RopeStage kRope = RopeStage::post_rope;
@@ -123,8 +127,8 @@ class QuestPolicy {
         [&](LayerState& s, std::uint32_t reserved) { prepare_bounds(ctx, s, reserved); },
         [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
           for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-            to.min[h].assign(from.min[h].begin(), from.min[h].begin() + std::size_t{partitions} * ctx.head_dim);
-            to.max[h].assign(from.max[h].begin(), from.max[h].begin() + std::size_t{partitions} * ctx.head_dim);
+            to.min[h].assign_prefix(from.min[h], partitions);
+            to.max[h].assign_prefix(from.max[h], partitions);
           }
         },
         [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
@@ -162,8 +166,8 @@ class QuestPolicy {
     // The rules cuda::quest_select shares (select_rules.hpp): every head's
     // logits in one pass over the boxes (vectorized, the same bits:
     // select_scoring.hpp), then each head's softmax rank.
-    quest_logits_simd(q.head(h * group, ctx.head_dim), group, state.min[h].data(), state.max[h].data(), newest,
-                      ctx.head_dim, options_.spread, scale, logits.data());
+    quest_logits_simd(q.head(h * group, ctx.head_dim), group, state.min[h].data(), state.max[h].data(),
+                      state.min[h].dtype(), newest, ctx.head_dim, options_.spread, scale, logits.data());
     for (std::uint32_t g = 0; g < group; ++g) {
       softmax_rank_add_simd(newest, logits.data() + std::size_t{g} * newest, rank.data());
     }
@@ -187,9 +191,10 @@ class QuestPolicy {
   void rewrite(const LayerContext& ctx, const RewrittenPage& page, LayerState& state) const {
     check_state(ctx, state);
     const std::uint32_t i = rewritten_partition(kName, ctx, page, state);
-    const std::size_t at = std::size_t{i} * ctx.head_dim;
-    bound(state.min[page.head].data() + at, state.max[page.head].data() + at, page.live_rows, 0, 0,
-          page.live_rows.tokens);
+    std::vector<float> box(2 * std::size_t{ctx.head_dim});
+    bound(box.data(), box.data() + ctx.head_dim, page.live_rows, 0, 0, page.live_rows.tokens);
+    state.min[page.head].set(i, box.data(), BoxSide::lower);
+    state.max[page.head].set(i, box.data() + ctx.head_dim, BoxSide::upper);
   }
 
   // A selection covers at most max(budget, one partition) tokens, and since
@@ -206,13 +211,13 @@ class QuestPolicy {
   }
 
  private:
-  // A state's bound arrays, one per kv head, reserved for `partitions`.
+  // A state's boxes, one per kv head in the K/V dtype, reserved for `partitions`.
   static void prepare_bounds(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
-    s.min.resize(ctx.kv_heads);
-    s.max.resize(ctx.kv_heads);
+    s.min.assign(ctx.kv_heads, BoxRows(ctx.kv_dtype, ctx.head_dim));
+    s.max.assign(ctx.kv_heads, BoxRows(ctx.kv_dtype, ctx.head_dim));
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-      s.min[h].reserve(std::size_t{partitions} * ctx.head_dim);
-      s.max[h].reserve(std::size_t{partitions} * ctx.head_dim);
+      s.min[h].reserve(partitions);
+      s.max[h].reserve(partitions);
     }
   }
   void check_context(const LayerContext& ctx) const {
@@ -236,10 +241,10 @@ class QuestPolicy {
   static void add_bounds(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first,
                          std::uint32_t count) {
     const std::uint32_t dim = kv.head_dim;
-    state.min[h].resize(state.min[h].size() + dim);
-    state.max[h].resize(state.max[h].size() + dim);
-    bound(state.min[h].data() + state.min[h].size() - dim, state.max[h].data() + state.max[h].size() - dim, kv, h,
-          first, count);
+    std::vector<float> box(2 * std::size_t{dim});
+    bound(box.data(), box.data() + dim, kv, h, first, count);
+    state.min[h].push_back(box.data(), BoxSide::lower);
+    state.max[h].push_back(box.data() + dim, BoxSide::upper);
   }
   // The box of tokens [first, first + count) of kv head h of kv, written to
   // lo / hi: the first key folded with the rest, the rule cuda::page_min_max

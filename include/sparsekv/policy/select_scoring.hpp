@@ -9,13 +9,15 @@
 // agree on every partition a Select ranks.
 #include <cstdint>
 
+#include "sparsekv/core/dtype.hpp"
+
 namespace sparsekv {
 
-// quest_logit (select_rules.hpp) of boxes min / max [n][head_dim] for every q
-// head g of the group: out[g * n + i]. Each box's centre and half-width is
-// computed once for the group.
-void quest_logits_simd(const float* q, std::uint32_t group, const float* min, const float* max, std::uint32_t n,
-                       std::uint32_t head_dim, float spread, float scale, float* out);
+// quest_logit (select_rules.hpp) of boxes min / max [n][head_dim], stored in
+// `dtype` (policy/box_rows.hpp) and widened exactly, for every q head g of
+// the group: out[g * n + i]. Each box is read once for up to four heads.
+void quest_logits_simd(const float* q, std::uint32_t group, const void* min, const void* max, DType dtype,
+                       std::uint32_t n, std::uint32_t head_dim, float spread, float scale, float* out);
 
 // shadowkv_logit (select_rules.hpp) of landmarks [n][head_dim] for every q
 // head g of the group: out[g * n + i]. Each landmark is read once for up to

@@ -105,6 +105,10 @@ struct LayerContext {
   // that copies every summary of the (request, layer), a stall that grows
   // with the context (docs/performance.md, "Summaries reserved at Index").
   std::uint32_t reserve_tokens = 0;
+  // The dtype of the engine's K/V: the fp32 keys and values a policy sees are
+  // exact widenings of it, so summaries that only pick among them (Quest's
+  // boxes) can be stored in it without loss.
+  DType kv_dtype = DType::f32;
 
   std::uint32_t group_size() const noexcept { return q_heads / kv_heads; }
   // Partitions a state of `partitions` now holds when the request reaches

@@ -34,7 +34,9 @@ struct StepScope {
   StepStats* stats = nullptr;
 
   LayerContext context(std::uint32_t layer, std::uint32_t tokens) const {
-    return {layer, shape->layers, shape->q_heads, shape->kv_heads, shape->head_dim, config->page_tokens, tokens};
+    LayerContext ctx{layer, shape->layers, shape->q_heads, shape->kv_heads, shape->head_dim, config->page_tokens, tokens};
+    ctx.kv_dtype = shape->dtype;
+    return ctx;
   }
   PageLayout layout() const { return {config->page_tokens, shape->head_dim, shape->dtype}; }
   // The scale Attend and the policies apply to q.k: 1/sqrt(head_dim). A
