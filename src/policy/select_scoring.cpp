@@ -38,17 +38,17 @@ HWY_INLINE hn::Vec<D> LoadWidened(D d, const T* HWY_RESTRICT p) {
   }
 }
 
-// One box's sums for q heads [0, H) of q / q_abs (H a compile-time count, so
-// that the sums stay in registers and the heads' loop unrolls): the box's
-// centre and half-width taken from lo / hi a vector at a time and used at
-// once, never stored. lanes[b][j]: lane j of head b's sum (lane_order_sum's
-// lanes), `whole` dimensions.
+// One box's sums for q heads [0, H) (H a compile-time count, so that the
+// sums stay in registers and the heads' loop unrolls): the box's sum and
+// width taken from lo / hi a vector at a time and used at once, never
+// stored. halves / reach_halves: quest_halves of each head's q (rows of
+// head_dim). sums[b]: head b's lane_order_sum over the `whole` dimensions
+// (its lanes combined in the rule's order; the tail is the caller's).
 template <std::uint32_t H, class T, class D>
-HWY_INLINE void QuestBox(D d8, const float* HWY_RESTRICT q, const float* HWY_RESTRICT q_abs,
+HWY_INLINE void QuestBox(D d8, const float* HWY_RESTRICT halves, const float* HWY_RESTRICT reach_halves,
                          const T* HWY_RESTRICT lo, const T* HWY_RESTRICT hi, std::uint32_t head_dim,
-                         std::uint32_t whole, float spread, float (*HWY_RESTRICT lanes)[kRuleLanes]) {
+                         std::uint32_t whole, float* HWY_RESTRICT sums) {
   const std::size_t n = hn::Lanes(d8), parts = kRuleLanes / n;
-  const auto vhalf = hn::Set(d8, 0.5f), vspread = hn::Set(d8, spread);
   hn::Vec<D> acc[H][kRuleLanes];
   for (std::uint32_t b = 0; b < H; ++b)
     for (std::size_t p = 0; p < parts; ++p) acc[b][p] = hn::Zero(d8);
@@ -56,17 +56,22 @@ HWY_INLINE void QuestBox(D d8, const float* HWY_RESTRICT q, const float* HWY_RES
     for (std::size_t p = 0; p < parts; ++p) {
       const std::size_t at = d + p * n;
       const auto l = LoadWidened(d8, lo + at), h = LoadWidened(d8, hi + at);
-      const auto c = hn::Mul(hn::Add(l, h), vhalf), w = hn::Mul(hn::Sub(h, l), vhalf);
+      const auto sum = hn::Add(l, h), width = hn::Sub(h, l);
       for (std::uint32_t b = 0; b < H; ++b) {
         const std::size_t row = std::size_t{b} * head_dim + at;
-        const auto reach = hn::Mul(hn::LoadU(d8, q_abs + row), w);
-        const auto term = hn::Add(hn::Mul(hn::LoadU(d8, q + row), c), hn::Mul(vspread, reach));
+        const auto term = hn::Add(hn::Mul(hn::LoadU(d8, halves + row), sum),
+                                  hn::Mul(hn::LoadU(d8, reach_halves + row), width));
         acc[b][p] = hn::Add(acc[b][p], term);
       }
     }
   }
-  for (std::uint32_t b = 0; b < H; ++b)
-    for (std::size_t p = 0; p < parts; ++p) hn::StoreU(acc[b][p], d8, lanes[b] + p * n);
+  alignas(64) float lanes[kRuleLanes];
+  for (std::uint32_t b = 0; b < H; ++b) {
+    for (std::size_t p = 0; p < parts; ++p) hn::StoreU(acc[b][p], d8, lanes + p * n);
+    float half[4];
+    for (std::uint32_t j = 0; j < 4; ++j) half[j] = lanes[j] + lanes[j + 4];
+    sums[b] = (half[0] + half[2]) + (half[1] + half[3]);
+  }
 }
 
 template <class T>
@@ -74,10 +79,16 @@ void QuestLogitsOf(const float* q, std::uint32_t group, const T* min, const T* m
                    std::uint32_t head_dim, float spread, float scale, float* out) {
   const hn::CappedTag<float, kRuleLanes> d8;
   const std::uint32_t whole = head_dim / kRuleLanes * kRuleLanes;
-  thread_local std::vector<float> q_abs;  // |q|: exact
-  q_abs.resize(std::size_t{group} * head_dim);
-  for (std::size_t j = 0; j < q_abs.size(); ++j) q_abs[j] = q[j] < 0.0f ? -q[j] : q[j];
-  alignas(64) float lanes[kQuestHeads][kRuleLanes];
+  // The rule's per-head factors, once for all the boxes.
+  thread_local std::vector<float> halves, reach_halves;
+  halves.resize(std::size_t{group} * head_dim);
+  reach_halves.resize(halves.size());
+  for (std::size_t j = 0; j < halves.size(); ++j) {
+    const QuestHalves f = quest_halves(q[j], spread);
+    halves[j] = f.half;
+    reach_halves[j] = f.reach_half;
+  }
+  float sums[kQuestHeads];
   for (std::uint32_t i = 0; i < n; ++i) {
     const T* lo = min + std::size_t{i} * head_dim;
     const T* hi = max + std::size_t{i} * head_dim;
@@ -85,25 +96,20 @@ void QuestLogitsOf(const float* q, std::uint32_t group, const T* min, const T* m
     // adds, which one head alone would leave waiting on the add latency.
     for (std::uint32_t g0 = 0; g0 < group; g0 += kQuestHeads) {
       const std::uint32_t heads = group - g0 < kQuestHeads ? group - g0 : kQuestHeads;
-      const float* qb = q + std::size_t{g0} * head_dim;
-      const float* ab = q_abs.data() + std::size_t{g0} * head_dim;
+      const float* hb = halves.data() + std::size_t{g0} * head_dim;
+      const float* rb = reach_halves.data() + std::size_t{g0} * head_dim;
       switch (heads) {
-        case 1: QuestBox<1>(d8, qb, ab, lo, hi, head_dim, whole, spread, lanes); break;
-        case 2: QuestBox<2>(d8, qb, ab, lo, hi, head_dim, whole, spread, lanes); break;
-        case 3: QuestBox<3>(d8, qb, ab, lo, hi, head_dim, whole, spread, lanes); break;
-        default: QuestBox<kQuestHeads>(d8, qb, ab, lo, hi, head_dim, whole, spread, lanes); break;
+        case 1: QuestBox<1>(d8, hb, rb, lo, hi, head_dim, whole, sums); break;
+        case 2: QuestBox<2>(d8, hb, rb, lo, hi, head_dim, whole, sums); break;
+        case 3: QuestBox<3>(d8, hb, rb, lo, hi, head_dim, whole, sums); break;
+        default: QuestBox<kQuestHeads>(d8, hb, rb, lo, hi, head_dim, whole, sums); break;
       }
       for (std::uint32_t b = 0; b < heads; ++b) {
-        const float* lane = lanes[b];
-        // The rule's combination (lane_order_sum), then its tail, in order.
-        float halves[4];
-        for (std::uint32_t j = 0; j < 4; ++j) halves[j] = lane[j] + lane[j + 4];
-        float sum = (halves[0] + halves[2]) + (halves[1] + halves[3]);
+        // The rule's tail, in order.
+        float sum = sums[b];
         for (std::uint32_t d = whole; d < head_dim; ++d) {
-          const float l = load_element(lo, d, dtype), h = load_element(hi, d, dtype);
-          const float c = mul_rn(add_rn(l, h), 0.5f);
-          const float w = mul_rn(add_rn(h, -l), 0.5f);
-          sum = add_rn(sum, add_rn(mul_rn(qb[b * head_dim + d], c), mul_rn(spread, mul_rn(ab[b * head_dim + d], w))));
+          const std::size_t at = std::size_t{b} * head_dim + d;
+          sum = add_rn(sum, quest_term({hb[at], rb[at]}, load_element(lo, d, dtype), load_element(hi, d, dtype)));
         }
         out[std::size_t{g0 + b} * n + i] = mul_rn(sum, scale);
       }

@@ -1056,6 +1056,38 @@ void on_every_target(Fn&& fn) {
   CHECK(targets_run > 0);
 }
 
+TEST_CASE("Quest's term from q's halves equals the centre / half-width form for power-of-two spreads",
+          "[select-rules]") {
+  // quest_term takes q / 2 and spread |q| / 2 once per head; the form it
+  // replaced halved the box's sum and width per box. The same bits for the
+  // default spread and the paper's, whenever nothing falls below 2^-125.
+  const auto centre_form = [](float q, float lo, float hi, float spread) {
+    const float centre = mul_rn(add_rn(lo, hi), 0.5f);
+    const float half_width = mul_rn(add_rn(hi, -lo), 0.5f);
+    return add_rn(mul_rn(q, centre), mul_rn(spread, mul_rn(q < 0.0f ? -q : q, half_width)));
+  };
+  std::mt19937 rng(29);
+  std::uniform_real_distribution<float> exponent(-40.0f, 40.0f);
+  std::uniform_int_distribution<int> sign(0, 1);
+  const auto draw = [&] { return (sign(rng) ? -1.0f : 1.0f) * std::exp2(exponent(rng)); };
+  std::uint32_t checked = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const float q = draw(), a = draw(), b = draw();
+    const float lo = std::min(a, b), hi = std::max(a, b);
+    for (const float spread : {0.0f, 0.25f, 0.5f, 1.0f}) {
+      const float got = quest_term(quest_halves(q, spread), lo, hi);
+      const float want = centre_form(q, lo, hi, spread);
+      CAPTURE(q, lo, hi, spread);
+      REQUIRE(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want));
+      ++checked;
+    }
+  }
+  CHECK(checked == 800000);
+  // Below 2^-125 halving rounds, and the two forms may part.
+  const float tiny = std::numeric_limits<float>::denorm_min() * 3.0f;
+  CHECK(quest_term(quest_halves(tiny, 1.0f), 1.0f, 1.0f) != centre_form(tiny, 1.0f, 1.0f, 1.0f));
+}
+
 TEST_CASE("quest_logits_simd equals quest_logit bit for bit for every head, on every target", "[select-rules]") {
   std::mt19937 rng(31);
   std::normal_distribution<float> normal;
@@ -1076,7 +1108,7 @@ TEST_CASE("quest_logits_simd equals quest_logit bit for bit for every head, on e
         const BoxRows lo_rows(dtype, d, lo, BoxSide::lower), hi_rows(dtype, d, hi, BoxSide::upper);
         lo = lo_rows.widened();
         hi = hi_rows.widened();
-        for (const float spread : {1.0f, 0.0f, 0.5f}) {
+        for (const float spread : {1.0f, 0.0f, 0.5f, 0.3f}) {
           std::vector<float> got(std::size_t{group} * n);
           quest_logits_simd(q.data(), group, lo_rows.data(), hi_rows.data(), dtype, n, d, spread, logit_scale(d),
                             got.data());
