@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
@@ -17,6 +16,8 @@
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
 #include <hwy/contrib/math/math-inl.h>
+
+#include "core/load_widened-inl.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace sparsekv {
@@ -35,16 +36,6 @@ constexpr std::size_t kMaxLanes = HWY_MAX_BYTES / sizeof(float);
 static_assert(RowWidth(kGroupBlock) <= kPageFoldRowFloats && kMaxLanes <= kPageFoldPadFloats);
 // One pattern period of the tile: max(row width, lanes) floats.
 constexpr std::size_t kMaxPeriod = kMaxLanes > RowWidth(kGroupBlock) ? kMaxLanes : RowWidth(kGroupBlock);
-
-template <class T, class D>
-HWY_INLINE hn::Vec<D> LoadRow(D d, const T* HWY_RESTRICT p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return hn::LoadU(d, p);
-  } else {
-    const hn::Rebind<T, D> narrow;
-    return hn::PromoteTo(d, hn::LoadU(narrow, p));
-  }
-}
 
 // Prefetches one K or V row (whole cache lines).
 HWY_INLINE void PrefetchRow(const std::byte* row, std::size_t bytes) {
@@ -107,7 +98,7 @@ HWY_INLINE void Dots(D df, const float* HWY_RESTRICT q, const T* const (&k)[R], 
     for (std::uint32_t b = 0; b < G; ++b) sums[r][b] = hn::Zero(df);
   for (std::size_t j = 0; j < full; j += lanes) {
     hn::Vec<D> rows[R];
-    for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadRow(df, k[r] + j);
+    for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadWidened(df, k[r] + j);
     for (std::uint32_t b = 0; b < G; ++b) {
       const auto qv = hn::LoadU(df, q + std::size_t{b} * d + j);
       for (std::uint32_t r = 0; r < R; ++r) sums[r][b] = hn::MulAdd(qv, rows[r], sums[r][b]);
@@ -275,7 +266,7 @@ HWY_INLINE void WeightedRows(D df, const PageLayout& layout, const FoldPageRef* 
       if (!all_live && !slot_live(page.live, t)) continue;
       const T* v = reinterpret_cast<const T*>(page.data + layout.v_offset(t)) + j;
       hn::Vec<D> rows[R];
-      for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadRow(df, v + r * lanes);
+      for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadWidened(df, v + r * lanes);
       for (std::uint32_t b = 0; b < G; ++b) {
         const auto wb = hn::Set(df, w[b]);
         for (std::uint32_t r = 0; r < R; ++r) accs[r][b] = hn::MulAdd(wb, rows[r], accs[r][b]);

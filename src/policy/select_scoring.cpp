@@ -4,7 +4,6 @@
 #include "sparsekv/policy/select_scoring.hpp"
 
 #include <cstddef>
-#include <type_traits>
 #include <vector>
 
 #include "sparsekv/core/numeric.hpp"
@@ -17,6 +16,8 @@
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
+#include "core/load_widened-inl.hpp"
+
 HWY_BEFORE_NAMESPACE();
 namespace sparsekv {
 namespace HWY_NAMESPACE {
@@ -26,17 +27,6 @@ namespace hn = hwy::HWY_NAMESPACE;
 constexpr std::size_t kRuleLanes = 8;
 // Heads whose Quest sums are kept at once.
 constexpr std::uint32_t kQuestHeads = 4;
-
-// A vector of T (fp32, or 16-bit box rows widened exactly).
-template <class T, class D>
-HWY_INLINE hn::Vec<D> LoadWidened(D d, const T* HWY_RESTRICT p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return hn::LoadU(d, p);
-  } else {
-    const hn::Rebind<T, D> narrow;
-    return hn::PromoteTo(d, hn::LoadU(narrow, p));
-  }
-}
 
 // One box's sums for q heads [0, H) (H a compile-time count, so that the
 // sums stay in registers and the heads' loop unrolls): the box's sum and
