@@ -42,6 +42,23 @@ HWY_INLINE void PrefetchRow(const std::byte* row, std::size_t bytes) {
   for (std::size_t at = 0; at < bytes; at += 64) hwy::Prefetch(row + at);
 }
 
+// v, which the compiler must keep in a register: GCC otherwise folds a
+// vector loaded once for several FMAs into each of them as a memory operand,
+// one load per FMA, and Dots becomes bound by loads (4.7 against 4 cycles
+// for eight FMAs on AVX2).
+template <class V>
+HWY_INLINE V InRegister(V v) {
+#if HWY_ARCH_X86 && (HWY_COMPILER_GCC_ACTUAL || HWY_COMPILER_CLANG) && HWY_TARGET != HWY_SCALAR && \
+    HWY_TARGET != HWY_EMU128
+#if HWY_TARGET <= HWY_AVX3
+  __asm__("" : "+v"(v.raw));
+#else
+  __asm__("" : "+x"(v.raw));
+#endif
+#endif
+  return v;
+}
+
 #if HWY_TARGET != HWY_SCALAR
 // Per 128-bit block, the sums of a, b, c and e over the block's four lanes,
 // in that order: the first step of reducing four dot products at once.
@@ -100,7 +117,7 @@ HWY_INLINE void Dots(D df, const float* HWY_RESTRICT q, const T* const (&k)[R], 
     hn::Vec<D> rows[R];
     for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadWidened(df, k[r] + j);
     for (std::uint32_t b = 0; b < G; ++b) {
-      const auto qv = hn::LoadU(df, q + std::size_t{b} * d + j);
+      const auto qv = InRegister(hn::LoadU(df, q + std::size_t{b} * d + j));
       for (std::uint32_t r = 0; r < R; ++r) sums[r][b] = hn::MulAdd(qv, rows[r], sums[r][b]);
     }
   }
@@ -259,17 +276,27 @@ HWY_INLINE void WeightedRows(D df, const PageLayout& layout, const FoldPageRef* 
       accs[r][b] = scales[b] == 0.0f ? hn::Zero(df) : scales[b] == 1.0f ? a : hn::Mul(a, hn::Set(df, scales[b]));
     }
   }
+  const std::size_t row_bytes = layout.row_bytes();
+  const auto add_row = [&](const std::byte* row, const float* HWY_RESTRICT wt) {
+    const T* v = reinterpret_cast<const T*>(row) + j;
+    hn::Vec<D> rows[R];
+    for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadWidened(df, v + r * lanes);
+    for (std::uint32_t b = 0; b < G; ++b) {
+      const auto wb = hn::Set(df, wt[b]);
+      for (std::uint32_t r = 0; r < R; ++r) accs[r][b] = hn::MulAdd(wb, rows[r], accs[r][b]);
+    }
+  };
   for (std::uint32_t p = 0; p < count; ++p) {
     const FoldPageRef& page = pages[p];
-    const bool all_live = (page.live & full_slot_mask(page.tokens)) == full_slot_mask(page.tokens);
-    for (std::uint32_t t = 0; t < page.tokens; ++t, w += W) {
-      if (!all_live && !slot_live(page.live, t)) continue;
-      const T* v = reinterpret_cast<const T*>(page.data + layout.v_offset(t)) + j;
-      hn::Vec<D> rows[R];
-      for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadWidened(df, v + r * lanes);
-      for (std::uint32_t b = 0; b < G; ++b) {
-        const auto wb = hn::Set(df, w[b]);
-        for (std::uint32_t r = 0; r < R; ++r) accs[r][b] = hn::MulAdd(wb, rows[r], accs[r][b]);
+    // A whole page's rows by pointer steps, with no per-slot test (the
+    // loop is bound by instructions issued, not by its FMAs alone).
+    const std::byte* row = page.data + layout.v_offset(0);
+    const std::byte* const end = row + std::size_t{page.tokens} * row_bytes;
+    if ((page.live & full_slot_mask(page.tokens)) == full_slot_mask(page.tokens)) {
+      for (; row != end; row += row_bytes, w += W) add_row(row, w);
+    } else {
+      for (std::uint32_t t = 0; row != end; ++t, row += row_bytes, w += W) {
+        if (slot_live(page.live, t)) add_row(row, w);
       }
     }
   }
