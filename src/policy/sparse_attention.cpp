@@ -36,9 +36,9 @@ void check_decode_query(std::string_view policy, const LayerContext& ctx, const 
   // Scores of a non-finite query have no order: top-k would be undefined.
   // One pass without an early exit, which vectorizes: every select_head of
   // a step checks the whole query (32 x 128 values for Llama-8B).
-  bool all_finite = true;
-  for (const float x : q.q) all_finite &= is_finite(x);
-  if (!all_finite) {
+  std::uint32_t non_finite = 0;
+  for (const float x : q.q) non_finite |= is_finite(x) ? 0u : 1u;
+  if (non_finite != 0) {
     const auto bad = std::find_if(q.q.begin(), q.q.end(), [](float x) { return !is_finite(x); });
     fail(ErrorCode::invalid_argument, "{}: query value {} is not finite", policy, bad - q.q.begin());
   }
