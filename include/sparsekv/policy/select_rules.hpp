@@ -338,8 +338,8 @@ SPARSEKV_HOST_DEVICE inline float quest_term(QuestHalves f, float lo, float hi) 
 }
 SPARSEKV_HOST_DEVICE inline float quest_logit(const float* q, const float* min, const float* max,
                                               std::uint32_t head_dim, float spread, float scale) {
-  const float sum = lane_order_sum(head_dim, [&](std::uint32_t d) { return quest_term(quest_halves(q[d], spread), min[d], max[d]);
-  });
+  const float sum =
+      lane_order_sum(head_dim, [&](std::uint32_t d) { return quest_term(quest_halves(q[d], spread), min[d], max[d]); });
   return mul_rn(sum, scale);
 }
 
@@ -414,7 +414,9 @@ struct QuestGroupLogits {
     float total[kLogitHeads];
     sums.finish(
         head_dim,
-        [&](std::uint32_t h, std::uint32_t d) { return quest_term(quest_halves(heads.q[h][d], spread), min[d - d0], max[d - d0]); },
+        [&](std::uint32_t h, std::uint32_t d) {
+          return quest_term(quest_halves(heads.q[h][d], spread), min[d - d0], max[d - d0]);
+        },
         total);
     for (std::uint32_t h = 0; h < kLogitHeads && h0 + h < count; ++h) emit(h0 + h, mul_rn(total[h], scale));
   }
