@@ -25,29 +25,36 @@ namespace hn = hwy::HWY_NAMESPACE;
 constexpr bool kNativeF16 = !(HWY_TARGET == HWY_SSSE3 || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_EMU128 ||
                               HWY_TARGET == HWY_SCALAR);
 
+// Widens in[0, n) into out; returns whether every value is finite (a mask
+// gathered on the way, so that the caller's check needs no second pass).
 template <class T>
-void Widen(const T* HWY_RESTRICT in, std::size_t n, float* HWY_RESTRICT out) {
+bool Widen(const T* HWY_RESTRICT in, std::size_t n, float* HWY_RESTRICT out) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<T, decltype(df)> dh;
   const std::size_t lanes = hn::Lanes(df);
   std::size_t i = 0;
+  auto finite = hn::Eq(hn::Zero(df), hn::Zero(df));  // all true
   if (std::is_same_v<T, hwy::bfloat16_t> || kNativeF16) {
-    for (; i + lanes <= n; i += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in + i)), df, out + i);
+    for (; i + lanes <= n; i += lanes) {
+      const auto v = hn::PromoteTo(df, hn::LoadU(dh, in + i));
+      finite = hn::And(finite, hn::IsFinite(v));
+      hn::StoreU(v, df, out + i);
+    }
   }
+  bool all_finite = hn::AllTrue(df, finite);
   // The tail (or all of it) by the scalar rule, which every lane above equals.
   for (; i < n; ++i) {
     std::uint16_t bits;
     std::memcpy(&bits, in + i, sizeof(bits));
     out[i] = std::is_same_v<T, hwy::bfloat16_t> ? bf16_to_float(bits) : f16_to_float(bits);
+    all_finite = all_finite && is_finite(out[i]);
   }
+  return all_finite;
 }
 
-void WidenToFloat(const void* data, bool bf16, std::size_t n, float* out) {
-  if (bf16) {
-    Widen(static_cast<const hwy::bfloat16_t*>(data), n, out);
-  } else {
-    Widen(static_cast<const hwy::float16_t*>(data), n, out);
-  }
+bool WidenToFloat(const void* data, bool bf16, std::size_t n, float* out) {
+  return bf16 ? Widen(static_cast<const hwy::bfloat16_t*>(data), n, out)
+              : Widen(static_cast<const hwy::float16_t*>(data), n, out);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -59,12 +66,17 @@ namespace sparsekv {
 
 HWY_EXPORT(WidenToFloat);
 
-void widen_to_float(const void* data, DType dtype, std::size_t n, float* out) {
+bool widen_to_float(const void* data, DType dtype, std::size_t n, float* out) {
   if (dtype == DType::f32) {
-    if (n > 0) std::memcpy(out, data, n * sizeof(float));
-    return;
+    const auto* in = static_cast<const float*>(data);
+    std::uint32_t non_finite = 0;  // no early exit: the copy and the check in one pass, vectorized
+    for (std::size_t i = 0; i < n; ++i) {
+      out[i] = in[i];
+      non_finite |= is_finite(in[i]) ? 0u : 1u;
+    }
+    return non_finite == 0;
   }
-  HWY_DYNAMIC_DISPATCH(WidenToFloat)(data, dtype == DType::bf16, n, out);
+  return HWY_DYNAMIC_DISPATCH(WidenToFloat)(data, dtype == DType::bf16, n, out);
 }
 
 }  // namespace sparsekv

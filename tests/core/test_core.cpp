@@ -2,6 +2,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -133,8 +135,58 @@ TEST_CASE("widen_to_float equals the scalar rule for every f16 and bf16 value, o
   REQUIRE(ran > 0);
   const std::vector<float> f32{1.5f, -0.0f, 3e-40f};
   std::vector<float> copy(3);
-  sparsekv::widen_to_float(f32.data(), sparsekv::DType::f32, 3, copy.data());
+  CHECK(sparsekv::widen_to_float(f32.data(), sparsekv::DType::f32, 3, copy.data()));
   REQUIRE(std::memcmp(copy.data(), f32.data(), sizeof(float) * 3) == 0);
+}
+
+TEST_CASE("widen_to_float tells whether every value is finite, wherever the first that is not lies, on every target",
+          "[core][convert]") {
+  // Runs of finite values with one infinity or NaN at each place: in a whole
+  // vector of any target or in the tail past the last one.
+  const std::uint16_t bad_f16[] = {0x7c00, 0xfc00, 0x7e00, 0x7c01};  // +inf, -inf, NaNs
+  const std::uint16_t bad_bf16[] = {0x7f80, 0xff80, 0x7fc0, 0xffc1};
+  const float bad_f32[] = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                           std::numeric_limits<float>::quiet_NaN()};
+  std::uint32_t ran = 0, checked = 0;
+  for (const sparsekv::FoldTarget& target : sparsekv::fold_page_targets()) {
+    if (!target.supported) continue;
+    sparsekv::use_fold_page_target(target.bits);
+    ++ran;
+    for (const std::size_t n : {std::size_t{1}, std::size_t{15}, std::size_t{16}, std::size_t{37}}) {
+      std::vector<float> out(n);
+      for (const sparsekv::DType dtype : {sparsekv::DType::f16, sparsekv::DType::bf16}) {
+        // 0x3c00 is 1.0 in f16; 0x3f80 in bf16.
+        std::vector<std::uint16_t> rows(n, dtype == sparsekv::DType::f16 ? 0x3c00 : 0x3f80);
+        CAPTURE(target.name, sparsekv::to_string(dtype), n);
+        REQUIRE(sparsekv::widen_to_float(rows.data(), dtype, n, out.data()));
+        for (std::size_t at = 0; at < n; ++at) {
+          for (const std::uint16_t bad : dtype == sparsekv::DType::f16 ? std::span(bad_f16) : std::span(bad_bf16)) {
+            const std::uint16_t kept = rows[at];
+            rows[at] = bad;
+            CAPTURE(at, bad);
+            REQUIRE_FALSE(sparsekv::widen_to_float(rows.data(), dtype, n, out.data()));
+            rows[at] = kept;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  sparsekv::use_fold_page_target(0);
+  REQUIRE(ran > 0);
+  for (const std::size_t n : {std::size_t{1}, std::size_t{37}}) {
+    std::vector<float> rows(n, 2.0f), out(n);
+    REQUIRE(sparsekv::widen_to_float(rows.data(), sparsekv::DType::f32, n, out.data()));
+    for (std::size_t at = 0; at < n; ++at) {
+      for (const float bad : bad_f32) {
+        rows[at] = bad;
+        REQUIRE_FALSE(sparsekv::widen_to_float(rows.data(), sparsekv::DType::f32, n, out.data()));
+        rows[at] = 2.0f;
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == ran * 2 * 4 * (1 + 15 + 16 + 37) + 3 * (1 + 37));
 }
 
 TEST_CASE("ErrorSlot keeps the first error any thread captures, with its code", "[core][error-slot]") {

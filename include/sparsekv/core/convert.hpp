@@ -11,6 +11,7 @@
 namespace sparsekv {
 
 // out[i] = element i of the `n` values at `data`, stored in `dtype`.
-void widen_to_float(const void* data, DType dtype, std::size_t n, float* out);
+// Returns whether every value is finite (checked in the same pass).
+bool widen_to_float(const void* data, DType dtype, std::size_t n, float* out);
 
 }  // namespace sparsekv

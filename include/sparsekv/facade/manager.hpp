@@ -44,7 +44,6 @@
 // changing nothing. Manager<P> is templated on the policy; RuntimeManager
 // (Manager<AnyPolicy>) picks it by name at run time.
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -241,10 +240,8 @@ class Manager {
            ls.staged_tokens, tokens, s.max_tokens);
     }
     const std::size_t n = std::size_t{tokens} * scope_.kv_row();
-    scope_.to_float(k, n, keys_);
-    scope_.check_finite("prefill_chunk k", request, keys_, ls.staged_tokens);
-    scope_.to_float(v, n, values_);
-    scope_.check_finite("prefill_chunk v", request, values_, ls.staged_tokens);
+    scope_.to_finite_float("prefill_chunk k", request, k, n, keys_, ls.staged_tokens);
+    scope_.to_finite_float("prefill_chunk v", request, v, n, values_, ls.staged_tokens);
     const std::size_t bytes = n * dtype_size(shape_.dtype);
     ls.staged_k.insert(ls.staged_k.end(), static_cast<const std::byte*>(k), static_cast<const std::byte*>(k) + bytes);
     ls.staged_v.insert(ls.staged_v.end(), static_cast<const std::byte*>(v), static_cast<const std::byte*>(v) + bytes);
@@ -329,14 +326,11 @@ class Manager {
            request, tokens, length, tokens, s.max_tokens);
     }
     const std::size_t qd = scope_.q_row(), kvd = scope_.kv_row(), size = dtype_size(shape_.dtype);
-    scope_.to_float(q, tokens * qd, keys_);
-    if (std::find_if(keys_.begin(), keys_.end(), [](float x) { return !std::isfinite(x); }) != keys_.end()) {
+    if (!scope_.to_float(q, tokens * qd, keys_)) {
       fail(ErrorCode::invalid_argument, "extend of request {}: a q value is not finite", request);
     }
-    scope_.to_float(k, tokens * kvd, keys_);
-    scope_.check_finite("extend k", request, keys_, length);
-    scope_.to_float(v, tokens * kvd, values_);
-    scope_.check_finite("extend v", request, values_, length);
+    scope_.to_finite_float("extend k", request, k, tokens * kvd, keys_, length);
+    scope_.to_finite_float("extend v", request, v, tokens * kvd, values_, length);
     extend_out_.resize(qd);
     const auto* qb = static_cast<const std::byte*>(q);
     const auto* kb = static_cast<const std::byte*>(k);

@@ -32,7 +32,6 @@
 // on the Manager that began the step.
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -176,17 +175,16 @@ void HostStep<Policy>::begin(std::span<const Entry> batch, std::uint32_t layer, 
   const Policy& policy = *scope_.policy;
   TieredKVBuffer& buffer = *scope_.buffer;
   const std::size_t qd = scope_.q_row();
-  scope_.to_float(q, batch.size() * qd, queries_);
-  for (std::size_t i = 0; i < queries_.size(); ++i) {
-    if (!std::isfinite(queries_[i])) {
-      fail(ErrorCode::invalid_argument, "decode: q value {} of request {} is not finite", i % qd,
-           batch[i / qd].request);
-    }
+  if (!scope_.to_float(q, batch.size() * qd, queries_)) {
+    const auto i = static_cast<std::size_t>(
+        std::find_if(queries_.begin(), queries_.end(), [](float x) { return !is_finite(x); }) - queries_.begin());
+    fail(ErrorCode::invalid_argument, "decode: q value {} of request {} is not finite", i % qd,
+         batch[i / qd].request);
   }
   scope_.rescale_queries(queries_);
-  scope_.to_float(k_new, batch.size() * scope_.kv_row(), keys_);
-  scope_.to_float(v_new, batch.size() * scope_.kv_row(), values_);
-  for (std::size_t b = 0; b < batch.size(); ++b) {
+  const bool k_finite = scope_.to_float(k_new, batch.size() * scope_.kv_row(), keys_);
+  const bool v_finite = scope_.to_float(v_new, batch.size() * scope_.kv_row(), values_);
+  for (std::size_t b = 0; !(k_finite && v_finite) && b < batch.size(); ++b) {  // finds the first, and throws
     const std::uint32_t position = buffer.sequence_length(batch[b].request, layer);
     scope_.check_finite("decode k_new", batch[b].request, new_k(b), position);
     scope_.check_finite("decode v_new", batch[b].request, new_v(b), position);

@@ -84,10 +84,8 @@ void host_prefill(const StepScope<Policy>& scope, RequestId request, std::uint32
                   LayerStepState<typename Policy::LayerState>& ls, const void* k, const void* v, std::uint32_t tokens,
                   std::vector<float>& keys, std::vector<float>& values) {
   const std::size_t n = std::size_t{tokens} * scope.kv_row();
-  scope.to_float(k, n, keys);
-  scope.to_float(v, n, values);
-  scope.check_finite("prefill k", request, keys, 0);
-  scope.check_finite("prefill v", request, values, 0);
+  scope.to_finite_float("prefill k", request, k, n, keys, 0);
+  scope.to_finite_float("prefill v", request, v, n, values, 0);
   index_and_offload(scope, request, layer, ls, k, v, keys, values, tokens);
 }
 

@@ -52,20 +52,31 @@ struct StepScope {
   std::size_t kv_row() const { return std::size_t{shape->kv_heads} * shape->head_dim; }   // one token's K or V
   std::size_t q_row() const { return std::size_t{shape->q_heads} * shape->head_dim; }     // one token's q
 
-  // `n` model-dtype values at `data` as fp32 in `out`.
-  void to_float(const void* data, std::size_t n, std::vector<float>& out) const {
+  // `n` model-dtype values at `data` as fp32 in `out`; whether all are
+  // finite (found in the same pass).
+  bool to_float(const void* data, std::size_t n, std::vector<float>& out) const {
     out.resize(n);
-    widen_to_float(data, shape->dtype, n, out.data());
+    return widen_to_float(data, shape->dtype, n, out.data());
   }
   // Non-finite K/V must never reach the CPU tier, the source of truth: every
   // later output attending it would be NaN. `kv` holds [token][kv_head][dim]
   // rows, the first at sequence position `first`. Throws invalid_argument.
   void check_finite(std::string_view what, RequestId request, std::span<const float> kv, std::uint32_t first) const {
-    const auto bad = std::find_if(kv.begin(), kv.end(), [](float x) { return !std::isfinite(x); });
-    if (bad == kv.end()) return;
+    // One pass without an early exit, which vectorizes (a prompt's K/V is
+    // tokens x kv heads x head_dim values a layer); the search only on failure.
+    std::uint32_t non_finite = 0;
+    for (const float x : kv) non_finite |= is_finite(x) ? 0u : 1u;
+    if (non_finite == 0) return;
+    const auto bad = std::find_if(kv.begin(), kv.end(), [](float x) { return !is_finite(x); });
     const auto i = static_cast<std::size_t>(bad - kv.begin());
     fail(ErrorCode::invalid_argument, "{} of request {}: token {} kv head {} (dim {}) is not finite", what, request,
          first + i / kv_row(), i % kv_row() / shape->head_dim, i % shape->head_dim);
+  }
+  // to_float of K/V rows, then check_finite of them: no second pass over
+  // the rows unless a value is not finite.
+  void to_finite_float(std::string_view what, RequestId request, const void* data, std::size_t n,
+                       std::vector<float>& out, std::uint32_t first) const {
+    if (!to_float(data, n, out)) check_finite(what, request, out, first);
   }
 };
 
