@@ -61,13 +61,10 @@ struct StepScope {
   // Non-finite K/V must never reach the CPU tier, the source of truth: every
   // later output attending it would be NaN. `kv` holds [token][kv_head][dim]
   // rows, the first at sequence position `first`. Throws invalid_argument.
+  // A search: bulk rows take to_finite_float, whose conversion checks them.
   void check_finite(std::string_view what, RequestId request, std::span<const float> kv, std::uint32_t first) const {
-    // One pass without an early exit, which vectorizes (a prompt's K/V is
-    // tokens x kv heads x head_dim values a layer); the search only on failure.
-    std::uint32_t non_finite = 0;
-    for (const float x : kv) non_finite |= is_finite(x) ? 0u : 1u;
-    if (non_finite == 0) return;
     const auto bad = std::find_if(kv.begin(), kv.end(), [](float x) { return !is_finite(x); });
+    if (bad == kv.end()) return;
     const auto i = static_cast<std::size_t>(bad - kv.begin());
     fail(ErrorCode::invalid_argument, "{} of request {}: token {} kv head {} (dim {}) is not finite", what, request,
          first + i / kv_row(), i % kv_row() / shape->head_dim, i % shape->head_dim);
