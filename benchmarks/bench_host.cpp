@@ -74,6 +74,22 @@
 //   hide. Counters: ns_per_token (a slot folded into the whole GQA group),
 //   GBps (K/V bytes folded a second), target (the Highway target).
 //
+// PromptAttention/<shape>/f16/context:C/threads:N
+//   PromptAttention (plan() and run() on N threads of the persistent pool)
+//   of one prompt chunk of one layer: the 512 rows at positions C - 512 ..
+//   C - 1 (llama.cpp's ubatch) attending causally over C positions of f16
+//   K/V, token-major as llama.cpp's cache holds them. Counters:
+//     tokens_per_s      query rows a second
+//     ggml_tokens_per_s the same for ggml's CPU ggml_flash_attn_ext on the same
+//                       bytes, as llama.cpp's graph has it (q permuted from
+//                       [d, q_heads, rows], K and V views of the cache, an f16
+//                       causal mask [C, 512]), ggml's thread pool of N threads,
+//                       measured just before the row
+//     over_ggml         our time / ggml's time (below 1: we are faster)
+//     tiles             the plan's tiles
+//   Before timing, our output is checked against ggml's on the same chunk
+//   (the row fails beyond 1e-3 absolute).
+//
 // SharedPrefix/<policy>
 //   Eight requests starting from one 4,096-token prompt at the SmolLM2 shape
 //   (30 layers, 3 kv heads, head_dim 64, f16, 8-token pages) through a
@@ -102,6 +118,7 @@
 #include <random>
 #include <string>
 #include <stdexcept>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -109,6 +126,7 @@
 
 #include "sparsekv/attention/attend_plan.hpp"
 #include "sparsekv/attention/page_fold.hpp"
+#include "sparsekv/attention/prompt_attention.hpp"
 #include "sparsekv/attention/split_plan_attention.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/memory/page_layout.hpp"
@@ -376,6 +394,27 @@ double attend_seconds(const AttendKey& key, unsigned threads) {
 // ---- ggml's flash attention -------------------------------------------------
 
 #if SPARSEKV_BENCH_GGML
+// ggml's thread pool for `threads` threads (the caller is one of them),
+// alive while one measurement lasts: its threads poll between graphs.
+struct GgmlRunner {
+  explicit GgmlRunner(unsigned threads) : threads(static_cast<int>(threads)) {
+    ggml_threadpool_params p = ggml_threadpool_params_default(this->threads);
+    pool = ggml_threadpool_new(&p);
+  }
+  ~GgmlRunner() { ggml_threadpool_free(pool); }
+  GgmlRunner(const GgmlRunner&) = delete;
+  GgmlRunner& operator=(const GgmlRunner&) = delete;
+  void compute(ggml_cgraph* graph) {
+    ggml_cplan plan = ggml_graph_plan(graph, threads, pool);
+    if (plan.work_size > work.size()) work.resize(plan.work_size);
+    plan.work_data = work.data();
+    if (ggml_graph_compute(graph, &plan) != GGML_STATUS_SUCCESS) throw std::runtime_error("ggml_graph_compute failed");
+  }
+  int threads;
+  ggml_threadpool* pool;
+  std::vector<std::uint8_t> work;
+};
+
 // ggml_flash_attn_ext over the same shape and tokens as an Attend
 // configuration, f16 K/V contiguous per request, in sets enough to rotate
 // through kRotationBytes; set 0 holds the Attend's plan-0 K/V (as f16).
@@ -452,7 +491,7 @@ class GgmlAttention {
   };
   // Both layouts the first time for `threads`, then the faster one only.
   Timing measure(unsigned threads) {
-    Runner runner(threads);
+    GgmlRunner runner(threads);
     std::size_t next = 0;
     const auto time = [&](std::vector<ggml_cgraph*>& graphs) {
       return mean_seconds([&] { runner.compute(graphs[next++ % sets_]); });
@@ -466,7 +505,7 @@ class GgmlAttention {
   }
   // Largest |ggml - ours| over set 0 (both layouts), `ours` [batch][q_heads][d].
   double max_difference(const std::vector<float>& ours) {
-    Runner runner(1);
+    GgmlRunner runner(1);
     runner.compute(streams_[0]);
     runner.compute(per_request_[0]);
     double worst = 0;
@@ -483,25 +522,6 @@ class GgmlAttention {
   std::size_t kv_bytes() const { return std::size_t{batch_} * shape_.kv_heads * budget_ * shape_.head_dim * 2 * 2; }
 
  private:
-  // ggml's thread pool for `threads` threads (the caller is one of them),
-  // alive while one measurement lasts: its threads poll between graphs.
-  struct Runner {
-    explicit Runner(unsigned threads) : threads(static_cast<int>(threads)) {
-      ggml_threadpool_params p = ggml_threadpool_params_default(this->threads);
-      pool = ggml_threadpool_new(&p);
-    }
-    ~Runner() { ggml_threadpool_free(pool); }
-    void compute(ggml_cgraph* graph) {
-      ggml_cplan plan = ggml_graph_plan(graph, threads, pool);
-      if (plan.work_size > work.size()) work.resize(plan.work_size);
-      plan.work_data = work.data();
-      if (ggml_graph_compute(graph, &plan) != GGML_STATUS_SUCCESS) throw std::runtime_error("ggml_graph_compute failed");
-    }
-    int threads;
-    ggml_threadpool* pool;
-    std::vector<std::uint8_t> work;
-  };
-
   Shape shape_;
   std::uint32_t budget_, batch_;
   std::size_t sets_ = 0;
@@ -842,6 +862,182 @@ void BM_FoldInCache(benchmark::State& state, int shape_index, DType dtype, std::
   state.SetLabel("target " + fold_page_target());
 }
 
+// ---- PromptAttention ---------------------------------------------------------
+
+constexpr std::uint32_t kPromptRows = 512;  // llama.cpp's default ubatch
+
+// One (shape, context) configuration: f16 K/V of `context` positions,
+// token-major as llama.cpp's cache holds them ([token][kv head][head_dim]),
+// q and outputs of the last kPromptRows positions as one chunk; with ggml,
+// its graph reads the same bytes.
+class PromptWork {
+ public:
+  PromptWork(int shape_index, std::uint32_t context) : shape_(kShapes[shape_index]), context_(context) {
+    const Shape& s = shape_;
+    shape.dtype = DType::f16;
+    shape.q_heads = s.q_heads;
+    shape.kv_heads = s.kv_heads;
+    shape.head_dim = s.head_dim;
+    shape.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+    const std::size_t kv = std::size_t{context} * s.kv_heads * s.head_dim;
+    k_.resize(kv);
+    v_.resize(kv);
+    std::uint64_t x = 29;  // uniform in [-1, 1) from an LCG, as f16
+    const auto next = [&x] {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<float>(x >> 40) * (2.0f / 0x1000000) - 1.0f;
+    };
+    for (std::size_t i = 0; i < kv; ++i) k_[i] = float_to_f16(2.0f * next());
+    for (std::size_t i = 0; i < kv; ++i) v_[i] = float_to_f16(next());
+    q_.resize(std::size_t{kPromptRows} * s.q_heads * s.head_dim);
+    for (float& f : q_) f = 2.0f * next();
+    out_.assign(q_.size(), 0.0f);
+    chunk.q = q_.data();
+    chunk.k = reinterpret_cast<const std::byte*>(k_.data());
+    chunk.v = reinterpret_cast<const std::byte*>(v_.data());
+    chunk.first = context - kPromptRows;
+    chunk.rows = kPromptRows;
+    chunk.out = out_.data();
+#if SPARSEKV_BENCH_GGML
+    build_ggml();
+#endif
+  }
+  ~PromptWork() {
+#if SPARSEKV_BENCH_GGML
+    if (ctx_ != nullptr) ggml_free(ctx_);
+#endif
+  }
+  PromptWork(const PromptWork&) = delete;
+  PromptWork& operator=(const PromptWork&) = delete;
+
+  // plan() and run() on `threads` threads, as an engine's threads would share one op.
+  void attend(unsigned threads) {
+    attention.plan(shape, std::span(&chunk, 1), 2);
+    pool(threads).parallel_for(threads, [&](std::size_t i) { attention.run(i, threads); });
+  }
+
+#if SPARSEKV_BENCH_GGML
+  double ggml_seconds(unsigned threads) {
+    GgmlRunner runner(threads);
+    return mean_seconds([&] { runner.compute(graph_); });
+  }
+  // Largest |ggml - ours| over the chunk.
+  double max_difference() {
+    attend(1);
+    GgmlRunner runner(1);
+    runner.compute(graph_);
+    double worst = 0;
+    for (std::size_t i = 0; i < out_.size(); ++i) worst = std::max(worst, double(std::fabs(ggml_out_[i] - out_[i])));
+    return worst;
+  }
+#endif
+
+  PromptAttentionShape shape;
+  PromptChunk chunk;
+  PromptAttention attention;
+  std::string error;  // ggml's output and ours disagree
+
+ private:
+#if SPARSEKV_BENCH_GGML
+  // llama.cpp's graph of the chunk: q [d, q_heads, rows] permuted to [d, rows,
+  // q_heads], K and V viewed from the cache as [d, context, kv_heads], the
+  // causal mask [context, rows] in f16 (-inf past each row's position); the
+  // result [d, q_heads, rows] is our output's layout.
+  void build_ggml() {
+    const Shape& s = shape_;
+    const std::int64_t d = s.head_dim, n_kv = context_, rows = kPromptRows;
+    mask_.resize(std::size_t{kPromptRows} * context_);
+    for (std::uint32_t i = 0; i < kPromptRows; ++i) {
+      for (std::uint32_t j = 0; j < context_; ++j) {
+        mask_[std::size_t{i} * context_ + j] = float_to_f16(j <= chunk.first + i ? 0.0f : kNegativeInfinity);
+      }
+    }
+    ggml_out_.assign(out_.size(), 0.0f);
+    ggml_init_params params{};
+    params.mem_size = 16 * ggml_tensor_overhead() + ggml_graph_overhead() + kMiB;
+    params.no_alloc = true;  // the tensors' data are this object's arrays
+    ctx_ = ggml_init(params);
+    if (ctx_ == nullptr) throw std::runtime_error("ggml_init failed");
+    ggml_tensor* q = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, d, s.q_heads, rows);
+    q->data = q_.data();
+    ggml_tensor* k = ggml_new_tensor_1d(ctx_, GGML_TYPE_F16, n_kv * s.kv_heads * d);
+    k->data = k_.data();
+    ggml_tensor* v = ggml_new_tensor_1d(ctx_, GGML_TYPE_F16, n_kv * s.kv_heads * d);
+    v->data = v_.data();
+    ggml_tensor* mask = ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, n_kv, rows);
+    mask->data = mask_.data();
+    const std::size_t token = std::size_t(s.kv_heads) * d * 2, head = std::size_t(d) * 2;
+    ggml_tensor* kv_k = ggml_view_4d(ctx_, k, d, n_kv, s.kv_heads, 1, token, head, token * n_kv, 0);
+    ggml_tensor* kv_v = ggml_view_4d(ctx_, v, d, n_kv, s.kv_heads, 1, token, head, token * n_kv, 0);
+    ggml_tensor* o = ggml_flash_attn_ext(ctx_, ggml_permute(ctx_, q, 0, 2, 1, 3), kv_k, kv_v, mask, shape.scale, 0.0f,
+                                         0.0f);
+    o->data = ggml_out_.data();
+    graph_ = ggml_new_graph(ctx_);
+    ggml_build_forward_expand(graph_, o);
+  }
+
+  ggml_context* ctx_ = nullptr;
+  ggml_cgraph* graph_ = nullptr;
+  std::vector<std::uint16_t> mask_;
+  std::vector<float> ggml_out_;
+#endif
+  Shape shape_;
+  std::uint32_t context_;
+  std::vector<std::uint16_t> k_, v_;
+  std::vector<float> q_, out_;
+};
+
+PromptWork& prompt_work(int shape_index, std::uint32_t context) {
+  static std::unique_ptr<PromptWork> work;
+  static std::pair<int, std::uint32_t> key{-1, 0};
+  if (!work || key != std::pair{shape_index, context}) {
+    work.reset();
+    work = std::make_unique<PromptWork>(shape_index, context);
+    key = {shape_index, context};
+#if SPARSEKV_BENCH_GGML
+    const double diff = work->max_difference();
+    std::fprintf(stderr, "bench_host: prompt %s context %u: max |ggml - sparsekv| = %.2e\n", kShapes[shape_index].name,
+                 context, diff);
+    if (!(diff <= 1e-3)) work->error = "ggml and sparsekv disagree: max abs difference " + std::to_string(diff);
+#endif
+  }
+  return *work;
+}
+
+void BM_PromptAttention(benchmark::State& state, int shape_index, std::uint32_t context, unsigned threads) {
+  PromptWork& w = prompt_work(shape_index, context);
+  if (!w.error.empty()) {
+    state.SkipWithError(w.error.c_str());
+    return;
+  }
+#if SPARSEKV_BENCH_GGML
+  // Measured once per row, just before it (the VM's speed drifts).
+  static std::map<std::tuple<int, std::uint32_t, unsigned>, double> ggml_times;
+  const auto key = std::make_tuple(shape_index, context, threads);
+  if (!ggml_times.contains(key)) ggml_times[key] = w.ggml_seconds(threads);
+  const double ggml = ggml_times[key];
+#endif
+  double total = 0;
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    w.attend(threads);
+    const double s = seconds_since(start);
+    state.SetIterationTime(s);
+    total += s;
+  }
+  const double ours = total / double(state.iterations());
+  state.counters["tokens_per_s"] = kPromptRows / ours;
+  state.counters["context"] = context;
+  state.counters["tiles"] = double(w.attention.tiles());
+#if SPARSEKV_BENCH_GGML
+  state.counters["ggml_tokens_per_s"] = kPromptRows / ggml;
+  state.counters["over_ggml"] = ours / ggml;
+  state.SetLabel("target " + fold_page_target());
+#else
+  state.SetLabel("no ggml (no llama.cpp source at build time); target " + fold_page_target());
+#endif
+}
+
 void register_all() {
   const std::pair<DType, const char*> dtypes[] = {{DType::f16, "f16"}, {DType::bf16, "bf16"}, {DType::f32, "f32"}};
   for (int s = 0; s < 2; ++s) {
@@ -867,6 +1063,18 @@ void register_all() {
         const std::string name =
             std::string("FoldInCache/") + kShapes[s].name + "/" + dname + "/page:" + std::to_string(page);
         benchmark::RegisterBenchmark(name.c_str(), BM_FoldInCache, s, dtype, page)->UseManualTime()->MinTime(0.2);
+      }
+    }
+  }
+  for (int s = 0; s < 2; ++s) {
+    for (const std::uint32_t context : {kPromptRows, 2048u, 8192u}) {
+      for (const unsigned threads : {1u, 2u}) {
+        const std::string name = std::string("PromptAttention/") + kShapes[s].name + "/f16/context:" +
+                                 std::to_string(context) + "/threads:" + std::to_string(threads);
+        benchmark::RegisterBenchmark(name.c_str(), BM_PromptAttention, s, context, threads)
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(0.5);
       }
     }
   }
