@@ -62,6 +62,41 @@ else()
     endif()
     add_subdirectory("${SPARSEKV_LLAMA_CPP_DIR}/ggml" "${PROJECT_BINARY_DIR}/_deps/ggml" EXCLUDE_FROM_ALL)
   endblock()
+  # -march=native turns ggml's AMX matrix kernels on wherever the CPU lists
+  # AMX. They load their tile configuration from a local struct, as this
+  # probe does; a compiler that drops the struct's stores (GCC 12 does:
+  # ldtilecfg is not taken to read it) leaves an invalid configuration, and
+  # the first tile load faults (SIGILL in every quantized matrix product).
+  # Where the probe does not run, ggml is built without AMX.
+  if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND NOT CMAKE_CROSSCOMPILING)
+    include(CheckCSourceRuns)
+    set(CMAKE_REQUIRED_FLAGS "-march=native -O2")
+    check_c_source_runs([=[
+      #include <immintrin.h>
+      #include <string.h>
+      #include <sys/syscall.h>
+      #include <unistd.h>
+      static char data[16 * 64];
+      int main(void) {
+      #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+        unsigned char config[64];
+        if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 1;
+        memset(config, 0, sizeof config);
+        config[0] = 1;   /* palette */
+        config[16] = 64; /* tile 0: 64 bytes a row */
+        config[48] = 16; /* 16 rows */
+        _tile_loadconfig(config);
+        _tile_loadd(0, data, 64);
+        _tile_release();
+      #endif
+        return 0;
+      }]=] SPARSEKV_NATIVE_AMX_RUNS)
+    unset(CMAKE_REQUIRED_FLAGS)
+    if(NOT SPARSEKV_NATIVE_AMX_RUNS)
+      message(STATUS "sparsekv: AMX tile loads fault with this compiler and CPU: ggml built without AMX")
+      target_compile_options(ggml-cpu PRIVATE -mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+    endif()
+  endif()
   set(SPARSEKV_HAS_GGML ON)
   message(STATUS "sparsekv: ggml CPU backend from ${SPARSEKV_LLAMA_CPP_DIR}")
 endif()
