@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "sparsekv/attention/attend_plan.hpp"
+#include "sparsekv/attention/prompt_attention.hpp"
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/facade/host_backend.hpp"
@@ -243,8 +244,11 @@ class Manager {
     scope_.to_finite_float("prefill_chunk k", request, k, n, keys_, ls.staged_tokens);
     scope_.to_finite_float("prefill_chunk v", request, v, n, values_, ls.staged_tokens);
     const std::size_t bytes = n * dtype_size(shape_.dtype);
-    ls.staged_k.insert(ls.staged_k.end(), static_cast<const std::byte*>(k), static_cast<const std::byte*>(k) + bytes);
-    ls.staged_v.insert(ls.staged_v.end(), static_cast<const std::byte*>(v), static_cast<const std::byte*>(v) + bytes);
+    const std::size_t capacity = std::size_t{s.max_tokens} * scope_.kv_row() * dtype_size(shape_.dtype);
+    ls.staged_k.reserve(capacity);
+    ls.staged_v.reserve(capacity);
+    ls.staged_k.append(k, bytes);
+    ls.staged_v.append(v, bytes);
     ls.staged_tokens += tokens;
   }
   // Prefills every layer of `request` that holds a staged prompt, now (each
@@ -291,6 +295,34 @@ class Manager {
     std::memcpy(k, ls.staged_k.data() + first * row, (end - first) * row);
     std::memcpy(v, ls.staged_v.data() + first * row, (end - first) * row);
   }
+  // The shape of the library's prompt attention (attention/prompt_attention.hpp): the model's heads and
+  // dtype, and the scale Attend applies (Config::attention_scale, or 1/sqrt(head_dim)).
+  PromptAttentionShape prompt_attention_shape() const {
+    const float scale = config_.attention_scale != 0.0f ? config_.attention_scale : scope_.scale();
+    return PromptAttentionShape{shape_.dtype, shape_.q_heads, shape_.kv_heads, shape_.head_dim, scale};
+  }
+  // The causal attention of the last `rows` tokens of `layer`'s staged prompt (prefill_chunk), for an engine
+  // that has the library attend its prompt: their queries q ([rows][q_heads][head_dim] fp32, rows q_stride
+  // floats apart, 0 for packed) over the staged tokens up to each one, into out (the same, out_stride). Run
+  // it with PromptAttention on any threads; it reads the staged K/V, valid until the next call that changes
+  // this request. Throws, changing nothing: not_found, failed_precondition (the layer is prefilled: a live
+  // request attends by extend), out_of_range (rows 0 or more than staged), invalid_argument (null q or out).
+  PromptChunk prompt_chunk(RequestId request, std::uint32_t layer, const float* q, std::uint32_t rows, float* out,
+                           std::size_t q_stride = 0, std::size_t out_stride = 0) const {
+    check_index("layer", layer, shape_.layers);
+    const LayerStepState<State>& ls = state(request).layers[layer];
+    if (ls.prefilled) {
+      fail(ErrorCode::failed_precondition, "prompt_chunk of request {} layer {}: the layer is prefilled", request,
+           layer);
+    }
+    if (rows == 0 || rows > ls.staged_tokens) {
+      fail(ErrorCode::out_of_range, "prompt_chunk of request {} layer {}: {} rows, {} staged", request, layer, rows,
+           ls.staged_tokens);
+    }
+    if (q == nullptr || out == nullptr) fail(ErrorCode::invalid_argument, "prompt_chunk: q and out must not be null");
+    return PromptChunk{q, q_stride, ls.staged_k.data(), ls.staged_v.data(), ls.staged_tokens - rows, rows, out,
+                       out_stride};
+  }
   // The layer's first tokens read_kv can read.
   std::uint32_t readable_tokens(RequestId request, std::uint32_t layer) const {
     check_index("layer", layer, shape_.layers);
@@ -299,17 +331,17 @@ class Manager {
   }
 
   // Appends `tokens` tokens to the live request in `layer` -- a new chat turn,
-  // a speculative draft being verified, whose attention the engine computes
-  // itself -- as that many decode steps of batch 1 whose outputs are dropped:
-  // the request ends up exactly as if it had decoded them, its policy
+  // a speculative draft being verified -- as that many decode steps of batch
+  // 1: the request ends up exactly as if it had decoded them, its policy
   // included (H2O weighs them by their attention). q [tokens][q_heads]
   // [head_dim], k / v [tokens][kv_heads][head_dim], host tensors in the model
-  // dtype. Checks every token first and throws, changing nothing, what
+  // dtype; `out` ([tokens][q_heads][head_dim] fp32) receives each step's
+  // attention, or null when the engine computes it itself. Checks every token first and throws, changing nothing, what
   // decode() throws (a layer not prefilled, non-finite values, past
   // max_tokens); a pool that runs out mid-way throws resource_exhausted
   // naming how many tokens went in (those stay: each was a whole step).
   void extend(RequestId request, std::uint32_t layer, const void* q, const void* k, const void* v,
-              std::uint32_t tokens) {
+              std::uint32_t tokens, float* out = nullptr) {
     use_api(Api::host);
     RequestState& s = state(request);
     check_index("layer", layer, shape_.layers);
@@ -337,7 +369,8 @@ class Manager {
     const auto* vb = static_cast<const std::byte*>(v);
     for (std::uint32_t t = 0; t < tokens; ++t) {
       try {
-        decode(batch, layer, qb + t * qd * size, kb + t * kvd * size, vb + t * kvd * size, extend_out_.data());
+        decode(batch, layer, qb + t * qd * size, kb + t * kvd * size, vb + t * kvd * size,
+               out != nullptr ? out + t * qd : extend_out_.data());
       } catch (const Error& e) {
         if (t == 0) throw;
         fail(e.code(), "extend of request {}: {} of {} tokens appended, then: {}", request, t, tokens, e.what());
@@ -642,15 +675,21 @@ class Manager {
   }
 
   // Prefills `layer` of `request` with its staged prompt (prefill_chunk) and
-  // releases the staged bytes.
+  // releases the staged bytes, and the prompt's fp32 copy when it is long:
+  // kept, it would stay resident beside the CPU tier for the Manager's life.
   void prefill_staged(RequestId request, std::uint32_t layer) {
     LayerStepState<State>& ls = prefill_entry(request, layer, state(request).layers[layer].staged_tokens);
     host_prefill(scope_, request, layer, ls, ls.staged_k.data(), ls.staged_v.data(), ls.staged_tokens, keys_,
                  values_);
-    ls.staged_k = {};
-    ls.staged_v = {};
+    ls.staged_k.release();
+    ls.staged_v.release();
     ls.staged_tokens = 0;
+    if (keys_.capacity() * sizeof(float) > kKeptPromptScratchBytes) {
+      keys_ = {};
+      values_ = {};
+    }
   }
+  static constexpr std::size_t kKeptPromptScratchBytes = std::size_t{1} << 20;
 
   // Entry b of a decode batch, for either tensor kind: a known request, once
   // in the batch, prefilled in `layer` and below its max_tokens.

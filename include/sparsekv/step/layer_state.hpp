@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "sparsekv/memory/reserved_bytes.hpp"
 #include "sparsekv/policy/token_eviction.hpp"
 
 namespace sparsekv {
@@ -20,8 +21,9 @@ struct LayerStepState {
   // (LayerContext::reserve_tokens).
   std::uint32_t max_tokens = 0;
   // A prompt arriving in chunks (Manager::prefill_chunk), host tensors in the
-  // model dtype, [token][kv_head][dim], until the layer is prefilled with it.
-  std::vector<std::byte> staged_k, staged_v;
+  // model dtype, [token][kv_head][dim], until the layer is prefilled with it:
+  // reserved for max_tokens, resident as written, returned when prefilled.
+  ReservedBytes staged_k, staged_v;
   std::uint32_t staged_tokens = 0;
   // Host tensors: the decode tokens since the last saved page, fp32
   // [token][kv_head][dim], shown to the policy with the token that fills it.
