@@ -13,8 +13,10 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "sparsekv/core/numeric.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "test_support.hpp"
 
@@ -41,6 +43,11 @@ std::vector<float> draw(std::mt19937& rng, std::size_t n) {
   std::vector<float> x(n);
   for (float& e : x) e = normal(rng);
   return x;
+}
+
+// `from` stored in `dtype` (core/numeric.hpp's rule) into `to`.
+void narrow(const std::vector<float>& from, DType dtype, std::vector<std::byte>& to) {
+  for (std::size_t i = 0; i < from.size(); ++i) store_element(to.data(), std::uint32_t(i), dtype, from[i]);
 }
 
 // One decode step of request 1 in every layer of both managers, compared bit for bit.
@@ -117,16 +124,85 @@ TEST_CASE("engine calls: extend() leaves a request as that many decode steps wou
       const RequestId one[] = {1};
       for (std::uint32_t l = 0; l < kShape.layers; ++l) {
         const std::vector<float> q = draw(rng, n * kQRow), k = draw(rng, n * kRow), v = draw(rng, n * kRow);
-        extended.extend(1, l, q.data(), k.data(), v.data(), n);
+        // Every other layer keeps the steps' outputs: each is that decode step's, bit for bit.
+        std::vector<float> kept(l % 2 == 0 ? n * kQRow : 0, -1.0f);
+        extended.extend(1, l, q.data(), k.data(), v.data(), n, kept.empty() ? nullptr : kept.data());
         std::vector<float> out(kQRow);
         for (std::uint32_t t = 0; t < n; ++t) {
           stepped.decode(one, l, q.data() + t * kQRow, k.data() + t * kRow, v.data() + t * kRow, out.data());
+          if (!kept.empty()) REQUIRE(std::memcmp(kept.data() + t * kQRow, out.data(), kQRow * sizeof(float)) == 0);
         }
       }
       REQUIRE(extended.buffer().sequence_length(1, 0) == prompt + 3 + n);
       for (std::uint32_t s = 0; s < 10; ++s) step_both(stepped, extended, rng);
       extended.buffer().validate();
     }
+  }
+}
+
+TEST_CASE("engine calls: prompt_chunk attends the staged prompt causally, as the reference does",
+          "[facade][engine-calls][prompt-attention]") {
+  for (const DType dtype : {DType::f32, DType::f16}) {
+    CAPTURE(to_string(dtype));
+    ModelShape shape = kShape;
+    shape.dtype = dtype;
+    std::mt19937 rng(11);
+    RuntimeManager m(shape, test::small_config(shape, kPageTokens, 4, kMaxTokens, 1024), make_policy("quest", 16));
+    m.add_request(1, kMaxTokens);
+    m.add_request(2, kMaxTokens);
+    const std::size_t size = dtype_size(dtype);
+    std::vector<std::byte> all_k, all_v;  // request 1's prompt, in the model dtype
+    std::vector<float> out_lib, out_ref;
+    // Request 1 in chunks of 5, 1 and 9 rows, each attended after staging, beside a 3-row chunk of request 2.
+    for (const std::uint32_t rows : {5u, 1u, 9u}) {
+      const std::vector<float> kf = draw(rng, rows * kRow), vf = draw(rng, rows * kRow), q = draw(rng, rows * kQRow);
+      std::vector<std::byte> k(rows * kRow * size), v(rows * kRow * size);
+      narrow(kf, dtype, k);
+      narrow(vf, dtype, v);
+      m.prefill_chunk(1, 0, k.data(), v.data(), rows);
+      all_k.insert(all_k.end(), k.begin(), k.end());
+      all_v.insert(all_v.end(), v.begin(), v.end());
+      const std::vector<float> k2 = draw(rng, 3 * kRow), v2 = draw(rng, 3 * kRow), q2 = draw(rng, 3 * kQRow);
+      std::vector<std::byte> k2n(3 * kRow * size), v2n(3 * kRow * size);
+      narrow(k2, dtype, k2n);
+      narrow(v2, dtype, v2n);
+      m.prefill_chunk(2, 0, k2n.data(), v2n.data(), 3);
+      std::vector<float> out(rows * kQRow, -7.0f), out2(3 * kQRow, -7.0f);
+      const PromptChunk chunks[] = {m.prompt_chunk(1, 0, q.data(), rows, out.data()),
+                                    m.prompt_chunk(2, 0, q2.data(), 3, out2.data())};
+      REQUIRE(chunks[0].first == m.staged_tokens(1, 0) - rows);
+      PromptAttention attention;
+      attention.plan(m.prompt_attention_shape(), chunks, 2);
+      std::thread other([&] { attention.run(1, 2); });
+      attention.run(0, 2);
+      other.join();
+      // The reference over the same bytes, read back through read_kv.
+      const std::uint32_t first = m.staged_tokens(1, 0) - rows;
+      std::vector<std::byte> rk(m.staged_tokens(1, 0) * kRow * size), rv(rk.size());
+      m.read_kv(1, 0, 0, m.staged_tokens(1, 0), rk.data(), rv.data());
+      REQUIRE(rk == all_k);
+      REQUIRE(rv == all_v);
+      std::vector<float> ref(rows * kQRow);
+      prompt_attention_scalar(m.prompt_attention_shape(),
+                              PromptChunk{q.data(), 0, rk.data(), rv.data(), first, rows, ref.data(), 0});
+      for (std::size_t i = 0; i < ref.size(); ++i) {
+        REQUIRE(out[i] == Approx(ref[i]).margin(1e-5));
+      }
+    }
+    REQUIRE(m.prompt_attention_shape().scale == Approx(1.0f / std::sqrt(float(kShape.head_dim))));
+    // Refused, changing nothing: more rows than staged, a null q, a prefilled layer.
+    std::vector<float> q(kQRow), out(kQRow);
+    REQUIRE_THROWS_MATCHES(m.prompt_chunk(1, 0, q.data(), 16, out.data()), Error,
+                           Catch::Predicate<Error>([](const Error& e) { return e.code() == ErrorCode::out_of_range; }));
+    REQUIRE_THROWS_MATCHES(m.prompt_chunk(1, 0, nullptr, 1, out.data()), Error,
+                           Catch::Predicate<Error>([](const Error& e) {
+                             return e.code() == ErrorCode::invalid_argument;
+                           }));
+    m.end_prompt(1);
+    REQUIRE_THROWS_MATCHES(m.prompt_chunk(1, 0, q.data(), 1, out.data()), Error,
+                           Catch::Predicate<Error>([](const Error& e) {
+                             return e.code() == ErrorCode::failed_precondition;
+                           }));
   }
 }
 
