@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <optional>
 
 #include "ggml-cpu.h"
 #include "sparsekv/core/error.hpp"
@@ -95,7 +96,7 @@ void check_setup(const EvalSetup& s) {
 using Context = std::unique_ptr<llama_context, ContextDeleter>;
 constexpr std::uint32_t kBatch = 512;
 
-Context make_context(const EvalSetup& s) {
+llama_context_params context_params(const EvalSetup& s) {
   const std::uint32_t per_sequence = (s.prefill + s.tokens + 1 + 255) / 256 * 256;
   llama_context_params params = llama_context_default_params();
   params.n_ctx = per_sequence * s.parallel;
@@ -107,9 +108,7 @@ Context make_context(const EvalSetup& s) {
   params.flash_attn_type = s.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
   params.no_perf = true;
   if (s.f32_kv) params.type_k = params.type_v = GGML_TYPE_F32;
-  Context ctx(llama_init_from_model(s.model, params));
-  if (!ctx) fail(ErrorCode::internal, "llama_init_from_model failed");
-  return ctx;
+  return params;
 }
 
 HookOptions hook_options(const EvalSetup& s, const std::string& policy, std::uint32_t budget) {
@@ -120,6 +119,21 @@ HookOptions hook_options(const EvalSetup& s, const std::string& policy, std::uin
   options.dtype = s.f32_kv ? DType::f32 : DType::f16;
   return options;
 }
+
+// A variant's context: llama.cpp's own, or one the hook makes and serves.
+struct VariantContext {
+  Context own;
+  std::optional<Hook> hook;
+  VariantContext(const EvalSetup& s, const std::string& policy, std::uint32_t budget) {
+    if (policy == "llama") {
+      own.reset(llama_init_from_model(s.model, context_params(s)));
+      if (!own) fail(ErrorCode::internal, "llama_init_from_model failed");
+    } else {
+      hook.emplace(s.model, context_params(s), hook_options(s, policy, budget));
+    }
+  }
+  llama_context* get() const { return hook ? hook->context() : own.get(); }
+};
 
 // The prompts, one sequence at a time, in llama.cpp's batches.
 void prefill(const EvalSetup& s, llama_context* ctx, const Hook* hook) {
@@ -140,17 +154,22 @@ void prefill(const EvalSetup& s, llama_context* ctx, const Hook* hook) {
 
 SavedPrompts prefill_prompts(const EvalSetup& s) {
   check_setup(s);
-  const Context ctx = make_context(s);
-  const AttachedThreadpool pool(ctx.get(), s.threads);
-  const Hook hook(ctx.get(), hook_options(s, "dense", 0));
-  prefill(s, ctx.get(), &hook);
   SavedPrompts saved;
-  for (std::uint32_t j = 0; j < s.parallel; ++j) {
-    std::vector<std::uint8_t>& bytes = saved.llama_state.emplace_back(llama_state_seq_get_size(ctx.get(), j));
-    if (llama_state_seq_get_data(ctx.get(), bytes.data(), bytes.size(), j) != bytes.size()) {
-      fail(ErrorCode::internal, "llama_state_seq_get_data of sequence {} failed", j);
+  // Any policy's prompt is the same: staged and attended by the prompt attention.
+  for (const char* policy : {"llama", "dense"}) {
+    const VariantContext variant_ctx(s, policy, 0);
+    llama_context* const ctx = variant_ctx.get();
+    const AttachedThreadpool pool(ctx, s.threads);
+    const Hook* hook = variant_ctx.hook ? &*variant_ctx.hook : nullptr;
+    prefill(s, ctx, hook);
+    for (std::uint32_t j = 0; j < s.parallel; ++j) {
+      std::vector<std::uint8_t>& bytes =
+          (hook ? saved.hooked_state : saved.llama_state).emplace_back(llama_state_seq_get_size(ctx, j));
+      if (llama_state_seq_get_data(ctx, bytes.data(), bytes.size(), j) != bytes.size()) {
+        fail(ErrorCode::internal, "llama_state_seq_get_data of sequence {} failed", j);
+      }
+      if (hook) saved.library.push_back(hook->save_sequence(j));
     }
-    saved.library.push_back(hook.save_sequence(j));
   }
   return saved;
 }
@@ -158,21 +177,22 @@ SavedPrompts prefill_prompts(const EvalSetup& s) {
 EvalResult eval_variant(const EvalSetup& s, const SavedPrompts* prompts, const EvalVariant& variant,
                         const Distributions* reference, Distributions* keep) {
   check_setup(s);
-  if (prompts != nullptr && (prompts->llama_state.size() != s.parallel || prompts->library.size() != s.parallel)) {
+  if (prompts != nullptr && (prompts->llama_state.size() != s.parallel || prompts->hooked_state.size() != s.parallel ||
+                          prompts->library.size() != s.parallel)) {
     fail(ErrorCode::invalid_argument, "eval: the saved prompts hold {} sequences, the setup {}",
          prompts->llama_state.size(), s.parallel);
   }
-  const Context ctx = make_context(s);
-  const AttachedThreadpool pool(ctx.get(), s.threads);
-  std::optional<Hook> hook;
-  if (variant.policy != "llama") hook.emplace(ctx.get(), hook_options(s, variant.policy, variant.budget_tokens));
+  VariantContext variant_ctx(s, variant.policy, variant.budget_tokens);
+  llama_context* const ctx = variant_ctx.get();
+  const AttachedThreadpool pool(ctx, s.threads);
+  std::optional<Hook>& hook = variant_ctx.hook;
   const Hook* h = hook ? &*hook : nullptr;
   if (prompts == nullptr) {
-    prefill(s, ctx.get(), h);
+    prefill(s, ctx, h);
   } else {
     for (std::uint32_t j = 0; j < s.parallel; ++j) {
-      const std::vector<std::uint8_t>& bytes = prompts->llama_state[j];
-      if (llama_state_seq_set_data(ctx.get(), bytes.data(), bytes.size(), j) != bytes.size()) {
+      const std::vector<std::uint8_t>& bytes = hook ? prompts->hooked_state[j] : prompts->llama_state[j];
+      if (llama_state_seq_set_data(ctx, bytes.data(), bytes.size(), j) != bytes.size()) {
         fail(ErrorCode::internal, "llama_state_seq_set_data of sequence {} failed", j);
       }
       if (hook && !hook->load_sequence(j, prompts->library[j])) {
@@ -200,14 +220,14 @@ EvalResult eval_variant(const EvalSetup& s, const SavedPrompts* prompts, const E
       b.add(s.text[std::size_t{j} * s.tokens + s.prefill + t], llama_pos(s.prefill + t), llama_seq_id(j), true);
     }
     const auto t0 = std::chrono::steady_clock::now();
-    decode_or_throw(ctx.get(), b.batch, h);
+    decode_or_throw(ctx, b.batch, h);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (t > 0) {
       decode_s += seconds;
       timed_rows += s.parallel;
     }
     for (std::uint32_t j = 0; j < s.parallel; ++j) {
-      log_softmax(llama_get_logits_ith(ctx.get(), std::int32_t(j)), n_vocab, lp.data());
+      log_softmax(llama_get_logits_ith(ctx, std::int32_t(j)), n_vocab, lp.data());
       const llama_token next = s.text[std::size_t{j} * s.tokens + s.prefill + t + 1];
       nll -= lp[std::size_t(next)];
       const std::size_t at = (std::size_t{t} * s.parallel + j) * n_vocab;
@@ -230,6 +250,7 @@ EvalResult eval_variant(const EvalSetup& s, const SavedPrompts* prompts, const E
   r.top1_agreement = reference != nullptr ? double(agree) / n : 1.0;
   r.tokens_per_s = decode_s > 0 ? double(timed_rows) / decode_s : 0.0;
   r.hook_rows = hook ? hook->decode_rows() : 0;
+  r.hook_prompt_rows = hook ? hook->prompt_rows() : 0;
   return r;
 }
 

@@ -3,9 +3,10 @@
 // sparsekv hook: what `sparsekv-llama eval` reports and the integration test
 // checks. Every variant gets a fresh llama_context of the same parameters;
 // the prompt (the text's first `prefill` tokens of each sequence) is
-// llama.cpp's own attention in every variant, either prefilled in that
-// context or prefilled once and loaded (SavedPrompts: the same cache bytes,
-// one prefill for a run of many variants); the `tokens` decode steps after it
+// prefilled in that context (llama.cpp's attention with the hook off, the
+// library's prompt attention through it) or prefilled once per kind and
+// loaded (SavedPrompts: the same bytes, one prefill for a run of many
+// variants); the `tokens` decode steps after it
 // are one llama_decode each (one row per sequence), and each step's
 // next-token distribution is compared with the hook-off run's.
 #include <cstdint>
@@ -49,7 +50,8 @@ struct EvalResult {
   double kld_mean = 0;            // mean KL(llama's own || this) per step and sequence; 0 for the reference
   double top1_agreement = 1;      // share of steps whose argmax is llama's own
   double tokens_per_s = 0;        // decode rows / llama_decode time, steps 2..tokens (the first indexes the prompt)
-  std::uint64_t hook_rows = 0;    // decode rows the library attended
+  std::uint64_t hook_rows = 0;    // decode rows the library attended in a sparse decode step (over the hooked layers)
+  std::uint64_t hook_prompt_rows = 0;  // prompt rows the library attended (over the hooked layers)
 };
 
 // ggml's CPU thread pool attached to a context for the pool's life, as
@@ -67,12 +69,15 @@ class AttachedThreadpool {
   ggml_threadpool* pool_;
 };
 
-// Every sequence's prompt, prefilled once through the hook: llama.cpp's state
-// of each sequence (llama_state_seq_get_data) and the library's copy of its
-// K/V (Hook::save_sequence), to be loaded into each variant's context.
+// Every sequence's prompt, prefilled once with the hook off and once through
+// it: llama.cpp's state of each sequence (llama_state_seq_get_data: every
+// layer with the hook off, the layers it does not serve through it) and the
+// library's K/V of the served ones (Hook::save_sequence), to be loaded into
+// each variant's context.
 struct SavedPrompts {
-  std::vector<std::vector<std::uint8_t>> llama_state;  // [sequence]
-  std::vector<SequenceSnapshot> library;               // [sequence]
+  std::vector<std::vector<std::uint8_t>> llama_state;   // [sequence], the hook off
+  std::vector<std::vector<std::uint8_t>> hooked_state;  // [sequence], through the hook
+  std::vector<SequenceSnapshot> library;                // [sequence]
 };
 SavedPrompts prefill_prompts(const EvalSetup& setup);
 

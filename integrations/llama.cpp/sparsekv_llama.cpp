@@ -62,15 +62,25 @@ struct Hook::State {
   std::uint32_t max_tokens = 0;
   ErrorSlot failure;
   SpinBarrier barrier;
-  std::atomic<bool> stepping{false};  // this attend op's rows go through a library step
+  std::atomic<bool> stepping{false};  // this op's decode rows go through a library step
   HostStep<AnyPolicy>* step = nullptr;
-  std::uint64_t rows = 0;
+  PromptAttention prompts;            // this op's prompt rows
+  std::vector<PromptChunk> chunks;
+  std::uint64_t decode_count = 0, prompt_count = 0, extend_count = 0;
   // The op's tensors in the model dtype, its batch, and where each batch row came from.
   std::vector<std::byte> q, k, v;
   std::vector<float> out;
   std::vector<RequestId> batch;
   std::vector<std::int32_t> batch_rows;
-  std::vector<float> gathered;  // rows gathered before narrow_rows, or a one-token prompt's V
+  std::vector<float> gathered;  // rows gathered before narrow_rows
+  // A sequence's prompt rows of this op: staged first, attended once every run is staged.
+  struct PromptRows {
+    RequestId request;
+    std::int32_t row;
+    std::uint32_t rows;
+  };
+  std::vector<PromptRows> prompt_runs;
+  std::vector<llama_seq_id> seen;  // the sequences of this op, each in one run of adjacent rows
 
   std::uint32_t layer_of(std::int32_t il) const {
     const auto it = std::find(layers.begin(), layers.end(), il);
@@ -188,56 +198,59 @@ struct Hook::State {
     }
   }
 
-  // ---- The prompt side: a ubatch llama.cpp attends itself -----------------
-  void take_kv(const llama_attn_hook_call& c) {
+  // ---- One op: every row of a hooked layer's ubatch ------------------------
+  // Thread 0: checks the rows, stages the prompt rows, runs the multi-token
+  // continuations and begins the decode step; the threads then share Select,
+  // Attend and the prompt attention. Rows of one sequence come as one run of
+  // adjacent rows at consecutive positions:
+  //  - a run of a sequence whose layer is not prefilled, except one row past
+  //    position 0 after it: prompt rows, staged and attended causally;
+  //  - one row otherwise: a row of the decode step (the first one indexes the
+  //    staged prompt);
+  //  - several rows of a prefilled sequence: decode steps of it (extend).
+  void begin(const llama_attn_hook_call& c, std::int32_t nth) {
     RuntimeManager& m = ensure_manager(c);
     const std::uint32_t layer = layer_of(c.il);
     const std::size_t qd = std::size_t(c.n_head) * c.n_embd_head, kvd = std::size_t(c.n_head_kv) * c.n_embd_head;
-    // Runs of rows of one sequence at consecutive positions go in one call.
+    batch.clear();
+    batch_rows.clear();
+    prompt_runs.clear();
+    chunks.clear();
+    seen.clear();
     for (std::int32_t i = 0; i < c.n_tokens;) {
       std::int32_t end = i + 1;
       while (end < c.n_tokens && c.seq[end] == c.seq[i] && c.pos[end] == c.pos[end - 1] + 1) ++end;
+      if (std::find(seen.begin(), seen.end(), c.seq[i]) != seen.end()) {
+        fail(ErrorCode::invalid_argument,
+             "layer {} row {}: the rows of sequence {} are not adjacent at consecutive positions in the ubatch",
+             c.il, i, c.seq[i]);
+      }
+      seen.push_back(c.seq[i]);
       const RequestId id = request_of(c, i, layer);
       const auto n = static_cast<std::uint32_t>(end - i);
-      narrow(c.k + i * kvd, n * kvd, k);
-      narrow(c.v + i * kvd, n * kvd, v);
-      if (!m.prefilled(id, layer)) {
+      if (!m.prefilled(id, layer) && (n > 1 || c.pos[i] == 0)) {
+        narrow(c.k + i * kvd, n * kvd, k);
+        narrow(c.v + i * kvd, n * kvd, v);
         m.prefill_chunk(id, layer, k.data(), v.data(), n);
+        prompt_runs.push_back({id, i, n});
+      } else if (n == 1) {
+        batch.push_back(id);
+        batch_rows.push_back(i);
       } else {
         narrow(c.q + i * qd, n * qd, q);
-        m.extend(id, layer, q.data(), k.data(), v.data(), n);
+        narrow(c.k + i * kvd, n * kvd, k);
+        narrow(c.v + i * kvd, n * kvd, v);
+        m.extend(id, layer, q.data(), k.data(), v.data(), n, c.out + i * qd);
+        extend_count += n;
       }
       i = end;
     }
-  }
-
-  // ---- The decode side: one library step, its phases on ggml's threads -----
-  // Thread 0: checks the rows and begins the step. A row at position 0 (a
-  // one-token prompt) attends only itself: its output is its own V, and the
-  // token is staged as the sequence's prompt.
-  void begin_attend(const llama_attn_hook_call& c) {
-    RuntimeManager& m = ensure_manager(c);
-    const std::uint32_t layer = layer_of(c.il);
-    const std::size_t d = c.n_embd_head, qd = c.n_head * d, kvd = c.n_head_kv * d;
-    const std::uint32_t group = std::uint32_t(c.n_head / c.n_head_kv);
-    batch.clear();
-    batch_rows.clear();
-    for (std::int32_t i = 0; i < c.n_tokens; ++i) {
-      const RequestId id = request_of(c, i, layer);
-      if (c.pos[i] != 0) {
-        batch.push_back(id);
-        batch_rows.push_back(i);
-        continue;
-      }
-      narrow(c.k + i * kvd, kvd, k);
-      narrow(c.v + i * kvd, kvd, v);
-      m.prefill_chunk(id, layer, k.data(), v.data(), 1);
-      gathered.resize(kvd);
-      widen_to_float(v.data(), options.dtype, kvd, gathered.data());
-      for (std::int32_t h = 0; h < c.n_head; ++h) {
-        std::copy_n(gathered.data() + (h / group) * d, d, c.out + i * qd + h * d);
-      }
+    // The staged prompts are in place: each run's chunk reads them.
+    for (const PromptRows& r : prompt_runs) {
+      chunks.push_back(m.prompt_chunk(r.request, layer, c.q + r.row * qd, r.rows, c.out + r.row * qd));
+      prompt_count += r.rows;
     }
+    if (!chunks.empty()) prompts.plan(m.prompt_attention_shape(), chunks, std::size_t(nth));
     if (batch.empty()) return;
     narrow_rows(c.q, qd, q);
     narrow_rows(c.k, kvd, k);
@@ -246,11 +259,11 @@ struct Hook::State {
     step = &m.begin_decode(batch, layer, q.data(), k.data(), v.data(), out.data());
     stepping.store(true, std::memory_order_relaxed);
   }
-  void finish_attend(const llama_attn_hook_call& c) {
+  void finish(const llama_attn_hook_call& c) {
     step->finish();
     const std::size_t qd = std::size_t(c.n_head) * c.n_embd_head;
     for (std::size_t b = 0; b < batch.size(); ++b) std::copy_n(out.data() + b * qd, qd, c.out + batch_rows[b] * qd);
-    rows += batch.size();
+    decode_count += batch.size();
   }
 };
 
@@ -258,27 +271,19 @@ namespace {
 
 Hook::State& state_of(void* user) { return *static_cast<Hook::State*>(user); }
 
+// Asked for every layer that is not sliding-window while the context is made,
+// and again at each graph build: the hook serves them all.
 bool hook_layer(void* user, std::int32_t il) {
   Hook::State& s = state_of(user);
-  if (std::find(s.layers.begin(), s.layers.end(), il) != s.layers.end()) return true;
-  if (s.manager) return false;  // the library's layers are fixed once it is made: llama.cpp attends this one
-  s.layers.push_back(il);
+  if (std::find(s.layers.begin(), s.layers.end(), il) == s.layers.end()) {
+    s.layers.insert(std::upper_bound(s.layers.begin(), s.layers.end(), il), il);
+  }
   return true;
 }
 
-void hook_kv(void* user, const llama_attn_hook_call* call, std::int32_t ith, std::int32_t) {
-  Hook::State& s = state_of(user);
-  if (ith != 0 || s.failure.failed()) return;
-  try {
-    s.take_kv(*call);
-  } catch (...) {
-    s.failure.capture();
-    s.mark_broken(*call);
-  }
-}
-
-// Every thread runs it: begin (thread 0) | select (all) | commit (0) | attend (all) | finish (0).
-// A failure stops the phases after it; the abort callback then stops the graph.
+// Every thread runs it: begin (thread 0) | select (all) | commit (0) | attend
+// and prompt attention (all) | finish (0). A failure stops the phases after
+// it; the abort callback then stops the graph.
 void hook_attend(void* user, const llama_attn_hook_call* call, std::int32_t ith, std::int32_t nth) {
   Hook::State& s = state_of(user);
   const auto serial = [&](auto&& work) {
@@ -294,18 +299,23 @@ void hook_attend(void* user, const llama_attn_hook_call* call, std::int32_t ith,
   };
   serial([&] {
     s.stepping.store(false, std::memory_order_relaxed);
-    s.begin_attend(*call);
+    s.begin(*call, nth);
   });
-  if (!s.stepping.load(std::memory_order_relaxed) || s.failure.failed()) return;
-  s.step->select(std::size_t(ith), std::size_t(nth));
-  s.barrier.wait(nth);
-  serial([&] { s.step->commit(); });
   if (s.failure.failed()) return;
-  s.step->attend(std::size_t(ith), std::size_t(nth));
+  const bool stepping = s.stepping.load(std::memory_order_relaxed);
+  if (stepping) {
+    s.step->select(std::size_t(ith), std::size_t(nth));
+    s.barrier.wait(nth);
+    serial([&] { s.step->commit(); });
+    if (s.failure.failed()) return;
+    s.step->attend(std::size_t(ith), std::size_t(nth));
+  }
+  if (!s.chunks.empty()) s.prompts.run(std::size_t(ith), std::size_t(nth));
+  if (!stepping) return;
   s.barrier.wait(nth);
   if (ith == 0) {
     try {
-      s.finish_attend(*call);
+      s.finish(*call);
     } catch (...) {
       s.failure.capture();
       s.mark_broken(*call);
@@ -317,23 +327,28 @@ bool hook_abort(void* user) { return state_of(user).failure.failed(); }
 
 }  // namespace
 
-Hook::Hook(llama_context* ctx, const HookOptions& options) : state_(std::make_unique<State>()) {
-  if (ctx == nullptr) fail(ErrorCode::invalid_argument, "Hook: llama_context must not be null");
-  make_policy(options.policy, options.budget_tokens);  // throws on an unknown policy before anything is set
+Hook::Hook(llama_model* model, const llama_context_params& params, const HookOptions& options)
+    : state_(std::make_unique<State>()) {
+  if (model == nullptr) fail(ErrorCode::invalid_argument, "Hook: llama_model must not be null");
+  make_policy(options.policy, options.budget_tokens);  // throws on an unknown policy before anything is made
   if (options.page_tokens == 0 || (options.page_tokens & (options.page_tokens - 1)) != 0) {
     fail(ErrorCode::invalid_argument, "Hook: page_tokens ({}) must be a power of two", options.page_tokens);
   }
-  state_->ctx = ctx;
   state_->options = options;
-  const llama_attn_hook hook{state_.get(), hook_layer, hook_kv, hook_attend};
-  llama_set_attn_hook(ctx, &hook);
+  const llama_attn_hook hook{state_.get(), hook_layer, hook_attend};
+  llama_context* ctx = llama_init_from_model_with_attn_hook(model, params, &hook);
+  if (ctx == nullptr) {
+    fail(ErrorCode::unavailable,
+         "Hook: llama.cpp made no context with the attention hook (a model whose memory is not a plain or "
+         "sliding-window KV cache? its log says why)");
+  }
+  state_->ctx = ctx;
   llama_set_abort_callback(ctx, hook_abort, state_.get());
 }
 
-Hook::~Hook() {
-  llama_set_attn_hook(state_->ctx, nullptr);
-  llama_set_abort_callback(state_->ctx, nullptr, nullptr);
-}
+Hook::~Hook() { llama_free(state_->ctx); }
+
+llama_context* Hook::context() const noexcept { return state_->ctx; }
 
 bool Hook::seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
   State& s = *state_;
@@ -559,7 +574,9 @@ std::optional<ErrorRecord> Hook::failure() const { return state_->failure.error(
 void Hook::clear_failure() { state_->failure.clear(); }
 
 StepStats Hook::stats() const { return state_->manager ? state_->manager->stats() : StepStats{}; }
-std::uint64_t Hook::decode_rows() const { return state_->rows; }
+std::uint64_t Hook::decode_rows() const { return state_->decode_count; }
+std::uint64_t Hook::prompt_rows() const { return state_->prompt_count; }
+std::uint64_t Hook::extend_rows() const { return state_->extend_count; }
 std::vector<std::int32_t> Hook::hooked_layers() const { return state_->layers; }
 std::uint32_t Hook::tokens(llama_seq_id seq) const {
   const auto it = state_->sequences.find(seq);

@@ -1,26 +1,31 @@
 #pragma once
-// sparsekv inside llama.cpp: the decode attention of a llama_context served by
-// a sparsekv Manager, on ggml's own threads (docs/llama-cpp.md). Needs the
-// patched llama.cpp (attn-hook.patch: llama_set_attn_hook in llama-ext.h).
+// sparsekv inside llama.cpp: the attention and the K/V of a llama_context's
+// global layers served by a sparsekv Manager, on ggml's own threads
+// (docs/llama-cpp.md). Needs the patched llama.cpp (attn-hook.patch:
+// llama_init_from_model_with_attn_hook in llama-ext.h).
 //
-// What it does, per hooked layer (every layer that is not sliding-window):
-//  - a ubatch llama.cpp attends itself (a prompt chunk, a new turn) hands its
-//    post-RoPE K/V over: a sequence's prompt is staged chunk by chunk
-//    (Manager::prefill_chunk) and indexed whole at its first decode; a
-//    sequence that has decoded grows by Manager::extend;
-//  - a decode-shaped ubatch (one token per sequence) is one decode step of the
-//    library, its rows the batch: Select and Attend split over ggml's threads
-//    (the op's (ith, nth)), the output replacing llama.cpp's attention.
-// llama.cpp keeps its own KV cache as it is: its attention still serves the
-// ubatches it attends itself.
+// The Hook makes the context: llama.cpp's KV cache leaves every layer the hook
+// serves (every layer that is not sliding-window) out, so the library's CPU
+// tier is the only copy of their K/V. Each ubatch's rows of a served layer:
+//  - a sequence's prompt rows (any number of them, one chunk at a time) are
+//    staged (Manager::prefill_chunk) and attended by the library's causal
+//    prompt attention (PromptAttention) over the staged prompt; the prompt is
+//    indexed whole at the sequence's first decode;
+//  - a sequence's one next token after its prompt is a row of one library
+//    decode step, whose rows are every such row of the ubatch (Select and
+//    Attend split over ggml's threads with the op's (ith, nth));
+//  - several tokens of a sequence that has decoded (a new chat turn, a draft)
+//    are as many decode steps of that sequence (Manager::extend).
+// A ubatch mixing them (one sequence's prompt beside others' decode tokens, as
+// continuous batching makes) is served row by row in one node.
 //
 // What the library cannot follow is refused, never silently wrong: a row whose
 // position is not its sequence's next token (context shift, seq_add/seq_div,
 // a state load without load_sequence, a partial removal made behind the
-// hook's back), a token in several sequences, a layer with attention sinks or
-// a bias, a layer shaped differently from the first hooked one. (A quantized
-// cache is served: the hook receives llama.cpp's f32 rows, so the library's
-// copy is exact.) A refusal inside llama_decode stops the graph
+// hook's back), a token in several sequences, rows of one sequence not
+// adjacent in a ubatch, a layer with attention sinks or a bias, a layer
+// shaped differently from the first hooked one. (A quantized
+// cache type is no matter: the hook receives llama.cpp's f32 rows.) A refusal inside llama_decode stops the graph
 // (the hook owns the context's abort callback): llama_decode returns 2 and
 // failure() says why. The sequences of a failed ubatch are then refused until
 // they restart at position 0 (after a whole removal).
@@ -58,12 +63,15 @@ struct HookOptions {
 
 class Hook {
  public:
-  // Installs the hook and the abort callback on ctx, which must outlive the
-  // Hook. Throws sparsekv::Error: invalid_argument (an unknown policy, a bad
-  // budget or page size).
-  Hook(llama_context* ctx, const HookOptions& options);
-  // Clears the hook and the abort callback: later graphs are llama.cpp's own.
+  // Makes the llama_context of `model` with `params`, its global layers served
+  // by the library, and owns it. Throws sparsekv::Error: invalid_argument (an
+  // unknown policy, a bad budget or page size), unavailable (llama.cpp made no
+  // context: a model whose memory is not a plain or sliding-window KV cache,
+  // or what its log says).
+  Hook(llama_model* model, const llama_context_params& params, const HookOptions& options);
+  // Frees the context.
   ~Hook();
+  llama_context* context() const noexcept;
   Hook(const Hook&) = delete;
   Hook& operator=(const Hook&) = delete;
 
@@ -112,9 +120,12 @@ class Hook {
   void clear_failure();
 
   // The library's figures since the first decode: hits, pages moved, time per
-  // operation (StepStats), and the decode rows and hooked layers served.
+  // operation (StepStats), and the rows and hooked layers served: rows summed
+  // over the hooked layers, by the way they were attended.
   StepStats stats() const;
-  std::uint64_t decode_rows() const;
+  std::uint64_t decode_rows() const;   // a sparse decode step's rows
+  std::uint64_t prompt_rows() const;   // prompt attention
+  std::uint64_t extend_rows() const;   // decode steps of several tokens of a sequence (Manager::extend)
   std::vector<std::int32_t> hooked_layers() const;
   // Tokens the library holds for `seq` in its first hooked layer (staged
   // prompt included); 0 for an unknown sequence.

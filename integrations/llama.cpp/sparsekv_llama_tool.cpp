@@ -2,8 +2,10 @@
 // (docs/llama-cpp.md). Written against llama.h and the hook alone.
 //
 //   sparsekv-llama generate --model F (--prompt TEXT | --prompt-file F) [--tokens N] [--policy P]
-//                           [--budget B] [--threads T] [--hook on|off] [--ctx N]
-//       greedy decoding: prints the text and the decode rate.
+//                           [--budget B] [--threads T] [--hook on|off] [--ctx N] [--flash-attn on|off]
+//                           [--json FILE]
+//       greedy decoding: prints the text; on stderr the prompt rate, the first decode step (which indexes
+//       the prompt through the hook), the decode rate over the steps after it, and the process's peak RSS.
 //   sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]
 //                       [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32] [--json FILE]
 //                       [--shared-prefill on|off] [--yardstick on|off]
@@ -12,6 +14,8 @@
 //       The prompt is prefilled once and loaded into every variant's context (Hook::save_sequence /
 //       load_sequence beside llama.cpp's state), unless --shared-prefill off. --yardstick on adds llama.cpp
 //       alone with flash attention flipped: how far llama.cpp's own two attentions are apart.
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -36,7 +40,8 @@ using namespace sparsekv::llama_cpp;
 
 constexpr const char* kUsage =
     "usage: sparsekv-llama generate --model F (--prompt TEXT | --prompt-file F) [--tokens N] [--policy P]\n"
-    "                               [--budget B] [--threads T] [--hook on|off] [--ctx N]\n"
+    "                               [--budget B] [--threads T] [--hook on|off] [--ctx N] [--flash-attn on|off]\n"
+    "                               [--json FILE]\n"
     "       sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]\n"
     "                           [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32]\n"
     "                           [--json FILE] [--shared-prefill on|off] [--yardstick on|off]\n";
@@ -80,16 +85,22 @@ int generate(const tools::CommandLine& cli) {
   params.n_batch = 512;
   params.n_ubatch = 512;
   params.n_threads = params.n_threads_batch = cli.number<std::int32_t>("--threads", 2);
-  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+  const bool flash_attn = on_off(cli, "--flash-attn", true);
+  params.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
   params.no_perf = true;
-  const std::unique_ptr<llama_context, ContextDeleter> ctx(llama_init_from_model(model.get(), params));
-  if (!ctx) fail(ErrorCode::internal, "llama_init_from_model failed");
-  const AttachedThreadpool pool(ctx.get(), params.n_threads);
-  std::optional<Hook> hook;
   HookOptions options;
   options.policy = cli.text("--policy", "quest");
   options.budget_tokens = cli.number<std::uint32_t>("--budget", 1024);
-  if (hooked) hook.emplace(ctx.get(), options);
+  std::unique_ptr<llama_context, ContextDeleter> own;
+  std::optional<Hook> hook;
+  if (hooked) {
+    hook.emplace(model.get(), params, options);
+  } else {
+    own.reset(llama_init_from_model(model.get(), params));
+    if (!own) fail(ErrorCode::internal, "llama_init_from_model failed");
+  }
+  llama_context* const ctx = hook ? hook->context() : own.get();
+  const AttachedThreadpool pool(ctx, params.n_threads);
   const auto check = [&](std::int32_t rc) {
     if (rc == 0) return;
     if (hook && hook->failure()) fail(hook->failure()->code, "llama_decode: {}", hook->failure()->message);
@@ -101,14 +112,16 @@ int generate(const tools::CommandLine& cli) {
   const auto t0 = std::chrono::steady_clock::now();
   for (std::size_t at = 0; at < tokens.size(); at += params.n_batch) {
     const auto n = std::int32_t(std::min<std::size_t>(params.n_batch, tokens.size() - at));
-    check(llama_decode(ctx.get(), llama_batch_get_one(tokens.data() + at, n)));
+    check(llama_decode(ctx, llama_batch_get_one(tokens.data() + at, n)));
   }
   const auto t1 = std::chrono::steady_clock::now();
   const llama_vocab* vocab = llama_model_get_vocab(model.get());
   const std::int32_t n_vocab = llama_vocab_n_tokens(vocab);
   std::uint32_t produced = 0;
+  auto first_step_end = t1;
   for (; produced < new_tokens; ++produced) {
-    const float* logits = llama_get_logits_ith(ctx.get(), -1);
+    if (produced == 1) first_step_end = std::chrono::steady_clock::now();
+    const float* logits = llama_get_logits_ith(ctx, -1);
     llama_token next = 0;
     for (llama_token i = 1; i < n_vocab; ++i) next = logits[i] > logits[next] ? i : next;
     if (llama_vocab_is_eog(vocab, next)) break;
@@ -116,14 +129,34 @@ int generate(const tools::CommandLine& cli) {
     const std::int32_t len = llama_token_to_piece(vocab, next, piece, sizeof piece, 0, false);
     if (len > 0) std::fwrite(piece, 1, std::size_t(len), stdout);
     std::fflush(stdout);
-    check(llama_decode(ctx.get(), llama_batch_get_one(&next, 1)));
+    check(llama_decode(ctx, llama_batch_get_one(&next, 1)));
   }
   const auto t2 = std::chrono::steady_clock::now();
+  // The first step (the llama_decode after the prompt's last logits) also
+  // indexes the prompt through the hook: timed apart from the steps after it.
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
-  const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+  const double first_s = std::chrono::duration<double>(first_step_end - t1).count();
+  const double decode_s = std::chrono::duration<double>(t2 - first_step_end).count();
+  const double decode_rate = produced > 1 ? (produced - 1) / decode_s : 0.0;
   fmt::print("\n");
-  fmt::print(stderr, "sparsekv-llama: prompt {:.1f} tokens/s, decode {} tokens at {:.1f} tokens/s\n",
-             double(tokens.size()) / prefill_s, produced, produced > 0 ? produced / decode_s : 0.0);
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const double peak_mib = double(usage.ru_maxrss) / 1024.0;
+  fmt::print(stderr,
+             "sparsekv-llama: prompt {:.1f} tokens/s, first decode step {:.1f} ms, then {} tokens at {:.1f} "
+             "tokens/s, peak RSS {:.0f} MiB\n",
+             double(tokens.size()) / prefill_s, first_s * 1e3, produced > 0 ? produced - 1 : 0, decode_rate,
+             peak_mib);
+  if (cli.has("--json")) {
+    std::ofstream out(cli.text("--json", ""));
+    out << fmt::format(
+        "{{\"prompt_tokens\": {}, \"hook\": {}, \"policy\": \"{}\", \"budget_tokens\": {}, \"flash_attn\": {}, "
+        "\"threads\": {}, \"n_ctx\": {}, \"prompt_s\": {:.4f}, \"first_step_s\": {:.4f}, \"decode_tokens\": {}, "
+        "\"decode_tokens_per_s\": {:.3f}, \"peak_rss_mib\": {:.1f}}}\n",
+        tokens.size(), hooked, hooked ? options.policy : std::string("llama"), hooked ? options.budget_tokens : 0,
+        flash_attn, params.n_threads, params.n_ctx, prefill_s, first_s, produced > 0 ? produced - 1 : 0,
+        decode_rate, peak_mib);
+  }
   return 0;
 }
 

@@ -1,9 +1,13 @@
 // sparsekv inside llama.cpp (integrations/llama.cpp), on SmolLM2-135M at a 1K
-// context: Dense through the hook decodes as llama.cpp alone does, a sparse
-// policy runs, two sequences decode at once, four sequences finishing and
-// starting lose nothing (the library's CPU tier against llama.cpp's own
-// cache), a saved sequence loads back exactly, and what the library cannot
-// follow is refused with its error -- never a silent desynchronisation.
+// context: the library attends prompts and decode tokens as llama.cpp does,
+// layer by layer; Dense through the hook decodes as llama.cpp alone does, a
+// sparse policy runs, two sequences decode at once; llama.cpp's cache holds
+// none of the served layers; four sequences finishing and starting, prompts
+// in the same ubatches as other sequences' decode tokens, lose nothing (the
+// library's CPU tier against the K/V the model produced) and decode as the
+// same requests one at a time; a saved sequence loads back exactly; and what
+// the library cannot follow is refused with its error -- never a silent
+// desynchronisation.
 // [model-file]: skipped (ctest, exit 77) without the model scripts/setup fetches.
 #include <cmath>
 #include <cstdlib>
@@ -11,6 +15,7 @@
 #include <fstream>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -93,15 +98,18 @@ HookOptions options_for(const char* policy, std::uint32_t budget) {
   return options;
 }
 
+// A context the hook makes and serves, 1024 tokens a sequence.
 struct Context {
+  Hook hook;
   llama_context* ctx = nullptr;
-  explicit Context(std::uint32_t sequences) {
+  Context(std::uint32_t sequences, const HookOptions& options, bool unified = false)
+      : hook(model().model, params(sequences, unified), options), ctx(hook.context()) {}
+  static llama_context_params params(std::uint32_t sequences, bool unified) {
     llama_context_params p = context_params(sequences, 1024);
     p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
-    ctx = llama_init_from_model(model().model, p);
-    REQUIRE(ctx != nullptr);
+    p.kv_unified = unified;
+    return p;
   }
-  ~Context() { llama_free(ctx); }
   // Decodes tokens [from, to) of `t` into sequence `seq` at positions first..; returns llama_decode's code.
   std::int32_t decode(const std::vector<llama_token>& t, std::size_t from, std::size_t to, llama_pos first,
                       llama_seq_id seq = 0) {
@@ -122,16 +130,17 @@ struct Context {
 
 }  // namespace
 
-// Each decode step's q/K/V and attention output of every layer, by the names
-// llama.cpp's graph gives them (the hook's output is attn_hook_out-<il>).
+// Each ubatch's q/K/V and attention output of every layer, by the names
+// llama.cpp's graph gives them (the hook's output is attn_hook_out-<il>): the
+// prompts (steps -1 and below, one per sequence), then the decode steps.
 struct Capture {
-  int step = -1;
+  int step = -100;
   std::map<std::string, std::vector<float>> tensors;  // "step:name-il"
 };
 bool capture(ggml_tensor* t, bool ask, void* user) {
   auto& c = *static_cast<Capture*>(user);
   std::string name = t->name;
-  const bool wanted = c.step >= 0 && t->type == GGML_TYPE_F32 &&
+  const bool wanted = c.step > -100 && t->type == GGML_TYPE_F32 &&
                       (name.starts_with("Qcur-") || name.starts_with("Kcur-") || name.starts_with("Vcur-") ||
                        name.starts_with("kqv_out-") || name.starts_with("attn_hook_out-"));
   if (ask || !wanted) return wanted || ask ? wanted : true;
@@ -142,14 +151,16 @@ bool capture(ggml_tensor* t, bool ask, void* user) {
   return true;
 }
 
-TEST_CASE("llama.cpp hook: Dense through the hook computes llama.cpp's attention, layer by layer",
+TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.cpp's, layer by layer",
           "[model-file][llama-hook]") {
   // f32 K/V in llama.cpp's cache and in the library, llama.cpp's attention
   // without flash attention: the two differ by summation order alone. SmolLM2's
   // Q4_1 matrix products round their input rows to 8 bits, so a last-bit
   // difference now and then moves a row to the next step and the runs part
   // after a few layers; wherever a layer's q/K/V history is still the same in
-  // both runs, its attention must agree.
+  // both runs (its prompt's and every step's so far), its attention -- the
+  // prompt attention over a 300-token prompt, then each decode step's --
+  // must agree.
   const std::vector<llama_token> t = text();
   for (const std::uint32_t sequences : {1u, 2u}) {
     CAPTURE(sequences);
@@ -160,15 +171,16 @@ TEST_CASE("llama.cpp hook: Dense through the hook computes llama.cpp's attention
       p.type_k = p.type_v = GGML_TYPE_F32;
       p.cb_eval = capture;
       p.cb_eval_user_data = &runs[hooked];
-      llama_context* ctx = llama_init_from_model(model().model, p);
-      REQUIRE(ctx != nullptr);
       std::optional<Hook> hook;
       HookOptions options;
       options.policy = "dense";
       options.dtype = DType::f32;
-      if (hooked == 1) hook.emplace(ctx, options);
+      if (hooked == 1) hook.emplace(model().model, p, options);
+      llama_context* ctx = hook ? hook->context() : llama_init_from_model(model().model, p);
+      REQUIRE(ctx != nullptr);
       llama_batch b = llama_batch_init(512, 0, 1);
       for (std::uint32_t s = 0; s < sequences; ++s) {
+        runs[hooked].step = -1 - int(s);
         b.n_tokens = 0;
         for (std::int32_t i = 0; i < 300; ++i) {
           b.token[i] = t[s * 40 + std::size_t(i)];
@@ -194,14 +206,18 @@ TEST_CASE("llama.cpp hook: Dense through the hook computes llama.cpp's attention
         REQUIRE(llama_decode(ctx, b) == 0);
       }
       llama_batch_free(b);
-      if (hook) REQUIRE(hook->decode_rows() == 8 * sequences * 30);
-      hook.reset();
-      llama_free(ctx);
+      if (hook) {
+        REQUIRE(hook->decode_rows() == 8 * sequences * 30);
+        REQUIRE(hook->prompt_rows() == 300 * sequences * 30);
+        hook.reset();
+      } else {
+        llama_free(ctx);
+      }
     }
-    std::uint32_t compared = 0;
+    std::uint32_t compared = 0, prompts = 0;
     double worst = 0;
     for (int il = 0; il < 30; ++il) {
-      for (int step = 0; step < 8; ++step) {
+      for (int step = -int(sequences); step < 8; ++step) {
         const auto key = [&](const char* name) { return std::to_string(step) + ":" + name + "-" + std::to_string(il); };
         bool same_inputs = true;
         for (const char* name : {"Qcur", "Kcur", "Vcur"}) {
@@ -209,6 +225,7 @@ TEST_CASE("llama.cpp hook: Dense through the hook computes llama.cpp's attention
           same_inputs = same_inputs && runs[0].tensors[key(name)] == runs[1].tensors[key(name)];
         }
         if (!same_inputs) break;  // this layer's K/V history differs from here on
+        prompts += step < 0;
         const std::vector<float>& own = runs[0].tensors[key("kqv_out")];
         const std::vector<float>& hooked = runs[1].tensors[key("kqv_out")];
         REQUIRE(own.size() == hooked.size());
@@ -218,10 +235,74 @@ TEST_CASE("llama.cpp hook: Dense through the hook computes llama.cpp's attention
         ++compared;
       }
     }
-    WARN(sequences << " sequences: " << compared << " of 240 (layer, step) attentions had the same inputs; worst "
-                   << "relative difference " << worst);
-    CHECK(compared >= 30);  // a decode step's worth of layers at least
+    WARN(sequences << " sequences: " << compared << " (layer, ubatch) attentions had the same inputs, " << prompts
+                   << " of them prompts; worst relative difference " << worst);
+    // The first layer's whole history at least: its prompts' inputs depend on
+    // the tokens alone. From the second layer on, the prompt attention's
+    // last-bit differences reach the prompt's K/V and the histories part.
+    CHECK(prompts >= sequences);
+    CHECK(compared >= sequences + 8);
     CHECK(worst <= 1e-5);
+
+    // Every layer of the hooked run against exact attention (double) over
+    // that run's own q/K/V: each prompt row over its prompt up to itself,
+    // each decode row over its sequence's prompt and steps so far.
+    double worst_exact = 0;
+    std::uint32_t rows_checked = 0;
+    Capture& hooked_run = runs[1];
+    for (int il = 0; il < 30; ++il) {
+      const auto get = [&](int step, const char* name) -> const std::vector<float>& {
+        const std::string key = std::to_string(step) + ":" + name + "-" + std::to_string(il);
+        REQUIRE(hooked_run.tensors.contains(key));
+        return hooked_run.tensors[key];
+      };
+      for (std::uint32_t s = 0; s < sequences; ++s) {
+        std::vector<float> keys, values;  // [position][3 kv heads][64]
+        const auto attend = [&](const float* q, const float* out, std::size_t positions) {
+          float largest = 0;
+          for (int x = 0; x < 9 * 64; ++x) largest = std::max(largest, std::abs(out[x]));
+          for (int h = 0; h < 9; ++h) {
+            const int g = h / 3;
+            std::vector<double> w(positions);
+            double top = -1e300, sum = 0;
+            for (std::size_t p = 0; p < positions; ++p) {
+              double dot = 0;
+              for (int d = 0; d < 64; ++d) dot += double(q[h * 64 + d]) * keys[(p * 3 + g) * 64 + d];
+              w[p] = dot / 8.0;
+              top = std::max(top, w[p]);
+            }
+            for (double& x : w) sum += (x = std::exp(x - top));
+            for (int d = 0; d < 64; ++d) {
+              double acc = 0;
+              for (std::size_t p = 0; p < positions; ++p) acc += w[p] * values[(p * 3 + g) * 64 + d];
+              worst_exact = std::max(worst_exact, std::abs(acc / sum - out[h * 64 + d]) / largest);
+            }
+          }
+          ++rows_checked;
+        };
+        const int prompt_step = -1 - int(s);
+        const std::vector<float>& pq = get(prompt_step, "Qcur");
+        const std::vector<float>& pk = get(prompt_step, "Kcur");
+        const std::vector<float>& pv = get(prompt_step, "Vcur");
+        const std::vector<float>& po = get(prompt_step, "kqv_out");
+        for (std::size_t r = 0; r < 300; ++r) {
+          keys.insert(keys.end(), pk.begin() + std::ptrdiff_t(r * 192), pk.begin() + std::ptrdiff_t((r + 1) * 192));
+          values.insert(values.end(), pv.begin() + std::ptrdiff_t(r * 192), pv.begin() + std::ptrdiff_t((r + 1) * 192));
+          if (r % 7 == 0 || r + 1 == 300) attend(pq.data() + r * 576, po.data() + r * 576, r + 1);
+        }
+        for (int step = 0; step < 8; ++step) {
+          const std::vector<float>& k = get(step, "Kcur");
+          const std::vector<float>& v = get(step, "Vcur");
+          keys.insert(keys.end(), k.begin() + s * 192, k.begin() + (s + 1) * 192);
+          values.insert(values.end(), v.begin() + s * 192, v.begin() + (s + 1) * 192);
+          attend(get(step, "Qcur").data() + s * 576, get(step, "kqv_out").data() + s * 576, 300 + std::size_t(step) + 1);
+        }
+      }
+    }
+    WARN(sequences << " sequences: " << rows_checked << " rows of all 30 layers against exact attention, worst "
+                   << "relative difference " << worst_exact);
+    CHECK(rows_checked == 30 * sequences * (44 + 8));  // every 7th prompt row and the last, every step
+    CHECK(worst_exact <= 1e-5);
   }
 }
 
@@ -258,8 +339,8 @@ TEST_CASE("llama.cpp hook: Dense through the hook is as close to llama.cpp as it
 
 TEST_CASE("llama.cpp hook: what the library cannot follow is refused with its error", "[model-file][llama-hook]") {
   const std::vector<llama_token> t = text();
-  Context c(1);
-  Hook hook(c.ctx, options_for("quest", 256));
+  Context c(1, options_for("quest", 256));
+  Hook& hook = c.hook;
   REQUIRE(c.decode(t, 0, 300, 0) == 0);
   REQUIRE(c.decode(t, 300, 301, 300) == 0);
   REQUIRE(hook.tokens(0) == 301);
@@ -299,8 +380,8 @@ TEST_CASE("llama.cpp hook: a sequence cut back to its prompt's first tokens deco
           "[model-file][llama-hook]") {
   const std::vector<llama_token> t = text();
   const auto logits_after = [&](bool cut) {
-    Context c(1);
-    Hook hook(c.ctx, options_for("dense", 1024));
+    Context c(1, options_for("dense", 1024));
+    Hook& hook = c.hook;
     if (cut) {
       REQUIRE(c.decode(t, 0, 400, 0) == 0);  // the prompt, then keep its first 320 tokens
       const bool cut_ok = hook.seq_rm(0, 320, -1);
@@ -327,10 +408,9 @@ TEST_CASE("llama.cpp hook: a token in several sequences is refused", "[model-fil
   const std::vector<llama_token> t = text();
   llama_context_params p = context_params(2, 512);
   p.kv_unified = true;  // llama.cpp's own batches keep a token in several sequences only here
-  llama_context* ctx = llama_init_from_model(model().model, p);
-  REQUIRE(ctx != nullptr);
   {
-    Hook hook(ctx, HookOptions{});
+    Hook hook(model().model, p, HookOptions{});
+    llama_context* ctx = hook.context();
     llama_batch b = llama_batch_init(8, 0, 2);
     for (std::int32_t i = 0; i < 8; ++i) {
       b.token[i] = t[std::size_t(i)];
@@ -346,89 +426,58 @@ TEST_CASE("llama.cpp hook: a token in several sequences is refused", "[model-fil
     REQUIRE(hook.failure()->message.find("several sequences") != std::string::npos);
     llama_batch_free(b);
   }
-  llama_free(ctx);
 }
 
 namespace {
 
-// One sequence of llama.cpp's own KV cache, read from llama_state_seq_get_data
-// (llama_context::state_seq_get_data and llama_kv_cache::state_write in the
-// pinned llama.cpp): a magic number and the sequence id, then per stream a
-// cell count, each cell's position and sequences, then every layer's K rows
-// and every layer's V rows (flash attention on: V not transposed).
-struct CachedSequence {
-  std::vector<llama_pos> positions;          // per cell
-  std::vector<std::vector<std::byte>> k, v;  // [layer][cell][row bytes]
-  std::size_t row_bytes = 0;
+// The K/V the model produced for each (sequence, layer, position) of a hooked
+// context, by the names llama.cpp's graph gives them (Kcur-<il> after RoPE,
+// the last tensor of that name in a layer; Vcur-<il>), rounded to f16 as the
+// library stores them: what its CPU tier must hold. With one stream (a unified
+// cache) llama.cpp keeps a batch's rows in order, so row r is the batch's.
+struct ProducedKv {
+  std::vector<std::pair<llama_seq_id, llama_pos>> rows;  // the batch being decoded
+  std::map<std::tuple<llama_seq_id, int, llama_pos>, std::vector<ggml_fp16_t>> k, v;
 };
-CachedSequence cached_sequence(llama_context* ctx, llama_seq_id seq) {
-  std::vector<std::uint8_t> bytes(llama_state_seq_get_size(ctx, seq));
-  REQUIRE(llama_state_seq_get_data(ctx, bytes.data(), bytes.size(), seq) == bytes.size());
-  std::size_t at = 0;
-  const auto take = [&](void* to, std::size_t n) {
-    REQUIRE(at + n <= bytes.size());
-    std::memcpy(to, bytes.data() + at, n);
-    at += n;
-  };
-  const auto get = [&]<typename T>(T) {
-    T x;
-    take(&x, sizeof(T));
-    return x;
-  };
-  CachedSequence c;
-  REQUIRE(get(std::uint32_t{}) == 0xaf143cd8u);
-  REQUIRE(get(llama_seq_id{}) == seq);
-  const auto streams = get(std::uint32_t{});
-  for (std::uint32_t s = 0; s < streams; ++s) {
-    const auto cells = get(std::uint32_t{});
-    if (cells == 0) continue;
-    REQUIRE(c.positions.empty());  // one stream holds the sequence
-    for (std::uint32_t i = 0; i < cells; ++i) {
-      c.positions.push_back(get(llama_pos{}));
-      at += get(std::uint32_t{}) * sizeof(llama_seq_id);
-    }
-    REQUIRE(get(std::uint32_t{}) == 0);  // V not transposed
-    const auto layers = get(std::uint32_t{});
-    for (auto* rows : {&c.k, &c.v}) {
-      for (std::uint32_t l = 0; l < layers; ++l) {
-        REQUIRE(get(std::int32_t{}) == GGML_TYPE_F16);
-        c.row_bytes = get(std::uint64_t{});
-        rows->emplace_back(c.row_bytes * cells);
-        take(rows->back().data(), rows->back().size());
-      }
-    }
+bool capture_produced(ggml_tensor* t, bool ask, void* user) {
+  auto& kv = *static_cast<ProducedKv*>(user);
+  const std::string name = t->name;
+  const bool is_k = name.starts_with("Kcur-"), is_v = name.starts_with("Vcur-");
+  const bool wanted = (is_k || is_v) && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
+  if (ask) return wanted;
+  if (!wanted) return true;
+  const int il = std::stoi(name.substr(5));
+  const std::size_t n = kv.rows.size();
+  REQUIRE(std::size_t(ggml_nelements(t)) % n == 0);
+  const std::size_t width = std::size_t(ggml_nelements(t)) / n;
+  std::vector<float> data(n * width);
+  ggml_backend_tensor_get(t, data.data(), 0, data.size() * sizeof(float));
+  for (std::size_t r = 0; r < n; ++r) {
+    std::vector<ggml_fp16_t>& row = (is_k ? kv.k : kv.v)[{kv.rows[r].first, il, kv.rows[r].second}];
+    row.resize(width);
+    ggml_fp32_to_fp16_row(data.data() + r * width, row.data(), std::int64_t(width));
   }
-  REQUIRE(at == bytes.size());
-  return c;
+  return true;
 }
 
-// The library's copy of `seq` in the CPU tier against llama.cpp's cache: the
-// same positions, and every readable position's K and V rows equal, byte for
-// byte (both are llama.cpp's f32 rows rounded to f16 by ggml). Readable are
-// all but the tokens decoded into a page not yet full (16-token pages).
-// Returns the positions compared.
-std::uint32_t check_against_llama(const Hook& hook, llama_context* ctx, llama_seq_id seq) {
-  const CachedSequence cache = cached_sequence(ctx, seq);
+// The library's copy of `seq` in the CPU tier against the K/V the model
+// produced: every readable position's K and V rows equal, byte for byte, in
+// every hooked layer. Readable are all but the tokens decoded into a page not
+// yet full (16-token pages). Returns the positions compared.
+std::uint32_t check_against_produced(const Hook& hook, const ProducedKv& kv, llama_seq_id seq) {
   const std::uint32_t held = hook.tokens(seq);
-  REQUIRE(cache.positions.size() == held);
   const std::uint32_t readable = hook.readable_tokens(seq);
   REQUIRE(readable + 16 > held);  // all but the decode tail's unfilled page
   const SequenceSnapshot lib = hook.save_sequence(seq, readable);
-  REQUIRE(lib.layers.size() == cache.k.size());
-  REQUIRE(std::size_t{lib.kv_heads} * lib.head_dim * 2 == cache.row_bytes);
-  std::vector<bool> seen(held);
-  for (std::size_t cell = 0; cell < cache.positions.size(); ++cell) {
-    const auto p = std::uint32_t(cache.positions[cell]);
-    REQUIRE(p < held);
-    REQUIRE_FALSE(seen[p]);
-    seen[p] = true;
-    if (p >= readable) continue;
-    for (std::size_t l = 0; l < lib.layers.size(); ++l) {
-      INFO("sequence " << seq << " position " << p << " layer " << l);
-      REQUIRE(std::memcmp(lib.k[l].data() + p * cache.row_bytes, cache.k[l].data() + cell * cache.row_bytes,
-                          cache.row_bytes) == 0);
-      REQUIRE(std::memcmp(lib.v[l].data() + p * cache.row_bytes, cache.v[l].data() + cell * cache.row_bytes,
-                          cache.row_bytes) == 0);
+  REQUIRE(lib.layers.size() == 30);
+  const std::size_t row_bytes = std::size_t{lib.kv_heads} * lib.head_dim * 2;
+  for (std::size_t l = 0; l < lib.layers.size(); ++l) {
+    for (std::uint32_t p = 0; p < readable; ++p) {
+      INFO("sequence " << seq << " position " << p << " layer " << lib.layers[l]);
+      const auto key = std::tuple{seq, int(lib.layers[l]), llama_pos(p)};
+      REQUIRE(kv.k.contains(key));
+      REQUIRE(std::memcmp(lib.k[l].data() + p * row_bytes, kv.k.at(key).data(), row_bytes) == 0);
+      REQUIRE(std::memcmp(lib.v[l].data() + p * row_bytes, kv.v.at(key).data(), row_bytes) == 0);
     }
   }
   return readable;
@@ -436,35 +485,84 @@ std::uint32_t check_against_llama(const Hook& hook, llama_context* ctx, llama_se
 
 }  // namespace
 
-TEST_CASE("llama.cpp hook: four sequences finishing and starting lose nothing of llama.cpp's K/V",
+TEST_CASE("llama.cpp hook: llama.cpp's cache holds none of the served layers", "[model-file][llama-hook]") {
+  // SmolLM2 has no sliding-window layer: the hook serves all 30, and a
+  // sequence's llama.cpp state is its cells alone, no K/V rows.
+  const std::vector<llama_token> t = text();
+  std::size_t stock_bytes = 0, hooked_bytes = 0;
+  {
+    llama_context* ctx = llama_init_from_model(model().model, Context::params(1, false));
+    REQUIRE(ctx != nullptr);
+    llama_batch b = llama_batch_get_one(const_cast<llama_token*>(t.data()), 200);
+    REQUIRE(llama_decode(ctx, b) == 0);
+    stock_bytes = llama_state_seq_get_size(ctx, 0);
+    llama_free(ctx);
+  }
+  Context c(1, options_for("quest", 256));
+  REQUIRE(c.hook.hooked_layers().size() == 30);
+  REQUIRE(c.decode(t, 0, 200, 0) == 0);
+  hooked_bytes = llama_state_seq_get_size(c.ctx, 0);
+  REQUIRE(c.hook.tokens(0) == 200);
+  // 200 positions x 30 layers x (K + V) x 192 f16 values
+  REQUIRE(stock_bytes >= 200u * 30 * 2 * 192 * 2);
+  REQUIRE(hooked_bytes < 200u * 64);
+  WARN("a 200-token sequence's llama.cpp state: " << stock_bytes << " bytes stock, " << hooked_bytes
+                                                  << " through the hook");
+}
+
+TEST_CASE("llama.cpp hook: four sequences, prompts beside decode tokens, decode as one at a time and lose no K/V",
           "[model-file][llama-hook][parallel]") {
   // generate at --parallel 4: four slots, ten requests of different prompt and
   // answer lengths. A slot whose request ends is checked, removed through the
   // hook and given the next request, whose prompt goes into the same
-  // llama_decode as the other slots' next tokens (a ubatch llama.cpp attends
-  // itself: the live sequences grow by extend, the new one is staged).
+  // llama_decode as the other slots' next tokens: one ubatch (a unified cache
+  // of one stream), served row by row -- the prompt rows by the prompt
+  // attention, every decode row by the sparse step. Then the same ten
+  // requests, one at a time, fed the same tokens.
   const std::vector<llama_token> t = text();
-  Context c(4);
-  Hook hook(c.ctx, options_for("quest", 128));
+  ProducedKv produced;
+  llama_context_params p = Context::params(4, true);
+  p.cb_eval = capture_produced;
+  p.cb_eval_user_data = &produced;
+  Hook hook(model().model, p, options_for("quest", 128));
+  llama_context* const ctx = hook.context();
   struct Slot {
     int request = -1;
     std::uint32_t prompt = 0, answer = 0, pos = 0;
     llama_token next = 0;
   };
+  struct Request {
+    std::vector<llama_token> fed;            // prompt, then the answer's tokens
+    std::vector<std::vector<float>> logits;  // after the prompt, then after each answer token
+    std::uint32_t prompt = 0;
+  };
+  std::vector<Request> requests(10);
   std::vector<Slot> slots(4);
   int started = 0, finished = 0;
-  std::uint32_t compared = 0, checks = 0;
+  std::uint32_t compared = 0, checks = 0, mixed = 0;
+  std::uint64_t prompt_rows = 0, decode_rows = 0;
   const llama_vocab* vocab = llama_model_get_vocab(model().model);
   const auto n_vocab = llama_vocab_n_tokens(vocab);
   llama_batch b = llama_batch_init(512, 0, 1);
+  const auto add = [&](llama_token token, llama_pos pos, llama_seq_id seq, bool logits) {
+    const std::int32_t r = b.n_tokens++;
+    b.token[r] = token;
+    b.pos[r] = pos;
+    b.n_seq_id[r] = 1;
+    b.seq_id[r][0] = seq;
+    b.logits[r] = logits;
+    produced.rows.emplace_back(seq, pos);
+  };
   while (finished < 10) {
     b.n_tokens = 0;
+    produced.rows.clear();
     std::vector<std::pair<std::size_t, std::int32_t>> outputs;  // slot, batch row
+    bool has_prompt = false, has_decode = false;
     for (std::size_t s = 0; s < slots.size(); ++s) {
       Slot& slot = slots[s];
       const auto seq = llama_seq_id(s);
       if (slot.request >= 0 && slot.pos == slot.prompt + slot.answer) {
-        compared += check_against_llama(hook, c.ctx, seq);
+        compared += check_against_produced(hook, produced, seq);
         ++checks;
         REQUIRE(hook.seq_rm(seq, -1, -1));
         REQUIRE(hook.tokens(seq) == 0);
@@ -473,44 +571,70 @@ TEST_CASE("llama.cpp hook: four sequences finishing and starting lose nothing of
       }
       if (slot.request < 0 && started < 10) {
         slot = Slot{started, 60 + 37 * std::uint32_t(started % 5), 8 + 13 * std::uint32_t(started % 4), 0, 0};
+        Request& r = requests[std::size_t(started)];
         ++started;
+        r.prompt = slot.prompt;
         for (std::uint32_t i = 0; i < slot.prompt; ++i) {
-          const std::int32_t r = b.n_tokens++;
-          b.token[r] = t[std::size_t(slot.request) * 50 + i];
-          b.pos[r] = llama_pos(i);
-          b.n_seq_id[r] = 1;
-          b.seq_id[r][0] = seq;
-          b.logits[r] = i + 1 == slot.prompt;
+          r.fed.push_back(t[std::size_t(slot.request) * 50 + i]);
+          add(r.fed.back(), llama_pos(i), seq, i + 1 == slot.prompt);
         }
+        prompt_rows += slot.prompt;
+        has_prompt = true;
         slot.pos = slot.prompt;
         outputs.emplace_back(s, b.n_tokens - 1);
         continue;
       }
       if (slot.request < 0) continue;
-      const std::int32_t r = b.n_tokens++;
-      b.token[r] = slot.next;
-      b.pos[r] = llama_pos(slot.pos++);
-      b.n_seq_id[r] = 1;
-      b.seq_id[r][0] = seq;
-      b.logits[r] = true;
-      outputs.emplace_back(s, r);
+      requests[std::size_t(slot.request)].fed.push_back(slot.next);
+      add(slot.next, llama_pos(slot.pos++), seq, true);
+      ++decode_rows;
+      has_decode = true;
+      outputs.emplace_back(s, b.n_tokens - 1);
     }
     if (b.n_tokens == 0) continue;
-    const std::int32_t rc = llama_decode(c.ctx, b);
+    mixed += has_prompt && has_decode;
+    const std::int32_t rc = llama_decode(ctx, b);
     INFO((hook.failure() ? hook.failure()->message : std::string()));
     REQUIRE(rc == 0);
     for (const auto& [s, r] : outputs) {  // greedy
-      const float* logits = llama_get_logits_ith(c.ctx, r);
+      const float* logits = llama_get_logits_ith(ctx, r);
       slots[s].next = llama_token(std::max_element(logits, logits + n_vocab) - logits);
+      requests[std::size_t(slots[s].request)].logits.emplace_back(logits, logits + n_vocab);
     }
   }
   llama_batch_free(b);
   REQUIRE(checks == 10);
-  REQUIRE(hook.decode_rows() > 0);
   REQUIRE_FALSE(hook.failure().has_value());
-  WARN("10 requests over 4 slots: " << compared << " positions of the CPU tier equal llama.cpp's cache, "
-                                    << hook.decode_rows() << " decode rows through the hook");
+  REQUIRE(mixed >= 3);  // ubatches holding one sequence's prompt and another's decode token
+  // Every row of every layer through the library: prompts by the prompt
+  // attention, every decode row by the sparse step, none by extend.
+  REQUIRE(hook.prompt_rows() == prompt_rows * 30);
+  REQUIRE(hook.decode_rows() == decode_rows * 30);
+  REQUIRE(hook.extend_rows() == 0);
   REQUIRE(compared >= 10 * 60);
+
+  // One at a time, the same tokens: the same distributions.
+  Context one(1, options_for("quest", 128));
+  double worst = 0;
+  std::uint64_t steps = 0, same_top = 0;
+  for (const Request& r : requests) {
+    REQUIRE(one.hook.seq_rm(0, -1, -1));
+    for (std::size_t step = 0; step < r.logits.size(); ++step) {
+      const std::size_t from = step == 0 ? 0 : r.prompt + step - 1, to = step == 0 ? r.prompt : from + 1;
+      REQUIRE(one.decode(r.fed, from, to, llama_pos(from)) == 0);
+      const float* logits = llama_get_logits_ith(one.ctx, -1);
+      const std::vector<float>& own = r.logits[step];
+      for (std::int32_t i = 0; i < n_vocab; ++i) worst = std::max(worst, double(std::abs(logits[i] - own[std::size_t(i)])));
+      same_top += std::max_element(logits, logits + n_vocab) - logits ==
+                  std::max_element(own.begin(), own.end()) - own.begin();
+      ++steps;
+    }
+  }
+  WARN("10 requests over 4 slots: " << compared << " positions of the CPU tier equal the model's K/V; " << mixed
+                                    << " mixed ubatches; against one at a time over " << steps
+                                    << " steps: worst logit difference " << worst << ", same argmax " << same_top);
+  CHECK(same_top == steps);
+  CHECK(worst <= 1e-3);  // 0 where ggml's matrix products do not depend on the batch
 }
 
 TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load behind the hook's back is refused",
@@ -536,8 +660,8 @@ TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load beh
   std::vector<std::uint8_t> state;
   SequenceSnapshot snapshot;
   {
-    Context c(2);
-    Hook hook(c.ctx, HookOptions{});
+    Context c(2, HookOptions{});
+    Hook& hook = c.hook;
     REQUIRE(c.decode(t, 0, 300, 0) == 0);
     state.resize(llama_state_seq_get_size(c.ctx, 0));
     REQUIRE(llama_state_seq_get_data(c.ctx, state.data(), state.size(), 0) == state.size());
@@ -550,8 +674,8 @@ TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load beh
     snapshot = hook.save_sequence(0);
     REQUIRE(snapshot.tokens == 300);
   }
-  Context c(2);
-  Hook hook(c.ctx, HookOptions{});
+  Context c(2, HookOptions{});
+  Hook& hook = c.hook;
   // llama.cpp's state alone: the hook never saw the sequence, the next decode is refused.
   REQUIRE(llama_state_seq_set_data(c.ctx, state.data(), state.size(), 0) == state.size());
   REQUIRE(c.decode(t, 300, 301, 300) == 2);
@@ -584,5 +708,8 @@ TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load beh
   hook.clear_failure();
   REQUIRE(c.decode(t, 300, 301, 300) == 0);
   REQUIRE(hook.tokens(0) == 301);
-  REQUIRE(check_against_llama(hook, c.ctx, 0) >= 300);
+  // The loaded K/V are the saved ones, byte for byte.
+  const SequenceSnapshot again = hook.save_sequence(0, 300);
+  REQUIRE(again.k == snapshot.k);
+  REQUIRE(again.v == snapshot.v);
 }
