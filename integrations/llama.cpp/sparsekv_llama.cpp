@@ -60,7 +60,8 @@ struct Hook::State {
   ModelShape shape;              // the library's: one layer per hooked layer
   float llama_kq_scale = 0.0f;  // every hooked layer's; Config::attention_scale follows from it
   std::uint32_t max_tokens = 0;
-  ErrorSlot failure;
+  ErrorSlot failure;  // an op's: stops the graph (hook_abort) until cleared
+  ErrorSlot refusal;  // a memory call's or a load's: reported, stops nothing
   SpinBarrier barrier;
   std::atomic<bool> stepping{false};  // this op's decode rows go through a library step
   HostStep<AnyPolicy>* step = nullptr;
@@ -209,6 +210,10 @@ struct Hook::State {
   //    staged prompt);
   //  - several rows of a prefilled sequence: decode steps of it (extend).
   void begin(const llama_attn_hook_call& c, std::int32_t nth) {
+    if (!c.causal) {
+      fail(ErrorCode::failed_precondition, "layer {}: non-causal attention (llama_set_causal_attn) is not served",
+           c.il);
+    }
     RuntimeManager& m = ensure_manager(c);
     const std::uint32_t layer = layer_of(c.il);
     const std::size_t qd = std::size_t(c.n_head) * c.n_embd_head, kvd = std::size_t(c.n_head_kv) * c.n_embd_head;
@@ -275,9 +280,9 @@ Hook::State& state_of(void* user) { return *static_cast<Hook::State*>(user); }
 // and again at each graph build: the hook serves them all.
 bool hook_layer(void* user, std::int32_t il) {
   Hook::State& s = state_of(user);
-  if (std::find(s.layers.begin(), s.layers.end(), il) == s.layers.end()) {
-    s.layers.insert(std::upper_bound(s.layers.begin(), s.layers.end(), il), il);
-  }
+  if (std::find(s.layers.begin(), s.layers.end(), il) != s.layers.end()) return true;
+  if (s.manager) return false;  // the library's layers are fixed once it is made
+  s.layers.insert(std::upper_bound(s.layers.begin(), s.layers.end(), il), il);
   return true;
 }
 
@@ -355,7 +360,7 @@ bool Hook::seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
   llama_memory_t memory = llama_get_memory(s.ctx);
   if (seq < 0) {  // llama.cpp: every sequence
     if (p0 > 0 || p1 >= 0) {
-      s.failure.set(ErrorCode::invalid_argument, "seq_rm: sparsekv follows removing every sequence whole only");
+      s.refusal.set(ErrorCode::invalid_argument, "seq_rm: sparsekv follows removing every sequence whole only");
       return false;
     }
     if (!llama_memory_seq_rm(memory, seq, p0, p1)) return false;
@@ -373,7 +378,7 @@ bool Hook::seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
     return true;
   }
   if (p1 >= 0 || it->second.broken) {
-    s.failure.set(ErrorCode::invalid_argument,
+    s.refusal.set(ErrorCode::invalid_argument,
                   "seq_rm: sparsekv follows the removal of a whole sequence or of its tail, not of a middle range");
     return false;
   }
@@ -383,12 +388,12 @@ bool Hook::seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
   try {
     s.manager->end_prompt(id);  // a staged prompt is indexed, then forked like any other
   } catch (...) {
-    s.failure.capture();
+    s.refusal.capture();
     return false;
   }
   for (std::uint32_t l = 0; l < s.layers.size(); ++l) {
     if (s.manager->buffer().forkable_tokens(id, l) < keep) {
-      s.failure.set(ErrorCode::failed_precondition,
+      s.refusal.set(ErrorCode::failed_precondition,
                     "seq_rm: sparsekv keeps the first tokens of a sequence only where every layer holds them in "
                     "order in the CPU tier (not its last decode page while unsaved, nor tokens a policy regrouped "
                     "or evicted)");
@@ -399,7 +404,7 @@ bool Hook::seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
   try {
     s.manager->fork(fresh, id, keep, s.max_tokens);
   } catch (...) {
-    s.failure.capture();
+    s.refusal.capture();
     return false;
   }
   if (!llama_memory_seq_rm(memory, seq, p0, p1)) {
@@ -416,11 +421,11 @@ bool Hook::seq_cp(llama_seq_id source, llama_seq_id dest, llama_pos p0, llama_po
   State& s = *state_;
   const auto it = s.sequences.find(source);
   if (it == s.sequences.end() || !s.manager) {
-    s.failure.set(ErrorCode::not_found, "seq_cp: sparsekv holds nothing of the source sequence");
+    s.refusal.set(ErrorCode::not_found, "seq_cp: sparsekv holds nothing of the source sequence");
     return false;
   }
   if (p0 > 0 || p1 >= 0 || s.sequences.contains(dest) || it->second.broken) {
-    s.failure.set(ErrorCode::invalid_argument, "seq_cp: sparsekv copies a whole sequence into an empty one only");
+    s.refusal.set(ErrorCode::invalid_argument, "seq_cp: sparsekv copies a whole sequence into an empty one only");
     return false;
   }
   const RequestId id = it->second.request;
@@ -430,7 +435,7 @@ bool Hook::seq_cp(llama_seq_id source, llama_seq_id dest, llama_pos p0, llama_po
     s.manager->end_prompt(id);
     s.manager->fork(fresh, id, tokens, s.max_tokens);
   } catch (...) {
-    s.failure.capture();
+    s.refusal.capture();
     return false;
   }
   ++s.next_request;
@@ -454,14 +459,14 @@ bool Hook::seq_keep(llama_seq_id seq) {
 }
 
 bool Hook::seq_add(llama_seq_id, llama_pos, llama_pos, llama_pos) {
-  state_->failure.set(ErrorCode::failed_precondition,
+  state_->refusal.set(ErrorCode::failed_precondition,
                       "seq_add: sparsekv does not follow a position shift (context shift); its pages hold the "
                       "tokens' RoPE'd keys");
   return false;
 }
 
 bool Hook::seq_div(llama_seq_id, llama_pos, llama_pos, int) {
-  state_->failure.set(ErrorCode::failed_precondition,
+  state_->refusal.set(ErrorCode::failed_precondition,
                       "seq_div: sparsekv does not follow a position division (self-extend)");
   return false;
 }
@@ -565,13 +570,19 @@ bool Hook::load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot) {
     s.sequences.emplace(seq, Sequence{id, false});
     return true;
   } catch (...) {
-    s.failure.capture();
+    s.refusal.capture();
     return false;
   }
 }
 
-std::optional<ErrorRecord> Hook::failure() const { return state_->failure.error(); }
-void Hook::clear_failure() { state_->failure.clear(); }
+std::optional<ErrorRecord> Hook::failure() const {
+  const std::optional<ErrorRecord> op = state_->failure.error();
+  return op ? op : state_->refusal.error();
+}
+void Hook::clear_failure() {
+  state_->failure.clear();
+  state_->refusal.clear();
+}
 
 StepStats Hook::stats() const { return state_->manager ? state_->manager->stats() : StepStats{}; }
 std::uint64_t Hook::decode_rows() const { return state_->decode_count; }

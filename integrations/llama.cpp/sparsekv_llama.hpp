@@ -114,8 +114,10 @@ class Hook {
   SequenceSnapshot save_sequence(llama_seq_id seq, std::optional<std::uint32_t> tokens = std::nullopt) const;
   bool load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot);
 
-  // Why the last llama_decode returned 2, or a memory call returned false;
-  // empty otherwise. clear_failure() lets llama_decode run again.
+  // Why the last llama_decode returned 2, or else why a memory call or a
+  // load returned false; empty otherwise. A failed llama_decode stops every
+  // later one until clear_failure(); a refused memory call or load stops
+  // nothing.
   std::optional<ErrorRecord> failure() const;
   void clear_failure();
 

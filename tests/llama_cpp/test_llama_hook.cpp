@@ -151,6 +151,14 @@ bool capture(ggml_tensor* t, bool ask, void* user) {
   return true;
 }
 
+namespace {
+// The prompts' ubatches in the layer-by-layer test: rows [cut c, cut c+1) of
+// each 300-token prompt, captured as step prompt_step(sequences, s, c) (the
+// steps below 0, in the order they ran).
+constexpr std::int32_t kPromptCuts[] = {0, 128, 256, 300};
+int prompt_step(std::uint32_t sequences, std::uint32_t s, int c) { return int(s * 3) + c - int(3 * sequences); }
+}  // namespace
+
 TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.cpp's, layer by layer",
           "[model-file][llama-hook]") {
   // f32 K/V in llama.cpp's cache and in the library, llama.cpp's attention
@@ -159,7 +167,9 @@ TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.c
   // difference now and then moves a row to the next step and the runs part
   // after a few layers; wherever a layer's q/K/V history is still the same in
   // both runs (its prompt's and every step's so far), its attention -- the
-  // prompt attention over a 300-token prompt, then each decode step's --
+  // prompt attention over a 300-token prompt in three ubatches, then each
+  // decode step's, then a five-row continuation's (decode steps of the
+  // library, its outputs kept) --
   // must agree.
   const std::vector<llama_token> t = text();
   for (const std::uint32_t sequences : {1u, 2u}) {
@@ -179,20 +189,39 @@ TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.c
       llama_context* ctx = hook ? hook->context() : llama_init_from_model(model().model, p);
       REQUIRE(ctx != nullptr);
       llama_batch b = llama_batch_init(512, 0, 1);
+      // Each prompt in three ubatches (the later ones attend the earlier ones' K/V).
       for (std::uint32_t s = 0; s < sequences; ++s) {
-        runs[hooked].step = -1 - int(s);
-        b.n_tokens = 0;
-        for (std::int32_t i = 0; i < 300; ++i) {
-          b.token[i] = t[s * 40 + std::size_t(i)];
-          b.pos[i] = i;
-          b.n_seq_id[i] = 1;
-          b.seq_id[i][0] = llama_seq_id(s);
-          b.logits[i] = i == 299;
-          ++b.n_tokens;
+        for (int c = 0; c < 3; ++c) {
+          runs[hooked].step = prompt_step(sequences, s, c);
+          b.n_tokens = 0;
+          for (std::int32_t i = kPromptCuts[c]; i < kPromptCuts[c + 1]; ++i) {
+            const std::int32_t r = b.n_tokens++;
+            b.token[r] = t[s * 40 + std::size_t(i)];
+            b.pos[r] = i;
+            b.n_seq_id[r] = 1;
+            b.seq_id[r][0] = llama_seq_id(s);
+            b.logits[r] = i == 299;
+          }
+          REQUIRE(llama_decode(ctx, b) == 0);
         }
-        REQUIRE(llama_decode(ctx, b) == 0);
       }
-      for (int step = 0; step < 8; ++step) {
+      for (int step = 0; step < 9; ++step) {
+        runs[hooked].step = step;
+        b.n_tokens = 0;
+        if (step == 8) {  // a continuation: five rows of each sequence
+          for (std::uint32_t s = 0; s < sequences; ++s) {
+            for (std::int32_t i = 0; i < 5; ++i) {
+              const std::int32_t r = b.n_tokens++;
+              b.token[r] = t[s * 40 + 308 + std::size_t(i)];
+              b.pos[r] = 308 + i;
+              b.n_seq_id[r] = 1;
+              b.seq_id[r][0] = llama_seq_id(s);
+              b.logits[r] = true;
+            }
+          }
+          REQUIRE(llama_decode(ctx, b) == 0);
+          continue;
+        }
         runs[hooked].step = step;
         b.n_tokens = 0;
         for (std::uint32_t s = 0; s < sequences; ++s) {
@@ -209,6 +238,7 @@ TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.c
       if (hook) {
         REQUIRE(hook->decode_rows() == 8 * sequences * 30);
         REQUIRE(hook->prompt_rows() == 300 * sequences * 30);
+        REQUIRE(hook->extend_rows() == 5 * sequences * 30);
         hook.reset();
       } else {
         llama_free(ctx);
@@ -217,7 +247,7 @@ TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.c
     std::uint32_t compared = 0, prompts = 0;
     double worst = 0;
     for (int il = 0; il < 30; ++il) {
-      for (int step = -int(sequences); step < 8; ++step) {
+      for (int step = prompt_step(sequences, 0, 0); step < 9; ++step) {
         const auto key = [&](const char* name) { return std::to_string(step) + ":" + name + "-" + std::to_string(il); };
         bool same_inputs = true;
         for (const char* name : {"Qcur", "Kcur", "Vcur"}) {
@@ -280,11 +310,15 @@ TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.c
           }
           ++rows_checked;
         };
-        const int prompt_step = -1 - int(s);
-        const std::vector<float>& pq = get(prompt_step, "Qcur");
-        const std::vector<float>& pk = get(prompt_step, "Kcur");
-        const std::vector<float>& pv = get(prompt_step, "Vcur");
-        const std::vector<float>& po = get(prompt_step, "kqv_out");
+        std::vector<float> pq, pk, pv, po;  // the prompt's three ubatches, in order
+        for (int c = 0; c < 3; ++c) {
+          for (auto [to, name] : {std::pair{&pq, "Qcur"}, std::pair{&pk, "Kcur"}, std::pair{&pv, "Vcur"},
+                                  std::pair{&po, "kqv_out"}}) {
+            const std::vector<float>& part = get(prompt_step(sequences, s, c), name);
+            to->insert(to->end(), part.begin(), part.end());
+          }
+        }
+        REQUIRE(pq.size() == 300 * 576);
         for (std::size_t r = 0; r < 300; ++r) {
           keys.insert(keys.end(), pk.begin() + std::ptrdiff_t(r * 192), pk.begin() + std::ptrdiff_t((r + 1) * 192));
           values.insert(values.end(), pv.begin() + std::ptrdiff_t(r * 192), pv.begin() + std::ptrdiff_t((r + 1) * 192));
@@ -297,11 +331,19 @@ TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.c
           values.insert(values.end(), v.begin() + s * 192, v.begin() + (s + 1) * 192);
           attend(get(step, "Qcur").data() + s * 576, get(step, "kqv_out").data() + s * 576, 300 + std::size_t(step) + 1);
         }
+        for (std::size_t i = 0; i < 5; ++i) {  // the continuation's rows, decode steps of the library
+          const std::size_t row = s * 5 + i;
+          const std::vector<float>& k = get(8, "Kcur");
+          const std::vector<float>& v = get(8, "Vcur");
+          keys.insert(keys.end(), k.begin() + std::ptrdiff_t(row * 192), k.begin() + std::ptrdiff_t((row + 1) * 192));
+          values.insert(values.end(), v.begin() + std::ptrdiff_t(row * 192), v.begin() + std::ptrdiff_t((row + 1) * 192));
+          attend(get(8, "Qcur").data() + row * 576, get(8, "kqv_out").data() + row * 576, 308 + i + 1);
+        }
       }
     }
     WARN(sequences << " sequences: " << rows_checked << " rows of all 30 layers against exact attention, worst "
                    << "relative difference " << worst_exact);
-    CHECK(rows_checked == 30 * sequences * (44 + 8));  // every 7th prompt row and the last, every step
+    CHECK(rows_checked == 30 * sequences * (44 + 8 + 5));  // every 7th prompt row and the last, every step
     CHECK(worst_exact <= 1e-5);
   }
 }
@@ -374,6 +416,18 @@ TEST_CASE("llama.cpp hook: what the library cannot follow is refused with its er
   REQUIRE(c.decode(t, 200, 201, 200) == 0);
   REQUIRE_FALSE(hook.failure().has_value());
   REQUIRE(hook.tokens(0) == 201);
+
+  // A refused memory call stops no decode: its failure is reported, nothing more.
+  REQUIRE_FALSE(hook.seq_add(0, 10, -1, -5));
+  REQUIRE(c.decode(t, 201, 202, 201) == 0);
+  REQUIRE(hook.failure()->message.find("seq_add") != std::string::npos);
+  hook.clear_failure();
+  REQUIRE(hook.tokens(0) == 202);
+
+  // Non-causal attention (llama_set_causal_attn: an image chunk) is refused, not attended causally.
+  llama_set_causal_attn(c.ctx, false);
+  REQUIRE(c.decode(t, 202, 206, 202) != 0);
+  REQUIRE(hook.tokens(0) == 202);
 }
 
 TEST_CASE("llama.cpp hook: a sequence cut back to its prompt's first tokens decodes as one prefilled with them",
@@ -437,6 +491,7 @@ namespace {
 // cache) llama.cpp keeps a batch's rows in order, so row r is the batch's.
 struct ProducedKv {
   std::vector<std::pair<llama_seq_id, llama_pos>> rows;  // the batch being decoded
+  bool misshapen = false;  // a tensor whose size is not a whole number of rows (checked after the decode)
   std::map<std::tuple<llama_seq_id, int, llama_pos>, std::vector<ggml_fp16_t>> k, v;
 };
 bool capture_produced(ggml_tensor* t, bool ask, void* user) {
@@ -448,7 +503,10 @@ bool capture_produced(ggml_tensor* t, bool ask, void* user) {
   if (!wanted) return true;
   const int il = std::stoi(name.substr(5));
   const std::size_t n = kv.rows.size();
-  REQUIRE(std::size_t(ggml_nelements(t)) % n == 0);
+  if (n == 0 || std::size_t(ggml_nelements(t)) % n != 0) {
+    kv.misshapen = true;  // no assertion here: it would throw through ggml's C frames
+    return true;
+  }
   const std::size_t width = std::size_t(ggml_nelements(t)) / n;
   std::vector<float> data(n * width);
   ggml_backend_tensor_get(t, data.data(), 0, data.size() * sizeof(float));
@@ -596,6 +654,7 @@ TEST_CASE("llama.cpp hook: four sequences, prompts beside decode tokens, decode 
     const std::int32_t rc = llama_decode(ctx, b);
     INFO((hook.failure() ? hook.failure()->message : std::string()));
     REQUIRE(rc == 0);
+    REQUIRE_FALSE(produced.misshapen);
     for (const auto& [s, r] : outputs) {  // greedy
       const float* logits = llama_get_logits_ith(ctx, r);
       slots[s].next = llama_token(std::max_element(logits, logits + n_vocab) - logits);
