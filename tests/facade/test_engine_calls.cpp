@@ -206,6 +206,29 @@ TEST_CASE("engine calls: prompt_chunk attends the staged prompt causally, as the
   }
 }
 
+TEST_CASE("engine calls: a prefill converts V only for a policy whose Index reads it; non-finite V refused either way",
+          "[facade][engine-calls]") {
+  for (const std::string& policy : all_policies()) {
+    CAPTURE(policy);
+    const bool reads = index_reads_values(make_policy(policy, 16));
+    CHECK(reads == policy.starts_with("retroinfer"));
+    // 600 tokens: the non-finite value in the third of the V blocks host_prefill checks.
+    const std::uint32_t prompt = 600;
+    RuntimeManager m(kShape, test::small_config(kShape, kPageTokens, 2, 1024, 8192), make_policy(policy, 16));
+    m.add_request(1, 1024);
+    std::mt19937 rng(5);
+    std::vector<float> k = draw(rng, prompt * kRow), v = draw(rng, prompt * kRow);
+    v[(prompt - 3) * kRow + 5] = std::nanf("");
+    REQUIRE_THROWS_MATCHES(m.prefill(1, 0, k.data(), v.data(), prompt), Error,
+                           Catch::Predicate<Error>([&](const Error& e) {
+                             return e.code() == ErrorCode::invalid_argument &&
+                                    std::string(e.what()).find("token " + std::to_string(prompt - 3)) !=
+                                        std::string::npos;
+                           }));
+    REQUIRE_FALSE(m.prefilled(1, 0));
+  }
+}
+
 TEST_CASE("engine calls: chunks and continuations refused where they cannot be served, changing nothing",
           "[facade][engine-calls][errors]") {
   std::mt19937 rng(7);

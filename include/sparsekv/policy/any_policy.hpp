@@ -27,6 +27,7 @@ class AnyPolicy {
   RopeStage rope() const { return impl_->rope(); }
   bool has_attend() const { return impl_->has_attend(); }
   bool may_regroup() const { return impl_->may_regroup(); }
+  bool index_reads_values() const { return impl_->index_reads_values(); }
   // A fresh per-(request, layer) state.
   std::any make_state() const { return impl_->make_state(); }
 
@@ -105,6 +106,7 @@ class AnyPolicy {
     virtual RopeStage rope() const = 0;
     virtual bool has_attend() const = 0;
     virtual bool may_regroup() const = 0;
+    virtual bool index_reads_values() const = 0;
     virtual std::any make_state() const = 0;
     virtual std::vector<PartitionSpec> index(const LayerContext&, const KvView&, std::any&) const = 0;
     virtual bool forks_index() const = 0;
@@ -144,6 +146,7 @@ class AnyPolicy {
     RopeStage rope() const override { return P::kRope; }
     bool has_attend() const override { return CustomAttend<P>; }
     bool may_regroup() const override { return sparsekv::may_regroup(policy); }
+    bool index_reads_values() const override { return sparsekv::index_reads_values(policy); }
     std::any make_state() const override { return State{}; }
     std::vector<PartitionSpec> index(const LayerContext& c, const KvView& kv, std::any& s) const override {
       return policy.index(c, kv, std::any_cast<State&>(s));
@@ -244,6 +247,7 @@ inline std::vector<PartitionSpec> fork_index(const AnyPolicy& p, const LayerCont
 }
 inline bool has_custom_attend(const AnyPolicy& p) { return p.has_attend(); }
 inline bool may_regroup(const AnyPolicy& p) { return p.may_regroup(); }
+inline bool index_reads_values(const AnyPolicy& p) { return p.index_reads_values(); }
 inline void custom_attend(const AnyPolicy& p, const LayerContext& ctx, const DecodeQuery& q, const std::any& state,
                           const Selection& selection, std::span<AttentionPartial> extra) {
   p.attend(ctx, q, state, selection, extra);

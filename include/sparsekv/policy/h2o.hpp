@@ -51,6 +51,7 @@ class H2OPolicy {
   static constexpr std::string_view kName = "h2o";
   static constexpr RopeStage kRope = RopeStage::post_rope;
   static constexpr bool kNeedsWeights = true;
+  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   H2OPolicy();
   explicit H2OPolicy(const Options& options)

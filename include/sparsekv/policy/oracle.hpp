@@ -35,6 +35,7 @@ class OraclePolicy {
   static constexpr std::string_view kName = "oracle";
   static constexpr RopeStage kRope = RopeStage::post_rope;
   static constexpr bool kRegroups = false;  // append() never asks for a Repartition
+  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   OraclePolicy() : OraclePolicy(Options{}) {}
   explicit OraclePolicy(const Options& options) : options_(options) {

@@ -83,6 +83,7 @@ class QuestPolicy {
   static constexpr std::string_view kName = "quest";
   static constexpr RopeStage kRope = RopeStage::post_rope;
   static constexpr bool kRegroups = false;  // append() never asks for a Repartition
+  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   QuestPolicy() : QuestPolicy(Options{}) {}  // not `= {}`: GCC rejects nested defaults there
   explicit QuestPolicy(const Options& options) : options_(options) {

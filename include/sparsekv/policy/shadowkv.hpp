@@ -60,6 +60,7 @@ class ShadowKVPolicy {
   static constexpr std::string_view kName = "shadowkv";
   static constexpr RopeStage kRope = RopeStage::post_rope;
   static constexpr bool kRegroups = false;  // append() never asks for a Repartition
+  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   ShadowKVPolicy() : ShadowKVPolicy(Options{}) {}  // not `= {}`: GCC rejects nested defaults there
   explicit ShadowKVPolicy(const Options& options) : options_(options) {

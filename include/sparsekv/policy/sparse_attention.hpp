@@ -36,6 +36,11 @@
 //                               page, twice the pages), too small for
 //                               partitions smaller than a page (RetroInfer's)
 // and optionally
+//   P::kIndexReadsValues = false  index() reads the prompt's K alone: a
+//                               prefill then converts no V to fp32 for it
+//                               (half the prompt's fp32 copy, resident while
+//                               the prompt moves into the CPU tier)
+// and optionally
 //   P::kRegroups = false        append() never returns a Repartition: the step
 //                               then shows it a filled page at commit, on its
 //                               own state, instead of on a copy of the state
@@ -273,6 +278,15 @@ template <SparseAttention P>
 constexpr bool may_regroup(const P&) {
   if constexpr (requires { P::kRegroups; }) {
     return P::kRegroups;
+  } else {
+    return true;
+  }
+}
+// Whether index() reads the prompt's V (P::kIndexReadsValues, true unless declared).
+template <SparseAttention P>
+constexpr bool index_reads_values(const P&) {
+  if constexpr (requires { P::kIndexReadsValues; }) {
+    return P::kIndexReadsValues;
   } else {
     return true;
   }

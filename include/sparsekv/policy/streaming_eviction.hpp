@@ -37,6 +37,7 @@ class StreamingEvictionPolicy {
   static constexpr std::string_view kName = "streaming_evict";
   static constexpr RopeStage kRope = RopeStage::post_rope;
   static constexpr bool kNeedsWeights = false;
+  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   StreamingEvictionPolicy();
   explicit StreamingEvictionPolicy(const Options& options) : options_(options) {

@@ -28,6 +28,7 @@ class StreamingWindowPolicy {
   static constexpr std::string_view kName = "streaming";
   static constexpr RopeStage kRope = RopeStage::post_rope;
   static constexpr bool kRegroups = false;  // append() never asks for a Repartition
+  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   StreamingWindowPolicy();
   explicit StreamingWindowPolicy(const Options& options) : options_(options) {

@@ -4,7 +4,9 @@
 // writes the K/V there. Used by host-tensor prefill, and by the device step
 // for a policy that clusters on the host (RetroInfer), whose prompt comes down
 // once.
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -78,15 +80,28 @@ void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::u
 
 // Host-tensor prefill of a checked request and layer: the prompt k / v
 // ([tokens][kv_heads][head_dim], model dtype, host memory) converted into
-// `keys` / `values` (scratch), checked finite, indexed and offloaded.
+// `keys` / `values` (scratch), checked finite, indexed and offloaded. V is
+// checked a block of rows at a time, and kept in fp32 only for a policy
+// whose Index reads it.
 template <class Policy>
 void host_prefill(const StepScope<Policy>& scope, RequestId request, std::uint32_t layer,
                   LayerStepState<typename Policy::LayerState>& ls, const void* k, const void* v, std::uint32_t tokens,
                   std::vector<float>& keys, std::vector<float>& values) {
   const std::size_t n = std::size_t{tokens} * scope.kv_row();
   scope.to_finite_float("prefill k", request, k, n, keys, 0);
-  scope.to_finite_float("prefill v", request, v, n, values, 0);
-  index_and_offload(scope, request, layer, ls, k, v, keys, values, tokens);
+  if (index_reads_values(*scope.policy)) {
+    scope.to_finite_float("prefill v", request, v, n, values, 0);
+    index_and_offload(scope, request, layer, ls, k, v, keys, values, tokens);
+    return;
+  }
+  constexpr std::uint32_t kBlockTokens = 256;
+  const std::size_t elem = dtype_size(scope.shape->dtype);
+  for (std::uint32_t t = 0; t < tokens; t += kBlockTokens) {
+    const std::size_t rows = std::min(kBlockTokens, tokens - t);
+    scope.to_finite_float("prefill v", request, static_cast<const std::byte*>(v) + t * scope.kv_row() * elem,
+                          rows * scope.kv_row(), values, t);
+  }
+  index_and_offload(scope, request, layer, ls, k, v, keys, {}, tokens);
 }
 
 // A fork's prefill (Manager::fork) of the source's first `tokens` tokens:
