@@ -36,17 +36,21 @@
 //                   the faster of two layouts (label): one node per request
 //                   (ggml's split-KV decode path) or one node with the
 //                   requests as ggml's streams (dim 3). Below 1: we are
-//                   faster. Always against f16 K/V, so bf16 rows compare a
+//                   faster. Against f16 K/V, so bf16 rows compare a
 //                   dtype ggml's CPU flash attention does not take with its
-//                   nearest, and f32 rows read twice ggml's bytes. Absent
+//                   nearest, and f32 rows read twice ggml's bytes; q8_0 rows
+//                   (the CPU tier's Config::kv_storage, from their own pool
+//                   of quantized unit-order values) against q8_0 K/V, as
+//                   llama.cpp's -ctk q8_0 -ctv q8_0 cache holds them. Absent
 //                   (and the label says so) when the benchmark was built
 //                   without llama.cpp's source (scripts/setup fetches it).
-//     ggml_GBps     f16 K/V bytes / ggml's time
+//     ggml_GBps     ggml's K/V bytes / ggml's time
 //     tokens        selected tokens per (request, kv head): B
 //     batch         requests
-//   Before timing, the first f16 configuration of each (shape, budget)
-//   checks our output against ggml's on the same K/V (ggml's first set is
-//   filled from our pages) and fails the row beyond 3e-2 absolute.
+//   Before timing, the first configuration of each (shape, budget, f16 or
+//   q8_0 peer) checks our output against ggml's on the same K/V (ggml's
+//   first set is filled from our pages) and fails the row beyond 3e-2
+//   absolute (5e-2 for f32 and q8_0: ggml quantizes q to q8_0 for q8_0 K).
 //
 // Select/<policy>/context:C/threads:N
 //   Quest's and ShadowKV's host Select (select_head for each kv head) of one
@@ -128,6 +132,7 @@
 #include "sparsekv/attention/page_fold.hpp"
 #include "sparsekv/attention/prompt_attention.hpp"
 #include "sparsekv/attention/split_plan_attention.hpp"
+#include "sparsekv/core/convert.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/memory/page_layout.hpp"
 #include "sparsekv/policy/quest.hpp"
@@ -215,6 +220,29 @@ std::byte* page_pool() {
   }();
   return pool;
 }
+
+// The pool for q8_0 pages: 1 GiB of q8_0 blocks, each 32 values uniform in
+// [-1, 1] quantized by ggml's rule (the bf16 pool read as q8_0 would hold
+// values of up to 254).
+std::byte* q8_page_pool() {
+  static std::byte* pool = [] {
+    static HostMemoryResource memory(false);
+    auto* p = static_cast<std::byte*>(memory.allocate(kPoolBytes));
+    std::uint64_t x = 0x2545f4914f6cdd1dull;
+    float values[kQ8BlockValues];
+    for (std::size_t at = 0; at + kQ8BlockBytes <= kPoolBytes; at += kQ8BlockBytes) {
+      for (float& v : values) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        v = static_cast<float>(x >> 40) * (2.0f / 0x1000000) - 1.0f;
+      }
+      quantize_row_q8_0(values, kQ8BlockValues, p + at);
+    }
+    return p;
+  }();
+  return pool;
+}
+
+std::byte* page_pool(DType dtype) { return dtype == DType::q8_0 ? q8_page_pool() : page_pool(); }
 
 // ---- the read bound -------------------------------------------------------
 
@@ -363,7 +391,7 @@ AttendWork& attend_work(const AttendKey& key) {
                   key.page_tokens);
       plan.head_entries.push_back(static_cast<std::int64_t>(plan.entries()));
     }
-    plan.gpu_tier_base = page_pool();
+    plan.gpu_tier_base = page_pool(key.dtype);
     plan.page_bytes = w->layout.page_bytes();
   }
   w->q.resize(std::size_t{w->batch} * w->shape.q_heads * w->shape.head_dim);
@@ -420,8 +448,11 @@ struct GgmlRunner {
 // through kRotationBytes; set 0 holds the Attend's plan-0 K/V (as f16).
 class GgmlAttention {
  public:
-  GgmlAttention(const AttendWork& w) : shape_(w.shape), budget_(w.key.budget), batch_(w.batch) {
-    const std::size_t kv_bytes = std::size_t{batch_} * shape_.kv_heads * budget_ * shape_.head_dim * 2;
+  GgmlAttention(const AttendWork& w)
+      : shape_(w.shape), budget_(w.key.budget), batch_(w.batch),
+        type_(w.layout.dtype == DType::q8_0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16) {
+    const std::size_t kv_bytes =
+        std::size_t{batch_} * shape_.kv_heads * budget_ * ggml_row_size(type_, shape_.head_dim);
     sets_ = std::max<std::size_t>(2, (kRotationBytes + 2 * kv_bytes - 1) / (2 * kv_bytes));
     const std::size_t tensors = sets_ * (2 + 2 * (1 + 4 * std::size_t{batch_})) + 4;
     const std::size_t graph_nodes = 8 + 4 * std::size_t{batch_};
@@ -441,15 +472,21 @@ class GgmlAttention {
     std::uint64_t x = 11;  // the other sets: uniform in [-1, 1) from an LCG
     std::vector<float> row(d);
     for (std::size_t s = 0; s < sets_; ++s) {
-      ggml_tensor* k = ggml_new_tensor_4d(ctx_, GGML_TYPE_F16, d, budget_, shape_.kv_heads, batch_);
-      ggml_tensor* v = ggml_new_tensor_4d(ctx_, GGML_TYPE_F16, d, budget_, shape_.kv_heads, batch_);
+      ggml_tensor* k = ggml_new_tensor_4d(ctx_, type_, d, budget_, shape_.kv_heads, batch_);
+      ggml_tensor* v = ggml_new_tensor_4d(ctx_, type_, d, budget_, shape_.kv_heads, batch_);
+      const std::size_t row_bytes = ggml_row_size(type_, d);
       for (std::uint32_t b = 0; b < batch_; ++b) {
         for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
           for (std::uint32_t t = 0; t < budget_; ++t) {
             const std::size_t at = ((std::size_t{b} * shape_.kv_heads + h) * budget_ + t) * d;
             for (int kv = 0; kv < 2; ++kv) {
+              auto* target = static_cast<std::byte*>((kv == 0 ? k : v)->data) + at / d * row_bytes;
+              const std::byte* src = kv == 0 ? w.k_row(b, h, t) : w.v_row(b, h, t);
+              if (s == 0 && type_ == GGML_TYPE_Q8_0) {  // the page's blocks as they are
+                std::memcpy(target, src, row_bytes);
+                continue;
+              }
               if (s == 0) {
-                const std::byte* src = kv == 0 ? w.k_row(b, h, t) : w.v_row(b, h, t);
                 for (std::int64_t j = 0; j < d; ++j) row[j] = load_element(src, j, w.layout.dtype);
               } else {
                 for (float& r : row) {
@@ -457,7 +494,11 @@ class GgmlAttention {
                   r = static_cast<float>(x >> 40) * (2.0f / 0x1000000) - 1.0f;
                 }
               }
-              ggml_fp32_to_fp16_row(row.data(), static_cast<ggml_fp16_t*>((kv == 0 ? k : v)->data) + at, d);
+              if (type_ == GGML_TYPE_Q8_0) {
+                quantize_row_q8_0(row.data(), d, target);
+              } else {
+                ggml_fp32_to_fp16_row(row.data(), reinterpret_cast<ggml_fp16_t*>(target), d);
+              }
             }
           }
         }
@@ -519,11 +560,14 @@ class GgmlAttention {
     }
     return worst;
   }
-  std::size_t kv_bytes() const { return std::size_t{batch_} * shape_.kv_heads * budget_ * shape_.head_dim * 2 * 2; }
+  std::size_t kv_bytes() const {
+    return std::size_t{batch_} * shape_.kv_heads * budget_ * ggml_row_size(type_, shape_.head_dim) * 2;
+  }
 
  private:
   Shape shape_;
   std::uint32_t budget_, batch_;
+  ggml_type type_;
   std::size_t sets_ = 0;
   ggml_context* ctx_ = nullptr;
   ggml_tensor* q_ = nullptr;
@@ -534,12 +578,12 @@ class GgmlAttention {
 };
 
 // The ggml side of (shape, budget), built at its first Attend row (and
-// checked against it when that row is f16); one alive at a time.
+// checked against it); one alive at a time.
 GgmlAttention& ggml_attention(AttendWork& w, std::string& error) {
   static std::unique_ptr<GgmlAttention> current;
-  static std::pair<int, std::uint32_t> current_key{-1, 0};
+  static std::tuple<int, std::uint32_t, bool> current_key{-1, 0, false};
   static std::string current_error;
-  const auto key = std::make_pair(w.key.shape, w.key.budget);
+  const auto key = std::make_tuple(w.key.shape, w.key.budget, w.key.dtype == DType::q8_0);
   if (current && current_key == key) {
     error = current_error;
     return *current;
@@ -550,7 +594,8 @@ GgmlAttention& ggml_attention(AttendWork& w, std::string& error) {
   // Our output on plan set 0, then ggml's on the same K/V.
   w.attention.attend(w.call(w.plans[0]));
   const double diff = current->max_difference(w.out);
-  const double tolerance = w.key.dtype == DType::f32 ? 5e-2 : 3e-2;  // ggml: f16 q.k and an f16 V accumulator
+  // ggml: f16 q.k and an f16 V accumulator; with q8_0 K it quantizes q to q8_0 too.
+  const double tolerance = w.key.dtype == DType::f32 || w.key.dtype == DType::q8_0 ? 5e-2 : 3e-2;
   std::fprintf(stderr, "bench_host: %s budget %u (%s pages): max |ggml - sparsekv| = %.2e\n", w.shape.name,
                w.key.budget, std::string(to_string(w.key.dtype)).c_str(), diff);
   current_error.clear();
@@ -825,7 +870,7 @@ void BM_FoldInCache(benchmark::State& state, int shape_index, DType dtype, std::
   const PageLayout layout{page_tokens, shape.head_dim, dtype};
   const std::uint32_t group = shape.q_heads / shape.kv_heads;
   constexpr std::size_t kPages = 8;
-  const std::byte* pages = page_pool();  // the first pages of the pool: finite values of unit order
+  const std::byte* pages = page_pool(dtype);  // the first pages of the pool: finite values of unit order
   std::vector<float> q(std::size_t{group} * shape.head_dim), acc(q.size()),
       scratch(page_fold_scratch_floats(page_tokens));
   std::mt19937 rng(3);
@@ -1039,7 +1084,8 @@ void BM_PromptAttention(benchmark::State& state, int shape_index, std::uint32_t 
 }
 
 void register_all() {
-  const std::pair<DType, const char*> dtypes[] = {{DType::f16, "f16"}, {DType::bf16, "bf16"}, {DType::f32, "f32"}};
+  const std::pair<DType, const char*> dtypes[] = {
+      {DType::f16, "f16"}, {DType::bf16, "bf16"}, {DType::f32, "f32"}, {DType::q8_0, "q8_0"}};
   for (int s = 0; s < 2; ++s) {
     for (const std::uint32_t budget : {512u, 1024u, 2048u}) {
       for (const auto& [dtype, dname] : dtypes) {

@@ -107,7 +107,8 @@ llama_context_params context_params(const EvalSetup& s) {
   params.n_threads_batch = s.threads;
   params.flash_attn_type = s.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
   params.no_perf = true;
-  if (s.f32_kv) params.type_k = params.type_v = GGML_TYPE_F32;
+  if (s.kv == DType::f32) params.type_k = params.type_v = GGML_TYPE_F32;
+  if (s.kv == DType::q8_0) params.type_k = params.type_v = GGML_TYPE_Q8_0;
   return params;
 }
 
@@ -116,7 +117,7 @@ HookOptions hook_options(const EvalSetup& s, const std::string& policy, std::uin
   options.policy = policy;
   options.budget_tokens = budget;
   options.page_tokens = s.page_tokens;
-  options.dtype = s.f32_kv ? DType::f32 : DType::f16;
+  options.dtype = s.kv == DType::f32 ? DType::f32 : DType::f16;
   return options;
 }
 
@@ -124,12 +125,16 @@ HookOptions hook_options(const EvalSetup& s, const std::string& policy, std::uin
 struct VariantContext {
   Context own;
   std::optional<Hook> hook;
-  VariantContext(const EvalSetup& s, const std::string& policy, std::uint32_t budget) {
+  // `keep_rows`: the library stores the rows as handed over whatever the
+  // cache type, so that a saved prompt holds them before any quantization.
+  VariantContext(const EvalSetup& s, const std::string& policy, std::uint32_t budget, bool keep_rows = false) {
     if (policy == "llama") {
       own.reset(llama_init_from_model(s.model, context_params(s)));
       if (!own) fail(ErrorCode::internal, "llama_init_from_model failed");
     } else {
-      hook.emplace(s.model, context_params(s), hook_options(s, policy, budget));
+      HookOptions options = hook_options(s, policy, budget);
+      if (keep_rows) options.kv_storage = options.dtype;
+      hook.emplace(s.model, context_params(s), options);
     }
   }
   llama_context* get() const { return hook ? hook->context() : own.get(); }
@@ -155,9 +160,11 @@ void prefill(const EvalSetup& s, llama_context* ctx, const Hook* hook) {
 SavedPrompts prefill_prompts(const EvalSetup& s) {
   check_setup(s);
   SavedPrompts saved;
-  // Any policy's prompt is the same: staged and attended by the prompt attention.
+  // Any policy's prompt is the same: staged and attended by the prompt
+  // attention; its rows are saved unquantized, and a q8_0 variant that loads
+  // them quantizes them as its own prefill would.
   for (const char* policy : {"llama", "dense"}) {
-    const VariantContext variant_ctx(s, policy, 0);
+    const VariantContext variant_ctx(s, policy, 0, true);
     llama_context* const ctx = variant_ctx.get();
     const AttachedThreadpool pool(ctx, s.threads);
     const Hook* hook = variant_ctx.hook ? &*variant_ctx.hook : nullptr;
@@ -252,6 +259,25 @@ EvalResult eval_variant(const EvalSetup& s, const SavedPrompts* prompts, const E
   r.hook_rows = hook ? hook->decode_rows() : 0;
   r.hook_prompt_rows = hook ? hook->prompt_rows() : 0;
   return r;
+}
+
+Agreement agreement(const Distributions& reference, const Distributions& run) {
+  if (reference.vocab != run.vocab || reference.log_probs.size() != run.log_probs.size() || run.vocab == 0) {
+    fail(ErrorCode::invalid_argument, "agreement: runs of {} and {} values over {} and {} tokens of vocabulary",
+         reference.log_probs.size(), run.log_probs.size(), reference.vocab, run.vocab);
+  }
+  const std::size_t rows = run.log_probs.size() / run.vocab;
+  double kld = 0;
+  std::uint64_t agree = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float* ref = reference.log_probs.data() + r * run.vocab;
+    const float* lp = run.log_probs.data() + r * run.vocab;
+    double k = 0;
+    for (std::uint32_t i = 0; i < run.vocab; ++i) k += std::exp(double(ref[i])) * (double(ref[i]) - lp[i]);
+    kld += k;
+    agree += std::max_element(ref, ref + run.vocab) - ref == std::max_element(lp, lp + run.vocab) - lp;
+  }
+  return {rows == 0 ? 0.0 : kld / double(rows), rows == 0 ? 1.0 : double(agree) / double(rows)};
 }
 
 }  // namespace sparsekv::llama_cpp

@@ -28,7 +28,9 @@ struct EvalSetup {
   std::uint32_t parallel = 1;     // sequences decoded at once; sequence j starts j * tokens into the text
   std::int32_t threads = 2;
   bool flash_attn = true;
-  bool f32_kv = false;            // llama.cpp's KV cache and the library's copy in f32 (else f16, llama.cpp's default)
+  // The K/V cache type: f16 (llama.cpp's default), f32 or q8_0, for
+  // llama.cpp's cache (-ctk / -ctv) and the library's storage alike.
+  DType kv = DType::f16;
   std::uint32_t page_tokens = 16;
 };
 
@@ -90,6 +92,14 @@ std::size_t eval_text_tokens(const EvalSetup& setup);
 // the hook reported (its message).
 EvalResult eval_variant(const EvalSetup& setup, const SavedPrompts* prompts, const EvalVariant& variant,
                         const Distributions* reference, Distributions* keep);
+
+// Mean KL(reference || run) per step and sequence, and the share of them
+// whose argmax agrees: two runs of the same text, steps and sequences.
+struct Agreement {
+  double kld_mean = 0;
+  double top1 = 1;
+};
+Agreement agreement(const Distributions& reference, const Distributions& run);
 
 // The text tokenized with the model's vocabulary (a BOS first where the model adds one).
 std::vector<llama_token> tokenize(const llama_model* model, const std::string& text);

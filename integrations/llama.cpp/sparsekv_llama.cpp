@@ -115,6 +115,7 @@ struct Hook::State {
     AnyPolicy policy = make_policy(options.policy, options.budget_tokens);
     Config base;
     base.page_tokens = options.page_tokens;
+    base.kv_storage = options.kv_storage;
     // 0 (the library's default) where llama.cpp's scale is 1/sqrt(head_dim).
     const float standard = 1.0f / std::sqrt(static_cast<float>(head_dim));
     base.attention_scale = std::abs(kq_scale - standard) <= 1e-6f * standard ? 0.0f : kq_scale;
@@ -330,6 +331,18 @@ void hook_attend(void* user, const llama_attn_hook_call* call, std::int32_t ith,
 
 bool hook_abort(void* user) { return state_of(user).failure.failed(); }
 
+// The library's storage for llama.cpp's cache types: q8_0 for q8_0 K and V,
+// the hook's rows for f16 or f32; anything else is not served.
+DType storage_of(const llama_context_params& params, DType rows) {
+  if (params.type_k == GGML_TYPE_Q8_0 && params.type_v == GGML_TYPE_Q8_0) return DType::q8_0;
+  const auto plain = [](ggml_type t) { return t == GGML_TYPE_F16 || t == GGML_TYPE_F32; };
+  if (plain(params.type_k) && plain(params.type_v)) return rows;
+  fail(ErrorCode::invalid_argument,
+       "Hook: the library stores the hooked layers' K/V as f16, f32 or q8_0 (both -ctk and -ctv q8_0); cache types "
+       "K {} and V {} are not served",
+       ggml_type_name(params.type_k), ggml_type_name(params.type_v));
+}
+
 }  // namespace
 
 Hook::Hook(llama_model* model, const llama_context_params& params, const HookOptions& options)
@@ -340,6 +353,7 @@ Hook::Hook(llama_model* model, const llama_context_params& params, const HookOpt
     fail(ErrorCode::invalid_argument, "Hook: page_tokens ({}) must be a power of two", options.page_tokens);
   }
   state_->options = options;
+  if (!options.kv_storage) state_->options.kv_storage = storage_of(params, options.dtype);
   const llama_attn_hook hook{state_.get(), hook_layer, hook_attend};
   llama_context* ctx = llama_init_from_model_with_attn_hook(model, params, &hook);
   if (ctx == nullptr) {
@@ -494,14 +508,16 @@ SequenceSnapshot Hook::save_sequence(llama_seq_id seq, std::optional<std::uint32
   const auto it = s.sequences.find(seq);
   if (it == s.sequences.end()) fail(ErrorCode::not_found, "save_sequence: the hook holds no sequence {}", seq);
   const RequestId id = it->second.request;
+  // As stored (q8_0 included): a load gives back the same bytes.
+  const DType stored = *s.options.kv_storage;
   SequenceSnapshot snapshot{s.layers, s.shape.q_heads, s.shape.kv_heads, s.shape.head_dim, s.llama_kq_scale,
-                            s.options.dtype, tokens.value_or(s.tokens_held(id, 0)), {}, {}};
-  const std::size_t bytes = std::size_t{snapshot.tokens} * s.shape.kv_heads * s.shape.head_dim *
-                            dtype_size(s.options.dtype);
+                            stored, tokens.value_or(s.tokens_held(id, 0)), {}, {}};
+  const std::size_t bytes =
+      std::size_t{snapshot.tokens} * s.shape.kv_heads * dtype_row_bytes(stored, s.shape.head_dim);
   for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
     snapshot.k.emplace_back(bytes);
     snapshot.v.emplace_back(bytes);
-    s.manager->read_kv(id, l, 0, snapshot.tokens, snapshot.k.back().data(), snapshot.v.back().data());
+    s.manager->read_kv(id, l, 0, snapshot.tokens, snapshot.k.back().data(), snapshot.v.back().data(), stored);
   }
   return snapshot;
 }
@@ -513,8 +529,8 @@ bool Hook::load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot) {
     if (s.sequences.contains(seq)) {
       fail(ErrorCode::failed_precondition, "load_sequence: the hook holds sequence {}; remove it (seq_rm) first", seq);
     }
-    const std::size_t bytes = std::size_t{snapshot.tokens} * snapshot.kv_heads * snapshot.head_dim *
-                              dtype_size(snapshot.dtype);
+    const std::size_t bytes =
+        std::size_t{snapshot.tokens} * snapshot.kv_heads * dtype_row_bytes(snapshot.dtype, snapshot.head_dim);
     const auto holds = [&](const std::vector<std::vector<std::byte>>& rows) {
       return rows.size() == snapshot.layers.size() &&
              std::all_of(rows.begin(), rows.end(), [&](const auto& r) { return r.size() == bytes; });
@@ -524,9 +540,10 @@ bool Hook::load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot) {
       fail(ErrorCode::invalid_argument, "load_sequence: the snapshot's K/V do not hold {} tokens of {} layers",
            snapshot.tokens, snapshot.layers.size());
     }
-    if (snapshot.dtype != s.options.dtype) {
-      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot holds {} K/V, the hook {}",
-           to_string(snapshot.dtype), to_string(s.options.dtype));
+    const DType stored = *s.options.kv_storage;
+    if (snapshot.dtype != s.options.dtype && snapshot.dtype != stored) {
+      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot holds {} K/V, the hook takes {} and stores {}",
+           to_string(snapshot.dtype), to_string(s.options.dtype), to_string(stored));
     }
     if (snapshot.tokens > llama_n_ctx_seq(s.ctx)) {
       fail(ErrorCode::invalid_argument, "load_sequence: {} tokens exceed the context's {} per sequence",
@@ -560,7 +577,7 @@ bool Hook::load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot) {
     m.add_request(id, s.max_tokens);
     try {
       for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
-        m.prefill_chunk(id, l, snapshot.k[l].data(), snapshot.v[l].data(), snapshot.tokens);
+        m.prefill_chunk(id, l, snapshot.k[l].data(), snapshot.v[l].data(), snapshot.tokens, snapshot.dtype);
       }
     } catch (...) {
       m.finish(id);

@@ -24,8 +24,9 @@
 // a state load without load_sequence, a partial removal made behind the
 // hook's back), a token in several sequences, rows of one sequence not
 // adjacent in a ubatch, a layer with attention sinks or a bias, a layer
-// shaped differently from the first hooked one. (A quantized
-// cache type is no matter: the hook receives llama.cpp's f32 rows.) A refusal inside llama_decode stops the graph
+// shaped differently from the first hooked one, a cache type other than
+// f16, f32 or q8_0 for both K and V (HookOptions::kv_storage). A refusal
+// inside llama_decode stops the graph
 // (the hook owns the context's abort callback): llama_decode returns 2 and
 // failure() says why. The sequences of a failed ubatch are then refused until
 // they restart at position 0 (after a whole removal).
@@ -51,14 +52,18 @@ struct SequenceSnapshot {
   float kq_scale = 0;                // llama.cpp's, as the hook received it
   DType dtype = DType::f16;
   std::uint32_t tokens = 0;          // positions 0 .. tokens-1
-  std::vector<std::vector<std::byte>> k, v;  // [layer][tokens][kv_heads][head_dim], dtype
+  std::vector<std::vector<std::byte>> k, v;  // [layer][tokens][kv_heads][head_dim], dtype (q8_0: blocks)
 };
 
 struct HookOptions {
   std::string policy = "quest";    // make_policy's names (sparsekv::policy_names, eviction_policy_names)
   std::uint32_t budget_tokens = 1024;
   std::uint32_t page_tokens = 16;
-  DType dtype = DType::f16;        // the library's copy of K/V (llama.cpp's default cache type)
+  DType dtype = DType::f16;        // the rows the hook hands the library (llama.cpp's default cache type)
+  // How the library stores them: the dtype above, or q8_0. Unset: from the
+  // context's cache types, q8_0 for `-ctk q8_0 -ctv q8_0`, else `dtype`;
+  // other quantized cache types are refused.
+  std::optional<DType> kv_storage;
 };
 
 class Hook {
@@ -104,8 +109,10 @@ class Hook {
   //    empty sequence: llama.cpp's cache must hold exactly positions 0 ..
   //    tokens-1 of seq, and the snapshot's layers, shape and scale must be
   //    this context's. The prompt is staged, as if llama.cpp had just
-  //    prefilled it. Returns false with failure() set and changes nothing
-  //    when it cannot.
+  //    prefilled it: a snapshot in q8_0 (what save_sequence of a q8_0 hook
+  //    gives: the stored blocks) byte for byte, one in the rows' dtype
+  //    quantized as a prefill would. Returns false with failure() set and
+  //    changes nothing when it cannot.
   // A state load without load_sequence is refused by llama_decode (the row's
   // position is not what the hook holds), unless the hook already holds
   // exactly as many tokens of that sequence: remove the sequence through the

@@ -3,17 +3,21 @@
 //
 //   sparsekv-llama generate --model F (--prompt TEXT | --prompt-file F) [--tokens N] [--policy P]
 //                           [--budget B] [--threads T] [--hook on|off] [--ctx N] [--flash-attn on|off]
-//                           [--json FILE]
+//                           [--kv f16|f32|q8_0] [--json FILE]
 //       greedy decoding: prints the text; on stderr the prompt rate, the first decode step (which indexes
 //       the prompt through the hook), the decode rate over the steps after it, and the process's peak RSS.
+//       --kv is llama.cpp's -ctk and -ctv at once: its cache type, and how the library stores K/V.
 //   sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]
-//                       [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32] [--json FILE]
+//                       [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16,q8_0,...]
+//                       [--json FILE]
 //                       [--shared-prefill on|off] [--yardstick on|off]
 //       teacher-forced decoding of the text: llama.cpp alone, Dense through the hook, then each policy x
 //       budget: perplexity, KL divergence from llama.cpp's own distribution, top-1 agreement, tokens/s.
 //       The prompt is prefilled once and loaded into every variant's context (Hook::save_sequence /
 //       load_sequence beside llama.cpp's state), unless --shared-prefill off. --yardstick on adds llama.cpp
-//       alone with flash attention flipped: how far llama.cpp's own two attentions are apart.
+//       alone with flash attention flipped: how far llama.cpp's own two attentions are apart. Several --kv
+//       types run every variant each; a later type's runs are also compared with the first type's run of the
+//       same variant (kld_vs_first: what storing K/V that way costs, llama.cpp's own cache included).
 #include <sys/resource.h>
 
 #include <chrono>
@@ -26,6 +30,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "command_line.hpp"
 #include "llama.h"
@@ -41,9 +46,9 @@ using namespace sparsekv::llama_cpp;
 constexpr const char* kUsage =
     "usage: sparsekv-llama generate --model F (--prompt TEXT | --prompt-file F) [--tokens N] [--policy P]\n"
     "                               [--budget B] [--threads T] [--hook on|off] [--ctx N] [--flash-attn on|off]\n"
-    "                               [--json FILE]\n"
+    "                               [--kv f16|f32|q8_0] [--json FILE]\n"
     "       sparsekv-llama eval --model F --text F [--prefill N] [--tokens N] [--policies a,b] [--budgets 256,512]\n"
-    "                           [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16|f32]\n"
+    "                           [--threads T] [--parallel P] [--page N] [--flash-attn on|off] [--kv f16,q8_0]\n"
     "                           [--json FILE] [--shared-prefill on|off] [--yardstick on|off]\n";
 
 std::string read_file(const std::string& path) {
@@ -74,6 +79,13 @@ std::unique_ptr<llama_model, ModelDeleter> load_model(const std::string& path) {
   return model;
 }
 
+// A cache type of --kv: f16, f32 or q8_0.
+DType kv_type(const std::string& name) {
+  const DType kv = parse_dtype(name);
+  if (kv == DType::bf16) fail(ErrorCode::invalid_argument, "--kv takes f16, f32 or q8_0, got '{}'", name);
+  return kv;
+}
+
 int generate(const tools::CommandLine& cli) {
   const auto model = load_model(cli.text("--model", ""));
   const std::string prompt = cli.has("--prompt") ? cli.text("--prompt", "") : read_file(cli.text("--prompt-file", ""));
@@ -88,9 +100,14 @@ int generate(const tools::CommandLine& cli) {
   const bool flash_attn = on_off(cli, "--flash-attn", true);
   params.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
   params.no_perf = true;
+  // llama.cpp's -ctk / -ctv for both: the hook stores K/V the same way (q8_0 included).
+  const DType kv = kv_type(cli.text("--kv", "f16"));
+  if (kv == DType::f32) params.type_k = params.type_v = GGML_TYPE_F32;
+  if (kv == DType::q8_0) params.type_k = params.type_v = GGML_TYPE_Q8_0;
   HookOptions options;
   options.policy = cli.text("--policy", "quest");
   options.budget_tokens = cli.number<std::uint32_t>("--budget", 1024);
+  options.dtype = kv == DType::f32 ? DType::f32 : DType::f16;
   std::unique_ptr<llama_context, ContextDeleter> own;
   std::optional<Hook> hook;
   if (hooked) {
@@ -150,11 +167,12 @@ int generate(const tools::CommandLine& cli) {
   if (cli.has("--json")) {
     std::ofstream out(cli.text("--json", ""));
     out << fmt::format(
-        "{{\"prompt_tokens\": {}, \"hook\": {}, \"policy\": \"{}\", \"budget_tokens\": {}, \"flash_attn\": {}, "
+        "{{\"prompt_tokens\": {}, \"hook\": {}, \"policy\": \"{}\", \"budget_tokens\": {}, \"kv\": \"{}\", "
+        "\"flash_attn\": {}, "
         "\"threads\": {}, \"n_ctx\": {}, \"prompt_s\": {:.4f}, \"first_step_s\": {:.4f}, \"decode_tokens\": {}, "
         "\"decode_tokens_per_s\": {:.3f}, \"peak_rss_mib\": {:.1f}}}\n",
         tokens.size(), hooked, hooked ? options.policy : std::string("llama"), hooked ? options.budget_tokens : 0,
-        flash_attn, params.n_threads, params.n_ctx, prefill_s, first_s, produced > 0 ? produced - 1 : 0,
+        to_string(kv), flash_attn, params.n_threads, params.n_ctx, prefill_s, first_s, produced > 0 ? produced - 1 : 0,
         decode_rate, peak_mib);
   }
   return 0;
@@ -181,9 +199,11 @@ int eval(const tools::CommandLine& cli) {
   setup.threads = cli.number<std::int32_t>("--threads", 2);
   setup.page_tokens = cli.number<std::uint32_t>("--page", 16);
   setup.flash_attn = on_off(cli, "--flash-attn", true);
-  const std::string kv = cli.text("--kv", "f16");
-  if (kv != "f16" && kv != "f32") fail(ErrorCode::invalid_argument, "--kv takes f16 or f32, got '{}'", kv);
-  setup.f32_kv = kv == "f32";
+  // Each cache type runs every variant; the first type's llama.cpp run is the
+  // reference, and a later type's run is compared with the first type's run
+  // of the same variant too (kld_vs_first: what storing K/V that way costs).
+  std::vector<DType> kvs;
+  for (const std::string& kv : cli.list("--kv", "f16")) kvs.push_back(kv_type(kv));
   setup.text = tokenize(model.get(), read_file(cli.text("--text", "")));
   // A short text is read again from its start: a long context from any text.
   const std::size_t own = setup.text.size();
@@ -194,55 +214,79 @@ int eval(const tools::CommandLine& cli) {
   for (const std::string& p : cli.list("--policies", "quest,shadowkv")) {
     for (const std::uint32_t b : numbers(cli.list("--budgets", "256,1024"))) variants.push_back({p, b});
   }
-  // One prefill for every variant (--shared-prefill off: one each).
-  std::optional<SavedPrompts> prompts;
-  double prefill_s = 0;
-  if (on_off(cli, "--shared-prefill", true)) {
-    const auto t0 = std::chrono::steady_clock::now();
-    prompts = prefill_prompts(setup);
-    prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    fmt::print("sparsekv-llama eval: prefilled once in {:.1f} s; every variant loads it\n", prefill_s);
-  }
   fmt::print("sparsekv-llama eval: {} prompt tokens x {} sequences, {} teacher-forced steps, {} threads\n",
              setup.prefill, setup.parallel, setup.tokens, setup.threads);
-  fmt::print("{:<16} {:>7} {:>11} {:>10} {:>7} {:>9}\n", "policy", "budget", "perplexity", "kld_mean", "top1",
-             "tokens/s");
+  fmt::print("{:<16} {:>5} {:>7} {:>11} {:>10} {:>7} {:>9} {:>12} {:>10}\n", "policy", "kv", "budget", "perplexity",
+             "kld_mean", "top1", "tokens/s", "kld_vs_first", "top1_first");
+  struct Row {
+    EvalResult result;
+    DType kv;
+    std::optional<Agreement> vs_first;
+  };
   Distributions reference;
-  std::vector<EvalResult> results;
+  std::vector<Distributions> first_kv(variants.size());
+  std::vector<Row> rows;
+  std::vector<double> prefill_s;
   // --yardstick on: llama.cpp alone without flash attention too (its own
   // exact attention, rounded differently): how far llama.cpp is from itself.
   const bool yardstick = on_off(cli, "--yardstick", false);
-  const auto show = [](const EvalResult& r) {
-    fmt::print("{:<16} {:>7} {:>11.4f} {:>10.2e} {:>7.3f} {:>9.1f}\n", r.policy,
-               r.budget_tokens == 0 ? std::string("-") : fmt::format("{}", r.budget_tokens), r.perplexity,
-               r.kld_mean, r.top1_agreement, r.tokens_per_s);
+  const auto show = [](const Row& row) {
+    const EvalResult& r = row.result;
+    fmt::print("{:<16} {:>5} {:>7} {:>11.4f} {:>10.2e} {:>7.3f} {:>9.1f} {:>12} {:>10}\n", r.policy,
+               to_string(row.kv), r.budget_tokens == 0 ? std::string("-") : fmt::format("{}", r.budget_tokens),
+               r.perplexity, r.kld_mean, r.top1_agreement, r.tokens_per_s,
+               row.vs_first ? fmt::format("{:.2e}", row.vs_first->kld_mean) : std::string("-"),
+               row.vs_first ? fmt::format("{:.3f}", row.vs_first->top1) : std::string("-"));
     std::fflush(stdout);
   };
-  for (const EvalVariant& v : variants) {
-    const bool first = results.empty();
-    results.push_back(eval_variant(setup, prompts ? &*prompts : nullptr, v, first ? nullptr : &reference,
-                                   first ? &reference : nullptr));
-    show(results.back());
-    if (first && yardstick) {
-      EvalSetup flipped = setup;
-      flipped.flash_attn = !setup.flash_attn;
-      results.push_back(eval_variant(flipped, nullptr, v, &reference, nullptr));
-      results.back().policy = setup.flash_attn ? "llama_no_fa" : "llama_fa";
-      show(results.back());
+  for (std::size_t k = 0; k < kvs.size(); ++k) {
+    setup.kv = kvs[k];
+    // One prefill for every variant of this cache type (--shared-prefill off: one each).
+    std::optional<SavedPrompts> prompts;
+    if (on_off(cli, "--shared-prefill", true)) {
+      const auto t0 = std::chrono::steady_clock::now();
+      prompts = prefill_prompts(setup);
+      prefill_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      fmt::print("sparsekv-llama eval: {} prefilled once in {:.1f} s; every variant loads it\n", to_string(setup.kv),
+                 prefill_s.back());
+    }
+    for (std::size_t i = 0; i < variants.size(); ++i) {
+      const bool first = rows.empty();
+      Distributions run;
+      Row row{eval_variant(setup, prompts ? &*prompts : nullptr, variants[i], first ? nullptr : &reference, &run),
+              setup.kv, std::nullopt};
+      if (first) reference = run;
+      if (k == 0) {
+        first_kv[i] = std::move(run);
+      } else {
+        row.vs_first = agreement(first_kv[i], run);
+      }
+      rows.push_back(row);
+      show(rows.back());
+      if (first && yardstick) {
+        EvalSetup flipped = setup;
+        flipped.flash_attn = !setup.flash_attn;
+        rows.push_back({eval_variant(flipped, nullptr, variants[i], &reference, nullptr), setup.kv, std::nullopt});
+        rows.back().result.policy = setup.flash_attn ? "llama_no_fa" : "llama_fa";
+        show(rows.back());
+      }
     }
   }
   if (cli.has("--json")) {
     std::ofstream out(cli.text("--json", ""));
     out << fmt::format("{{\"prefill\": {}, \"tokens\": {}, \"parallel\": {}, \"threads\": {}, "
-                       "\"shared_prefill_s\": {:.1f}, \"results\": [",
-                       setup.prefill, setup.tokens, setup.parallel, setup.threads, prefill_s);
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      const EvalResult& r = results[i];
+                       "\"shared_prefill_s\": [{}], \"results\": [",
+                       setup.prefill, setup.tokens, setup.parallel, setup.threads, fmt::join(prefill_s, ", "));
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const EvalResult& r = rows[i].result;
+      const auto& vs = rows[i].vs_first;
       out << fmt::format(
-          "{}\n  {{\"policy\": \"{}\", \"budget_tokens\": {}, \"perplexity\": {:.6f}, \"kld_mean\": {:.6e}, "
-          "\"top1_agreement\": {:.6f}, \"tokens_per_s\": {:.3f}, \"hook_rows\": {}}}",
-          i == 0 ? "" : ",", r.policy, r.budget_tokens, r.perplexity, r.kld_mean, r.top1_agreement, r.tokens_per_s,
-          r.hook_rows);
+          "{}\n  {{\"policy\": \"{}\", \"kv\": \"{}\", \"budget_tokens\": {}, \"perplexity\": {:.6f}, "
+          "\"kld_mean\": {:.6e}, \"top1_agreement\": {:.6f}, \"tokens_per_s\": {:.3f}, \"hook_rows\": {}, "
+          "\"kld_vs_first_kv\": {}, \"top1_vs_first_kv\": {}}}",
+          i == 0 ? "" : ",", r.policy, to_string(rows[i].kv), r.budget_tokens, r.perplexity, r.kld_mean,
+          r.top1_agreement, r.tokens_per_s, r.hook_rows, vs ? fmt::format("{:.6e}", vs->kld_mean) : "null",
+          vs ? fmt::format("{:.6f}", vs->top1) : "null");
     }
     out << "\n]}\n";
   }

@@ -106,19 +106,39 @@ constexpr bool kQuadSums = !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR &&
 // independent FMA chains, each q vector loaded once for the R rows; the R * G
 // sums reduce four at a time into whole rows where the target allows.
 template <class T, std::uint32_t G, std::uint32_t R, class D>
-HWY_INLINE void Dots(D df, const float* HWY_RESTRICT q, const T* const (&k)[R], std::uint32_t d, std::size_t full,
-                     DType dtype, float scale, float* HWY_RESTRICT out) {
+HWY_INLINE void Dots(D df, const float* HWY_RESTRICT q, const std::byte* const (&k)[R], std::uint32_t d,
+                     std::size_t full, DType dtype, float scale, float* HWY_RESTRICT out) {
   constexpr std::uint32_t W = RowWidth(G);
   const std::size_t lanes = hn::Lanes(df);
   hn::Vec<D> sums[R][G];
   for (std::uint32_t r = 0; r < R; ++r)
     for (std::uint32_t b = 0; b < G; ++b) sums[r][b] = hn::Zero(df);
-  for (std::size_t j = 0; j < full; j += lanes) {
-    hn::Vec<D> rows[R];
-    for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadWidened(df, k[r] + j);
+  const auto add = [&](std::size_t j, const hn::Vec<D> (&rows)[R]) {
     for (std::uint32_t b = 0; b < G; ++b) {
       const auto qv = InRegister(hn::LoadU(df, q + std::size_t{b} * d + j));
       for (std::uint32_t r = 0; r < R; ++r) sums[r][b] = hn::MulAdd(qv, rows[r], sums[r][b]);
+    }
+  };
+  if constexpr (std::is_same_v<T, Q8Row>) {
+    // Block by block, each row's scale converted and broadcast once per block.
+    for (std::size_t j0 = 0; j0 < full; j0 += kQ8BlockValues) {
+      const std::byte* blocks[R];
+      hn::Vec<D> scales[R];
+      for (std::uint32_t r = 0; r < R; ++r) {
+        blocks[r] = k[r] + j0 / kQ8BlockValues * kQ8BlockBytes;
+        scales[r] = hn::Set(df, Q8Scale(blocks[r]));
+      }
+      for (std::size_t i = 0; i < kQ8BlockValues; i += lanes) {
+        hn::Vec<D> rows[R];
+        for (std::uint32_t r = 0; r < R; ++r) rows[r] = hn::Mul(LoadQ8Lanes(df, blocks[r], i), scales[r]);
+        add(j0 + i, rows);
+      }
+    }
+  } else {
+    for (std::size_t j = 0; j < full; j += lanes) {
+      hn::Vec<D> rows[R];
+      for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadWidened(df, reinterpret_cast<const T*>(k[r]) + j);
+      add(j, rows);
     }
   }
 #if HWY_TARGET != HWY_SCALAR
@@ -277,12 +297,21 @@ HWY_INLINE void WeightedRows(D df, const PageLayout& layout, const FoldPageRef* 
     }
   }
   const std::size_t row_bytes = layout.row_bytes();
+  // q8_0: the R vectors lie in one block (R * lanes divides it), whose scale
+  // goes into the weights: w * (q * d) as (w * d) * q.
+  constexpr bool kQ8 = std::is_same_v<T, Q8Row>;
   const auto add_row = [&](const std::byte* row, const float* HWY_RESTRICT wt) {
-    const T* v = reinterpret_cast<const T*>(row) + j;
     hn::Vec<D> rows[R];
-    for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadWidened(df, v + r * lanes);
+    float scale = 1.0f;
+    if constexpr (kQ8) {
+      const std::byte* block = row + j / kQ8BlockValues * kQ8BlockBytes;
+      scale = Q8Scale(block);
+      for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadQ8Lanes(df, block, j % kQ8BlockValues + r * lanes);
+    } else {
+      for (std::uint32_t r = 0; r < R; ++r) rows[r] = LoadWidened(df, reinterpret_cast<const T*>(row) + j + r * lanes);
+    }
     for (std::uint32_t b = 0; b < G; ++b) {
-      const auto wb = hn::Set(df, wt[b]);
+      const auto wb = hn::Set(df, kQ8 ? wt[b] * scale : wt[b]);
       for (std::uint32_t r = 0; r < R; ++r) accs[r][b] = hn::MulAdd(wb, rows[r], accs[r][b]);
     }
   };
@@ -321,7 +350,7 @@ void FoldHeads(const PageFold& f, const FoldPageRef* pages, std::uint32_t count,
   const std::size_t lanes = hn::Lanes(df);
   const PageLayout& layout = f.layout;
   const std::uint32_t d = layout.head_dim, group = f.group, pt = layout.page_tokens;
-  const std::size_t full = d / lanes * lanes;  // the tail [full, d) in scalar code
+  const std::size_t full = RowLanesFit<T>(lanes) ? d / lanes * lanes : 0;  // the tail [full, d) in scalar code
   float* HWY_RESTRICT w = f.weights;  // [tile slots][W]: scores, then weights
   const float* HWY_RESTRICT q = f.q + std::size_t{g0} * d;
   // 1. Scores (a dead slot's is computed, then -inf). Each slot's turn also
@@ -337,7 +366,7 @@ void FoldHeads(const PageFold& f, const FoldPageRef* pages, std::uint32_t count,
     const std::byte* ahead = p + 1 < count ? pages[p + 1].data : next;
     float* HWY_RESTRICT page_w = w + std::size_t{tile_tokens} * W;
     const bool all_live = (live & full_slot_mask(tokens)) == full_slot_mask(tokens);
-    const auto k_row = [&](std::uint32_t t) { return reinterpret_cast<const T*>(page + layout.k_offset(t)); };
+    const auto k_row = [&](std::uint32_t t) { return page + layout.k_offset(t); };
     const auto scored = [&](std::uint32_t t, std::uint32_t n) {
       if (all_live) return;
       for (std::uint32_t u = t; u < t + n; ++u) {
@@ -346,7 +375,7 @@ void FoldHeads(const PageFold& f, const FoldPageRef* pages, std::uint32_t count,
     };
     std::uint32_t t = 0;
     for (; t + R <= tokens; t += R) {
-      const T* rows[R];
+      const std::byte* rows[R];
       for (std::uint32_t r = 0; r < R; ++r) {
         PrefetchRow(page + layout.v_offset(t + r), row_bytes);
         if (ahead != nullptr) PrefetchRow(ahead + layout.k_offset(t + r), row_bytes);
@@ -358,7 +387,7 @@ void FoldHeads(const PageFold& f, const FoldPageRef* pages, std::uint32_t count,
     for (; t < tokens; ++t) {
       PrefetchRow(page + layout.v_offset(t), row_bytes);
       if (ahead != nullptr) PrefetchRow(ahead + layout.k_offset(t), row_bytes);
-      const T* rows[1] = {k_row(t)};
+      const std::byte* rows[1] = {k_row(t)};
       Dots<T, G, 1>(df, q, rows, d, full, layout.dtype, f.scale, page_w + std::size_t{t} * W);
       scored(t, 1);
     }
@@ -379,7 +408,10 @@ void FoldHeads(const PageFold& f, const FoldPageRef* pages, std::uint32_t count,
   // 3. The weighted V rows, in slot order.
   float* HWY_RESTRICT acc = f.acc + std::size_t{g0} * d;
   std::size_t j = 0;
-  for (; j + R * lanes <= full; j += R * lanes) WeightedRows<T, G, R>(df, layout, pages, count, w, scales, acc, j);
+  // (q8_0: R vectors a block holds whole; RowLanesFit keeps `full` 0 where a vector does not fit one)
+  if (!std::is_same_v<T, Q8Row> || kQ8BlockValues % (R * lanes) == 0) {
+    for (; j + R * lanes <= full; j += R * lanes) WeightedRows<T, G, R>(df, layout, pages, count, w, scales, acc, j);
+  }
   for (; j < full; j += lanes) WeightedRows<T, G, 1>(df, layout, pages, count, w, scales, acc, j);
   for (j = full; j < d; ++j) {
     for (std::uint32_t b = 0; b < G; ++b) acc[b * d + j] = softmax_rescale_tile(acc[b * d + j], scales[b]);
@@ -422,6 +454,9 @@ void FoldPages(const PageFold& f, const FoldPageRef* pages, std::uint32_t count,
       return;
     case DType::bf16:
       FoldPagesOf<hwy::bfloat16_t>(f, pages, count, next);
+      return;
+    case DType::q8_0:
+      FoldPagesOf<Q8Row>(f, pages, count, next);
       return;
   }
 }

@@ -99,13 +99,26 @@ HWY_INLINE void WithCount(std::size_t count, const F& f) {
   f(std::integral_constant<std::size_t, N>());
 }
 
-// One row of K or V (d elements of T) as fp32 in dst, zeros up to dp.
+// One row of K or V (d elements of T: float, hwy::float16_t,
+// hwy::bfloat16_t or Q8Row blocks) as fp32 in dst, zeros up to dp.
 template <class T, class D>
-HWY_INLINE void WidenRow(D df, const T* HWY_RESTRICT src, std::uint32_t d, DType dtype, std::size_t dp,
+HWY_INLINE void WidenRow(D df, const std::byte* HWY_RESTRICT src, std::uint32_t d, DType dtype, std::size_t dp,
                          float* HWY_RESTRICT dst) {
   const std::size_t lanes = hn::Lanes(df);
   std::size_t j = 0;
-  for (; j + lanes <= d; j += lanes) hn::Store(LoadWidened(df, src + j), df, dst + j);
+  if constexpr (std::is_same_v<T, Q8Row>) {
+    if (RowLanesFit<T>(lanes)) {
+      for (; j < d; j += kQ8BlockValues) {
+        const std::byte* block = src + j / kQ8BlockValues * kQ8BlockBytes;
+        const auto scale = hn::Set(df, Q8Scale(block));
+        for (std::size_t i = 0; i < kQ8BlockValues; i += lanes) {
+          hn::Store(hn::Mul(LoadQ8Lanes(df, block, i), scale), df, dst + j + i);
+        }
+      }
+    }
+  } else {
+    for (; j + lanes <= d; j += lanes) hn::Store(LoadWidened(df, reinterpret_cast<const T*>(src) + j), df, dst + j);
+  }
   for (; j < d; ++j) dst[j] = load_element(src, static_cast<std::uint32_t>(j), dtype);
   for (; j < dp; ++j) dst[j] = 0.0f;
 }
@@ -231,10 +244,10 @@ void RunTileOf(const PromptAttentionShape& shape, const PromptChunk& chunk, cons
   const std::size_t row_floats = std::size_t{shape.q_heads} * d;
   const std::size_t q_stride = chunk.q_stride != 0 ? chunk.q_stride : row_floats;
   const std::size_t out_stride = chunk.out_stride != 0 ? chunk.out_stride : row_floats;
-  const std::size_t kv_row = std::size_t{shape.kv_heads} * d;  // elements a token
-  const T* HWY_RESTRICT k_head = reinterpret_cast<const T*>(chunk.k) + std::size_t{tile.kv_head} * d;
-  const T* HWY_RESTRICT v_head = reinterpret_cast<const T*>(chunk.v) + std::size_t{tile.kv_head} * d;
-  const std::size_t row_bytes = d * sizeof(T);
+  const std::size_t row_bytes = dtype_row_bytes(shape.dtype, d);
+  const std::size_t kv_row = std::size_t{shape.kv_heads} * row_bytes;  // bytes a token
+  const std::byte* HWY_RESTRICT k_head = chunk.k + std::size_t{tile.kv_head} * row_bytes;
+  const std::byte* HWY_RESTRICT v_head = chunk.v + std::size_t{tile.kv_head} * row_bytes;
 
   // Queries m = head * R + row, transposed; a lane without a query of this
   // chunk (rows outside [lo, hi), padding) has q = 0 and the last row's
@@ -254,8 +267,8 @@ void RunTileOf(const PromptAttentionShape& shape, const PromptChunk& chunk, cons
   std::fill_n(run_max, mp, kNegativeInfinity);
   std::fill_n(run_sum, mp, 0.0f);
 
-  const auto prefetch_row = [&](const T* row) {
-    for (std::size_t at = 0; at < row_bytes; at += 64) hwy::Prefetch(reinterpret_cast<const char*>(row) + at);
+  const auto prefetch_row = [&](const std::byte* row) {
+    for (std::size_t at = 0; at < row_bytes; at += 64) hwy::Prefetch(row + at);
   };
   for (std::uint32_t b = 0; b <= diag; ++b) {
     const std::uint32_t first = b * B;
@@ -263,7 +276,7 @@ void RunTileOf(const PromptAttentionShape& shape, const PromptChunk& chunk, cons
     const std::size_t nt = (n + kScoreRows - 1) / kScoreRows * kScoreRows;
     // 1. The block's K rows in fp32 (rows past n zero).
     for (std::uint32_t t = 0; t < n; ++t) {
-      WidenRow(df, k_head + (std::size_t{first} + t) * kv_row, d, shape.dtype, dp, kf + t * dp);
+      WidenRow<T>(df, k_head + (std::size_t{first} + t) * kv_row, d, shape.dtype, dp, kf + t * dp);
     }
     for (std::size_t t = n; t < nt; ++t) std::fill_n(kf + t * dp, dp, 0.0f);
     // 2. Scores, a register block of query vectors at a time over the block's
@@ -302,7 +315,7 @@ void RunTileOf(const PromptAttentionShape& shape, const PromptChunk& chunk, cons
     // 3. The V rows in fp32, then added with their weights, a register block
     //    of each head's rows of this chunk at a time.
     for (std::uint32_t t = 0; t < n; ++t) {
-      WidenRow(df, v_head + (std::size_t{first} + t) * kv_row, d, shape.dtype, dp, vf + t * dp);
+      WidenRow<T>(df, v_head + (std::size_t{first} + t) * kv_row, d, shape.dtype, dp, vf + t * dp);
     }
     const std::size_t jv = dp / lanes;
     for (std::uint32_t head = 0; head < tile.heads; ++head) {
@@ -345,6 +358,9 @@ void RunTile(const PromptAttentionShape& shape, const PromptChunk& chunk, const 
     case DType::bf16:
       RunTileOf<hwy::bfloat16_t>(shape, chunk, tile, tile_rows, scratch);
       return;
+    case DType::q8_0:
+      RunTileOf<Q8Row>(shape, chunk, tile, tile_rows, scratch);
+      return;
   }
 }
 
@@ -360,8 +376,13 @@ HWY_EXPORT(RunTile);
 namespace {
 
 void check_shape(const PromptAttentionShape& shape) {
-  if (shape.dtype != DType::f32 && shape.dtype != DType::f16 && shape.dtype != DType::bf16) {
+  if (shape.dtype != DType::f32 && shape.dtype != DType::f16 && shape.dtype != DType::bf16 &&
+      shape.dtype != DType::q8_0) {
     fail(ErrorCode::invalid_argument, "prompt attention: unknown K/V dtype {}", static_cast<int>(shape.dtype));
+  }
+  if (shape.dtype == DType::q8_0 && shape.head_dim % kQ8BlockValues != 0) {
+    fail(ErrorCode::invalid_argument, "prompt attention: q8_0 K/V need head_dim ({}) a multiple of {}",
+         shape.head_dim, kQ8BlockValues);
   }
   if (shape.q_heads == 0 || shape.kv_heads == 0 || shape.head_dim == 0) {
     fail(ErrorCode::invalid_argument, "prompt attention: {} q heads, {} kv heads, head_dim {}: each must be positive",
@@ -467,8 +488,8 @@ void prompt_attention_scalar(const PromptAttentionShape& shape, const PromptChun
   const std::size_t row = std::size_t{shape.q_heads} * d;
   const std::size_t q_stride = chunk.q_stride != 0 ? chunk.q_stride : row;
   const std::size_t out_stride = chunk.out_stride != 0 ? chunk.out_stride : row;
-  const std::size_t token_bytes = std::size_t{shape.kv_heads} * d * dtype_size(shape.dtype);
-  const std::size_t head_bytes = std::size_t{d} * dtype_size(shape.dtype);
+  const std::size_t head_bytes = dtype_row_bytes(shape.dtype, d);
+  const std::size_t token_bytes = std::size_t{shape.kv_heads} * head_bytes;
   std::vector<float> scores(kPromptBlockTokens), weights(kPromptBlockTokens), acc(d);
   for (std::uint32_t r = 0; r < chunk.rows; ++r) {
     const std::uint32_t pos = chunk.first + r;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
+#include "sparsekv/core/convert.hpp"
 #include "sparsekv/core/error.hpp"
 
 namespace sparsekv {
@@ -45,7 +46,7 @@ std::uint32_t TieredKVBuffer::forkable_tokens(RequestId request, std::uint32_t l
 }
 
 void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end,
-                                 void* k, void* v) const {
+                                 void* k, void* v, DType as) const {
   const RequestState& s = state(request);
   const std::uint32_t forkable = forkable_tokens(request, layer);
   if (first > end || end > forkable) {
@@ -57,9 +58,13 @@ void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::ui
   if (first < end && (k == nullptr || v == nullptr)) {
     fail(ErrorCode::invalid_argument, "read_prefix: K/V pointers must not be null");
   }
+  if (as != shape_.dtype && as != layout_.dtype) {
+    fail(ErrorCode::invalid_argument, "read_prefix: rows in {}; expected the model's {} or the stored {}",
+         to_string(as), to_string(shape_.dtype), to_string(layout_.dtype));
+  }
   transfer_->synchronize();  // the last saved page may still be on its way to the CPU tier
   const std::uint32_t pt = config_.page_tokens;
-  const std::size_t row = layout_.row_bytes();
+  const std::size_t out_row = dtype_row_bytes(as, shape_.head_dim);
   const std::uint32_t prompt = s.budget.evicts ? forkable : prompt_readable(s, layer);
   const bool ordered = s.budget.evicts || prompt <= s.ordered_tokens[layer];
   std::vector<PageId> pages;
@@ -84,9 +89,11 @@ void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::ui
         at = s.scattered[std::size_t{layer} * shape_.kv_heads + h].placements[t];
       }
       const std::byte* from = cpu_pool_.data(at.cpu_page);
-      const std::size_t to = (std::size_t{t - first} * shape_.kv_heads + h) * row;
-      std::memcpy(static_cast<std::byte*>(k) + to, from + layout_.k_offset(at.slot), row);
-      std::memcpy(static_cast<std::byte*>(v) + to, from + layout_.v_offset(at.slot), row);
+      const std::size_t to = (std::size_t{t - first} * shape_.kv_heads + h) * out_row;
+      convert_rows(from + layout_.k_offset(at.slot), layout_.dtype, static_cast<std::byte*>(k) + to, as, 1,
+                   shape_.head_dim);
+      convert_rows(from + layout_.v_offset(at.slot), layout_.dtype, static_cast<std::byte*>(v) + to, as, 1,
+                   shape_.head_dim);
     }
   }
 }
@@ -150,8 +157,8 @@ void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::ui
   const std::uint32_t rest = tokens - shared * pt;
   std::vector<std::byte> k(std::size_t{rest} * shape_.kv_heads * row), v(k.size());
   if (shared == 0) {
-    read_prefix(source, layer, 0, tokens, k.data(), v.data());
-    offload(request, layer, KvChunk{k.data(), v.data(), tokens, shape_.dtype}, specs);
+    read_prefix(source, layer, 0, tokens, k.data(), v.data(), layout_.dtype);
+    offload(request, layer, KvChunk{k.data(), v.data(), tokens, layout_.dtype}, specs);
     return;
   }
   check_offload_specs(request, layer, tokens, specs);
@@ -167,7 +174,7 @@ void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::ui
   }
   table_.check_segments(segments);
 
-  read_prefix(source, layer, shared * pt, tokens, k.data(), v.data());
+  read_prefix(source, layer, shared * pt, tokens, k.data(), v.data(), layout_.dtype);
   if (s.budget.evicts) {
     share_prefix(request, source, layer, shared);  // with the positions, masks and open page
   } else {
@@ -176,7 +183,9 @@ void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::ui
   }
   stats_.pages_shared += std::uint64_t{shared} * shape_.kv_heads;
   // The rest as a prefill continuing at position shared * pt.
-  if (rest > 0) offload(request, layer, KvChunk{k.data(), v.data(), rest, shape_.dtype}, std::vector{PartitionSpec::uniform(rest, pt)});
+  if (rest > 0) {
+    offload(request, layer, KvChunk{k.data(), v.data(), rest, layout_.dtype}, std::vector{PartitionSpec::uniform(rest, pt)});
+  }
 }
 
 }  // namespace sparsekv

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "sparsekv/core/convert.hpp"
 #include "sparsekv/core/error.hpp"
 
 namespace sparsekv {
@@ -45,7 +46,7 @@ TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, Me
       site_(site),
       shape_(shape),
       config_(validated(config, shape)),
-      layout_{config.page_tokens, shape.head_dim, shape.dtype},
+      layout_{config.page_tokens, shape.head_dim, config.storage_dtype(shape)},
       cpu_pool_(layout_, tier_pages(config.cpu_tier_bytes, layout_.page_bytes()), cpu_tier,
                 tier_pages(config.host_chunk_bytes, layout_.page_bytes())),
       gpu_pool_(layout_, tier_pages(config.gpu_tier_bytes, layout_.page_bytes()), gpu_pages),
@@ -59,6 +60,10 @@ TieredKVBuffer::TieredKVBuffer(const ModelShape& shape, const Config& config, Me
   }
   if (site == AttendSite::cpu_tier && !gpu_pages.host_accessible()) {
     fail(ErrorCode::invalid_argument, "TieredKVBuffer: attending the CPU tier in place needs host memory");
+  }
+  if (layout_.dtype == DType::q8_0 && !gpu_pages.host_accessible()) {
+    fail(ErrorCode::invalid_argument,
+         "TieredKVBuffer: q8_0 storage is served by the host backends; the CUDA kernels read f32, f16 or bf16 pages");
   }
   if (!gpu_pages.host_accessible() && !transfer.reaches_device_memory()) {
     fail(ErrorCode::invalid_argument, "TieredKVBuffer: GPU-tier pages in device memory need a device transfer backend");
@@ -330,10 +335,28 @@ void TieredKVBuffer::check_chunk(const KvChunk& kv, std::uint32_t layer) const {
   check_index("layer", layer, shape_.layers);
   if (kv.k == nullptr || kv.v == nullptr) fail(ErrorCode::invalid_argument, "K/V pointers must not be null");
   if (kv.tokens == 0) fail(ErrorCode::invalid_argument, "a K/V chunk needs at least one token");
-  if (kv.dtype != shape_.dtype) {
+  if (kv.dtype != shape_.dtype && kv.dtype != layout_.dtype) {
     fail(ErrorCode::invalid_argument, "K/V dtype {} does not match the model's {}", to_string(kv.dtype),
          to_string(shape_.dtype));
   }
+}
+
+void TieredKVBuffer::check_device_rows(const char* call) const {
+  if (layout_.dtype != shape_.dtype) {
+    fail(ErrorCode::failed_precondition, "{}: the device writes rows in the model's {}; this buffer stores {}", call,
+         to_string(shape_.dtype), to_string(layout_.dtype));
+  }
+}
+
+std::pair<const std::byte*, const std::byte*> TieredKVBuffer::stored_token(const KvChunk& token) {
+  const auto* k = static_cast<const std::byte*>(token.k);
+  const auto* v = static_cast<const std::byte*>(token.v);
+  if (token.dtype == layout_.dtype) return {k, v};
+  const std::size_t bytes = shape_.kv_heads * layout_.row_bytes();
+  token_rows_.resize(2 * bytes);
+  convert_rows(k, token.dtype, token_rows_.data(), layout_.dtype, shape_.kv_heads, shape_.head_dim);
+  convert_rows(v, token.dtype, token_rows_.data() + bytes, layout_.dtype, shape_.kv_heads, shape_.head_dim);
+  return {token_rows_.data(), token_rows_.data() + bytes};
 }
 
 void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChunk& kv,
@@ -341,7 +364,7 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
   state(request);
   check_chunk(kv, layer);
   check_offload(request, layer, kv.tokens, specs);
-  const std::size_t row = layout_.row_bytes();
+  const std::size_t row = layout_.row_bytes(), source_row = dtype_row_bytes(kv.dtype, shape_.head_dim);
   const auto* k = static_cast<const std::byte*>(kv.k);
   const auto* v = static_cast<const std::byte*>(kv.v);
   transfer_->synchronize();  // a page freed by finish() may still be a save's target
@@ -358,9 +381,14 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
     for (std::uint32_t t = 0; t < kv.tokens; ++t) {
       const TokenPlacement where = mapped.placements[t];
       std::byte* page = cpu_pool_.data(where.cpu_page);
-      const std::size_t source = (std::size_t{t} * shape_.kv_heads + h) * row;
-      std::memcpy(page + layout_.k_offset(where.slot), k + source, row);
-      std::memcpy(page + layout_.v_offset(where.slot), v + source, row);
+      const std::size_t source = (std::size_t{t} * shape_.kv_heads + h) * source_row;
+      if (kv.dtype == layout_.dtype) {
+        std::memcpy(page + layout_.k_offset(where.slot), k + source, row);
+        std::memcpy(page + layout_.v_offset(where.slot), v + source, row);
+      } else {
+        convert_rows(k + source, kv.dtype, page + layout_.k_offset(where.slot), layout_.dtype, 1, shape_.head_dim);
+        convert_rows(v + source, kv.dtype, page + layout_.v_offset(where.slot), layout_.dtype, 1, shape_.head_dim);
+      }
     }
   }
   s.tokens[layer] += kv.tokens;
@@ -401,6 +429,7 @@ void TieredKVBuffer::offload_on_device(RequestId request, std::uint32_t layer, s
                                        std::span<const PartitionSpec> specs, std::vector<TokenPlacement>& placements) {
   state(request);
   check_index("layer", layer, shape_.layers);
+  check_device_rows("offload_on_device");
   if (tokens == 0) fail(ErrorCode::invalid_argument, "a K/V chunk needs at least one token");
   check_offload(request, layer, tokens, specs);
   placements.resize(std::size_t{tokens} * shape_.kv_heads);
@@ -489,6 +518,7 @@ TieredKVBuffer::DeviceAppendSlot TieredKVBuffer::append_on_device(RequestId requ
                                                                   std::span<PageId> cpu_pages) {
   RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
+  check_device_rows("append_on_device");
   check_has_tail(request, s);
   if (cpu_pages.size() != shape_.kv_heads) {
     fail(ErrorCode::invalid_argument, "append_on_device: {} CPU page slots for {} kv heads", cpu_pages.size(),
@@ -521,11 +551,12 @@ void TieredKVBuffer::append(RequestId request, std::uint32_t layer, const KvChun
   const bool fills_tail = slot + 1 == config_.page_tokens;
   if (fills_tail) check_tail_save(request, layer);
   const std::size_t row = layout_.row_bytes();
+  const auto [k, v] = stored_token(token);
   moves_.resize(2 * std::size_t{shape_.kv_heads});
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     std::byte* tail = tail_pool().data(s.tail_pages[std::size_t{layer} * shape_.kv_heads + h]);
-    moves_[2 * h] = {static_cast<const std::byte*>(token.k) + h * row, tail + layout_.k_offset(slot)};
-    moves_[2 * h + 1] = {static_cast<const std::byte*>(token.v) + h * row, tail + layout_.v_offset(slot)};
+    moves_[2 * h] = {k + h * row, tail + layout_.k_offset(slot)};
+    moves_[2 * h + 1] = {v + h * row, tail + layout_.v_offset(slot)};
   }
   transfer_->write(moves_, row);
   s.tokens[layer] += 1;

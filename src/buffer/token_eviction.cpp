@@ -347,6 +347,7 @@ void TieredKVBuffer::place_token(RequestId request, std::uint32_t layer, const K
   const std::uint32_t pt = config_.page_tokens;
   const std::uint32_t position = s.tokens[layer];
   const std::size_t row = layout_.row_bytes();
+  const auto [token_k, token_v] = stored_token(token);
   moves_.clear();
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     EvictionHead& e = eviction_head(s, layer, h);
@@ -385,8 +386,8 @@ void TieredKVBuffer::place_token(RequestId request, std::uint32_t layer, const K
 
     // Write-through: the CPU page is the source of truth; a resident GPU copy
     // of the page gets the same rows, stream-ordered with the gathers.
-    const std::byte* k = static_cast<const std::byte*>(token.k) + std::size_t{h} * row;
-    const std::byte* v = static_cast<const std::byte*>(token.v) + std::size_t{h} * row;
+    const std::byte* k = token_k + std::size_t{h} * row;
+    const std::byte* v = token_v + std::size_t{h} * row;
     std::byte* cpu = cpu_pool_.data(*table_.cpu_page_view().find(table_.instance(request, layer, h), index));
     moves_.push_back({k, cpu + layout_.k_offset(slot)});
     moves_.push_back({v, cpu + layout_.v_offset(slot)});

@@ -3,9 +3,11 @@
 // fp32, so every target equals the scalar rule.
 #include "sparsekv/core/convert.hpp"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "sparsekv/core/numeric.hpp"
 
@@ -76,7 +78,70 @@ bool widen_to_float(const void* data, DType dtype, std::size_t n, float* out) {
     }
     return non_finite == 0;
   }
+  if (dtype == DType::q8_0) {
+    // A block at a time: its scale once, then q * d (vectorized by the
+    // compiler); a value is finite when its block's scale is (|q| <= 127).
+    const auto* block = static_cast<const unsigned char*>(data);
+    bool finite = true;
+    std::size_t i = 0;
+    for (; i + kQ8BlockValues <= n; i += kQ8BlockValues, block += kQ8BlockBytes) {
+      std::uint16_t bits;
+      std::memcpy(&bits, block, 2);
+      const float d = f16_to_float(bits);
+      finite = finite && is_finite(d);
+      for (std::uint32_t j = 0; j < kQ8BlockValues; ++j) {
+        out[i + j] = static_cast<float>(static_cast<std::int8_t>(block[2 + j])) * d;
+      }
+    }
+    for (; i < n; ++i) {
+      out[i] = load_element(data, static_cast<std::uint32_t>(i), dtype);
+      finite = finite && is_finite(out[i]);
+    }
+    return finite;
+  }
   return HWY_DYNAMIC_DISPATCH(WidenToFloat)(data, dtype == DType::bf16, n, out);
+}
+
+void quantize_row_q8_0(const float* x, std::size_t n, void* out) {
+  auto* block = static_cast<unsigned char*>(out);
+  for (std::size_t b = 0; b < n / kQ8BlockValues; ++b, x += kQ8BlockValues, block += kQ8BlockBytes) {
+    float amax = 0.0f;
+    for (std::uint32_t j = 0; j < kQ8BlockValues; ++j) {
+      const float v = std::fabs(x[j]);
+      amax = amax > v ? amax : v;  // ggml's MAX: a NaN value makes the block's scale NaN
+    }
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const std::uint16_t d16 = float_to_f16(d);
+    std::memcpy(block, &d16, 2);
+    for (std::uint32_t j = 0; j < kQ8BlockValues; ++j) {
+      block[2 + j] = static_cast<unsigned char>(static_cast<std::int8_t>(std::round(x[j] * id)));
+    }
+  }
+}
+
+void convert_rows(const void* from_rows, DType from, void* to_rows, DType to, std::size_t rows, std::uint32_t values) {
+  const std::size_t from_bytes = dtype_row_bytes(from, values), to_bytes = dtype_row_bytes(to, values);
+  if (from == to) {
+    std::memcpy(to_rows, from_rows, rows * to_bytes);
+    return;
+  }
+  const auto* in = static_cast<const std::byte*>(from_rows);
+  auto* out = static_cast<std::byte*>(to_rows);
+  thread_local std::vector<float> row;
+  row.resize(values);
+  for (std::size_t r = 0; r < rows; ++r, in += from_bytes, out += to_bytes) {
+    if (to == DType::q8_0) {
+      if (from == DType::f32) {
+        quantize_row_q8_0(reinterpret_cast<const float*>(in), values, out);
+      } else {
+        widen_to_float(in, from, values, row.data());
+        quantize_row_q8_0(row.data(), values, out);
+      }
+    } else {
+      for (std::uint32_t i = 0; i < values; ++i) store_element(out, i, to, load_element(in, i, from));
+    }
+  }
 }
 
 }  // namespace sparsekv

@@ -31,7 +31,8 @@ DType parse_dtype(std::string_view name) {
   if (name == "f32" || name == "fp32" || name == "float32") return DType::f32;
   if (name == "f16" || name == "fp16" || name == "float16") return DType::f16;
   if (name == "bf16" || name == "bfloat16") return DType::bf16;
-  fail(ErrorCode::invalid_argument, "unknown dtype '{}' (expected f32, f16 or bf16)", name);
+  if (name == "q8_0") return DType::q8_0;
+  fail(ErrorCode::invalid_argument, "unknown dtype '{}' (expected f32, f16, bf16 or q8_0)", name);
 }
 
 std::string_view to_string(EvictionStrategy strategy) noexcept {
@@ -69,6 +70,10 @@ void ModelShape::validate() const {
     // 16-byte vector copies of one token row need head_dim * 2 bytes % 16 == 0.
     fail(ErrorCode::invalid_argument, "ModelShape.head_dim ({}) must be a positive multiple of 8",
          head_dim);
+  }
+  if (dtype == DType::q8_0) {
+    fail(ErrorCode::invalid_argument,
+         "ModelShape.dtype q8_0 is a storage type: engines hand over f32, f16 or bf16 (Config.kv_storage stores q8_0)");
   }
   if (dtype != DType::f32 && dtype != DType::f16 && dtype != DType::bf16) {
     fail(ErrorCode::invalid_argument, "ModelShape.dtype has an unknown value");
@@ -113,6 +118,14 @@ void Config::validate(const ModelShape& shape) const {
     fail(ErrorCode::invalid_argument,
          "Config.metadata_segment_entries ({}) must be a power of two >= 32",
          metadata_segment_entries);
+  }
+  if (kv_storage && *kv_storage != shape.dtype && *kv_storage != DType::q8_0) {
+    fail(ErrorCode::invalid_argument, "Config.kv_storage {} must be the model's dtype ({}) or q8_0",
+         to_string(*kv_storage), to_string(shape.dtype));
+  }
+  if (kv_storage == DType::q8_0 && shape.head_dim % kQ8BlockValues != 0) {
+    fail(ErrorCode::invalid_argument, "Config.kv_storage q8_0 needs head_dim ({}) a multiple of {}", shape.head_dim,
+         kQ8BlockValues);
   }
   const std::size_t page = page_bytes(shape);
   if (cpu_tier_bytes < page) {

@@ -1,7 +1,7 @@
 // fold_page (attention/page_fold.hpp) on every Highway target this build has,
 // against the scalar reference fold_page_scalar: random head sizes (vector
 // tails included), GQA groups 1-12, pages of 1-64 slots, live masks, fp32 /
-// fp16 / bf16, up to 12 pages folded in turn into non-empty states, one at a
+// fp16 / bf16 / q8_0, up to 12 pages folded in turn into non-empty states, one at a
 // time or in multi-page tiles (fold_pages). Outputs
 // (acc / sum), log-sum-exps and slot scores agree within 1e-5 relative. A
 // target the CPU lacks is reported skipped: with SPARSEKV_FOLD_TARGET=<name>
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "sparsekv/attention/page_fold.hpp"
+#include "sparsekv/core/convert.hpp"
 #include "sparsekv/core/numeric.hpp"
 
 using namespace sparsekv;
@@ -67,12 +68,12 @@ PageFold fold_over(Heads& h, const PageLayout& layout, std::uint32_t group, cons
 // (fold_pages, up to fold_tile_tokens slots, cut at random as a chunk's
 // pages are cut), against the reference one slot at a time.
 void check_case(std::mt19937& rng) {
-  const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
-  const std::uint32_t dims[] = {4, 8, 16, 24, 40, 64, 96, 128, 136, 256};
+  const DType dtypes[] = {DType::f32, DType::f16, DType::bf16, DType::q8_0};
+  const std::uint32_t dims[] = {4, 8, 16, 24, 32, 40, 64, 96, 128, 136, 160, 256};
   const std::uint32_t d = dims[rng() % std::size(dims)];
   const std::uint32_t group = 1 + rng() % 12;
   const std::uint32_t pt = 1 + rng() % 64;
-  const DType dtype = dtypes[rng() % 3];
+  const DType dtype = dtypes[rng() % (d % kQ8BlockValues == 0 ? 4 : 3)];
   const PageLayout layout{pt, d, dtype};
   const std::uint32_t pages = 1 + rng() % 12;
   const bool scored = rng() % 2 == 0;
@@ -80,9 +81,10 @@ void check_case(std::mt19937& rng) {
   CAPTURE(d, group, pt, to_string(dtype), pages, scored, tiled);
   std::normal_distribution<float> normal;
   std::vector<std::byte> data(pages * layout.page_bytes());
-  for (std::size_t i = 0; i < data.size() / dtype_size(dtype); ++i) {
-    store_element(data.data(), static_cast<std::uint32_t>(i), dtype, 1.5f * normal(rng));
-  }
+  const std::size_t rows = data.size() / layout.row_bytes();
+  std::vector<float> values(rows * d);
+  for (float& x : values) x = 1.5f * normal(rng);
+  convert_rows(values.data(), DType::f32, data.data(), dtype, rows, d);
   std::vector<float> q(std::size_t{group} * d);
   for (auto& x : q) x = normal(rng);
   std::vector<FoldPageRef> refs(pages);

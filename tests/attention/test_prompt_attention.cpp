@@ -1,6 +1,6 @@
 // PromptAttention (attention/prompt_attention.hpp): the tiled kernel on every
 // Highway target this CPU has against prompt_attention_scalar (fp32 / fp16 /
-// bf16, GQA groups 1, 3, 4 and 8, head_dim 64 and 128, chunks of 1, 7, 64
+// bf16 / q8_0, GQA groups 1, 3, 4 and 8, head_dim 64 and 128, chunks of 1, 7, 64
 // and 513 rows at position 0 and later, several chunks in one plan, strides
 // past the row); the reference against a double-precision softmax written
 // here; a NaN key reaching exactly the outputs that attend it; a prompt
@@ -21,6 +21,7 @@
 
 #include "sparsekv/attention/page_fold.hpp"
 #include "sparsekv/attention/prompt_attention.hpp"
+#include "sparsekv/core/convert.hpp"
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "test_support.hpp"
@@ -46,13 +47,16 @@ struct Sequence {
     q_stride = padded ? row + 5 : row;
     out_stride = padded ? row + 3 : row;
     std::normal_distribution<float> normal;
-    const std::size_t elements = std::size_t{tokens} * s.kv_heads * s.head_dim;
-    k.resize(elements * dtype_size(s.dtype));
-    v.resize(k.size());
+    const std::size_t rows_kv = std::size_t{tokens} * s.kv_heads, elements = rows_kv * s.head_dim;
+    std::vector<float> kf(elements), vf(elements);
     for (std::size_t i = 0; i < elements; ++i) {
-      store_element(k.data(), static_cast<std::uint32_t>(i), s.dtype, 1.5f * normal(rng));
-      store_element(v.data(), static_cast<std::uint32_t>(i), s.dtype, normal(rng));
+      kf[i] = 1.5f * normal(rng);
+      vf[i] = normal(rng);
     }
+    k.resize(rows_kv * dtype_row_bytes(s.dtype, s.head_dim));
+    v.resize(k.size());
+    convert_rows(kf.data(), DType::f32, k.data(), s.dtype, rows_kv, s.head_dim);
+    convert_rows(vf.data(), DType::f32, v.data(), s.dtype, rows_kv, s.head_dim);
     q.resize(n * q_stride);
     for (float& x : q) x = normal(rng);
     out.assign(n * out_stride, kSentinel);
@@ -151,9 +155,9 @@ TEST_CASE("PromptAttention equals the scalar reference on every target the CPU h
                                    {1, 1, true},  {57, 7, false}, {130, 64, true}};
   std::mt19937 rng(11);
   std::uint32_t long_chunks = 0;
-  const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
+  const DType dtypes[] = {DType::f32, DType::f16, DType::bf16, DType::q8_0};
   const std::uint32_t groups[] = {1, 3, 4, 8}, dims[] = {64, 128};
-  for (std::uint32_t di = 0; di < 3; ++di) {
+  for (std::uint32_t di = 0; di < 4; ++di) {
     for (std::uint32_t gi = 0; gi < 4; ++gi) {
       for (std::uint32_t ki = 0; ki < 2; ++ki) {
         const DType dtype = dtypes[di];

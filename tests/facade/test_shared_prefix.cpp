@@ -140,7 +140,7 @@ class Twins {
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
       const std::uint32_t n = forked_.buffer().forkable_tokens(id, l);
       std::vector<float> k(n * kRow), v(n * kRow);
-      forked_.buffer().read_prefix(id, l, 0, n, k.data(), v.data());
+      forked_.buffer().read_prefix(id, l, 0, n, k.data(), v.data(), kShape.dtype);
       REQUIRE(std::equal(k.begin(), k.end(), history_[id].k[l].begin()));
       REQUIRE(std::equal(v.begin(), v.end(), history_[id].v[l].begin()));
     }

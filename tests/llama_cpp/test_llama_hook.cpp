@@ -5,7 +5,8 @@
 // none of the served layers; four sequences finishing and starting, prompts
 // in the same ubatches as other sequences' decode tokens, lose nothing (the
 // library's CPU tier against the K/V the model produced) and decode as the
-// same requests one at a time; a saved sequence loads back exactly; and what
+// same requests one at a time; a saved sequence loads back exactly (q8_0
+// storage too); q8_0 storage is ggml's q8_0; and what
 // the library cannot follow is refused with its error -- never a silent
 // desynchronisation.
 // [model-file]: skipped (ctest, exit 77) without the model scripts/setup fetches.
@@ -18,6 +19,7 @@
 #include <tuple>
 #include <memory>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -28,7 +30,9 @@
 #include "ggml.h"
 #include "llama.h"
 #include "llama_eval.hpp"
+#include "sparsekv/core/convert.hpp"
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/core/numeric.hpp"
 #include "sparsekv_llama.hpp"
 
 using namespace sparsekv;
@@ -377,6 +381,53 @@ TEST_CASE("llama.cpp hook: Dense through the hook is as close to llama.cpp as it
                      << dense.top1_agreement << "; quest@256 kld " << quest.kld_mean << " top1 "
                      << quest.top1_agreement);
   }
+}
+
+TEST_CASE("llama.cpp hook: q8_0 storage is ggml's q8_0, and costs no more than llama.cpp's own q8_0 cache",
+          "[model-file][llama-hook][q8-storage]") {
+  // The library's blocks are ggml's, bit for bit (its reference rule), on
+  // values spread over many scales, ties at .5 steps included.
+  std::mt19937 rng(9);
+  std::vector<float> x(64 * 1024);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float scale = std::ldexp(1.0f, int(i / 32 % 30) - 20);  // d within f16 range
+    x[i] = i % 7 == 0 ? scale * float(int(rng() % 255) - 127) * 0.5f
+                      : scale * std::normal_distribution<float>()(rng);
+  }
+  std::vector<std::byte> ours(x.size() / 32 * 34), ggml(ours.size());
+  quantize_row_q8_0(x.data(), x.size(), ours.data());
+  ggml_get_type_traits(GGML_TYPE_Q8_0)->from_float_ref(x.data(), ggml.data(), std::int64_t(x.size()));
+  REQUIRE(ours == ggml);
+  std::vector<float> back(x.size());
+  ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float(ggml.data(), back.data(), std::int64_t(x.size()));
+  for (std::size_t i = 0; i < x.size(); i += 97) {
+    REQUIRE(load_element(ours.data(), std::uint32_t(i), DType::q8_0) == back[i]);
+  }
+
+  // -ctk q8_0 -ctv q8_0: the hook stores q8_0. Against the f16 runs of the
+  // same variant, storing q8_0 moves the distribution no more than
+  // llama.cpp's own q8_0 cache moves llama.cpp's.
+  EvalSetup f16 = setup(1);
+  const SavedPrompts f16_prompts = prefill_prompts(f16);
+  Distributions llama_f16, dense_f16, llama_q8, dense_q8;
+  eval_variant(f16, &f16_prompts, {"llama", 0}, nullptr, &llama_f16);
+  eval_variant(f16, &f16_prompts, {"dense", 1024}, nullptr, &dense_f16);
+  EvalSetup q8 = f16;
+  q8.kv = DType::q8_0;
+  const SavedPrompts q8_prompts = prefill_prompts(q8);
+  eval_variant(q8, &q8_prompts, {"llama", 0}, nullptr, &llama_q8);
+  const EvalResult dense = eval_variant(q8, &q8_prompts, {"dense", 1024}, nullptr, &dense_q8);
+  CHECK(dense.hook_rows == std::uint64_t{q8.tokens} * 30);
+  const Agreement own = agreement(llama_f16, llama_q8), library = agreement(dense_f16, dense_q8);
+  WARN("q8_0 against f16: llama.cpp's cache kld " << own.kld_mean << " top1 " << own.top1 << "; the library's kld "
+                                                  << library.kld_mean << " top1 " << library.top1);
+  CHECK(library.kld_mean > 0);  // the storage is q8_0
+  CHECK(library.kld_mean <= own.kld_mean * 1.5 + 1e-5);
+  CHECK(library.top1 >= own.top1 - 0.05);
+  // Other quantized cache types are refused at the hook's start.
+  llama_context_params q4 = context_params(1, 1024);
+  q4.type_k = q4.type_v = GGML_TYPE_Q4_0;
+  REQUIRE_THROWS_AS(Hook(model().model, q4, options_for("quest", 256)), Error);
 }
 
 TEST_CASE("llama.cpp hook: what the library cannot follow is refused with its error", "[model-file][llama-hook]") {
@@ -771,4 +822,34 @@ TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load beh
   const SequenceSnapshot again = hook.save_sequence(0, 300);
   REQUIRE(again.k == snapshot.k);
   REQUIRE(again.v == snapshot.v);
+
+  // q8_0 storage: the snapshot holds the stored blocks, and a load stores
+  // them as they are (no second quantization): the next token's logits are
+  // the saving context's, bit for bit, and the bytes read back the same.
+  HookOptions q8;
+  q8.kv_storage = DType::q8_0;
+  Context saving(1, q8);
+  REQUIRE(saving.decode(t, 0, 300, 0) == 0);
+  std::vector<std::uint8_t> q8_state(llama_state_seq_get_size(saving.ctx, 0));
+  REQUIRE(llama_state_seq_get_data(saving.ctx, q8_state.data(), q8_state.size(), 0) == q8_state.size());
+  const SequenceSnapshot blocks = saving.hook.save_sequence(0);
+  REQUIRE(blocks.dtype == DType::q8_0);
+  REQUIRE(blocks.k[0].size() == std::size_t{300} * 3 * 2 * 34);
+  Context loading(1, q8);
+  REQUIRE(llama_state_seq_set_data(loading.ctx, q8_state.data(), q8_state.size(), 0) == q8_state.size());
+  REQUIRE(loading.hook.load_sequence(0, blocks));
+  REQUIRE(saving.decode(t, 300, 301, 300) == 0);
+  REQUIRE(loading.decode(t, 300, 301, 300) == 0);
+  const std::int32_t vocab = llama_vocab_n_tokens(llama_model_get_vocab(model().model));
+  const float* want = llama_get_logits_ith(saving.ctx, -1);
+  const float* got = llama_get_logits_ith(loading.ctx, -1);
+  REQUIRE(std::memcmp(want, got, std::size_t(vocab) * sizeof(float)) == 0);
+  const SequenceSnapshot read_back = loading.hook.save_sequence(0, 300);
+  REQUIRE(read_back.k == blocks.k);
+  REQUIRE(read_back.v == blocks.v);
+  // A q8_0 snapshot does not load into a hook that stores f16.
+  Context plain(1, HookOptions{});
+  REQUIRE(llama_state_seq_set_data(plain.ctx, q8_state.data(), q8_state.size(), 0) == q8_state.size());
+  REQUIRE_FALSE(plain.hook.load_sequence(0, blocks));
+  REQUIRE(plain.hook.failure()->code == ErrorCode::invalid_argument);
 }

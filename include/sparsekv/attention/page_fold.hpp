@@ -8,7 +8,9 @@
 // rows added to the accumulators with their weights, each V row loaded once
 // for the group. Vectorized for the best target the CPU has (Google Highway,
 // runtime dispatch: AVX2+FMA+F16C, AVX-512, and NEON / SVE on Arm from the
-// same source); fp16 and bf16 rows are converted with vector instructions.
+// same source); fp16 and bf16 rows are converted with vector instructions,
+// q8_0 rows (Config::kv_storage) block by block: q widened, the block's scale
+// applied to the K row and folded into V's weights.
 // fold_page_scalar is the same rule, one slot at a time: the reference every
 // target is tested against.
 #include <cstddef>

@@ -38,7 +38,7 @@ namespace sparsekv {
 
 // The shape every chunk shares.
 struct PromptAttentionShape {
-  DType dtype = DType::f16;  // K/V dtype: f32, f16, bf16
+  DType dtype = DType::f16;  // K/V dtype: f32, f16, bf16, or q8_0 (head_dim a multiple of 32)
   std::uint32_t q_heads = 0, kv_heads = 0, head_dim = 0;  // GQA: q head h reads kv head h / (q_heads / kv_heads)
   float scale = 0.0f;  // scores are q.k * scale (positive, finite)
 };

@@ -324,10 +324,12 @@ class TieredKVBuffer {
   // live.
   std::uint32_t forkable_tokens(RequestId request, std::uint32_t layer) const;
   // Copies the K/V rows of positions [first, end) of the layer into k and v
-  // ([end - first][kv_heads][head_dim], the model dtype): what a fork's
-  // policy indexes. Refuses (out_of_range) `end` beyond forkable_tokens().
-  void read_prefix(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end, void* k,
-                   void* v) const;
+  // ([end - first][kv_heads][head_dim]) in dtype `as`: the model's (what a
+  // fork's policy indexes; q8_0 storage comes back dequantized) or the
+  // storage dtype (the stored bytes). Refuses (out_of_range) `end` beyond
+  // forkable_tokens(), (invalid_argument) any other dtype.
+  void read_prefix(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end, void* k, void* v,
+                   DType as) const;
   // offload() of `source`'s first `tokens` tokens into `request`'s empty
   // layer, laid out by `specs`: where the specs' partitions are the same full
   // pages (a uniform spec of page-sized partitions) the pages are `source`'s,
@@ -419,6 +421,11 @@ class TieredKVBuffer {
   std::uint64_t heads() const noexcept { return std::uint64_t{shape_.layers} * shape_.kv_heads; }
   std::uint64_t reclaimable_slots(const RequestState& s) const;
   void check_chunk(const KvChunk& kv, std::uint32_t layer) const;
+  // The device writes rows as the engine holds them: refused when the storage dtype differs.
+  void check_device_rows(const char* call) const;
+  // A token's rows (kv_heads of K, then of V) in the storage dtype: `token`'s
+  // own when it is already, else converted into token_rows_.
+  std::pair<const std::byte*, const std::byte*> stored_token(const KvChunk& token);
   // offload()'s checks of the request's state and the specs, then of the pools.
   void check_offload_specs(RequestId request, std::uint32_t layer, std::uint32_t tokens,
                            std::span<const PartitionSpec> specs) const;
@@ -491,6 +498,7 @@ class TieredKVBuffer {
   std::map<RequestId, RequestState> requests_;  // ordered: reclaim walks requests deterministically
   BufferStats stats_;
   std::vector<PageMove> moves_;  // scratch: a decode token's rows, Retrieve's copies
+  std::vector<std::byte> token_rows_;  // scratch: a decode token's rows converted to the storage dtype
   std::vector<PartitionId> saved_partitions_;  // scratch: a saved tail page's partition per kv head
 };
 

@@ -6,6 +6,7 @@
 //  - working_set_window = 12: SparseServe §3.3, steps in the working-set estimate.
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "sparsekv/core/model_shape.hpp"
@@ -67,8 +68,13 @@ struct Config {
   // shape too, and that each tier holds at least one page of that shape.
   void validate(const ModelShape& shape) const;
 
+  // How the CPU tier and the working set store K/V: empty for the model's
+  // dtype as handed over, or DType::q8_0 (host backends only: quantized as a
+  // row is written, each page read block by block without widening it).
+  std::optional<DType> kv_storage;
+  DType storage_dtype(const ModelShape& shape) const noexcept { return kv_storage.value_or(shape.dtype); }
   std::size_t page_bytes(const ModelShape& shape) const noexcept {
-    return std::size_t{page_tokens} * shape.head_token_bytes();
+    return std::size_t{page_tokens} * 2 * dtype_row_bytes(storage_dtype(shape), shape.head_dim);
   }
   // attention_scale, or 1/sqrt(head_dim) for 0.
   float softmax_scale(const ModelShape& shape) const noexcept;

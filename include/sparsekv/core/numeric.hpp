@@ -70,13 +70,22 @@ SPARSEKV_HOST_DEVICE inline std::uint16_t float_to_f16(float f) {
 // CUDA math header (no exponent of all ones: neither an infinity nor a NaN).
 SPARSEKV_HOST_DEVICE inline bool is_finite(float f) { return (float_bits(f) & 0x7f800000u) != 0x7f800000u; }
 
-// Element `i` of a row stored in `dtype`, as fp32.
+// Element `i` of a row stored in `dtype`, as fp32 (q8_0: q * d of its block,
+// exact in fp32).
 SPARSEKV_HOST_DEVICE inline float load_element(const void* row, std::uint32_t i, DType dtype) {
   if (dtype == DType::f32) return static_cast<const float*>(row)[i];
+  if (dtype == DType::q8_0) {
+    const auto* block = static_cast<const unsigned char*>(row) + std::size_t{i / kQ8BlockValues} * kQ8BlockBytes;
+    std::uint16_t d;
+    std::memcpy(&d, block, 2);
+    return static_cast<float>(static_cast<std::int8_t>(block[2 + i % kQ8BlockValues])) * f16_to_float(d);
+  }
   const std::uint16_t h = static_cast<const std::uint16_t*>(row)[i];
   return dtype == DType::bf16 ? bf16_to_float(h) : f16_to_float(h);
 }
 
+// One element of an f32, f16 or bf16 row (q8_0 rows are written a row at a
+// time: core/convert.hpp).
 SPARSEKV_HOST_DEVICE inline void store_element(void* row, std::uint32_t i, DType dtype, float value) {
   if (dtype == DType::f32) {
     static_cast<float*>(row)[i] = value;

@@ -198,24 +198,31 @@ class Manager {
 
   // ---- Host tensors ---------------------------------------------------------
 
-  void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens) {
+  // `rows`: the dtype of k / v, the model's unless said; the storage dtype
+  // (Config::kv_storage) takes rows read back by read_kv in it, stored as
+  // they are.
+  void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
+               std::optional<DType> rows = {}) {
     use_api(Api::host);
     state(request);
     check_index("layer", layer, shape_.layers);
     if (k == nullptr || v == nullptr || tokens == 0) {
       fail(ErrorCode::invalid_argument, "prefill of request {}: K/V must be non-null with tokens > 0", request);
     }
+    check_rows_dtype("prefill", rows);
     if (const std::uint32_t staged = state(request).layers[layer].staged_tokens; staged != 0) {
       fail(ErrorCode::failed_precondition,
            "prefill of request {} layer {}: {} tokens of its prompt are staged; send the rest with prefill_chunk",
            request, layer, staged);
     }
     LayerStepState<State>& ls = prefill_entry(request, layer, tokens);
-    host_prefill(scope_, request, layer, ls, k, v, tokens, keys_, values_);
+    host_prefill(scope_, request, layer, ls, k, v, tokens, keys_, values_, rows);
   }
 
   // A prompt in chunks, as an engine's ubatches bring it (docs/integration.md,
-  // "Prompts in chunks"): each chunk's K/V are kept in the model dtype until
+  // "Prompts in chunks"): each chunk's K/V are kept in the storage dtype
+  // (Config::kv_storage: the model's, or q8_0, then quantized here; `rows`
+  // says what k / v hold, the model dtype unless said) until
   // the layer's first decode step (or end_prompt), which prefills the whole
   // prompt at once, so the result is exactly prefill() of the concatenated
   // chunks for every policy (ShadowKV's SVD, RetroInfer's clusters and
@@ -223,13 +230,16 @@ class Manager {
   // nothing: invalid_argument (null or non-finite K/V, no tokens, past
   // max_tokens), failed_precondition once the layer is prefilled (a live
   // request grows by extend()).
-  void prefill_chunk(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens) {
+  void prefill_chunk(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
+                     std::optional<DType> rows = {}) {
     use_api(Api::host);
     RequestState& s = state(request);
     check_index("layer", layer, shape_.layers);
     if (k == nullptr || v == nullptr || tokens == 0) {
       fail(ErrorCode::invalid_argument, "prefill_chunk of request {}: K/V must be non-null with tokens > 0", request);
     }
+    check_rows_dtype("prefill_chunk", rows);
+    const DType from = rows.value_or(shape_.dtype), stored = config_.storage_dtype(shape_);
     LayerStepState<State>& ls = s.layers[layer];
     if (ls.prefilled) {
       fail(ErrorCode::failed_precondition,
@@ -241,14 +251,23 @@ class Manager {
            ls.staged_tokens, tokens, s.max_tokens);
     }
     const std::size_t n = std::size_t{tokens} * scope_.kv_row();
-    scope_.to_finite_float("prefill_chunk k", request, k, n, keys_, ls.staged_tokens);
-    scope_.to_finite_float("prefill_chunk v", request, v, n, values_, ls.staged_tokens);
-    const std::size_t bytes = n * dtype_size(shape_.dtype);
-    const std::size_t capacity = std::size_t{s.max_tokens} * scope_.kv_row() * dtype_size(shape_.dtype);
-    ls.staged_k.reserve(capacity);
-    ls.staged_v.reserve(capacity);
-    ls.staged_k.append(k, bytes);
-    ls.staged_v.append(v, bytes);
+    scope_.to_finite_float("prefill_chunk k", request, k, n, keys_, ls.staged_tokens, from);
+    scope_.to_finite_float("prefill_chunk v", request, v, n, values_, ls.staged_tokens, from);
+    const std::size_t token_bytes = shape_.kv_heads * dtype_row_bytes(stored, shape_.head_dim);
+    const std::size_t bytes = std::size_t{tokens} * token_bytes;
+    ls.staged_k.reserve(std::size_t{s.max_tokens} * token_bytes);
+    ls.staged_v.reserve(std::size_t{s.max_tokens} * token_bytes);
+    if (from == stored) {
+      ls.staged_k.append(k, bytes);
+      ls.staged_v.append(v, bytes);
+    } else {
+      const std::size_t heads = std::size_t{tokens} * shape_.kv_heads;
+      chunk_rows_.resize(bytes);
+      convert_rows(k, from, chunk_rows_.data(), stored, heads, shape_.head_dim);
+      ls.staged_k.append(chunk_rows_.data(), bytes);
+      convert_rows(v, from, chunk_rows_.data(), stored, heads, shape_.head_dim);
+      ls.staged_v.append(chunk_rows_.data(), bytes);
+    }
     ls.staged_tokens += tokens;
   }
   // Prefills every layer of `request` that holds a staged prompt, now (each
@@ -272,15 +291,19 @@ class Manager {
     return state(request).layers[layer].prefilled;
   }
   // Reads back positions [first, end) of the layer's K/V into k and v
-  // ([end - first][kv_heads][head_dim], the model dtype): what an engine saves
+  // ([end - first][kv_heads][head_dim], in `as`: the model dtype unless said,
+  // q8_0 storage then dequantized; or the storage dtype, the stored bytes,
+  // which prefill(..., rows) takes back exactly): what an engine saves
   // beside its own state, or checks against its own cache. Readable are a
   // staged prompt's tokens and, once the layer is prefilled, the CPU tier's
   // tokens in order (TieredKVBuffer::forkable_tokens: not the unsaved decode
   // page, nor a policy's regrouped or evicted tokens). Throws, writing nothing: not_found (unknown
   // request), out_of_range (`end` past what is readable, or first > end).
-  void read_kv(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end, void* k,
-               void* v) const {
+  void read_kv(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end, void* k, void* v,
+               std::optional<DType> as = {}) const {
     check_index("layer", layer, shape_.layers);
+    check_rows_dtype("read_kv", as);
+    const DType dtype = as.value_or(shape_.dtype);
     const LayerStepState<State>& ls = state(request).layers[layer];
     const std::uint32_t readable = readable_tokens(request, layer);
     if (first > end || end > readable) {
@@ -288,18 +311,22 @@ class Manager {
            layer, first, end, readable);
     }
     if (ls.prefilled) {
-      buffer_->read_prefix(request, layer, first, end, k, v);
+      buffer_->read_prefix(request, layer, first, end, k, v, dtype);
       return;
     }
-    const std::size_t row = scope_.kv_row() * dtype_size(shape_.dtype);
-    std::memcpy(k, ls.staged_k.data() + first * row, (end - first) * row);
-    std::memcpy(v, ls.staged_v.data() + first * row, (end - first) * row);
+    const DType stored = config_.storage_dtype(shape_);
+    const std::size_t row = shape_.kv_heads * dtype_row_bytes(stored, shape_.head_dim);
+    const std::size_t rows = std::size_t{end - first} * shape_.kv_heads;
+    convert_rows(ls.staged_k.data() + first * row, stored, k, dtype, rows, shape_.head_dim);
+    convert_rows(ls.staged_v.data() + first * row, stored, v, dtype, rows, shape_.head_dim);
   }
-  // The shape of the library's prompt attention (attention/prompt_attention.hpp): the model's heads and
-  // dtype, and the scale Attend applies (Config::attention_scale, or 1/sqrt(head_dim)).
+  // The shape of the library's prompt attention (attention/prompt_attention.hpp): the model's heads, the
+  // staged prompt's dtype (the storage dtype), and the scale Attend applies (Config::attention_scale, or
+  // 1/sqrt(head_dim)).
   PromptAttentionShape prompt_attention_shape() const {
     const float scale = config_.attention_scale != 0.0f ? config_.attention_scale : scope_.scale();
-    return PromptAttentionShape{shape_.dtype, shape_.q_heads, shape_.kv_heads, shape_.head_dim, scale};
+    return PromptAttentionShape{config_.storage_dtype(shape_), shape_.q_heads, shape_.kv_heads, shape_.head_dim,
+                                scale};
   }
   // The causal attention of the last `rows` tokens of `layer`'s staged prompt (prefill_chunk), for an engine
   // that has the library attend its prompt: their queries q ([rows][q_heads][head_dim] fp32, rows q_stride
@@ -605,7 +632,7 @@ class Manager {
     const std::uint32_t reused = reused_tokens(policy_, context(layer, tokens), state(source).layers[layer].policy);
     k.resize(std::size_t{tokens - reused} * scope_.kv_row() * dtype_size(shape_.dtype));
     v.resize(k.size());
-    buffer_->read_prefix(source, layer, reused, tokens, k.data(), v.data());
+    buffer_->read_prefix(source, layer, reused, tokens, k.data(), v.data(), shape_.dtype);
     return reused;
   }
   // Why fork(·, source, tokens, max_tokens) would be refused for its
@@ -639,6 +666,15 @@ class Manager {
       }
     }
     return std::nullopt;
+  }
+
+  // K/V rows an engine hands over or reads back: the model dtype or the storage dtype.
+  void check_rows_dtype(std::string_view call, std::optional<DType> rows) const {
+    const DType stored = config_.storage_dtype(shape_);
+    if (rows && *rows != shape_.dtype && *rows != stored) {
+      fail(ErrorCode::invalid_argument, "{}: rows in {}; expected the model's {} or the stored {}", call,
+           to_string(*rows), to_string(shape_.dtype), to_string(stored));
+    }
   }
 
   std::string max_tokens_refusal(std::uint32_t max_tokens) const {
@@ -680,7 +716,7 @@ class Manager {
   void prefill_staged(RequestId request, std::uint32_t layer) {
     LayerStepState<State>& ls = prefill_entry(request, layer, state(request).layers[layer].staged_tokens);
     host_prefill(scope_, request, layer, ls, ls.staged_k.data(), ls.staged_v.data(), ls.staged_tokens, keys_,
-                 values_);
+                 values_, config_.storage_dtype(shape_));
     ls.staged_k.release();
     ls.staged_v.release();
     ls.staged_tokens = 0;
@@ -863,6 +899,7 @@ class Manager {
   std::vector<float> keys_, values_;  // a host prompt in fp32
   std::vector<float> extend_out_;     // extend()'s dropped outputs
   std::vector<std::byte> fork_k_, fork_v_;  // a fork's prompt read back, in the model dtype
+  std::vector<std::byte> chunk_rows_;       // a prompt chunk's rows converted to the storage dtype
   StagedTensors staged_;              // the host-Select path's tensors
 };
 

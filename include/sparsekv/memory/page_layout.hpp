@@ -1,7 +1,8 @@
 #pragma once
 // Byte layout of one head-wise page (Spin §5.2): `page_tokens` tokens of one
 // (layer, kv head). The K block comes first, then the V block; each block is
-// row-major [page_tokens][head_dim] in the model's dtype, so token `s` of a
+// row-major [page_tokens][head_dim] in the storage dtype (the model's, or
+// q8_0 blocks: Config::kv_storage), so token `s` of a
 // page has its K row at k_offset(s) and its V row at v_offset(s). Rows past a
 // partially filled page's token count are unspecified (a reused page keeps old
 // bytes) and never read: the partition's token count bounds every reader.
@@ -19,7 +20,7 @@ struct PageLayout {
   DType dtype = DType::bf16;
 
   SPARSEKV_HOST_DEVICE constexpr std::size_t row_bytes() const noexcept {
-    return std::size_t{head_dim} * dtype_size(dtype);
+    return dtype_row_bytes(dtype, head_dim);
   }
   SPARSEKV_HOST_DEVICE constexpr std::size_t block_bytes() const noexcept {
     return std::size_t{page_tokens} * row_bytes();

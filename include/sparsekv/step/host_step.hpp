@@ -189,6 +189,8 @@ void HostStep<Policy>::begin(std::span<const Entry> batch, std::uint32_t layer, 
     scope_.check_finite("decode k_new", batch[b].request, new_k(b), position);
     scope_.check_finite("decode v_new", batch[b].request, new_v(b), position);
   }
+  scope_.as_stored(keys_);  // the policy sees the token as its page will hold it
+  scope_.as_stored(values_);
   const auto t0 = Clock::now();
   entries_.assign(batch.begin(), batch.end());
   layer_ = layer;

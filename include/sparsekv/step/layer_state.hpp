@@ -21,7 +21,7 @@ struct LayerStepState {
   // (LayerContext::reserve_tokens).
   std::uint32_t max_tokens = 0;
   // A prompt arriving in chunks (Manager::prefill_chunk), host tensors in the
-  // model dtype, [token][kv_head][dim], until the layer is prefilled with it:
+  // storage dtype, [token][kv_head][dim], until the layer is prefilled with it:
   // reserved for max_tokens, resident as written, returned when prefilled.
   ReservedBytes staged_k, staged_v;
   std::uint32_t staged_tokens = 0;

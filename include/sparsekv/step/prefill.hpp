@@ -43,7 +43,7 @@ template <class Policy>
 void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::uint32_t layer,
                        LayerStepState<typename Policy::LayerState>& ls, const void* k, const void* v,
                        std::span<const float> keys, std::span<const float> values, std::uint32_t tokens,
-                       const ForkSource<Policy>* fork = nullptr) {
+                       const ForkSource<Policy>* fork = nullptr, std::optional<DType> rows = {}) {
   using Clock = std::chrono::steady_clock;
   const Policy& policy = *scope.policy;
   const ModelShape& shape = *scope.shape;
@@ -69,7 +69,7 @@ void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::u
   if (fork) {
     scope.buffer->offload_shared(request, fork->request, layer, tokens, specs);
   } else {
-    scope.buffer->offload(request, layer, KvChunk{k, v, tokens, shape.dtype}, specs);
+    scope.buffer->offload(request, layer, KvChunk{k, v, tokens, rows.value_or(shape.dtype)}, specs);
   }
   ls.policy = std::move(indexed);
   ls.eviction = std::move(cut);
@@ -79,29 +79,34 @@ void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::u
 }
 
 // Host-tensor prefill of a checked request and layer: the prompt k / v
-// ([tokens][kv_heads][head_dim], model dtype, host memory) converted into
-// `keys` / `values` (scratch), checked finite, indexed and offloaded. V is
-// checked a block of rows at a time, and kept in fp32 only for a policy
-// whose Index reads it.
+// ([tokens][kv_heads][head_dim] in `rows`: the model dtype unless said, or
+// the storage dtype, host memory) converted into `keys` / `values`
+// (scratch), checked finite, indexed and offloaded. V is checked a block of
+// rows at a time, and kept in fp32 only for a policy whose Index reads it.
 template <class Policy>
 void host_prefill(const StepScope<Policy>& scope, RequestId request, std::uint32_t layer,
                   LayerStepState<typename Policy::LayerState>& ls, const void* k, const void* v, std::uint32_t tokens,
-                  std::vector<float>& keys, std::vector<float>& values) {
+                  std::vector<float>& keys, std::vector<float>& values, std::optional<DType> rows = {}) {
+  const DType dtype = rows.value_or(scope.shape->dtype);
   const std::size_t n = std::size_t{tokens} * scope.kv_row();
-  scope.to_finite_float("prefill k", request, k, n, keys, 0);
+  // Index sees the values the pages will hold (rows in the storage dtype already are).
+  const bool quantizes = dtype != scope.config->storage_dtype(*scope.shape);
+  scope.to_finite_float("prefill k", request, k, n, keys, 0, dtype);
+  if (quantizes) scope.as_stored(keys);
   if (index_reads_values(*scope.policy)) {
-    scope.to_finite_float("prefill v", request, v, n, values, 0);
-    index_and_offload(scope, request, layer, ls, k, v, keys, values, tokens);
+    scope.to_finite_float("prefill v", request, v, n, values, 0, dtype);
+    if (quantizes) scope.as_stored(values);
+    index_and_offload<Policy>(scope, request, layer, ls, k, v, keys, values, tokens, nullptr, dtype);
     return;
   }
   constexpr std::uint32_t kBlockTokens = 256;
-  const std::size_t elem = dtype_size(scope.shape->dtype);
+  const std::size_t token_bytes = std::size_t{scope.shape->kv_heads} * dtype_row_bytes(dtype, scope.shape->head_dim);
   for (std::uint32_t t = 0; t < tokens; t += kBlockTokens) {
-    const std::size_t rows = std::min(kBlockTokens, tokens - t);
-    scope.to_finite_float("prefill v", request, static_cast<const std::byte*>(v) + t * scope.kv_row() * elem,
-                          rows * scope.kv_row(), values, t);
+    const std::size_t block = std::min(kBlockTokens, tokens - t);
+    scope.to_finite_float("prefill v", request, static_cast<const std::byte*>(v) + t * token_bytes,
+                          block * scope.kv_row(), values, t, dtype);
   }
-  index_and_offload(scope, request, layer, ls, k, v, keys, {}, tokens);
+  index_and_offload<Policy>(scope, request, layer, ls, k, v, keys, {}, tokens, nullptr, dtype);
 }
 
 // A fork's prefill (Manager::fork) of the source's first `tokens` tokens:

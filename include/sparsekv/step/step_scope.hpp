@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -38,7 +39,7 @@ struct StepScope {
     ctx.kv_dtype = shape->dtype;
     return ctx;
   }
-  PageLayout layout() const { return {config->page_tokens, shape->head_dim, shape->dtype}; }
+  PageLayout layout() const { return {config->page_tokens, shape->head_dim, config->storage_dtype(*shape)}; }
   // The scale Attend and the policies apply to q.k: 1/sqrt(head_dim). A
   // Config::attention_scale s is folded into q instead (rescale_queries:
   // q * s * sqrt(head_dim)), so that Select ranks, and Attend weighs, by the
@@ -52,11 +53,27 @@ struct StepScope {
   std::size_t kv_row() const { return std::size_t{shape->kv_heads} * shape->head_dim; }   // one token's K or V
   std::size_t q_row() const { return std::size_t{shape->q_heads} * shape->head_dim; }     // one token's q
 
-  // `n` model-dtype values at `data` as fp32 in `out`; whether all are
-  // finite (found in the same pass).
+  // `n` values at `data` (in `dtype`: the model's unless said) as fp32 in
+  // `out`; whether all are finite (found in the same pass).
   bool to_float(const void* data, std::size_t n, std::vector<float>& out) const {
+    return to_float(data, shape->dtype, n, out);
+  }
+  bool to_float(const void* data, DType dtype, std::size_t n, std::vector<float>& out) const {
     out.resize(n);
-    return widen_to_float(data, shape->dtype, n, out.data());
+    return widen_to_float(data, dtype, n, out.data());
+  }
+  // fp32 K/V rows of what a policy indexes, made the values the pages hold:
+  // with q8_0 storage each row quantized and read back (the model dtype
+  // stored as it is: nothing to do). So that Index and Select (Quest's
+  // bounds) see what Attend reads.
+  void as_stored(std::vector<float>& rows) const {
+    const DType stored = config->storage_dtype(*shape);
+    if (stored == shape->dtype || rows.empty()) return;
+    const std::size_t count = rows.size() / shape->head_dim;
+    thread_local std::vector<std::byte> blocks;
+    blocks.resize(count * dtype_row_bytes(stored, shape->head_dim));
+    convert_rows(rows.data(), DType::f32, blocks.data(), stored, count, shape->head_dim);
+    convert_rows(blocks.data(), stored, rows.data(), DType::f32, count, shape->head_dim);
   }
   // Non-finite K/V must never reach the CPU tier, the source of truth: every
   // later output attending it would be NaN. `kv` holds [token][kv_head][dim]
@@ -72,8 +89,8 @@ struct StepScope {
   // to_float of K/V rows, then check_finite of them: no second pass over
   // the rows unless a value is not finite.
   void to_finite_float(std::string_view what, RequestId request, const void* data, std::size_t n,
-                       std::vector<float>& out, std::uint32_t first) const {
-    if (!to_float(data, n, out)) check_finite(what, request, out, first);
+                       std::vector<float>& out, std::uint32_t first, std::optional<DType> dtype = {}) const {
+    if (!to_float(data, dtype.value_or(shape->dtype), n, out)) check_finite(what, request, out, first);
   }
 };
 
