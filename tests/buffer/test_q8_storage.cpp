@@ -59,6 +59,12 @@ std::vector<float> dequantized(const std::vector<float>& x) {
   return out;
 }
 
+std::vector<std::string> all_policies() {
+  std::vector<std::string> p = policy_names();
+  for (const std::string& e : eviction_policy_names()) p.push_back(e);
+  return p;
+}
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -219,9 +225,7 @@ TEST_CASE("a Manager storing q8_0 decodes as one storing the dequantized rows", 
 }
 
 TEST_CASE("every policy serves q8_0 storage: prefill, decode, extend, fork, read_kv", "[q8-storage]") {
-  std::vector<std::string> policies = policy_names();
-  for (const std::string& e : eviction_policy_names()) policies.push_back(e);
-  for (const std::string& policy : policies) {
+  for (const std::string& policy : all_policies()) {
     CAPTURE(policy);
     RuntimeManager m(kShape, q8_config(), make_policy(policy, 16), std::make_unique<InPlaceBackend>());
     std::mt19937 rng(7);
@@ -287,9 +291,7 @@ TEST_CASE("every policy serves q8_0 storage: prefill, decode, extend, fork, read
 }
 
 TEST_CASE("q8_0 storage: a prompt in chunks (staged as blocks) decodes as one prefill, bit for bit", "[q8-storage]") {
-  std::vector<std::string> policies = policy_names();
-  for (const std::string& e : eviction_policy_names()) policies.push_back(e);
-  for (const std::string& policy : policies) {
+  for (const std::string& policy : all_policies()) {
     CAPTURE(policy);
     RuntimeManager whole(kShape, q8_config(), make_policy(policy, 16), std::make_unique<InPlaceBackend>());
     RuntimeManager chunked(kShape, q8_config(), make_policy(policy, 16), std::make_unique<InPlaceBackend>());
