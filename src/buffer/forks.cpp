@@ -45,15 +45,24 @@ std::uint32_t TieredKVBuffer::forkable_tokens(RequestId request, std::uint32_t l
   return tokens;
 }
 
+std::uint32_t TieredKVBuffer::readable_tokens(RequestId request, std::uint32_t layer) const {
+  const std::uint32_t forkable = forkable_tokens(request, layer);
+  const RequestState& s = state(request);
+  const std::uint32_t tail = s.tail_pages.empty() ? 0 : s.tail_tokens[layer];
+  const bool in_place = site_ == AttendSite::cpu_tier && !s.budget.evicts;
+  return in_place && tail > 0 && forkable + tail == s.tokens[layer] ? s.tokens[layer] : forkable;
+}
+
 void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end,
                                  void* k, void* v, DType as) const {
   const RequestState& s = state(request);
   const std::uint32_t forkable = forkable_tokens(request, layer);
-  if (first > end || end > forkable) {
+  const std::uint32_t readable = readable_tokens(request, layer);
+  if (first > end || end > readable) {
     fail(ErrorCode::out_of_range,
-         "request {} layer {} holds its first {} tokens in order in the CPU tier (the rest are in the unsaved decode "
-         "tail, regrouped or evicted); cannot read tokens {} .. {}",
-         request, layer, forkable, first, end);
+         "request {} layer {} holds its first {} tokens in order where they can be read (the rest are in the unsaved "
+         "decode tail on the GPU tier, regrouped or evicted); cannot read tokens {} .. {}",
+         request, layer, readable, first, end);
   }
   if (first < end && (k == nullptr || v == nullptr)) {
     fail(ErrorCode::invalid_argument, "read_prefix: K/V pointers must not be null");
@@ -80,7 +89,9 @@ void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::ui
       // the position map says; in a scattered prompt, where its placement says; past the prompt, in the
       // saved-tail run.
       TokenPlacement at;
-      if (t >= prompt) {
+      if (t >= forkable) {  // the unsaved decode page, a CPU-tier page in place
+        at = TokenPlacement{s.tail_pages[std::size_t{layer} * shape_.kv_heads + h], t - forkable};
+      } else if (t >= prompt) {
         at = page_slot(h, run.first_partition + (t - prompt) / pt, (t - prompt) % pt);
       } else if (ordered) {
         const std::uint32_t flat = s.budget.evicts ? eviction_head(s, layer, h).live.at(t) : t;

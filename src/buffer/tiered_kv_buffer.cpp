@@ -369,7 +369,10 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
   const auto* v = static_cast<const std::byte*>(kv.v);
   transfer_->synchronize();  // a page freed by finish() may still be a save's target
   RequestState& s = state(request);
-  const bool scatters = s.tokens[layer] == 0 && !s.budget.evicts && !record_order(s, layer, specs, kv.tokens);
+  // In page order while page-sized partitions continue it (a fork's partial last page too); else a
+  // first offload's layout is kept as scattered.
+  const bool in_order = !s.budget.evicts && record_order(s, layer, specs, kv.tokens);
+  const bool scatters = s.tokens[layer] == 0 && !s.budget.evicts && !in_order;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
     const MappedPartitions mapped = partitions_.map(request, layer, h, spec);

@@ -236,3 +236,46 @@ TEST_CASE("in place: a buffer refuses GPU slots and device memory", "[in-place]"
   CHECK(buffer.gpu_pool().used() == 0);
   buffer.validate();
 }
+
+TEST_CASE("in place: the unsaved decode page reads back with the rest, on the GPU tier it does not", "[in-place]") {
+  // 10 prompt tokens in 8-token pages, then 3 decode tokens: the tail page
+  // holds positions 8..12 (the prompt's last 2 and the 3 decoded). In place
+  // it is a CPU-tier page, so read_kv reads all 13; HostBackend keeps it on
+  // its GPU tier and reads the 8 tokens of the full prompt page only.
+  const ModelShape shape{2, 4, 2, 16, DType::f32};
+  Config config;
+  config.page_tokens = 8;
+  config.max_context_tokens = 64;
+  config.max_requests = 2;
+  const std::size_t row = std::size_t{shape.kv_heads} * shape.head_dim;
+  std::vector<float> k(13 * row), v(13 * row), q(shape.q_heads * shape.head_dim, 0.25f), out(q.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = float(i % 31) - 15.0f;
+    v[i] = float(i % 29) * 0.5f;
+  }
+  for (const bool in_place : {true, false}) {
+    CAPTURE(in_place);
+    RuntimeManager m(shape, config, make_policy("quest", 16),
+                     in_place ? std::unique_ptr<Backend>(std::make_unique<InPlaceBackend>())
+                              : std::unique_ptr<Backend>(std::make_unique<HostBackend>()));
+    m.add_request(1, 64);
+    for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
+    const RequestId one[] = {1};
+    for (std::uint32_t t = 10; t < 13; ++t) {
+      for (std::uint32_t l = 0; l < shape.layers; ++l) {
+        m.decode(one, l, q.data(), k.data() + t * row, v.data() + t * row, out.data());
+      }
+    }
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      const std::uint32_t readable = m.readable_tokens(1, l);
+      CHECK(readable == (in_place ? 13u : m.buffer().forkable_tokens(1, l)));
+      std::vector<float> rk(readable * row), rv(readable * row);
+      m.read_kv(1, l, 0, readable, rk.data(), rv.data());
+      CHECK(std::equal(rk.begin(), rk.end(), k.begin()));
+      CHECK(std::equal(rv.begin(), rv.end(), v.begin()));
+      std::vector<float> past(14 * row);
+      REQUIRE_THROWS_AS(m.read_kv(1, l, 0, readable + 1, past.data(), past.data()), Error);
+    }
+    m.buffer().validate();
+  }
+}

@@ -244,6 +244,40 @@ TEST_CASE("shared prefix: a fork past what the source holds in order, or of itse
   m.buffer().validate();
 }
 
+TEST_CASE("shared prefix: a fork off a page boundary stays in order through its saved decode pages",
+          "[facade][shared-prefix]") {
+  // 10 prompt tokens in pages of 4; a fork of 6 shares one page and writes
+  // a page of 2; its decode pages are saved from position 6 on. All of it
+  // stays forkable and readable in order.
+  RuntimeManager m(kShape, config(), make_policy("quest", 24));
+  std::vector<float> k(10 * kRow), v(10 * kRow), q(kShape.q_heads * kShape.head_dim, 0.5f);
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = float(i % 97) / 97.0f;
+    v[i] = float(i % 89) / 89.0f;
+  }
+  m.add_request(1, kMaxTokens);
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
+  m.fork(2, 1, 6, kMaxTokens);
+  REQUIRE(m.buffer().forkable_tokens(2, 0) == 6);
+  const RequestId two[] = {2};
+  std::vector<float> out(q.size());
+  for (std::uint32_t step = 0; step < 8; ++step) {
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      m.decode(two, l, q.data(), k.data() + step * kRow, v.data() + step * kRow, out.data());
+    }
+  }
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+    CAPTURE(l);
+    REQUIRE(m.buffer().forkable_tokens(2, l) == 14);  // 6, then two saved pages of 4
+    std::vector<float> rk(14 * kRow), rv(14 * kRow);
+    m.read_kv(2, l, 0, 14, rk.data(), rv.data(), DType::f32);
+    REQUIRE(std::equal(rk.begin(), rk.begin() + 6 * kRow, k.begin()));
+    REQUIRE(std::equal(rk.begin() + 6 * kRow, rk.end(), k.begin()));
+    REQUIRE(std::equal(rv.begin() + 6 * kRow, rv.end(), v.begin()));
+  }
+  m.buffer().validate();
+}
+
 TEST_CASE("shared prefix: a Manager on a static policy forks too, reusing its summaries", "[facade][shared-prefix]") {
   QuestPolicy::Options options;
   options.budget_tokens = 8;

@@ -323,11 +323,15 @@ class TieredKVBuffer {
   // a policy regroups them); with eviction, the leading positions all still
   // live.
   std::uint32_t forkable_tokens(RequestId request, std::uint32_t layer) const;
+  // How many of the layer's first tokens read_prefix can read: the forkable
+  // ones, and in place (AttendSite::cpu_tier, where the unsaved decode page
+  // is a CPU-tier page too) that page's tokens when they go on from them.
+  std::uint32_t readable_tokens(RequestId request, std::uint32_t layer) const;
   // Copies the K/V rows of positions [first, end) of the layer into k and v
   // ([end - first][kv_heads][head_dim]) in dtype `as`: the model's (what a
   // fork's policy indexes; q8_0 storage comes back dequantized) or the
   // storage dtype (the stored bytes). Refuses (out_of_range) `end` beyond
-  // forkable_tokens(), (invalid_argument) any other dtype.
+  // readable_tokens(), (invalid_argument) any other dtype.
   void read_prefix(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end, void* k, void* v,
                    DType as) const;
   // offload() of `source`'s first `tokens` tokens into `request`'s empty

@@ -296,9 +296,10 @@ class Manager {
   // which prefill(..., rows) takes back exactly): what an engine saves
   // beside its own state, or checks against its own cache. Readable are a
   // staged prompt's tokens and, once the layer is prefilled, the CPU tier's
-  // tokens in order (TieredKVBuffer::forkable_tokens: not the unsaved decode
-  // page, nor a policy's regrouped or evicted tokens). Throws, writing nothing: not_found (unknown
-  // request), out_of_range (`end` past what is readable, or first > end).
+  // tokens in order (TieredKVBuffer::readable_tokens: not a policy's
+  // regrouped or evicted tokens, nor the unsaved decode page on a GPU tier;
+  // in place that page is read too). Throws, writing nothing: not_found
+  // (unknown request), out_of_range (`end` past what is readable, or first > end).
   void read_kv(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end, void* k, void* v,
                std::optional<DType> as = {}) const {
     check_index("layer", layer, shape_.layers);
@@ -354,7 +355,7 @@ class Manager {
   std::uint32_t readable_tokens(RequestId request, std::uint32_t layer) const {
     check_index("layer", layer, shape_.layers);
     const LayerStepState<State>& ls = state(request).layers[layer];
-    return ls.prefilled ? buffer_->forkable_tokens(request, layer) : ls.staged_tokens;
+    return ls.prefilled ? buffer_->readable_tokens(request, layer) : ls.staged_tokens;
   }
 
   // Appends `tokens` tokens to the live request in `layer` -- a new chat turn,

@@ -355,6 +355,8 @@ void HostStep<Policy>::commit() {
   }
   for (std::size_t b = 0; b < entries_.size(); ++b) {
     stats.cache += retrievals_[b].stats;
+    stats.pages_selected += retrievals_[b].pages.gpu_pages.size();
+    for (const std::uint32_t n : retrievals_[b].token_counts) stats.tokens_selected += n;
     stats.pages_moved += retrievals_[b].pages.copies.size();
     stats.bytes_moved += retrievals_[b].pages.copies.size() * buffer.cpu_pool().page_bytes();
     ++stats.decode_steps;
