@@ -49,7 +49,14 @@ if(NOT _skv_stamp_old STREQUAL _skv_stamp_text)
   set(_skv_tmp "${_skv_llama_dir}.tmp")
   file(REMOVE_RECURSE "${_skv_tmp}")
   file(MAKE_DIRECTORY "${_skv_tmp}")
-  file(COPY "${SPARSEKV_LLAMA_CPP_DIR}/include" "${SPARSEKV_LLAMA_CPP_DIR}/src" DESTINATION "${_skv_tmp}")
+  file(COPY "${SPARSEKV_LLAMA_CPP_DIR}/include" "${SPARSEKV_LLAMA_CPP_DIR}/src" "${SPARSEKV_LLAMA_CPP_DIR}/common"
+            "${SPARSEKV_LLAMA_CPP_DIR}/vendor" DESTINATION "${_skv_tmp}")
+  foreach(_tool server completion perplexity batched-bench mtmd)
+    file(COPY "${SPARSEKV_LLAMA_CPP_DIR}/tools/${_tool}" DESTINATION "${_skv_tmp}/tools")
+  endforeach()
+  file(COPY "${SPARSEKV_LLAMA_CPP_DIR}/tools/ui/CMakeLists.txt" "${SPARSEKV_LLAMA_CPP_DIR}/tools/ui/ui.h.in"
+            "${SPARSEKV_LLAMA_CPP_DIR}/tools/ui/ui.cpp.in" DESTINATION "${_skv_tmp}/tools/ui")
+  file(COPY "${SPARSEKV_LLAMA_CPP_DIR}/scripts/ui-assets.cmake" DESTINATION "${_skv_tmp}/scripts")
   execute_process(COMMAND "${SPARSEKV_PATCH_EXECUTABLE}" -p1 --forward --batch -i "${_skv_llama_patch}"
                   WORKING_DIRECTORY "${_skv_tmp}"
                   RESULT_VARIABLE _skv_rc OUTPUT_VARIABLE _skv_out ERROR_VARIABLE _skv_out)
@@ -58,9 +65,13 @@ if(NOT _skv_stamp_old STREQUAL _skv_stamp_text)
     message(FATAL_ERROR "sparsekv: ${_skv_llama_patch} does not apply to ${SPARSEKV_LLAMA_CPP_DIR} "
                         "(patch exit code ${_skv_rc}):\n${_skv_out}")
   endif()
-  file(GLOB_RECURSE _skv_new RELATIVE "${_skv_tmp}" "${_skv_tmp}/include/*" "${_skv_tmp}/src/*")
+  set(_skv_copied include src common vendor tools scripts)
+  list(TRANSFORM _skv_copied APPEND "/*" OUTPUT_VARIABLE _skv_globs)
+  list(TRANSFORM _skv_globs PREPEND "${_skv_tmp}/" OUTPUT_VARIABLE _skv_new_globs)
+  list(TRANSFORM _skv_globs PREPEND "${_skv_llama_dir}/" OUTPUT_VARIABLE _skv_old_globs)
+  file(GLOB_RECURSE _skv_new RELATIVE "${_skv_tmp}" ${_skv_new_globs})
   list(FILTER _skv_new EXCLUDE REGEX "\\.(orig|rej)$")
-  file(GLOB_RECURSE _skv_old RELATIVE "${_skv_llama_dir}" "${_skv_llama_dir}/include/*" "${_skv_llama_dir}/src/*")
+  file(GLOB_RECURSE _skv_old RELATIVE "${_skv_llama_dir}" ${_skv_old_globs})
   foreach(_f IN LISTS _skv_old)
     if(NOT _f IN_LIST _skv_new)
       file(REMOVE "${_skv_llama_dir}/${_f}")
@@ -111,3 +122,12 @@ target_link_libraries(llama PUBLIC ggml ggml-cpu)
 
 set(SPARSEKV_HAS_LLAMA ON)
 message(STATUS "sparsekv: llama.cpp ${SPARSEKV_LLAMA_CPP_VERSION} with the attention hook (target llama)")
+
+# llama.cpp's own programs (integrations/llama.cpp/programs/CMakeLists.txt), with --sparse-attn.
+option(SPARSEKV_LLAMA_PROGRAMS "Build llama-server, llama-completion, llama-perplexity and llama-batched-bench" ON)
+if(SPARSEKV_LLAMA_PROGRAMS)
+  file(COPY_FILE "${PROJECT_SOURCE_DIR}/integrations/llama.cpp/programs/CMakeLists.txt"
+       "${_skv_llama_dir}/CMakeLists.txt" ONLY_IF_DIFFERENT)
+  set(SPARSEKV_LLAMA_PROGRAMS_OUTPUT "${CMAKE_RUNTIME_OUTPUT_DIRECTORY}")
+  add_subdirectory("${_skv_llama_dir}" "${PROJECT_BINARY_DIR}/_deps/llama.cpp-programs" EXCLUDE_FROM_ALL)
+endif()

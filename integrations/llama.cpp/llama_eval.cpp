@@ -175,7 +175,6 @@ SavedPrompts prefill_prompts(const EvalSetup& s) {
       if (llama_state_seq_get_data(ctx, bytes.data(), bytes.size(), j) != bytes.size()) {
         fail(ErrorCode::internal, "llama_state_seq_get_data of sequence {} failed", j);
       }
-      if (hook) saved.library.push_back(hook->save_sequence(j));
     }
   }
   return saved;
@@ -184,8 +183,7 @@ SavedPrompts prefill_prompts(const EvalSetup& s) {
 EvalResult eval_variant(const EvalSetup& s, const SavedPrompts* prompts, const EvalVariant& variant,
                         const Distributions* reference, Distributions* keep) {
   check_setup(s);
-  if (prompts != nullptr && (prompts->llama_state.size() != s.parallel || prompts->hooked_state.size() != s.parallel ||
-                          prompts->library.size() != s.parallel)) {
+  if (prompts != nullptr && (prompts->llama_state.size() != s.parallel || prompts->hooked_state.size() != s.parallel)) {
     fail(ErrorCode::invalid_argument, "eval: the saved prompts hold {} sequences, the setup {}",
          prompts->llama_state.size(), s.parallel);
   }
@@ -200,10 +198,8 @@ EvalResult eval_variant(const EvalSetup& s, const SavedPrompts* prompts, const E
     for (std::uint32_t j = 0; j < s.parallel; ++j) {
       const std::vector<std::uint8_t>& bytes = hook ? prompts->hooked_state[j] : prompts->llama_state[j];
       if (llama_state_seq_set_data(ctx, bytes.data(), bytes.size(), j) != bytes.size()) {
+        if (hook && hook->failure()) fail(hook->failure()->code, "{}", hook->failure()->message);
         fail(ErrorCode::internal, "llama_state_seq_set_data of sequence {} failed", j);
-      }
-      if (hook && !hook->load_sequence(j, prompts->library[j])) {
-        fail(hook->failure()->code, "{}", hook->failure()->message);
       }
     }
   }

@@ -73,13 +73,11 @@ class AttachedThreadpool {
 
 // Every sequence's prompt, prefilled once with the hook off and once through
 // it: llama.cpp's state of each sequence (llama_state_seq_get_data: every
-// layer with the hook off, the layers it does not serve through it) and the
-// library's K/V of the served ones (Hook::save_sequence), to be loaded into
-// each variant's context.
+// layer with the hook off; through it, the layers it does not serve and the
+// library's K/V of those it does), to be loaded into each variant's context.
 struct SavedPrompts {
   std::vector<std::vector<std::uint8_t>> llama_state;   // [sequence], the hook off
   std::vector<std::vector<std::uint8_t>> hooked_state;  // [sequence], through the hook
-  std::vector<SequenceSnapshot> library;                // [sequence]
 };
 SavedPrompts prefill_prompts(const EvalSetup& setup);
 

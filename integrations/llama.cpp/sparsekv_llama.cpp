@@ -3,13 +3,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
+#include <string>
 #include <thread>
 #include <utility>
 
 #include "ggml-cpu.h"
 #include "llama-ext.h"
+#include "fmt/format.h"
 #include "sparsekv/sparsekv.hpp"
 
 namespace sparsekv::llama_cpp {
@@ -194,11 +197,225 @@ struct Hook::State {
     narrow(gathered.data(), gathered.size(), to);
   }
 
+  // Thread 0, inside a catch block: the op's failure stops the graph
+  // (hook_abort) and refuses the ubatch's sequences until they restart.
+  void fail_op(const llama_attn_hook_call& c) noexcept {
+    failure.capture();
+    mark_broken(c);
+    try {
+      why = failure.error()->message;
+    } catch (...) {
+      why.clear();
+    }
+  }
+  void new_ubatch() noexcept {
+    if (failure.failed()) {
+      last_failure = failure.error();
+      failure.clear();
+    }
+    why.clear();
+  }
+
   void mark_broken(const llama_attn_hook_call& c) {
     for (std::int32_t i = 0; i < c.n_tokens; ++i) {
       if (const auto it = sequences.find(c.seq[i]); it != sequences.end()) it->second.broken = true;
     }
   }
+
+  // ---- Memory calls (llama_attn_hook::memory), followed before llama.cpp's memory acts ----
+  // Each throws, changing nothing, what the library cannot follow.
+  std::uint64_t refusals = 0;  // memory calls and loads refused: the wrappers' results
+  std::string why;             // the refusal or failure of the latest call or ubatch (llama_attn_hook::last_error)
+  std::optional<ErrorRecord> last_failure;  // an earlier ubatch's, until clear_failure()
+
+  const char* refuse_current() noexcept {
+    refusal.clear();
+    refusal.capture();
+    ++refusals;
+    try {
+      why = refusal.error()->message;
+    } catch (...) {
+      return "sparsekv: refused (no memory for the reason)";
+    }
+    return why.c_str();
+  }
+
+  void follow(const llama_attn_hook_memory_call& c) {
+    switch (c.op) {
+      case LLAMA_ATTN_HOOK_MEMORY_CLEAR: finish_all(); return;
+      case LLAMA_ATTN_HOOK_MEMORY_SEQ_RM: follow_seq_rm(c.seq, c.p0, c.p1); return;
+      case LLAMA_ATTN_HOOK_MEMORY_SEQ_CP: follow_seq_cp(c.seq, c.dest, c.p0, c.p1); return;
+      case LLAMA_ATTN_HOOK_MEMORY_SEQ_KEEP: follow_seq_keep(c.seq); return;
+      case LLAMA_ATTN_HOOK_MEMORY_SEQ_ADD:
+        if (c.delta != 0 && holds_any(c.seq)) {
+          fail(ErrorCode::failed_precondition,
+               "seq_add: sparsekv does not follow a position shift (context shift); its pages hold the tokens' "
+               "RoPE'd keys");
+        }
+        return;
+      case LLAMA_ATTN_HOOK_MEMORY_SEQ_DIV:
+        if (c.d != 1 && holds_any(c.seq)) {
+          fail(ErrorCode::failed_precondition, "seq_div: sparsekv does not follow a position division (self-extend)");
+        }
+        return;
+    }
+    fail(ErrorCode::invalid_argument, "memory call {} is not one sparsekv knows", int(c.op));
+  }
+  bool holds_any(llama_seq_id seq) const {
+    return seq < 0 ? !sequences.empty() : sequences.contains(seq);
+  }
+  void finish_all() {
+    for (const auto& [seq, sequence] : sequences) manager->finish(sequence.request);
+    sequences.clear();
+  }
+  void follow_seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
+    if (seq < 0) {  // llama.cpp: every sequence
+      if (p0 > 0 || p1 >= 0) fail(ErrorCode::invalid_argument, "seq_rm: sparsekv follows removing every sequence whole only");
+      finish_all();
+      return;
+    }
+    const auto it = sequences.find(seq);
+    if (it == sequences.end()) return;
+    const RequestId id = it->second.request;
+    if (p0 <= 0 && p1 < 0) {
+      manager->finish(id);
+      sequences.erase(it);
+      return;
+    }
+    if (p1 >= 0 || it->second.broken) {
+      fail(ErrorCode::invalid_argument,
+           "seq_rm: sparsekv follows the removal of a whole sequence or of its tail, not of a middle range");
+    }
+    // Keep the first p0 tokens: they become a new request forked from the old one.
+    const std::uint32_t keep = std::uint32_t(p0);
+    if (keep >= tokens_held(id, 0)) return;
+    manager->end_prompt(id);  // a staged prompt is indexed, then forked like any other
+    for (std::uint32_t l = 0; l < layers.size(); ++l) {
+      if (manager->buffer().forkable_tokens(id, l) < keep) {
+        fail(ErrorCode::failed_precondition,
+             "seq_rm: sparsekv keeps the first tokens of a sequence only where every layer holds them in order in "
+             "the CPU tier (not its last decode page while unsaved, nor tokens a policy regrouped or evicted)");
+      }
+    }
+    const RequestId fresh = next_request;
+    manager->fork(fresh, id, keep, max_tokens);
+    ++next_request;
+    manager->finish(id);
+    it->second.request = fresh;
+  }
+  void follow_seq_cp(llama_seq_id source, llama_seq_id dest, llama_pos p0, llama_pos p1) {
+    if (source == dest) return;
+    const auto it = sequences.find(source);
+    if (it == sequences.end()) {
+      if (llama_memory_seq_pos_max(llama_get_memory(ctx), source) < 0) return;  // nothing to copy
+      fail(ErrorCode::not_found, "seq_cp: sparsekv holds nothing of source sequence {}", source);
+    }
+    if (p0 > 0 || p1 >= 0 || sequences.contains(dest) || it->second.broken) {
+      fail(ErrorCode::invalid_argument, "seq_cp: sparsekv copies a whole sequence into an empty one only");
+    }
+    const RequestId id = it->second.request;
+    const std::uint32_t held = tokens_held(id, 0);
+    const RequestId fresh = next_request;
+    manager->end_prompt(id);
+    manager->fork(fresh, id, held, max_tokens);
+    ++next_request;
+    sequences.emplace(dest, Sequence{fresh, false});
+  }
+  void follow_seq_keep(llama_seq_id seq) {
+    for (auto it = sequences.begin(); it != sequences.end();) {
+      if (it->first == seq) {
+        ++it;
+        continue;
+      }
+      manager->finish(it->second.request);
+      it = sequences.erase(it);
+    }
+  }
+
+  // ---- A sequence's K/V as a snapshot (save_sequence, load_sequence, llama_state_*) ----
+  std::uint32_t readable(llama_seq_id seq) const {
+    const auto it = sequences.find(seq);
+    if (it == sequences.end()) return 0;
+    std::uint32_t n = tokens_held(it->second.request, 0);
+    for (std::uint32_t l = 0; l < shape.layers; ++l) n = std::min(n, manager->readable_tokens(it->second.request, l));
+    return n;
+  }
+  // The first `tokens` positions of every hooked layer, as stored (q8_0
+  // included): a load gives back the same bytes.
+  SequenceSnapshot snapshot(llama_seq_id seq, std::uint32_t tokens) const {
+    const RequestId id = sequences.at(seq).request;
+    const DType stored = *options.kv_storage;
+    SequenceSnapshot out{layers, shape.q_heads, shape.kv_heads, shape.head_dim, llama_kq_scale, stored, tokens, {}, {}};
+    const std::size_t bytes = std::size_t{tokens} * shape.kv_heads * dtype_row_bytes(stored, shape.head_dim);
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      out.k.emplace_back(bytes);
+      out.v.emplace_back(bytes);
+      manager->read_kv(id, l, 0, tokens, out.k.back().data(), out.v.back().data(), stored);
+    }
+    return out;
+  }
+  // Stages the snapshot as sequence seq's prompt (the hook must not hold
+  // seq). Throws, changing nothing, when it does not fit.
+  void load(llama_seq_id seq, const SequenceSnapshot& snapshot) {
+    if (seq < 0) fail(ErrorCode::invalid_argument, "load_sequence: sequence {} is not a sequence id", seq);
+    const std::size_t bytes =
+        std::size_t{snapshot.tokens} * snapshot.kv_heads * dtype_row_bytes(snapshot.dtype, snapshot.head_dim);
+    const auto holds = [&](const std::vector<std::vector<std::byte>>& rows) {
+      return rows.size() == snapshot.layers.size() &&
+             std::all_of(rows.begin(), rows.end(), [&](const auto& r) { return r.size() == bytes; });
+    };
+    const bool sized = holds(snapshot.k) && holds(snapshot.v);
+    if (snapshot.tokens == 0 || snapshot.layers.empty() || !sized) {
+      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot's K/V do not hold {} tokens of {} layers",
+           snapshot.tokens, snapshot.layers.size());
+    }
+    const DType stored = *options.kv_storage;
+    if (snapshot.dtype != options.dtype && snapshot.dtype != stored) {
+      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot holds {} K/V, the hook takes {} and stores {}",
+           to_string(snapshot.dtype), to_string(options.dtype), to_string(stored));
+    }
+    if (snapshot.tokens > llama_n_ctx_seq(ctx)) {
+      fail(ErrorCode::invalid_argument, "load_sequence: {} tokens exceed the context's {} per sequence",
+           snapshot.tokens, llama_n_ctx_seq(ctx));
+    }
+    const llama_pos last = llama_memory_seq_pos_max(llama_get_memory(ctx), seq);
+    if (last != llama_pos(snapshot.tokens) - 1) {
+      fail(ErrorCode::failed_precondition,
+           "load_sequence: llama.cpp's cache holds sequence {} up to position {}, the snapshot {} tokens (load "
+           "llama.cpp's state of the same sequence first)",
+           seq, last, snapshot.tokens);
+    }
+    std::vector<std::int32_t> sorted = snapshot.layers;
+    std::sort(sorted.begin(), sorted.end());
+    if (sorted != snapshot.layers || (!layers.empty() && layers != sorted)) {
+      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot's hooked layers are not this context's");
+    }
+    // Made from the snapshot when no op has run yet (its layers then become
+    // the hooked ones), else checked against it; a refusal restores the layers.
+    const std::vector<std::int32_t> before = std::exchange(layers, sorted);
+    RuntimeManager* made = nullptr;
+    try {
+      made = &ensure_manager(sorted.front(), snapshot.q_heads, snapshot.kv_heads, snapshot.head_dim, snapshot.kq_scale);
+    } catch (...) {
+      layers = before;
+      throw;
+    }
+    RuntimeManager& m = *made;
+    const RequestId id = next_request;
+    m.add_request(id, max_tokens);
+    try {
+      for (std::uint32_t l = 0; l < shape.layers; ++l) {
+        m.prefill_chunk(id, l, snapshot.k[l].data(), snapshot.v[l].data(), snapshot.tokens, snapshot.dtype);
+      }
+    } catch (...) {
+      m.finish(id);
+      throw;
+    }
+    ++next_request;
+    sequences.emplace(seq, Sequence{id, false});
+  }
+  const char* state_write(const llama_attn_hook_io& io, llama_seq_id seq) noexcept;
+  const char* state_read(const llama_attn_hook_io& io, llama_seq_id seq) noexcept;
 
   // ---- One op: every row of a hooked layer's ubatch ------------------------
   // Thread 0: checks the rows, stages the prompt rows, runs the multi-token
@@ -292,13 +509,15 @@ bool hook_layer(void* user, std::int32_t il) {
 // it; the abort callback then stops the graph.
 void hook_attend(void* user, const llama_attn_hook_call* call, std::int32_t ith, std::int32_t nth) {
   Hook::State& s = state_of(user);
+  // A ubatch's first hooked layer: the previous ubatch's failure stopped that
+  // ubatch alone (its sequences stay refused); it is kept for failure().
+  if (ith == 0 && call->il == s.layers.front()) s.new_ubatch();
   const auto serial = [&](auto&& work) {
     if (ith == 0 && !s.failure.failed()) {
       try {
         work();
       } catch (...) {
-        s.failure.capture();
-        s.mark_broken(*call);
+        s.fail_op(*call);
       }
     }
     s.barrier.wait(nth);
@@ -323,13 +542,230 @@ void hook_attend(void* user, const llama_attn_hook_call* call, std::int32_t ith,
     try {
       s.finish(*call);
     } catch (...) {
-      s.failure.capture();
-      s.mark_broken(*call);
+      s.fail_op(*call);
     }
   }
 }
 
 bool hook_abort(void* user) { return state_of(user).failure.failed(); }
+
+void hook_attach(void* user, llama_context* ctx) { state_of(user).ctx = ctx; }
+
+void hook_free(void* user) { delete &state_of(user); }
+
+const char* hook_last_error(void* user) {
+  const Hook::State& s = state_of(user);
+  return s.why.empty() ? nullptr : s.why.c_str();
+}
+
+const char* hook_memory(void* user, const llama_attn_hook_memory_call* call) {
+  Hook::State& s = state_of(user);
+  s.why.clear();
+  try {
+    s.follow(*call);
+    return nullptr;
+  } catch (...) {
+    return s.refuse_current();
+  }
+}
+
+// ---- A sequence's K/V in llama.cpp's state stream ---------------------------
+// A snapshot: magic, layers, heads, head size, scale, dtype, tokens, then each
+// layer's K and V bytes; a whole-context state holds a count, then each
+// sequence's id and snapshot.
+constexpr std::uint32_t kSnapshotMagic = 0x736b7631;  // "skv1"
+
+class StateWriter {
+ public:
+  explicit StateWriter(const llama_attn_hook_io& io) : io_(io) {}
+  template <class T>
+  void put(const T& value) {
+    bytes(&value, sizeof(T));
+  }
+  void bytes(const void* src, std::size_t n) { io_.write(io_.io, src, n); }
+
+ private:
+  const llama_attn_hook_io& io_;
+};
+
+class StateReader {
+ public:
+  explicit StateReader(const llama_attn_hook_io& io) : io_(io) {}
+  template <class T>
+  T get() {
+    T value{};
+    bytes(&value, sizeof(T));
+    return value;
+  }
+  void bytes(void* dst, std::size_t n) { io_.read(io_.io, dst, n); }
+
+ private:
+  const llama_attn_hook_io& io_;
+};
+
+void write_snapshot(StateWriter& w, const SequenceSnapshot& snapshot) {
+  w.put(kSnapshotMagic);
+  w.put(std::uint32_t(snapshot.layers.size()));
+  for (const std::int32_t il : snapshot.layers) w.put(il);
+  w.put(snapshot.q_heads);
+  w.put(snapshot.kv_heads);
+  w.put(snapshot.head_dim);
+  w.put(snapshot.kq_scale);
+  w.put(std::uint32_t(snapshot.dtype));
+  w.put(snapshot.tokens);
+  for (std::size_t l = 0; l < snapshot.layers.size(); ++l) {
+    w.bytes(snapshot.k[l].data(), snapshot.k[l].size());
+    w.bytes(snapshot.v[l].data(), snapshot.v[l].size());
+  }
+}
+
+SequenceSnapshot read_snapshot(StateReader& r) {
+  if (r.get<std::uint32_t>() != kSnapshotMagic) {
+    fail(ErrorCode::invalid_argument, "state load: no sparsekv K/V where the state should hold them (a state saved "
+                                      "without --sparse-attn?)");
+  }
+  SequenceSnapshot snapshot;
+  const auto layers = r.get<std::uint32_t>();
+  if (layers == 0 || layers > 4096) fail(ErrorCode::invalid_argument, "state load: {} hooked layers", layers);
+  for (std::uint32_t l = 0; l < layers; ++l) snapshot.layers.push_back(r.get<std::int32_t>());
+  snapshot.q_heads = r.get<std::uint32_t>();
+  snapshot.kv_heads = r.get<std::uint32_t>();
+  snapshot.head_dim = r.get<std::uint32_t>();
+  snapshot.kq_scale = r.get<float>();
+  const auto dtype = r.get<std::uint32_t>();
+  if (dtype != std::uint32_t(DType::f16) && dtype != std::uint32_t(DType::f32) && dtype != std::uint32_t(DType::bf16) &&
+      dtype != std::uint32_t(DType::q8_0)) {
+    fail(ErrorCode::invalid_argument, "state load: unknown K/V dtype {}", dtype);
+  }
+  snapshot.dtype = DType(dtype);
+  snapshot.tokens = r.get<std::uint32_t>();
+  if (snapshot.head_dim == 0 || snapshot.kv_heads == 0 || snapshot.head_dim > 4096 || snapshot.kv_heads > 4096 ||
+      snapshot.tokens > (1u << 24) || (snapshot.dtype == DType::q8_0 && snapshot.head_dim % kQ8BlockValues != 0)) {
+    fail(ErrorCode::invalid_argument, "state load: a snapshot of {} tokens, {} kv heads of {}", snapshot.tokens,
+         snapshot.kv_heads, snapshot.head_dim);
+  }
+  const std::size_t bytes =
+      std::size_t{snapshot.tokens} * snapshot.kv_heads * dtype_row_bytes(snapshot.dtype, snapshot.head_dim);
+  for (std::uint32_t l = 0; l < layers; ++l) {
+    snapshot.k.emplace_back(bytes);
+    snapshot.v.emplace_back(bytes);
+    r.bytes(snapshot.k.back().data(), bytes);
+    r.bytes(snapshot.v.back().data(), bytes);
+  }
+  return snapshot;
+}
+
+}  // namespace
+
+// The hook's part of a state save: a sequence's snapshot (every token
+// llama.cpp holds of it: a save the library cannot make whole is refused), or
+// every sequence's.
+const char* Hook::State::state_write(const llama_attn_hook_io& io, llama_seq_id seq) noexcept {
+  why.clear();
+  try {
+    StateWriter w(io);
+    const auto save = [&](llama_seq_id id) {
+      const llama_pos last = llama_memory_seq_pos_max(llama_get_memory(ctx), id);
+      const std::uint32_t held = sequences.contains(id) ? tokens_held(sequences.at(id).request, 0) : 0;
+      if (held != std::uint32_t(last + 1)) {
+        fail(ErrorCode::failed_precondition, "state save of sequence {}: llama.cpp holds {} tokens, sparsekv {}", id,
+             last + 1, held);
+      }
+      if (held == 0) {
+        w.put(std::uint32_t{0});
+        return;
+      }
+      if (readable(id) < held) {
+        fail(ErrorCode::failed_precondition,
+             "state save of sequence {}: sparsekv can read {} of its {} tokens in order (the policy regrouped or "
+             "evicted tokens)",
+             id, readable(id), held);
+      }
+      w.put(std::uint32_t{1});
+      write_snapshot(w, snapshot(id, held));
+    };
+    if (seq >= 0) {
+      save(seq);
+      return nullptr;
+    }
+    w.put(std::uint32_t(sequences.size()));
+    for (const auto& [id, sequence] : sequences) {
+      w.put(std::int32_t(id));
+      save(id);
+    }
+    return nullptr;
+  } catch (...) {
+    return refuse_current();
+  }
+}
+
+// The hook's part of a state load, after llama.cpp's memory loaded its own:
+// the sequence (or every one) the memory replaced is finished here too, then
+// each snapshot is loaded as load_sequence does.
+const char* Hook::State::state_read(const llama_attn_hook_io& io, llama_seq_id seq) noexcept {
+  why.clear();
+  try {
+    StateReader r(io);
+    const auto load_one = [&](llama_seq_id id) {
+      if (r.get<std::uint32_t>() == 0) return;
+      load(id, read_snapshot(r));
+    };
+    if (seq >= 0) {
+      if (const auto it = sequences.find(seq); it != sequences.end()) {
+        manager->finish(it->second.request);
+        sequences.erase(it);
+      }
+      load_one(seq);
+      return nullptr;
+    }
+    if (manager) finish_all();
+    const auto count = r.get<std::uint32_t>();
+    for (std::uint32_t i = 0; i < count; ++i) load_one(llama_seq_id(r.get<std::int32_t>()));
+    return nullptr;
+  } catch (...) {
+    return refuse_current();
+  }
+}
+
+namespace {
+
+const char* hook_state_write(void* user, const llama_attn_hook_io* io, llama_seq_id seq) {
+  return state_of(user).state_write(*io, seq);
+}
+const char* hook_state_read(void* user, const llama_attn_hook_io* io, llama_seq_id seq) {
+  return state_of(user).state_read(*io, seq);
+}
+
+// Prometheus text: the library's counters since the context was made.
+std::int32_t hook_metrics(void* user, char* buf, std::size_t size) {
+  const Hook::State& s = state_of(user);
+  const StepStats st = s.manager ? s.manager->stats() : StepStats{};
+  const std::uint64_t row_bytes = s.manager ? dtype_row_bytes(*s.options.kv_storage, s.shape.head_dim) : 0;
+  std::string text;
+  const auto metric = [&](const char* name, const char* type, const char* help, double value) {
+    text += fmt::format("# HELP sparsekv:{} {}\n# TYPE sparsekv:{} {}\nsparsekv:{}{{policy=\"{}\"}} {}\n", name, help,
+                        name, type, name, s.options.policy, value);
+  };
+  metric("decode_rows_total", "counter", "Rows attended by a sparse decode step, summed over the hooked layers.",
+         double(s.decode_count));
+  metric("prompt_rows_total", "counter", "Prompt rows attended by the library's prompt attention.",
+         double(s.prompt_count));
+  metric("extend_rows_total", "counter", "Rows of multi-token continuations (one decode step each).",
+         double(s.extend_count));
+  metric("decode_steps_total", "counter", "(request, layer) decode steps.", double(st.decode_steps));
+  metric("pages_selected_total", "counter", "Pages (one kv head each) the policy selected.",
+         double(st.pages_selected));
+  metric("bytes_attended_total", "counter", "K and V bytes of the selected tokens, as stored.",
+         double(2 * st.tokens_selected * row_bytes));
+  metric("sequences", "gauge", "Sequences the library holds.", double(s.sequences.size()));
+  metric("refusals_total", "counter", "Memory calls and state loads the library refused.", double(s.refusals));
+  if (buf != nullptr && size > 0) {
+    const std::size_t n = std::min(text.size(), size - 1);
+    std::memcpy(buf, text.data(), n);
+    buf[n] = 0;
+  }
+  return std::int32_t(text.size());
+}
 
 // The library's storage for llama.cpp's cache types: q8_0 for q8_0 K and V,
 // the hook's rows for f16 or f32; anything else is not served.
@@ -338,267 +774,120 @@ DType storage_of(const llama_context_params& params, DType rows) {
   const auto plain = [](ggml_type t) { return t == GGML_TYPE_F16 || t == GGML_TYPE_F32; };
   if (plain(params.type_k) && plain(params.type_v)) return rows;
   fail(ErrorCode::invalid_argument,
-       "Hook: the library stores the hooked layers' K/V as f16, f32 or q8_0 (both -ctk and -ctv q8_0); cache types "
+       "the library stores the hooked layers' K/V as f16, f32 or q8_0 (both -ctk and -ctv q8_0); cache types "
        "K {} and V {} are not served",
        ggml_type_name(params.type_k), ggml_type_name(params.type_v));
 }
 
-}  // namespace
-
-Hook::Hook(llama_model* model, const llama_context_params& params, const HookOptions& options)
-    : state_(std::make_unique<State>()) {
-  if (model == nullptr) fail(ErrorCode::invalid_argument, "Hook: llama_model must not be null");
+// A hook whose State the context owns (llama_attn_hook::free). Throws
+// sparsekv::Error for options the library refuses.
+llama_attn_hook make_hook(const llama_context_params& params, const HookOptions& options) {
   make_policy(options.policy, options.budget_tokens);  // throws on an unknown policy before anything is made
   if (options.page_tokens == 0 || (options.page_tokens & (options.page_tokens - 1)) != 0) {
-    fail(ErrorCode::invalid_argument, "Hook: page_tokens ({}) must be a power of two", options.page_tokens);
+    fail(ErrorCode::invalid_argument, "page_tokens ({}) must be a power of two", options.page_tokens);
   }
-  state_->options = options;
-  if (!options.kv_storage) state_->options.kv_storage = storage_of(params, options.dtype);
-  const llama_attn_hook hook{state_.get(), hook_layer, hook_attend};
-  llama_context* ctx = llama_init_from_model_with_attn_hook(model, params, &hook);
+  auto state = std::make_unique<Hook::State>();
+  state->options = options;
+  if (!options.kv_storage) state->options.kv_storage = storage_of(params, options.dtype);
+  llama_attn_hook hook{};
+  hook.user = state.release();
+  hook.layer = hook_layer;
+  hook.attend = hook_attend;
+  hook.attach = hook_attach;
+  hook.free = hook_free;
+  hook.abort = hook_abort;
+  hook.memory = hook_memory;
+  hook.state_write = hook_state_write;
+  hook.state_read = hook_state_read;
+  hook.metrics = hook_metrics;
+  hook.last_error = hook_last_error;
+  return hook;
+}
+
+}  // namespace
+
+llama_attn_hook make_params_hook(const llama_context_params& params, const HookOptions& options) {
+  return make_hook(params, options);
+}
+
+Hook::Hook(llama_model* model, const llama_context_params& params, const HookOptions& options) {
+  if (model == nullptr) fail(ErrorCode::invalid_argument, "Hook: llama_model must not be null");
+  const llama_attn_hook hook = make_hook(params, options);
+  state_ = &state_of(hook.user);
+  llama_context* ctx = llama_init_from_model_with_attn_hook(model, params, &hook);  // frees the State when it fails
   if (ctx == nullptr) {
     fail(ErrorCode::unavailable,
          "Hook: llama.cpp made no context with the attention hook (a model whose memory is not a plain or "
          "sliding-window KV cache? its log says why)");
   }
-  state_->ctx = ctx;
-  llama_set_abort_callback(ctx, hook_abort, state_.get());
 }
 
 Hook::~Hook() { llama_free(state_->ctx); }
 
+
 llama_context* Hook::context() const noexcept { return state_->ctx; }
 
+// The memory calls go through llama.cpp, which asks the hook first
+// (hook_memory); a refusal shows as a new entry in the State's count.
 bool Hook::seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
-  State& s = *state_;
-  llama_memory_t memory = llama_get_memory(s.ctx);
-  if (seq < 0) {  // llama.cpp: every sequence
-    if (p0 > 0 || p1 >= 0) {
-      s.refusal.set(ErrorCode::invalid_argument, "seq_rm: sparsekv follows removing every sequence whole only");
-      return false;
-    }
-    if (!llama_memory_seq_rm(memory, seq, p0, p1)) return false;
-    for (const auto& [id, sequence] : s.sequences) s.manager->finish(sequence.request);
-    s.sequences.clear();
-    return true;
-  }
-  const auto it = s.sequences.find(seq);
-  if (it == s.sequences.end() || !s.manager) return llama_memory_seq_rm(memory, seq, p0, p1);
-  const RequestId id = it->second.request;
-  if (p0 <= 0 && p1 < 0) {
-    if (!llama_memory_seq_rm(memory, seq, p0, p1)) return false;
-    s.manager->finish(id);
-    s.sequences.erase(it);
-    return true;
-  }
-  if (p1 >= 0 || it->second.broken) {
-    s.refusal.set(ErrorCode::invalid_argument,
-                  "seq_rm: sparsekv follows the removal of a whole sequence or of its tail, not of a middle range");
-    return false;
-  }
-  // Keep the first p0 tokens: they become a new request forked from the old one.
-  const std::uint32_t keep = std::uint32_t(p0);
-  if (keep >= s.tokens_held(id, 0)) return llama_memory_seq_rm(memory, seq, p0, p1);
-  try {
-    s.manager->end_prompt(id);  // a staged prompt is indexed, then forked like any other
-  } catch (...) {
-    s.refusal.capture();
-    return false;
-  }
-  for (std::uint32_t l = 0; l < s.layers.size(); ++l) {
-    if (s.manager->buffer().forkable_tokens(id, l) < keep) {
-      s.refusal.set(ErrorCode::failed_precondition,
-                    "seq_rm: sparsekv keeps the first tokens of a sequence only where every layer holds them in "
-                    "order in the CPU tier (not its last decode page while unsaved, nor tokens a policy regrouped "
-                    "or evicted)");
-      return false;
-    }
-  }
-  const RequestId fresh = s.next_request;
-  try {
-    s.manager->fork(fresh, id, keep, s.max_tokens);
-  } catch (...) {
-    s.refusal.capture();
-    return false;
-  }
-  if (!llama_memory_seq_rm(memory, seq, p0, p1)) {
-    s.manager->finish(fresh);
-    return false;
-  }
-  ++s.next_request;
-  s.manager->finish(id);
-  it->second.request = fresh;
-  return true;
+  const std::uint64_t before = state_->refusals;
+  return llama_memory_seq_rm(llama_get_memory(state_->ctx), seq, p0, p1) && state_->refusals == before;
 }
-
 bool Hook::seq_cp(llama_seq_id source, llama_seq_id dest, llama_pos p0, llama_pos p1) {
-  State& s = *state_;
-  const auto it = s.sequences.find(source);
-  if (it == s.sequences.end() || !s.manager) {
-    s.refusal.set(ErrorCode::not_found, "seq_cp: sparsekv holds nothing of the source sequence");
-    return false;
-  }
-  if (p0 > 0 || p1 >= 0 || s.sequences.contains(dest) || it->second.broken) {
-    s.refusal.set(ErrorCode::invalid_argument, "seq_cp: sparsekv copies a whole sequence into an empty one only");
-    return false;
-  }
-  const RequestId id = it->second.request;
-  const std::uint32_t tokens = s.tokens_held(id, 0);
-  const RequestId fresh = s.next_request;
-  try {
-    s.manager->end_prompt(id);
-    s.manager->fork(fresh, id, tokens, s.max_tokens);
-  } catch (...) {
-    s.refusal.capture();
-    return false;
-  }
-  ++s.next_request;
-  s.sequences.emplace(dest, Sequence{fresh, false});
-  llama_memory_seq_cp(llama_get_memory(s.ctx), source, dest, p0, p1);
-  return true;
+  const std::uint64_t before = state_->refusals;
+  llama_memory_seq_cp(llama_get_memory(state_->ctx), source, dest, p0, p1);
+  return state_->refusals == before;
 }
-
 bool Hook::seq_keep(llama_seq_id seq) {
-  State& s = *state_;
-  for (auto it = s.sequences.begin(); it != s.sequences.end();) {
-    if (it->first == seq) {
-      ++it;
-      continue;
-    }
-    s.manager->finish(it->second.request);
-    it = s.sequences.erase(it);
-  }
-  llama_memory_seq_keep(llama_get_memory(s.ctx), seq);
-  return true;
+  const std::uint64_t before = state_->refusals;
+  llama_memory_seq_keep(llama_get_memory(state_->ctx), seq);
+  return state_->refusals == before;
 }
+bool Hook::seq_add(llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta) {
+  const std::uint64_t before = state_->refusals;
+  llama_memory_seq_add(llama_get_memory(state_->ctx), seq, p0, p1, delta);
+  return state_->refusals == before;
+}
+bool Hook::seq_div(llama_seq_id seq, llama_pos p0, llama_pos p1, int d) {
+  const std::uint64_t before = state_->refusals;
+  llama_memory_seq_div(llama_get_memory(state_->ctx), seq, p0, p1, d);
+  return state_->refusals == before;
+}
+void Hook::clear() { llama_memory_clear(llama_get_memory(state_->ctx), true); }
 
-bool Hook::seq_add(llama_seq_id, llama_pos, llama_pos, llama_pos) {
-  state_->refusal.set(ErrorCode::failed_precondition,
-                      "seq_add: sparsekv does not follow a position shift (context shift); its pages hold the "
-                      "tokens' RoPE'd keys");
-  return false;
-}
-
-bool Hook::seq_div(llama_seq_id, llama_pos, llama_pos, int) {
-  state_->refusal.set(ErrorCode::failed_precondition,
-                      "seq_div: sparsekv does not follow a position division (self-extend)");
-  return false;
-}
-
-void Hook::clear() {
-  State& s = *state_;
-  for (const auto& [seq, sequence] : s.sequences) s.manager->finish(sequence.request);
-  s.sequences.clear();
-  llama_memory_clear(llama_get_memory(s.ctx), true);
-}
-
-std::uint32_t Hook::readable_tokens(llama_seq_id seq) const {
-  const State& s = *state_;
-  const auto it = s.sequences.find(seq);
-  if (it == s.sequences.end()) return 0;
-  std::uint32_t readable = s.tokens_held(it->second.request, 0);
-  for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
-    readable = std::min(readable, s.manager->readable_tokens(it->second.request, l));
-  }
-  return readable;
-}
+std::uint32_t Hook::readable_tokens(llama_seq_id seq) const { return state_->readable(seq); }
 
 SequenceSnapshot Hook::save_sequence(llama_seq_id seq, std::optional<std::uint32_t> tokens) const {
   const State& s = *state_;
   const auto it = s.sequences.find(seq);
   if (it == s.sequences.end()) fail(ErrorCode::not_found, "save_sequence: the hook holds no sequence {}", seq);
-  const RequestId id = it->second.request;
-  // As stored (q8_0 included): a load gives back the same bytes.
-  const DType stored = *s.options.kv_storage;
-  SequenceSnapshot snapshot{s.layers, s.shape.q_heads, s.shape.kv_heads, s.shape.head_dim, s.llama_kq_scale,
-                            stored, tokens.value_or(s.tokens_held(id, 0)), {}, {}};
-  const std::size_t bytes =
-      std::size_t{snapshot.tokens} * s.shape.kv_heads * dtype_row_bytes(stored, s.shape.head_dim);
-  for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
-    snapshot.k.emplace_back(bytes);
-    snapshot.v.emplace_back(bytes);
-    s.manager->read_kv(id, l, 0, snapshot.tokens, snapshot.k.back().data(), snapshot.v.back().data(), stored);
-  }
-  return snapshot;
+  return s.snapshot(seq, tokens.value_or(s.tokens_held(it->second.request, 0)));
 }
 
 bool Hook::load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot) {
   State& s = *state_;
   try {
-    if (seq < 0) fail(ErrorCode::invalid_argument, "load_sequence: sequence {} is not a sequence id", seq);
     if (s.sequences.contains(seq)) {
       fail(ErrorCode::failed_precondition, "load_sequence: the hook holds sequence {}; remove it (seq_rm) first", seq);
     }
-    const std::size_t bytes =
-        std::size_t{snapshot.tokens} * snapshot.kv_heads * dtype_row_bytes(snapshot.dtype, snapshot.head_dim);
-    const auto holds = [&](const std::vector<std::vector<std::byte>>& rows) {
-      return rows.size() == snapshot.layers.size() &&
-             std::all_of(rows.begin(), rows.end(), [&](const auto& r) { return r.size() == bytes; });
-    };
-    const bool sized = holds(snapshot.k) && holds(snapshot.v);
-    if (snapshot.tokens == 0 || snapshot.layers.empty() || !sized) {
-      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot's K/V do not hold {} tokens of {} layers",
-           snapshot.tokens, snapshot.layers.size());
-    }
-    const DType stored = *s.options.kv_storage;
-    if (snapshot.dtype != s.options.dtype && snapshot.dtype != stored) {
-      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot holds {} K/V, the hook takes {} and stores {}",
-           to_string(snapshot.dtype), to_string(s.options.dtype), to_string(stored));
-    }
-    if (snapshot.tokens > llama_n_ctx_seq(s.ctx)) {
-      fail(ErrorCode::invalid_argument, "load_sequence: {} tokens exceed the context's {} per sequence",
-           snapshot.tokens, llama_n_ctx_seq(s.ctx));
-    }
-    const llama_pos last = llama_memory_seq_pos_max(llama_get_memory(s.ctx), seq);
-    if (last != llama_pos(snapshot.tokens) - 1) {
-      fail(ErrorCode::failed_precondition,
-           "load_sequence: llama.cpp's cache holds sequence {} up to position {}, the snapshot {} tokens (load "
-           "llama.cpp's state of the same sequence first)",
-           seq, last, snapshot.tokens);
-    }
-    std::vector<std::int32_t> layers = snapshot.layers;
-    std::sort(layers.begin(), layers.end());
-    if (layers != snapshot.layers || (!s.layers.empty() && s.layers != layers)) {
-      fail(ErrorCode::invalid_argument, "load_sequence: the snapshot's hooked layers are not this context's");
-    }
-    // Made from the snapshot when no op has run yet (its layers then become
-    // the hooked ones), else checked against it; a refusal restores the layers.
-    const std::vector<std::int32_t> before = std::exchange(s.layers, layers);
-    RuntimeManager* made = nullptr;
-    try {
-      made = &s.ensure_manager(layers.front(), snapshot.q_heads, snapshot.kv_heads, snapshot.head_dim,
-                               snapshot.kq_scale);
-    } catch (...) {
-      s.layers = before;
-      throw;
-    }
-    RuntimeManager& m = *made;
-    const RequestId id = s.next_request;
-    m.add_request(id, s.max_tokens);
-    try {
-      for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
-        m.prefill_chunk(id, l, snapshot.k[l].data(), snapshot.v[l].data(), snapshot.tokens, snapshot.dtype);
-      }
-    } catch (...) {
-      m.finish(id);
-      throw;
-    }
-    ++s.next_request;
-    s.sequences.emplace(seq, Sequence{id, false});
+    s.load(seq, snapshot);
     return true;
   } catch (...) {
-    s.refusal.capture();
+    s.refuse_current();
     return false;
   }
 }
 
 std::optional<ErrorRecord> Hook::failure() const {
-  const std::optional<ErrorRecord> op = state_->failure.error();
-  return op ? op : state_->refusal.error();
+  if (std::optional<ErrorRecord> op = state_->failure.error()) return op;
+  if (state_->last_failure) return state_->last_failure;
+  return state_->refusal.error();
 }
 void Hook::clear_failure() {
   state_->failure.clear();
+  state_->last_failure.reset();
   state_->refusal.clear();
+  state_->why.clear();
 }
 
 StepStats Hook::stats() const { return state_->manager ? state_->manager->stats() : StepStats{}; }
@@ -612,3 +901,23 @@ std::uint32_t Hook::tokens(llama_seq_id seq) const {
 }
 
 }  // namespace sparsekv::llama_cpp
+
+// llama_init_from_model's hook for llama_context_params::sparse_attn (llama-ext.h).
+bool llama_sparse_attn_make_hook(const llama_model* /*model*/, const llama_context_params* params,
+                                 llama_attn_hook* hook, char* error, size_t error_size) {
+  try {
+    sparsekv::llama_cpp::HookOptions options;
+    options.policy = params->sparse_attn;
+    if (params->sparse_budget < 0 || params->sparse_page < 0) {
+      sparsekv::fail(sparsekv::ErrorCode::invalid_argument, "budget ({}) and page ({}) must be >= 0",
+                     params->sparse_budget, params->sparse_page);
+    }
+    if (params->sparse_budget > 0) options.budget_tokens = std::uint32_t(params->sparse_budget);
+    if (params->sparse_page > 0) options.page_tokens = std::uint32_t(params->sparse_page);
+    *hook = sparsekv::llama_cpp::make_params_hook(*params, options);
+    return true;
+  } catch (const std::exception& e) {
+    if (error != nullptr && error_size > 0) std::snprintf(error, error_size, "%s", e.what());
+    return false;
+  }
+}

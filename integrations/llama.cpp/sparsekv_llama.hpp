@@ -19,17 +19,25 @@
 // A ubatch mixing them (one sequence's prompt beside others' decode tokens, as
 // continuous batching makes) is served row by row in one node.
 //
-// What the library cannot follow is refused, never silently wrong: a row whose
-// position is not its sequence's next token (context shift, seq_add/seq_div,
-// a state load without load_sequence, a partial removal made behind the
-// hook's back), a token in several sequences, rows of one sequence not
-// adjacent in a ubatch, a layer with attention sinks or a bias, a layer
-// shaped differently from the first hooked one, a cache type other than
-// f16, f32 or q8_0 for both K and V (HookOptions::kv_storage). A refusal
-// inside llama_decode stops the graph
-// (the hook owns the context's abort callback): llama_decode returns 2 and
-// failure() says why. The sequences of a failed ubatch are then refused until
-// they restart at position 0 (after a whole removal).
+// llama.cpp's memory and state calls reach the library themselves (the
+// patch: llama_attn_hook::memory / state_write / state_read), whoever makes
+// them: llama_memory_seq_rm / seq_cp / seq_keep / clear are followed, and
+// llama_state_* save and load the library's K/V with llama.cpp's cells.
+//
+// What the library cannot follow is refused, never silently wrong: a memory
+// call it cannot follow fails as llama.cpp's would (seq_rm false, the other
+// calls do nothing; both caches unchanged, the reason logged), a state save
+// or load it cannot follow fails (0 bytes; a failed load leaves the sequence
+// empty on both sides), and inside llama_decode a row whose position is not
+// its sequence's next token (a state load of llama.cpp's cells alone), a
+// token in several sequences, rows of one sequence not adjacent in a ubatch,
+// a layer with attention sinks or a bias, a layer shaped differently from the
+// first hooked one, a cache type other than f16, f32 or q8_0 for both K and V
+// (HookOptions::kv_storage). A refusal inside llama_decode stops that
+// ubatch's graph (the hook's abort is asked before the context's abort
+// callback): llama_decode returns 2 and failure() says why. The sequences of
+// a failed ubatch are then refused until they restart at position 0 (after a
+// whole removal); the other sequences go on.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -37,6 +45,7 @@
 #include <vector>
 
 #include "llama.h"
+#include "llama-ext.h"
 #include "sparsekv/core/dtype.hpp"
 #include "sparsekv/core/error_slot.hpp"
 #include "sparsekv/step/step_stats.hpp"
@@ -66,6 +75,11 @@ struct HookOptions {
   std::optional<DType> kv_storage;
 };
 
+// The hook llama.cpp installs itself for llama_context_params::sparse_attn
+// (llama_sparse_attn_make_hook): the context owns its State and frees it.
+// Throws sparsekv::Error for options the library refuses.
+llama_attn_hook make_params_hook(const llama_context_params& params, const HookOptions& options);
+
 class Hook {
  public:
   // Makes the llama_context of `model` with `params`, its global layers served
@@ -80,16 +94,18 @@ class Hook {
   Hook(const Hook&) = delete;
   Hook& operator=(const Hook&) = delete;
 
-  // llama.cpp's memory operations through the hook: each makes the
-  // llama_memory_* call too when the library can follow it; when it cannot,
-  // it returns false with failure() set and changes nothing in either.
+  // llama.cpp's memory operations: the llama_memory_* call, which the
+  // library follows first (any program's call does the same); each returns
+  // false, with failure() set, when the library refused it, and then nothing
+  // changed in either cache.
   //  - seq_rm of a whole sequence (p0 <= 0, p1 < 0) finishes its request;
   //    keeping its first p0 tokens (p1 < 0) forks them into a new request when
   //    every layer holds them in order in the CPU tier (Manager::fork), else
   //    is refused; other ranges are refused.
   //  - seq_cp of a whole sequence into an empty one forks it (shared pages).
   //  - seq_keep finishes every other sequence; clear finishes all.
-  //  - seq_add and seq_div (context shift) are always refused.
+  //  - seq_add and seq_div (context shift, self-extend) of a sequence the
+  //    library holds are refused; llama_memory_can_shift is false.
   bool seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1);
   bool seq_cp(llama_seq_id source, llama_seq_id dest, llama_pos p0, llama_pos p1);
   bool seq_keep(llama_seq_id seq);
@@ -97,34 +113,33 @@ class Hook {
   bool seq_div(llama_seq_id seq, llama_pos p0, llama_pos p1, int d);
   void clear();
 
-  // State save and load. llama.cpp's llama_state_seq_* calls save and load
-  // its own cache only; the library's copy goes with them:
-  //  - save_sequence(seq) after llama_state_seq_get_data: the first `tokens`
-  //    positions (all of them by default) in every hooked layer. Readable
-  //    are a prompt not yet decoded, and the tokens the CPU tier holds in
-  //    order (readable_tokens; Manager::read_kv). Throws sparsekv::Error:
-  //    not_found (a sequence the hook does not hold), out_of_range (more
-  //    than readable).
-  //  - load_sequence(seq, snapshot) after llama_state_seq_set_data into an
-  //    empty sequence: llama.cpp's cache must hold exactly positions 0 ..
-  //    tokens-1 of seq, and the snapshot's layers, shape and scale must be
-  //    this context's. The prompt is staged, as if llama.cpp had just
-  //    prefilled it: a snapshot in q8_0 (what save_sequence of a q8_0 hook
-  //    gives: the stored blocks) byte for byte, one in the rows' dtype
-  //    quantized as a prefill would. Returns false with failure() set and
-  //    changes nothing when it cannot.
-  // A state load without load_sequence is refused by llama_decode (the row's
-  // position is not what the hook holds), unless the hook already holds
-  // exactly as many tokens of that sequence: remove the sequence through the
-  // hook (seq_rm) before loading it.
+  // State save and load. llama_state_seq_* and llama_state_* carry the
+  // library's K/V after llama.cpp's part (a SequenceSnapshot per sequence;
+  // LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY leaves them out, as it leaves out
+  // llama.cpp's full-attention layers). A save of a sequence the library
+  // cannot read whole (readable_tokens) fails. A load replaces the sequence
+  // and stages its K/V as a prompt, as if llama.cpp had just prefilled it: a
+  // snapshot in q8_0 (what a q8_0 hook saves: the stored blocks) byte for
+  // byte, one in the rows' dtype quantized as a prefill would.
+  // The same, by hand, beside llama.cpp's state without the library's part:
+  //  - save_sequence(seq): the first `tokens` positions (all of them by
+  //    default) in every hooked layer. Readable are a prompt not yet decoded,
+  //    and the tokens the CPU tier holds in order (readable_tokens;
+  //    Manager::read_kv). Throws sparsekv::Error: not_found (a sequence the
+  //    hook does not hold), out_of_range (more than readable).
+  //  - load_sequence(seq, snapshot) after a partial llama_state_seq_set_data
+  //    into an empty sequence: llama.cpp's cache must hold exactly positions
+  //    0 .. tokens-1 of seq, and the snapshot's layers, shape and scale must
+  //    be this context's. Returns false with failure() set and changes
+  //    nothing when it cannot.
+  // A load of llama.cpp's part alone is refused by llama_decode (the row's
+  // position is not what the hook holds).
   std::uint32_t readable_tokens(llama_seq_id seq) const;
   SequenceSnapshot save_sequence(llama_seq_id seq, std::optional<std::uint32_t> tokens = std::nullopt) const;
   bool load_sequence(llama_seq_id seq, const SequenceSnapshot& snapshot);
 
-  // Why the last llama_decode returned 2, or else why a memory call or a
-  // load returned false; empty otherwise. A failed llama_decode stops every
-  // later one until clear_failure(); a refused memory call or load stops
-  // nothing.
+  // Why a llama_decode returned 2, or else why a memory call or a load was
+  // refused; empty otherwise, and again after clear_failure().
   std::optional<ErrorRecord> failure() const;
   void clear_failure();
 
@@ -143,7 +158,7 @@ class Hook {
   struct State;  // the hook's callbacks reach it through llama_attn_hook::user
 
  private:
-  std::unique_ptr<State> state_;
+  State* state_ = nullptr;  // owned by the context (llama_attn_hook::free)
 };
 
 }  // namespace sparsekv::llama_cpp

@@ -13,8 +13,8 @@
 //                       [--shared-prefill on|off] [--yardstick on|off]
 //       teacher-forced decoding of the text: llama.cpp alone, Dense through the hook, then each policy x
 //       budget: perplexity, KL divergence from llama.cpp's own distribution, top-1 agreement, tokens/s.
-//       The prompt is prefilled once and loaded into every variant's context (Hook::save_sequence /
-//       load_sequence beside llama.cpp's state), unless --shared-prefill off. --yardstick on adds llama.cpp
+//       The prompt is prefilled once and loaded into every variant's context (llama.cpp's state, which
+//       carries the library's K/V), unless --shared-prefill off. --yardstick on adds llama.cpp
 //       alone with flash attention flipped: how far llama.cpp's own two attentions are apart. Several --kv
 //       types run every variant each; a later type's runs are also compared with the first type's run of the
 //       same variant (kld_vs_first: what storing K/V that way costs, llama.cpp's own cache included).

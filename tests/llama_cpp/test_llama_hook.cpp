@@ -432,7 +432,7 @@ TEST_CASE("llama.cpp hook: q8_0 storage is ggml's q8_0, and costs no more than l
 
 TEST_CASE("llama.cpp hook: what the library cannot follow is refused with its error", "[model-file][llama-hook]") {
   const std::vector<llama_token> t = text();
-  Context c(1, options_for("quest", 256));
+  Context c(2, options_for("quest", 256), true);
   Hook& hook = c.hook;
   REQUIRE(c.decode(t, 0, 300, 0) == 0);
   REQUIRE(c.decode(t, 300, 301, 300) == 0);
@@ -454,13 +454,44 @@ TEST_CASE("llama.cpp hook: what the library cannot follow is refused with its er
   REQUIRE(llama_memory_seq_pos_max(memory, 0) == 300);
   hook.clear_failure();
 
-  // A removal behind the hook's back: the next row's position is caught, llama_decode stops.
-  REQUIRE(llama_memory_seq_rm(memory, 0, 290, -1));
-  REQUIRE(c.decode(t, 290, 291, 290) == 2);
-  REQUIRE(hook.failure()->code == ErrorCode::failed_precondition);
-  REQUIRE(hook.failure()->message.find("position 290") != std::string::npos);
+  // llama.cpp's own calls reach the library too (a program that knows nothing of it): refused alike...
+  REQUIRE_FALSE(llama_memory_seq_rm(memory, 0, 10, 20));
+  llama_memory_seq_add(memory, 0, 10, -1, -5);
+  REQUIRE(llama_memory_seq_pos_max(memory, 0) == 300);
+  REQUIRE(llama_memory_seq_pos_min(memory, 0) == 0);
+  REQUIRE(hook.failure()->message.find("seq_add") != std::string::npos);
+  REQUIRE_FALSE(llama_memory_can_shift(memory));
   hook.clear_failure();
-  // The sequence stays refused until it restarts from position 0.
+  // ... and followed: keeping the first 290 tokens forks them in the library.
+  REQUIRE(llama_memory_seq_rm(memory, 0, 290, -1));
+  REQUIRE(hook.tokens(0) == 290);
+  REQUIRE(c.decode(t, 290, 291, 290) == 0);
+  REQUIRE(hook.tokens(0) == 291);
+
+  // A ubatch the library refuses (rows of sequence 0 apart, which the unified cache keeps in order) stops
+  // llama_decode...
+  {
+    llama_batch b = llama_batch_init(3, 0, 1);
+    const std::pair<llama_seq_id, llama_pos> rows[3] = {{0, 291}, {1, 0}, {0, 292}};
+    for (std::int32_t i = 0; i < 3; ++i) {
+      b.token[i] = t[std::size_t(rows[i].second)];
+      b.pos[i] = rows[i].second;
+      b.n_seq_id[i] = 1;
+      b.seq_id[i][0] = rows[i].first;
+      b.logits[i] = i == 2;
+    }
+    b.n_tokens = 3;
+    REQUIRE(llama_decode(c.ctx, b) == 2);
+    llama_batch_free(b);
+  }
+  REQUIRE(hook.failure()->message.find("not adjacent") != std::string::npos);
+  REQUIRE(hook.tokens(0) == 291);
+  hook.clear_failure();
+  // ... and its sequence stays refused until it restarts from position 0 (llama.cpp dropped the row).
+  REQUIRE(llama_memory_seq_pos_max(memory, 0) == 290);
+  REQUIRE(c.decode(t, 291, 292, 291) == 2);
+  REQUIRE(hook.failure()->message.find("failed in an earlier ubatch") != std::string::npos);
+  hook.clear_failure();
   REQUIRE(hook.seq_rm(0, -1, -1));
   REQUIRE(hook.tokens(0) == 0);
   REQUIRE(c.decode(t, 0, 200, 0) == 0);
@@ -473,6 +504,12 @@ TEST_CASE("llama.cpp hook: what the library cannot follow is refused with its er
   REQUIRE(c.decode(t, 201, 202, 201) == 0);
   REQUIRE(hook.failure()->message.find("seq_add") != std::string::npos);
   hook.clear_failure();
+  REQUIRE(hook.tokens(0) == 202);
+
+  // A failed ubatch stops that ubatch alone: the other sequence decodes in the next one.
+  REQUIRE(hook.seq_rm(1, -1, -1));
+  REQUIRE(c.decode(t, 0, 50, 0, 1) == 0);
+  REQUIRE(hook.tokens(1) == 50);
   REQUIRE(hook.tokens(0) == 202);
 
   // Non-causal attention (llama_set_causal_attn: an image chunk) is refused, not attended causally.
@@ -595,10 +632,11 @@ std::uint32_t check_against_produced(const Hook& hook, const ProducedKv& kv, lla
 }  // namespace
 
 TEST_CASE("llama.cpp hook: llama.cpp's cache holds none of the served layers", "[model-file][llama-hook]") {
-  // SmolLM2 has no sliding-window layer: the hook serves all 30, and a
-  // sequence's llama.cpp state is its cells alone, no K/V rows.
+  // SmolLM2 has no sliding-window layer: the hook serves all 30. A
+  // sequence's llama.cpp state is its cells and the library's K/V; without
+  // the latter (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) its cells alone.
   const std::vector<llama_token> t = text();
-  std::size_t stock_bytes = 0, hooked_bytes = 0;
+  std::size_t stock_bytes = 0;
   {
     llama_context* ctx = llama_init_from_model(model().model, Context::params(1, false));
     REQUIRE(ctx != nullptr);
@@ -610,13 +648,17 @@ TEST_CASE("llama.cpp hook: llama.cpp's cache holds none of the served layers", "
   Context c(1, options_for("quest", 256));
   REQUIRE(c.hook.hooked_layers().size() == 30);
   REQUIRE(c.decode(t, 0, 200, 0) == 0);
-  hooked_bytes = llama_state_seq_get_size(c.ctx, 0);
+  const std::size_t cells = llama_state_seq_get_size_ext(c.ctx, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+  const std::size_t whole = llama_state_seq_get_size(c.ctx, 0);
   REQUIRE(c.hook.tokens(0) == 200);
   // 200 positions x 30 layers x (K + V) x 192 f16 values
-  REQUIRE(stock_bytes >= 200u * 30 * 2 * 192 * 2);
-  REQUIRE(hooked_bytes < 200u * 64);
-  WARN("a 200-token sequence's llama.cpp state: " << stock_bytes << " bytes stock, " << hooked_bytes
-                                                  << " through the hook");
+  const std::size_t kv = 200u * 30 * 2 * 192 * 2;
+  REQUIRE(stock_bytes >= kv);
+  REQUIRE(cells < 200u * 64);
+  REQUIRE(whole >= cells + kv);
+  REQUIRE(whole <= cells + kv + 1024);  // and a header
+  WARN("a 200-token sequence's llama.cpp state: " << stock_bytes << " bytes stock, " << whole
+                                                  << " through the hook, of which " << cells << " llama.cpp's cells");
 }
 
 TEST_CASE("llama.cpp hook: four sequences, prompts beside decode tokens, decode as one at a time and lose no K/V",
@@ -750,13 +792,13 @@ TEST_CASE("llama.cpp hook: four sequences, prompts beside decode tokens, decode 
 TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load behind the hook's back is refused",
           "[model-file][llama-hook][state]") {
   // Through the eval: the prompt prefilled once and loaded into each
-  // variant's context decodes bit for bit as one prefilled there.
+  // variant's context (llama_state_seq_*, which carry the library's K/V)
+  // decodes bit for bit as one prefilled there.
   EvalSetup s = setup(1);
   s.prefill = 600;
   s.tokens = 12;
   const SavedPrompts saved = prefill_prompts(s);
-  REQUIRE(saved.library.size() == 1);
-  REQUIRE(saved.library[0].tokens == 600);
+  REQUIRE(saved.hooked_state.size() == 1);
   for (const char* policy : {"llama", "dense", "quest"}) {
     CAPTURE(policy);
     Distributions own, loaded;
@@ -767,14 +809,19 @@ TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load beh
 
   // By hand, and the refusals.
   const std::vector<llama_token> t = text();
-  std::vector<std::uint8_t> state;
+  std::vector<std::uint8_t> state, cells;
   SequenceSnapshot snapshot;
+  std::vector<float> next;  // the saving context's logits after one more token
+  const std::int32_t vocab = llama_vocab_n_tokens(llama_model_get_vocab(model().model));
   {
     Context c(2, HookOptions{});
     Hook& hook = c.hook;
     REQUIRE(c.decode(t, 0, 300, 0) == 0);
     state.resize(llama_state_seq_get_size(c.ctx, 0));
     REQUIRE(llama_state_seq_get_data(c.ctx, state.data(), state.size(), 0) == state.size());
+    cells.resize(llama_state_seq_get_size_ext(c.ctx, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY));
+    REQUIRE(llama_state_seq_get_data_ext(c.ctx, cells.data(), cells.size(), 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) ==
+            cells.size());
     REQUIRE_THROWS_MATCHES(hook.save_sequence(1), Error, Catch::Predicate<Error>([](const Error& e) {
                              return e.code() == ErrorCode::not_found;
                            }));
@@ -783,11 +830,30 @@ TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load beh
                            }));
     snapshot = hook.save_sequence(0);
     REQUIRE(snapshot.tokens == 300);
+    REQUIRE(c.decode(t, 300, 301, 300) == 0);
+    const float* l = llama_get_logits_ith(c.ctx, -1);
+    next.assign(l, l + vocab);
+  }
+  {
+    // llama.cpp's whole state of the sequence: the library's K/V come with it, decoding goes on bit for bit.
+    Context c(2, HookOptions{});
+    REQUIRE(llama_state_seq_set_data(c.ctx, state.data(), state.size(), 1) == state.size());
+    REQUIRE(c.hook.tokens(1) == 300);
+    REQUIRE(c.decode(t, 300, 301, 300, 1) == 0);
+    REQUIRE(std::memcmp(llama_get_logits_ith(c.ctx, -1), next.data(), next.size() * sizeof(float)) == 0);
+    // The whole context's state too (llama_state_get_data), every sequence.
+    std::vector<std::uint8_t> all(llama_state_get_size(c.ctx));
+    REQUIRE(llama_state_get_data(c.ctx, all.data(), all.size()) == all.size());
+    Context d(2, HookOptions{});
+    REQUIRE(llama_state_set_data(d.ctx, all.data(), all.size()) == all.size());
+    REQUIRE(d.hook.tokens(1) == 301);
+    REQUIRE(d.hook.save_sequence(1, 300).k == snapshot.k);
   }
   Context c(2, HookOptions{});
   Hook& hook = c.hook;
-  // llama.cpp's state alone: the hook never saw the sequence, the next decode is refused.
-  REQUIRE(llama_state_seq_set_data(c.ctx, state.data(), state.size(), 0) == state.size());
+  // llama.cpp's cells alone: the hook never saw the sequence, the next decode is refused.
+  REQUIRE(llama_state_seq_set_data_ext(c.ctx, cells.data(), cells.size(), 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) ==
+          cells.size());
   REQUIRE(c.decode(t, 300, 301, 300) == 2);
   REQUIRE(hook.failure()->code == ErrorCode::failed_precondition);
   REQUIRE(hook.failure()->message.find("never saw the sequence start") != std::string::npos);
@@ -818,14 +884,15 @@ TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load beh
   hook.clear_failure();
   REQUIRE(c.decode(t, 300, 301, 300) == 0);
   REQUIRE(hook.tokens(0) == 301);
-  // The loaded K/V are the saved ones, byte for byte.
+  // The loaded K/V are the saved ones, byte for byte; the decoded token too (in place the unsaved page is read).
   const SequenceSnapshot again = hook.save_sequence(0, 300);
   REQUIRE(again.k == snapshot.k);
   REQUIRE(again.v == snapshot.v);
+  REQUIRE(hook.readable_tokens(0) == 301);
 
-  // q8_0 storage: the snapshot holds the stored blocks, and a load stores
-  // them as they are (no second quantization): the next token's logits are
-  // the saving context's, bit for bit, and the bytes read back the same.
+  // q8_0 storage: the state holds the stored blocks, and a load stores them
+  // as they are (no second quantization): the next token's logits are the
+  // saving context's, bit for bit, and the bytes read back the same.
   HookOptions q8;
   q8.kv_storage = DType::q8_0;
   Context saving(1, q8);
@@ -837,19 +904,40 @@ TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load beh
   REQUIRE(blocks.k[0].size() == std::size_t{300} * 3 * 2 * 34);
   Context loading(1, q8);
   REQUIRE(llama_state_seq_set_data(loading.ctx, q8_state.data(), q8_state.size(), 0) == q8_state.size());
-  REQUIRE(loading.hook.load_sequence(0, blocks));
   REQUIRE(saving.decode(t, 300, 301, 300) == 0);
   REQUIRE(loading.decode(t, 300, 301, 300) == 0);
-  const std::int32_t vocab = llama_vocab_n_tokens(llama_model_get_vocab(model().model));
   const float* want = llama_get_logits_ith(saving.ctx, -1);
   const float* got = llama_get_logits_ith(loading.ctx, -1);
   REQUIRE(std::memcmp(want, got, std::size_t(vocab) * sizeof(float)) == 0);
   const SequenceSnapshot read_back = loading.hook.save_sequence(0, 300);
   REQUIRE(read_back.k == blocks.k);
   REQUIRE(read_back.v == blocks.v);
-  // A q8_0 snapshot does not load into a hook that stores f16.
+  // A q8_0 state does not load into a hook that stores f16: the load fails
+  // (0), and leaves the sequence empty in llama.cpp and in the library.
   Context plain(1, HookOptions{});
-  REQUIRE(llama_state_seq_set_data(plain.ctx, q8_state.data(), q8_state.size(), 0) == q8_state.size());
-  REQUIRE_FALSE(plain.hook.load_sequence(0, blocks));
+  REQUIRE(llama_state_seq_set_data(plain.ctx, q8_state.data(), q8_state.size(), 0) == 0);
   REQUIRE(plain.hook.failure()->code == ErrorCode::invalid_argument);
+  REQUIRE(llama_memory_seq_pos_max(llama_get_memory(plain.ctx), 0) == -1);
+  REQUIRE(plain.hook.tokens(0) == 0);
+}
+
+TEST_CASE("llama.cpp hook: a sequence kept in part, then continued, saves whole", "[model-file][llama-hook][state]") {
+  // What llama-server does with a slot's cached prompt: keep its first
+  // tokens (seq_rm p0), process the rest of the new prompt (several rows of
+  // a decoded sequence: extend), decode. In place, every token stays
+  // readable, so the slot's state saves whole (its prompt cache).
+  const std::vector<llama_token> t = text();
+  for (const std::uint32_t keep : {592u, 590u}) {
+    CAPTURE(keep);
+    Context c(1, options_for("quest", 256));
+    REQUIRE(c.decode(t, 0, 300, 0) == 0);
+    REQUIRE(c.decode(t, 300, 600, 300) == 0);
+    REQUIRE(c.decode(t, 600, 601, 600) == 0);
+    REQUIRE(llama_memory_seq_rm(llama_get_memory(c.ctx), 0, llama_pos(keep), -1));
+    REQUIRE(c.decode(t, keep, keep + 230, llama_pos(keep)) == 0);
+    for (std::uint32_t p = keep + 230; p < keep + 254; ++p) REQUIRE(c.decode(t, p, p + 1, llama_pos(p)) == 0);
+    REQUIRE(c.hook.tokens(0) == keep + 254);
+    CHECK(c.hook.readable_tokens(0) == keep + 254);
+    CHECK(llama_state_seq_get_size(c.ctx, 0) > 0);
+  }
 }
