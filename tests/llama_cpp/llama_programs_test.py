@@ -250,7 +250,7 @@ def server_tests(a, text, workdir):
 
 
 def perplexity(a, args, log):
-    run = subprocess.run([a.perplexity, "-m", a.model, "-f", a.text, "-c", "512", "-b", "512", "--chunks", "6",
+    run = subprocess.run([a.perplexity, "-m", a.model, "-f", a.text, "-c", "512", "-b", "512", "--chunks", "4",
                           "-t", str(a.threads), *args], capture_output=True, text=True)
     with open(log, "w") as f:
         f.write(run.stdout + run.stderr)
