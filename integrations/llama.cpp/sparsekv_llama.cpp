@@ -291,10 +291,10 @@ struct Hook::State {
     if (keep >= tokens_held(id, 0)) return;
     manager->end_prompt(id);  // a staged prompt is indexed, then forked like any other
     for (std::uint32_t l = 0; l < layers.size(); ++l) {
-      if (manager->buffer().forkable_tokens(id, l) < keep) {
+      if (manager->readable_tokens(id, l) < keep) {
         fail(ErrorCode::failed_precondition,
              "seq_rm: sparsekv keeps the first tokens of a sequence only where every layer holds them in order in "
-             "the CPU tier (not its last decode page while unsaved, nor tokens a policy regrouped or evicted)");
+             "the CPU tier (not tokens a policy regrouped or evicted)");
       }
     }
     const RequestId fresh = next_request;

@@ -22,7 +22,7 @@ std::uint32_t TieredKVBuffer::prompt_readable(const RequestState& s, std::uint32
   return std::max(s.ordered_tokens[layer], scattered);
 }
 
-std::uint32_t TieredKVBuffer::forkable_tokens(RequestId request, std::uint32_t layer) const {
+std::uint32_t TieredKVBuffer::saved_tokens(RequestId request, std::uint32_t layer) const {
   const RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
   if (!s.budget.evicts) {
@@ -46,17 +46,17 @@ std::uint32_t TieredKVBuffer::forkable_tokens(RequestId request, std::uint32_t l
 }
 
 std::uint32_t TieredKVBuffer::readable_tokens(RequestId request, std::uint32_t layer) const {
-  const std::uint32_t forkable = forkable_tokens(request, layer);
+  const std::uint32_t saved = saved_tokens(request, layer);
   const RequestState& s = state(request);
   const std::uint32_t tail = s.tail_pages.empty() ? 0 : s.tail_tokens[layer];
   const bool in_place = site_ == AttendSite::cpu_tier && !s.budget.evicts;
-  return in_place && tail > 0 && forkable + tail == s.tokens[layer] ? s.tokens[layer] : forkable;
+  return in_place && tail > 0 && saved + tail == s.tokens[layer] ? s.tokens[layer] : saved;
 }
 
 void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::uint32_t first, std::uint32_t end,
                                  void* k, void* v, DType as) const {
   const RequestState& s = state(request);
-  const std::uint32_t forkable = forkable_tokens(request, layer);
+  const std::uint32_t saved = saved_tokens(request, layer);
   const std::uint32_t readable = readable_tokens(request, layer);
   if (first > end || end > readable) {
     fail(ErrorCode::out_of_range,
@@ -74,7 +74,7 @@ void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::ui
   transfer_->synchronize();  // the last saved page may still be on its way to the CPU tier
   const std::uint32_t pt = config_.page_tokens;
   const std::size_t out_row = dtype_row_bytes(as, shape_.head_dim);
-  const std::uint32_t prompt = s.budget.evicts ? forkable : prompt_readable(s, layer);
+  const std::uint32_t prompt = s.budget.evicts ? saved : prompt_readable(s, layer);
   const bool ordered = s.budget.evicts || prompt <= s.ordered_tokens[layer];
   std::vector<PageId> pages;
   const auto page_slot = [&](std::uint32_t h, PartitionId partition, std::uint32_t slot) {
@@ -89,8 +89,8 @@ void TieredKVBuffer::read_prefix(RequestId request, std::uint32_t layer, std::ui
       // the position map says; in a scattered prompt, where its placement says; past the prompt, in the
       // saved-tail run.
       TokenPlacement at;
-      if (t >= forkable) {  // the unsaved decode page, a CPU-tier page in place
-        at = TokenPlacement{s.tail_pages[std::size_t{layer} * shape_.kv_heads + h], t - forkable};
+      if (t >= saved) {  // the unsaved decode page, a CPU-tier page in place
+        at = TokenPlacement{s.tail_pages[std::size_t{layer} * shape_.kv_heads + h], t - saved};
       } else if (t >= prompt) {
         at = page_slot(h, run.first_partition + (t - prompt) / pt, (t - prompt) % pt);
       } else if (ordered) {
@@ -158,9 +158,9 @@ void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::ui
   if (s.tokens[layer] != 0) {
     fail(ErrorCode::failed_precondition, "offload_shared: request {} layer {} already holds tokens", request, layer);
   }
-  if (tokens > forkable_tokens(source, layer)) {
+  if (const std::uint32_t readable = readable_tokens(source, layer); tokens > readable) {
     fail(ErrorCode::out_of_range, "offload_shared: request {} layer {} has {} tokens in order; cannot share {}", source,
-         layer, forkable_tokens(source, layer), tokens);
+         layer, readable, tokens);
   }
   const std::uint32_t pt = config_.page_tokens;
   const std::size_t row = layout_.row_bytes();

@@ -160,7 +160,7 @@ TEST_CASE("the buffer stores q8_0 rows exactly as quantized, and reads them back
     k.insert(k.end(), tk.begin(), tk.end());
     v.insert(v.end(), tv.begin(), tv.end());
   }
-  const std::uint32_t n = buffer.forkable_tokens(1, 0);
+  const std::uint32_t n = buffer.saved_tokens(1, 0);
   REQUIRE(n == prompt + decoded);  // the prompt and the two decode pages saved
   k.resize(n * kRow);
   v.resize(n * kRow);
@@ -179,7 +179,7 @@ TEST_CASE("the buffer stores q8_0 rows exactly as quantized, and reads them back
   const std::uint32_t forked = n - 1;
   buffer.offload_shared(2, 1, 0, forked,
                         std::vector<PartitionSpec>(kShape.kv_heads, PartitionSpec::uniform(forked, kPageTokens)));
-  const std::uint32_t readable = buffer.forkable_tokens(2, 0);
+  const std::uint32_t readable = buffer.saved_tokens(2, 0);
   REQUIRE(readable >= 2 * kPageTokens);
   std::vector<std::byte> fork_k(readable * kRow / kQ8BlockValues * kQ8BlockBytes), fork_v(fork_k.size());
   buffer.read_prefix(2, 0, 0, readable, fork_k.data(), fork_v.data(), DType::q8_0);

@@ -360,7 +360,7 @@ TEST_CASE("engine calls: read_kv gives back the prompt staged and the CPU tier's
     // Prefilled: what is readable is the CPU tier's, and it is the prompt.
     m.end_prompt(1);
     const std::uint32_t readable = m.readable_tokens(1, 0);
-    REQUIRE(readable == m.buffer().forkable_tokens(1, 0));
+    REQUIRE(readable == m.buffer().saved_tokens(1, 0));
     REQUIRE(readable <= prompt);
     if (policy == "quest" || policy == "dense") REQUIRE(readable == prompt);
     m.read_kv(1, 0, 0, readable, rk.data(), rv.data());

@@ -239,9 +239,8 @@ TEST_CASE("in place: a buffer refuses GPU slots and device memory", "[in-place]"
 
 TEST_CASE("in place: the unsaved decode page reads back with the rest, on the GPU tier it does not", "[in-place]") {
   // 10 prompt tokens in 8-token pages, then 3 decode tokens: the tail page
-  // holds positions 8..12 (the prompt's last 2 and the 3 decoded). In place
-  // it is a CPU-tier page, so read_kv reads all 13; HostBackend keeps it on
-  // its GPU tier and reads the 8 tokens of the full prompt page only.
+  // holds positions 10..12. In place it is a CPU-tier page, so read_kv reads
+  // all 13; HostBackend keeps it on its GPU tier and reads the prompt's 10.
   const ModelShape shape{2, 4, 2, 16, DType::f32};
   Config config;
   config.page_tokens = 8;
@@ -268,7 +267,7 @@ TEST_CASE("in place: the unsaved decode page reads back with the rest, on the GP
     }
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
       const std::uint32_t readable = m.readable_tokens(1, l);
-      CHECK(readable == (in_place ? 13u : m.buffer().forkable_tokens(1, l)));
+      CHECK(readable == (in_place ? 13u : m.buffer().saved_tokens(1, l)));
       std::vector<float> rk(readable * row), rv(readable * row);
       m.read_kv(1, l, 0, readable, rk.data(), rv.data());
       CHECK(std::equal(rk.begin(), rk.end(), k.begin()));
@@ -277,5 +276,75 @@ TEST_CASE("in place: the unsaved decode page reads back with the rest, on the GP
       REQUIRE_THROWS_AS(m.read_kv(1, l, 0, readable + 1, past.data(), past.data()), Error);
     }
     m.buffer().validate();
+  }
+}
+
+TEST_CASE("in place: a fork takes the unsaved decode page too, and decodes as a request prefilled with its tokens",
+          "[in-place][shared-prefix]") {
+  // 10 prompt tokens in 8-token pages, 19 decoded: positions 10..17 and
+  // 18..25 lie in saved decode pages, 26..28 in the unsaved one. In place a
+  // fork of any length copies them from the CPU tier; on HostBackend's GPU
+  // tier the fork is refused past 26.
+  const ModelShape shape{2, 4, 2, 16, DType::f32};
+  Config config;
+  config.page_tokens = 8;
+  config.max_context_tokens = 64;
+  config.max_requests = 4;
+  const std::size_t row = std::size_t{shape.kv_heads} * shape.head_dim;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<float> k(40 * row), v(k.size()), q(shape.q_heads * shape.head_dim);
+  for (std::vector<float>* x : {&k, &v, &q}) std::generate(x->begin(), x->end(), [&] { return normal(rng); });
+  const auto decode = [&](RuntimeManager& m, RequestId id, std::uint32_t from, std::uint32_t to) {
+    std::vector<float> out(q.size());
+    const RequestId one[] = {id};
+    for (std::uint32_t t = from; t < to; ++t) {
+      for (std::uint32_t l = 0; l < shape.layers; ++l) {
+        m.decode(one, l, q.data(), k.data() + t * row, v.data() + t * row, out.data());
+      }
+    }
+    return out;
+  };
+  for (const char* policy : {"dense", "quest"}) {
+    for (const bool in_place : {true, false}) {
+      CAPTURE(policy, in_place);
+      RuntimeManager m(shape, config, make_policy(policy, 16),
+                       in_place ? std::unique_ptr<Backend>(std::make_unique<InPlaceBackend>())
+                                : std::unique_ptr<Backend>(std::make_unique<HostBackend>()));
+      m.add_request(1, 64);
+      for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
+      decode(m, 1, 10, 29);
+      if (!in_place) {
+        CHECK(m.buffer().saved_tokens(1, 0) == 26);
+        CHECK(m.can_fork(1, 26, 64).reason.empty());
+        CHECK_FALSE(m.can_fork(1, 27, 64).reason.empty());
+        REQUIRE_THROWS_AS(m.fork(2, 1, 27, 64), Error);
+        CHECK_FALSE(m.has_request(2));
+        m.buffer().validate();
+        continue;
+      }
+      for (const std::uint32_t keep : {5u, 8u, 9u, 11u, 16u, 20u, 26u, 27u, 29u}) {
+        CAPTURE(keep);
+        const RequestId fork = 10 + keep, fresh = 40 + keep;
+        CHECK(m.can_fork(1, keep, 64).reason.empty());
+        m.fork(fork, 1, keep, 64);
+        m.add_request(fresh, 64);
+        for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(fresh, l, k.data(), v.data(), keep);
+        for (std::uint32_t l = 0; l < shape.layers; ++l) {
+          std::vector<float> rk(keep * row), rv(keep * row);
+          m.read_kv(fork, l, 0, keep, rk.data(), rv.data());
+          CHECK(std::equal(rk.begin(), rk.end(), k.begin()));
+          CHECK(std::equal(rv.begin(), rv.end(), v.begin()));
+        }
+        const std::vector<float> a = decode(m, fork, keep, 35), b = decode(m, fresh, keep, 35);
+        for (std::size_t i = 0; i < a.size(); ++i) CHECK(a[i] == Approx(b[i]).margin(1e-5));
+        m.finish(fork);
+        m.finish(fresh);
+      }
+      // The source decodes on, unchanged by its forks.
+      decode(m, 1, 29, 33);
+      CHECK(m.readable_tokens(1, 0) == 33);
+      m.buffer().validate();
+    }
   }
 }

@@ -138,7 +138,7 @@ class Twins {
   // The rows the forked manager holds in order in its CPU tier are the request's own.
   void check_bytes(RequestId id) {
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
-      const std::uint32_t n = forked_.buffer().forkable_tokens(id, l);
+      const std::uint32_t n = forked_.buffer().saved_tokens(id, l);
       std::vector<float> k(n * kRow), v(n * kRow);
       forked_.buffer().read_prefix(id, l, 0, n, k.data(), v.data(), kShape.dtype);
       REQUIRE(std::equal(k.begin(), k.end(), history_[id].k[l].begin()));
@@ -148,7 +148,7 @@ class Twins {
 
   std::uint32_t forkable(RequestId id) const {
     std::uint32_t n = kMaxTokens;
-    for (std::uint32_t l = 0; l < kShape.layers; ++l) n = std::min(n, forked_.buffer().forkable_tokens(id, l));
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) n = std::min(n, forked_.buffer().saved_tokens(id, l));
     return n;
   }
   std::uint32_t tokens(RequestId id) const { return history_.at(id).tokens(); }
@@ -227,7 +227,7 @@ TEST_CASE("shared prefix: a fork past what the source holds in order, or of itse
   m.add_request(1, kMaxTokens);
   for (std::uint32_t l = 0; l < kShape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
   // 10 tokens: the prompt's pages hold 4, 4 and 2; the first decode tokens go to the tail.
-  REQUIRE(m.buffer().forkable_tokens(1, 0) == 10);
+  REQUIRE(m.buffer().saved_tokens(1, 0) == 10);
   const RequestId one[] = {1};
   std::vector<float> out(q.size());
   for (std::uint32_t l = 0; l < kShape.layers; ++l) m.decode(one, l, q.data(), k.data(), v.data(), out.data());
@@ -258,7 +258,7 @@ TEST_CASE("shared prefix: a fork off a page boundary stays in order through its 
   m.add_request(1, kMaxTokens);
   for (std::uint32_t l = 0; l < kShape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
   m.fork(2, 1, 6, kMaxTokens);
-  REQUIRE(m.buffer().forkable_tokens(2, 0) == 6);
+  REQUIRE(m.buffer().saved_tokens(2, 0) == 6);
   const RequestId two[] = {2};
   std::vector<float> out(q.size());
   for (std::uint32_t step = 0; step < 8; ++step) {
@@ -268,7 +268,7 @@ TEST_CASE("shared prefix: a fork off a page boundary stays in order through its 
   }
   for (std::uint32_t l = 0; l < kShape.layers; ++l) {
     CAPTURE(l);
-    REQUIRE(m.buffer().forkable_tokens(2, l) == 14);  // 6, then two saved pages of 4
+    REQUIRE(m.buffer().saved_tokens(2, l) == 14);  // 6, then two saved pages of 4
     std::vector<float> rk(14 * kRow), rv(14 * kRow);
     m.read_kv(2, l, 0, 14, rk.data(), rv.data(), DType::f32);
     REQUIRE(std::equal(rk.begin(), rk.begin() + 6 * kRow, k.begin()));

@@ -223,6 +223,24 @@ def server_tests(a, text, workdir):
               f"quest: the restored slot did not serve the prompt from its cache: HTTP {status} {after}")
         print(f"quest slot save/restore: {saved['n_saved']} tokens saved and restored into another slot, "
               f"{after['tokens_evaluated'] - after['timings']['prompt_n']} of them reused")
+        # A chat's next turn keeps the conversation so far, its answer included (in place, the library forks
+        # the answer's decode pages, the unsaved one too).
+        words = text.split()
+        chat = [{"role": "user", "content": " ".join(words[3000:3400]) + "\nWhat is this text about?"}]
+        status, turn = s.post("/v1/chat/completions", {"messages": chat, "max_tokens": 40, "temperature": 0,
+                                                       "id_slot": 2, "cache_prompt": True})
+        check(status == 200, f"quest chat, first turn: HTTP {status} {turn}")
+        first_prompt = turn["usage"]["prompt_tokens"]
+        chat += [{"role": "assistant", "content": turn["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "Say more."}]
+        status, turn = s.post("/v1/chat/completions", {"messages": chat, "max_tokens": 8, "temperature": 0,
+                                                       "id_slot": 2, "cache_prompt": True})
+        check(status == 200, f"quest chat, second turn: HTTP {status} {turn}")
+        kept = turn["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        check(kept > first_prompt, f"quest chat: the second turn kept {kept} tokens, not the first turn's "
+                                   f"{first_prompt} prompt tokens and some of its answer: {turn['usage']}")
+        print(f"quest chat: the second turn kept {kept} of {turn['usage']['prompt_tokens']} prompt tokens "
+              f"(the first turn's prompt: {first_prompt})")
 
     with Server(a.server, a.model, "h2o", ["--sparse-attn", "h2o", "--sparse-budget", "256"], workdir,
                 threads) as s:

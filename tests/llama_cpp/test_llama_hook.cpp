@@ -941,3 +941,52 @@ TEST_CASE("llama.cpp hook: a sequence kept in part, then continued, saves whole"
     CHECK(llama_state_seq_get_size(c.ctx, 0) > 0);
   }
 }
+
+TEST_CASE("llama.cpp hook: a chat's next turn keeps the prompt and the answer, the unsaved decode page too",
+          "[model-file][llama-hook]") {
+  // A chat's next prompt goes on from the previous prompt and answer, and
+  // llama-server keeps their common prefix (seq_rm p0), which ends inside
+  // the answer: in a saved decode page (positions 300..315, 316..331) or,
+  // in place, in the unsaved one (332..). Against a sequence that never held
+  // the removed tokens (the same rows in the same batches, without the cut):
+  // the kept rows are its rows byte for byte in every layer, the new rows
+  // land at their positions (layer 0's rows depend on the tokens alone),
+  // and the sequence saves whole. (Later layers' rows differ in the last
+  // bits: the fork's pages group the same tokens otherwise, and llama.cpp
+  // amplifies the rounding; that a fork decodes exactly as a request
+  // prefilled with its tokens is the facade's [in-place] case.)
+  const std::vector<llama_token> t = text();
+  const auto run = [&](const char* policy, std::uint32_t keep, bool cut) {
+    HookOptions options = options_for(policy, 256);
+    options.page_tokens = 16;
+    Context c(1, options);
+    REQUIRE(c.decode(t, 0, 300, 0) == 0);
+    const llama_pos answered = cut ? 340 : llama_pos(keep);
+    for (llama_pos p = 300; p < answered; ++p) REQUIRE(c.decode(t, std::size_t(p), std::size_t(p) + 1, p) == 0);
+    if (cut) {
+      const bool kept = llama_memory_seq_rm(llama_get_memory(c.ctx), 0, llama_pos(keep), -1);
+      INFO((c.hook.failure() ? c.hook.failure()->message : std::string()));
+      REQUIRE(kept);
+      REQUIRE(c.hook.tokens(0) == keep);
+    }
+    REQUIRE(c.decode(t, keep, 340, llama_pos(keep)) == 0);  // the rest of the next prompt
+    for (llama_pos p = 340; p < 350; ++p) REQUIRE(c.decode(t, std::size_t(p), std::size_t(p) + 1, p) == 0);
+    REQUIRE(c.hook.readable_tokens(0) == 350);
+    CHECK(llama_state_seq_get_size(c.ctx, 0) > 0);
+    return c.hook.save_sequence(0);
+  };
+  for (const char* policy : {"dense", "quest"}) {
+    for (const std::uint32_t keep : {338u, 333u, 330u, 316u, 301u}) {
+      CAPTURE(policy, keep);
+      const SequenceSnapshot kept = run(policy, keep, true), never = run(policy, keep, false);
+      REQUIRE(kept.k.size() == never.k.size());
+      const std::size_t row = kept.k[0].size() / 350;
+      for (std::size_t l = 0; l < kept.k.size(); ++l) {
+        CAPTURE(l);
+        const std::size_t n = (l == 0 ? 350 : keep) * row;
+        CHECK(std::memcmp(kept.k[l].data(), never.k[l].data(), n) == 0);
+        CHECK(std::memcmp(kept.v[l].data(), never.v[l].data(), n) == 0);
+      }
+    }
+  }
+}

@@ -316,16 +316,16 @@ class TieredKVBuffer {
   void share_prefix(RequestId request, RequestId source, std::uint32_t layer, std::uint32_t partitions);
 
   // ---- Forks: a request started from another's first tokens (prefix caching) ----
-  // How many of the layer's first tokens a fork can take from `request`: its
-  // positions 0 .. n-1 held in the CPU tier in every kv head. Without
-  // eviction, the prompt's tokens in page order from partition 0 or in its
-  // scattered placements, then the decode pages saved after them (none once
-  // a policy regroups them); with eviction, the leading positions all still
-  // live.
-  std::uint32_t forkable_tokens(RequestId request, std::uint32_t layer) const;
-  // How many of the layer's first tokens read_prefix can read: the forkable
-  // ones, and in place (AttendSite::cpu_tier, where the unsaved decode page
-  // is a CPU-tier page too) that page's tokens when they go on from them.
+  // How many of the layer's first tokens `request` holds saved in its CPU
+  // pages: positions 0 .. n-1 in every kv head. Without eviction, the
+  // prompt's tokens in page order from partition 0 or in its scattered
+  // placements, then the decode pages saved after them (none once a policy
+  // regroups them); with eviction, the leading positions all still live.
+  std::uint32_t saved_tokens(RequestId request, std::uint32_t layer) const;
+  // How many of the layer's first tokens read_prefix can read, and so a fork
+  // can take: the saved ones, and in place (AttendSite::cpu_tier, where the
+  // unsaved decode page is a CPU-tier page too) that page's tokens when they
+  // go on from them.
   std::uint32_t readable_tokens(RequestId request, std::uint32_t layer) const;
   // Copies the K/V rows of positions [first, end) of the layer into k and v
   // ([end - first][kv_heads][head_dim]) in dtype `as`: the model's (what a

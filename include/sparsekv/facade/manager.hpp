@@ -457,11 +457,12 @@ class Manager {
   // (ForksIndex); the full pages its partitions share with `source`
   // (page-sized uniform ones) are mapped by reference, the partial last page
   // is copied. The two requests then decode independently, each exactly as
-  // if prefilled unshared; either may finish first. `tokens` may reach only what the source holds in
-  // order in the CPU tier in every layer (TieredKVBuffer::forkable_tokens:
-  // not its unsaved decode page, nor tokens a policy regrouped or evicted). Host
-  // tensors only; throws (changing nothing) what add_request and prefill
-  // throw, and out_of_range past the forkable tokens.
+  // if prefilled unshared; either may finish first. `tokens` may reach only
+  // what the source holds in order in the CPU tier in every layer
+  // (TieredKVBuffer::readable_tokens: in place its unsaved decode page too;
+  // not that page on a GPU tier, nor tokens a policy regrouped or evicted).
+  // Host tensors only; throws (changing nothing) what add_request and prefill
+  // throw, and out_of_range past the readable tokens.
   void fork(RequestId request, RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) {
     use_api(Api::host);
     if (request == source) fail(ErrorCode::invalid_argument, "request {} cannot fork itself", request);
@@ -659,11 +660,11 @@ class Manager {
       if (!state(source).layers[l].prefilled) {
         return Refusal{ErrorCode::failed_precondition, fmt::format("request {} layer {} is not prefilled", source, l)};
       }
-      if (const std::uint32_t forkable = buffer_->forkable_tokens(source, l); tokens > forkable) {
+      if (const std::uint32_t readable = buffer_->readable_tokens(source, l); tokens > readable) {
         return Refusal{ErrorCode::out_of_range,
                        fmt::format("request {} layer {} holds its first {} tokens in order in the CPU tier (the rest "
-                                   "are in the unsaved decode page, regrouped or evicted); cannot fork {}",
-                                   source, l, forkable, tokens)};
+                                   "are in the unsaved decode page on the GPU tier, regrouped or evicted); cannot fork {}",
+                                   source, l, readable, tokens)};
       }
     }
     return std::nullopt;
