@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The main demo's run (scripts/demo builds llama-completion first): llama.cpp's own llama-completion answers a
-question about a long document twice, stock (llama.cpp's attention, flash attention on) and with sparsekv
+question about a long document three times, stock (llama.cpp's attention, flash attention on and off) and with sparsekv
 (--sparse-attn), greedy, and prints each answer with its prompt and decode tokens/s (llama.cpp's own timings) and
 the process's peak memory. Each run is its own process; nothing but the flag differs."""
 import argparse
@@ -51,11 +51,12 @@ def main():
         f.write(prompt)
         prompt_file = f.name
     base = [os.path.join(a.bin, "llama-completion"), "-m", a.model, "-f", prompt_file, "-n", str(a.tokens),
-            "--temp", "0", "-no-cnv", "--no-display-prompt", "-c", "8192", "-t", str(a.threads), "-fa", "on",
+            "--temp", "0", "-no-cnv", "--no-display-prompt", "-c", "8192", "-t", str(a.threads),
             "--no-warmup", "-r", "<|im_end|>"]
-    runs = [("llama.cpp (stock attention)", base),
+    runs = [("llama.cpp (stock attention, flash attention on)", base + ["-fa", "on"]),
+            ("llama.cpp (stock attention, flash attention off)", base + ["-fa", "off"]),
             (f"llama.cpp + sparsekv (--sparse-attn {a.policy} --sparse-budget {a.budget})",
-             base + ["--sparse-attn", a.policy, "--sparse-budget", str(a.budget)])]
+             base + ["-fa", "on", "--sparse-attn", a.policy, "--sparse-budget", str(a.budget)])]
     print(f"{os.path.basename(a.model)} reads {os.path.basename(a.document)} ({a.chars} characters) and answers:\n"
           f"  {a.question}\n", flush=True)
     results = []
@@ -67,9 +68,11 @@ def main():
         print(f"   prompt {n_prompt} tokens at {prompt_tps:.1f} tokens/s; decode {n_decode} tokens at "
               f"{decode_tps:.1f} tokens/s; peak memory {peak:.0f} MiB\n", flush=True)
         results.append((decode_tps, peak))
-    (stock_tps, stock_peak), (sparse_tps, sparse_peak) = results
+    *stock, (sparse_tps, sparse_peak) = results
+    stock_tps, stock_peak = max(stock)  # the faster stock run
     if stock_tps > 0:
-        print(f"sparsekv against stock: decode {sparse_tps / stock_tps:.2f}x, peak memory {sparse_peak / stock_peak:.2f}x")
+        print(f"sparsekv against the faster stock run: decode {sparse_tps / stock_tps:.2f}x, peak memory "
+              f"{sparse_peak / stock_peak:.2f}x")
     os.unlink(prompt_file)
 
 

@@ -51,6 +51,8 @@ struct Sequence {
   bool broken = false;  // a ubatch of it failed: refused until it restarts at position 0
 };
 
+class StateWriter;
+
 }  // namespace
 
 struct Hook::State {
@@ -115,7 +117,7 @@ struct Hook::State {
     std::sort(layers.begin(), layers.end());
     shape = ModelShape{static_cast<std::uint32_t>(layers.size()), q_heads, kv_heads, head_dim, options.dtype};
     llama_kq_scale = kq_scale;
-    AnyPolicy policy = make_policy(options.policy, options.budget_tokens);
+    AnyPolicy policy = options.custom_policy ? *options.custom_policy : make_policy(options.policy, options.budget_tokens);
     Config base;
     base.page_tokens = options.page_tokens;
     base.kv_storage = options.kv_storage;
@@ -354,6 +356,11 @@ struct Hook::State {
     }
     return out;
   }
+  // snapshot(seq, tokens) into a state stream, one layer's K/V at a time
+  // through a reused buffer; a size-only save reads none of them.
+  void write_sequence(StateWriter& w, llama_seq_id seq, std::uint32_t tokens);
+  std::vector<std::byte> state_k, state_v;  // write_sequence's layer
+
   // Stages the snapshot as sequence seq's prompt (the hook must not hold
   // seq). Throws, changing nothing, when it does not fit.
   void load(llama_seq_id seq, const SequenceSnapshot& snapshot) {
@@ -583,6 +590,8 @@ class StateWriter {
     bytes(&value, sizeof(T));
   }
   void bytes(const void* src, std::size_t n) { io_.write(io_.io, src, n); }
+  // A save that only counts its bytes (llama_state_*_get_size): no K/V need be read for it.
+  bool size_only() const { return io_.size_only; }
 
  private:
   const llama_attn_hook_io& io_;
@@ -603,7 +612,8 @@ class StateReader {
   const llama_attn_hook_io& io_;
 };
 
-void write_snapshot(StateWriter& w, const SequenceSnapshot& snapshot) {
+// A SequenceSnapshot's bytes up to its K/V (which follow, k then v per layer).
+void write_snapshot_header(StateWriter& w, const SequenceSnapshot& snapshot) {
   w.put(kSnapshotMagic);
   w.put(std::uint32_t(snapshot.layers.size()));
   for (const std::int32_t il : snapshot.layers) w.put(il);
@@ -613,10 +623,6 @@ void write_snapshot(StateWriter& w, const SequenceSnapshot& snapshot) {
   w.put(snapshot.kq_scale);
   w.put(std::uint32_t(snapshot.dtype));
   w.put(snapshot.tokens);
-  for (std::size_t l = 0; l < snapshot.layers.size(); ++l) {
-    w.bytes(snapshot.k[l].data(), snapshot.k[l].size());
-    w.bytes(snapshot.v[l].data(), snapshot.v[l].size());
-  }
 }
 
 SequenceSnapshot read_snapshot(StateReader& r) {
@@ -660,6 +666,22 @@ SequenceSnapshot read_snapshot(StateReader& r) {
 // The hook's part of a state save: a sequence's snapshot (every token
 // llama.cpp holds of it: a save the library cannot make whole is refused), or
 // every sequence's.
+void Hook::State::write_sequence(StateWriter& w, llama_seq_id seq, std::uint32_t tokens) {
+  const DType stored = *options.kv_storage;
+  write_snapshot_header(w, SequenceSnapshot{layers, shape.q_heads, shape.kv_heads, shape.head_dim, llama_kq_scale,
+                                            stored, tokens, {}, {}});
+  const std::size_t bytes = std::size_t{tokens} * shape.kv_heads * dtype_row_bytes(stored, shape.head_dim);
+  if (!w.size_only()) {
+    state_k.resize(bytes);
+    state_v.resize(bytes);
+  }
+  for (std::uint32_t l = 0; l < shape.layers; ++l) {
+    if (!w.size_only()) manager->read_kv(sequences.at(seq).request, l, 0, tokens, state_k.data(), state_v.data(), stored);
+    w.bytes(w.size_only() ? nullptr : state_k.data(), bytes);
+    w.bytes(w.size_only() ? nullptr : state_v.data(), bytes);
+  }
+}
+
 const char* Hook::State::state_write(const llama_attn_hook_io& io, llama_seq_id seq) noexcept {
   why.clear();
   try {
@@ -682,7 +704,7 @@ const char* Hook::State::state_write(const llama_attn_hook_io& io, llama_seq_id 
              id, readable(id), held);
       }
       w.put(std::uint32_t{1});
-      write_snapshot(w, snapshot(id, held));
+      write_sequence(w, id, held);
     };
     if (seq >= 0) {
       save(seq);
@@ -782,7 +804,9 @@ DType storage_of(const llama_context_params& params, DType rows) {
 // A hook whose State the context owns (llama_attn_hook::free). Throws
 // sparsekv::Error for options the library refuses.
 llama_attn_hook make_hook(const llama_context_params& params, const HookOptions& options) {
-  make_policy(options.policy, options.budget_tokens);  // throws on an unknown policy before anything is made
+  if (!options.custom_policy) {
+    make_policy(options.policy, options.budget_tokens);  // throws on an unknown policy before anything is made
+  }
   if (options.page_tokens == 0 || (options.page_tokens & (options.page_tokens - 1)) != 0) {
     fail(ErrorCode::invalid_argument, "page_tokens ({}) must be a power of two", options.page_tokens);
   }

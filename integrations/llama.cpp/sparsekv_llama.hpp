@@ -48,6 +48,7 @@
 #include "llama-ext.h"
 #include "sparsekv/core/dtype.hpp"
 #include "sparsekv/core/error_slot.hpp"
+#include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/step/step_stats.hpp"
 
 namespace sparsekv::llama_cpp {
@@ -67,6 +68,10 @@ struct SequenceSnapshot {
 struct HookOptions {
   std::string policy = "quest";    // make_policy's names (sparsekv::policy_names, eviction_policy_names)
   std::uint32_t budget_tokens = 1024;
+  // An engine's own policy (any SparseAttention type, examples/custom_policy.cpp)
+  // served instead of `policy`, which then only names it (/metrics' label);
+  // budget_tokens is then the policy's own business.
+  std::optional<AnyPolicy> custom_policy;
   std::uint32_t page_tokens = 16;
   DType dtype = DType::f16;        // the rows the hook hands the library (llama.cpp's default cache type)
   // How the library stores them: the dtype above, or q8_0. Unset: from the

@@ -10,6 +10,7 @@
 // the library cannot follow is refused with its error -- never a silent
 // desynchronisation.
 // [model-file]: skipped (ctest, exit 77) without the model scripts/setup fetches.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -989,4 +990,165 @@ TEST_CASE("llama.cpp hook: a chat's next turn keeps the prompt and the answer, t
       }
     }
   }
+}
+
+namespace {
+
+// A planted fault: the first pages of the context whatever the query, within
+// the budget -- a policy that selects the wrong pages for any needle past them.
+class FirstPagesPolicy {
+ public:
+  struct Options {};
+  struct LayerState {
+    std::uint32_t pages = 0;
+  };
+  static constexpr std::string_view kName = "first_pages";
+  static constexpr RopeStage kRope = RopeStage::post_rope;
+  explicit FirstPagesPolicy(std::uint32_t budget_tokens) : budget_tokens_(budget_tokens) {}
+  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
+    state.pages = (kv.tokens + ctx.page_tokens - 1) / ctx.page_tokens;
+    return {PartitionSpec::uniform(kv.tokens, ctx.page_tokens)};
+  }
+  std::optional<Repartition> append(const LayerContext&, const AppendedPage&, LayerState& state) const {
+    ++state.pages;
+    return std::nullopt;
+  }
+  void select(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, Selection& out) const {
+    out.reset(ctx.kv_heads);
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      for (std::uint32_t p = 0; p < std::min(state.pages, mandatory_pages(ctx)); ++p) out.partitions[h].push_back(p);
+    }
+  }
+  std::uint32_t mandatory_pages(const LayerContext& ctx) const { return std::max(1u, budget_tokens_ / ctx.page_tokens); }
+
+ private:
+  std::uint32_t budget_tokens_;
+};
+
+// RULER's niah_single_1 (scripts/ruler_tasks.py): a 7-digit value for a key,
+// hidden at `depth` in repeated noise sentences, asked for in the model's chat
+// template with RULER's answer prefix after it.
+struct Needle {
+  std::string prompt, answer_prefix, value;
+};
+Needle niah_single(std::uint32_t sentences, double depth, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  const std::string key = std::string("blue-") + "harbor" + std::to_string(seed);
+  const std::string value = std::to_string(1000000 + rng() % 9000000);
+  const std::string noise = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
+  std::string context;
+  const auto at = static_cast<std::uint32_t>(depth * sentences);
+  for (std::uint32_t i = 0; i < sentences; ++i) {
+    if (i == at) context += "One of the special magic numbers for " + key + " is: " + value + ". ";
+    context += noise + " ";
+  }
+  const std::string question = "Some special magic numbers are hidden within the following text. Make sure to "
+                               "memorize it. I will quiz you about the numbers afterwards.\n" + context +
+                               "\nWhat are all the special magic numbers for " + key +
+                               " mentioned in the provided text?";
+  const llama_chat_message message{"user", question.c_str()};
+  const char* tmpl = llama_model_chat_template(model().model, nullptr);
+  std::vector<char> rendered(question.size() * 2 + 256);
+  const std::int32_t n = llama_chat_apply_template(tmpl, &message, 1, true, rendered.data(), std::int32_t(rendered.size()));
+  REQUIRE(n > 0);
+  REQUIRE(std::size_t(n) <= rendered.size());
+  return {std::string(rendered.data(), std::size_t(n)),
+          "The special magic numbers for " + key + " mentioned in the provided text are", value};
+}
+
+std::vector<llama_token> tokens_of(const std::string& text, bool bos) {
+  const llama_vocab* vocab = llama_model_get_vocab(model().model);
+  std::vector<llama_token> out(text.size() + 8);
+  const std::int32_t n = llama_tokenize(vocab, text.data(), std::int32_t(text.size()), out.data(),
+                                        std::int32_t(out.size()), bos, true);
+  REQUIRE(n >= 0);
+  out.resize(std::size_t(n));
+  return out;
+}
+
+// A sequence holding the needle's question and its answer prefix, processed
+// once by Dense and saved (llama.cpp's state with the library's K/V), and the
+// token count: what every policy's context loads instead of processing it.
+struct Prefilled {
+  std::vector<llama_token> tokens;
+  std::vector<std::uint8_t> state;
+};
+llama_context_params retrieval_params() {
+  llama_context_params p = context_params(1, 4096);
+  p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+  return p;
+}
+Prefilled prefill(const Needle& needle) {
+  Prefilled out;
+  out.tokens = tokens_of(needle.prompt, true);
+  const std::vector<llama_token> prefix = tokens_of(needle.answer_prefix, false);
+  out.tokens.insert(out.tokens.end(), prefix.begin(), prefix.end());
+  Hook hook(model().model, retrieval_params(), options_for("dense", 4096));
+  for (std::size_t i = 0; i < out.tokens.size(); i += 512) {
+    const auto n = std::int32_t(std::min<std::size_t>(512, out.tokens.size() - i));
+    REQUIRE(llama_decode(hook.context(), llama_batch_get_one(out.tokens.data() + i, n)) == 0);
+  }
+  out.state.resize(llama_state_seq_get_size(hook.context(), 0));
+  REQUIRE(llama_state_seq_get_data(hook.context(), out.state.data(), out.state.size(), 0) == out.state.size());
+  return out;
+}
+
+// The answer a context gives, greedy: the prefilled sequence loaded (the
+// library indexes it by its policy), its last token decoded again as a
+// decode step (the policy must find the needle for it), then `answer_tokens`
+// tokens generated.
+std::string answer(const Prefilled& prefilled, const HookOptions& options, std::uint32_t answer_tokens) {
+  Hook hook(model().model, retrieval_params(), options);
+  llama_context* ctx = hook.context();
+  std::vector<llama_token> t = prefilled.tokens;
+  REQUIRE(llama_state_seq_set_data(ctx, prefilled.state.data(), prefilled.state.size(), 0) == prefilled.state.size());
+  REQUIRE(llama_memory_seq_rm(llama_get_memory(ctx), 0, llama_pos(t.size() - 1), -1));
+  const auto decode_last = [&] {
+    REQUIRE(llama_decode(ctx, llama_batch_get_one(&t.back(), 1)) == 0);
+  };
+  decode_last();
+  const llama_vocab* vocab = llama_model_get_vocab(model().model);
+  std::string out;
+  for (std::uint32_t i = 0; i < answer_tokens; ++i) {
+    const float* logits = llama_get_logits_ith(ctx, -1);
+    const llama_token next = llama_token(std::max_element(logits, logits + llama_vocab_n_tokens(vocab)) - logits);
+    if (llama_vocab_is_eog(vocab, next)) break;
+    char piece[64];
+    const std::int32_t n = llama_token_to_piece(vocab, next, piece, sizeof piece, 0, false);
+    if (n > 0) out.append(piece, std::size_t(n));
+    t.push_back(next);
+    decode_last();
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("llama.cpp hook: a needle in a 2K-token haystack is found by Dense and Quest, lost by a policy that "
+          "selects the wrong pages", "[model-file][llama-hook][retrieval]") {
+  // RULER's niah_single_1 at 4 depths. The retrieval check: a policy finds
+  // at least as many needles as Dense less one. A policy that attends the
+  // context's first 256 tokens whatever the query fails it.
+  std::vector<Needle> needles;
+  std::vector<Prefilled> prefilled;
+  for (std::uint32_t i = 0; i < 4; ++i) {
+    needles.push_back(niah_single(90, 0.2 + 0.2 * i, 11 + i));
+    prefilled.push_back(prefill(needles.back()));
+  }
+  const auto found = [&](const HookOptions& options) {
+    std::uint32_t n = 0;
+    for (std::size_t i = 0; i < needles.size(); ++i) {
+      const std::string said = answer(prefilled[i], options, 12);
+      UNSCOPED_INFO(options.policy << " needle " << i << " (" << needles[i].value << "): " << said);
+      n += said.find(needles[i].value) != std::string::npos;
+    }
+    return n;
+  };
+  const auto retrieval_holds = [](std::uint32_t policy, std::uint32_t dense) { return policy + 1 >= dense; };
+  const std::uint32_t dense = found(options_for("dense", 4096));
+  REQUIRE(dense >= 3);
+  CHECK(retrieval_holds(found(options_for("quest", 256)), dense));
+  HookOptions fault = options_for("first_pages", 256);
+  fault.custom_policy = AnyPolicy(FirstPagesPolicy(256));
+  CHECK_FALSE(retrieval_holds(found(fault), dense));
 }
