@@ -663,9 +663,6 @@ SequenceSnapshot read_snapshot(StateReader& r) {
 
 }  // namespace
 
-// The hook's part of a state save: a sequence's snapshot (every token
-// llama.cpp holds of it: a save the library cannot make whole is refused), or
-// every sequence's.
 void Hook::State::write_sequence(StateWriter& w, llama_seq_id seq, std::uint32_t tokens) {
   const DType stored = *options.kv_storage;
   write_snapshot_header(w, SequenceSnapshot{layers, shape.q_heads, shape.kv_heads, shape.head_dim, llama_kq_scale,
@@ -682,6 +679,9 @@ void Hook::State::write_sequence(StateWriter& w, llama_seq_id seq, std::uint32_t
   }
 }
 
+// The hook's part of a state save: a sequence's snapshot (every token
+// llama.cpp holds of it: a save the library cannot make whole is refused), or
+// every sequence's.
 const char* Hook::State::state_write(const llama_attn_hook_io& io, llama_seq_id seq) noexcept {
   why.clear();
   try {
