@@ -170,6 +170,16 @@ std::uint64_t run(const Scenario& s, const std::string& policy, std::uint32_t bu
   return decodes;
 }
 
+// The small shape the hand-written cases below use: 8-token pages.
+constexpr ModelShape kSmallShape{2, 4, 2, 16, DType::f32};
+Config small_config(std::uint32_t max_context_tokens, std::uint32_t max_requests) {
+  Config config;
+  config.page_tokens = 8;
+  config.max_context_tokens = max_context_tokens;
+  config.max_requests = max_requests;
+  return config;
+}
+
 }  // namespace
 
 TEST_CASE("in place: every policy selects, keeps and attends as HostBackend, with no GPU tier", "[in-place]") {
@@ -178,11 +188,8 @@ TEST_CASE("in place: every policy selects, keeps and attends as HostBackend, wit
 
 TEST_CASE("in place: the tails are CPU pages, counted by can_admit and refused when the tier is full",
           "[in-place]") {
-  const ModelShape shape{2, 4, 2, 16, DType::f32};
-  Config config;
-  config.page_tokens = 8;
-  config.max_context_tokens = 256;
-  config.max_requests = 4;
+  const ModelShape shape = kSmallShape;
+  Config config = small_config(256, 4);
   const std::size_t page = config.page_bytes(shape);
   config.host_chunk_bytes = 16 * page;
   // Room for one 64-token prompt (8 pages per (layer, kv head): 32) and the
@@ -241,11 +248,8 @@ TEST_CASE("in place: the unsaved decode page reads back with the rest, on the GP
   // 10 prompt tokens in 8-token pages, then 3 decode tokens: the tail page
   // holds positions 10..12. In place it is a CPU-tier page, so read_kv reads
   // all 13; HostBackend keeps it on its GPU tier and reads the prompt's 10.
-  const ModelShape shape{2, 4, 2, 16, DType::f32};
-  Config config;
-  config.page_tokens = 8;
-  config.max_context_tokens = 64;
-  config.max_requests = 2;
+  const ModelShape shape = kSmallShape;
+  Config config = small_config(64, 2);
   const std::size_t row = std::size_t{shape.kv_heads} * shape.head_dim;
   std::vector<float> k(13 * row), v(13 * row), q(shape.q_heads * shape.head_dim, 0.25f), out(q.size());
   for (std::size_t i = 0; i < k.size(); ++i) {
@@ -285,11 +289,8 @@ TEST_CASE("in place: a fork takes the unsaved decode page too, and decodes as a 
   // 18..25 lie in saved decode pages, 26..28 in the unsaved one. In place a
   // fork of any length copies them from the CPU tier; on HostBackend's GPU
   // tier the fork is refused past 26.
-  const ModelShape shape{2, 4, 2, 16, DType::f32};
-  Config config;
-  config.page_tokens = 8;
-  config.max_context_tokens = 64;
-  config.max_requests = 4;
+  const ModelShape shape = kSmallShape;
+  Config config = small_config(64, 4);
   const std::size_t row = std::size_t{shape.kv_heads} * shape.head_dim;
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
