@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
 
     const std::uint32_t max_tokens = T + new_tokens + 1;
     auto manager =
-        in_place ? make_manager(c, policy, max_tokens, 1, sparsekv::EvictionStrategy::slot_reuse,
+        in_place ? make_manager(c, policy, max_tokens, 1, {},
                                 std::make_unique<sparsekv::InPlaceBackend>())
                  : make_manager(c, policy, max_tokens);
     const sparsekv::RequestId request = 1;

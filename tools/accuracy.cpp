@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <exception>
 #include <mutex>
@@ -45,10 +46,15 @@ void usage() {
       "                       retroinfer_no_estimation, oracle)\n"
       "  --page-tokens N      KV page size in tokens (default 8)\n"
       "  --first-steps N      evaluate the first N decode steps only (default: all)\n"
+      "  --from-step N        measure decode steps N.. only; the steps before still run (default 0)\n"
+      "  --needle FIRST:END   prompt tokens [FIRST, END) to follow (a needle): the dense softmax mass on them\n"
+      "                       and the share of it each policy attends, overall, per step and per layer\n"
       "  --threads N          runs in parallel (default: the hardware threads)\n"
       "  --per-layer          also print each policy's mass recall per layer (mean over kv heads)\n"
       "  --json               print [{policy, budget_tokens, rel_error, mass_recall, pages_selected,\n"
-      "                       mass_recall_by_layer_head: [layer][kv head]}, ...]\n",
+      "                       mass_recall_by_layer_head: [layer][kv head]}, ...]; with --needle also\n"
+      "                       needle_mass, needle_recall, needle_recall_by_step, needle_mass_by_layer_head,\n"
+      "                       needle_recall_by_layer_head\n",
       stderr);
 }
 
@@ -86,11 +92,42 @@ struct Result {
   double pages_selected = 0;   // mean over (step, layer, kv head), the decode tail excluded
   double tokens_attended = 0;  // mean over (step, layer, kv head), the decode tail included
   std::vector<double> head_recall;  // [layer][kv head]: mass recall, mean over (step, the group's q heads)
+  // --needle: dense softmax mass on the needle's tokens, and the part of it
+  // on the tokens the policy attended; sums over q heads.
+  double needle_mass = 0, needle_attended = 0;
+  std::vector<double> step_needle_mass, step_needle_attended;  // [step]
+  std::vector<double> head_needle_mass, head_needle_attended;  // [layer][kv head]
+
+  double needle_recall() const { return needle_mass > 0 ? needle_attended / needle_mass : 1.0; }
 };
 
+// What a [layer][kv head] needle sum is divided by for the mean per q head
+// and measured step.
+double needle_norm(const sparsekv::QkvTraceHeader& h, std::uint32_t from_step) {
+  return double(h.decode_steps - from_step) * (h.q_heads / h.kv_heads);
+}
+
+// Prompt tokens [first, end) whose attention is followed (--needle).
+struct Needle {
+  std::uint32_t first = 0, end = 0;
+  bool empty() const { return first == end; }
+};
+
+// Whether `key` (head_dim floats) is the key of one of the needle's tokens
+// in kv head `kv` of layer `l`: the attended pages are found by content, so
+// any partitioning (pages, clusters, regroups) is followed.
+bool is_needle_key(const QkvTrace& trace, const Needle& needle, std::uint32_t l, std::uint32_t kv, const float* key) {
+  const std::uint32_t d = trace.header.head_dim;
+  for (std::uint32_t t = needle.first; t < needle.end; ++t) {
+    if (std::memcmp(trace.key(l, t) + std::size_t{kv} * d, key, d * sizeof(float)) == 0) return true;
+  }
+  return false;
+}
+
 // One policy at one budget through the pipeline, every decode step and layer.
+// Steps before `from_step` run but are not measured.
 Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& policy, std::uint32_t budget,
-                std::uint32_t page_tokens) {
+                std::uint32_t page_tokens, std::uint32_t from_step, const Needle& needle) {
   const auto& h = trace.header;
   const std::uint32_t d = h.head_dim, group = h.q_heads / h.kv_heads;
   const double scale = 1.0 / std::sqrt(double(d));
@@ -99,8 +136,17 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
 
   Result r{policy, budget};
   r.head_recall.assign(std::size_t{h.layers} * h.kv_heads, 0.0);
+  r.step_needle_mass.assign(h.decode_steps, 0.0);
+  r.step_needle_attended.assign(h.decode_steps, 0.0);
+  r.head_needle_mass.assign(std::size_t{h.layers} * h.kv_heads, 0.0);
+  r.head_needle_attended.assign(std::size_t{h.layers} * h.kv_heads, 0.0);
   std::vector<float> out(std::size_t{h.q_heads} * d);
-  std::vector<double> mass(h.q_heads);
+  std::vector<double> mass(h.q_heads), needle_mass(h.q_heads), needle_attended(h.q_heads);
+  const auto weight = [&](const float* qv, const float* key, double lse) {
+    double dot = 0;
+    for (std::uint32_t i = 0; i < d; ++i) dot += double(qv[i]) * key[i];
+    return std::exp(dot * scale - lse);
+  };
   const sparsekv::PageLayout& layout = pipeline.buffer().gpu_pool().layout();
   for (std::uint32_t s = 0; s < h.decode_steps; ++s) {
     for (std::uint32_t l = 0; l < h.layers; ++l) {
@@ -108,6 +154,7 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
       pipeline.append(l, trace.key(l, token), trace.value(l, token));
       const sparsekv::DecodeQuery q = trace.query(l, s);
       pipeline.attend(l, q, out.data());
+      if (s < from_step) continue;
       const std::size_t j = std::size_t{s} * h.layers + l;
       const float* want = ref.out.data() + j * h.q_heads * d;
       const double* lse = ref.lse.data() + j * h.q_heads;
@@ -123,17 +170,24 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
       // Dense softmax mass on the tokens the policy attended: the keys of the
       // retrieved pages (selected partitions) and of the resident tail.
       std::fill(mass.begin(), mass.end(), 0.0);
+      std::fill(needle_mass.begin(), needle_mass.end(), 0.0);
+      std::fill(needle_attended.begin(), needle_attended.end(), 0.0);
+      for (std::uint32_t t = needle.first; t < needle.end; ++t) {
+        for (std::uint32_t qh = 0; qh < h.q_heads; ++qh) {
+          needle_mass[qh] += weight(q.head(qh, d), trace.key(l, t) + std::size_t{qh / group} * d, lse[qh]);
+        }
+      }
       const sparsekv::Retrieval& got = pipeline.retrieval();
       const sparsekv::PagePool& gpu = pipeline.buffer().gpu_pool();
       const auto add_page = [&](std::uint32_t kv, sparsekv::PageId page, std::uint32_t tokens) {
         const std::byte* base = gpu.data(page);
         for (std::uint32_t slot = 0; slot < tokens; ++slot) {
           const auto* key = reinterpret_cast<const float*>(base + layout.k_offset(slot));
+          const bool in_needle = !needle.empty() && is_needle_key(trace, needle, l, kv, key);
           for (std::uint32_t qh = kv * group; qh < (kv + 1) * group; ++qh) {
-            const float* qv = q.head(qh, d);
-            double dot = 0;
-            for (std::uint32_t i = 0; i < d; ++i) dot += double(qv[i]) * key[i];
-            mass[qh] += std::exp(dot * scale - lse[qh]);
+            const double w = weight(q.head(qh, d), key, lse[qh]);
+            mass[qh] += w;
+            if (in_needle) needle_attended[qh] += w;
           }
         }
         r.tokens_attended += tokens;
@@ -145,16 +199,24 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
       for (std::uint32_t qh = 0; qh < h.q_heads; ++qh) {
         const double m = std::min(mass[qh], 1.0);  // rounding can pass 1 by an ulp
         r.mass_recall += m;
-        r.head_recall[std::size_t{l} * h.kv_heads + qh / group] += m;
+        const std::size_t head = std::size_t{l} * h.kv_heads + qh / group;
+        r.head_recall[head] += m;
+        r.needle_mass += needle_mass[qh];
+        r.needle_attended += needle_attended[qh];
+        r.step_needle_mass[s] += needle_mass[qh];
+        r.step_needle_attended[s] += needle_attended[qh];
+        r.head_needle_mass[head] += needle_mass[qh];
+        r.head_needle_attended[head] += needle_attended[qh];
       }
     }
   }
-  const double qn = double(h.decode_steps) * h.layers * h.q_heads, kn = double(h.decode_steps) * h.layers * h.kv_heads;
+  const std::uint32_t steps = h.decode_steps - from_step;
+  const double qn = double(steps) * h.layers * h.q_heads, kn = double(steps) * h.layers * h.kv_heads;
   r.rel_error /= qn;
   r.mass_recall /= qn;
   r.pages_selected /= kn;
   r.tokens_attended /= kn;
-  for (double& m : r.head_recall) m /= double(h.decode_steps) * group;
+  for (double& m : r.head_recall) m /= double(steps) * group;
   return r;
 }
 
@@ -197,7 +259,8 @@ int main(int argc, char** argv) {
         "--topic-logit",  "--topic-dwell",   "--blend-steps",  "--query-noise",   "--head-noise",  "--heavy-hitters",
         "--heavy-logit",  "--sink-tokens",   "--sink-logit",   "--recency-logit", "--recency-tokens", "--value-topic"};
     std::set<std::string> flags = knobs;
-    flags.insert({"--trace", "--write-trace", "--budgets", "--policies", "--page-tokens", "--threads", "--first-steps"});
+    flags.insert({"--trace", "--write-trace", "--budgets", "--policies", "--page-tokens", "--threads", "--first-steps",
+                  "--from-step", "--needle"});
     const sparsekv::tools::CommandLine args(argc, argv, flags, {"--synthetic", "--json", "--per-layer", "--help"});
     if (args.has("--help")) {
       usage();
@@ -248,6 +311,25 @@ int main(int argc, char** argv) {
       }
       trace.validate();
     }
+    const auto from_step = args.number<std::uint32_t>("--from-step", 0);
+    if (from_step >= trace.header.decode_steps) {
+      throw std::invalid_argument(
+          fmt::format("--from-step {}: the trace has {} decode steps", from_step, trace.header.decode_steps));
+    }
+    Needle needle;
+    if (args.has("--needle")) {
+      const std::string spec = args.text("--needle", "");
+      std::uint32_t ends[2] = {0, 0};
+      const char* const last = spec.data() + spec.size();
+      const auto [colon, ec1] = std::from_chars(spec.data(), last, ends[0]);
+      const bool parsed = ec1 == std::errc{} && colon != last && *colon == ':' &&
+                          std::from_chars(colon + 1, last, ends[1]).ptr == last && colon + 1 != last;
+      if (!parsed || ends[0] >= ends[1] || ends[1] > trace.header.prompt_tokens) {
+        throw std::invalid_argument(fmt::format("--needle {}: want FIRST:END with FIRST < END <= {} (the prompt's tokens)",
+                                                spec, trace.header.prompt_tokens));
+      }
+      needle = {ends[0], ends[1]};
+    }
     if (args.has("--write-trace")) sparsekv::write_qkv_trace(args.text("--write-trace", ""), trace);
 
     // Jobs: dense ignores the budget, so it runs once and fills every budget's row.
@@ -277,7 +359,7 @@ int main(int argc, char** argv) {
               i = next++;
             }
             try {
-              done[i] = evaluate(trace, ref, jobs[i].policy, jobs[i].budget, page_tokens);
+              done[i] = evaluate(trace, ref, jobs[i].policy, jobs[i].budget, page_tokens, from_step, needle);
             } catch (...) {
               errors[i] = std::current_exception();
             }
@@ -312,10 +394,35 @@ int main(int argc, char** argv) {
           const auto first = r.head_recall.begin() + std::ptrdiff_t{l} * trace.header.kv_heads;
           layers.push_back(fmt::format("[{:.4f}]", fmt::join(first, first + trace.header.kv_heads, ", ")));
         }
+        std::string needle_fields;
+        if (!needle.empty()) {
+          const auto ratios = [](const std::vector<double>& part, const std::vector<double>& whole) {
+            std::vector<std::string> v;
+            for (std::size_t k = 0; k < part.size(); ++k) v.push_back(fmt::format("{:.4f}", whole[k] > 0 ? part[k] / whole[k] : 1.0));
+            return v;
+          };
+          const std::uint32_t kv = trace.header.kv_heads;
+          const std::vector<std::string> steps = ratios(r.step_needle_attended, r.step_needle_mass);
+          const std::vector<std::string> heads = ratios(r.head_needle_attended, r.head_needle_mass);
+          std::vector<std::string> mass_layers, recall_layers;
+          for (std::uint32_t l = 0; l < trace.header.layers; ++l) {
+            const auto first = r.head_needle_mass.begin() + std::ptrdiff_t{l} * kv;
+            std::vector<std::string> m;
+            for (auto it = first; it != first + kv; ++it) m.push_back(fmt::format("{:.4f}", *it / needle_norm(trace.header, from_step)));
+            mass_layers.push_back(fmt::format("[{}]", fmt::join(m, ", ")));
+            recall_layers.push_back(fmt::format("[{}]", fmt::join(heads.begin() + std::ptrdiff_t{l} * kv, heads.begin() + std::ptrdiff_t{l + 1} * kv, ", ")));
+          }
+          needle_fields = fmt::format(
+              ", \"needle_mass\": {:.6f}, \"needle_recall\": {:.6f}, \"needle_recall_by_step\": [{}], "
+              "\"needle_mass_by_layer_head\": [{}], \"needle_recall_by_layer_head\": [{}]",
+              r.needle_mass / (needle_norm(trace.header, from_step) * trace.header.layers * trace.header.kv_heads),
+              r.needle_recall(), fmt::join(steps.begin() + from_step, steps.end(), ", "), fmt::join(mass_layers, ", "),
+              fmt::join(recall_layers, ", "));
+        }
         out += fmt::format(
             "  {{\"policy\": \"{}\", \"budget_tokens\": {}, \"rel_error\": {:.6g}, \"mass_recall\": {:.6f}, "
-            "\"pages_selected\": {:.2f}, \"mass_recall_by_layer_head\": [{}]}}{}\n",
-            r.policy, r.budget, r.rel_error, r.mass_recall, r.pages_selected, fmt::join(layers, ", "),
+            "\"pages_selected\": {:.2f}, \"mass_recall_by_layer_head\": [{}]{}}}{}\n",
+            r.policy, r.budget, r.rel_error, r.mass_recall, r.pages_selected, fmt::join(layers, ", "), needle_fields,
             i + 1 < rows.size() ? "," : "");
       }
       out += "]\n";
@@ -328,14 +435,61 @@ int main(int argc, char** argv) {
           "(step, layer, q head); pages and tokens per (step, layer, kv head)\n",
           args.has("--trace") ? args.text("--trace", "") : "synthetic", h.layers, h.q_heads, h.kv_heads, h.head_dim,
           h.prompt_tokens, h.decode_steps, h.model.empty() ? "unnamed" : h.model, page_tokens);
+      if (from_step > 0) out += fmt::format("measured: decode steps {}..{}\n", from_step, h.decode_steps - 1);
+      if (!needle.empty()) {
+        out += fmt::format(
+            "needle: prompt tokens {}..{}; needle mass = dense softmax mass on them (mean over step, layer, q head), "
+            "needle recall = the share of that mass on the tokens the policy attended\n",
+            needle.first, needle.end - 1);
+      }
       for (std::size_t i = 0; i < rows.size(); ++i) {
         if (i == 0 || rows[i].budget != rows[i - 1].budget) {
-          out += fmt::format("\n{:<7} {:<25} {:>10} {:>12} {:>8} {:>8}\n", "budget", "policy", "rel error",
+          out += fmt::format("\n{:<7} {:<25} {:>10} {:>12} {:>8} {:>8}", "budget", "policy", "rel error",
                              "mass recall", "pages", "tokens");
+          out += needle.empty() ? "\n" : fmt::format(" {:>12} {:>13}\n", "needle mass", "needle recall");
         }
         const Result& r = rows[i];
-        out += fmt::format("{:<7} {:<25} {:>10.4f} {:>11.2f}% {:>8.1f} {:>8.1f}\n", r.budget, r.policy, r.rel_error,
+        out += fmt::format("{:<7} {:<25} {:>10.4f} {:>11.2f}% {:>8.1f} {:>8.1f}", r.budget, r.policy, r.rel_error,
                            100 * r.mass_recall, r.pages_selected, r.tokens_attended);
+        out += needle.empty() ? "\n"
+                              : fmt::format(" {:>11.2f}% {:>12.2f}%\n", 100 * r.needle_mass / (needle_norm(h, from_step) * h.layers * h.kv_heads),
+                                            100 * r.needle_recall());
+      }
+      // Per budget: one line per step (or layer), the dense needle mass and each policy's needle recall.
+      const auto needle_table = [&](const char* what, std::uint32_t from, std::uint32_t count, auto&& mass_of,
+                                    auto&& recall_of) {
+        for (std::size_t i = 0; i < rows.size();) {
+          std::size_t end = i;
+          while (end < rows.size() && rows[end].budget == rows[i].budget) ++end;
+          out += fmt::format("\nneedle recall by {}, budget {}\n{:<6} {:>12}", what, rows[i].budget, what, "needle mass");
+          for (std::size_t j = i; j < end; ++j) out += fmt::format(" {:>12.12}", rows[j].policy);
+          out += "\n";
+          for (std::uint32_t k = from; k < count; ++k) {
+            out += fmt::format("{:<6} {:>11.2f}%", k, 100 * mass_of(rows[i], k));
+            for (std::size_t j = i; j < end; ++j) out += fmt::format(" {:>11.2f}%", 100 * recall_of(rows[j], k));
+            out += "\n";
+          }
+          i = end;
+        }
+      };
+      const auto ratio = [](double part, double whole) { return whole > 0 ? part / whole : 1.0; };
+      if (!needle.empty()) {
+        needle_table(
+            "step", from_step, h.decode_steps,
+            [&](const Result& r, std::uint32_t s) { return r.step_needle_mass[s] / (double(h.layers) * h.q_heads); },
+            [&](const Result& r, std::uint32_t s) { return ratio(r.step_needle_attended[s], r.step_needle_mass[s]); });
+      }
+      if (!needle.empty() && args.has("--per-layer")) {
+        const auto layer_sum = [&](const std::vector<double>& v, std::uint32_t l) {
+          const auto first = v.begin() + std::ptrdiff_t{l} * h.kv_heads;
+          return std::accumulate(first, first + h.kv_heads, 0.0);
+        };
+        needle_table(
+            "layer", 0, h.layers,
+            [&](const Result& r, std::uint32_t l) { return layer_sum(r.head_needle_mass, l) / (needle_norm(h, from_step) * h.kv_heads); },
+            [&](const Result& r, std::uint32_t l) {
+              return ratio(layer_sum(r.head_needle_attended, l), layer_sum(r.head_needle_mass, l));
+            });
       }
       if (args.has("--per-layer")) {
         // Per budget: one line per layer, each policy's mass recall (mean over kv heads).

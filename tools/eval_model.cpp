@@ -66,7 +66,7 @@ void usage() {
   std::fputs(
       "usage: sparsekv-eval-model [--model PATH] [--text FILE] [--prefill 2048] [--tokens 256]\n"
       "                           [--policies LIST] [--budgets 256,512,1024] [--strategies slot_reuse]\n"
-      "                           [--rows-per-group N] [--json]\n"
+      "                           [--rows-per-group N] [--page-tokens 8] [--special] [--show-steps] [--json]\n"
       "                           [--dump DIR [--dump-policy shadowkv] [--dump-budget 512] [--dump-layers all|LIST]]\n"
       "  --model PATH       default: ${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
       "  --text FILE        default: /usr/share/common-licenses/GPL-3 (needs prefill + tokens + 1 tokens)\n"
@@ -77,6 +77,10 @@ void usage() {
       "                     h2o and streaming_evict evict tokens for good (budget: live tokens per kv head)\n"
       "  --budgets LIST     tokens per kv head and step\n"
       "  --strategies LIST  for h2o / streaming_evict: no_op, free_block, sparse_copy, slot_reuse (default)\n"
+      "  --page-tokens N    the library's page size in tokens (default 8; llama.cpp's hook uses 16)\n"
+      "  --special          parse control tokens in the text (<|im_start|>, ...: a chat-templated prompt)\n"
+      "  --show-steps       print each teacher-forced step: the text's token, Dense's argmax and each run's\n"
+      "                     (\"=\" where it is Dense's)\n"
       "  --rows-per-group N runs decoded in lockstep, their managers alive together (default: one\n"
       "                     policy, all its budgets, per group; 0: every run in one group)\n"
       "  --json             one JSON object on stdout\n"
@@ -184,6 +188,7 @@ struct Row {
   std::optional<sparsekv::EvictionStrategy> strategy;  // a policy that evicts tokens
   double log_likelihood = 0;
   std::size_t agree = 0;
+  std::vector<std::uint32_t> top;  // argmax per step
   sparsekv::StepStats stats;
   // Evicting policies, after each decode step: CPU pages held and live slots
   // in them over every (layer, kv head).
@@ -234,8 +239,9 @@ int main(int argc, char** argv) {
     const auto args = sparsekv::tools::parse_command_line<sparsekv::model::UserError>(
         argc, argv,
         std::set<std::string>{"--model", "--text", "--prefill", "--tokens", "--policies", "--budgets", "--strategies", "--dump",
-                              "--dump-policy", "--dump-budget", "--dump-layers", "--rows-per-group"},
-        std::set<std::string>{"--json", "--help"});
+                              "--dump-policy", "--dump-budget", "--dump-layers", "--rows-per-group",
+                              "--page-tokens"},
+        std::set<std::string>{"--json", "--help", "--special", "--show-steps"});
     if (args.has("--help")) {
       usage();
       return 0;
@@ -244,6 +250,11 @@ int main(int argc, char** argv) {
     const auto tokens = args.number<std::uint32_t>("--tokens", 256);
     const auto dump_budget = args.number<std::uint32_t>("--dump-budget", 512);
     if (prefill == 0 || tokens == 0 || dump_budget == 0) throw sparsekv::model::UserError("--prefill, --tokens and --dump-budget must be > 0");
+    sparsekv::Config base;
+    base.page_tokens = args.number<std::uint32_t>("--page-tokens", base.page_tokens);
+    if (base.page_tokens == 0 || (base.page_tokens & (base.page_tokens - 1)) != 0) {
+      throw sparsekv::model::UserError(fmt::format("--page-tokens {} is not a power of two", base.page_tokens));
+    }
     // Unset: one policy (all its budgets) per group; 0: every row in one group.
     const bool by_policy = !args.has("--rows-per-group");
     const auto rows_per_group = args.number<std::uint32_t>("--rows-per-group", 0);
@@ -279,7 +290,7 @@ int main(int argc, char** argv) {
     const LlamaConfig& c = model.config();
     const double load_s = since(t_load);
 
-    std::vector<std::int32_t> ids = tokenizer.encode(text, /*parse_special=*/false);
+    std::vector<std::int32_t> ids = tokenizer.encode(text, /*parse_special=*/args.has("--special"));
     if (ids.size() < std::size_t{prefill} + tokens + 1) {
       throw sparsekv::model::UserError(fmt::format("'{}' has {} tokens; --prefill {} --tokens {} need {}", text_path, ids.size(), prefill,
                                   tokens, std::size_t{prefill} + tokens + 1));
@@ -407,9 +418,11 @@ int main(int argc, char** argv) {
       RecordingSession* recorder = nullptr;
       for (std::size_t r = g.first; r < g.last; ++r) {
         const Row& row = rows[r];
-        auto& manager = managers.emplace_back(
-            make_manager(c, sparsekv::make_policy(row.policy, row.policy == "dense" ? budgets.front() : row.budget), max_tokens,
-                         1, row.strategy.value_or(sparsekv::EvictionStrategy::slot_reuse)));
+        sparsekv::Config row_base = base;
+        row_base.eviction_strategy = row.strategy.value_or(sparsekv::EvictionStrategy::slot_reuse);
+        auto& manager = managers.emplace_back(make_manager(
+            c, sparsekv::make_policy(row.policy, row.policy == "dense" ? budgets.front() : row.budget), max_tokens, 1,
+            row_base));
         manager->add_request(1, max_tokens);
         if (row.record) {
           auto session = std::make_unique<RecordingSession>(*manager, 1, c, trace_layer, *writer);
@@ -435,7 +448,8 @@ int main(int argc, char** argv) {
         for (std::size_t i = 0; i < n; ++i) {
           const std::span<const float> row(logits.data() + i * V, V);
           rows[g.first + i].log_likelihood += log_prob(row, target);
-          if (argmax(row) == dense_top[s]) ++rows[g.first + i].agree;
+          rows[g.first + i].top.push_back(argmax(row));
+          if (rows[g.first + i].top.back() == dense_top[s]) ++rows[g.first + i].agree;
           if (rows[g.first + i].strategy) {
             rows[g.first + i].pages_held.push_back(managers[i]->buffer().held_pages(1));
             rows[g.first + i].live_slots.push_back(managers[i]->buffer().live_slots(1));
@@ -466,7 +480,7 @@ int main(int argc, char** argv) {
       if (!out) throw sparsekv::model::UserError(fmt::format("cannot write '{}/selections.trace'", dump_dir));
       out << "# SmolLM2-135M-Instruct, " << std::filesystem::path(text_path).filename().string() << ", policy "
           << dump_policy << " budget " << dump_budget << ", " << prefill << "-token prefill, " << tokens
-          << " teacher-forced steps; page_tokens 8\n";
+          << " teacher-forced steps; page_tokens " << base.page_tokens << "\n";
       sparsekv::write_selection_trace(out, recorded_trace);
       out.close();
       if (!out) throw sparsekv::model::UserError(fmt::format("cannot write '{}/selections.trace'", dump_dir));
@@ -493,7 +507,7 @@ int main(int argc, char** argv) {
                    r > 0 ? ", " : "", row.policy, row.budget, ppl, ppl - dense_ppl, double(row.agree) / tokens,
                    st.hit_ratio(), st.pages_moved);
         if (row.strategy) {
-          const std::vector<double> u = utilisation(row, sparsekv::Config{}.page_tokens);
+          const std::vector<double> u = utilisation(row, base.page_tokens);
           fmt::print(", \"strategy\": \"{}\", \"utilisation_mean\": {:.6f}, \"fragmentation_p99\": {:.6f}, "
                      "\"pages_held_mean\": {:.1f}, \"pages_held_max\": {}, \"pages_freed\": {}, \"pages_copied\": {}, "
                      "\"slots_copied\": {}, \"pages_held\": [{}], \"live_slots\": [{}]",
@@ -533,11 +547,28 @@ int main(int argc, char** argv) {
                      "policy", "budget", "strategy", "utilisation", "p99 fragment.", "held mean", "freed", "copied");
           evictions = true;
         }
-        const std::vector<double> u = utilisation(row, sparsekv::Config{}.page_tokens);
+        const std::vector<double> u = utilisation(row, base.page_tokens);
         fmt::print("  {:<16} {:>7} {:>12} {:>11.1f}% {:>13.1f}% {:>11.0f} {:>10} {:>10}\n", row.policy, row.budget,
                    sparsekv::to_string(*row.strategy), 100 * mean(u), 100 * fragmentation_p99(u),
                    row.pages_held.empty() ? 0.0 : std::accumulate(row.pages_held.begin(), row.pages_held.end(), 0.0) / row.pages_held.size(),
                    row.buffer.pages_freed, row.buffer.pages_copied);
+      }
+      if (args.has("--show-steps")) {
+        // Where the runs part from Dense: each step's argmax as text.
+        const auto piece = [&](std::uint32_t id) {
+          const auto one = static_cast<std::int32_t>(id);
+          std::string t = tokenizer.decode(std::span(&one, 1));
+          for (std::size_t at = 0; (at = t.find('\n', at)) != std::string::npos;) t.replace(at, 1, "\\n");
+          return fmt::format("'{}'", t);
+        };
+        fmt::print("\n  {:<5} {:<10} {:<10}", "step", "text", "Dense");
+        for (const Row& row : rows) fmt::print(" {:<14.14}", row.budget ? fmt::format("{} {}", row.policy, row.budget) : row.policy);
+        fmt::print("\n");
+        for (std::uint32_t s = 0; s < tokens; ++s) {
+          fmt::print("  {:<5} {:<10} {:<10}", s, piece(static_cast<std::uint32_t>(ids[prefill + s + 1])), piece(dense_top[s]));
+          for (const Row& row : rows) fmt::print(" {:<14}", row.top[s] == dense_top[s] ? std::string("=") : piece(row.top[s]));
+          fmt::print("\n");
+        }
       }
       fmt::print("\n  timings: load {:.1f} s, prefill {:.1f} s ({:.0f} tokens/s), Dense decode {:.1f} s, replay {:.1f} s, "
                  "decode {:.1f} s ({} runs in {} groups)",

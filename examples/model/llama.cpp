@@ -631,10 +631,8 @@ StepExecutor engine_executor() {
 }
 
 std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& c, AnyPolicy policy, std::uint32_t max_tokens,
-                                             std::uint32_t requests, EvictionStrategy strategy,
+                                             std::uint32_t requests, const Config& base,
                                              std::unique_ptr<Backend> backend) {
-  Config base;
-  base.eviction_strategy = strategy;
   const Config config = serving_config(c.shape(), policy, max_tokens, requests, base);
   if (!backend) backend = std::make_unique<HostBackend>();
   return std::make_unique<RuntimeManager>(c.shape(), config, std::move(policy), std::move(backend));

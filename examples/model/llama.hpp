@@ -111,12 +111,11 @@ class SparseSession : public AttentionBackend {
 // head_capacity, else the context's pages) plus a small margin; the GPU tier
 // each request's bucketed-LRU buffer (mandatory pages x (1 + min_buffer_ratio),
 // Spin's 5x) and its tail pages, but never more slots than a head can hold
-// (Quest's dense layers make the whole context mandatory). `strategy` is what
-// a policy that evicts tokens does with dead slots (Config::eviction_strategy).
+// (Quest's dense layers make the whole context mandatory). `base` gives the
+// settings the sizing leaves as they are (page_tokens, eviction_strategy, ...).
 // `backend`: HostBackend when null; an InPlaceBackend uses no GPU tier.
 std::unique_ptr<RuntimeManager> make_manager(const LlamaConfig& config, AnyPolicy policy, std::uint32_t max_tokens,
-                                             std::uint32_t requests = 1,
-                                             EvictionStrategy strategy = EvictionStrategy::slot_reuse,
+                                             std::uint32_t requests = 1, const Config& base = {},
                                              std::unique_ptr<Backend> backend = nullptr);
 
 class LlamaModel {

@@ -7,7 +7,8 @@ cmake_minimum_required(VERSION 3.25)
 #   quest, shadowkv, retroinfer < streaming (at equal budget)
 #   oracle's mass recall >= the other page selections of the budget's size
 #   (streaming, shadowkv), and its per-layer list has one row per layer
-# plus dense == exact and bad arguments failing with a message.
+# plus dense == exact, --needle's recall (below) and bad arguments failing
+# with a message.
 set(trace ${WORK_DIR}/accuracy-trace)
 set(budgets 128 256 512)
 set(knobs --prompt 2048 --steps 16 --layers 4 --budgets 128,256,512)
@@ -80,6 +81,43 @@ foreach(b IN LISTS budgets)
   endforeach()
 endforeach()
 
+# --needle follows prompt tokens by content: Dense attends all of a needle;
+# StreamingLLM, which attends its sinks and its recent window, attends the
+# first tokens and never a needle in the middle; the needle's dense mass is
+# the trace's, the same in every row; the per-step list has one entry per
+# step measured (--from-step).
+foreach(spec "1000:1016;0" "0:4;1")
+  list(GET spec 0 needle)
+  list(GET spec 1 want_streaming)
+  execute_process(COMMAND ${ACCURACY} --trace ${trace} --budgets 128 --policies dense,streaming,oracle --needle ${needle}
+                          --from-step 4 --json
+                  OUTPUT_VARIABLE json RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "sparsekv-accuracy --needle ${needle} exited with ${rc}: ${err}")
+  endif()
+  foreach(i 0 1 2)
+    string(JSON policy GET "${json}" ${i} policy)
+    string(JSON needle_recall_${policy} GET "${json}" ${i} needle_recall)
+    string(JSON needle_mass_${policy} GET "${json}" ${i} needle_mass)
+    string(JSON steps LENGTH "${json}" ${i} needle_recall_by_step)
+    string(JSON layers LENGTH "${json}" ${i} needle_recall_by_layer_head)
+    if(NOT steps EQUAL 12 OR NOT layers EQUAL 4)
+      message(FATAL_ERROR "--needle ${needle}, ${policy}: ${steps} steps (want 12) and ${layers} layers (want 4)")
+    endif()
+  endforeach()
+  if(needle_recall_dense LESS 0.99999 OR NOT needle_mass_dense GREATER 0)
+    message(FATAL_ERROR "--needle ${needle}: dense needle_recall ${needle_recall_dense}, mass ${needle_mass_dense}")
+  endif()
+  if((want_streaming EQUAL 0 AND needle_recall_streaming GREATER 0) OR
+     (want_streaming EQUAL 1 AND needle_recall_streaming LESS 0.99999))
+    message(FATAL_ERROR "--needle ${needle}: streaming needle_recall ${needle_recall_streaming}, want ${want_streaming}")
+  endif()
+  if(NOT needle_mass_oracle EQUAL needle_mass_dense OR NOT needle_mass_streaming EQUAL needle_mass_dense)
+    message(FATAL_ERROR "--needle ${needle}: the dense needle mass differs between rows: dense ${needle_mass_dense}, "
+                        "streaming ${needle_mass_streaming}, oracle ${needle_mass_oracle}")
+  endif()
+endforeach()
+
 # Text output names every policy.
 execute_process(COMMAND ${ACCURACY} --synthetic --prompt 256 --steps 4 --layers 1 --budgets 64 --policies dense,streaming
                 OUTPUT_VARIABLE text RESULT_VARIABLE rc)
@@ -89,7 +127,8 @@ endif()
 
 foreach(bad "--trace;${WORK_DIR}/missing-trace" "--synthetic;--budgets;0" "--synthetic;--budgets;128,,256"
             "--synthetic;--policies;nope" "--synthetic;--segment-topics;99" "--prompt;64" "--bogus"
-            "--synthetic;--trace;${trace}")
+            "--synthetic;--trace;${trace}" "--trace;${trace};--needle;1000" "--trace;${trace};--needle;9:3"
+            "--trace;${trace};--needle;0:2049" "--trace;${trace};--needle;a:b" "--trace;${trace};--from-step;16")
   execute_process(COMMAND ${ACCURACY} ${bad} RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
   if(NOT rc EQUAL 2 OR NOT err MATCHES "sparsekv-accuracy:")
     message(FATAL_ERROR "'${bad}' should fail with exit 2 and a message, got rc=${rc}: ${err}")
