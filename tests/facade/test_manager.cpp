@@ -10,6 +10,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention_test_data.hpp"
@@ -226,6 +227,54 @@ TEST_CASE("Manager: a moved Manager decodes on as if it had not moved", "[facade
     REQUIRE(moved->buffer().cpu_pool().used() == 0);
     REQUIRE(moved->buffer().gpu_pool().used() == 0);
   }
+}
+
+// A typed stream handle, as cudaStream_t (CUstream_st*) is, without CUDA.
+struct FakeStream;
+static_assert(std::is_convertible_v<FakeStream*, DeviceStream>);
+static_assert(std::is_convertible_v<void*, DeviceStream>);
+static_assert(!std::is_convertible_v<std::nullptr_t, DeviceStream>);
+static_assert(!std::is_convertible_v<float, DeviceStream>);
+
+TEST_CASE("Manager: a bare nullptr or {} as the last argument picks the host call, never the device one", "[facade]") {
+  // Host tensors through a Manager on the host backend: the device overloads
+  // refuse them (no device runtime; host tensors latched by the first
+  // prefill), so each call below reaching the host call and matching the
+  // plain one is what is checked.
+  RuntimeManager plain(kShape, facade_config(), make_policy("quest", 64));
+  RuntimeManager spelled(kShape, facade_config(), make_policy("quest", 64));
+  std::mt19937 rng(5);
+  Tokens t;
+  t.add(rng, 120);
+  const std::vector<RequestId> batch{1};
+  for (RuntimeManager* m : {&plain, &spelled}) m->add_request(1, 400);
+  for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+    plain.prefill(1, l, t.k.data(), t.v.data(), t.count());
+    spelled.prefill(1, l, t.k.data(), t.v.data(), t.count(), {});
+  }
+  for (int step = 0; step < 4; ++step) {
+    Tokens next;
+    next.add(rng, 1);
+    std::vector<std::uint16_t> q(std::size_t{kShape.q_heads} * kD);
+    std::normal_distribution<float> normal;
+    for (auto& x : q) x = float_to_bf16(normal(rng));
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) {
+      std::vector<float> want(q.size()), got(q.size());
+      plain.decode(batch, l, q.data(), next.k.data(), next.v.data(), want.data());
+      if (step % 2 == 0) {
+        spelled.decode(batch, l, q.data(), next.k.data(), next.v.data(), got.data(), nullptr);
+      } else {
+        spelled.decode(batch, l, q.data(), next.k.data(), next.v.data(), got.data(), {});
+      }
+      REQUIRE(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+    }
+  }
+  // A typed stream does pick the device call, which the host backend refuses.
+  FakeStream* const stream = nullptr;
+  std::vector<float> out(std::size_t{kShape.q_heads} * kD);
+  std::vector<std::uint16_t> q(out.size()), k(kRow), v(kRow);
+  REQUIRE_SPARSEKV_ERROR(spelled.decode(batch, 0, q.data(), k.data(), v.data(), out.data(), stream),
+                         ErrorCode::failed_precondition);
 }
 
 TEST_CASE("Manager: a shape the backend's Attend cannot run is refused before the step changes anything",

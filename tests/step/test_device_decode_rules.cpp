@@ -32,6 +32,10 @@ using namespace sparsekv::test;
 
 namespace {
 
+// The emulated runtime's stream: a typed null, as the legacy default stream
+// is (a bare nullptr would pick the host-tensor call).
+const DeviceStream kStream{static_cast<void*>(nullptr)};
+
 // Small tiers, so the LRU evicts and the GPU tier refuses late arrivals.
 Config device_config() {
   Config c;
@@ -233,7 +237,7 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const R
           const auto v = random_bf16(prompt * kv_row, rng);
           host.prefill(id, l, k.data(), v.data(), prompt);
           const EmulatedArray<std::uint16_t> dk(memory, k), dv(memory, v);
-          device.prefill(id, l, dk.data, dv.data, prompt, nullptr);
+          device.prefill(id, l, dk.data, dv.data, prompt, kStream);
         }
         live.push_back(id);
         left[id] = decode;
@@ -274,9 +278,9 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const R
       }
       try {
         if (plan_only) {
-          device.plan(batch, l, dq.data, dk.data, dv.data, nullptr);
+          device.plan(batch, l, dq.data, dk.data, dv.data, kStream);
         } else {
-          device.decode(batch, l, dq.data, dk.data, dv.data, out.data, nullptr);
+          device.decode(batch, l, dq.data, dk.data, dv.data, out.data, kStream);
         }
       } catch (const Error& e) {
         refused_device = true;
@@ -539,22 +543,22 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   // Prefill: host or null pointers where device ones are required.
   std::vector<RequestId> ids = {1, 2};
   // The first device call makes the runtime (with both requests' tables), then refuses.
-  REQUIRE(refusal([&] { m.prefill(1, 0, host_k.data(), v.data, prompt, nullptr); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.prefill(1, 0, host_k.data(), v.data, prompt, kStream); }) == ErrorCode::invalid_argument);
   REQUIRE(backend.runtime() != nullptr);
   Snapshot before = snapshot(m, backend, ids);
   REQUIRE(before.replica_slots == before.slots);
-  REQUIRE(refusal([&] { m.prefill(1, 0, k.data, host_v.data(), prompt, nullptr); }) == ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.prefill(1, 0, nullptr, v.data, prompt, nullptr); }) == ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.prefill(1, 0, k.data, v.data, 0, nullptr); }) == ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.prefill(9, 0, k.data, v.data, prompt, nullptr); }) == ErrorCode::not_found);
-  REQUIRE(refusal([&] { m.prefill(1, shape.layers, k.data, v.data, prompt, nullptr); }) ==
+  REQUIRE(refusal([&] { m.prefill(1, 0, k.data, host_v.data(), prompt, kStream); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.prefill(1, 0, nullptr, v.data, prompt, kStream); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.prefill(1, 0, k.data, v.data, 0, kStream); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.prefill(9, 0, k.data, v.data, prompt, kStream); }) == ErrorCode::not_found);
+  REQUIRE(refusal([&] { m.prefill(1, shape.layers, k.data, v.data, prompt, kStream); }) ==
           ErrorCode::out_of_range);
   REQUIRE(snapshot(m, backend, ids) == before);
 
-  for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data, v.data, prompt, nullptr);
+  for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data, v.data, prompt, kStream);
   // Request 2 is prefilled in layer 0 only.
-  m.prefill(2, 0, k.data, v.data, prompt, nullptr);
-  REQUIRE(refusal([&] { m.prefill(1, 0, k.data, v.data, prompt, nullptr); }) == ErrorCode::failed_precondition);
+  m.prefill(2, 0, k.data, v.data, prompt, kStream);
+  REQUIRE(refusal([&] { m.prefill(1, 0, k.data, v.data, prompt, kStream); }) == ErrorCode::failed_precondition);
 
   const std::vector<std::uint16_t> host_q = random_bf16(2 * q_row, rng), host_new = random_bf16(2 * kv_row, rng);
   const EmulatedArray<std::uint16_t> q(memory, host_q), kn(memory, host_new), vn(memory, host_new);
@@ -562,37 +566,37 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   std::vector<float> host_out(2 * q_row);
   const std::vector<RequestId> one = {1}, both = {1, 2}, twice = {1, 1}, unknown = {1, 3}, none = {};
   // A step that succeeds first, so the replica and totals hold something.
-  m.decode(one, 0, q.data, kn.data, vn.data, out.data, nullptr);
+  m.decode(one, 0, q.data, kn.data, vn.data, out.data, kStream);
   before = snapshot(m, backend, ids);
   REQUIRE(before.calls > 0);
 
   // Host pointers where device ones are required, and null pointers.
-  REQUIRE(refusal([&] { m.decode(one, 0, host_q.data(), kn.data, vn.data, out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(one, 0, host_q.data(), kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.decode(one, 0, q.data, host_new.data(), vn.data, out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, host_new.data(), vn.data, out.data, kStream); }) ==
           ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, host_new.data(), out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, host_new.data(), out.data, kStream); }) ==
           ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, host_out.data(), nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, host_out.data(), kStream); }) ==
           ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.decode(one, 0, nullptr, kn.data, vn.data, out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(one, 0, nullptr, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, nullptr, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, nullptr, kStream); }) ==
           ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.plan(one, 0, q.data, nullptr, vn.data, nullptr); }) == ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.plan(one, 0, q.data, kn.data, host_new.data(), nullptr); }) ==
+  REQUIRE(refusal([&] { m.plan(one, 0, q.data, nullptr, vn.data, kStream); }) == ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.plan(one, 0, q.data, kn.data, host_new.data(), kStream); }) ==
           ErrorCode::invalid_argument);
   // Batches: empty, a request twice, an unknown request, a layer out of range.
-  REQUIRE(refusal([&] { m.decode(none, 0, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(none, 0, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.decode(twice, 0, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(twice, 0, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.decode(unknown, 0, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(unknown, 0, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::not_found);
-  REQUIRE(refusal([&] { m.decode(one, shape.layers, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(one, shape.layers, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::out_of_range);
   // Decode before prefill (request 2 in layer 1), after request 1's layer 1 is fine.
-  REQUIRE(refusal([&] { m.decode(both, 1, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(both, 1, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::failed_precondition);
   // Mixing the APIs: this Manager serves device tensors.
   REQUIRE(refusal([&] { m.decode(one, 0, host_q.data(), host_new.data(), host_new.data(), host_out.data()); }) ==
@@ -617,13 +621,13 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   bad_new[3] = float_to_bf16(std::numeric_limits<float>::quiet_NaN());
   const EmulatedArray<std::uint16_t> bad(memory, bad_new);
   const std::uint32_t tail = m.buffer().tail_tokens(1, 0);
-  m.decode(one, 0, q.data, bad.data, vn.data, out.data, nullptr);
+  m.decode(one, 0, q.data, bad.data, vn.data, out.data, kStream);
   REQUIRE(m.buffer().tail_tokens(1, 0) == tail + 1);  // the host's bookkeeping ran: the error is the device's
   before = snapshot(m, backend, ids);
-  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, out.data, nullptr); }) ==
+  REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::invalid_argument);
   REQUIRE(snapshot(m, backend, ids) == before);
-  m.decode(one, 0, q.data, kn.data, vn.data, out.data, nullptr);  // reported once
+  m.decode(one, 0, q.data, kn.data, vn.data, out.data, kStream);  // reported once
 }
 
 TEST_CASE("device-tensor API: a backend without device memory is refused, changing nothing",
@@ -640,7 +644,7 @@ TEST_CASE("device-tensor API: a backend without device memory is refused, changi
   const auto unavailable = [&](auto policy) {
     Manager<decltype(policy)> plain(shape, config, policy);
     plain.add_request(1, 100);
-    REQUIRE(refusal([&] { plain.prefill(1, 0, k.data, k.data, 40, nullptr); }) == ErrorCode::unavailable);
+    REQUIRE(refusal([&] { plain.prefill(1, 0, k.data, k.data, 40, kStream); }) == ErrorCode::unavailable);
     REQUIRE(plain.buffer().sequence_length(1, 0) == 0);
     plain.prefill(1, 0, host_k.data(), host_k.data(), 40);
     REQUIRE(plain.buffer().sequence_length(1, 0) == 40);
@@ -677,7 +681,7 @@ TEST_CASE("device-tensor API: a policy with only a host Select takes the slower 
         const auto k = random_bf16(prompt * kv_row, rng), v = random_bf16(prompt * kv_row, rng);
         host.prefill(id, l, k.data(), v.data(), prompt);
         const EmulatedArray<std::uint16_t> dk(memory, k), dv(memory, v);
-        device.prefill(id, l, dk.data, dv.data, prompt, nullptr);
+        device.prefill(id, l, dk.data, dv.data, prompt, kStream);
       }
     }
     for (int step = 0; step < 40; ++step) {
@@ -688,14 +692,14 @@ TEST_CASE("device-tensor API: a policy with only a host Select takes the slower 
         std::vector<float> want(batch.size() * q_row);
         EmulatedArray<float> out(memory, want.size());
         host.decode(batch, l, q.data(), k.data(), v.data(), want.data());
-        device.decode(batch, l, dq.data, dk.data, dv.data, out.data, nullptr);
+        device.decode(batch, l, dq.data, dk.data, dv.data, out.data, kStream);
         REQUIRE(out.download() == want);
         if (step == 0 && l == 0) {
           // plan() needs a device Select; a host pointer is refused; neither changes anything.
           const std::uint32_t length = device.buffer().sequence_length(1, 0);
-          REQUIRE(refusal([&] { device.plan(batch, 0, dq.data, dk.data, dv.data, nullptr); }) ==
+          REQUIRE(refusal([&] { device.plan(batch, 0, dq.data, dk.data, dv.data, kStream); }) ==
                   ErrorCode::invalid_argument);
-          REQUIRE(refusal([&] { device.decode(batch, 0, q.data(), dk.data, dv.data, out.data, nullptr); }) ==
+          REQUIRE(refusal([&] { device.decode(batch, 0, q.data(), dk.data, dv.data, out.data, kStream); }) ==
                   ErrorCode::invalid_argument);
           REQUIRE(device.buffer().sequence_length(1, 0) == length);
         }

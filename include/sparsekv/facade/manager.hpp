@@ -59,6 +59,7 @@
 #include "sparsekv/attention/prompt_attention.hpp"
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/facade/device_stream.hpp"
 #include "sparsekv/facade/host_backend.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/step/backend.hpp"
@@ -483,7 +484,8 @@ class Manager {
 
   // ---- Device tensors (docs/integration.md, "Device tensors") ---------------
   // The same calls with device pointers in the model dtype and the engine's
-  // cudaStream_t: everything is enqueued on `stream`. Needs a backend with
+  // cudaStream_t (a DeviceStream: a bare nullptr or {} picks the host call,
+  // never these): everything is enqueued on `stream`. Needs a backend with
   // device memory and a device runtime (CudaBackend; others throw
   // unavailable before anything changes). A policy with a device Select
   // (policy/device_select.hpp: Quest with one-page partitions, ShadowKV,
@@ -495,9 +497,9 @@ class Manager {
   // plan() is refused there.
 
   void prefill(RequestId request, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
-               void* stream) {
+               DeviceStream stream) {
     if (!device_selects()) {
-      staged_prefill(request, layer, k, v, tokens, stream);
+      staged_prefill(request, layer, k, v, tokens, stream.handle);
       return;
     }
     DeviceStep<Policy>& step = device_step();
@@ -506,29 +508,29 @@ class Manager {
     check_device_pointer("prefill k", k);
     check_device_pointer("prefill v", v);
     LayerStepState<State>& ls = prefill_entry(request, layer, tokens);
-    step.prefill({request, &ls, table_slot(request)}, layer, k, v, tokens, stream);
+    step.prefill({request, &ls, table_slot(request)}, layer, k, v, tokens, stream.handle);
     use_api(Api::device);
   }
 
   // decode() on device tensors: returns once the step is enqueued on `stream`.
   void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
-              const void* v_new, float* out, void* stream) {
+              const void* v_new, float* out, DeviceStream stream) {
     if (!device_selects()) {
-      staged_decode(batch, layer, q, k_new, v_new, out, stream);
+      staged_decode(batch, layer, q, k_new, v_new, out, stream.handle);
       return;
     }
     DeviceStep<Policy>& step = device_step();
     check_device_pointer("decode out", out);
     // The attention kernel's shapes, refused before the step changes the buffer.
     backend_->check_attend(scope_.layout(), shape_.q_heads, shape_.kv_heads);
-    step.decode(device_entries(batch, layer, q, k_new, v_new), layer, q, k_new, v_new, out, stream);
+    step.decode(device_entries(batch, layer, q, k_new, v_new), layer, q, k_new, v_new, out, stream.handle);
   }
 
   // plan() on device tensors: the step up to the plan, which stays in device
   // memory (DeviceAttendPlan) for the engine's kernel on `stream`; valid
   // until the next call on this Manager.
   DeviceAttendPlan plan(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
-                        const void* v_new, void* stream) {
+                        const void* v_new, DeviceStream stream) {
     if (!device_selects()) {
       require_device_tensors();
       fail(ErrorCode::invalid_argument,
@@ -537,7 +539,7 @@ class Manager {
            policy_name(policy_));
     }
     DeviceStep<Policy>& step = device_step();
-    step.decode(device_entries(batch, layer, q, k_new, v_new), layer, q, k_new, v_new, nullptr, stream);
+    step.decode(device_entries(batch, layer, q, k_new, v_new), layer, q, k_new, v_new, nullptr, stream.handle);
     return runtime_->plan();
   }
 
