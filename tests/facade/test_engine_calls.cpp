@@ -254,6 +254,11 @@ TEST_CASE("engine calls: chunks and continuations refused where they cannot be s
   REQUIRE_SPARSEKV_ERROR(m.prefill(1, 0, k.data(), v.data(), 4), ErrorCode::failed_precondition);
   REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, k.data(), v.data(), 21), ErrorCode::invalid_argument);
   REQUIRE(m.staged_tokens(1, 0) == 20);
+  // extend checks before it prefills a staged prompt: a refusal leaves the layer staged.
+  REQUIRE_SPARSEKV_ERROR(m.extend(1, 0, q.data(), bad.data(), v.data(), 10), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(m.extend(1, 0, q.data(), k.data(), v.data(), 21), ErrorCode::resource_exhausted);
+  REQUIRE(m.staged_tokens(1, 0) == 20);
+  REQUIRE_FALSE(m.prefilled(1, 0));
   m.end_prompt(1);
   // Once prefilled, the layer grows by extend(), not by chunks.
   REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, k.data(), v.data(), 1), ErrorCode::failed_precondition);

@@ -365,9 +365,11 @@ class Manager {
   // included (H2O weighs them by their attention). q [tokens][q_heads]
   // [head_dim], k / v [tokens][kv_heads][head_dim], host tensors in the model
   // dtype; `out` ([tokens][q_heads][head_dim] fp32) receives each step's
-  // attention, or null when the engine computes it itself. Checks every token first and throws, changing nothing, what
-  // decode() throws (a layer not prefilled, non-finite values, past
-  // max_tokens); a pool that runs out mid-way throws resource_exhausted
+  // attention, or null when the engine computes it itself. Checks every
+  // token first and throws, changing nothing, what decode() throws (a layer
+  // not prefilled, non-finite values, past max_tokens); only then is a
+  // staged prompt (prefill_chunk) prefilled, as the layer's first decode
+  // step would. A pool that runs out mid-way throws resource_exhausted
   // naming how many tokens went in (those stay: each was a whole step).
   void extend(RequestId request, std::uint32_t layer, const void* q, const void* k, const void* v,
               std::uint32_t tokens, float* out = nullptr) {
@@ -378,10 +380,11 @@ class Manager {
       fail(ErrorCode::invalid_argument, "extend of request {}: q, K and V must be non-null with tokens > 0",
            request);
     }
-    if (s.layers[layer].staged_tokens != 0) prefill_staged(request, layer);
+    // A staged layer is checked as the prompt it will be, and prefilled after the checks.
+    const std::uint32_t staged = s.layers[layer].staged_tokens;
     const RequestId batch[] = {request};
-    check_batch_entry(batch, 0, layer);
-    const std::uint32_t length = buffer_->sequence_length(request, layer);
+    if (staged == 0) check_batch_entry(batch, 0, layer);
+    const std::uint32_t length = staged != 0 ? staged : buffer_->sequence_length(request, layer);
     if (std::uint64_t{length} + tokens > s.max_tokens) {
       fail(ErrorCode::resource_exhausted, "extend of request {} by {} tokens: {} + {} exceeds its max_tokens {}",
            request, tokens, length, tokens, s.max_tokens);
@@ -392,6 +395,7 @@ class Manager {
     }
     scope_.to_finite_float("extend k", request, k, tokens * kvd, keys_, length);
     scope_.to_finite_float("extend v", request, v, tokens * kvd, values_, length);
+    if (staged != 0) prefill_staged(request, layer);
     extend_out_.resize(qd);
     const auto* qb = static_cast<const std::byte*>(q);
     const auto* kb = static_cast<const std::byte*>(k);
