@@ -13,9 +13,10 @@
 namespace sparsekv {
 
 struct DeviceStream {
+  // Implicit: an engine's stream passes as it is.
   template <class Handle>
     requires(!std::is_const_v<Handle>)
-  DeviceStream(Handle* stream) noexcept : handle(stream) {}  // NOLINT(google-explicit-constructor): streams pass as they are
+  DeviceStream(Handle* stream) noexcept : handle(stream) {}
 
   void* handle;
 };
