@@ -84,6 +84,9 @@ Reference reference(const QkvTrace& trace, unsigned threads) {
   return ref;
 }
 
+// part / whole; 1 where there was nothing to keep.
+double share(double part, double whole) { return whole > 0 ? part / whole : 1.0; }
+
 struct Result {
   std::string policy;
   std::uint32_t budget = 0;
@@ -98,13 +101,18 @@ struct Result {
   std::vector<double> step_needle_mass, step_needle_attended;  // [step]
   std::vector<double> head_needle_mass, head_needle_attended;  // [layer][kv head]
 
-  double needle_recall() const { return needle_mass > 0 ? needle_attended / needle_mass : 1.0; }
+  double needle_recall() const { return share(needle_attended, needle_mass); }
 };
 
 // What a [layer][kv head] needle sum is divided by for the mean per q head
 // and measured step.
 double needle_norm(const sparsekv::QkvTraceHeader& h, std::uint32_t from_step) {
   return double(h.decode_steps - from_step) * (h.q_heads / h.kv_heads);
+}
+
+// The dense needle mass per q head, layer and measured step.
+double mean_needle_mass(const Result& r, const sparsekv::QkvTraceHeader& h, std::uint32_t from_step) {
+  return r.needle_mass / (needle_norm(h, from_step) * h.layers * h.kv_heads);
 }
 
 // Prompt tokens [first, end) whose attention is followed (--needle).
@@ -398,7 +406,7 @@ int main(int argc, char** argv) {
         if (!needle.empty()) {
           const auto ratios = [](const std::vector<double>& part, const std::vector<double>& whole) {
             std::vector<std::string> v;
-            for (std::size_t k = 0; k < part.size(); ++k) v.push_back(fmt::format("{:.4f}", whole[k] > 0 ? part[k] / whole[k] : 1.0));
+            for (std::size_t k = 0; k < part.size(); ++k) v.push_back(fmt::format("{:.4f}", share(part[k], whole[k])));
             return v;
           };
           const std::uint32_t kv = trace.header.kv_heads;
@@ -415,7 +423,7 @@ int main(int argc, char** argv) {
           needle_fields = fmt::format(
               ", \"needle_mass\": {:.6f}, \"needle_recall\": {:.6f}, \"needle_recall_by_step\": [{}], "
               "\"needle_mass_by_layer_head\": [{}], \"needle_recall_by_layer_head\": [{}]",
-              r.needle_mass / (needle_norm(trace.header, from_step) * trace.header.layers * trace.header.kv_heads),
+              mean_needle_mass(r, trace.header, from_step),
               r.needle_recall(), fmt::join(steps.begin() + from_step, steps.end(), ", "), fmt::join(mass_layers, ", "),
               fmt::join(recall_layers, ", "));
         }
@@ -452,7 +460,7 @@ int main(int argc, char** argv) {
         out += fmt::format("{:<7} {:<25} {:>10.4f} {:>11.2f}% {:>8.1f} {:>8.1f}", r.budget, r.policy, r.rel_error,
                            100 * r.mass_recall, r.pages_selected, r.tokens_attended);
         out += needle.empty() ? "\n"
-                              : fmt::format(" {:>11.2f}% {:>12.2f}%\n", 100 * r.needle_mass / (needle_norm(h, from_step) * h.layers * h.kv_heads),
+                              : fmt::format(" {:>11.2f}% {:>12.2f}%\n", 100 * mean_needle_mass(r, h, from_step),
                                             100 * r.needle_recall());
       }
       // Per budget: one line per step (or layer), the dense needle mass and each policy's needle recall.
@@ -472,12 +480,11 @@ int main(int argc, char** argv) {
           i = end;
         }
       };
-      const auto ratio = [](double part, double whole) { return whole > 0 ? part / whole : 1.0; };
       if (!needle.empty()) {
         needle_table(
             "step", from_step, h.decode_steps,
             [&](const Result& r, std::uint32_t s) { return r.step_needle_mass[s] / (double(h.layers) * h.q_heads); },
-            [&](const Result& r, std::uint32_t s) { return ratio(r.step_needle_attended[s], r.step_needle_mass[s]); });
+            [&](const Result& r, std::uint32_t s) { return share(r.step_needle_attended[s], r.step_needle_mass[s]); });
       }
       if (!needle.empty() && args.has("--per-layer")) {
         const auto layer_sum = [&](const std::vector<double>& v, std::uint32_t l) {
@@ -488,7 +495,7 @@ int main(int argc, char** argv) {
             "layer", 0, h.layers,
             [&](const Result& r, std::uint32_t l) { return layer_sum(r.head_needle_mass, l) / (needle_norm(h, from_step) * h.kv_heads); },
             [&](const Result& r, std::uint32_t l) {
-              return ratio(layer_sum(r.head_needle_attended, l), layer_sum(r.head_needle_mass, l));
+              return share(layer_sum(r.head_needle_attended, l), layer_sum(r.head_needle_mass, l));
             });
       }
       if (args.has("--per-layer")) {
