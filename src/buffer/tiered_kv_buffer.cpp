@@ -91,7 +91,7 @@ std::uint64_t TieredKVBuffer::reclaimable_slots(const RequestState& s) const {
   return s.slots - min_slots_per_head(s.budget);
 }
 
-std::optional<TieredKVBuffer::Refusal> TieredKVBuffer::refusal(const RequestBudget& budget) const {
+std::optional<Refusal> TieredKVBuffer::refusal(const RequestBudget& budget) const {
   if (budget.mandatory_pages == 0) return Refusal{ErrorCode::invalid_argument, "mandatory_pages must be > 0"};
   if (budget.evicts && !table_.has_slot_masks()) {
     return Refusal{ErrorCode::failed_precondition,

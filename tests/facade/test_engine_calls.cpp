@@ -239,7 +239,7 @@ TEST_CASE("engine calls: chunks and continuations refused where they cannot be s
   // A chunk past max_tokens, a null or non-finite chunk: nothing staged.
   std::vector<float> bad = k;
   bad[3 * kRow + 5] = std::nanf("");
-  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, k.data(), v.data(), 41), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, k.data(), v.data(), 41), ErrorCode::resource_exhausted);
   REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, nullptr, v.data(), 4), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, bad.data(), v.data(), 10), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 2, k.data(), v.data(), 4), ErrorCode::out_of_range);

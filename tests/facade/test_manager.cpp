@@ -451,7 +451,7 @@ TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]
   REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, t.k.data(), t.v.data(), 0), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, nullptr, t.v.data(), 4), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(manager.prefill(2, kShape.layers, t.k.data(), t.v.data(), 4), ErrorCode::out_of_range);
-  REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, t.k.data(), t.v.data(), 101), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, t.k.data(), t.v.data(), 101), ErrorCode::resource_exhausted);
   const std::uint32_t seq = manager.buffer().sequence_length(1, 1);
   // Layer 1 of request 2 is not prefilled: the whole batch is refused, request 1 untouched.
   REQUIRE_SPARSEKV_ERROR(manager.decode(both, 1, q.data(), t.k.data(), t.v.data(), out.data()),

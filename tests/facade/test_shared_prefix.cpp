@@ -236,7 +236,7 @@ TEST_CASE("shared prefix: a fork past what the source holds in order, or of itse
   REQUIRE_SPARSEKV_ERROR(m.fork(1, 1, 4, kMaxTokens), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(m.fork(2, 1, 0, kMaxTokens), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(m.fork(2, 7, 4, kMaxTokens), ErrorCode::not_found);
-  REQUIRE_SPARSEKV_ERROR(m.fork(2, 1, 8, 4), ErrorCode::invalid_argument);  // past its own max_tokens
+  REQUIRE_SPARSEKV_ERROR(m.fork(2, 1, 8, 4), ErrorCode::resource_exhausted);  // past its own max_tokens
   REQUIRE_FALSE(m.has_request(2));
   REQUIRE(m.buffer().cpu_pool().used() == used);
   m.fork(2, 1, 10, kMaxTokens);

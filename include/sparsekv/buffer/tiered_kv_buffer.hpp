@@ -413,12 +413,7 @@ class TieredKVBuffer {
     std::uint32_t run_pages = 0;                            // CPU pages the run holds now
   };
 
-  // Why add_request(budget) would be refused now: the code it throws and the
-  // message, or nothing. can_admit and add_request share it so that they agree.
-  struct Refusal {
-    ErrorCode code;
-    std::string message;
-  };
+  // Why add_request(budget) would be refused now, or nothing: can_admit and add_request share it.
   std::optional<Refusal> refusal(const RequestBudget& budget) const;
   RequestState& state(RequestId request);
   const RequestState& state(RequestId request) const;

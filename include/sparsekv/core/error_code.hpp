@@ -38,4 +38,12 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
+// Why a call would be refused, found before it changes anything: the code it
+// would throw and the message. An advice call (can_admit, can_fork) and the
+// call it advises on share one, so that the two agree.
+struct Refusal {
+  ErrorCode code;
+  std::string message;
+};
+
 }  // namespace sparsekv

@@ -1,7 +1,7 @@
 #pragma once
 // What the step keeps per (request, layer) besides the buffer's tables: the
 // policy's state and the decode tokens it has not seen as a page yet. The
-// Manager owns one per layer of each request (its registry); a step reads and
+// RequestRegistry (request_registry.hpp) holds one per layer of each request; a step reads and
 // commits the ones of its batch.
 #include <cstddef>
 #include <cstdint>

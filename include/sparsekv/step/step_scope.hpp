@@ -50,6 +50,14 @@ struct StepScope {
     const float factor = config->attention_scale * std::sqrt(static_cast<float>(shape->head_dim));
     for (float& x : q) x *= factor;
   }
+  // K/V rows an engine hands over or reads back: the model dtype or the storage dtype.
+  void check_rows_dtype(std::string_view call, std::optional<DType> rows) const {
+    const DType stored = config->storage_dtype(*shape);
+    if (rows && *rows != shape->dtype && *rows != stored) {
+      fail(ErrorCode::invalid_argument, "{}: rows in {}; expected the model's {} or the stored {}", call,
+           to_string(*rows), to_string(shape->dtype), to_string(stored));
+    }
+  }
   std::size_t kv_row() const { return std::size_t{shape->kv_heads} * shape->head_dim; }   // one token's K or V
   std::size_t q_row() const { return std::size_t{shape->q_heads} * shape->head_dim; }     // one token's q
 
