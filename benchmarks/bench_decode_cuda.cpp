@@ -134,8 +134,8 @@ Sizing sizing(std::uint32_t batch, std::uint32_t context, const ModelShape& shap
   z.host_bytes = double(c.cpu_tier_bytes) + prompt + 2 * (32 << 20) + kGiB;
   // GPU tier, the prompt uploaded once, the summaries (fp32 vectors per page)
   // and a margin for the runtime's fixed arrays and the runtime.
-  z.sparse_bytes = double(c.gpu_tier_bytes) + prompt + rows * double(head_pages) * shape.head_dim * 4 * summary_vectors +
-                   2 * kGiB;
+  z.sparse_bytes =
+      double(c.gpu_tier_bytes) + prompt + rows * double(head_pages) * shape.head_dim * 4 * summary_vectors + 2 * kGiB;
   z.dense_bytes = rows * std::ceil(double(context) / c.page_tokens) * page + kGiB;
   return z;
 }
@@ -311,8 +311,8 @@ void decode_step(benchmark::State& state, const Policy& policy, std::uint32_t su
   const auto batch = static_cast<std::uint32_t>(state.range(0));
   const auto context = static_cast<std::uint32_t>(state.range(1));
   const ModelShape shape = llama_layer();
-  const LayerContext ctx{0, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim, kPageTokens,
-                         context + kDecodeRoom};
+  const LayerContext ctx{0,           shape.layers,         shape.q_heads, shape.kv_heads, shape.head_dim,
+                         kPageTokens, context + kDecodeRoom};
   const Sizing z = sizing(batch, context, shape, policy.mandatory_pages(ctx), summary_vectors);
   std::size_t device_free = 0, device_total = 0;
   check(cudaMemGetInfo(&device_free, &device_total), "cudaMemGetInfo");

@@ -273,7 +273,7 @@ struct Buffers {
   float* lse = nullptr;
   cudaStream_t attention_stream = nullptr, gather_stream = nullptr;  // default priority
   cudaStream_t attention_high = nullptr, gather_low = nullptr;       // highest and lowest priority
-  Events events;                        // start, and stop: the attention's end
+  Events events;                                                     // start, and stop: the attention's end
   cudaEvent_t gather_stop = nullptr;
   double pad_copy_ms = 0;
   bool batch_copies = false;  // cudaMemcpyBatchAsync works with this toolkit and driver
@@ -343,8 +343,8 @@ Attention& attention(const Buffers& b, std::uint32_t batch) {
   if (!made) return a;
   // The pool holds at least two sets of the largest batch.
   static_assert(kAttentionPoolBytes >= 2 * std::size_t{kMaxBatch} * kKvHeads * kRowPages * kPageBytes);
-  a.work = make_scattered_attention(batch, kQHeads, kKvHeads, kLayout, kRowPages, b.attention_pool,
-                                    kAttentionPoolBytes, kRotationBytes, batch);
+  a.work = make_scattered_attention(batch, kQHeads, kKvHeads, kLayout, kRowPages, b.attention_pool, kAttentionPoolBytes,
+                                    kRotationBytes, batch);
   a.work.args.q = b.q;
   a.work.args.out = b.out;
   a.work.args.lse = b.lse;

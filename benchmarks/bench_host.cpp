@@ -166,9 +166,7 @@ struct Shape {
 };
 constexpr Shape kShapes[] = {{"llama", 32, 8, 128}, {"smollm", 9, 3, 64}};
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // Mean seconds of fn() over at least kMeasureSeconds and 5 calls, after one untimed call.
 template <class Fn>
@@ -213,8 +211,8 @@ std::byte* page_pool() {
       const auto half = [](std::uint32_t r) {
         return float_to_bf16(static_cast<float>(r & 0xffffff) * (2.0f / 0x1000000) - 1.0f);
       };
-      words[i] = (std::uint32_t{half(static_cast<std::uint32_t>(x >> 40))} << 16) |
-                 half(static_cast<std::uint32_t>(x >> 16));
+      words[i] =
+          (std::uint32_t{half(static_cast<std::uint32_t>(x >> 40))} << 16) | half(static_cast<std::uint32_t>(x >> 16));
     }
     return p;
   }();
@@ -322,9 +320,7 @@ struct AttendWork {
   SplitPlanAttention attention;
   std::size_t next = 0;
 
-  std::size_t step_bytes() const {
-    return std::size_t{batch} * shape.kv_heads * key.budget * layout.row_bytes() * 2;
-  }
+  std::size_t step_bytes() const { return std::size_t{batch} * shape.kv_heads * key.budget * layout.row_bytes() * 2; }
   AttendCall call(const AttendPlan& plan) {
     AttendCall c;
     c.plan = &plan;
@@ -449,7 +445,9 @@ struct GgmlRunner {
 class GgmlAttention {
  public:
   GgmlAttention(const AttendWork& w)
-      : shape_(w.shape), budget_(w.key.budget), batch_(w.batch),
+      : shape_(w.shape),
+        budget_(w.key.budget),
+        batch_(w.batch),
         type_(w.layout.dtype == DType::q8_0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16) {
     const std::size_t kv_bytes =
         std::size_t{batch_} * shape_.kv_heads * budget_ * ggml_row_size(type_, shape_.head_dim);
@@ -459,8 +457,8 @@ class GgmlAttention {
     ggml_init_params params{};
     // K, V and two outputs (one a layout) a set, q, the tensors' headers and padding, the graphs.
     params.mem_size = sets_ * (2 * kv_bytes + 2 * w.q.size() * sizeof(float)) + w.q.size() * sizeof(float) +
-                      tensors * (ggml_tensor_overhead() + 64) + 2 * sets_ * ggml_graph_overhead_custom(graph_nodes, false) +
-                      kMiB;
+                      tensors * (ggml_tensor_overhead() + 64) +
+                      2 * sets_ * ggml_graph_overhead_custom(graph_nodes, false) + kMiB;
     params.mem_buffer = nullptr;
     params.no_alloc = false;
     ctx_ = ggml_init(params);
@@ -512,9 +510,12 @@ class GgmlAttention {
       // One node per request: ggml's split-KV decode path.
       ggml_cgraph* per_request = ggml_new_graph_custom(ctx_, graph_nodes, false);
       for (std::uint32_t b = 0; b < batch_; ++b) {
-        ggml_tensor* qb = ggml_view_4d(ctx_, q_, d, 1, shape_.q_heads, 1, q_->nb[1], q_->nb[2], q_->nb[3], b * q_->nb[3]);
-        ggml_tensor* kb = ggml_view_4d(ctx_, k, d, budget_, shape_.kv_heads, 1, k->nb[1], k->nb[2], k->nb[3], b * k->nb[3]);
-        ggml_tensor* vb = ggml_view_4d(ctx_, v, d, budget_, shape_.kv_heads, 1, v->nb[1], v->nb[2], v->nb[3], b * v->nb[3]);
+        ggml_tensor* qb =
+            ggml_view_4d(ctx_, q_, d, 1, shape_.q_heads, 1, q_->nb[1], q_->nb[2], q_->nb[3], b * q_->nb[3]);
+        ggml_tensor* kb =
+            ggml_view_4d(ctx_, k, d, budget_, shape_.kv_heads, 1, k->nb[1], k->nb[2], k->nb[3], b * k->nb[3]);
+        ggml_tensor* vb =
+            ggml_view_4d(ctx_, v, d, budget_, shape_.kv_heads, 1, v->nb[1], v->nb[2], v->nb[3], b * v->nb[3]);
         ggml_tensor* ob = ggml_flash_attn_ext(ctx_, qb, kb, vb, nullptr, scale, 0.0f, 0.0f);
         ggml_build_forward_expand(per_request, ob);
         if (s == 0) per_request_out_.push_back(ob);
@@ -793,7 +794,8 @@ void BM_Select(benchmark::State& state, SelectCase select, unsigned threads) {
     const auto start = Clock::now();
     pool(threads).parallel_for(threads, [&](std::size_t i) {
       const auto [first, end] = slice(shape.kv_heads, i, threads);
-      for (std::size_t h = first; h < end; ++h) policy.select_head(ctx, query, st, static_cast<std::uint32_t>(h), chosen[h]);
+      for (std::size_t h = first; h < end; ++h)
+        policy.select_head(ctx, query, st, static_cast<std::uint32_t>(h), chosen[h]);
     });
     const double s = seconds_since(start);
     state.SetIterationTime(s);
@@ -1014,8 +1016,8 @@ class PromptWork {
     const std::size_t token = std::size_t(s.kv_heads) * d * 2, head = std::size_t(d) * 2;
     ggml_tensor* kv_k = ggml_view_4d(ctx_, k, d, n_kv, s.kv_heads, 1, token, head, token * n_kv, 0);
     ggml_tensor* kv_v = ggml_view_4d(ctx_, v, d, n_kv, s.kv_heads, 1, token, head, token * n_kv, 0);
-    ggml_tensor* o = ggml_flash_attn_ext(ctx_, ggml_permute(ctx_, q, 0, 2, 1, 3), kv_k, kv_v, mask, shape.scale, 0.0f,
-                                         0.0f);
+    ggml_tensor* o =
+        ggml_flash_attn_ext(ctx_, ggml_permute(ctx_, q, 0, 2, 1, 3), kv_k, kv_v, mask, shape.scale, 0.0f, 0.0f);
     o->data = ggml_out_.data();
     graph_ = ggml_new_graph(ctx_);
     ggml_build_forward_expand(graph_, o);
@@ -1091,8 +1093,8 @@ void register_all() {
       for (const auto& [dtype, dname] : dtypes) {
         for (const std::uint32_t page : {8u, 16u}) {
           for (const unsigned threads : {1u, 2u}) {
-            const std::string name = std::string("Attend/") + kShapes[s].name + "/" + dname + "/budget:" +
-                                     std::to_string(budget) + "/page:" + std::to_string(page) +
+            const std::string name = std::string("Attend/") + kShapes[s].name + "/" + dname +
+                                     "/budget:" + std::to_string(budget) + "/page:" + std::to_string(page) +
                                      "/threads:" + std::to_string(threads);
             benchmark::RegisterBenchmark(name.c_str(), BM_Attend, AttendKey{s, budget, dtype, page}, threads)
                 ->UseManualTime()
@@ -1115,8 +1117,8 @@ void register_all() {
   for (int s = 0; s < 2; ++s) {
     for (const std::uint32_t context : {kPromptRows, 2048u, 8192u}) {
       for (const unsigned threads : {1u, 2u}) {
-        const std::string name = std::string("PromptAttention/") + kShapes[s].name + "/f16/context:" +
-                                 std::to_string(context) + "/threads:" + std::to_string(threads);
+        const std::string name = std::string("PromptAttention/") + kShapes[s].name +
+                                 "/f16/context:" + std::to_string(context) + "/threads:" + std::to_string(threads);
         benchmark::RegisterBenchmark(name.c_str(), BM_PromptAttention, s, context, threads)
             ->UseManualTime()
             ->Unit(benchmark::kMillisecond)
@@ -1141,10 +1143,10 @@ void register_all() {
   for (const std::uint32_t context : {4096u, 4142u}) {
     for (const unsigned threads : {1u, 2u}) {
       const SelectCase select{1, context, 8, 512, DType::f16};
-      benchmark::RegisterBenchmark(("Select/shadowkv/smollm/context:" + std::to_string(context) +
-                                    "/page:8/threads:" + std::to_string(threads))
-                                       .c_str(),
-                                   BM_Select<ShadowKVPolicy>, select, threads)
+      benchmark::RegisterBenchmark(
+          ("Select/shadowkv/smollm/context:" + std::to_string(context) + "/page:8/threads:" + std::to_string(threads))
+              .c_str(),
+          BM_Select<ShadowKVPolicy>, select, threads)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond)
           ->MinTime(0.2);
@@ -1165,8 +1167,9 @@ int main(int argc, char** argv) {
   register_all();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::AddCustomContext("ggml", SPARSEKV_BENCH_GGML ? "llama-cpp-python 0.3.36 (vendor/llama.cpp/ggml), CPU backend"
-                                                          : "absent (no llama.cpp source at build time)");
+  benchmark::AddCustomContext("ggml", SPARSEKV_BENCH_GGML
+                                          ? "llama-cpp-python 0.3.36 (vendor/llama.cpp/ggml), CPU backend"
+                                          : "absent (no llama.cpp source at build time)");
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

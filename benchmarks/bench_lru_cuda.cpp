@@ -204,9 +204,8 @@ void BM_LruStep(benchmark::State& state) {
     check(cudaMemcpyAsync(s.lookup.meta.segments, s.meta_pristine, s.meta_bytes, cudaMemcpyDeviceToDevice, nullptr),
           "restore");
     t.pad();
-    const float ms = elapsed_ms(t.events, nullptr, [&] {
-      cuda::bucketed_lru_step(s.gpu_pages, s.lookup, s.batch, s.out, kBuckets, nullptr);
-    });
+    const float ms = elapsed_ms(
+        t.events, nullptr, [&] { cuda::bucketed_lru_step(s.gpu_pages, s.lookup, s.batch, s.out, kBuckets, nullptr); });
     state.SetIterationTime(ms * 1e-3);
     total_ms += ms;
   }

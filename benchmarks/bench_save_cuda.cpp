@@ -63,10 +63,10 @@ using sparsekv::PageId;
 using sparsekv::RowTarget;
 
 constexpr std::size_t kPoolBytes = std::size_t{256} << 20;
-constexpr std::size_t kRowBytes = 128 * 2;     // one (token, kv head) row: head_dim 128, fp16
+constexpr std::size_t kRowBytes = 128 * 2;      // one (token, kv head) row: head_dim 128, fp16
 constexpr std::uint32_t kDecodePages = 32 * 8;  // requests x kv heads
 constexpr std::size_t kPrefillBytes = std::size_t{8192} * 8 * 2 * kRowBytes;  // tokens x kv heads x (K, V)
-constexpr std::size_t kMaxSourceBytes = std::max(kPrefillBytes, kDecodePages * (std::size_t{32} << 10));
+constexpr std::size_t kMaxSourceBytes = std::max(kPrefillBytes, kDecodePages*(std::size_t{32} << 10));
 
 // Buffers shared by every run, allocated on first use.
 struct Buffers {
@@ -156,8 +156,8 @@ void verify(const char* contender, const Case& c, Save&& save) {
     const std::byte* expected = c.bytes.data() + i * page_bytes;
     const std::byte* wrong = std::mismatch(page, page + page_bytes, expected).first;
     if (wrong != page + page_bytes) {
-      std::fprintf(stderr, "%s saved wrong bytes: page %zu of %zu (pool page %u, %zu KB pages), byte %zu\n",
-                   contender, i, c.dst.size(), c.dst[i], page_bytes >> 10, static_cast<std::size_t>(wrong - page));
+      std::fprintf(stderr, "%s saved wrong bytes: page %zu of %zu (pool page %u, %zu KB pages), byte %zu\n", contender,
+                   i, c.dst.size(), c.dst[i], page_bytes >> 10, static_cast<std::size_t>(wrong - page));
       std::exit(1);
     }
   }

@@ -61,9 +61,8 @@ namespace sparsekv::bench {
 // select_peer_sort.cu: cub::DeviceSegmentedRadixSort::SortPairsDescending
 // over segments [offsets[i], offsets[i + 1]); temp == nullptr sizes temp_bytes.
 cudaError_t segmented_sort_descending(void* temp, std::size_t& temp_bytes, const float* keys_in, float* keys_out,
-                                      const std::uint32_t* values_in, std::uint32_t* values_out,
-                                      std::int64_t items, std::int64_t segments, const std::uint32_t* offsets,
-                                      cudaStream_t stream);
+                                      const std::uint32_t* values_in, std::uint32_t* values_out, std::int64_t items,
+                                      std::int64_t segments, const std::uint32_t* offsets, cudaStream_t stream);
 }  // namespace sparsekv::bench
 
 namespace {
@@ -75,9 +74,9 @@ constexpr std::uint32_t kKvHeads = 8;
 constexpr std::uint32_t kGroup = 4;
 constexpr std::uint32_t kHeadDim = 128;
 constexpr std::uint32_t kBudget = 2048;
-constexpr std::uint32_t kPageTokens = 8;         // ShadowKV's page, RetroInfer's recent pages
-constexpr std::uint32_t kQuestPartition = 16;    // Quest's partition
-constexpr std::uint32_t kRetroRecent = 12;       // recent partitions per RetroInfer row
+constexpr std::uint32_t kPageTokens = 8;       // ShadowKV's page, RetroInfer's recent pages
+constexpr std::uint32_t kQuestPartition = 16;  // Quest's partition
+constexpr std::uint32_t kRetroRecent = 12;     // recent partitions per RetroInfer row
 constexpr std::uint32_t kRetroWindow = 64;
 constexpr int kPeerReps = 20;
 
@@ -198,8 +197,8 @@ struct Setup {
   }
   void peer_sort() const {
     std::size_t temp_bytes = peer_temp_bytes;
-    check(segmented_sort_descending(peer_temp.data, temp_bytes, peer_keys.data, peer_keys_out.data,
-                                    peer_values.data, peer_values_out.data, static_cast<std::int64_t>(candidates),
+    check(segmented_sort_descending(peer_temp.data, temp_bytes, peer_keys.data, peer_keys_out.data, peer_values.data,
+                                    peer_values_out.data, static_cast<std::int64_t>(candidates),
                                     static_cast<std::int64_t>(rows), offsets.data, nullptr),
           "SortPairsDescending");
   }
@@ -481,8 +480,12 @@ std::unique_ptr<Setup> make_setup(Kind kind, std::uint32_t rows, std::uint32_t n
       s->sinks = Buffer<PartitionId>(s->h_sinks);
       s->sink_tokens = Buffer<std::uint32_t>(s->h_sink_tokens);
       s->recent = Buffer<std::uint32_t>(s->h_recent);
-      s->retro = {s->a.data,     s->sinks.data, s->sink_tokens.data,
-                  s->recent.data, kBudget,       kRetroWindow,
+      s->retro = {s->a.data,
+                  s->sinks.data,
+                  s->sink_tokens.data,
+                  s->recent.data,
+                  kBudget,
+                  kRetroWindow,
                   s->retro_options.retrieval_fraction};
       s->capacity = cuda::retroinfer_select_capacity(sr, s->retro);
       summaries = cand * kHeadDim * 4 + double(rows) * 12;
@@ -559,8 +562,7 @@ Setup& setup(Kind kind, std::uint32_t rows, std::uint32_t n) {
 
 void run(benchmark::State& state, Kind kind) {
   DeviceCopyTiming& t = device_copy_timing();
-  const Setup& s =
-      setup(kind, static_cast<std::uint32_t>(state.range(0)), static_cast<std::uint32_t>(state.range(1)));
+  const Setup& s = setup(kind, static_cast<std::uint32_t>(state.range(0)), static_cast<std::uint32_t>(state.range(1)));
   double total_ms = 0;
   for (auto _ : state) {
     t.pad();

@@ -113,9 +113,8 @@ inline const PcieReference& pcie_reference() {
       check(cudaMemcpyAsync(dst, src, kBytes, kind, stream), "warm-up");
       float best_ms = 0;
       for (int r = 0; r < kReps; ++r) {
-        const float ms = elapsed_ms(events, stream, [&] {
-          check(cudaMemcpyAsync(dst, src, kBytes, kind, stream), "cudaMemcpyAsync");
-        });
+        const float ms = elapsed_ms(events, stream,
+                                    [&] { check(cudaMemcpyAsync(dst, src, kBytes, kind, stream), "cudaMemcpyAsync"); });
         if (r == 0 || ms < best_ms) best_ms = ms;
       }
       return double(kBytes) / (double(best_ms) * 1e-3) / 1e9;

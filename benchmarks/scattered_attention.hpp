@@ -20,7 +20,7 @@ namespace sparsekv::bench {
 struct ScatteredAttention {
   cuda::DecodeAttentionShape shape;
   cuda::DecodeAttentionSplit split;
-  cuda::DecodeAttentionArgs args;  // everything but q, out, lse and indices
+  cuda::DecodeAttentionArgs args;     // everything but q, out, lse and indices
   std::int64_t* page_sets = nullptr;  // set_count sets of set_pages page ids, back to back
   std::size_t set_pages = 0, set_count = 0, next_set = 0;
 
@@ -42,9 +42,9 @@ struct ScatteredAttention {
 // one: the caller checks that one launch's pages fit), pages shuffled by
 // `seed`; the workspace planned for the current device.
 inline ScatteredAttention make_scattered_attention(std::uint32_t batch, std::uint32_t q_heads, std::uint32_t kv_heads,
-                                                   const PageLayout& layout, std::uint32_t row_pages,
-                                                   std::byte* pool, std::size_t pool_bytes,
-                                                   std::size_t rotation_bytes, std::uint32_t seed) {
+                                                   const PageLayout& layout, std::uint32_t row_pages, std::byte* pool,
+                                                   std::size_t pool_bytes, std::size_t rotation_bytes,
+                                                   std::uint32_t seed) {
   ScatteredAttention a;
   const std::uint32_t rows = batch * kv_heads;
   a.shape = {batch, q_heads, kv_heads, layout, row_pages, 0};
@@ -52,8 +52,8 @@ inline ScatteredAttention make_scattered_attention(std::uint32_t batch, std::uin
   a.set_pages = std::size_t{rows} * row_pages;
   const std::size_t pool_pages = pool_bytes / layout.page_bytes();
   const std::size_t set_bytes = a.set_pages * layout.page_bytes();
-  a.set_count = std::max<std::size_t>(
-      1, std::min((rotation_bytes + set_bytes - 1) / set_bytes, pool_pages / a.set_pages));
+  a.set_count =
+      std::max<std::size_t>(1, std::min((rotation_bytes + set_bytes - 1) / set_bytes, pool_pages / a.set_pages));
   std::vector<std::int64_t> pages(pool_pages);
   std::iota(pages.begin(), pages.end(), 0);
   std::shuffle(pages.begin(), pages.end(), std::mt19937(seed));

@@ -13,11 +13,10 @@ namespace sparsekv::bench {
 
 // temp == nullptr: sets temp_bytes to the storage needed, sorts nothing.
 cudaError_t segmented_sort_descending(void* temp, std::size_t& temp_bytes, const float* keys_in, float* keys_out,
-                                      const std::uint32_t* values_in, std::uint32_t* values_out,
-                                      std::int64_t items, std::int64_t segments, const std::uint32_t* offsets,
-                                      cudaStream_t stream) {
-  return cub::DeviceSegmentedRadixSort::SortPairsDescending(temp, temp_bytes, keys_in, keys_out, values_in,
-                                                            values_out, items, segments, offsets, offsets + 1, 0,
+                                      const std::uint32_t* values_in, std::uint32_t* values_out, std::int64_t items,
+                                      std::int64_t segments, const std::uint32_t* offsets, cudaStream_t stream) {
+  return cub::DeviceSegmentedRadixSort::SortPairsDescending(temp, temp_bytes, keys_in, keys_out, values_in, values_out,
+                                                            items, segments, offsets, offsets + 1, 0,
                                                             int(sizeof(float) * 8), stream);
 }
 

@@ -17,7 +17,9 @@ class LearnedGatePolicy {
     std::uint32_t budget_tokens = 256;
     std::shared_ptr<const std::vector<float>> weights;  // W: [layer][kv head][d][d]
   };
-  struct LayerState { std::vector<std::vector<float>> pooled; };  // [kv head][block * d + i]
+  struct LayerState {
+    std::vector<std::vector<float>> pooled;
+  };  // [kv head][block * d + i]
   static constexpr std::string_view kName = "learned_gate";
   static constexpr RopeStage kRope = RopeStage::pre_rope;  // SeerAttention-R gates before RoPE
   explicit LearnedGatePolicy(Options o) : o_(std::move(o)) {}
@@ -48,6 +50,7 @@ class LearnedGatePolicy {
   std::uint32_t mandatory_pages(const LayerContext& c) const {
     return std::max(1u, std::min(o_.budget_tokens / c.page_tokens, (c.tokens + c.page_tokens - 1) / c.page_tokens + 1));
   }
+
  private:
   static void pool(const KvView& kv, std::uint32_t first, std::uint32_t n, LayerState& s) {
     for (std::uint32_t h = 0; h < kv.kv_heads; ++h) {

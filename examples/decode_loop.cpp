@@ -47,7 +47,8 @@ void usage() {
       "                   [--layers 4] [--q-heads 32] [--kv-heads 8] [--head-dim 128] [--seed 1]\n"
       "                   [--page-tokens N]   (default: 16 for quest -- the paper's Quest page, one KV page\n"
       "                                        per Quest page -- else 8)\n"
-      "                   [--backend host|in-place|cuda]   (default: cuda -- device tensors on a stream -- when built with\n"
+      "                   [--backend host|in-place|cuda]   (default: cuda -- device tensors on a stream -- when built "
+      "with\n"
       "                                            it, a GPU is present and the policy has a device Select)\n"
       "                   [--threads 1]   host tensors: the threads each step's Select and Attend run on\n"
       "  --policy takes a comma-separated list (quest,shadowkv): one run per policy.\n"
@@ -222,20 +223,25 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   if (r.json) {
     fmt::print(
         "{{\"backend\": \"{}\", \"api\": \"{}\", \"policy\": \"{}\", \"context\": {}, \"batch\": {}, \"budget\": {}, "
-        "\"page_tokens\": {}, \"steps\": {}, \"threads\": {}, \"tokens_per_s\": {:.3f}, \"hit_ratio\": {:.4f}, \"pages_moved\": {}, "
-        "\"bytes_moved\": {}, \"append_s\": {:.4f}, \"select_s\": {:.4f}, \"retrieve_s\": {:.4f}, \"attend_s\": {:.4f}, "
-        "\"step_median_s\": {:.6f}, \"step_worst_s\": {:.6f}, \"prefill_s\": {:.3f}, \"cpu_tier_reserved_bytes\": {}}}\n",
-        backend, api, policy_name, r.context, r.batch, r.budget, config.page_tokens, r.steps, pool.threads(), tokens_per_s,
-        st.hit_ratio(), pages_moved, bytes_moved, st.append_s, st.select_s, st.retrieve_s, st.attend_s, median_s, worst_s, prefill_s,
-        manager.cpu_tier_reserved_bytes());
+        "\"page_tokens\": {}, \"steps\": {}, \"threads\": {}, \"tokens_per_s\": {:.3f}, \"hit_ratio\": {:.4f}, "
+        "\"pages_moved\": {}, "
+        "\"bytes_moved\": {}, \"append_s\": {:.4f}, \"select_s\": {:.4f}, \"retrieve_s\": {:.4f}, \"attend_s\": "
+        "{:.4f}, "
+        "\"step_median_s\": {:.6f}, \"step_worst_s\": {:.6f}, \"prefill_s\": {:.3f}, \"cpu_tier_reserved_bytes\": "
+        "{}}}\n",
+        backend, api, policy_name, r.context, r.batch, r.budget, config.page_tokens, r.steps, pool.threads(),
+        tokens_per_s, st.hit_ratio(), pages_moved, bytes_moved, st.append_s, st.select_s, st.retrieve_s, st.attend_s,
+        median_s, worst_s, prefill_s, manager.cpu_tier_reserved_bytes());
     return true;
   }
-  fmt::print("decode_loop: {} x {}-token context, policy {} (budget {} tokens, {}-token pages), {} steps, {} layers, "
-             "{} backend, {} tensors, {} thread(s)\n",
-             r.batch, r.context, policy_name, r.budget, config.page_tokens, r.steps, shape.layers, backend, api,
-             pool.threads());
+  fmt::print(
+      "decode_loop: {} x {}-token context, policy {} (budget {} tokens, {}-token pages), {} steps, {} layers, "
+      "{} backend, {} tensors, {} thread(s)\n",
+      r.batch, r.context, policy_name, r.budget, config.page_tokens, r.steps, shape.layers, backend, api,
+      pool.threads());
   fmt::print("  tokens/s        {:.2f}\n", tokens_per_s);
-  fmt::print("  step time       median {:.2f} ms, worst {:.2f} ms (step {})\n", 1e3 * median_s, 1e3 * worst_s, worst_step);
+  fmt::print("  step time       median {:.2f} ms, worst {:.2f} ms (step {})\n", 1e3 * median_s, 1e3 * worst_s,
+             worst_step);
   if (manager.buffer().attend_site() == sparsekv::AttendSite::cpu_tier) {
     fmt::print("  in place        the selected CPU pages attended where they are: no GPU tier, nothing moved\n");
   } else {
@@ -250,11 +256,12 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   } else {
     fmt::print(
         "  time per (request, layer) step: append {:.1f} us, select {:.1f} us, retrieve {:.1f} us, attend {:.1f} us\n",
-        1e6 * st.append_s / st.decode_steps, 1e6 * st.select_s / st.decode_steps,
-        1e6 * st.retrieve_s / st.decode_steps, 1e6 * st.attend_s / st.decode_steps);
+        1e6 * st.append_s / st.decode_steps, 1e6 * st.select_s / st.decode_steps, 1e6 * st.retrieve_s / st.decode_steps,
+        1e6 * st.attend_s / st.decode_steps);
   }
-  fmt::print("  prefill {:.2f} s with the synthetic K/V (index {:.2f} s, offload {:.2f} s); CPU tier reserved {:.1f} MiB\n",
-             prefill_s, st.index_s, st.offload_s, manager.cpu_tier_reserved_bytes() / double(1 << 20));
+  fmt::print(
+      "  prefill {:.2f} s with the synthetic K/V (index {:.2f} s, offload {:.2f} s); CPU tier reserved {:.1f} MiB\n",
+      prefill_s, st.index_s, st.offload_s, manager.cpu_tier_reserved_bytes() / double(1 << 20));
   return true;
 }
 
@@ -276,9 +283,10 @@ int main(int argc, char** argv) {
     r.batch = args.number<std::uint32_t>("--batch", 4);
     r.steps = args.number<std::uint32_t>("--steps", 64);
     r.budget = args.number<std::uint32_t>("--budget", 2048);
-    r.shape = sparsekv::ModelShape{args.number<std::uint32_t>("--layers", 4), args.number<std::uint32_t>("--q-heads", 32),
-                                   args.number<std::uint32_t>("--kv-heads", 8),
-                                   args.number<std::uint32_t>("--head-dim", 128), sparsekv::DType::bf16};
+    r.shape =
+        sparsekv::ModelShape{args.number<std::uint32_t>("--layers", 4), args.number<std::uint32_t>("--q-heads", 32),
+                             args.number<std::uint32_t>("--kv-heads", 8), args.number<std::uint32_t>("--head-dim", 128),
+                             sparsekv::DType::bf16};
     r.shape.validate();
     r.seed = args.number<std::uint64_t>("--seed", 1);
     r.backend = args.text("--backend", "");
@@ -289,7 +297,8 @@ int main(int argc, char** argv) {
     }
     bool ok = true;
     for (const std::string& name : args.list("--policy", "shadowkv")) {
-      r.page_tokens = args.number<std::uint32_t>("--page-tokens", name == "quest" ? 16 : sparsekv::Config{}.page_tokens);
+      r.page_tokens =
+          args.number<std::uint32_t>("--page-tokens", name == "quest" ? 16 : sparsekv::Config{}.page_tokens);
       ok = run_policy(r, name) && ok;
     }
     return ok ? 0 : 1;

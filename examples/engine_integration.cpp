@@ -35,7 +35,7 @@
 namespace {
 
 constexpr sparsekv::ModelShape kModel{4, 16, 4, 64, sparsekv::DType::bf16};  // layers, q heads, kv heads, head dim
-constexpr std::uint32_t kBudget = 512;                                        // tokens per kv head per step
+constexpr std::uint32_t kBudget = 512;                                       // tokens per kv head per step
 const std::size_t kQWidth = std::size_t{kModel.q_heads} * kModel.head_dim;
 const std::size_t kKvWidth = std::size_t{kModel.kv_heads} * kModel.head_dim;
 
@@ -149,7 +149,8 @@ bool device_loop(sparsekv::RuntimeManager& kv, const sparsekv::Config& config, s
   // Prefill holds one layer's K/V on the device at a time (layer-segmented
   // prefill, SparseServe §3.4): the model writes layer l's K/V, sparsekv
   // takes it (prefill returns done with it), layer l + 1 reuses the buffers.
-  DeviceArray<std::uint16_t> layer_k(config.max_context_tokens * kKvWidth), layer_v(config.max_context_tokens * kKvWidth);
+  DeviceArray<std::uint16_t> layer_k(config.max_context_tokens * kKvWidth),
+      layer_v(config.max_context_tokens * kKvWidth);
   // Decode: this layer's projections and attention's output, for the largest batch.
   DeviceArray<std::uint16_t> q(max_batch * kQWidth), k_new(max_batch * kKvWidth), v_new(max_batch * kKvWidth);
   DeviceArray<float> attn(max_batch * kQWidth);
@@ -213,10 +214,10 @@ bool device_loop(sparsekv::RuntimeManager& kv, const sparsekv::Config& config, s
         own.batch = static_cast<std::uint32_t>(batch.size());
         sparsekv::cuda::DecodeAttentionArgs a;
         a.q = q32.data();
-        a.page_base = plan.gpu_tier_base;          // page p at + p * page_bytes: K block, then V block
+        a.page_base = plan.gpu_tier_base;  // page p at + p * page_bytes: K block, then V block
         a.page_stride = plan.page_bytes;
-        a.row_entries = plan.head_entries;         // row b * kv_heads + h: its entries (runs)
-        a.indptr = plan.indptr;                    // FlashInfer's paged_kv_t CSR
+        a.row_entries = plan.head_entries;  // row b * kv_heads + h: its entries (runs)
+        a.indptr = plan.indptr;             // FlashInfer's paged_kv_t CSR
         a.indices = plan.indices;
         a.last_page_len = plan.last_page_len;
         a.scale = 1.0f / std::sqrt(static_cast<float>(kModel.head_dim));

@@ -44,7 +44,8 @@ void usage() {
   std::fputs(
       "usage: smollm-demo [--model PATH] [--text FILE] [--prompt-tokens 4096] [--new-tokens 32]\n"
       "                   [--policy shadowkv] [--budget 512] [--backend in-place] [--kv-type f16]\n"
-      "  --model PATH         default: ${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
+      "  --model PATH         default: "
+      "${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
       "  --text FILE          the document to read (default /usr/share/common-licenses/GPL-3)\n"
       "  --prompt-tokens N    tokens of the document kept (its start); a question is appended\n"
       "  --new-tokens N       tokens to generate (greedy; stops early at end of turn)\n"
@@ -64,7 +65,8 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 int main(int argc, char** argv) {
   try {
     const auto args = sparsekv::tools::parse_command_line<sparsekv::model::UserError>(
-        argc, argv, std::set<std::string>{"--model", "--text", "--prompt-tokens", "--new-tokens", "--policy", "--budget",
+        argc, argv,
+        std::set<std::string>{"--model", "--text", "--prompt-tokens", "--new-tokens", "--policy", "--budget",
                               "--backend", "--kv-type"},
         std::set<std::string>{"--help"});
     if (args.has("--help")) {
@@ -126,13 +128,14 @@ int main(int argc, char** argv) {
     prompt.insert(prompt.end(), question.begin(), question.end());
     const auto T = static_cast<std::uint32_t>(prompt.size());
     if (c.context != 0 && T + new_tokens > c.context) {
-      throw sparsekv::model::UserError(fmt::format("{} prompt + {} new tokens exceed the model's {}-token context", T, new_tokens, c.context));
+      throw sparsekv::model::UserError(
+          fmt::format("{} prompt + {} new tokens exceed the model's {}-token context", T, new_tokens, c.context));
     }
     const std::int32_t im_end = tokenizer.token_id("<|im_end|>"), eot = tokenizer.token_id("<|endoftext|>");
     const auto stops = [&](std::int32_t t) { return t == tokenizer.eos() || t == im_end || t == eot; };
 
-    fmt::print("{}: SmolLM2-135M-Instruct ({} layers, {} q / {} kv heads, head dim {}), fp32 on {} CPU threads\n", kProgram,
-               c.layers, c.q_heads, c.kv_heads, c.head_dim, model.threads());
+    fmt::print("{}: SmolLM2-135M-Instruct ({} layers, {} q / {} kv heads, head dim {}), fp32 on {} CPU threads\n",
+               kProgram, c.layers, c.q_heads, c.kv_heads, c.head_dim, model.threads());
     fmt::print("  model {} loaded in {:.1f} s\n", model_path, load_s);
     fmt::print("  prompt {} tokens: the first {} of {}'s {} tokens, a question, the chat template\n", T, doc.size(),
                text_path, doc_total);
@@ -141,10 +144,8 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
 
     const std::uint32_t max_tokens = T + new_tokens + 1;
-    auto manager =
-        in_place ? make_manager(c, policy, max_tokens, 1, {},
-                                std::make_unique<sparsekv::InPlaceBackend>())
-                 : make_manager(c, policy, max_tokens);
+    auto manager = in_place ? make_manager(c, policy, max_tokens, 1, {}, std::make_unique<sparsekv::InPlaceBackend>())
+                            : make_manager(c, policy, max_tokens);
     const sparsekv::RequestId request = 1;
     manager->add_request(request, max_tokens);
     SparseSession sparse(*manager, request);
@@ -190,9 +191,11 @@ int main(int argc, char** argv) {
     fmt::print("\n--- generated ({} tokens) ---\n{}\n-----------------------------\n", generated.size(),
                tokenizer.decode(shown));
     const sparsekv::StepStats& st = manager->stats();
-    fmt::print("  prefill    {} tokens in {:.2f} s: {:.1f} tokens/s (dense causal attention; of which sparsekv index {:.2f} s, "
-               "offload {:.2f} s)\n",
-               T, prefill_s, T / prefill_s, st.index_s, st.offload_s);
+    fmt::print(
+        "  prefill    {} tokens in {:.2f} s: {:.1f} tokens/s (dense causal attention; of which sparsekv index {:.2f} "
+        "s, "
+        "offload {:.2f} s)\n",
+        T, prefill_s, T / prefill_s, st.index_s, st.offload_s);
     if (decode_steps > 0) {
       fmt::print("  decode     {} tokens in {:.2f} s: {:.1f} tokens/s through sparsekv {}\n", decode_steps, decode_s,
                  decode_steps / decode_s, policy_name);
@@ -209,9 +212,11 @@ int main(int argc, char** argv) {
       }
       fmt::print("  agreement with Dense: {}/{} decode steps ({:.1f}%) pick the same greedy next token\n", agree,
                  decode_steps, 100.0 * agree / decode_steps);
-      fmt::print("  sparsekv time per (layer, step): append {:.1f} us, select {:.1f} us, retrieve {:.1f} us, attend {:.1f} us\n",
-                 1e6 * st.append_s / st.decode_steps, 1e6 * st.select_s / st.decode_steps,
-                 1e6 * st.retrieve_s / st.decode_steps, 1e6 * st.attend_s / st.decode_steps);
+      fmt::print(
+          "  sparsekv time per (layer, step): append {:.1f} us, select {:.1f} us, retrieve {:.1f} us, attend {:.1f} "
+          "us\n",
+          1e6 * st.append_s / st.decode_steps, 1e6 * st.select_s / st.decode_steps,
+          1e6 * st.retrieve_s / st.decode_steps, 1e6 * st.attend_s / st.decode_steps);
     } else {
       fmt::print("  the model ended its answer at once: no decode step ran\n");
     }

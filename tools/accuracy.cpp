@@ -90,10 +90,10 @@ double share(double part, double whole) { return whole > 0 ? part / whole : 1.0;
 struct Result {
   std::string policy;
   std::uint32_t budget = 0;
-  double rel_error = 0;        // mean over (step, layer, q head)
-  double mass_recall = 0;      // mean over (step, layer, q head)
-  double pages_selected = 0;   // mean over (step, layer, kv head), the decode tail excluded
-  double tokens_attended = 0;  // mean over (step, layer, kv head), the decode tail included
+  double rel_error = 0;             // mean over (step, layer, q head)
+  double mass_recall = 0;           // mean over (step, layer, q head)
+  double pages_selected = 0;        // mean over (step, layer, kv head), the decode tail excluded
+  double tokens_attended = 0;       // mean over (step, layer, kv head), the decode tail included
   std::vector<double> head_recall;  // [layer][kv head]: mass recall, mean over (step, the group's q heads)
   // --needle: dense softmax mass on the needle's tokens, and the part of it
   // on the tokens the policy attended; sums over q heads.
@@ -201,8 +201,10 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
         r.tokens_attended += tokens;
       };
       for (std::uint32_t kv = 0; kv < h.kv_heads; ++kv) {
-        got.for_each_page(kv, page_tokens, [&](sparsekv::PageId page, std::uint32_t tokens) { add_page(kv, page, tokens); });
-        r.pages_selected += got.pages.partition_offsets[got.head_offsets[kv + 1]] - got.pages.partition_offsets[got.head_offsets[kv]];
+        got.for_each_page(kv, page_tokens,
+                          [&](sparsekv::PageId page, std::uint32_t tokens) { add_page(kv, page, tokens); });
+        r.pages_selected +=
+            got.pages.partition_offsets[got.head_offsets[kv + 1]] - got.pages.partition_offsets[got.head_offsets[kv]];
       }
       for (std::uint32_t qh = 0; qh < h.q_heads; ++qh) {
         const double m = std::min(mass[qh], 1.0);  // rounding can pass 1 by an ulp
@@ -262,10 +264,10 @@ sparsekv::SyntheticQkvOptions synthetic_options(const sparsekv::tools::CommandLi
 int main(int argc, char** argv) {
   try {
     const std::set<std::string> knobs = {
-        "--seed",         "--layers",        "--q-heads",      "--kv-heads",      "--head-dim",    "--prompt",
-        "--steps",        "--topics",        "--segment-tokens", "--segment-topics", "--run-tokens", "--key-noise",
-        "--topic-logit",  "--topic-dwell",   "--blend-steps",  "--query-noise",   "--head-noise",  "--heavy-hitters",
-        "--heavy-logit",  "--sink-tokens",   "--sink-logit",   "--recency-logit", "--recency-tokens", "--value-topic"};
+        "--seed",        "--layers",      "--q-heads",        "--kv-heads",       "--head-dim",       "--prompt",
+        "--steps",       "--topics",      "--segment-tokens", "--segment-topics", "--run-tokens",     "--key-noise",
+        "--topic-logit", "--topic-dwell", "--blend-steps",    "--query-noise",    "--head-noise",     "--heavy-hitters",
+        "--heavy-logit", "--sink-tokens", "--sink-logit",     "--recency-logit",  "--recency-tokens", "--value-topic"};
     std::set<std::string> flags = knobs;
     flags.insert({"--trace", "--write-trace", "--budgets", "--policies", "--page-tokens", "--threads", "--first-steps",
                   "--from-step", "--needle"});
@@ -333,8 +335,9 @@ int main(int argc, char** argv) {
       const bool parsed = ec1 == std::errc{} && colon != last && *colon == ':' &&
                           std::from_chars(colon + 1, last, ends[1]).ptr == last && colon + 1 != last;
       if (!parsed || ends[0] >= ends[1] || ends[1] > trace.header.prompt_tokens) {
-        throw std::invalid_argument(fmt::format("--needle {}: want FIRST:END with FIRST < END <= {} (the prompt's tokens)",
-                                                spec, trace.header.prompt_tokens));
+        throw std::invalid_argument(
+            fmt::format("--needle {}: want FIRST:END with FIRST < END <= {} (the prompt's tokens)", spec,
+                        trace.header.prompt_tokens));
       }
       needle = {ends[0], ends[1]};
     }
@@ -347,8 +350,10 @@ int main(int argc, char** argv) {
     };
     std::vector<Job> jobs;
     for (const auto& p : policies) {
-      if (p == "dense") jobs.push_back({p, 0});
-      else for (std::uint32_t b : budgets) jobs.push_back({p, b});
+      if (p == "dense")
+        jobs.push_back({p, 0});
+      else
+        for (std::uint32_t b : budgets) jobs.push_back({p, b});
     }
     const Reference ref = reference(trace, threads);
     std::vector<Result> done(jobs.size());
@@ -416,15 +421,17 @@ int main(int argc, char** argv) {
           for (std::uint32_t l = 0; l < trace.header.layers; ++l) {
             const auto first = r.head_needle_mass.begin() + std::ptrdiff_t{l} * kv;
             std::vector<std::string> m;
-            for (auto it = first; it != first + kv; ++it) m.push_back(fmt::format("{:.4f}", *it / needle_norm(trace.header, from_step)));
+            for (auto it = first; it != first + kv; ++it)
+              m.push_back(fmt::format("{:.4f}", *it / needle_norm(trace.header, from_step)));
             mass_layers.push_back(fmt::format("[{}]", fmt::join(m, ", ")));
-            recall_layers.push_back(fmt::format("[{}]", fmt::join(heads.begin() + std::ptrdiff_t{l} * kv, heads.begin() + std::ptrdiff_t{l + 1} * kv, ", ")));
+            recall_layers.push_back(fmt::format("[{}]", fmt::join(heads.begin() + std::ptrdiff_t{l} * kv,
+                                                                  heads.begin() + std::ptrdiff_t{l + 1} * kv, ", ")));
           }
           needle_fields = fmt::format(
               ", \"needle_mass\": {:.6f}, \"needle_recall\": {:.6f}, \"needle_recall_by_step\": [{}], "
               "\"needle_mass_by_layer_head\": [{}], \"needle_recall_by_layer_head\": [{}]",
-              mean_needle_mass(r, trace.header, from_step),
-              r.needle_recall(), fmt::join(steps.begin() + from_step, steps.end(), ", "), fmt::join(mass_layers, ", "),
+              mean_needle_mass(r, trace.header, from_step), r.needle_recall(),
+              fmt::join(steps.begin() + from_step, steps.end(), ", "), fmt::join(mass_layers, ", "),
               fmt::join(recall_layers, ", "));
         }
         out += fmt::format(
@@ -452,8 +459,8 @@ int main(int argc, char** argv) {
       }
       for (std::size_t i = 0; i < rows.size(); ++i) {
         if (i == 0 || rows[i].budget != rows[i - 1].budget) {
-          out += fmt::format("\n{:<7} {:<25} {:>10} {:>12} {:>8} {:>8}", "budget", "policy", "rel error",
-                             "mass recall", "pages", "tokens");
+          out += fmt::format("\n{:<7} {:<25} {:>10} {:>12} {:>8} {:>8}", "budget", "policy", "rel error", "mass recall",
+                             "pages", "tokens");
           out += needle.empty() ? "\n" : fmt::format(" {:>12} {:>13}\n", "needle mass", "needle recall");
         }
         const Result& r = rows[i];
@@ -469,7 +476,8 @@ int main(int argc, char** argv) {
         for (std::size_t i = 0; i < rows.size();) {
           std::size_t end = i;
           while (end < rows.size() && rows[end].budget == rows[i].budget) ++end;
-          out += fmt::format("\nneedle recall by {}, budget {}\n{:<6} {:>12}", what, rows[i].budget, what, "needle mass");
+          out +=
+              fmt::format("\nneedle recall by {}, budget {}\n{:<6} {:>12}", what, rows[i].budget, what, "needle mass");
           for (std::size_t j = i; j < end; ++j) out += fmt::format(" {:>12.12}", rows[j].policy);
           out += "\n";
           for (std::uint32_t k = from; k < count; ++k) {
@@ -493,7 +501,9 @@ int main(int argc, char** argv) {
         };
         needle_table(
             "layer", 0, h.layers,
-            [&](const Result& r, std::uint32_t l) { return layer_sum(r.head_needle_mass, l) / (needle_norm(h, from_step) * h.kv_heads); },
+            [&](const Result& r, std::uint32_t l) {
+              return layer_sum(r.head_needle_mass, l) / (needle_norm(h, from_step) * h.kv_heads);
+            },
             [&](const Result& r, std::uint32_t l) {
               return share(layer_sum(r.head_needle_attended, l), layer_sum(r.head_needle_mass, l));
             });

@@ -45,12 +45,13 @@ struct BackendChoice {
 // built); empty when every layer has a device Select.
 inline std::string device_select_refusal(const AnyPolicy& policy, const ModelShape& shape, const Config& config) {
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
-    const LayerContext ctx{l, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim, config.page_tokens,
-                           config.max_context_tokens};
+    const LayerContext ctx{
+        l, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim, config.page_tokens, config.max_context_tokens};
     if (!selects_on_device(device_select(policy, ctx))) {
-      return fmt::format("policy {} has no device Select at {}-token pages (layer {}; policy/device_select.hpp: "
-                         "Quest with one-page partitions, ShadowKV, StreamingWindow, Dense, RetroInfer; not the oracle)",
-                         policy.name(), config.page_tokens, l);
+      return fmt::format(
+          "policy {} has no device Select at {}-token pages (layer {}; policy/device_select.hpp: "
+          "Quest with one-page partitions, ShadowKV, StreamingWindow, Dense, RetroInfer; not the oracle)",
+          policy.name(), config.page_tokens, l);
     }
   }
   return {};
@@ -80,7 +81,8 @@ inline BackendChoice choose_backend(std::string_view name, const AnyPolicy& poli
     choice.device_tensors = true;
     return choice;
 #else
-    fail(ErrorCode::unavailable, "--backend cuda: this build has no CUDA backend (nvcc was not found at configure time)");
+    fail(ErrorCode::unavailable,
+         "--backend cuda: this build has no CUDA backend (nvcc was not found at configure time)");
 #endif
   }
 #if SPARSEKV_EXAMPLE_CUDA

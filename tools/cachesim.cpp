@@ -151,8 +151,8 @@ std::string overlap_report(const SelectionTrace& trace, const std::string& sourc
     const double all = sparsekv::selection_overlap(trace, w);
     const double only = sparsekv::selection_overlap(trace, w, true);
     if (json) {
-      out += fmt::format("  {{\"window\": {}, \"union_overlap\": {:.6f}, \"distance_overlap\": {:.6f}}}{}\n", w,
-                         all, only, w < last ? "," : "");
+      out += fmt::format("  {{\"window\": {}, \"union_overlap\": {:.6f}, \"distance_overlap\": {:.6f}}}{}\n", w, all,
+                         only, w < last ? "," : "");
     } else {
       out += fmt::format("{:>6} {:>13.1f}% {:>16.1f}%\n", w, 100 * all, 100 * only);
     }
@@ -165,9 +165,9 @@ std::string overlap_report(const SelectionTrace& trace, const std::string& sourc
 
 int main(int argc, char** argv) {
   try {
-    const std::set<std::string> knobs = {"--seed",   "--layers", "--kv-heads",      "--steps", "--partitions",
-                                         "--selected", "--max-pages", "--reuse", "--window", "--recency-decay",
-                                         "--zipf",   "--drift"};
+    const std::set<std::string> knobs = {"--seed",       "--layers",        "--kv-heads",  "--steps",
+                                         "--partitions", "--selected",      "--max-pages", "--reuse",
+                                         "--window",     "--recency-decay", "--zipf",      "--drift"};
     std::set<std::string> flags = knobs;
     flags.insert({"--trace", "--write-trace", "--buckets"});
     const sparsekv::tools::CommandLine args(argc, argv, flags, {"--synthetic", "--json", "--overlap", "--help"});
@@ -245,8 +245,8 @@ int main(int argc, char** argv) {
           "buffer = ratio x the head's mandatory pages; hit ratio by pages; pages moved = CPU->GPU pages of misses, "
           "all heads; ns/step = replacement time per (layer, head) step ({} timestamp buckets)\n\n",
           buckets);
-      out += fmt::format("{:<7} {:<13} {:>10} {:>12} {:>9}\n", "buffer", "policy", "hit ratio", "pages moved",
-                         "ns/step");
+      out +=
+          fmt::format("{:<7} {:<13} {:>10} {:>12} {:>9}\n", "buffer", "policy", "hit ratio", "pages moved", "ns/step");
       for (const Result& r : results) {
         out += fmt::format("{:<7} {:<13} {:>9.2f}% {:>12} {:>9.1f}\n", fmt::format("{}x", r.ratio), r.policy,
                            100 * r.stats.hit_ratio(), r.stats.miss_pages, r.ns_per_step);

@@ -65,7 +65,8 @@ class DeviceArray {
   std::vector<T> download(std::size_t n, cudaStream_t stream) const {
     if (n > size_) fail(ErrorCode::invalid_argument, "download of {} elements from a device array of {}", n, size_);
     std::vector<T> out(n);
-    check_cuda(cudaMemcpyAsync(out.data(), data_, n * sizeof(T), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync D2H");
+    check_cuda(cudaMemcpyAsync(out.data(), data_, n * sizeof(T), cudaMemcpyDeviceToHost, stream),
+               "cudaMemcpyAsync D2H");
     check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     return out;
   }

@@ -68,7 +68,8 @@ void usage() {
       "                           [--policies LIST] [--budgets 256,512,1024] [--strategies slot_reuse]\n"
       "                           [--rows-per-group N] [--page-tokens 8] [--special] [--show-steps] [--json]\n"
       "                           [--dump DIR [--dump-policy shadowkv] [--dump-budget 512] [--dump-layers all|LIST]]\n"
-      "  --model PATH       default: ${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
+      "  --model PATH       default: "
+      "${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
       "  --text FILE        default: /usr/share/common-licenses/GPL-3 (needs prefill + tokens + 1 tokens)\n"
       "  --prefill N        tokens prefilled densely (the context the policies select from)\n"
       "  --tokens N         tokens teacher-forced through decode and scored\n"
@@ -97,8 +98,12 @@ class RecordingSession final : public SparseSession {
  public:
   RecordingSession(sparsekv::RuntimeManager& manager, sparsekv::RequestId id, const LlamaConfig& config,
                    std::vector<int> trace_layer, sparsekv::QkvTraceWriter& writer)
-      : SparseSession(manager, id), config_(config), trace_layer_(std::move(trace_layer)), writer_(writer),
-        steps_(config.layers, 0), ids_(std::size_t{config.layers} * config.kv_heads) {
+      : SparseSession(manager, id),
+        config_(config),
+        trace_layer_(std::move(trace_layer)),
+        writer_(writer),
+        steps_(config.layers, 0),
+        ids_(std::size_t{config.layers} * config.kv_heads) {
     trace_.layers = config.layers;
     trace_.kv_heads = config.kv_heads;
     trace_.partition_pages.resize(trace_.heads());
@@ -115,11 +120,13 @@ class RecordingSession final : public SparseSession {
   void decode(std::uint32_t layer, const float* q, const float* k, const float* v, float* out) override {
     SparseSession::decode(layer, q, k, v, out);
     if (const int tl = trace_layer_[layer]; tl >= 0) {
-      const std::size_t qn = std::size_t{config_.q_heads} * config_.head_dim, kn = std::size_t{config_.kv_heads} * config_.head_dim;
+      const std::size_t qn = std::size_t{config_.q_heads} * config_.head_dim,
+                        kn = std::size_t{config_.kv_heads} * config_.head_dim;
       writer_.decode(static_cast<std::uint32_t>(tl), std::span(q, qn), std::span(k, kn), std::span(v, kn));
     }
     const std::size_t step = steps_[layer]++;
-    if (trace_.selections.size() <= step) trace_.selections.resize(step + 1, std::vector<std::vector<sparsekv::PartitionId>>(trace_.heads()));
+    if (trace_.selections.size() <= step)
+      trace_.selections.resize(step + 1, std::vector<std::vector<sparsekv::PartitionId>>(trace_.heads()));
     const sparsekv::Retrieval& r = manager().retrieval(0);
     for (std::uint32_t h = 0; h < config_.kv_heads; ++h) {
       const std::size_t head = std::size_t{layer} * config_.kv_heads + h;
@@ -171,7 +178,8 @@ class PromptRecorder final : public AttentionBackend {
   }
   // Hands layer `layer`'s prompt K/V to `to`, as the model's prefill did.
   void replay(std::uint32_t layer, AttentionBackend& to) const {
-    to.prefill(layer, keys_[layer].data(), values_[layer].data(), static_cast<std::uint32_t>(keys_[layer].size() / row_));
+    to.prefill(layer, keys_[layer].data(), values_[layer].data(),
+               static_cast<std::uint32_t>(keys_[layer].size() / row_));
   }
 
  private:
@@ -183,8 +191,8 @@ class PromptRecorder final : public AttentionBackend {
 // the report needs is kept here.
 struct Row {
   std::string policy;
-  std::uint32_t budget = 0;  // 0: the dense policy (everything)
-  bool record = false;       // the --dump run
+  std::uint32_t budget = 0;                            // 0: the dense policy (everything)
+  bool record = false;                                 // the --dump run
   std::optional<sparsekv::EvictionStrategy> strategy;  // a policy that evicts tokens
   double log_likelihood = 0;
   std::size_t agree = 0;
@@ -238,8 +246,8 @@ int main(int argc, char** argv) {
   try {
     const auto args = sparsekv::tools::parse_command_line<sparsekv::model::UserError>(
         argc, argv,
-        std::set<std::string>{"--model", "--text", "--prefill", "--tokens", "--policies", "--budgets", "--strategies", "--dump",
-                              "--dump-policy", "--dump-budget", "--dump-layers", "--rows-per-group",
+        std::set<std::string>{"--model", "--text", "--prefill", "--tokens", "--policies", "--budgets", "--strategies",
+                              "--dump", "--dump-policy", "--dump-budget", "--dump-layers", "--rows-per-group",
                               "--page-tokens"},
         std::set<std::string>{"--json", "--help", "--special", "--show-steps"});
     if (args.has("--help")) {
@@ -249,7 +257,8 @@ int main(int argc, char** argv) {
     const auto prefill = args.number<std::uint32_t>("--prefill", 2048);
     const auto tokens = args.number<std::uint32_t>("--tokens", 256);
     const auto dump_budget = args.number<std::uint32_t>("--dump-budget", 512);
-    if (prefill == 0 || tokens == 0 || dump_budget == 0) throw sparsekv::model::UserError("--prefill, --tokens and --dump-budget must be > 0");
+    if (prefill == 0 || tokens == 0 || dump_budget == 0)
+      throw sparsekv::model::UserError("--prefill, --tokens and --dump-budget must be > 0");
     sparsekv::Config base;
     base.page_tokens = args.number<std::uint32_t>("--page-tokens", base.page_tokens);
     if (base.page_tokens == 0 || (base.page_tokens & (base.page_tokens - 1)) != 0) {
@@ -262,7 +271,8 @@ int main(int argc, char** argv) {
     const std::vector<std::string> policies =
         args.has("--policies") ? args.list("--policies", "") : sparsekv::policy_names();
     for (const std::string& p : policies) {
-      for (std::uint32_t b : budgets) sparsekv::make_policy(p, b);  // a bad name or budget fails here, before the model loads
+      for (std::uint32_t b : budgets)
+        sparsekv::make_policy(p, b);  // a bad name or budget fails here, before the model loads
     }
     std::vector<sparsekv::EvictionStrategy> strategies;
     for (const std::string& s : args.list("--strategies", "slot_reuse")) {
@@ -292,11 +302,12 @@ int main(int argc, char** argv) {
 
     std::vector<std::int32_t> ids = tokenizer.encode(text, /*parse_special=*/args.has("--special"));
     if (ids.size() < std::size_t{prefill} + tokens + 1) {
-      throw sparsekv::model::UserError(fmt::format("'{}' has {} tokens; --prefill {} --tokens {} need {}", text_path, ids.size(), prefill,
-                                  tokens, std::size_t{prefill} + tokens + 1));
+      throw sparsekv::model::UserError(fmt::format("'{}' has {} tokens; --prefill {} --tokens {} need {}", text_path,
+                                                   ids.size(), prefill, tokens, std::size_t{prefill} + tokens + 1));
     }
     if (c.context != 0 && prefill + tokens > c.context) {
-      throw sparsekv::model::UserError(fmt::format("--prefill + --tokens exceed the model's {}-token context", c.context));
+      throw sparsekv::model::UserError(
+          fmt::format("--prefill + --tokens exceed the model's {}-token context", c.context));
     }
     const std::uint32_t max_tokens = prefill + tokens + 1;
 
@@ -312,7 +323,8 @@ int main(int argc, char** argv) {
         dump_layers = args.number_list("--dump-layers", spec);
       }
       for (std::size_t i = 0; i < dump_layers.size(); ++i) {
-        if (dump_layers[i] >= c.layers) throw sparsekv::model::UserError(fmt::format("--dump-layers: layer {} >= {}", dump_layers[i], c.layers));
+        if (dump_layers[i] >= c.layers)
+          throw sparsekv::model::UserError(fmt::format("--dump-layers: layer {} >= {}", dump_layers[i], c.layers));
         trace_layer[dump_layers[i]] = static_cast<int>(i);
       }
       sparsekv::QkvTraceHeader header;
@@ -322,9 +334,9 @@ int main(int argc, char** argv) {
       header.head_dim = c.head_dim;
       header.prompt_tokens = prefill;
       header.decode_steps = tokens;
-      header.model = fmt::format("SmolLM2-135M-Instruct Q4_1 (fp32 forward), text {}, run {} budget {}, model layers {}",
-                                 std::filesystem::path(text_path).filename().string(), dump_policy, dump_budget,
-                                 fmt::join(dump_layers, ","));
+      header.model = fmt::format(
+          "SmolLM2-135M-Instruct Q4_1 (fp32 forward), text {}, run {} budget {}, model layers {}",
+          std::filesystem::path(text_path).filename().string(), dump_policy, dump_budget, fmt::join(dump_layers, ","));
       std::filesystem::create_directories(dump_dir);
       writer = std::make_unique<sparsekv::QkvTraceWriter>(std::filesystem::path(dump_dir) / "qkv", header);
     }
@@ -377,8 +389,9 @@ int main(int argc, char** argv) {
     if (!json) {
       fmt::print("{}: SmolLM2-135M-Instruct loaded in {:.1f} s ({} threads); {}: {} tokens\n", kProgram, load_s,
                  model.threads(), text_path, ids.size());
-      fmt::print("  prefill {} tokens, then {} tokens teacher-forced through decode; Dense, then {} runs in {} groups\n",
-                 prefill, tokens, R, groups.size());
+      fmt::print(
+          "  prefill {} tokens, then {} tokens teacher-forced through decode; Dense, then {} runs in {} groups\n",
+          prefill, tokens, R, groups.size());
       std::fflush(stdout);
     }
     // The model's forward over the prompt, once: Dense keeps its K/V, the
@@ -420,9 +433,9 @@ int main(int argc, char** argv) {
         const Row& row = rows[r];
         sparsekv::Config row_base = base;
         row_base.eviction_strategy = row.strategy.value_or(sparsekv::EvictionStrategy::slot_reuse);
-        auto& manager = managers.emplace_back(make_manager(
-            c, sparsekv::make_policy(row.policy, row.policy == "dense" ? budgets.front() : row.budget), max_tokens, 1,
-            row_base));
+        auto& manager = managers.emplace_back(
+            make_manager(c, sparsekv::make_policy(row.policy, row.policy == "dense" ? budgets.front() : row.budget),
+                         max_tokens, 1, row_base));
         manager->add_request(1, max_tokens);
         if (row.record) {
           auto session = std::make_unique<RecordingSession>(*manager, 1, c, trace_layer, *writer);
@@ -491,31 +504,36 @@ int main(int argc, char** argv) {
     const double rss_mb = max_rss_mb();
     const double dense_ppl = std::exp(-dense_log_likelihood / tokens);
     if (json) {
-      fmt::print("{{\"model\": \"SmolLM2-135M-Instruct.Q4_1\", \"text\": \"{}\", \"prefill_tokens\": {}, \"eval_tokens\": {}, "
-                 "\"dense_perplexity\": {:.6f}, \"rows_per_group\": {}, \"groups\": {}, \"max_rss_mb\": {:.0f}, "
-                 "\"load_s\": {:.3f}, \"prefill_s\": {:.3f}, \"dense_decode_s\": {:.3f}, \"replay_s\": {:.3f}, "
-                 "\"decode_s\": {:.3f}, \"total_s\": {:.3f}, \"results\": [",
-                 std::filesystem::path(text_path).filename().string(), prefill, tokens, dense_ppl,
-                 by_policy ? std::string("\"policy\"") : fmt::format("{}", rows_per_group), groups.size(), rss_mb, load_s,
-                 prefill_s, dense_decode_s, replay_s, decode_s, total_s);
+      fmt::print(
+          "{{\"model\": \"SmolLM2-135M-Instruct.Q4_1\", \"text\": \"{}\", \"prefill_tokens\": {}, \"eval_tokens\": {}, "
+          "\"dense_perplexity\": {:.6f}, \"rows_per_group\": {}, \"groups\": {}, \"max_rss_mb\": {:.0f}, "
+          "\"load_s\": {:.3f}, \"prefill_s\": {:.3f}, \"dense_decode_s\": {:.3f}, \"replay_s\": {:.3f}, "
+          "\"decode_s\": {:.3f}, \"total_s\": {:.3f}, \"results\": [",
+          std::filesystem::path(text_path).filename().string(), prefill, tokens, dense_ppl,
+          by_policy ? std::string("\"policy\"") : fmt::format("{}", rows_per_group), groups.size(), rss_mb, load_s,
+          prefill_s, dense_decode_s, replay_s, decode_s, total_s);
       for (std::size_t r = 0; r < R; ++r) {
         const Row& row = rows[r];
         const double ppl = std::exp(-row.log_likelihood / tokens);
         const auto& st = row.stats;
-        fmt::print("{}{{\"policy\": \"{}\", \"budget_tokens\": {}, \"perplexity\": {:.6f}, \"perplexity_delta\": {:.6f}, "
-                   "\"top1_agreement\": {:.6f}, \"hit_ratio\": {:.6f}, \"pages_moved\": {}",
-                   r > 0 ? ", " : "", row.policy, row.budget, ppl, ppl - dense_ppl, double(row.agree) / tokens,
-                   st.hit_ratio(), st.pages_moved);
+        fmt::print(
+            "{}{{\"policy\": \"{}\", \"budget_tokens\": {}, \"perplexity\": {:.6f}, \"perplexity_delta\": {:.6f}, "
+            "\"top1_agreement\": {:.6f}, \"hit_ratio\": {:.6f}, \"pages_moved\": {}",
+            r > 0 ? ", " : "", row.policy, row.budget, ppl, ppl - dense_ppl, double(row.agree) / tokens, st.hit_ratio(),
+            st.pages_moved);
         if (row.strategy) {
           const std::vector<double> u = utilisation(row, base.page_tokens);
-          fmt::print(", \"strategy\": \"{}\", \"utilisation_mean\": {:.6f}, \"fragmentation_p99\": {:.6f}, "
-                     "\"pages_held_mean\": {:.1f}, \"pages_held_max\": {}, \"pages_freed\": {}, \"pages_copied\": {}, "
-                     "\"slots_copied\": {}, \"pages_held\": [{}], \"live_slots\": [{}]",
-                     sparsekv::to_string(*row.strategy), mean(u), fragmentation_p99(u),
-                     row.pages_held.empty() ? 0.0 : std::accumulate(row.pages_held.begin(), row.pages_held.end(), 0.0) / row.pages_held.size(),
-                     row.pages_held.empty() ? 0 : *std::max_element(row.pages_held.begin(), row.pages_held.end()),
-                     row.buffer.pages_freed, row.buffer.pages_copied, row.buffer.slots_copied,
-                     fmt::join(row.pages_held, ","), fmt::join(row.live_slots, ","));
+          fmt::print(
+              ", \"strategy\": \"{}\", \"utilisation_mean\": {:.6f}, \"fragmentation_p99\": {:.6f}, "
+              "\"pages_held_mean\": {:.1f}, \"pages_held_max\": {}, \"pages_freed\": {}, \"pages_copied\": {}, "
+              "\"slots_copied\": {}, \"pages_held\": [{}], \"live_slots\": [{}]",
+              sparsekv::to_string(*row.strategy), mean(u), fragmentation_p99(u),
+              row.pages_held.empty()
+                  ? 0.0
+                  : std::accumulate(row.pages_held.begin(), row.pages_held.end(), 0.0) / row.pages_held.size(),
+              row.pages_held.empty() ? 0 : *std::max_element(row.pages_held.begin(), row.pages_held.end()),
+              row.buffer.pages_freed, row.buffer.pages_copied, row.buffer.slots_copied, fmt::join(row.pages_held, ","),
+              fmt::join(row.live_slots, ","));
         }
         fmt::print("}}");
       }
@@ -531,7 +549,8 @@ int main(int argc, char** argv) {
         const Row& row = rows[r];
         const double ppl = std::exp(-row.log_likelihood / tokens);
         const auto& st = row.stats;
-        const std::string name = row.strategy ? fmt::format("{} ({})", row.policy, sparsekv::to_string(*row.strategy)) : row.policy;
+        const std::string name =
+            row.strategy ? fmt::format("{} ({})", row.policy, sparsekv::to_string(*row.strategy)) : row.policy;
         fmt::print("  {:<26} {:>7} {:>11.4f} {:>+10.4f} {:>+8.2f}% {:>8.1f}% {:>9.1f}% {:>7.0f}us\n", name,
                    row.budget ? fmt::format("{}", row.budget) : std::string("all"), ppl, ppl - dense_ppl,
                    100 * (ppl / dense_ppl - 1), 100.0 * row.agree / tokens, 100 * st.hit_ratio(),
@@ -542,15 +561,18 @@ int main(int argc, char** argv) {
         const Row& row = rows[r];
         if (!row.strategy) continue;
         if (!evictions) {
-          fmt::print("\n  token eviction (SpvLLM §3.2: live slots / slots of the CPU pages held, per decode step)\n"
-                     "  {:<16} {:>7} {:>12} {:>12} {:>14} {:>11} {:>10} {:>10}\n",
-                     "policy", "budget", "strategy", "utilisation", "p99 fragment.", "held mean", "freed", "copied");
+          fmt::print(
+              "\n  token eviction (SpvLLM §3.2: live slots / slots of the CPU pages held, per decode step)\n"
+              "  {:<16} {:>7} {:>12} {:>12} {:>14} {:>11} {:>10} {:>10}\n",
+              "policy", "budget", "strategy", "utilisation", "p99 fragment.", "held mean", "freed", "copied");
           evictions = true;
         }
         const std::vector<double> u = utilisation(row, base.page_tokens);
         fmt::print("  {:<16} {:>7} {:>12} {:>11.1f}% {:>13.1f}% {:>11.0f} {:>10} {:>10}\n", row.policy, row.budget,
                    sparsekv::to_string(*row.strategy), 100 * mean(u), 100 * fragmentation_p99(u),
-                   row.pages_held.empty() ? 0.0 : std::accumulate(row.pages_held.begin(), row.pages_held.end(), 0.0) / row.pages_held.size(),
+                   row.pages_held.empty()
+                       ? 0.0
+                       : std::accumulate(row.pages_held.begin(), row.pages_held.end(), 0.0) / row.pages_held.size(),
                    row.buffer.pages_freed, row.buffer.pages_copied);
       }
       if (args.has("--show-steps")) {
@@ -562,22 +584,26 @@ int main(int argc, char** argv) {
           return fmt::format("'{}'", t);
         };
         fmt::print("\n  {:<5} {:<10} {:<10}", "step", "text", "Dense");
-        for (const Row& row : rows) fmt::print(" {:<14.14}", row.budget ? fmt::format("{} {}", row.policy, row.budget) : row.policy);
+        for (const Row& row : rows)
+          fmt::print(" {:<14.14}", row.budget ? fmt::format("{} {}", row.policy, row.budget) : row.policy);
         fmt::print("\n");
         for (std::uint32_t s = 0; s < tokens; ++s) {
-          fmt::print("  {:<5} {:<10} {:<10}", s, piece(static_cast<std::uint32_t>(ids[prefill + s + 1])), piece(dense_top[s]));
-          for (const Row& row : rows) fmt::print(" {:<14}", row.top[s] == dense_top[s] ? std::string("=") : piece(row.top[s]));
+          fmt::print("  {:<5} {:<10} {:<10}", s, piece(static_cast<std::uint32_t>(ids[prefill + s + 1])),
+                     piece(dense_top[s]));
+          for (const Row& row : rows)
+            fmt::print(" {:<14}", row.top[s] == dense_top[s] ? std::string("=") : piece(row.top[s]));
           fmt::print("\n");
         }
       }
-      fmt::print("\n  timings: load {:.1f} s, prefill {:.1f} s ({:.0f} tokens/s), Dense decode {:.1f} s, replay {:.1f} s, "
-                 "decode {:.1f} s ({} runs in {} groups)",
-                 load_s, prefill_s, prefill / prefill_s, dense_decode_s, replay_s, decode_s, R, groups.size());
+      fmt::print(
+          "\n  timings: load {:.1f} s, prefill {:.1f} s ({:.0f} tokens/s), Dense decode {:.1f} s, replay {:.1f} s, "
+          "decode {:.1f} s ({} runs in {} groups)",
+          load_s, prefill_s, prefill / prefill_s, dense_decode_s, replay_s, decode_s, R, groups.size());
       if (writer) fmt::print(", dump {:.1f} s", dump_s);
       fmt::print("; total {:.1f} s, max RSS {:.0f} MB\n", total_s, rss_mb);
       if (writer) {
-        fmt::print("  dump: {}/selections.trace ({} steps, {} layers x {} kv heads; sparsekv-cachesim --trace)\n", dump_dir,
-                   recorded_trace.steps(), c.layers, c.kv_heads);
+        fmt::print("  dump: {}/selections.trace ({} steps, {} layers x {} kv heads; sparsekv-cachesim --trace)\n",
+                   dump_dir, recorded_trace.steps(), c.layers, c.kv_heads);
         fmt::print("        {}/qkv/ (layers {}; sparsekv-accuracy --trace)\n", dump_dir, fmt::join(dump_layers, ","));
       }
     }

@@ -101,12 +101,13 @@ int main(int argc, char** argv) {
     shape.q_heads = shape.kv_heads * args.number<std::uint32_t>("--group", 2);
     shape.head_dim = args.number<std::uint32_t>("--head-dim", 64);
     shape.dtype = sparsekv::DType::f32;
-    if (prompt == 0 || steps == 0 || every == 0) throw std::invalid_argument("--prompt, --steps and --every must be > 0");
+    if (prompt == 0 || steps == 0 || every == 0)
+      throw std::invalid_argument("--prompt, --steps and --every must be > 0");
     const auto names = sparsekv::eviction_policy_names();
     for (const std::string& p : policies) {
       if (std::find(names.begin(), names.end(), p) == names.end()) {
-        throw std::invalid_argument(fmt::format("--policies: '{}' does not evict tokens (eviction policies: {})", p,
-                                                fmt::join(names, ", ")));
+        throw std::invalid_argument(
+            fmt::format("--policies: '{}' does not evict tokens (eviction policies: {})", p, fmt::join(names, ", ")));
       }
       for (std::uint32_t b : budgets) sparsekv::make_policy(p, b);  // a budget below the protected window fails here
     }
@@ -126,15 +127,18 @@ int main(int argc, char** argv) {
     const std::size_t kv_row = heads / shape.layers * hd, q_row = std::size_t{shape.q_heads} * hd;
 
     if (!json) {
-      fmt::print("{}: {} prompt tokens + {} decode steps, {} layers x {} kv heads (group {}), head_dim {}, page {} tokens\n",
-                 kProgram, prompt, steps, shape.layers, shape.kv_heads, shape.group_size(), hd, pt);
+      fmt::print(
+          "{}: {} prompt tokens + {} decode steps, {} layers x {} kv heads (group {}), head_dim {}, page {} tokens\n",
+          kProgram, prompt, steps, shape.layers, shape.kv_heads, shape.group_size(), hd, pt);
       fmt::print("  {:<16} {:>7} {:>12} {:>12} {:>14} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12}\n", "policy", "budget",
                  "strategy", "utilisation", "p99 fragment.", "held mean", "held max", "freed", "copied", "step us",
                  "max out diff");
     } else {
-      fmt::print("{{\"prompt_tokens\": {}, \"steps\": {}, \"layers\": {}, \"kv_heads\": {}, \"q_heads\": {}, \"head_dim\": {}, "
-                 "\"page_tokens\": {}, \"seed\": {}, \"every\": {}, \"results\": [",
-                 prompt, steps, shape.layers, shape.kv_heads, shape.q_heads, hd, pt, seed, every);
+      fmt::print(
+          "{{\"prompt_tokens\": {}, \"steps\": {}, \"layers\": {}, \"kv_heads\": {}, \"q_heads\": {}, \"head_dim\": "
+          "{}, "
+          "\"page_tokens\": {}, \"seed\": {}, \"every\": {}, \"results\": [",
+          prompt, steps, shape.layers, shape.kv_heads, shape.q_heads, hd, pt, seed, every);
     }
     bool first_row = true;
     for (const std::string& policy : policies) {
@@ -220,25 +224,28 @@ int main(int argc, char** argv) {
             for (std::size_t s = every - 1; s < run.held.size(); s += every) {
               timeline.push_back(fmt::format("[{}, {}, {}]", s + 1, run.held[s], run.live[s]));
             }
-            fmt::print("{}{{\"policy\": \"{}\", \"budget_tokens\": {}, \"strategy\": \"{}\", \"utilisation_mean\": {:.6f}, "
-                       "\"fragmentation_p99\": {:.6f}, \"pages_held_mean\": {:.1f}, \"pages_held_max\": {}, "
-                       "\"pages_held_final\": {}, \"unsparsified_pages_final\": {}, \"pages_freed\": {}, "
-                       "\"pages_copied\": {}, \"slots_copied\": {}, \"step_us\": {:.2f}, \"max_out_diff\": {:.3g}, "
-                       "\"timeline\": [{}]}}",
-                       first_row ? "" : ", ", policy, budget, sparsekv::to_string(run.strategy), mean(u), p99(frag),
-                       held_mean, held_max, run.held.back(), unsparsified, st.pages_freed, st.pages_copied,
-                       st.slots_copied, step_us, run.max_out_diff, fmt::join(timeline, ", "));
+            fmt::print(
+                "{}{{\"policy\": \"{}\", \"budget_tokens\": {}, \"strategy\": \"{}\", \"utilisation_mean\": {:.6f}, "
+                "\"fragmentation_p99\": {:.6f}, \"pages_held_mean\": {:.1f}, \"pages_held_max\": {}, "
+                "\"pages_held_final\": {}, \"unsparsified_pages_final\": {}, \"pages_freed\": {}, "
+                "\"pages_copied\": {}, \"slots_copied\": {}, \"step_us\": {:.2f}, \"max_out_diff\": {:.3g}, "
+                "\"timeline\": [{}]}}",
+                first_row ? "" : ", ", policy, budget, sparsekv::to_string(run.strategy), mean(u), p99(frag), held_mean,
+                held_max, run.held.back(), unsparsified, st.pages_freed, st.pages_copied, st.slots_copied, step_us,
+                run.max_out_diff, fmt::join(timeline, ", "));
           } else {
-            fmt::print("  {:<16} {:>7} {:>12} {:>11.1f}% {:>13.1f}% {:>10.0f} {:>10} {:>10} {:>10} {:>9.1f} {:>12.2g}\n",
-                       policy, budget, sparsekv::to_string(run.strategy), 100 * mean(u), 100 * p99(frag), held_mean,
-                       held_max, st.pages_freed, st.pages_copied, step_us, run.max_out_diff);
+            fmt::print(
+                "  {:<16} {:>7} {:>12} {:>11.1f}% {:>13.1f}% {:>10.0f} {:>10} {:>10} {:>10} {:>9.1f} {:>12.2g}\n",
+                policy, budget, sparsekv::to_string(run.strategy), 100 * mean(u), 100 * p99(frag), held_mean, held_max,
+                st.pages_freed, st.pages_copied, step_us, run.max_out_diff);
           }
           first_row = false;
         }
         if (!json) {
-          fmt::print("  {:<16} {:>7} {:>12} {:>11.1f}%   (a paged cache of the live tokens alone: {} pages at the end)\n",
-                     policy, budget, "unsparsified", 100.0 * double(runs.front().live.back()) / double(unsparsified * pt),
-                     unsparsified);
+          fmt::print(
+              "  {:<16} {:>7} {:>12} {:>11.1f}%   (a paged cache of the live tokens alone: {} pages at the end)\n",
+              policy, budget, "unsparsified", 100.0 * double(runs.front().live.back()) / double(unsparsified * pt),
+              unsparsified);
         }
       }
     }

@@ -106,8 +106,8 @@ int main(int argc, char** argv) {
             "  {{\"model\": \"{}\", \"flat_bytes\": {}, \"two_level_bytes\": {}, \"two_level_gpu_bytes\": {}, "
             "\"two_level_reduction\": {:.3f}, \"gpu_reduction\": {:.3f}, \"flat_token_granular_bytes\": {}, "
             "\"kv_bytes\": {:.0f}{}}}{}\n",
-            m.name, f.flat_bytes, f.two_level_bytes, f.two_level_gpu_bytes, f.two_level_reduction(),
-            f.gpu_reduction(), f.flat_token_granular_bytes, kv_bytes, mask_fields, i + 1 < kModels.size() ? "," : "");
+            m.name, f.flat_bytes, f.two_level_bytes, f.two_level_gpu_bytes, f.two_level_reduction(), f.gpu_reduction(),
+            f.flat_token_granular_bytes, kv_bytes, mask_fields, i + 1 < kModels.size() ? "," : "");
       } else {
         out += fmt::format("{:<14} {:>9.2f} {:>12.2f} {:>10.2f} {:>9.2f} {:>10.2f} {:>10.2f} {:>10.1f} {:>8.2f}",
                            m.name, gib(f.flat_bytes), gib(f.flat_token_granular_bytes), gib(f.two_level_bytes),

@@ -43,7 +43,8 @@ void usage() {
       "usage: sparsekv-passkey [--model PATH] [--context 6144] [--depths 10,30,50,70,90] [--trials 1] [--seed 1]\n"
       "                        [--policies LIST] [--budgets 128,256,512,1024] [--answer-tokens 8]\n"
       "                        [--format raw|chat] [--rows-at-once N] [--show] [--json]\n"
-      "  --model PATH        default: ${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
+      "  --model PATH        default: "
+      "${SPARSEKV_MODEL_DIR:-$HOME/.cache/sparsekv/models}/SmolLM2-135M-Instruct.Q4_1.gguf\n"
       "  --context N         prompt tokens (the longest prompt of at most N tokens; the real length is reported)\n"
       "  --depths LIST       where the needle sits, % of the filler (0..100)\n"
       "  --trials N          prompts per depth, each with its own number (from --seed)\n"
@@ -87,8 +88,8 @@ class KvRecorder final : public AttentionBackend {
 };
 
 struct RowSpec {
-  std::string policy;        // "Dense" for the model's own cache
-  std::uint32_t budget = 0;  // 0: everything
+  std::string policy;                    // "Dense" for the model's own cache
+  std::uint32_t budget = 0;              // 0: everything
   std::vector<std::uint32_t> successes;  // per depth
   std::vector<std::string> answers;      // per (depth, trial), for --show
   std::string label() const {
@@ -204,8 +205,9 @@ int main(int argc, char** argv) {
     if (!json) {
       fmt::print("{}: SmolLM2-135M-Instruct loaded in {:.1f} s ({} threads; training context {})\n", kProgram, load_s,
                  model.threads(), c.context);
-      fmt::print("  context {} tokens, {} format, depths {}%, {} trial(s) each, {} answer tokens; {} rows ({} at once)\n",
-                 context, format_name, fmt::join(depths, ","), trials, answer_tokens, R, group);
+      fmt::print(
+          "  context {} tokens, {} format, depths {}%, {} trial(s) each, {} answer tokens; {} rows ({} at once)\n",
+          context, format_name, fmt::join(depths, ","), trials, answer_tokens, R, group);
       std::fflush(stdout);
     }
 
@@ -231,8 +233,8 @@ int main(int argc, char** argv) {
           if (s.policy == "Dense") {
             live.backend = std::make_unique<DenseCache>(c);
           } else {
-            live.manager = make_manager(c, sparsekv::make_policy(s.policy, s.budget ? s.budget : budgets.front()),
-                                        max_tokens);
+            live.manager =
+                make_manager(c, sparsekv::make_policy(s.policy, s.budget ? s.budget : budgets.front()), max_tokens);
             live.manager->add_request(1, max_tokens);
             live.backend = std::make_unique<SparseSession>(*live.manager, 1);
           }
@@ -291,11 +293,12 @@ int main(int argc, char** argv) {
         info.wall_s = since(t_trial);
         infos.push_back(info);
         if (!json) {
-          fmt::print("  depth {:>3}% trial {}: pass key {}, {} prompt tokens, needle at token {} ({:.1f}%); "
-                     "Dense {}; prefill {:.1f} s, decode {:.1f} s, trial {:.1f} s\n",
-                     info.depth, t, info.passkey, T, info.needle_token, 100.0 * info.needle_token / T,
-                     pk::answer_matches(specs[0].answers.back(), info.passkey) ? "found it" : "missed",
-                     info.prefill_s, info.decode_s, info.wall_s);
+          fmt::print(
+              "  depth {:>3}% trial {}: pass key {}, {} prompt tokens, needle at token {} ({:.1f}%); "
+              "Dense {}; prefill {:.1f} s, decode {:.1f} s, trial {:.1f} s\n",
+              info.depth, t, info.passkey, T, info.needle_token, 100.0 * info.needle_token / T,
+              pk::answer_matches(specs[0].answers.back(), info.passkey) ? "found it" : "missed", info.prefill_s,
+              info.decode_s, info.wall_s);
           if (show) {
             for (const RowSpec& s : specs) fmt::print("    {:<34} \"{}\"\n", s.label(), json_escape(s.answers.back()));
           }
@@ -311,26 +314,29 @@ int main(int argc, char** argv) {
     };
     const std::size_t all_trials = depths.size() * std::size_t{trials};
     if (json) {
-      fmt::print("{{\"model\": \"SmolLM2-135M-Instruct.Q4_1\", \"task\": \"passkey\", \"format\": \"{}\", "
-                 "\"context\": {}, \"depths\": [{}], \"trials\": {}, \"seed\": {}, \"answer_tokens\": {}, "
-                 "\"load_s\": {:.3f}, \"trial_runs\": [",
-                 format_name, context, fmt::join(depths, ", "), trials, seed, answer_tokens, load_s);
+      fmt::print(
+          "{{\"model\": \"SmolLM2-135M-Instruct.Q4_1\", \"task\": \"passkey\", \"format\": \"{}\", "
+          "\"context\": {}, \"depths\": [{}], \"trials\": {}, \"seed\": {}, \"answer_tokens\": {}, "
+          "\"load_s\": {:.3f}, \"trial_runs\": [",
+          format_name, context, fmt::join(depths, ", "), trials, seed, answer_tokens, load_s);
       for (std::size_t i = 0; i < infos.size(); ++i) {
         const TrialInfo& x = infos[i];
-        fmt::print("{}{{\"depth\": {}, \"trial\": {}, \"passkey\": \"{}\", \"prompt_tokens\": {}, \"needle_token\": {}, "
-                   "\"prefill_s\": {:.3f}, \"decode_s\": {:.3f}, \"wall_s\": {:.3f}}}",
-                   i ? ", " : "", x.depth, x.trial, x.passkey, x.prompt_tokens, x.needle_token, x.prefill_s,
-                   x.decode_s, x.wall_s);
+        fmt::print(
+            "{}{{\"depth\": {}, \"trial\": {}, \"passkey\": \"{}\", \"prompt_tokens\": {}, \"needle_token\": {}, "
+            "\"prefill_s\": {:.3f}, \"decode_s\": {:.3f}, \"wall_s\": {:.3f}}}",
+            i ? ", " : "", x.depth, x.trial, x.passkey, x.prompt_tokens, x.needle_token, x.prefill_s, x.decode_s,
+            x.wall_s);
       }
       fmt::print("], \"results\": [");
       for (std::size_t r = 0; r < R; ++r) {
         const RowSpec& s = specs[r];
         std::vector<std::string> answers;
         for (const std::string& a : s.answers) answers.push_back("\"" + json_escape(a) + "\"");
-        fmt::print("{}{{\"policy\": \"{}\", \"budget_tokens\": {}, \"successes\": [{}], \"success_rate\": {:.4f}, "
-                   "\"answers\": [{}]}}",
-                   r ? ", " : "", s.policy, s.budget, fmt::join(s.successes, ", "), double(total(s)) / all_trials,
-                   fmt::join(answers, ", "));
+        fmt::print(
+            "{}{{\"policy\": \"{}\", \"budget_tokens\": {}, \"successes\": [{}], \"success_rate\": {:.4f}, "
+            "\"answers\": [{}]}}",
+            r ? ", " : "", s.policy, s.budget, fmt::join(s.successes, ", "), double(total(s)) / all_trials,
+            fmt::join(answers, ", "));
       }
       fmt::print("]}}\n");
     } else {

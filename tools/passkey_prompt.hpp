@@ -44,10 +44,10 @@ struct Prompt {
   std::vector<std::int32_t> tokens;
   std::string text;
   std::string passkey;
-  std::uint32_t needle_begin = 0;       // token index of the needle's first token
-  std::uint32_t needle_end = 0;         // one past its last token
-  std::uint32_t filler_sentences = 0;   // filler sentences in the prompt (the needle excluded)
-  std::uint32_t needle_after = 0;       // filler sentences before the needle
+  std::uint32_t needle_begin = 0;      // token index of the needle's first token
+  std::uint32_t needle_end = 0;        // one past its last token
+  std::uint32_t filler_sentences = 0;  // filler sentences in the prompt (the needle excluded)
+  std::uint32_t needle_after = 0;      // filler sentences before the needle
   double depth() const { return filler_sentences ? double(needle_after) / filler_sentences : 0.0; }
 };
 
@@ -131,8 +131,7 @@ inline Prompt build_prompt(const model::BpeTokenizer& tokenizer, std::uint32_t c
   p.text = whole;
   const std::vector<std::int32_t> head = tokenizer.encode(before, special);
   const std::vector<std::int32_t> needle = tokenizer.encode(" " + needle_sentence(passkey), false);
-  if (head.size() + needle.size() > p.tokens.size() ||
-      !std::equal(head.begin(), head.end(), p.tokens.begin()) ||
+  if (head.size() + needle.size() > p.tokens.size() || !std::equal(head.begin(), head.end(), p.tokens.begin()) ||
       !std::equal(needle.begin(), needle.end(), p.tokens.begin() + static_cast<std::ptrdiff_t>(head.size()))) {
     throw std::logic_error("passkey prompt: the needle's tokens are not where its text is");
   }

@@ -28,7 +28,8 @@ class SparsePipeline {
     config_.max_context_tokens = 2 * max_tokens + 2 * page_tokens;
     config_.min_buffer_ratio = 1.0;  // accuracy runs: buffering only affects hit ratios
     std::uint32_t mandatory = 1;
-    for (std::uint32_t l = 0; l < shape.layers; ++l) mandatory = std::max(mandatory, policy_.mandatory_pages(context(l, max_tokens)));
+    for (std::uint32_t l = 0; l < shape.layers; ++l)
+      mandatory = std::max(mandatory, policy_.mandatory_pages(context(l, max_tokens)));
     const std::size_t page = config_.page_bytes(shape);
     const std::size_t heads = std::size_t{shape.layers} * shape.kv_heads;
     config_.cpu_tier_bytes = heads * (2 * std::size_t{max_tokens} / page_tokens + 16) * page;
@@ -106,8 +107,9 @@ class SparsePipeline {
     Recent& recent = recent_[layer];
     if (!recent.full) return;
     AppendedPage page;
-    page.page = KvView{recent.k, recent.v, config_.page_tokens, shape_.kv_heads, shape_.head_dim,
-                       buffer_->sequence_length(kRequest, layer) - config_.page_tokens};
+    page.page =
+        KvView{recent.k,        recent.v,        config_.page_tokens,
+               shape_.kv_heads, shape_.head_dim, buffer_->sequence_length(kRequest, layer) - config_.page_tokens};
     for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
       page.partitions.push_back(buffer_->table().partition_count(kRequest, layer, h) - 1);
     }

@@ -30,9 +30,9 @@ using detail::throw_invalid;
 
 constexpr std::uint32_t kWarp = 32;
 constexpr std::uint32_t kThreads = kSplitThreads;
-// The bytes of tiles (kSplitTileTokens tokens) a CTA keeps in flight (2 to 4 stages): decode attention is bandwidth-bound, throughput
-// follows the bytes in flight, and at 24 KB (3 stages of bf16 head_dim 128)
-// seven CTAs fit an SM's shared memory.
+// The bytes of tiles (kSplitTileTokens tokens) a CTA keeps in flight (2 to 4 stages): decode attention is
+// bandwidth-bound, throughput follows the bytes in flight, and at 24 KB (3 stages of bf16 head_dim 128) seven CTAs fit
+// an SM's shared memory.
 constexpr std::size_t kStageBudget = 24 << 10;
 constexpr std::uint32_t kMergeThreads = 256;
 constexpr std::uint32_t kMergePrefetch = 8;
@@ -92,14 +92,14 @@ struct SplitParams {
   const std::int64_t* indices;
   const SlotMask* live_masks;  // null: all live
   float scale;
-  std::uint32_t group;        // q heads per kv head
+  std::uint32_t group;  // q heads per kv head
   std::uint32_t chunk_pages;
   std::uint32_t chunks;
-  std::uint32_t batch_q;      // batch * q_heads: partials per chunk
-  float* ws_acc;              // [chunks][batch_q][D]
-  float* ws_max;              // [chunks][batch_q]
-  float* ws_sum;              // [chunks][batch_q]
-  float* scores;              // null, or [max_indices * page_tokens][group]: every live slot's scaled score
+  std::uint32_t batch_q;  // batch * q_heads: partials per chunk
+  float* ws_acc;          // [chunks][batch_q][D]
+  float* ws_max;          // [chunks][batch_q]
+  float* ws_sum;          // [chunks][batch_q]
+  float* scores;          // null, or [max_indices * page_tokens][group]: every live slot's scaled score
   std::uint32_t max_indices;
 };
 
@@ -436,8 +436,8 @@ __global__ void __launch_bounds__(kWeightsThreads) decode_weights_kernel(const W
     if (pos >= static_cast<std::int64_t>(p.max_indices)) return;
     const std::uint32_t slot = static_cast<std::uint32_t>(idx % page_tokens);
     const std::uint32_t tokens = cursor.tokens_at(p.pages, pos);
-    p.slot_weights[static_cast<std::size_t>(pos) * page_tokens + slot] = decode_attention_slot_weight(
-        p.scores, p.lse, p.live_masks, row, pos, slot, tokens, page_tokens, p.group);
+    p.slot_weights[static_cast<std::size_t>(pos) * page_tokens + slot] =
+        decode_attention_slot_weight(p.scores, p.lse, p.live_masks, row, pos, slot, tokens, page_tokens, p.group);
   }
 }
 
@@ -452,19 +452,26 @@ using SplitKernel = void (*)(SplitParams);
 template <std::uint32_t D, DType T>
 SplitKernel pick_group(std::uint32_t width) {
   switch (width) {
-    case 1: return decode_split_kernel<D, T, 1>;
-    case 2: return decode_split_kernel<D, T, 2>;
-    case 4: return decode_split_kernel<D, T, 4>;
-    default: return decode_split_kernel<D, T, kMaxGroupPerCta>;
+    case 1:
+      return decode_split_kernel<D, T, 1>;
+    case 2:
+      return decode_split_kernel<D, T, 2>;
+    case 4:
+      return decode_split_kernel<D, T, 4>;
+    default:
+      return decode_split_kernel<D, T, kMaxGroupPerCta>;
   }
 }
 
 template <std::uint32_t D>
 SplitKernel pick_dtype(DType dtype, std::uint32_t width) {
   switch (dtype) {
-    case DType::f32: return pick_group<D, DType::f32>(width);
-    case DType::f16: return pick_group<D, DType::f16>(width);
-    case DType::bf16: return pick_group<D, DType::bf16>(width);
+    case DType::f32:
+      return pick_group<D, DType::f32>(width);
+    case DType::f16:
+      return pick_group<D, DType::f16>(width);
+    case DType::bf16:
+      return pick_group<D, DType::bf16>(width);
   }
   return pick_group<D, DType::bf16>(width);
 }
@@ -478,7 +485,7 @@ SplitKernel select_kernel(const DecodeAttentionShape& shape) {
 void check_shape(const DecodeAttentionShape& shape) {
   if (shape.kv_heads == 0 || shape.q_heads == 0 || shape.q_heads % shape.kv_heads != 0)
     throw_invalid(kFunction, std::to_string(shape.q_heads) + " q heads cannot be grouped onto " +
-                  std::to_string(shape.kv_heads) + " kv heads");
+                                 std::to_string(shape.kv_heads) + " kv heads");
   if (shape.layout.head_dim != 64 && shape.layout.head_dim != 128)
     throw_invalid(kFunction, "head_dim " + std::to_string(shape.layout.head_dim) + " is not 64 or 128");
   if (shape.layout.page_tokens == 0) throw_invalid(kFunction, "page_tokens is 0");
@@ -503,8 +510,9 @@ std::uint32_t wave_ctas(SplitKernel kernel) {
 DecodeAttentionSplit plan(const DecodeAttentionShape& shape, std::uint32_t wave) {
   const DecodeAttentionSplit split = split_decode_attention(shape, wave);
   if (split.chunks > kMaxGridYZ)
-    throw_invalid(kFunction, "chunk_pages " + std::to_string(split.chunk_pages) + " splits " + std::to_string(shape.max_pages) +
-                  " pages into " + std::to_string(split.chunks) + " chunks, at most 65535");
+    throw_invalid(kFunction, "chunk_pages " + std::to_string(split.chunk_pages) + " splits " +
+                                 std::to_string(shape.max_pages) + " pages into " + std::to_string(split.chunks) +
+                                 " chunks, at most 65535");
   if (split.head_slices > kMaxGridYZ) throw_invalid(kFunction, "GQA group too large");
   return split;
 }
@@ -529,8 +537,8 @@ void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAtte
   if (shape.batch == 0) return;
   const std::size_t page_bytes = shape.layout.page_bytes();
   if (args.page_stride % kVec != 0 || args.page_stride < page_bytes)
-    throw_invalid(kFunction, "page_stride " + std::to_string(args.page_stride) + " is not a multiple of 16 >= page_bytes " +
-                  std::to_string(page_bytes));
+    throw_invalid(kFunction, "page_stride " + std::to_string(args.page_stride) +
+                                 " is not a multiple of 16 >= page_bytes " + std::to_string(page_bytes));
   if (!aligned(args.page_base, kVec)) throw_invalid(kFunction, "page_base is not 16-byte aligned");
   const bool any_extra = args.extra.max != nullptr || args.extra.sum != nullptr || args.extra.acc != nullptr;
   const bool all_extra = args.extra.max != nullptr && args.extra.sum != nullptr && args.extra.acc != nullptr;
@@ -543,14 +551,14 @@ void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAtte
     throw_invalid(kFunction, "workspace is null or not 16-byte aligned");
   if (args.live_masks != nullptr && shape.layout.page_tokens > kMaxMaskedPageTokens)
     throw_invalid(kFunction, "live masks cover " + std::to_string(kMaxMaskedPageTokens) + " slots, pages hold " +
-                  std::to_string(shape.layout.page_tokens));
+                                 std::to_string(shape.layout.page_tokens));
   if (args.slot_weights != nullptr && shape.max_indices == 0)
     throw_invalid(kFunction, "slot_weights needs shape.max_indices (the scores' room in the workspace)");
   const SplitKernel kernel = select_kernel(shape);
   const DecodeAttentionSplit split = plan(shape, wave_ctas(kernel));
   if (args.workspace_bytes < split.workspace_bytes)
     throw_invalid(kFunction, "workspace_bytes " + std::to_string(args.workspace_bytes) + " < " +
-                  std::to_string(split.workspace_bytes) + " needed");
+                                 std::to_string(split.workspace_bytes) + " needed");
 
   const std::uint32_t batch_q = shape.batch * shape.q_heads;
   float* ws_acc = static_cast<float*>(args.workspace);
@@ -561,29 +569,17 @@ void sparse_decode_attention(const DecodeAttentionShape& shape, const DecodeAtte
   float* ws_scores = weights ? ws_sum + std::size_t{split.chunks} * batch_q : nullptr;
   float* ws_lse = weights ? ws_scores + std::size_t{shape.max_indices} * shape.layout.page_tokens * group : nullptr;
   const DecodeAttentionPages pages{args.indptr, args.last_page_len, args.row_entries, shape.layout.page_tokens};
-  const SplitParams sp{args.q,
-                       args.page_base,
-                       args.page_stride,
-                       pages,
-                       args.indices,
-                       args.live_masks,
-                       args.scale,
-                       group,
-                       split.chunk_pages,
-                       split.chunks,
-                       batch_q,
-                       ws_acc,
-                       ws_max,
-                       ws_sum,
-                       ws_scores,
-                       shape.max_indices};
+  const SplitParams sp{
+      args.q,    args.page_base,    args.page_stride, pages,   args.indices, args.live_masks, args.scale,
+      group,     split.chunk_pages, split.chunks,     batch_q, ws_acc,       ws_max,          ws_sum,
+      ws_scores, shape.max_indices};
   const dim3 grid(shape.batch * shape.kv_heads, split.chunks, split.head_slices);
   const auto s = static_cast<cudaStream_t>(stream);
   kernel<<<grid, kThreads, 0, s>>>(sp);
   check_launch(kFunction);
 
-  const MergeParams mp{ws_acc, ws_max, ws_sum, args.extra, args.out, args.lse, ws_lse, split.chunks, batch_q,
-                       shape.layout.head_dim};
+  const MergeParams mp{ws_acc,   ws_max, ws_sum,       args.extra, args.out,
+                       args.lse, ws_lse, split.chunks, batch_q,    shape.layout.head_dim};
   const std::uint64_t elements = std::uint64_t{batch_q} * shape.layout.head_dim;
   const auto merge_blocks = static_cast<unsigned>((elements + kMergeThreads - 1) / kMergeThreads);
   decode_merge_kernel<<<merge_blocks, kMergeThreads, 0, s>>>(mp);

@@ -37,7 +37,8 @@ std::size_t scan_bytes(std::uint32_t rows) {
   std::size_t bytes = 0;
   const cudaError_t status = cub::DeviceScan::InclusiveSum(nullptr, bytes, static_cast<const std::int64_t*>(nullptr),
                                                            static_cast<std::int64_t*>(nullptr), static_cast<int>(rows));
-  if (status != cudaSuccess) throw_cuda("device_plan_workspace_bytes", "cub::DeviceScan::InclusiveSum size query", status);
+  if (status != cudaSuccess)
+    throw_cuda("device_plan_workspace_bytes", "cub::DeviceScan::InclusiveSum size query", status);
   return bytes;
 }
 
@@ -72,8 +73,8 @@ __global__ void plan_count_kernel(DevicePlanInput in, DevicePlanOutput out, Work
 
 // One block per row, its pages in tiles of kPlanFillThreads; the run-end flags'
 // exclusive scan (carried over tiles) numbers the runs.
-__global__ void __launch_bounds__(kPlanFillThreads) plan_fill_kernel(DevicePlanInput in, DevicePlanOutput out,
-                                                                     Workspace w) {
+__global__ void __launch_bounds__(kPlanFillThreads)
+    plan_fill_kernel(DevicePlanInput in, DevicePlanOutput out, Workspace w) {
   using BlockScan = cub::BlockScan<std::uint32_t, kPlanFillThreads>;
   __shared__ typename BlockScan::TempStorage scan;
   const std::uint32_t row = blockIdx.x;
@@ -113,13 +114,13 @@ void build_device_plan(const DevicePlanInput& in, const DevicePlanOutput& out, v
   if (in.selection_offsets == nullptr || in.partition_offsets == nullptr || in.gpu_pages == nullptr ||
       in.partition_tokens == nullptr || in.tail_pages == nullptr || in.tail_tokens == nullptr)
     throw_invalid(kFunction, "null input array");
-  if (out.indptr == nullptr || out.indices == nullptr || out.last_page_len == nullptr ||
-      out.head_entries == nullptr || out.overflow_rows == nullptr)
+  if (out.indptr == nullptr || out.indices == nullptr || out.last_page_len == nullptr || out.head_entries == nullptr ||
+      out.overflow_rows == nullptr)
     throw_invalid(kFunction, "null output array");
   const std::size_t needed = device_plan_workspace_bytes(in.rows);
   if (workspace == nullptr || workspace_bytes < needed)
-    throw_invalid(kFunction, "workspace of " + std::to_string(workspace_bytes) + " bytes, " + std::to_string(needed) +
-                  " needed");
+    throw_invalid(kFunction,
+                  "workspace of " + std::to_string(workspace_bytes) + " bytes, " + std::to_string(needed) + " needed");
   const auto s = static_cast<cudaStream_t>(stream);
   const Workspace w = carve(workspace, in.rows);
   cudaError_t status = cudaMemsetAsync(out.overflow_rows, 0, sizeof(std::uint32_t), s);

@@ -99,9 +99,9 @@ inline void check_device_append(const char* function, const DeviceAppend& a) {
   if (reinterpret_cast<std::uintptr_t>(a.gpu_tier) % sizeof(AppendVector) != 0) {
     throw_invalid(function, "gpu_tier is not 16-byte aligned");
   }
-  if (a.batch > 0 && (a.q == nullptr || a.k_new == nullptr || a.v_new == nullptr || a.q_out == nullptr ||
-                      a.gpu_tier == nullptr || a.tail_pages == nullptr || a.tail_slots == nullptr ||
-                      a.cpu_pages == nullptr || a.error == nullptr)) {
+  if (a.batch > 0 &&
+      (a.q == nullptr || a.k_new == nullptr || a.v_new == nullptr || a.q_out == nullptr || a.gpu_tier == nullptr ||
+       a.tail_pages == nullptr || a.tail_slots == nullptr || a.cpu_pages == nullptr || a.error == nullptr)) {
     throw_invalid(function, "null pointer with batch " + std::to_string(a.batch));
   }
 }

@@ -49,7 +49,8 @@ struct MaxPartition {
 // This thread's entries of kUnroll tiles of kThreads slots from `base`, all
 // loaded before any is used (nullptr past the head's length).
 __device__ __forceinline__ void load_tile(const TwoLevelView<GpuPageEntry>& slots, std::size_t inst, std::uint32_t base,
-                          std::uint32_t length, GpuPageEntry* (&at)[kUnroll], GpuPageEntry (&e)[kUnroll]) {
+                                          std::uint32_t length, GpuPageEntry* (&at)[kUnroll],
+                                          GpuPageEntry (&e)[kUnroll]) {
 #pragma unroll
   for (std::uint32_t u = 0; u < kUnroll; ++u) {
     const std::uint32_t s = base + u * kThreads + threadIdx.x;
@@ -215,7 +216,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
       if (at[u] == nullptr) continue;
       const std::uint32_t sel = e[u].occupied() ? selection_of(e[u].partition) : kNotSelected;
       switch (lru_touch(e[u], sel, top)) {
-        case LruTouch::free: ++free_local; break;
+        case LruTouch::free:
+          ++free_local;
+          break;
         case LruTouch::hit:
           at[u]->timestamp = e[u].timestamp;
           out.gpu_pages[offsets[sel] + e[u].page_in_partition] = e[u].gpu_page;
@@ -292,7 +295,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   }
 }
 
-
 }  // namespace
 
 void bucketed_lru_step(const TwoLevelView<GpuPageEntry>& gpu_pages, const PartitionLookup& lookup,
@@ -307,20 +309,19 @@ void bucketed_lru_step(const TwoLevelView<GpuPageEntry>& gpu_pages, const Partit
   if (batch.instances == nullptr || batch.selection_offsets == nullptr || batch.page_offsets == nullptr ||
       out.partition_offsets == nullptr || out.stats == nullptr) {
     throw_invalid(kFunction, "null instances, selection_offsets, page_offsets, partition_offsets or stats with " +
-                  std::to_string(batch.heads) + " heads");
+                                 std::to_string(batch.heads) + " heads");
   }
-  if (batch.max_selection > 0 &&
-      (batch.selected == nullptr || out.gpu_pages == nullptr || out.copy_cpu_pages == nullptr ||
-       out.copy_gpu_pages == nullptr)) {
-    throw_invalid(kFunction, "null selected, gpu_pages or copy arrays with max_selection " +
-                  std::to_string(batch.max_selection));
+  if (batch.max_selection > 0 && (batch.selected == nullptr || out.gpu_pages == nullptr ||
+                                  out.copy_cpu_pages == nullptr || out.copy_gpu_pages == nullptr)) {
+    throw_invalid(kFunction,
+                  "null selected, gpu_pages or copy arrays with max_selection " + std::to_string(batch.max_selection));
   }
   if (batch.max_selection > kLruSharedSelection && batch.scratch == nullptr) {
     throw_invalid(kFunction, "max_selection " + std::to_string(batch.max_selection) + " exceeds " +
-                  std::to_string(kLruSharedSelection) + " and no scratch was given");
+                                 std::to_string(kLruSharedSelection) + " and no scratch was given");
   }
-  bucketed_lru_step_kernel<<<batch.heads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      gpu_pages, lookup, batch, out, timestamp_buckets);
+  bucketed_lru_step_kernel<<<batch.heads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(gpu_pages, lookup, batch,
+                                                                                            out, timestamp_buckets);
   check_launch(kFunction);
 }
 
@@ -343,9 +344,11 @@ struct BatchWorkspace {
 
 std::size_t batch_scan_bytes(std::uint32_t rows) {
   std::size_t bytes = 0;
-  const cudaError_t status = cub::DeviceScan::InclusiveSum(nullptr, bytes, static_cast<const std::uint32_t*>(nullptr),
-                                                           static_cast<std::uint32_t*>(nullptr), static_cast<int>(rows));
-  if (status != cudaSuccess) throw_cuda("lru_batch_workspace_bytes", "cub::DeviceScan::InclusiveSum size query", status);
+  const cudaError_t status =
+      cub::DeviceScan::InclusiveSum(nullptr, bytes, static_cast<const std::uint32_t*>(nullptr),
+                                    static_cast<std::uint32_t*>(nullptr), static_cast<int>(rows));
+  if (status != cudaSuccess)
+    throw_cuda("lru_batch_workspace_bytes", "cub::DeviceScan::InclusiveSum size query", status);
   return bytes;
 }
 
@@ -417,15 +420,15 @@ std::size_t lru_batch_workspace_bytes(std::uint32_t rows) {
   return 2 * aligned_bytes(std::size_t{rows} * sizeof(std::uint32_t)) + batch_scan_bytes(rows);
 }
 
-void build_lru_batch(const PartitionLookup& lookup, const LruBatchInput& in, const LruBatchOutput& out,
-                     void* workspace, std::size_t workspace_bytes, void* stream) {
+void build_lru_batch(const PartitionLookup& lookup, const LruBatchInput& in, const LruBatchOutput& out, void* workspace,
+                     std::size_t workspace_bytes, void* stream) {
   // Validation first: nothing is enqueued when an argument is wrong.
   constexpr const char* kBatchFunction = "build_lru_batch";
   if (lookup.page_tokens == 0) throw_invalid(kBatchFunction, "page_tokens is 0");
   if (in.rows > 0x7fffffffu) throw_invalid(kBatchFunction, "rows " + std::to_string(in.rows) + " exceed 2^31 - 1");
   if (std::uint64_t{in.rows} * in.max_selected > 0xffffffffu) {
     throw_invalid(kBatchFunction, "rows " + std::to_string(in.rows) + " x max_selected " +
-                  std::to_string(in.max_selected) + " exceed 2^32 - 1: the offsets are 32-bit");
+                                      std::to_string(in.max_selected) + " exceed 2^32 - 1: the offsets are 32-bit");
   }
   if (in.rows == 0) return;
   if (in.selected_count == nullptr || in.instances == nullptr || out.selection_offsets == nullptr ||
@@ -433,13 +436,13 @@ void build_lru_batch(const PartitionLookup& lookup, const LruBatchInput& in, con
     throw_invalid(kBatchFunction, "null selected_count, instances, selection_offsets or page_offsets");
   }
   if (in.max_selected > 0 && (in.selected == nullptr || out.selected == nullptr || out.partition_tokens == nullptr)) {
-    throw_invalid(kBatchFunction, "null selected or partition_tokens with max_selected " +
-                  std::to_string(in.max_selected));
+    throw_invalid(kBatchFunction,
+                  "null selected or partition_tokens with max_selected " + std::to_string(in.max_selected));
   }
   const std::size_t needed = lru_batch_workspace_bytes(in.rows);
   if (workspace == nullptr || workspace_bytes < needed) {
-    throw_invalid(kBatchFunction, "workspace of " + std::to_string(workspace_bytes) + " bytes, " +
-                  std::to_string(needed) + " needed");
+    throw_invalid(kBatchFunction,
+                  "workspace of " + std::to_string(workspace_bytes) + " bytes, " + std::to_string(needed) + " needed");
   }
   const auto s = static_cast<cudaStream_t>(stream);
   const BatchWorkspace w = carve_batch(workspace, in.rows);
@@ -449,7 +452,8 @@ void build_lru_batch(const PartitionLookup& lookup, const LruBatchInput& in, con
   cudaError_t status = cub::DeviceScan::InclusiveSum(w.scan, bytes, w.row_counts, out.selection_offsets + 1,
                                                      static_cast<int>(in.rows), s);
   if (status != cudaSuccess) throw_cuda(kBatchFunction, "cub::DeviceScan::InclusiveSum", status);
-  status = cub::DeviceScan::InclusiveSum(w.scan, bytes, w.row_pages, out.page_offsets + 1, static_cast<int>(in.rows), s);
+  status =
+      cub::DeviceScan::InclusiveSum(w.scan, bytes, w.row_pages, out.page_offsets + 1, static_cast<int>(in.rows), s);
   if (status != cudaSuccess) throw_cuda(kBatchFunction, "cub::DeviceScan::InclusiveSum", status);
   if (in.max_selected > 0) {
     lru_batch_fill_kernel<<<in.rows, kLruBatchThreads, 0, s>>>(lookup, in, out);

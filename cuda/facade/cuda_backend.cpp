@@ -13,7 +13,8 @@ namespace sparsekv::cuda {
 namespace {
 
 void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) fail(ErrorCode::cuda_error, "CudaBackend: {} failed: {}", what, cudaGetErrorString(status));
+  if (status != cudaSuccess)
+    fail(ErrorCode::cuda_error, "CudaBackend: {} failed: {}", what, cudaGetErrorString(status));
 }
 
 }  // namespace
@@ -61,8 +62,9 @@ void CudaBackend::copy_to_device(void* device, const void* host, std::size_t byt
 
 void CudaBackend::check_attend(const PageLayout& layout, std::uint32_t q_heads, std::uint32_t kv_heads) const {
   if (layout.dtype == DType::q8_0) {
-    fail(ErrorCode::invalid_argument, "q8_0 storage is attended by the host backends; the CUDA kernels read f32, f16 "
-                                      "or bf16 pages");
+    fail(ErrorCode::invalid_argument,
+         "q8_0 storage is attended by the host backends; the CUDA kernels read f32, f16 "
+         "or bf16 pages");
   }
   DecodeAttentionShape shape;
   shape.batch = 1;

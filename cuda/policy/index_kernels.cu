@@ -80,7 +80,7 @@ __global__ void page_min_max_kernel(KeyBlock keys, std::uint32_t page_tokens, st
 // cosine; thread 0 folds the cosines in token order.
 __global__ void page_mean_outlier_kernel(KeyBlock keys, std::uint32_t page_tokens, std::uint32_t pages, float* mean,
                                          float* outlier_score) {
-  extern __shared__ float shared[];  // mean_outlier_shared_bytes
+  extern __shared__ float shared[];                                    // mean_outlier_shared_bytes
   float* landmark = shared;                                            // [head_dim]
   float* cosine = shared + mean_outlier_cosine_offset(keys.head_dim);  // [page_tokens]
   __shared__ float landmark_norm;
@@ -154,7 +154,8 @@ __global__ void __launch_bounds__(kAssignThreads)
     }
 #pragma unroll
     for (std::uint32_t r = 0; r < kAssignRows; ++r) {
-      for (std::uint32_t mask = kWarp / 2; mask > 0; mask /= 2) best[r] = merge_choices(best[r], shuffle_choice(best[r], mask));
+      for (std::uint32_t mask = kWarp / 2; mask > 0; mask /= 2)
+        best[r] = merge_choices(best[r], shuffle_choice(best[r], mask));
       if (lane == 0) {
         warp_similarity[r][warp] = best[r].similarity;
         warp_index[r][warp] = best[r].index;
@@ -244,8 +245,8 @@ unsigned grid_for(std::uint64_t items) {
 }
 
 // The checks page_min_max and page_mean_outlier share; returns the page count.
-std::uint32_t check_key_block(const char* function, const KeyBlock& keys, std::uint32_t page_tokens,
-                              const void* out_a, const void* out_b) {
+std::uint32_t check_key_block(const char* function, const KeyBlock& keys, std::uint32_t page_tokens, const void* out_a,
+                              const void* out_b) {
   if (keys.kv_heads == 0 || keys.head_dim == 0 || page_tokens == 0) {
     throw_invalid(function, "kv_heads " + std::to_string(keys.kv_heads) + ", head_dim " +
                                 std::to_string(keys.head_dim) + " and page_tokens " + std::to_string(page_tokens) +
@@ -277,8 +278,8 @@ void check_kmeans(const char* function, std::uint32_t n, std::uint32_t dim, std:
 void page_min_max(const KeyBlock& keys, std::uint32_t page_tokens, float* min, float* max, void* stream) {
   const std::uint32_t pages = check_key_block("page_min_max", keys, page_tokens, min, max);
   if (pages == 0) return;
-  const std::uint32_t threads = keys.head_dim < kSummaryThreads ? (keys.head_dim + kWarp - 1) / kWarp * kWarp
-                                                                : kSummaryThreads;
+  const std::uint32_t threads =
+      keys.head_dim < kSummaryThreads ? (keys.head_dim + kWarp - 1) / kWarp * kWarp : kSummaryThreads;
   page_min_max_kernel<<<grid_for(std::uint64_t{pages} * keys.kv_heads), threads, 0,
                         static_cast<cudaStream_t>(stream)>>>(keys, page_tokens, pages, min, max);
   check_launch("page_min_max");
@@ -311,13 +312,12 @@ void kmeans_assign(const float* rows, std::uint32_t n, std::uint32_t dim, const 
     if (status != cudaSuccess) throw_cuda("kmeans_assign", "cudaMemsetAsync", status);
   }
   kmeans_assign_kernel<<<grid_for((std::uint64_t{n} + kAssignRows - 1) / kAssignRows), kAssignThreads,
-                         kmeans_assign_shared_bytes(dim), s>>>(
-      rows, n, dim, centroids, k, labels, changed);
+                         kmeans_assign_shared_bytes(dim), s>>>(rows, n, dim, centroids, k, labels, changed);
   check_launch("kmeans_assign");
 }
 
-void kmeans_update(const float* rows, std::uint32_t n, std::uint32_t dim, const std::uint32_t* labels,
-                   std::uint32_t k, float* centroids, void* stream) {
+void kmeans_update(const float* rows, std::uint32_t n, std::uint32_t dim, const std::uint32_t* labels, std::uint32_t k,
+                   float* centroids, void* stream) {
   check_kmeans("kmeans_update", n, dim, k, rows, centroids, labels);
   kmeans_update_kernel<<<grid_for(k), kUpdateThreads, kmeans_update_shared_bytes(dim),
                          static_cast<cudaStream_t>(stream)>>>(rows, n, dim, labels, k, centroids);

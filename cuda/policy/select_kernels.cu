@@ -181,8 +181,7 @@ __device__ T block_lane_sum(Shared& s, std::uint32_t n, Value value, Include inc
 // (TileThreshold passes when more are left), sorts them and lets thread 0
 // offer them in order. take(i) runs on thread 0.
 template <class Filler, class Score, class Eligible, class Take>
-__device__ void block_ranked_fill(Shared& s, const Row& row, Filler& fill, Score score, Eligible eligible,
-                                  Take take) {
+__device__ void block_ranked_fill(Shared& s, const Row& row, Filler& fill, Score score, Eligible eligible, Take take) {
   std::uint64_t bound = 0;  // keys are never 0: the high half is at least ~order(+inf)
   for (;;) {
     std::uint64_t left = 0;
@@ -370,8 +369,8 @@ struct ShadowKVLogits {
     g.add(piece[0], d0, d1);
   }
   template <class Emit>
-  __device__ void finish(const Group& g, const SelectRows& rows, const float* const*, std::uint32_t,
-                         std::uint32_t h0, Emit&& emit) const {
+  __device__ void finish(const Group& g, const SelectRows& rows, const float* const*, std::uint32_t, std::uint32_t h0,
+                         Emit&& emit) const {
     g.finish(rows.group, h0, emit);
   }
 };
@@ -501,7 +500,8 @@ __global__ void __launch_bounds__(kThreads)
       if (untaken(i)) logits[i] = portable_exp(add_rn(logits[i], -top));
     }
     __syncthreads();
-    const float sum = block_lane_sum<float>(s, row.n, [&](std::uint32_t i) { return logits[i]; }, untaken);
+    const float sum = block_lane_sum<float>(
+        s, row.n, [&](std::uint32_t i) { return logits[i]; }, untaken);
     for (std::uint32_t i = threadIdx.x; i < row.n; i += kThreads) {
       if (untaken(i)) row.scores[i] = fold_max_score(g == 0 ? kMinusInf : row.scores[i], div_rn(logits[i], sum));
     }
@@ -587,8 +587,8 @@ __device__ bool holds(const PartitionId* ids, std::uint32_t count, PartitionId i
 // p % head_dim over that list in order: each thread recomputes its head's
 // (max, sum) chain, so every add happens in attend()'s order.
 __global__ void __launch_bounds__(kThreads)
-    retroinfer_estimate_kernel(SelectRows rows, RetroInferSelect retro, RetroInferEstimate estimate,
-                               EstimateOutput out, Workspace w) {
+    retroinfer_estimate_kernel(SelectRows rows, RetroInferSelect retro, RetroInferEstimate estimate, EstimateOutput out,
+                               Workspace w) {
   __shared__ Shared s;
   __shared__ std::uint32_t window_parts;
   const Row row = row_view(rows, w);
@@ -627,8 +627,7 @@ __global__ void __launch_bounds__(kThreads)
     for (std::uint32_t j = 0; j < members; ++j) {
       const std::uint32_t i = row.ids[j];
       const RescaleStep step = estimation_fold(state, logits[i], static_cast<float>(row.tokens[i]));
-      acc = estimation_rescale_add(acc, step,
-                                   estimate.value_sums[(static_cast<std::size_t>(row.first) + i) * dim + d]);
+      acc = estimation_rescale_add(acc, step, estimate.value_sums[(static_cast<std::size_t>(row.first) + i) * dim + d]);
     }
     out.acc[(head0 + g) * dim + d] = acc;
     if (d == 0) {
@@ -693,15 +692,15 @@ void check_rows(const char* function, const SelectRows& rows, std::uint32_t budg
                 const void* selected_count, std::uint32_t max_selected, std::uint32_t needed, const void* workspace,
                 std::size_t bytes, std::size_t needed_bytes) {
   if (rows.group == 0 || rows.head_dim == 0) {
-    throw_invalid(function, "group " + std::to_string(rows.group) + " and head_dim " +
-                                std::to_string(rows.head_dim) + " must be > 0");
+    throw_invalid(function, "group " + std::to_string(rows.group) + " and head_dim " + std::to_string(rows.head_dim) +
+                                " must be > 0");
   }
   check_row_shape(function, rows);
   if (budget == 0) throw_invalid(function, "budget_tokens must be > 0");
   if (rows.rows == 0) return;
   if (max_selected < needed) {
-    throw_invalid(function, "max_selected " + std::to_string(max_selected) + " is below the " +
-                                std::to_string(needed) + " partitions a row may select");
+    throw_invalid(function, "max_selected " + std::to_string(max_selected) + " is below the " + std::to_string(needed) +
+                                " partitions a row may select");
   }
   if (rows.first == nullptr || rows.count == nullptr || rows.q == nullptr || selected_count == nullptr ||
       (max_selected > 0 && selected == nullptr) ||
@@ -709,15 +708,15 @@ void check_rows(const char* function, const SelectRows& rows, std::uint32_t budg
     throw_invalid(function, "null first, count, tokens, partitions, q or selection");
   }
   if (workspace == nullptr || bytes < needed_bytes) {
-    throw_invalid(function, "workspace of " + std::to_string(bytes) + " bytes, " + std::to_string(needed_bytes) +
-                                " needed");
+    throw_invalid(function,
+                  "workspace of " + std::to_string(bytes) + " bytes, " + std::to_string(needed_bytes) + " needed");
   }
 }
 
 void check_retroinfer(const char* function, const SelectRows& rows, const RetroInferSelect& retroinfer) {
   if (!(retroinfer.retrieval_fraction >= 0.0f && retroinfer.retrieval_fraction <= 1.0f)) {
-    throw_invalid(function, "retrieval_fraction " + std::to_string(retroinfer.retrieval_fraction) +
-                                " is outside [0, 1]");
+    throw_invalid(function,
+                  "retrieval_fraction " + std::to_string(retroinfer.retrieval_fraction) + " is outside [0, 1]");
   }
   if (rows.rows == 0) return;
   if ((rows.candidates > 0 && retroinfer.centroids == nullptr) || retroinfer.sink_partitions == nullptr ||
@@ -765,7 +764,8 @@ std::uint32_t retroinfer_select_capacity(const SelectRows& rows, const RetroInfe
 
 std::uint32_t streaming_select_capacity(const SelectRows& rows, const StreamingSelect& streaming) {
   if (streaming.page_tokens == 0) return rows.max_row_candidates;
-  const std::uint64_t pages = (std::uint64_t{streaming.budget_tokens} + streaming.page_tokens - 1) / streaming.page_tokens;
+  const std::uint64_t pages =
+      (std::uint64_t{streaming.budget_tokens} + streaming.page_tokens - 1) / streaming.page_tokens;
   return capacity(rows, static_cast<std::uint32_t>(pages), false, 0);
 }
 std::uint32_t dense_select_capacity(const SelectRows& rows) { return capacity(rows, 0, true, 0); }
@@ -787,8 +787,8 @@ void quest_select(const SelectRows& rows, const QuestSelect& quest, const Select
   check_launch("quest_select");
 }
 
-void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, const SelectOutput& out,
-                     void* workspace, std::size_t workspace_bytes, void* stream) {
+void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, const SelectOutput& out, void* workspace,
+                     std::size_t workspace_bytes, void* stream) {
   check_rows("shadowkv_select", rows, shadowkv.budget_tokens, out.selected, out.selected_count, out.max_selected,
              shadowkv_select_capacity(rows, shadowkv), workspace, workspace_bytes, select_workspace_bytes(rows));
   if (rows.rows == 0) return;
@@ -816,26 +816,23 @@ void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfe
   check_launch("retroinfer_select");
 }
 
-void streaming_select(const SelectRows& rows, const StreamingSelect& streaming, const SelectOutput& out,
-                      void* stream) {
+void streaming_select(const SelectRows& rows, const StreamingSelect& streaming, const SelectOutput& out, void* stream) {
   check_positional("streaming_select", rows, &streaming, out, streaming_select_capacity(rows, streaming));
   if (rows.rows == 0) return;
-  positional_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(rows, streaming, false,
-                                                                                         out);
+  positional_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(rows, streaming, false, out);
   check_launch("streaming_select");
 }
 
 void dense_select(const SelectRows& rows, const SelectOutput& out, void* stream) {
   check_positional("dense_select", rows, nullptr, out, dense_select_capacity(rows));
   if (rows.rows == 0) return;
-  positional_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(rows, StreamingSelect{},
-                                                                                         true, out);
+  positional_select_kernel<<<rows.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(rows, StreamingSelect{}, true,
+                                                                                          out);
   check_launch("dense_select");
 }
 
-void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroinfer,
-                         const RetroInferEstimate& estimate, const EstimateOutput& out, void* workspace,
-                         std::size_t workspace_bytes, void* stream) {
+void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroinfer, const RetroInferEstimate& estimate,
+                         const EstimateOutput& out, void* workspace, std::size_t workspace_bytes, void* stream) {
   check_rows("retroinfer_estimate", rows, retroinfer_token_cap(retroinfer.budget_tokens), estimate.selected,
              estimate.selected_count, estimate.max_selected, retroinfer_select_capacity(rows, retroinfer), workspace,
              workspace_bytes, select_workspace_bytes(rows));

@@ -97,9 +97,8 @@ void copy_to_device(void* dst, const void* src, std::size_t bytes, cudaStream_t 
 
 }  // namespace
 
-DeviceSummaries::DeviceSummaries(AppendSummary kind, std::uint32_t layers, std::uint32_t slots,
-                                 std::uint32_t kv_heads, std::uint32_t head_dim, std::uint32_t capacity,
-                                 std::uint32_t first_partition)
+DeviceSummaries::DeviceSummaries(AppendSummary kind, std::uint32_t layers, std::uint32_t slots, std::uint32_t kv_heads,
+                                 std::uint32_t head_dim, std::uint32_t capacity, std::uint32_t first_partition)
     : shape_(checked_shape(SummaryShape{kind, layers, slots, kv_heads, head_dim, capacity, first_partition})) {
   const std::size_t candidates = shape_.candidates();
   const std::size_t vectors = aligned(candidates * head_dim * sizeof(float));
@@ -123,7 +122,7 @@ DeviceSummaries::DeviceSummaries(AppendSummary kind, std::uint32_t layers, std::
     }
     partitions_ = static_cast<PartitionId*>(memory_.allocate(candidates * sizeof(PartitionId)));
     region_partitions_kernel<<<grid_for(candidates), kThreads>>>(partitions_, shape_.candidates(), capacity,
-                                                                  first_partition);
+                                                                 first_partition);
     check_launch("DeviceSummaries");
     // Every stream, non-blocking ones included, may read the ids once construction returns.
     const cudaError_t status = cudaDeviceSynchronize();
@@ -244,8 +243,8 @@ void DeviceSummaries::write_prefill(std::uint32_t slot, std::uint32_t layer, con
                  shape_.kv_heads, s);
     }
   }
-  const PrefillTokens t{l.tokens, shape_.region(slot, 0), shape_.capacity, shape_.kv_heads,
-                        pages,    keys.tokens,            page_tokens};
+  const PrefillTokens t{l.tokens,   shape_.region(slot, 0), shape_.capacity, shape_.kv_heads, pages, keys.tokens,
+                        page_tokens};
   prefill_tokens_kernel<<<grid_for(std::uint64_t{shape_.kv_heads} * pages), kThreads, 0, s>>>(t);
   check_launch(kFunction);
 }

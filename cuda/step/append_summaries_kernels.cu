@@ -54,7 +54,7 @@ struct ShadowKVPageSummary {
     __shared__ float landmark_norm;
     const std::uint32_t dim = a.layout.head_dim;
     const std::uint32_t count = a.layout.page_tokens;
-    float* landmark = shared;                                   // [head_dim]
+    float* landmark = shared;                                  // [head_dim]
     float* cosine = shared + mean_outlier_cosine_offset(dim);  // [page_tokens]
     const PageKeyRows key{append_tail_page(a, b, h), a.layout};
     const std::size_t row = rows[std::size_t{b} * a.kv_heads + h];

@@ -13,7 +13,8 @@
 namespace sparsekv::cuda {
 
 inline void check_runtime(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) fail(ErrorCode::cuda_error, "DeviceRuntime: {} failed: {}", what, cudaGetErrorString(status));
+  if (status != cudaSuccess)
+    fail(ErrorCode::cuda_error, "DeviceRuntime: {} failed: {}", what, cudaGetErrorString(status));
 }
 
 // Whether `stream` is being captured into a CUDA graph.

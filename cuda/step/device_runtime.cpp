@@ -131,8 +131,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     return first == kAllFinite ? kNoNonFinite : first;
   }
 
-  void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements,
-                      void* stream) override {
+  void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements, void* stream) override {
     if (!saver_) saver_ = std::make_unique<StagedSaver>();
     save_prompt(*saver_, buffer_.cpu_pool(), k, v, placements, kPromptPieceBytes, stream, k_targets_, v_targets_);
   }
@@ -191,9 +190,9 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     if (step.out != nullptr) attend(step, stream);
     timer_.mark(StageTimer::attend, stream);
     // The append's error word, read by check_values() once the step is past.
-    check_runtime(cudaMemcpyAsync(slot.error_word, error_.as<void>(), sizeof(std::uint64_t), cudaMemcpyDeviceToHost,
-                                  stream),
-                  "cudaMemcpyAsync D2H");
+    check_runtime(
+        cudaMemcpyAsync(slot.error_word, error_.as<void>(), sizeof(std::uint64_t), cudaMemcpyDeviceToHost, stream),
+        "cudaMemcpyAsync D2H");
     check_runtime(cudaMemsetAsync(error_.as<void>(), 0xff, sizeof(std::uint64_t), stream), "cudaMemsetAsync");
     ring_.enqueued(slot, stream);
     timer_.end();
@@ -301,8 +300,12 @@ class CudaDeviceRuntime final : public DeviceRuntime {
       cudaStream_t stream;
       void operator()(std::monostate) const {}  // refused before anything was enqueued (store_summary_kind)
       void operator()(const QuestDeviceSelect& q) const {
-        const QuestSelect quest{self.summaries_.min(layer), self.summaries_.max(layer), q.budget_tokens,
-                                q.dense_layer,              q.sink_tokens,              q.window_tokens,
+        const QuestSelect quest{self.summaries_.min(layer),
+                                self.summaries_.max(layer),
+                                q.budget_tokens,
+                                q.dense_layer,
+                                q.sink_tokens,
+                                q.window_tokens,
                                 q.spread};
         quest_select(rows, quest, out, workspace, workspace_bytes, stream);
       }

@@ -41,8 +41,12 @@ void StageTimer::mark(Mark mark, cudaStream_t stream) {
   check_runtime(cudaEventRecord(events_[slot_][mark], stream), "cudaEventRecord");
   if (mark == start) return;  // the slot, the arguments and their copy count as append's
   const Clock::time_point now = Clock::now();
-  double* const host[kMarks] = {nullptr,           &totals_.host_append_ms, &totals_.host_select_ms,
-                                &totals_.host_lru_ms, &totals_.host_gather_ms, &totals_.host_attend_ms};
+  double* const host[kMarks] = {nullptr,
+                                &totals_.host_append_ms,
+                                &totals_.host_select_ms,
+                                &totals_.host_lru_ms,
+                                &totals_.host_gather_ms,
+                                &totals_.host_attend_ms};
   *host[mark] += ms_between(last_, now);
   last_ = now;
 }

@@ -12,7 +12,8 @@ namespace sparsekv::cuda {
 namespace {
 
 void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) fail(ErrorCode::cuda_error, "DevicePageTransfer: {} failed: {}", what, cudaGetErrorString(status));
+  if (status != cudaSuccess)
+    fail(ErrorCode::cuda_error, "DevicePageTransfer: {} failed: {}", what, cudaGetErrorString(status));
 }
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
@@ -22,7 +23,8 @@ cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
 
 DevicePageTransfer::DevicePageTransfer(GatherConfig gather, std::size_t write_staging_bytes) : gather_(gather) {
   if (cuda_device_count() == 0) fail(ErrorCode::unavailable, "DevicePageTransfer: no usable CUDA device");
-  if (write_staging_bytes == 0) fail(ErrorCode::invalid_argument, "DevicePageTransfer: write staging must not be empty");
+  if (write_staging_bytes == 0)
+    fail(ErrorCode::invalid_argument, "DevicePageTransfer: write staging must not be empty");
   // Checked here, not at the first load(): a bad config would otherwise fail mid-step.
   if (gather.warps_per_block == 0 || gather.warps_per_block > 32) {
     fail(ErrorCode::invalid_argument, "DevicePageTransfer: warps_per_block {} is not in 1..32", gather.warps_per_block);
@@ -74,8 +76,7 @@ void DevicePageTransfer::reserve(AddressBuffer& b, std::size_t pages) {
   // Mapped (the kernel reads them through UVA) and portable, like the CPU tier.
   constexpr unsigned kFlags = cudaHostAllocMapped | cudaHostAllocPortable;
   check(cudaHostAlloc(&src, capacity * sizeof(void*), kFlags), "cudaHostAlloc");
-  if (const cudaError_t status = cudaHostAlloc(&dst, capacity * sizeof(void*), kFlags);
-      status != cudaSuccess) {
+  if (const cudaError_t status = cudaHostAlloc(&dst, capacity * sizeof(void*), kFlags); status != cudaSuccess) {
     cudaFreeHost(src);
     check(status, "cudaHostAlloc");
   }

@@ -130,7 +130,8 @@ bool aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % kVec 
 void check_config(const char* function, std::size_t page_bytes, const GatherConfig& config) {
   if (page_bytes == 0 || page_bytes % kVec != 0)
     throw_invalid(function, "page_bytes " + std::to_string(page_bytes) + " is not a non-zero multiple of 16");
-  if (page_bytes / kVec > UINT32_MAX) throw_invalid(function, "page_bytes " + std::to_string(page_bytes) + " is too large");
+  if (page_bytes / kVec > UINT32_MAX)
+    throw_invalid(function, "page_bytes " + std::to_string(page_bytes) + " is too large");
   if (config.warps_per_block == 0 || config.warps_per_block > kWarp)
     throw_invalid(function, "warps_per_block " + std::to_string(config.warps_per_block) + " is not in 1..32");
 }
@@ -162,16 +163,20 @@ void gather_pages(const PageId* src_pages, const PageId* dst_pages, std::uint32_
   check_config(kFunction, page_bytes, config);
   if (src_stride % kVec != 0 || src_stride < page_bytes)
     throw_invalid(kFunction, "src_stride " + std::to_string(src_stride) + " is not a multiple of 16 >= page_bytes " +
-                  std::to_string(page_bytes));
+                                 std::to_string(page_bytes));
   if (dst_stride % kVec != 0 || dst_stride < page_bytes)
     throw_invalid(kFunction, "dst_stride " + std::to_string(dst_stride) + " is not a multiple of 16 >= page_bytes " +
-                  std::to_string(page_bytes));
+                                 std::to_string(page_bytes));
   if (!aligned(src_base) || !aligned(dst_base)) throw_invalid(kFunction, "src_base or dst_base is not 16-byte aligned");
   if (count == 0) return;
   if (src_pages == nullptr || src_base == nullptr || dst_base == nullptr)
     throw_invalid(kFunction, "null src_pages, src_base or dst_base with count " + std::to_string(count));
-  const PoolAddressing where{src_pages,          dst_pages, reinterpret_cast<const uint4*>(src_base), src_stride / kVec,
-                             reinterpret_cast<uint4*>(dst_base), dst_stride / kVec};
+  const PoolAddressing where{src_pages,
+                             dst_pages,
+                             reinterpret_cast<const uint4*>(src_base),
+                             src_stride / kVec,
+                             reinterpret_cast<uint4*>(dst_base),
+                             dst_stride / kVec};
   launch(kFunction, gather_pages_kernel<PoolAddressing>, count, config, stream, where, count,
          static_cast<std::uint32_t>(page_bytes / kVec));
 }
@@ -181,7 +186,8 @@ void gather_page_addresses(const std::byte* const* src, std::byte* const* dst, s
   constexpr const char* kFunction = "gather_page_addresses";
   check_config(kFunction, page_bytes, config);
   if (count == 0) return;
-  if (src == nullptr || dst == nullptr) throw_invalid(kFunction, "null address arrays with count " + std::to_string(count));
+  if (src == nullptr || dst == nullptr)
+    throw_invalid(kFunction, "null address arrays with count " + std::to_string(count));
   launch(kFunction, gather_pages_kernel<PointerAddressing>, count, config, stream, PointerAddressing{src, dst}, count,
          static_cast<std::uint32_t>(page_bytes / kVec));
 }
@@ -192,10 +198,10 @@ void gather_miss_list(const DeviceMissList& misses, const ChunkedPages& cpu_tier
   check_config(kFunction, page_bytes, config);
   if (gpu_stride % kVec != 0 || gpu_stride < page_bytes)
     throw_invalid(kFunction, "gpu_stride " + std::to_string(gpu_stride) + " is not a multiple of 16 >= page_bytes " +
-                  std::to_string(page_bytes));
+                                 std::to_string(page_bytes));
   if (cpu_tier.page_stride % kVec != 0 || cpu_tier.page_stride < page_bytes)
     throw_invalid(kFunction, "cpu_tier.page_stride " + std::to_string(cpu_tier.page_stride) +
-                  " is not a multiple of 16 >= page_bytes " + std::to_string(page_bytes));
+                                 " is not a multiple of 16 >= page_bytes " + std::to_string(page_bytes));
   if (!aligned(gpu_base)) throw_invalid(kFunction, "gpu_base is not 16-byte aligned");
   if (cpu_tier.pages_per_chunk == 0) throw_invalid(kFunction, "cpu_tier.pages_per_chunk is 0");
   if (misses.count_stride == 0) throw_invalid(kFunction, "count_stride is 0");
@@ -203,7 +209,7 @@ void gather_miss_list(const DeviceMissList& misses, const ChunkedPages& cpu_tier
   if (misses.page_offsets == nullptr || misses.counts == nullptr || misses.cpu_pages == nullptr ||
       misses.gpu_pages == nullptr || cpu_tier.chunk_bases == nullptr || gpu_base == nullptr)
     throw_invalid(kFunction, "null miss-list array, chunk_bases or gpu_base with " + std::to_string(misses.heads) +
-                  " heads and " + std::to_string(misses.max_entries) + " entries");
+                                 " heads and " + std::to_string(misses.max_entries) + " entries");
   launch(kFunction, gather_miss_list_kernel, misses.max_entries, config, stream, misses, cpu_tier,
          reinterpret_cast<uint4*>(gpu_base), gpu_stride / kVec, static_cast<std::uint32_t>(page_bytes / kVec));
 }

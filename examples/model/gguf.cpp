@@ -20,26 +20,46 @@ namespace sparsekv::model {
 
 std::string type_name(GgmlType type) {
   switch (type) {
-    case GgmlType::f32: return "f32";
-    case GgmlType::f16: return "f16";
-    case GgmlType::q4_0: return "q4_0";
-    case GgmlType::q4_1: return "q4_1";
-    case GgmlType::q5_0: return "q5_0";
-    case GgmlType::q5_1: return "q5_1";
-    case GgmlType::q8_0: return "q8_0";
-    case GgmlType::q8_1: return "q8_1";
-    case GgmlType::q2_k: return "q2_k";
-    case GgmlType::q3_k: return "q3_k";
-    case GgmlType::q4_k: return "q4_k";
-    case GgmlType::q5_k: return "q5_k";
-    case GgmlType::q6_k: return "q6_k";
-    case GgmlType::q8_k: return "q8_k";
-    case GgmlType::i8: return "i8";
-    case GgmlType::i16: return "i16";
-    case GgmlType::i32: return "i32";
-    case GgmlType::i64: return "i64";
-    case GgmlType::f64: return "f64";
-    case GgmlType::bf16: return "bf16";
+    case GgmlType::f32:
+      return "f32";
+    case GgmlType::f16:
+      return "f16";
+    case GgmlType::q4_0:
+      return "q4_0";
+    case GgmlType::q4_1:
+      return "q4_1";
+    case GgmlType::q5_0:
+      return "q5_0";
+    case GgmlType::q5_1:
+      return "q5_1";
+    case GgmlType::q8_0:
+      return "q8_0";
+    case GgmlType::q8_1:
+      return "q8_1";
+    case GgmlType::q2_k:
+      return "q2_k";
+    case GgmlType::q3_k:
+      return "q3_k";
+    case GgmlType::q4_k:
+      return "q4_k";
+    case GgmlType::q5_k:
+      return "q5_k";
+    case GgmlType::q6_k:
+      return "q6_k";
+    case GgmlType::q8_k:
+      return "q8_k";
+    case GgmlType::i8:
+      return "i8";
+    case GgmlType::i16:
+      return "i16";
+    case GgmlType::i32:
+      return "i32";
+    case GgmlType::i64:
+      return "i64";
+    case GgmlType::f64:
+      return "f64";
+    case GgmlType::bf16:
+      return "bf16";
   }
   return "type " + std::to_string(static_cast<std::uint32_t>(type));
 }
@@ -48,29 +68,41 @@ std::size_t block_elements(GgmlType type) {
   switch (type) {
     case GgmlType::f32:
     case GgmlType::f16:
-    case GgmlType::bf16: return 1;
+    case GgmlType::bf16:
+      return 1;
     case GgmlType::q4_0:
     case GgmlType::q4_1:
     case GgmlType::q5_0:
     case GgmlType::q5_1:
     case GgmlType::q8_0:
-    case GgmlType::q8_1: return 32;
-    default: return 0;
+    case GgmlType::q8_1:
+      return 32;
+    default:
+      return 0;
   }
 }
 
 std::size_t block_bytes(GgmlType type) {
   switch (type) {
-    case GgmlType::f32: return 4;
+    case GgmlType::f32:
+      return 4;
     case GgmlType::f16:
-    case GgmlType::bf16: return 2;
-    case GgmlType::q4_0: return 2 + 16;          // d, 32 nibbles
-    case GgmlType::q4_1: return 2 + 2 + 16;      // d, m, 32 nibbles
-    case GgmlType::q5_0: return 2 + 4 + 16;      // d, high bits, nibbles
-    case GgmlType::q5_1: return 2 + 2 + 4 + 16;  // d, m, high bits, nibbles
-    case GgmlType::q8_0: return 2 + 32;          // d, 32 int8
-    case GgmlType::q8_1: return 2 + 2 + 32;      // d, s (sum, unused here), 32 int8
-    default: return 0;
+    case GgmlType::bf16:
+      return 2;
+    case GgmlType::q4_0:
+      return 2 + 16;  // d, 32 nibbles
+    case GgmlType::q4_1:
+      return 2 + 2 + 16;  // d, m, 32 nibbles
+    case GgmlType::q5_0:
+      return 2 + 4 + 16;  // d, high bits, nibbles
+    case GgmlType::q5_1:
+      return 2 + 2 + 4 + 16;  // d, m, high bits, nibbles
+    case GgmlType::q8_0:
+      return 2 + 32;  // d, 32 int8
+    case GgmlType::q8_1:
+      return 2 + 2 + 32;  // d, s (sum, unused here), 32 int8
+    default:
+      return 0;
   }
 }
 
@@ -119,8 +151,10 @@ std::uint8_t byte_at(const std::byte* p, std::size_t i) { return std::to_integer
 void dequantize_into(GgmlType type, const std::byte* src, std::size_t count, float* dst) {
   const std::size_t per_block = block_elements(type);
   if (per_block == 0) {
-    fail(ErrorCode::invalid_argument, "cannot dequantize tensor type {}: not supported (supported: f32, f16, "
-         "bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q8_1)", type_name(type));
+    fail(ErrorCode::invalid_argument,
+         "cannot dequantize tensor type {}: not supported (supported: f32, f16, "
+         "bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q8_1)",
+         type_name(type));
   }
   if (count % per_block != 0) {
     fail(ErrorCode::invalid_argument, "cannot dequantize {} elements of type {}: not a multiple of the block size {}",
@@ -243,19 +277,32 @@ namespace {
 
 std::string_view value_type_name(GgufValueType t) {
   switch (t) {
-    case GgufValueType::u8: return "u8";
-    case GgufValueType::i8: return "i8";
-    case GgufValueType::u16: return "u16";
-    case GgufValueType::i16: return "i16";
-    case GgufValueType::u32: return "u32";
-    case GgufValueType::i32: return "i32";
-    case GgufValueType::f32: return "f32";
-    case GgufValueType::boolean: return "bool";
-    case GgufValueType::string: return "string";
-    case GgufValueType::array: return "array";
-    case GgufValueType::u64: return "u64";
-    case GgufValueType::i64: return "i64";
-    case GgufValueType::f64: return "f64";
+    case GgufValueType::u8:
+      return "u8";
+    case GgufValueType::i8:
+      return "i8";
+    case GgufValueType::u16:
+      return "u16";
+    case GgufValueType::i16:
+      return "i16";
+    case GgufValueType::u32:
+      return "u32";
+    case GgufValueType::i32:
+      return "i32";
+    case GgufValueType::f32:
+      return "f32";
+    case GgufValueType::boolean:
+      return "bool";
+    case GgufValueType::string:
+      return "string";
+    case GgufValueType::array:
+      return "array";
+    case GgufValueType::u64:
+      return "u64";
+    case GgufValueType::i64:
+      return "i64";
+    case GgufValueType::f64:
+      return "f64";
   }
   return "unknown";
 }
@@ -320,40 +367,68 @@ std::size_t scalar_size(GgufValueType t) {
   switch (t) {
     case GgufValueType::u8:
     case GgufValueType::i8:
-    case GgufValueType::boolean: return 1;
+    case GgufValueType::boolean:
+      return 1;
     case GgufValueType::u16:
-    case GgufValueType::i16: return 2;
+    case GgufValueType::i16:
+      return 2;
     case GgufValueType::u32:
     case GgufValueType::i32:
-    case GgufValueType::f32: return 4;
+    case GgufValueType::f32:
+      return 4;
     case GgufValueType::u64:
     case GgufValueType::i64:
-    case GgufValueType::f64: return 8;
-    default: return 0;
+    case GgufValueType::f64:
+      return 8;
+    default:
+      return 0;
   }
 }
 
 // Reads one scalar of type t into v (i / u / f / s).
 void read_scalar(Reader& in, GgufValueType t, GgufFile::Value& v, std::string_view what) {
   switch (t) {
-    case GgufValueType::u8: v.u = in.read<std::uint8_t>(what); return;
-    case GgufValueType::i8: v.i = in.read<std::int8_t>(what); return;
-    case GgufValueType::u16: v.u = in.read<std::uint16_t>(what); return;
-    case GgufValueType::i16: v.i = in.read<std::int16_t>(what); return;
-    case GgufValueType::u32: v.u = in.read<std::uint32_t>(what); return;
-    case GgufValueType::i32: v.i = in.read<std::int32_t>(what); return;
-    case GgufValueType::u64: v.u = in.read<std::uint64_t>(what); return;
-    case GgufValueType::i64: v.i = in.read<std::int64_t>(what); return;
-    case GgufValueType::f32: v.f = in.read<float>(what); return;
-    case GgufValueType::f64: v.f = in.read<double>(what); return;
+    case GgufValueType::u8:
+      v.u = in.read<std::uint8_t>(what);
+      return;
+    case GgufValueType::i8:
+      v.i = in.read<std::int8_t>(what);
+      return;
+    case GgufValueType::u16:
+      v.u = in.read<std::uint16_t>(what);
+      return;
+    case GgufValueType::i16:
+      v.i = in.read<std::int16_t>(what);
+      return;
+    case GgufValueType::u32:
+      v.u = in.read<std::uint32_t>(what);
+      return;
+    case GgufValueType::i32:
+      v.i = in.read<std::int32_t>(what);
+      return;
+    case GgufValueType::u64:
+      v.u = in.read<std::uint64_t>(what);
+      return;
+    case GgufValueType::i64:
+      v.i = in.read<std::int64_t>(what);
+      return;
+    case GgufValueType::f32:
+      v.f = in.read<float>(what);
+      return;
+    case GgufValueType::f64:
+      v.f = in.read<double>(what);
+      return;
     case GgufValueType::boolean: {
       const auto b = in.read<std::uint8_t>(what);
       if (b > 1) in.bad(fmt::format("{}: bool value {}", what, b));
       v.i = b;
       return;
     }
-    case GgufValueType::string: v.s = in.read_string(what); return;
-    default: break;
+    case GgufValueType::string:
+      v.s = in.read_string(what);
+      return;
+    default:
+      break;
   }
   in.bad(fmt::format("{}: unknown value type {}", what, static_cast<std::uint32_t>(t)));
 }
@@ -599,8 +674,8 @@ std::vector<float> GgufFile::reals(std::string_view key) const {
 
 std::vector<std::int64_t> GgufFile::ints(std::string_view key) const {
   const Value& v = value(key);
-  if (v.type != GgufValueType::array || !(is_signed_type(v.element) || is_unsigned_type(v.element) ||
-                                          v.element == GgufValueType::boolean)) {
+  if (v.type != GgufValueType::array ||
+      !(is_signed_type(v.element) || is_unsigned_type(v.element) || v.element == GgufValueType::boolean)) {
     fail(ErrorCode::invalid_argument, "{}: key {} is not an array of integers", path_.string(), key);
   }
   if (!is_unsigned_type(v.element)) return v.ints;

@@ -173,9 +173,7 @@ SKV_INLINE v8 load8(const float* p) {
 }
 SKV_INLINE void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
 SKV_INLINE v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-SKV_INLINE float hsum(v8 v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+SKV_INLINE float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 SKV_INLINE float hmax(v8 v) {
   float m = v[0];
   for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
@@ -248,10 +246,17 @@ SKV_CLONES void gemm_nt(const float* A, std::size_t lda, const float* B, std::si
     std::size_t t = 0;
     for (; t + 4 <= T; t += 4) tile_row<4>(A + t * lda, lda, B, ldb, C + t * ldc, ldc, b0, b1, K);
     switch (T - t) {
-      case 3: tile_row<3>(A + t * lda, lda, B, ldb, C + t * ldc, ldc, b0, b1, K); break;
-      case 2: tile_row<2>(A + t * lda, lda, B, ldb, C + t * ldc, ldc, b0, b1, K); break;
-      case 1: tile_row<1>(A + t * lda, lda, B, ldb, C + t * ldc, ldc, b0, b1, K); break;
-      default: break;
+      case 3:
+        tile_row<3>(A + t * lda, lda, B, ldb, C + t * ldc, ldc, b0, b1, K);
+        break;
+      case 2:
+        tile_row<2>(A + t * lda, lda, B, ldb, C + t * ldc, ldc, b0, b1, K);
+        break;
+      case 1:
+        tile_row<1>(A + t * lda, lda, B, ldb, C + t * ldc, ldc, b0, b1, K);
+        break;
+      default:
+        break;
     }
   }
 }
@@ -368,16 +373,16 @@ void apply_rope(float* x, std::uint32_t heads, std::uint32_t head_dim, std::uint
 struct LlamaModel::Weights {
   struct Layer {
     std::vector<float> attn_norm, ffn_norm;
-    std::vector<float> qkv;     // [q_heads*hd + 2*kv_heads*hd][hidden]: attn_q, attn_k, attn_v
-    std::vector<float> out;     // [hidden][q_heads*hd]
-    std::vector<float> gate_up; // [2*ffn][hidden]: ffn_gate, ffn_up
-    std::vector<float> down;    // [hidden][ffn]
+    std::vector<float> qkv;      // [q_heads*hd + 2*kv_heads*hd][hidden]: attn_q, attn_k, attn_v
+    std::vector<float> out;      // [hidden][q_heads*hd]
+    std::vector<float> gate_up;  // [2*ffn][hidden]: ffn_gate, ffn_up
+    std::vector<float> down;     // [hidden][ffn]
   };
   std::vector<float> embedding;  // [vocab][hidden]
   std::vector<float> output;     // [vocab][hidden]; empty = tied to embedding
   std::vector<float> output_norm;
   std::vector<Layer> layers;
-  std::vector<float> inv_freq;   // [head_dim / 2]
+  std::vector<float> inv_freq;  // [head_dim / 2]
 
   const float* head() const { return output.empty() ? embedding.data() : output.data(); }
 };
@@ -401,7 +406,8 @@ void append(std::vector<float>& to, std::vector<float>&& from) { to.insert(to.en
 LlamaModel::LlamaModel(const GgufFile& file) : w_(std::make_unique<Weights>()) {
   const std::string arch = file.has("general.architecture") ? file.string("general.architecture") : "";
   if (arch != "llama") {
-    fail(ErrorCode::invalid_argument, "{}: architecture '{}' is not supported (only llama)", file.path().string(), arch);
+    fail(ErrorCode::invalid_argument, "{}: architecture '{}' is not supported (only llama)", file.path().string(),
+         arch);
   }
   auto u32 = [&](std::string_view key) { return static_cast<std::uint32_t>(file.uint(key)); };
   LlamaConfig& c = config_;
@@ -417,13 +423,15 @@ LlamaModel::LlamaModel(const GgufFile& file) : w_(std::make_unique<Weights>()) {
   c.rope_base = file.has("llama.rope.freq_base") ? static_cast<float>(file.real("llama.rope.freq_base")) : 10000.0f;
   if (c.layers == 0 || c.hidden == 0 || c.q_heads == 0 || c.kv_heads == 0 || c.q_heads % c.kv_heads != 0 ||
       c.head_dim == 0 || c.head_dim % 2 != 0 || c.ffn == 0) {
-    fail(ErrorCode::invalid_argument, "{}: unsupported llama hyper-parameters (layers {}, hidden {}, heads {}/{}, head_dim {})",
+    fail(ErrorCode::invalid_argument,
+         "{}: unsupported llama hyper-parameters (layers {}, hidden {}, heads {}/{}, head_dim {})",
          file.path().string(), c.layers, c.hidden, c.q_heads, c.kv_heads, c.head_dim);
   }
   if (file.has("llama.rope.dimension_count") && u32("llama.rope.dimension_count") != c.head_dim) {
     fail(ErrorCode::invalid_argument, "{}: partial rotary embeddings are not supported", file.path().string());
   }
-  if (!file.has_tensor("token_embd.weight")) fail(ErrorCode::not_found, "{}: no token_embd.weight", file.path().string());
+  if (!file.has_tensor("token_embd.weight"))
+    fail(ErrorCode::not_found, "{}: no token_embd.weight", file.path().string());
   c.vocab = static_cast<std::uint32_t>(file.tensor("token_embd.weight").rows());
 
   const std::uint64_t H = c.hidden, F = c.ffn, QD = std::uint64_t{c.q_heads} * c.head_dim,
@@ -518,7 +526,8 @@ void LlamaModel::prefill(std::span<const std::int32_t> tokens, std::span<Attenti
     for (std::size_t i = 0; i < T * H; ++i) x[i] += tmp[i];
     rmsnorm(x.data(), T, H, L.ffn_norm.data(), c.rms_eps, xn.data());
     matmul(xn.data(), T, L.gate_up.data(), 2 * F, H, gu.data());
-    parallel_rows(T, 1, [&](std::size_t b, std::size_t e) { swiglu_rows(gu.data() + b * 2 * F, e - b, F, h.data() + b * F); });
+    parallel_rows(
+        T, 1, [&](std::size_t b, std::size_t e) { swiglu_rows(gu.data() + b * 2 * F, e - b, F, h.data() + b * F); });
     matmul(h.data(), T, L.down.data(), H, F, tmp.data());
     for (std::size_t i = 0; i < T * H; ++i) x[i] += tmp[i];
   }
@@ -536,7 +545,8 @@ void LlamaModel::decode(std::span<const std::int32_t> tokens, std::uint32_t posi
                         std::span<AttentionBackend* const> rows, float* logits) const {
   const LlamaConfig& c = config_;
   const std::size_t R = rows.size();
-  if (R == 0 || tokens.size() != R) fail(ErrorCode::invalid_argument, "decode: {} tokens for {} rows", tokens.size(), R);
+  if (R == 0 || tokens.size() != R)
+    fail(ErrorCode::invalid_argument, "decode: {} tokens for {} rows", tokens.size(), R);
   const std::size_t H = c.hidden, QD = std::size_t{c.q_heads} * c.head_dim, KD = std::size_t{c.kv_heads} * c.head_dim,
                     QKV = QD + 2 * KD, F = c.ffn;
   std::vector<float> x(R * H), xn(R * H), qkv(R * QKV), att(R * QD), tmp(R * H), gu(R * 2 * F), h(R * F);
@@ -620,9 +630,10 @@ void SparseSession::prefill(std::uint32_t layer, const float* k, const float* v,
 
 void SparseSession::decode(std::uint32_t layer, const float* q, const float* k, const float* v, float* out) {
   const ModelShape& shape = manager_.buffer().shape();
-  const std::size_t nq = std::size_t{shape.q_heads} * shape.head_dim, nkv = std::size_t{shape.kv_heads} * shape.head_dim;
-  manager_.decode(std::span<const RequestId>(&id_, 1), layer, stored(q, nq, q_), stored(k, nkv, k_),
-                  stored(v, nkv, v_), out, executor_);
+  const std::size_t nq = std::size_t{shape.q_heads} * shape.head_dim,
+                    nkv = std::size_t{shape.kv_heads} * shape.head_dim;
+  manager_.decode(std::span<const RequestId>(&id_, 1), layer, stored(q, nq, q_), stored(k, nkv, k_), stored(v, nkv, v_),
+                  out, executor_);
 }
 
 // ---- helpers ----------------------------------------------------------------------

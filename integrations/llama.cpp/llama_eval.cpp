@@ -73,8 +73,8 @@ std::vector<llama_token> tokenize(const llama_model* model, const std::string& t
                                   std::int32_t(tokens.size()), true, false);
   if (n < 0) {
     tokens.resize(std::size_t(-n));
-    n = llama_tokenize(vocab, text.data(), std::int32_t(text.size()), tokens.data(), std::int32_t(tokens.size()),
-                       true, false);
+    n = llama_tokenize(vocab, text.data(), std::int32_t(text.size()), tokens.data(), std::int32_t(tokens.size()), true,
+                       false);
   }
   if (n < 0) fail(ErrorCode::invalid_argument, "llama_tokenize failed ({})", n);
   tokens.resize(std::size_t(n));
@@ -88,8 +88,9 @@ void check_setup(const EvalSetup& s) {
     fail(ErrorCode::invalid_argument, "eval: a model, prefill > 0, tokens > 0 and parallel > 0 are needed");
   }
   if (s.text.size() < eval_text_tokens(s)) {
-    fail(ErrorCode::invalid_argument, "eval: the text has {} tokens; {} are needed ({} sequences x {} steps + {} + {} + 1)",
-         s.text.size(), eval_text_tokens(s), s.parallel, s.tokens, s.prefill, s.tokens);
+    fail(ErrorCode::invalid_argument,
+         "eval: the text has {} tokens; {} are needed ({} sequences x {} steps + {} + {} + 1)", s.text.size(),
+         eval_text_tokens(s), s.parallel, s.tokens, s.prefill, s.tokens);
   }
 }
 

@@ -23,9 +23,9 @@ namespace sparsekv::llama_cpp {
 struct EvalSetup {
   llama_model* model = nullptr;
   std::vector<llama_token> text;
-  std::uint32_t prefill = 1024;   // prompt tokens per sequence
-  std::uint32_t tokens = 64;      // teacher-forced decode steps
-  std::uint32_t parallel = 1;     // sequences decoded at once; sequence j starts j * tokens into the text
+  std::uint32_t prefill = 1024;  // prompt tokens per sequence
+  std::uint32_t tokens = 64;     // teacher-forced decode steps
+  std::uint32_t parallel = 1;    // sequences decoded at once; sequence j starts j * tokens into the text
   std::int32_t threads = 2;
   bool flash_attn = true;
   // The K/V cache type: f16 (llama.cpp's default), f32 or q8_0, for
@@ -35,24 +35,24 @@ struct EvalSetup {
 };
 
 struct EvalVariant {
-  std::string policy = "llama";   // "llama": the hook off; else a sparsekv policy through the hook
+  std::string policy = "llama";  // "llama": the hook off; else a sparsekv policy through the hook
   std::uint32_t budget_tokens = 0;
 };
 
 // Per decode step and sequence, the log-softmax of the next-token logits.
 struct Distributions {
   std::uint32_t vocab = 0;
-  std::vector<float> log_probs;   // [step][sequence][vocab]
+  std::vector<float> log_probs;  // [step][sequence][vocab]
 };
 
 struct EvalResult {
   std::string policy;
   std::uint32_t budget_tokens = 0;
-  double perplexity = 0;          // exp(mean -log p(next text token)) over the decode steps
-  double kld_mean = 0;            // mean KL(llama's own || this) per step and sequence; 0 for the reference
-  double top1_agreement = 1;      // share of steps whose argmax is llama's own
-  double tokens_per_s = 0;        // decode rows / llama_decode time, steps 2..tokens (the first indexes the prompt)
-  std::uint64_t hook_rows = 0;    // decode rows the library attended in a sparse decode step (over the hooked layers)
+  double perplexity = 0;        // exp(mean -log p(next text token)) over the decode steps
+  double kld_mean = 0;          // mean KL(llama's own || this) per step and sequence; 0 for the reference
+  double top1_agreement = 1;    // share of steps whose argmax is llama's own
+  double tokens_per_s = 0;      // decode rows / llama_decode time, steps 2..tokens (the first indexes the prompt)
+  std::uint64_t hook_rows = 0;  // decode rows the library attended in a sparse decode step (over the hooked layers)
   std::uint64_t hook_prompt_rows = 0;  // prompt rows the library attended (over the hooked layers)
 };
 

@@ -62,7 +62,7 @@ struct Hook::State {
   std::unique_ptr<RuntimeManager> manager;  // made at the first op, when the shape is known
   std::map<llama_seq_id, Sequence> sequences;
   RequestId next_request = 1;
-  ModelShape shape;              // the library's: one layer per hooked layer
+  ModelShape shape;             // the library's: one layer per hooked layer
   float llama_kq_scale = 0.0f;  // every hooked layer's; Config::attention_scale follows from it
   std::uint32_t max_tokens = 0;
   ErrorSlot failure;  // an op's: stops the graph (hook_abort) until cleared
@@ -70,7 +70,7 @@ struct Hook::State {
   SpinBarrier barrier;
   std::atomic<bool> stepping{false};  // this op's decode rows go through a library step
   HostStep<AnyPolicy>* step = nullptr;
-  PromptAttention prompts;            // this op's prompt rows
+  PromptAttention prompts;  // this op's prompt rows
   std::vector<PromptChunk> chunks;
   std::uint64_t decode_count = 0, prompt_count = 0, extend_count = 0;
   // The op's tensors in the model dtype, its batch, and where each batch row came from.
@@ -90,7 +90,8 @@ struct Hook::State {
 
   std::uint32_t layer_of(std::int32_t il) const {
     const auto it = std::find(layers.begin(), layers.end(), il);
-    if (it == layers.end()) fail(ErrorCode::failed_precondition, "layer {} was not hooked when the library was made", il);
+    if (it == layers.end())
+      fail(ErrorCode::failed_precondition, "layer {} was not hooked when the library was made", il);
     return static_cast<std::uint32_t>(it - layers.begin());
   }
 
@@ -117,7 +118,8 @@ struct Hook::State {
     std::sort(layers.begin(), layers.end());
     shape = ModelShape{static_cast<std::uint32_t>(layers.size()), q_heads, kv_heads, head_dim, options.dtype};
     llama_kq_scale = kq_scale;
-    AnyPolicy policy = options.custom_policy ? *options.custom_policy : make_policy(options.policy, options.budget_tokens);
+    AnyPolicy policy =
+        options.custom_policy ? *options.custom_policy : make_policy(options.policy, options.budget_tokens);
     Config base;
     base.page_tokens = options.page_tokens;
     base.kv_storage = options.kv_storage;
@@ -179,9 +181,15 @@ struct Hook::State {
   void narrow(const float* from, std::size_t n, std::vector<std::byte>& to) const {
     to.resize(n * dtype_size(options.dtype));
     switch (options.dtype) {
-      case DType::f32: std::memcpy(to.data(), from, n * sizeof(float)); return;
-      case DType::f16: ggml_cpu_fp32_to_fp16(from, reinterpret_cast<ggml_fp16_t*>(to.data()), std::int64_t(n)); return;
-      case DType::bf16: ggml_cpu_fp32_to_bf16(from, reinterpret_cast<ggml_bf16_t*>(to.data()), std::int64_t(n)); return;
+      case DType::f32:
+        std::memcpy(to.data(), from, n * sizeof(float));
+        return;
+      case DType::f16:
+        ggml_cpu_fp32_to_fp16(from, reinterpret_cast<ggml_fp16_t*>(to.data()), std::int64_t(n));
+        return;
+      case DType::bf16:
+        ggml_cpu_fp32_to_bf16(from, reinterpret_cast<ggml_bf16_t*>(to.data()), std::int64_t(n));
+        return;
     }
   }
 
@@ -244,10 +252,18 @@ struct Hook::State {
 
   void follow(const llama_attn_hook_memory_call& c) {
     switch (c.op) {
-      case LLAMA_ATTN_HOOK_MEMORY_CLEAR: finish_all(); return;
-      case LLAMA_ATTN_HOOK_MEMORY_SEQ_RM: follow_seq_rm(c.seq, c.p0, c.p1); return;
-      case LLAMA_ATTN_HOOK_MEMORY_SEQ_CP: follow_seq_cp(c.seq, c.dest, c.p0, c.p1); return;
-      case LLAMA_ATTN_HOOK_MEMORY_SEQ_KEEP: follow_seq_keep(c.seq); return;
+      case LLAMA_ATTN_HOOK_MEMORY_CLEAR:
+        finish_all();
+        return;
+      case LLAMA_ATTN_HOOK_MEMORY_SEQ_RM:
+        follow_seq_rm(c.seq, c.p0, c.p1);
+        return;
+      case LLAMA_ATTN_HOOK_MEMORY_SEQ_CP:
+        follow_seq_cp(c.seq, c.dest, c.p0, c.p1);
+        return;
+      case LLAMA_ATTN_HOOK_MEMORY_SEQ_KEEP:
+        follow_seq_keep(c.seq);
+        return;
       case LLAMA_ATTN_HOOK_MEMORY_SEQ_ADD:
         if (c.delta != 0 && holds_any(c.seq)) {
           fail(ErrorCode::failed_precondition,
@@ -263,16 +279,15 @@ struct Hook::State {
     }
     fail(ErrorCode::invalid_argument, "memory call {} is not one sparsekv knows", int(c.op));
   }
-  bool holds_any(llama_seq_id seq) const {
-    return seq < 0 ? !sequences.empty() : sequences.contains(seq);
-  }
+  bool holds_any(llama_seq_id seq) const { return seq < 0 ? !sequences.empty() : sequences.contains(seq); }
   void finish_all() {
     for (const auto& [seq, sequence] : sequences) manager->finish(sequence.request);
     sequences.clear();
   }
   void follow_seq_rm(llama_seq_id seq, llama_pos p0, llama_pos p1) {
     if (seq < 0) {  // llama.cpp: every sequence
-      if (p0 > 0 || p1 >= 0) fail(ErrorCode::invalid_argument, "seq_rm: sparsekv follows removing every sequence whole only");
+      if (p0 > 0 || p1 >= 0)
+        fail(ErrorCode::invalid_argument, "seq_rm: sparsekv follows removing every sequence whole only");
       finish_all();
       return;
     }
@@ -452,8 +467,8 @@ struct Hook::State {
       while (end < c.n_tokens && c.seq[end] == c.seq[i] && c.pos[end] == c.pos[end - 1] + 1) ++end;
       if (std::find(seen.begin(), seen.end(), c.seq[i]) != seen.end()) {
         fail(ErrorCode::invalid_argument,
-             "layer {} row {}: the rows of sequence {} are not adjacent at consecutive positions in the ubatch",
-             c.il, i, c.seq[i]);
+             "layer {} row {}: the rows of sequence {} are not adjacent at consecutive positions in the ubatch", c.il,
+             i, c.seq[i]);
       }
       seen.push_back(c.seq[i]);
       const RequestId id = request_of(c, i, layer);
@@ -627,8 +642,9 @@ void write_snapshot_header(StateWriter& w, const SequenceSnapshot& snapshot) {
 
 SequenceSnapshot read_snapshot(StateReader& r) {
   if (r.get<std::uint32_t>() != kSnapshotMagic) {
-    fail(ErrorCode::invalid_argument, "state load: no sparsekv K/V where the state should hold them (a state saved "
-                                      "without --sparse-attn?)");
+    fail(ErrorCode::invalid_argument,
+         "state load: no sparsekv K/V where the state should hold them (a state saved "
+         "without --sparse-attn?)");
   }
   SequenceSnapshot snapshot;
   const auto layers = r.get<std::uint32_t>();
@@ -665,15 +681,17 @@ SequenceSnapshot read_snapshot(StateReader& r) {
 
 void Hook::State::write_sequence(StateWriter& w, llama_seq_id seq, std::uint32_t tokens) {
   const DType stored = *options.kv_storage;
-  write_snapshot_header(w, SequenceSnapshot{layers, shape.q_heads, shape.kv_heads, shape.head_dim, llama_kq_scale,
-                                            stored, tokens, {}, {}});
+  write_snapshot_header(
+      w,
+      SequenceSnapshot{layers, shape.q_heads, shape.kv_heads, shape.head_dim, llama_kq_scale, stored, tokens, {}, {}});
   const std::size_t bytes = std::size_t{tokens} * shape.kv_heads * dtype_row_bytes(stored, shape.head_dim);
   if (!w.size_only()) {
     state_k.resize(bytes);
     state_v.resize(bytes);
   }
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
-    if (!w.size_only()) manager->read_kv(sequences.at(seq).request, l, 0, tokens, state_k.data(), state_v.data(), stored);
+    if (!w.size_only())
+      manager->read_kv(sequences.at(seq).request, l, 0, tokens, state_k.data(), state_v.data(), stored);
     w.bytes(w.size_only() ? nullptr : state_k.data(), bytes);
     w.bytes(w.size_only() ? nullptr : state_v.data(), bytes);
   }
@@ -775,8 +793,7 @@ std::int32_t hook_metrics(void* user, char* buf, std::size_t size) {
   metric("extend_rows_total", "counter", "Rows of multi-token continuations (one decode step each).",
          double(s.extend_count));
   metric("decode_steps_total", "counter", "(request, layer) decode steps.", double(st.decode_steps));
-  metric("pages_selected_total", "counter", "Pages (one kv head each) the policy selected.",
-         double(st.pages_selected));
+  metric("pages_selected_total", "counter", "Pages (one kv head each) the policy selected.", double(st.pages_selected));
   metric("bytes_attended_total", "counter", "K and V bytes of the selected tokens, as stored.",
          double(2 * st.tokens_selected * row_bytes));
   metric("sequences", "gauge", "Sequences the library holds.", double(s.sequences.size()));
@@ -847,7 +864,6 @@ Hook::Hook(llama_model* model, const llama_context_params& params, const HookOpt
 }
 
 Hook::~Hook() { llama_free(state_->ctx); }
-
 
 llama_context* Hook::context() const noexcept { return state_->ctx; }
 

@@ -59,21 +59,21 @@ namespace sparsekv::llama_cpp {
 struct SequenceSnapshot {
   std::vector<std::int32_t> layers;  // the hooked llama layers; k[l] / v[l] are layers[l]'s
   std::uint32_t q_heads = 0, kv_heads = 0, head_dim = 0;
-  float kq_scale = 0;                // llama.cpp's, as the hook received it
+  float kq_scale = 0;  // llama.cpp's, as the hook received it
   DType dtype = DType::f16;
-  std::uint32_t tokens = 0;          // positions 0 .. tokens-1
+  std::uint32_t tokens = 0;                  // positions 0 .. tokens-1
   std::vector<std::vector<std::byte>> k, v;  // [layer][tokens][kv_heads][head_dim], dtype (q8_0: blocks)
 };
 
 struct HookOptions {
-  std::string policy = "quest";    // make_policy's names (sparsekv::policy_names, eviction_policy_names)
+  std::string policy = "quest";  // make_policy's names (sparsekv::policy_names, eviction_policy_names)
   std::uint32_t budget_tokens = 1024;
   // An engine's own policy (any SparseAttention type, examples/custom_policy.cpp)
   // served instead of `policy`, which then only names it (/metrics' label);
   // budget_tokens is then the policy's own business.
   std::optional<AnyPolicy> custom_policy;
   std::uint32_t page_tokens = 16;
-  DType dtype = DType::f16;        // the rows the hook hands the library (llama.cpp's default cache type)
+  DType dtype = DType::f16;  // the rows the hook hands the library (llama.cpp's default cache type)
   // How the library stores them: the dtype above, or q8_0. Unset: from the
   // context's cache types, q8_0 for `-ctk q8_0 -ctv q8_0`, else `dtype`;
   // other quantized cache types are refused.
@@ -152,9 +152,9 @@ class Hook {
   // operation (StepStats), and the rows and hooked layers served: rows summed
   // over the hooked layers, by the way they were attended.
   StepStats stats() const;
-  std::uint64_t decode_rows() const;   // a sparse decode step's rows
-  std::uint64_t prompt_rows() const;   // prompt attention
-  std::uint64_t extend_rows() const;   // decode steps of several tokens of a sequence (Manager::extend)
+  std::uint64_t decode_rows() const;  // a sparse decode step's rows
+  std::uint64_t prompt_rows() const;  // prompt attention
+  std::uint64_t extend_rows() const;  // decode steps of several tokens of a sequence (Manager::extend)
   std::vector<std::int32_t> hooked_layers() const;
   // Tokens the library holds for `seq` in its first hooked layer (staged
   // prompt included); 0 for an unknown sequence.

@@ -162,8 +162,7 @@ int generate(const tools::CommandLine& cli) {
   fmt::print(stderr,
              "sparsekv-llama: prompt {:.1f} tokens/s, first decode step {:.1f} ms, then {} tokens at {:.1f} "
              "tokens/s, peak RSS {:.0f} MiB\n",
-             double(tokens.size()) / prefill_s, first_s * 1e3, produced > 0 ? produced - 1 : 0, decode_rate,
-             peak_mib);
+             double(tokens.size()) / prefill_s, first_s * 1e3, produced > 0 ? produced - 1 : 0, decode_rate, peak_mib);
   if (cli.has("--json")) {
     std::ofstream out(cli.text("--json", ""));
     out << fmt::format(
@@ -232,9 +231,9 @@ int eval(const tools::CommandLine& cli) {
   const bool yardstick = on_off(cli, "--yardstick", false);
   const auto show = [](const Row& row) {
     const EvalResult& r = row.result;
-    fmt::print("{:<16} {:>5} {:>7} {:>11.4f} {:>10.2e} {:>7.3f} {:>9.1f} {:>12} {:>10}\n", r.policy,
-               to_string(row.kv), r.budget_tokens == 0 ? std::string("-") : fmt::format("{}", r.budget_tokens),
-               r.perplexity, r.kld_mean, r.top1_agreement, r.tokens_per_s,
+    fmt::print("{:<16} {:>5} {:>7} {:>11.4f} {:>10.2e} {:>7.3f} {:>9.1f} {:>12} {:>10}\n", r.policy, to_string(row.kv),
+               r.budget_tokens == 0 ? std::string("-") : fmt::format("{}", r.budget_tokens), r.perplexity, r.kld_mean,
+               r.top1_agreement, r.tokens_per_s,
                row.vs_first ? fmt::format("{:.2e}", row.vs_first->kld_mean) : std::string("-"),
                row.vs_first ? fmt::format("{:.3f}", row.vs_first->top1) : std::string("-"));
     std::fflush(stdout);
@@ -274,9 +273,10 @@ int eval(const tools::CommandLine& cli) {
   }
   if (cli.has("--json")) {
     std::ofstream out(cli.text("--json", ""));
-    out << fmt::format("{{\"prefill\": {}, \"tokens\": {}, \"parallel\": {}, \"threads\": {}, "
-                       "\"shared_prefill_s\": [{}], \"results\": [",
-                       setup.prefill, setup.tokens, setup.parallel, setup.threads, fmt::join(prefill_s, ", "));
+    out << fmt::format(
+        "{{\"prefill\": {}, \"tokens\": {}, \"parallel\": {}, \"threads\": {}, "
+        "\"shared_prefill_s\": [{}], \"results\": [",
+        setup.prefill, setup.tokens, setup.parallel, setup.threads, fmt::join(prefill_s, ", "));
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const EvalResult& r = rows[i].result;
       const auto& vs = rows[i].vs_first;
@@ -308,11 +308,12 @@ int main(int argc, char** argv) {
   try {
     llama_log_set(quiet_log, nullptr);
     llama_backend_init();
-    const tools::CommandLine cli(argc - 1, argv + 1,
-                                 {"--model", "--prompt", "--prompt-file", "--tokens", "--policy", "--budget",
-                                  "--threads", "--hook", "--ctx", "--text", "--prefill", "--policies", "--budgets",
-                                  "--parallel", "--page", "--flash-attn", "--kv", "--json", "--shared-prefill", "--yardstick"},
-                                 {});
+    const tools::CommandLine cli(
+        argc - 1, argv + 1,
+        {"--model", "--prompt",     "--prompt-file", "--tokens",  "--policy",         "--budget",   "--threads",
+         "--hook",  "--ctx",        "--text",        "--prefill", "--policies",       "--budgets",  "--parallel",
+         "--page",  "--flash-attn", "--kv",          "--json",    "--shared-prefill", "--yardstick"},
+        {});
     if (command == "generate") return generate(cli);
     if (command == "eval") return eval(cli);
     std::fputs(kUsage, stderr);

@@ -113,7 +113,7 @@ HWY_INLINE void Dots(D df, const float* HWY_RESTRICT q, const std::byte* const (
   hn::Vec<D> sums[R][G];
   for (std::uint32_t r = 0; r < R; ++r)
     for (std::uint32_t b = 0; b < G; ++b) sums[r][b] = hn::Zero(df);
-  const auto add = [&](std::size_t j, const hn::Vec<D> (&rows)[R]) {
+  const auto add = [&](std::size_t j, const hn::Vec<D>(&rows)[R]) {
     for (std::uint32_t b = 0; b < G; ++b) {
       const auto qv = InRegister(hn::LoadU(df, q + std::size_t{b} * d + j));
       for (std::uint32_t r = 0; r < R; ++r) sums[r][b] = hn::MulAdd(qv, rows[r], sums[r][b]);
@@ -351,7 +351,7 @@ void FoldHeads(const PageFold& f, const FoldPageRef* pages, std::uint32_t count,
   const PageLayout& layout = f.layout;
   const std::uint32_t d = layout.head_dim, group = f.group, pt = layout.page_tokens;
   const std::size_t full = RowLanesFit<T>(lanes) ? d / lanes * lanes : 0;  // the tail [full, d) in scalar code
-  float* HWY_RESTRICT w = f.weights;  // [tile slots][W]: scores, then weights
+  float* HWY_RESTRICT w = f.weights;                                       // [tile slots][W]: scores, then weights
   const float* HWY_RESTRICT q = f.q + std::size_t{g0} * d;
   // 1. Scores (a dead slot's is computed, then -inf). Each slot's turn also
   //    asks for its V row (read in step 3 column by column, which the
@@ -432,14 +432,30 @@ void FoldPagesOf(const PageFold& f, const FoldPageRef* pages, std::uint32_t coun
   for (std::uint32_t g0 = 0; g0 < f.group; g0 += kGroupBlock) {
     const std::byte* ahead = g0 == 0 ? next : nullptr;
     switch (std::min(kGroupBlock, f.group - g0)) {
-      case 1: FoldHeads<T, 1>(f, pages, count, g0, ahead); break;
-      case 2: FoldHeads<T, 2>(f, pages, count, g0, ahead); break;
-      case 3: FoldHeads<T, 3>(f, pages, count, g0, ahead); break;
-      case 4: FoldHeads<T, 4>(f, pages, count, g0, ahead); break;
-      case 5: FoldHeads<T, 5>(f, pages, count, g0, ahead); break;
-      case 6: FoldHeads<T, 6>(f, pages, count, g0, ahead); break;
-      case 7: FoldHeads<T, 7>(f, pages, count, g0, ahead); break;
-      default: FoldHeads<T, 8>(f, pages, count, g0, ahead); break;
+      case 1:
+        FoldHeads<T, 1>(f, pages, count, g0, ahead);
+        break;
+      case 2:
+        FoldHeads<T, 2>(f, pages, count, g0, ahead);
+        break;
+      case 3:
+        FoldHeads<T, 3>(f, pages, count, g0, ahead);
+        break;
+      case 4:
+        FoldHeads<T, 4>(f, pages, count, g0, ahead);
+        break;
+      case 5:
+        FoldHeads<T, 5>(f, pages, count, g0, ahead);
+        break;
+      case 6:
+        FoldHeads<T, 6>(f, pages, count, g0, ahead);
+        break;
+      case 7:
+        FoldHeads<T, 7>(f, pages, count, g0, ahead);
+        break;
+      default:
+        FoldHeads<T, 8>(f, pages, count, g0, ahead);
+        break;
     }
   }
 }

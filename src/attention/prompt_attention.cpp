@@ -28,13 +28,13 @@ constexpr std::size_t round_up(std::size_t n, std::size_t to) { return (n + to -
 // heads) queries of head_dim d on vectors of `lanes` floats (a power of two:
 // the total only grows with lanes, so plan() sizes a slice with kMaxLanes).
 struct ScratchLayout {
-  std::size_t mp = 0, dp = 0;  // queries and head_dim rounded up to whole vectors
-  std::size_t qt = 0;          // [d][mp] the queries transposed
-  std::size_t qpos = 0;        // [mp] each query's position past its diagonal block's first
+  std::size_t mp = 0, dp = 0;               // queries and head_dim rounded up to whole vectors
+  std::size_t qt = 0;                       // [d][mp] the queries transposed
+  std::size_t qpos = 0;                     // [mp] each query's position past its diagonal block's first
   std::size_t max = 0, sum = 0, scale = 0;  // [mp] softmax state, and the block's accumulator scale
-  std::size_t s = 0;           // [kBlockRowsPadded][mp] the block's scores, then weights
-  std::size_t o = 0;           // [queries][dp] accumulators
-  std::size_t k = 0, v = 0;    // [kBlockRowsPadded][dp] the block's K and V rows in fp32
+  std::size_t s = 0;                        // [kBlockRowsPadded][mp] the block's scores, then weights
+  std::size_t o = 0;                        // [queries][dp] accumulators
+  std::size_t k = 0, v = 0;                 // [kBlockRowsPadded][dp] the block's K and V rows in fp32
   std::size_t total = 0;
 };
 
@@ -381,16 +381,16 @@ void check_shape(const PromptAttentionShape& shape) {
     fail(ErrorCode::invalid_argument, "prompt attention: unknown K/V dtype {}", static_cast<int>(shape.dtype));
   }
   if (shape.dtype == DType::q8_0 && shape.head_dim % kQ8BlockValues != 0) {
-    fail(ErrorCode::invalid_argument, "prompt attention: q8_0 K/V need head_dim ({}) a multiple of {}",
-         shape.head_dim, kQ8BlockValues);
+    fail(ErrorCode::invalid_argument, "prompt attention: q8_0 K/V need head_dim ({}) a multiple of {}", shape.head_dim,
+         kQ8BlockValues);
   }
   if (shape.q_heads == 0 || shape.kv_heads == 0 || shape.head_dim == 0) {
     fail(ErrorCode::invalid_argument, "prompt attention: {} q heads, {} kv heads, head_dim {}: each must be positive",
          shape.q_heads, shape.kv_heads, shape.head_dim);
   }
   if (shape.q_heads % shape.kv_heads != 0) {
-    fail(ErrorCode::invalid_argument, "prompt attention: {} q heads cannot be grouped onto {} kv heads",
-         shape.q_heads, shape.kv_heads);
+    fail(ErrorCode::invalid_argument, "prompt attention: {} q heads cannot be grouped onto {} kv heads", shape.q_heads,
+         shape.kv_heads);
   }
   if (!(std::isfinite(shape.scale) && shape.scale > 0.0f)) {
     fail(ErrorCode::invalid_argument, "prompt attention: scale {} is not positive and finite", shape.scale);

@@ -18,8 +18,8 @@ void SplitPlanAttention::prepare(const AttendCall& call) {
   }
   const std::size_t rows = std::size_t{call.batch} * call.kv_heads;
   if (plan.head_entries.size() != rows + 1) {
-    fail(ErrorCode::invalid_argument, "attend: the plan has {} head entries for {} rows",
-         plan.head_entries.size() - 1, rows);
+    fail(ErrorCode::invalid_argument, "attend: the plan has {} head entries for {} rows", plan.head_entries.size() - 1,
+         rows);
   }
   if (!plan.extra.empty() && plan.extra.size() != std::size_t{call.batch} * call.q_heads) {
     fail(ErrorCode::invalid_argument, "attend: {} extra terms for {} q heads", plan.extra.size(),
@@ -43,8 +43,7 @@ void SplitPlanAttention::prepare(const AttendCall& call) {
       fail(ErrorCode::invalid_argument, "attend: a page holds {} tokens, at most {}", tokens, pt);
     }
     for (auto i = plan.indptr[e]; i < plan.indptr[e + 1]; ++i) {
-      page_tokens_[static_cast<std::size_t>(i)] =
-          i + 1 == plan.indptr[e + 1] ? static_cast<std::uint32_t>(tokens) : pt;
+      page_tokens_[static_cast<std::size_t>(i)] = i + 1 == plan.indptr[e + 1] ? static_cast<std::uint32_t>(tokens) : pt;
     }
   }
   call_ = call;
@@ -97,9 +96,7 @@ void SplitPlanAttention::run(std::size_t first, std::size_t end) noexcept {
   }
 }
 
-bool SplitPlanAttention::all_ran() const noexcept {
-  return std::find(ran_.begin(), ran_.end(), 0) == ran_.end();
-}
+bool SplitPlanAttention::all_ran() const noexcept { return std::find(ran_.begin(), ran_.end(), 0) == ran_.end(); }
 
 void SplitPlanAttention::run_chunk(std::size_t c) noexcept {
   const AttendPlan& plan = *call_.plan;

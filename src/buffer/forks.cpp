@@ -139,11 +139,14 @@ std::uint64_t TieredKVBuffer::fork_pages(RequestId source, std::uint32_t layer, 
          specs.size(), shape_.kv_heads);
   }
   const std::uint32_t shared = fork_shared_pages(source, layer, tokens, specs);
-  if (shared > 0) return std::uint64_t{pages_for_tokens(tokens - shared * config_.page_tokens, config_.page_tokens)} * shape_.kv_heads;
+  if (shared > 0)
+    return std::uint64_t{pages_for_tokens(tokens - shared * config_.page_tokens, config_.page_tokens)} *
+           shape_.kv_heads;
   std::uint64_t pages = 0;
   for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
     const PartitionSpec& spec = specs[specs.size() == 1 ? 0 : h];
-    for (std::uint32_t p = 0; p < spec.partition_count(); ++p) pages += pages_for_tokens(spec.size(p), config_.page_tokens);
+    for (std::uint32_t p = 0; p < spec.partition_count(); ++p)
+      pages += pages_for_tokens(spec.size(p), config_.page_tokens);
   }
   return pages;
 }
@@ -189,13 +192,15 @@ void TieredKVBuffer::offload_shared(RequestId request, RequestId source, std::ui
   if (s.budget.evicts) {
     share_prefix(request, source, layer, shared);  // with the positions, masks and open page
   } else {
-    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) partitions_.map_shared_prefix(request, source, layer, h, shared);
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h)
+      partitions_.map_shared_prefix(request, source, layer, h, shared);
     s.tokens[layer] = s.ordered_tokens[layer] = shared * pt;
   }
   stats_.pages_shared += std::uint64_t{shared} * shape_.kv_heads;
   // The rest as a prefill continuing at position shared * pt.
   if (rest > 0) {
-    offload(request, layer, KvChunk{k.data(), v.data(), rest, layout_.dtype}, std::vector{PartitionSpec::uniform(rest, pt)});
+    offload(request, layer, KvChunk{k.data(), v.data(), rest, layout_.dtype},
+            std::vector{PartitionSpec::uniform(rest, pt)});
   }
 }
 

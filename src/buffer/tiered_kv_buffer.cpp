@@ -258,12 +258,13 @@ void TieredKVBuffer::resize(RequestId request, std::uint32_t slots_per_head) {
   if (slots_per_head == s.slots) return;
   SegmentDemand demand;
   for (std::uint32_t l = 0; l < shape_.layers; ++l)
-    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) demand += table_.gpu_slots_demand(request, l, h, slots_per_head);
+    for (std::uint32_t h = 0; h < shape_.kv_heads; ++h)
+      demand += table_.gpu_slots_demand(request, l, h, slots_per_head);
   table_.check_segments(demand);
   const std::uint64_t needed = heads() * (slots_per_head - s.slots);
   if (needed > gpu_pool_.available()) {
-    fail(ErrorCode::resource_exhausted, "request {}: growing to {} pages per head needs {} GPU pages, {} free",
-         request, slots_per_head, needed, gpu_pool_.available());
+    fail(ErrorCode::resource_exhausted, "request {}: growing to {} pages per head needs {} GPU pages, {} free", request,
+         slots_per_head, needed, gpu_pool_.available());
   }
   grow_slots(request, s, slots_per_head);
 }
@@ -379,7 +380,7 @@ void TieredKVBuffer::offload(RequestId request, std::uint32_t layer, const KvChu
     if (s.budget.evicts) record_offload(s, layer, h, mapped.first_partition, spec, s.tokens[layer]);
     if (scatters) {
       s.scattered[std::size_t{layer} * shape_.kv_heads + h] = {mapped.placements,
-                                                              mapped.first_partition + spec.partition_count()};
+                                                               mapped.first_partition + spec.partition_count()};
     }
     for (std::uint32_t t = 0; t < kv.tokens; ++t) {
       const TokenPlacement where = mapped.placements[t];
@@ -465,8 +466,10 @@ void TieredKVBuffer::check_offload_specs(RequestId request, std::uint32_t layer,
     }
     for (std::uint32_t p = 0; s.budget.evicts && p < spec.partition_count(); ++p) {
       if (spec.size(p) > config_.page_tokens) {
-        fail(ErrorCode::invalid_argument, "request {} evicts tokens: partition {} of kv head {} holds {} tokens, more "
-             "than one page ({})", request, p, h, spec.size(p), config_.page_tokens);
+        fail(ErrorCode::invalid_argument,
+             "request {} evicts tokens: partition {} of kv head {} holds {} tokens, more "
+             "than one page ({})",
+             request, p, h, spec.size(p), config_.page_tokens);
       }
     }
   }
@@ -502,8 +505,10 @@ void TieredKVBuffer::check_offload(RequestId request, std::uint32_t layer, std::
 
 void TieredKVBuffer::check_has_tail(RequestId request, const RequestState& s) const {
   if (s.budget.evicts) {
-    fail(ErrorCode::failed_precondition, "request {} evicts tokens and has no GPU tail; decode tokens go through "
-         "place_token", request);
+    fail(ErrorCode::failed_precondition,
+         "request {} evicts tokens and has no GPU tail; decode tokens go through "
+         "place_token",
+         request);
   }
 }
 
@@ -660,12 +665,12 @@ void TieredKVBuffer::locate(RequestId request, std::uint32_t layer, std::uint32_
 }
 
 void TieredKVBuffer::regroup_demand(RequestId request, std::uint32_t layer,
-                                    std::span<const PartitionId> first_partitions,
-                                    std::span<const PartitionSpec> specs, bool pending_page, SaveDemand& out,
-                                    std::vector<SegmentDemand>& segments) const {
+                                    std::span<const PartitionId> first_partitions, std::span<const PartitionSpec> specs,
+                                    bool pending_page, SaveDemand& out, std::vector<SegmentDemand>& segments) const {
   if (first_partitions.size() != shape_.kv_heads || specs.size() != shape_.kv_heads) {
-    fail(ErrorCode::invalid_argument, "repartition needs one first partition and one spec per kv head ({}), got {} / {}",
-         shape_.kv_heads, first_partitions.size(), specs.size());
+    fail(ErrorCode::invalid_argument,
+         "repartition needs one first partition and one spec per kv head ({}), got {} / {}", shape_.kv_heads,
+         first_partitions.size(), specs.size());
   }
   std::vector<PageId> dropped;
   segments.assign(shape_.kv_heads, SegmentDemand{});
@@ -739,8 +744,10 @@ void TieredKVBuffer::repartition(RequestId request, std::uint32_t layer, std::sp
   RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
   if (s.budget.evicts) {
-    fail(ErrorCode::failed_precondition, "request {} evicts tokens; its partitions are regrouped only by the eviction "
-         "strategy", request);
+    fail(ErrorCode::failed_precondition,
+         "request {} evicts tokens; its partitions are regrouped only by the eviction "
+         "strategy",
+         request);
   }
   // Everything is checked before anything changes: the run's rows live only
   // in the CPU tier until the new partitions hold them.
@@ -833,11 +840,13 @@ void TieredKVBuffer::validate() const {
       if (s.tail_tokens[l] >= config_.page_tokens) broken(fmt::format("request {} layer {} tail overflows", id, l));
       if (s.budget.evicts && s.tail_tokens[l] != 0) broken(fmt::format("request {} evicts but has a tail", id));
       for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-        if (table_.gpu_slots(id, l, h) != s.slots) broken(fmt::format("request {} head ({}, {}) has the wrong slot count", id, l, h));
+        if (table_.gpu_slots(id, l, h) != s.slots)
+          broken(fmt::format("request {} head ({}, {}) has the wrong slot count", id, l, h));
         for (std::uint32_t slot = 0; slot < s.slots; ++slot) {
           const PageId page = table_.gpu_entry(id, l, h, slot).gpu_page;
           if (!gpu_pool_.is_allocated(page) || !owned.insert(page).second) {
-            broken(fmt::format("GPU slot {} of request {} head ({}, {}) does not own a page of its own", slot, id, l, h));
+            broken(
+                fmt::format("GPU slot {} of request {} head ({}, {}) does not own a page of its own", slot, id, l, h));
           }
         }
         mapped.clear();
@@ -854,7 +863,8 @@ void TieredKVBuffer::validate() const {
           broken("a tail page is shared or free");
         }
         std::uint64_t tokens = 0;
-        for (PartitionId p = 0; p < table_.partition_count(id, l, h); ++p) tokens += table_.meta(id, l, h, p).token_count();
+        for (PartitionId p = 0; p < table_.partition_count(id, l, h); ++p)
+          tokens += table_.meta(id, l, h, p).token_count();
         if (tokens + s.tail_tokens[l] != s.tokens[l]) {
           broken(fmt::format("request {} head ({}, {}): {} tokens mapped + {} in the tail != {}", id, l, h, tokens,
                              s.tail_tokens[l], s.tokens[l]));
@@ -867,7 +877,8 @@ void TieredKVBuffer::validate() const {
   for (const PageId tail : tails) {
     if (cpu_pages.contains(tail)) broken(fmt::format("tail page {} is also a mapped CPU page", tail));
   }
-  if (gpu_pages != gpu_pool_.used()) broken(fmt::format("{} GPU pages owned, the pool has {} in use", gpu_pages, gpu_pool_.used()));
+  if (gpu_pages != gpu_pool_.used())
+    broken(fmt::format("{} GPU pages owned, the pool has {} in use", gpu_pages, gpu_pool_.used()));
   if (cpu_pages.size() + tails.size() != cpu_pool_.used()) {
     broken(fmt::format("{} CPU pages mapped and {} tails, the pool has {} in use", cpu_pages.size(), tails.size(),
                        cpu_pool_.used()));

@@ -78,8 +78,8 @@ std::vector<TieredKVBuffer::HeadEviction> TieredKVBuffer::plan_evict(
       SlotMask& slots = dying[it->second / pt];
       const SlotMask bit = SlotMask{1} << (it->second % pt);
       if ((slots & bit) != 0) {
-        fail(ErrorCode::invalid_argument, "evict: request {} layer {} kv head {}: position {} is listed twice",
-             request, layer, h, position);
+        fail(ErrorCode::invalid_argument, "evict: request {} layer {} kv head {}: position {} is listed twice", request,
+             layer, h, position);
       }
       slots |= bit;
     }
@@ -102,8 +102,9 @@ std::vector<TieredKVBuffer::HeadEviction> TieredKVBuffer::plan_evict(
     while (unshared > 0 && (!shared(request, layer, h, unshared - 1) || dying.contains(unshared - 1))) --unshared;
     for (PartitionId p = unshared; p < count; ++p) {
       const std::uint32_t tokens = table_.meta(request, layer, h, p).token_count();
-      const SlotMask mask = after.contains(p) ? after[p]
-                                              : table_.slot_mask(request, layer, h, table_.first_page_index(request, layer, h, p));
+      const SlotMask mask = after.contains(p)
+                                ? after[p]
+                                : table_.slot_mask(request, layer, h, table_.first_page_index(request, layer, h, p));
       const bool freed = table_.partition_freed(request, layer, h, p);
       if (!plan.run && (freed || dead_slots(mask, tokens) > 0)) plan.run = p;
       if (!plan.run) continue;
@@ -135,7 +136,8 @@ std::optional<std::uint32_t> TieredKVBuffer::place_target(RequestId request, std
     // The fullest page with a dead slot: fewest dead, then lowest partition id.
     for (const auto& [dead, partition] : e.reusable) {
       if (shared(request, layer, head, partition)) continue;
-      const SlotMask mask = table_.slot_mask(request, layer, head, table_.first_page_index(request, layer, head, partition));
+      const SlotMask mask =
+          table_.slot_mask(request, layer, head, table_.first_page_index(request, layer, head, partition));
       const std::uint32_t tokens = table_.meta(request, layer, head, partition).token_count();
       return partition * pt + static_cast<std::uint32_t>(std::countr_zero(~mask & full_slot_mask(tokens)));
     }
@@ -208,7 +210,8 @@ EvictionDemand TieredKVBuffer::append_demand_evicting(RequestId request, std::ui
     // A new page takes a tombstone's id when the head has one (this step's included), else a new partition.
     const bool appends = new_page && e.freed.empty() && plan.released.empty();
     const PartitionId keep = plan.run ? *plan.run : count;
-    d.segments += table_.replace_demand(request, layer, h, keep, run_new + (appends ? 1 : 0), run_new + (appends ? 1 : 0));
+    d.segments +=
+        table_.replace_demand(request, layer, h, keep, run_new + (appends ? 1 : 0), run_new + (appends ? 1 : 0));
     std::uint32_t live = run_new + (new_page || target_was_dead ? 1 : 0);
     for (PartitionId p = 0; p < keep; ++p) live += live_after(p) != 0 ? 1 : 0;
     d.live_partitions[h] = live;
@@ -280,14 +283,15 @@ void TieredKVBuffer::compact(RequestId request, RequestState& s, std::uint32_t l
 void TieredKVBuffer::evict(RequestId request, std::uint32_t layer,
                            std::span<const std::vector<std::uint32_t>> positions) {
   const std::vector<HeadEviction> plans = plan_evict(request, layer, positions);  // every check
-  const bool copies = std::any_of(plans.begin(), plans.end(), [](const HeadEviction& p) {
-    return p.run.has_value() || !p.copied.empty();
-  });
+  const bool copies = std::any_of(plans.begin(), plans.end(),
+                                  [](const HeadEviction& p) { return p.run.has_value() || !p.copied.empty(); });
   std::uint64_t copied = 0;
   for (const HeadEviction& plan : plans) copied += plan.copied.size();
   if (copied > cpu_pool_.available()) {
-    fail(ErrorCode::resource_exhausted, "request {} layer {}: copying the shared pages it evicts from needs {} CPU "
-         "pages, {} free", request, layer, copied, cpu_pool_.available());
+    fail(ErrorCode::resource_exhausted,
+         "request {} layer {}: copying the shared pages it evicts from needs {} CPU "
+         "pages, {} free",
+         request, layer, copied, cpu_pool_.available());
   }
   RequestState& s = state(request);
   const std::uint32_t pt = config_.page_tokens;
@@ -335,7 +339,8 @@ void TieredKVBuffer::place_token(RequestId request, std::uint32_t layer, const K
     targets[h] = place_target(request, layer, h);
     if (targets[h]) continue;
     ++new_pages;
-    if (eviction_head(state(request), layer, h).freed.empty()) segments += table_.append_demand(request, layer, h, 1, 1);
+    if (eviction_head(state(request), layer, h).freed.empty())
+      segments += table_.append_demand(request, layer, h, 1, 1);
   }
   if (new_pages > cpu_pool_.available()) {
     fail(ErrorCode::resource_exhausted, "request {} layer {}: placing a token needs {} CPU pages, {} free", request,
@@ -458,8 +463,9 @@ void TieredKVBuffer::share_prefix(RequestId request, RequestId source, std::uint
     }
     const std::uint32_t available = table_.partition_count(source, layer, h);
     if (partitions > available) {
-      fail(ErrorCode::out_of_range, "share_prefix: request {} kv head {} has {} partitions in layer {}; cannot share {}",
-           source, h, available, layer, partitions);
+      fail(ErrorCode::out_of_range,
+           "share_prefix: request {} kv head {} has {} partitions in layer {}; cannot share {}", source, h, available,
+           layer, partitions);
     }
     for (PartitionId p = 0; p < partitions; ++p) {
       if (table_.partition_freed(source, layer, h, p)) {
@@ -508,7 +514,8 @@ void TieredKVBuffer::validate_eviction(RequestId request, const RequestState& s,
   std::size_t live = 0;
   std::set<std::pair<std::uint32_t, PartitionId>> reusable;
   std::set<PartitionId> freed_partitions;
-  if (e.open != kInvalidPartition && e.open >= count) broken(fmt::format("the open page {} is not a partition", e.open));
+  if (e.open != kInvalidPartition && e.open >= count)
+    broken(fmt::format("the open page {} is not a partition", e.open));
   for (PartitionId p = 0; p < count; ++p) {
     const std::uint32_t tokens = table_.meta(request, layer, head, p).token_count();
     if (tokens > pt) broken(fmt::format("partition {} spans more than one page", p));
@@ -521,7 +528,8 @@ void TieredKVBuffer::validate_eviction(RequestId request, const RequestState& s,
     for (std::uint32_t t = 0; t < pt; ++t) {
       const std::uint32_t position = e.slot_position[std::size_t{p} * pt + t];
       if (!slot_live(mask, t)) {
-        if (position != kNoPosition) broken(fmt::format("dead slot {} of partition {} names position {}", t, p, position));
+        if (position != kNoPosition)
+          broken(fmt::format("dead slot {} of partition {} names position {}", t, p, position));
         continue;
       }
       ++live;

@@ -97,9 +97,15 @@ CacheStepStats BucketedLru::step(HierarchicalPageTable& table, RequestId request
   slots.for_each(inst, [&](GpuPageEntry& e, std::uint32_t) {
     const std::uint32_t sel = selection_of(e);
     switch (lru_touch(e, sel, top)) {
-      case LruTouch::free: ++free_slots; break;
-      case LruTouch::hit: out(sel, e.page_in_partition) = e.gpu_page; break;
-      case LruTouch::aged: ++histogram_[e.timestamp]; break;
+      case LruTouch::free:
+        ++free_slots;
+        break;
+      case LruTouch::hit:
+        out(sel, e.page_in_partition) = e.gpu_page;
+        break;
+      case LruTouch::aged:
+        ++histogram_[e.timestamp];
+        break;
     }
   });
 

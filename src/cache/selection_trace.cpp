@@ -154,13 +154,13 @@ void validate_selection_trace(const SelectionTrace& trace) {
     for (std::uint32_t h = 0; h < heads; ++h) {
       for (PartitionId p : trace.selections[t][h]) {
         if (p >= trace.partition_pages[h].size() || p >= kMaxTracePartitions) {
-          fail(ErrorCode::invalid_argument, "selection trace: step {} head {} selects partition {}, head has {}", t,
-               h, p, trace.partition_pages[h].size());
+          fail(ErrorCode::invalid_argument, "selection trace: step {} head {} selects partition {}, head has {}", t, h,
+               p, trace.partition_pages[h].size());
         }
         const std::uint32_t pages = trace.partition_pages[h][p];
         if (pages == 0 || pages > kMaxPagesPerPartition) {
-          fail(ErrorCode::invalid_argument, "selection trace: head {} partition {} has {} pages, not in [1, {}]", h,
-               p, pages, kMaxPagesPerPartition);
+          fail(ErrorCode::invalid_argument, "selection trace: head {} partition {} has {} pages, not in [1, {}]", h, p,
+               pages, kMaxPagesPerPartition);
         }
         if (seen[h][p] == t + 1) {
           fail(ErrorCode::invalid_argument, "selection trace: step {} head {} selects partition {} twice", t, h, p);
@@ -174,7 +174,7 @@ void validate_selection_trace(const SelectionTrace& trace) {
 SelectionTrace read_selection_trace(std::istream& in) {
   SelectionTrace trace;
   std::vector<std::vector<std::size_t>> last_line;  // [head][pid]: latest line selecting it, 0 = unseen
-  std::vector<std::size_t> head_line;                // line of each head in the current step, 0 = none yet
+  std::vector<std::size_t> head_line;               // line of each head in the current step, 0 = none yet
   bool header = false;
   std::string text;
   std::size_t line = 0;

@@ -24,8 +24,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 // Whether this target widens f16 in hardware. Highway 1.0.3 emulates it on
 // x86 below AVX2 (no F16C) and on the emulated targets, and that emulation
 // turns an infinity into 65536: those take the scalar rule instead.
-constexpr bool kNativeF16 = !(HWY_TARGET == HWY_SSSE3 || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_EMU128 ||
-                              HWY_TARGET == HWY_SCALAR);
+constexpr bool kNativeF16 =
+    !(HWY_TARGET == HWY_SSSE3 || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_EMU128 || HWY_TARGET == HWY_SCALAR);
 
 // Widens in[0, n) into out; returns whether every value is finite (a mask
 // gathered on the way, so that the caller's check needs no second pass).

@@ -11,15 +11,24 @@ namespace sparsekv {
 
 std::string_view to_string(ErrorCode code) noexcept {
   switch (code) {
-    case ErrorCode::invalid_argument: return "invalid_argument";
-    case ErrorCode::not_found: return "not_found";
-    case ErrorCode::out_of_range: return "out_of_range";
-    case ErrorCode::already_exists: return "already_exists";
-    case ErrorCode::resource_exhausted: return "resource_exhausted";
-    case ErrorCode::failed_precondition: return "failed_precondition";
-    case ErrorCode::unavailable: return "unavailable";
-    case ErrorCode::cuda_error: return "cuda_error";
-    case ErrorCode::internal: return "internal";
+    case ErrorCode::invalid_argument:
+      return "invalid_argument";
+    case ErrorCode::not_found:
+      return "not_found";
+    case ErrorCode::out_of_range:
+      return "out_of_range";
+    case ErrorCode::already_exists:
+      return "already_exists";
+    case ErrorCode::resource_exhausted:
+      return "resource_exhausted";
+    case ErrorCode::failed_precondition:
+      return "failed_precondition";
+    case ErrorCode::unavailable:
+      return "unavailable";
+    case ErrorCode::cuda_error:
+      return "cuda_error";
+    case ErrorCode::internal:
+      return "internal";
   }
   return "unknown";
 }
@@ -37,10 +46,14 @@ DType parse_dtype(std::string_view name) {
 
 std::string_view to_string(EvictionStrategy strategy) noexcept {
   switch (strategy) {
-    case EvictionStrategy::no_op: return "no_op";
-    case EvictionStrategy::free_block: return "free_block";
-    case EvictionStrategy::sparse_copy: return "sparse_copy";
-    case EvictionStrategy::slot_reuse: return "slot_reuse";
+    case EvictionStrategy::no_op:
+      return "no_op";
+    case EvictionStrategy::free_block:
+      return "free_block";
+    case EvictionStrategy::sparse_copy:
+      return "sparse_copy";
+    case EvictionStrategy::slot_reuse:
+      return "slot_reuse";
   }
   return "unknown";
 }
@@ -49,13 +62,14 @@ EvictionStrategy parse_eviction_strategy(std::string_view name) {
   for (EvictionStrategy s : {EvictionStrategy::no_op, EvictionStrategy::free_block, EvictionStrategy::sparse_copy,
                              EvictionStrategy::slot_reuse}) {
     const std::string_view canonical = to_string(s);
-    if (name.size() == canonical.size() &&
-        std::equal(name.begin(), name.end(), canonical.begin(), [](char a, char b) { return a == b || (a == '-' && b == '_'); })) {
+    if (name.size() == canonical.size() && std::equal(name.begin(), name.end(), canonical.begin(), [](char a, char b) {
+          return a == b || (a == '-' && b == '_');
+        })) {
       return s;
     }
   }
-  fail(ErrorCode::invalid_argument, "unknown eviction strategy '{}' (expected no_op, free_block, sparse_copy or slot_reuse)",
-       name);
+  fail(ErrorCode::invalid_argument,
+       "unknown eviction strategy '{}' (expected no_op, free_block, sparse_copy or slot_reuse)", name);
 }
 
 void ModelShape::validate() const {
@@ -63,13 +77,11 @@ void ModelShape::validate() const {
   if (q_heads == 0) fail(ErrorCode::invalid_argument, "ModelShape.q_heads must be > 0");
   if (kv_heads == 0) fail(ErrorCode::invalid_argument, "ModelShape.kv_heads must be > 0");
   if (q_heads % kv_heads != 0) {
-    fail(ErrorCode::invalid_argument, "ModelShape.q_heads ({}) must be a multiple of kv_heads ({})",
-         q_heads, kv_heads);
+    fail(ErrorCode::invalid_argument, "ModelShape.q_heads ({}) must be a multiple of kv_heads ({})", q_heads, kv_heads);
   }
   if (head_dim == 0 || head_dim % 8 != 0) {
     // 16-byte vector copies of one token row need head_dim * 2 bytes % 16 == 0.
-    fail(ErrorCode::invalid_argument, "ModelShape.head_dim ({}) must be a positive multiple of 8",
-         head_dim);
+    fail(ErrorCode::invalid_argument, "ModelShape.head_dim ({}) must be a positive multiple of 8", head_dim);
   }
   if (dtype == DType::q8_0) {
     fail(ErrorCode::invalid_argument,
@@ -87,8 +99,7 @@ float Config::softmax_scale(const ModelShape& shape) const noexcept {
 void Config::validate(const ModelShape& shape) const {
   shape.validate();
   if (page_tokens == 0 || page_tokens > 1024 || !std::has_single_bit(page_tokens)) {
-    fail(ErrorCode::invalid_argument, "Config.page_tokens ({}) must be a power of two in [1, 1024]",
-         page_tokens);
+    fail(ErrorCode::invalid_argument, "Config.page_tokens ({}) must be a power of two in [1, 1024]", page_tokens);
   }
   if (max_requests == 0) fail(ErrorCode::invalid_argument, "Config.max_requests must be > 0");
   if (max_context_tokens == 0 || max_context_tokens > (1u << 30)) {
@@ -97,12 +108,10 @@ void Config::validate(const ModelShape& shape) const {
   }
   if (timestamp_buckets < 2 || timestamp_buckets > 256) {
     // Timestamps are stored in one byte and histogrammed in shared memory.
-    fail(ErrorCode::invalid_argument, "Config.timestamp_buckets ({}) must be in [2, 256]",
-         timestamp_buckets);
+    fail(ErrorCode::invalid_argument, "Config.timestamp_buckets ({}) must be in [2, 256]", timestamp_buckets);
   }
   if (!(min_buffer_ratio >= 0.0) || min_buffer_ratio > 1024.0) {
-    fail(ErrorCode::invalid_argument, "Config.min_buffer_ratio ({}) must be in [0, 1024]",
-         min_buffer_ratio);
+    fail(ErrorCode::invalid_argument, "Config.min_buffer_ratio ({}) must be in [0, 1024]", min_buffer_ratio);
   }
   if (eviction_strategy > EvictionStrategy::slot_reuse) {
     fail(ErrorCode::invalid_argument, "Config.eviction_strategy has an unknown value");
@@ -115,8 +124,7 @@ void Config::validate(const ModelShape& shape) const {
     fail(ErrorCode::invalid_argument, "Config.working_set_window must be > 0");
   }
   if (metadata_segment_entries < 32 || !std::has_single_bit(metadata_segment_entries)) {
-    fail(ErrorCode::invalid_argument,
-         "Config.metadata_segment_entries ({}) must be a power of two >= 32",
+    fail(ErrorCode::invalid_argument, "Config.metadata_segment_entries ({}) must be a power of two >= 32",
          metadata_segment_entries);
   }
   if (kv_storage && *kv_storage != shape.dtype && *kv_storage != DType::q8_0) {
@@ -129,20 +137,20 @@ void Config::validate(const ModelShape& shape) const {
   }
   const std::size_t page = page_bytes(shape);
   if (cpu_tier_bytes < page) {
-    fail(ErrorCode::invalid_argument, "Config.cpu_tier_bytes ({}) is smaller than one page ({} B)",
-         cpu_tier_bytes, page);
+    fail(ErrorCode::invalid_argument, "Config.cpu_tier_bytes ({}) is smaller than one page ({} B)", cpu_tier_bytes,
+         page);
   }
   if (gpu_tier_bytes < page) {
-    fail(ErrorCode::invalid_argument, "Config.gpu_tier_bytes ({}) is smaller than one page ({} B)",
-         gpu_tier_bytes, page);
+    fail(ErrorCode::invalid_argument, "Config.gpu_tier_bytes ({}) is smaller than one page ({} B)", gpu_tier_bytes,
+         page);
   }
   if (cpu_tier_bytes / page >= 0xffffffffull || gpu_tier_bytes / page >= 0xffffffffull) {
     fail(ErrorCode::invalid_argument, "Config: a tier of {} / {} bytes holds more than 2^32 - 2 pages of {} B",
          cpu_tier_bytes, gpu_tier_bytes, page);
   }
   if (host_chunk_bytes < page) {
-    fail(ErrorCode::invalid_argument,
-         "Config.host_chunk_bytes ({}) is smaller than one page ({} B)", host_chunk_bytes, page);
+    fail(ErrorCode::invalid_argument, "Config.host_chunk_bytes ({}) is smaller than one page ({} B)", host_chunk_bytes,
+         page);
   }
 }
 

@@ -13,8 +13,8 @@ Config serving_config(const ModelShape& shape, const AnyPolicy& policy, std::uin
   const std::size_t page = config.page_bytes(shape);
   const std::size_t heads = std::size_t{shape.layers} * shape.kv_heads * requests;
   const auto context = [&](std::uint32_t layer) {
-    return LayerContext{layer, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim, config.page_tokens,
-                        max_tokens};
+    return LayerContext{layer,          shape.layers,       shape.q_heads, shape.kv_heads,
+                        shape.head_dim, config.page_tokens, max_tokens};
   };
   // Per (layer, kv head), over all layers: the pages one select may return
   // (`need`) and the most CPU pages a head of max_tokens tokens can hold (`held`).

@@ -87,12 +87,10 @@ void* HostMemoryResource::allocate(std::size_t bytes) {
     void* pointer = nullptr;
     // Mapped + portable: kernels on any device read it through UVA (Spin §5.2
     // keeps the CPU-side tables and the CPU tier where GPU kernels reach them).
-    const cudaError_t status =
-        cudaHostAlloc(&pointer, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    const cudaError_t status = cudaHostAlloc(&pointer, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
     if (status != cudaSuccess) {
       cudaGetLastError();
-      fail(ErrorCode::resource_exhausted, "cudaHostAlloc of {} bytes failed: {}", bytes,
-           cudaGetErrorString(status));
+      fail(ErrorCode::resource_exhausted, "cudaHostAlloc of {} bytes failed: {}", bytes, cudaGetErrorString(status));
     }
     std::memset(pointer, 0, bytes);
     return pointer;

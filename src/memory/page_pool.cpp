@@ -15,12 +15,11 @@ PagePool::PagePool(PageLayout layout, std::uint32_t capacity_pages, MemoryResour
       pages_per_chunk_(pages_per_chunk == 0 ? capacity_pages : std::min(pages_per_chunk, capacity_pages)),
       memory_(&memory) {
   if (layout.page_tokens == 0 || layout.head_dim == 0) {
-    fail(ErrorCode::invalid_argument, "PagePool: page_tokens ({}) and head_dim ({}) must be > 0",
-         layout.page_tokens, layout.head_dim);
+    fail(ErrorCode::invalid_argument, "PagePool: page_tokens ({}) and head_dim ({}) must be > 0", layout.page_tokens,
+         layout.head_dim);
   }
   if (capacity_pages == 0 || capacity_pages == std::numeric_limits<std::uint32_t>::max()) {
-    fail(ErrorCode::invalid_argument, "PagePool: capacity_pages ({}) must be in [1, 2^32 - 1)",
-         capacity_pages);
+    fail(ErrorCode::invalid_argument, "PagePool: capacity_pages ({}) must be in [1, 2^32 - 1)", capacity_pages);
   }
   ref_counts_.assign(capacity_, 0);
   chunks_.reserve((std::size_t{capacity_} + pages_per_chunk_ - 1) / pages_per_chunk_);  // push_back never throws
@@ -58,8 +57,8 @@ PageId PagePool::allocate() {
 
 void PagePool::allocate(std::span<PageId> out) {
   if (out.size() > available()) {
-    fail(ErrorCode::resource_exhausted, "PagePool: {} pages requested, {} of {} available",
-         out.size(), available(), capacity_);
+    fail(ErrorCode::resource_exhausted, "PagePool: {} pages requested, {} of {} available", out.size(), available(),
+         capacity_);
   }
   // Reserve the chunks first: if the memory resource throws, no page changed owner.
   while (free_list_.size() < out.size()) reserve_chunk();
@@ -101,8 +100,8 @@ void PagePool::release(std::span<const PageId> pages) {
     while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
     check_page(sorted[i]);
     if (ref_counts_[sorted[i]] < j - i) {
-      fail(ErrorCode::failed_precondition, "PagePool: page {} released {} times but has {} references",
-           sorted[i], j - i, ref_counts_[sorted[i]]);
+      fail(ErrorCode::failed_precondition, "PagePool: page {} released {} times but has {} references", sorted[i],
+           j - i, ref_counts_[sorted[i]]);
     }
     i = j;
   }

@@ -150,13 +150,13 @@ std::size_t HierarchicalPageTable::instance(RequestId request, std::uint32_t lay
 }
 
 SegmentDemand HierarchicalPageTable::append_demand(RequestId request, std::uint32_t layer, std::uint32_t head,
-                                                  std::uint64_t partitions, std::uint64_t pages) const {
+                                                   std::uint64_t partitions, std::uint64_t pages) const {
   return replace_demand(request, layer, head, partition_count(request, layer, head), partitions, pages);
 }
 
 SegmentDemand HierarchicalPageTable::replace_demand(RequestId request, std::uint32_t layer, std::uint32_t head,
-                                                   std::uint32_t keep, std::uint64_t partitions,
-                                                   std::uint64_t pages) const {
+                                                    std::uint32_t keep, std::uint64_t partitions,
+                                                    std::uint64_t pages) const {
   const std::size_t inst = instance(request, layer, head);
   const std::uint32_t count = meta_.length(inst);
   if (keep > count) {
@@ -203,10 +203,10 @@ std::string HierarchicalPageTable::segment_shortfall(const SegmentDemand& d) con
     std::uint64_t segments;
     const SegmentPool& pool;
   };
-  for (const Need& n : {Need{"meta-partition table", d.meta, meta_.pool()},
-                        Need{"GPU page table", d.gpu_pages, gpu_pages_.pool()},
-                        Need{"partition offset table", d.offsets, offsets_.pool()},
-                        Need{"CPU page table", d.cpu_pages, cpu_pages_.pool()}}) {
+  for (const Need& n :
+       {Need{"meta-partition table", d.meta, meta_.pool()}, Need{"GPU page table", d.gpu_pages, gpu_pages_.pool()},
+        Need{"partition offset table", d.offsets, offsets_.pool()},
+        Need{"CPU page table", d.cpu_pages, cpu_pages_.pool()}}) {
     if (n.segments > n.pool.available()) {
       return fmt::format("{}: {} more segments needed, {} of {} free", n.table, n.segments, n.pool.available(),
                          n.pool.capacity());
@@ -254,7 +254,8 @@ void HierarchicalPageTable::append_partitions(RequestId request, std::uint32_t l
     offsets_.at(inst, p) = offset;
     const std::uint32_t pages_of = pages_for_tokens(token_counts[i], geometry_.page_tokens);
     for (std::uint32_t k = 0; masks_ && k < pages_of; ++k) {
-      masks_->at(inst, offset + k) = full_slot_mask(std::min(geometry_.page_tokens, token_counts[i] - k * geometry_.page_tokens));
+      masks_->at(inst, offset + k) =
+          full_slot_mask(std::min(geometry_.page_tokens, token_counts[i] - k * geometry_.page_tokens));
     }
     offset += pages_of;
   }
@@ -301,13 +302,11 @@ void HierarchicalPageTable::clear_partitions(RequestId request, std::uint32_t la
   resize_pages(inst, 0, 0);
 }
 
-std::uint32_t HierarchicalPageTable::partition_count(RequestId request, std::uint32_t layer,
-                                                     std::uint32_t head) const {
+std::uint32_t HierarchicalPageTable::partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const {
   return meta_.length(instance(request, layer, head));
 }
 
-std::uint32_t HierarchicalPageTable::cpu_page_count(RequestId request, std::uint32_t layer,
-                                                    std::uint32_t head) const {
+std::uint32_t HierarchicalPageTable::cpu_page_count(RequestId request, std::uint32_t layer, std::uint32_t head) const {
   return cpu_pages_.length(instance(request, layer, head));
 }
 
@@ -335,8 +334,8 @@ std::uint32_t HierarchicalPageTable::page_count(RequestId request, std::uint32_t
   return pages_for_tokens(meta(request, layer, head, partition).token_count(), geometry_.page_tokens);
 }
 
-void HierarchicalPageTable::cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head,
-                                      PartitionId partition, std::vector<PageId>& out) const {
+void HierarchicalPageTable::cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition,
+                                      std::vector<PageId>& out) const {
   const std::size_t inst = instance(request, layer, head);
   check_index("partition", partition, meta_.length(inst));
   const PartitionLookup paths = lookup();
@@ -408,7 +407,10 @@ std::uint32_t HierarchicalPageTable::tokens_on_page(std::size_t inst, std::uint3
   std::uint32_t lo = 0, hi = meta_.length(inst);
   while (hi - lo > 1) {
     const std::uint32_t mid = lo + (hi - lo) / 2;
-    if (offsets_.at(inst, mid) <= page_index) lo = mid; else hi = mid;
+    if (offsets_.at(inst, mid) <= page_index)
+      lo = mid;
+    else
+      hi = mid;
   }
   const std::uint32_t before = (page_index - offsets_.at(inst, lo)) * geometry_.page_tokens;
   return std::min(geometry_.page_tokens, meta_.at(inst, lo).token_count() - before);
@@ -429,8 +431,10 @@ void HierarchicalPageTable::set_slot_mask(RequestId request, std::uint32_t layer
   check_index("CPU page", page_index, masks_->length(inst));
   const std::uint32_t tokens = tokens_on_page(inst, page_index);
   if ((mask & ~full_slot_mask(tokens)) != 0) {
-    fail(ErrorCode::invalid_argument, "slot mask {:#x} of CPU page {} of head ({}, {}) of request {} marks a slot "
-         "at or past its {} tokens live", mask, page_index, layer, head, request, tokens);
+    fail(ErrorCode::invalid_argument,
+         "slot mask {:#x} of CPU page {} of head ({}, {}) of request {} marks a slot "
+         "at or past its {} tokens live",
+         mask, page_index, layer, head, request, tokens);
   }
   if (mask != 0 && cpu_pages_.at(inst, page_index) == kInvalidPage) {
     fail(ErrorCode::failed_precondition, "CPU page {} of head ({}, {}) of request {} is freed; no slot can be live",
@@ -445,8 +449,10 @@ PageId HierarchicalPageTable::free_page(RequestId request, std::uint32_t layer, 
   const std::size_t inst = instance(request, layer, head);
   check_open_page(inst, partition, "free_page");
   if (meta_.at(inst, partition).resident()) {
-    fail(ErrorCode::failed_precondition, "free_page: partition {} of head ({}, {}) of request {} is resident; evict "
-         "its GPU copy first", partition, layer, head, request);
+    fail(ErrorCode::failed_precondition,
+         "free_page: partition {} of head ({}, {}) of request {} is resident; evict "
+         "its GPU copy first",
+         partition, layer, head, request);
   }
   const std::uint32_t page = offsets_.at(inst, partition);
   const PageId held = cpu_pages_.at(inst, page);
@@ -472,7 +478,7 @@ void HierarchicalPageTable::reuse_freed(RequestId request, std::uint32_t layer, 
 }
 
 PageId HierarchicalPageTable::replace_page(RequestId request, std::uint32_t layer, std::uint32_t head,
-                                          PartitionId partition, PageId page) {
+                                           PartitionId partition, PageId page) {
   const std::size_t inst = instance(request, layer, head);
   check_open_page(inst, partition, "replace_page");
   if (page == kInvalidPage) fail(ErrorCode::invalid_argument, "replace_page: the CPU page is invalid");
@@ -516,8 +522,9 @@ void HierarchicalPageTable::set_gpu_entry(RequestId request, std::uint32_t layer
     check_index("page of partition", entry.page_in_partition, pages);
     if (entry.gpu_page == kInvalidPage) fail(ErrorCode::invalid_argument, "an occupied GPU slot needs a GPU page");
     if (freed(inst, entry.partition)) {
-      fail(ErrorCode::failed_precondition, "partition {} of head ({}, {}) of request {} is freed; no GPU slot caches it",
-           entry.partition, layer, head, request);
+      fail(ErrorCode::failed_precondition,
+           "partition {} of head ({}, {}) of request {} is freed; no GPU slot caches it", entry.partition, layer, head,
+           request);
     }
   }
   gpu_pages_.at(inst, slot) = entry;
@@ -525,8 +532,10 @@ void HierarchicalPageTable::set_gpu_entry(RequestId request, std::uint32_t layer
 
 MetadataBytes HierarchicalPageTable::bytes() const noexcept {
   MetadataBytes b;
-  b.gpu_reserved = meta_.directory_bytes() + meta_.pool_bytes() + gpu_pages_.directory_bytes() + gpu_pages_.pool_bytes();
-  b.cpu_reserved = offsets_.directory_bytes() + offsets_.pool_bytes() + cpu_pages_.directory_bytes() + cpu_pages_.pool_bytes();
+  b.gpu_reserved =
+      meta_.directory_bytes() + meta_.pool_bytes() + gpu_pages_.directory_bytes() + gpu_pages_.pool_bytes();
+  b.cpu_reserved =
+      offsets_.directory_bytes() + offsets_.pool_bytes() + cpu_pages_.directory_bytes() + cpu_pages_.pool_bytes();
   b.gpu_mapped = meta_.directory_bytes() + meta_.used_segment_bytes() + gpu_pages_.directory_bytes() +
                  gpu_pages_.used_segment_bytes();
   b.cpu_mapped = offsets_.directory_bytes() + offsets_.used_segment_bytes() + cpu_pages_.directory_bytes() +
@@ -583,8 +592,10 @@ void HierarchicalPageTable::validate_instance(std::size_t inst) const {
   for (std::uint32_t p = 0; p < partitions; ++p) {
     const std::uint32_t first = offsets_.at(inst, p);
     freed_partition[p] = cpu_pages_.at(inst, first) == kInvalidPage;
-    if (freed_partition[p] && !masks_) broken(inst, fmt::format("partition {} is freed in a table without slot masks", p));
-    if (freed_partition[p] && meta_.at(inst, p).resident()) broken(inst, fmt::format("freed partition {} is resident", p));
+    if (freed_partition[p] && !masks_)
+      broken(inst, fmt::format("partition {} is freed in a table without slot masks", p));
+    if (freed_partition[p] && meta_.at(inst, p).resident())
+      broken(inst, fmt::format("freed partition {} is resident", p));
     for (std::uint32_t k = 0; k < pages_of[p]; ++k) {
       if ((cpu_pages_.at(inst, first + k) == kInvalidPage) != freed_partition[p]) {
         broken(inst, fmt::format("partition {} mixes freed and held CPU pages", p));
@@ -592,7 +603,8 @@ void HierarchicalPageTable::validate_instance(std::size_t inst) const {
       if (!masks_) continue;
       const SlotMask mask = masks_->at(inst, first + k);
       if (freed_partition[p] && mask != 0) broken(inst, fmt::format("freed partition {} has a live slot", p));
-      const std::uint32_t tokens = std::min(geometry_.page_tokens, meta_.at(inst, p).token_count() - k * geometry_.page_tokens);
+      const std::uint32_t tokens =
+          std::min(geometry_.page_tokens, meta_.at(inst, p).token_count() - k * geometry_.page_tokens);
       if ((mask & ~full_slot_mask(tokens)) != 0) {
         broken(inst, fmt::format("page {} of partition {} has a live slot at or past its {} tokens", k, p, tokens));
       }

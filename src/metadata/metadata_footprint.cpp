@@ -40,18 +40,17 @@ MetadataFootprint estimate_metadata_footprint(const PageTableGeometry& g, std::u
     return sizeof(std::uint32_t) * instances * (std::size_t{segs(max_entries)} + 1);
   };
   const std::size_t seg = g.segment_entries;
-  const std::size_t meta = directory(g.max_partitions_per_head) +
-                           live_heads * segs(c.partitions) * seg * sizeof(MetaPartitionEntry);
-  const std::size_t gpu = directory(g.max_gpu_pages_per_head) +
-                          live_heads * segs(c.gpu_slots) * seg * sizeof(GpuPageEntry);
-  const std::size_t offsets = directory(g.max_partitions_per_head) +
-                              live_heads * segs(c.partitions) * seg * sizeof(PartitionOffset);
-  const std::size_t cpu = directory(g.max_cpu_pages_per_head) +
-                          live_heads * segs(c.cpu_pages) * seg * sizeof(CpuPageEntry);
+  const std::size_t meta =
+      directory(g.max_partitions_per_head) + live_heads * segs(c.partitions) * seg * sizeof(MetaPartitionEntry);
+  const std::size_t gpu =
+      directory(g.max_gpu_pages_per_head) + live_heads * segs(c.gpu_slots) * seg * sizeof(GpuPageEntry);
+  const std::size_t offsets =
+      directory(g.max_partitions_per_head) + live_heads * segs(c.partitions) * seg * sizeof(PartitionOffset);
+  const std::size_t cpu =
+      directory(g.max_cpu_pages_per_head) + live_heads * segs(c.cpu_pages) * seg * sizeof(CpuPageEntry);
   // Indexed like the CPU page table: same directory length, same segments per head.
-  const std::size_t masks = g.slot_masks ? directory(g.max_cpu_pages_per_head) +
-                                               live_heads * segs(c.cpu_pages) * seg * sizeof(SlotMask)
-                                         : 0;
+  const std::size_t masks =
+      g.slot_masks ? directory(g.max_cpu_pages_per_head) + live_heads * segs(c.cpu_pages) * seg * sizeof(SlotMask) : 0;
 
   MetadataFootprint f;
   // One entry of each table per possible page (flat: one partition per page).

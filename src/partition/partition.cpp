@@ -148,7 +148,7 @@ void PartitionMap::truncate(RequestId request, std::uint32_t layer, std::uint32_
   }
   std::vector<PageId> dropped;
   for (PartitionId p = partitions; p < count; ++p) table_->cpu_pages(request, layer, head, p, dropped);
-  std::erase(dropped, kInvalidPage);  // freed partitions
+  std::erase(dropped, kInvalidPage);                              // freed partitions
   table_->truncate_partitions(request, layer, head, partitions);  // checks the GPU slots first
   cpu_pool_->release(dropped);
 }
@@ -201,12 +201,16 @@ SlotMask PartitionMap::evict_slots(RequestId request, std::uint32_t layer, std::
   const std::uint32_t index = table_->first_page_index(request, layer, head, partition);
   const SlotMask live = table_->slot_mask(request, layer, head, index);
   if ((slots & ~live) != 0) {
-    fail(ErrorCode::invalid_argument, "evict_slots: slots {:#x} of partition {} of head ({}, {}) of request {} are not "
-         "all live (live {:#x})", slots, partition, layer, head, request, live);
+    fail(ErrorCode::invalid_argument,
+         "evict_slots: slots {:#x} of partition {} of head ({}, {}) of request {} are not "
+         "all live (live {:#x})",
+         slots, partition, layer, head, request, live);
   }
   if (cpu_pool_->ref_count(page) > 1) {
-    fail(ErrorCode::failed_precondition, "evict_slots: partition {} of head ({}, {}) of request {} lies in a page shared "
-         "with another request; shared prefix pages cannot be masked", partition, layer, head, request);
+    fail(ErrorCode::failed_precondition,
+         "evict_slots: partition {} of head ({}, {}) of request {} lies in a page shared "
+         "with another request; shared prefix pages cannot be masked",
+         partition, layer, head, request);
   }
   table_->set_slot_mask(request, layer, head, index, live & ~slots);
   return live & ~slots;

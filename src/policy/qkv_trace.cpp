@@ -97,7 +97,8 @@ void normalize(Vec& v) {
   double n = 0;
   for (double x : v) n += x * x;
   n = std::sqrt(n);
-  if (n > 0) for (double& x : v) x /= n;
+  if (n > 0)
+    for (double& x : v) x /= n;
 }
 
 Vec gaussian(detail::PortableRandom& rng, std::size_t n, double scale = 1.0) {
@@ -265,10 +266,10 @@ void QkvTraceHeader::validate() const {
   check("prompt_tokens", prompt_tokens, 1, 1u << 30);
   check("decode_steps", decode_steps, 1, 1u << 30);
   if (q_heads % kv_heads != 0) {
-    fail(ErrorCode::invalid_argument, "qkv trace: q_heads ({}) must be a multiple of kv_heads ({})", q_heads,
-         kv_heads);
+    fail(ErrorCode::invalid_argument, "qkv trace: q_heads ({}) must be a multiple of kv_heads ({})", q_heads, kv_heads);
   }
-  if (head_dim % 8 != 0) fail(ErrorCode::invalid_argument, "qkv trace: head_dim ({}) must be a multiple of 8", head_dim);
+  if (head_dim % 8 != 0)
+    fail(ErrorCode::invalid_argument, "qkv trace: head_dim ({}) must be a multiple of 8", head_dim);
   if (std::uint64_t{prompt_tokens} + decode_steps > (1u << 30)) {
     fail(ErrorCode::invalid_argument, "qkv trace: prompt_tokens + decode_steps must be at most 2^30");
   }
@@ -286,9 +287,9 @@ void QkvTrace::validate() const {
     const QkvLayer& layer = layers[l];
     if (layer.keys.size() != header.kv_floats() || layer.values.size() != header.kv_floats() ||
         layer.queries.size() != header.q_floats()) {
-      fail(ErrorCode::invalid_argument,
-           "qkv trace: layer {} has {} / {} / {} K / V / Q floats, expected {} / {} / {}", l, layer.keys.size(),
-           layer.values.size(), layer.queries.size(), header.kv_floats(), header.kv_floats(), header.q_floats());
+      fail(ErrorCode::invalid_argument, "qkv trace: layer {} has {} / {} / {} K / V / Q floats, expected {} / {} / {}",
+           l, layer.keys.size(), layer.values.size(), layer.queries.size(), header.kv_floats(), header.kv_floats(),
+           header.q_floats());
     }
   }
 }
@@ -296,8 +297,12 @@ void QkvTrace::validate() const {
 KvView QkvTrace::prompt(std::uint32_t layer) const {
   check_index("qkv trace: layer", layer, layers.size());
   const std::size_t n = std::size_t{header.prompt_tokens} * header.kv_heads * header.head_dim;
-  return KvView{std::span<const float>(layers[layer].keys).first(n), std::span<const float>(layers[layer].values).first(n),
-                header.prompt_tokens, header.kv_heads, header.head_dim, 0};
+  return KvView{std::span<const float>(layers[layer].keys).first(n),
+                std::span<const float>(layers[layer].values).first(n),
+                header.prompt_tokens,
+                header.kv_heads,
+                header.head_dim,
+                0};
 }
 
 const float* QkvTrace::key(std::uint32_t layer, std::uint32_t token) const {
@@ -368,10 +373,12 @@ QkvTraceHeader read_qkv_trace_header(const fs::path& dir) {
     fail(ErrorCode::invalid_argument, "qkv trace manifest '{}' line {}: {}", path.string(), line, what);
   };
   QkvTraceHeader header;
-  std::map<std::string, std::uint32_t*> numbers = {
-      {"layers", &header.layers},         {"q_heads", &header.q_heads},
-      {"kv_heads", &header.kv_heads},     {"head_dim", &header.head_dim},
-      {"prompt_tokens", &header.prompt_tokens}, {"decode_steps", &header.decode_steps}};
+  std::map<std::string, std::uint32_t*> numbers = {{"layers", &header.layers},
+                                                   {"q_heads", &header.q_heads},
+                                                   {"kv_heads", &header.kv_heads},
+                                                   {"head_dim", &header.head_dim},
+                                                   {"prompt_tokens", &header.prompt_tokens},
+                                                   {"decode_steps", &header.decode_steps}};
   std::map<std::string, std::size_t> seen;
   bool magic = false;
   std::string text;
@@ -409,16 +416,20 @@ QkvTraceHeader read_qkv_trace_header(const fs::path& dir) {
     } else if (key == "dtype") {
       if (tokens[1] != "f32") bad(line, fmt::format("dtype '{}' unsupported (version 1 is f32 only)", tokens[1]));
     } else if (key == "rope") {
-      if (tokens[1] == "post_rope") header.rope = RopeStage::post_rope;
-      else if (tokens[1] == "pre_rope") header.rope = RopeStage::pre_rope;
-      else bad(line, fmt::format("rope must be pre_rope or post_rope, got '{}'", tokens[1]));
+      if (tokens[1] == "post_rope")
+        header.rope = RopeStage::post_rope;
+      else if (tokens[1] == "pre_rope")
+        header.rope = RopeStage::pre_rope;
+      else
+        bad(line, fmt::format("rope must be pre_rope or post_rope, got '{}'", tokens[1]));
     } else {
       bad(line, fmt::format("unknown key '{}'", key));
     }
   }
   if (!magic) fail(ErrorCode::invalid_argument, "qkv trace manifest '{}' is empty", path.string());
   for (const char* key : {"layers", "q_heads", "kv_heads", "head_dim", "prompt_tokens", "decode_steps", "dtype"}) {
-    if (!seen.contains(key)) fail(ErrorCode::invalid_argument, "qkv trace manifest '{}': missing '{}'", path.string(), key);
+    if (!seen.contains(key))
+      fail(ErrorCode::invalid_argument, "qkv trace manifest '{}': missing '{}'", path.string(), key);
   }
   try {
     header.validate();
@@ -441,7 +452,8 @@ QkvLayer read_qkv_trace_layer(const fs::path& dir, const QkvTraceHeader& header,
 QkvTrace read_qkv_trace(const fs::path& dir) {
   QkvTrace trace;
   trace.header = read_qkv_trace_header(dir);
-  for (std::uint32_t l = 0; l < trace.header.layers; ++l) trace.layers.push_back(read_qkv_trace_layer(dir, trace.header, l));
+  for (std::uint32_t l = 0; l < trace.header.layers; ++l)
+    trace.layers.push_back(read_qkv_trace_layer(dir, trace.header, l));
   return trace;
 }
 
@@ -480,7 +492,8 @@ QkvTraceWriter::~QkvTraceWriter() = default;
 void QkvTraceWriter::prompt(std::uint32_t layer, std::span<const float> keys, std::span<const float> values) {
   check_index("qkv trace writer: layer", layer, header_.layers);
   Layer& l = *layers_[layer];
-  if (finished_ || l.prompt) fail(ErrorCode::failed_precondition, "qkv trace writer: layer {} prompt written twice", layer);
+  if (finished_ || l.prompt)
+    fail(ErrorCode::failed_precondition, "qkv trace writer: layer {} prompt written twice", layer);
   const std::size_t n = std::size_t{header_.prompt_tokens} * header_.kv_heads * header_.head_dim;
   if (keys.size() != n || values.size() != n) {
     fail(ErrorCode::invalid_argument, "qkv trace writer: layer {} prompt has {} / {} K / V floats, expected {}", layer,
@@ -497,13 +510,16 @@ void QkvTraceWriter::decode(std::uint32_t layer, std::span<const float> q, std::
   Layer& l = *layers_[layer];
   if (finished_ || !l.prompt || l.steps == header_.decode_steps) {
     fail(ErrorCode::failed_precondition, "qkv trace writer: layer {} decode step {} {}", layer, l.steps,
-         finished_ ? "after finish()" : !l.prompt ? "before its prompt" : "beyond decode_steps");
+         finished_   ? "after finish()"
+         : !l.prompt ? "before its prompt"
+                     : "beyond decode_steps");
   }
   const std::size_t kv = std::size_t{header_.kv_heads} * header_.head_dim;
   const std::size_t qn = std::size_t{header_.q_heads} * header_.head_dim;
   if (q.size() != qn || k.size() != kv || v.size() != kv) {
-    fail(ErrorCode::invalid_argument, "qkv trace writer: layer {} step has {} / {} / {} Q / K / V floats, expected {} / {} / {}",
-         layer, q.size(), k.size(), v.size(), qn, kv, kv);
+    fail(ErrorCode::invalid_argument,
+         "qkv trace writer: layer {} step has {} / {} / {} Q / K / V floats, expected {} / {} / {}", layer, q.size(),
+         k.size(), v.size(), qn, kv, kv);
   }
   write_floats(l.k, k, qkv_trace_file(dir_, layer, 'k'));
   write_floats(l.v, v, qkv_trace_file(dir_, layer, 'v'));
@@ -567,18 +583,20 @@ void validate(const SyntheticQkvOptions& o) {
   if (o.head_dim < 16) bad("head_dim", o.head_dim, "must be >= 16");
   if (o.topics == 0 || o.topics > 65536) bad("topics", o.topics, "must be in [1, 65536]");
   if (o.segment_tokens == 0) bad("segment_tokens", o.segment_tokens, "must be > 0");
-  if (o.segment_topics == 0 || o.segment_topics > o.topics) bad("segment_topics", o.segment_topics, "must be in [1, topics]");
+  if (o.segment_topics == 0 || o.segment_topics > o.topics)
+    bad("segment_topics", o.segment_topics, "must be in [1, topics]");
   if (!(o.run_tokens >= 1.0 && o.run_tokens <= 1e9)) bad("run_tokens", o.run_tokens, "must be in [1, 1e9]");
   if (!(o.topic_dwell >= 1.0 && o.topic_dwell <= 1e9)) bad("topic_dwell", o.topic_dwell, "must be in [1, 1e9]");
   if (o.blend_steps == 0) bad("blend_steps", o.blend_steps, "must be > 0");
   if (o.sink_tokens + std::uint64_t{o.heavy_hitters} > o.prompt_tokens) {
     bad("heavy_hitters", o.heavy_hitters, "sink_tokens + heavy_hitters must fit in prompt_tokens");
   }
-  if (!(o.recency_tokens > 0.0 && o.recency_tokens <= 1e9)) bad("recency_tokens", o.recency_tokens, "must be in (0, 1e9]");
+  if (!(o.recency_tokens > 0.0 && o.recency_tokens <= 1e9))
+    bad("recency_tokens", o.recency_tokens, "must be in (0, 1e9]");
   if (!(o.value_topic >= 0.0 && o.value_topic <= 1.0)) bad("value_topic", o.value_topic, "must be in [0, 1]");
   const std::pair<std::string_view, double> bounded[] = {
-      {"key_noise", o.key_noise},     {"query_noise", o.query_noise}, {"head_noise", o.head_noise},
-      {"topic_logit", o.topic_logit}, {"heavy_logit", o.heavy_logit}, {"sink_logit", o.sink_logit},
+      {"key_noise", o.key_noise},        {"query_noise", o.query_noise}, {"head_noise", o.head_noise},
+      {"topic_logit", o.topic_logit},    {"heavy_logit", o.heavy_logit}, {"sink_logit", o.sink_logit},
       {"recency_logit", o.recency_logit}};
   for (const auto& [knob, value] : bounded) {
     if (!(value >= 0.0 && value <= 100.0)) bad(knob, value, "must be in [0, 100]");
@@ -607,8 +625,8 @@ std::vector<std::uint32_t> synthetic_heavy_hitters(const SyntheticQkvOptions& o,
 QkvTrace synthetic_qkv_trace(const SyntheticQkvOptions& o) {
   validate(o);
   QkvTrace trace;
-  trace.header = {o.layers, o.q_heads, o.kv_heads, o.head_dim, o.prompt_tokens, o.decode_steps, RopeStage::post_rope,
-                  fmt::format("synthetic seed={}", o.seed)};
+  trace.header = {o.layers,        o.q_heads,      o.kv_heads,           o.head_dim,
+                  o.prompt_tokens, o.decode_steps, RopeStage::post_rope, fmt::format("synthetic seed={}", o.seed)};
   const Document doc = make_document(o);
   trace.layers.resize(o.layers);
   for (std::uint32_t l = 0; l < o.layers; ++l) {

@@ -127,8 +127,8 @@ void transpose_centroids(const float* centroids, std::uint32_t k, std::uint32_t 
 // The update step (summary_rules.hpp rules, as cuda::kmeans_update): sums in
 // row order, renormalise; empty or zero-sum clusters keep their centroid.
 // `sums` and `counts` are scratch of k * d and k elements.
-void update_centroids(const float* x, std::uint32_t n, std::uint32_t d, const std::uint32_t* labels,
-                      std::uint32_t k, float* centroids, float* sums, std::uint32_t* counts) {
+void update_centroids(const float* x, std::uint32_t n, std::uint32_t d, const std::uint32_t* labels, std::uint32_t k,
+                      float* centroids, float* sums, std::uint32_t* counts) {
   std::fill(sums, sums + std::size_t{k} * d, 0.0f);
   std::fill(counts, counts + k, 0u);
   for (std::uint32_t t = 0; t < n; ++t) {
@@ -165,8 +165,8 @@ std::vector<std::pair<std::uint32_t, std::uint32_t>> segments(std::uint32_t len,
 
 // Appends a summary (mean key, value sum) of `count` rows to the meta arrays.
 template <class KeyAt, class ValueAt>
-void add_summary(std::vector<float>& centroids, std::vector<float>& value_sums, std::uint32_t d,
-                 std::uint32_t count, KeyAt key_at, ValueAt value_at) {
+void add_summary(std::vector<float>& centroids, std::vector<float>& value_sums, std::uint32_t d, std::uint32_t count,
+                 KeyAt key_at, ValueAt value_at) {
   const std::size_t base = centroids.size();
   centroids.resize(base + d, 0.0f);
   value_sums.resize(base + d, 0.0f);
@@ -202,9 +202,8 @@ struct Clustered {
 // from `id`. key_at(t) / value_at(t) give token t's rows; tokens are listed
 // in order inside each cluster.
 template <class KeyAt, class ValueAt>
-void cluster_segment(const RetroInferPolicy::Options& options, std::uint32_t begin, std::uint32_t len,
-                     std::uint32_t d, std::uint64_t seed, KeyAt key_at, ValueAt value_at, PartitionId& id,
-                     Clustered& out) {
+void cluster_segment(const RetroInferPolicy::Options& options, std::uint32_t begin, std::uint32_t len, std::uint32_t d,
+                     std::uint64_t seed, KeyAt key_at, ValueAt value_at, PartitionId& id, Clustered& out) {
   std::vector<float> keys(std::size_t{len} * d);
   for (std::uint32_t t = 0; t < len; ++t) std::copy_n(key_at(begin + t), d, keys.data() + std::size_t{t} * d);
   const std::uint32_t k = std::max(1u, len / options.tokens_per_cluster);
@@ -242,7 +241,6 @@ void check_state(const LayerContext& ctx, const LayerState& state) {
          state.heads.size(), state.head_dim, ctx.kv_heads, ctx.head_dim);
   }
 }
-
 
 // The steady zone of one head (select_rules.hpp; docs/policies/retroinfer.md).
 SteadyZone head_steady_zone(const HeadState& head, std::uint32_t window, std::uint32_t budget) {
@@ -409,8 +407,8 @@ std::vector<std::uint32_t> spherical_kmeans(std::span<const float> vectors, std:
 
 std::uint32_t kmeans_assign(std::span<const float> rows, std::uint32_t n, std::uint32_t dim,
                             std::span<const float> centroids, std::uint32_t k, std::span<std::uint32_t> labels) {
-  if (n == 0 || dim == 0 || k == 0 || rows.size() != std::size_t{n} * dim ||
-      centroids.size() != std::size_t{k} * dim || labels.size() != n) {
+  if (n == 0 || dim == 0 || k == 0 || rows.size() != std::size_t{n} * dim || centroids.size() != std::size_t{k} * dim ||
+      labels.size() != n) {
     fail(ErrorCode::invalid_argument,
          "kmeans_assign: {} rows x {} dims ({} values), {} centroids ({} values), {} labels", n, dim, rows.size(), k,
          centroids.size(), labels.size());
@@ -426,8 +424,8 @@ std::uint32_t kmeans_assign(std::span<const float> rows, std::uint32_t n, std::u
 
 void kmeans_update(std::span<const float> rows, std::uint32_t n, std::uint32_t dim,
                    std::span<const std::uint32_t> labels, std::uint32_t k, std::span<float> centroids) {
-  if (n == 0 || dim == 0 || k == 0 || rows.size() != std::size_t{n} * dim ||
-      centroids.size() != std::size_t{k} * dim || labels.size() != n) {
+  if (n == 0 || dim == 0 || k == 0 || rows.size() != std::size_t{n} * dim || centroids.size() != std::size_t{k} * dim ||
+      labels.size() != n) {
     fail(ErrorCode::invalid_argument,
          "kmeans_update: {} rows x {} dims ({} values), {} centroids ({} values), {} labels", n, dim, rows.size(), k,
          centroids.size(), labels.size());
@@ -465,8 +463,7 @@ RetroInferPolicy::RetroInferPolicy(const Options& options) : options_(options) {
   }
 }
 
-std::vector<PartitionSpec> RetroInferPolicy::index(const LayerContext& ctx, const KvView& kv,
-                                                   LayerState& state) const {
+std::vector<PartitionSpec> RetroInferPolicy::index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
   check_kv(ctx, kv);
   const std::uint32_t n = kv.tokens;
   const std::uint32_t d = ctx.head_dim;
@@ -556,8 +553,8 @@ std::optional<Repartition> RetroInferPolicy::append(const LayerContext& ctx, con
     HeadState& head = state.heads[h];
     head.recent.push_back(Group{page.partitions[h], tokens});
     add_summary(
-        head.recent_centroids, head.recent_value_sums, d, tokens,
-        [&](std::uint32_t i) { return page.page.key(i, h); }, [&](std::uint32_t i) { return page.page.value(i, h); });
+        head.recent_centroids, head.recent_value_sums, d, tokens, [&](std::uint32_t i) { return page.page.key(i, h); },
+        [&](std::uint32_t i) { return page.page.value(i, h); });
     for (std::uint32_t i = 0; i < tokens; ++i) {
       head.recent_keys.insert(head.recent_keys.end(), page.page.key(i, h), page.page.key(i, h) + d);
       head.recent_values.insert(head.recent_values.end(), page.page.value(i, h), page.page.value(i, h) + d);
@@ -598,8 +595,7 @@ std::optional<Repartition> RetroInferPolicy::append(const LayerContext& ctx, con
       out.first_partitions[h] = head.recent.front().id;
       PartitionId id = head.recent.front().id;
       for (const auto& [begin, len] : segments(segment, options_.segment_tokens, options_.tokens_per_cluster)) {
-        const std::uint64_t seed =
-            mix(mix(mix(options_.seed, ctx.layer), h), std::uint64_t{head.tokens} - run + begin);
+        const std::uint64_t seed = mix(mix(mix(options_.seed, ctx.layer), h), std::uint64_t{head.tokens} - run + begin);
         cluster_segment(
             options_, begin, len, d, seed,
             [&](std::uint32_t t) { return head.recent_keys.data() + std::size_t{t} * d; },
@@ -706,8 +702,7 @@ void RetroInferPolicy::attend_head(const LayerContext& ctx, const DecodeQuery& q
   check_head("retroinfer", ctx, h);
   const std::uint32_t group = ctx.group_size();
   if (extra.size() != group) {
-    fail(ErrorCode::invalid_argument, "retroinfer: attend of a kv head needs {} partials, got {}", group,
-         extra.size());
+    fail(ErrorCode::invalid_argument, "retroinfer: attend of a kv head needs {} partials, got {}", group, extra.size());
   }
   const std::uint32_t d = ctx.head_dim;
   for (AttentionPartial& partial : extra) partial = AttentionPartial(d);
@@ -817,8 +812,8 @@ std::uint32_t RetroInferPolicy::mandatory_pages(const LayerContext& ctx) const {
       bound = std::max(bound, (budget + selected * (page - 1)) / page);
     }
   }
-  return static_cast<std::uint32_t>(std::clamp<std::uint64_t>(std::min(bound, whole.pages), 1,
-                                                              std::numeric_limits<std::uint32_t>::max()));
+  return static_cast<std::uint32_t>(
+      std::clamp<std::uint64_t>(std::min(bound, whole.pages), 1, std::numeric_limits<std::uint32_t>::max()));
 }
 
 }  // namespace sparsekv

@@ -49,8 +49,8 @@ HWY_INLINE void QuestBox(D d8, const float* HWY_RESTRICT halves, const float* HW
       const auto sum = hn::Add(l, h), width = hn::Sub(h, l);
       for (std::uint32_t b = 0; b < H; ++b) {
         const std::size_t row = std::size_t{b} * head_dim + at;
-        const auto term = hn::Add(hn::Mul(hn::LoadU(d8, halves + row), sum),
-                                  hn::Mul(hn::LoadU(d8, reach_halves + row), width));
+        const auto term =
+            hn::Add(hn::Mul(hn::LoadU(d8, halves + row), sum), hn::Mul(hn::LoadU(d8, reach_halves + row), width));
         acc[b][p] = hn::Add(acc[b][p], term);
       }
     }
@@ -89,10 +89,18 @@ void QuestLogitsOf(const float* q, std::uint32_t group, const T* min, const T* m
       const float* hb = halves.data() + std::size_t{g0} * head_dim;
       const float* rb = reach_halves.data() + std::size_t{g0} * head_dim;
       switch (heads) {
-        case 1: QuestBox<1>(d8, hb, rb, lo, hi, head_dim, whole, sums); break;
-        case 2: QuestBox<2>(d8, hb, rb, lo, hi, head_dim, whole, sums); break;
-        case 3: QuestBox<3>(d8, hb, rb, lo, hi, head_dim, whole, sums); break;
-        default: QuestBox<kQuestHeads>(d8, hb, rb, lo, hi, head_dim, whole, sums); break;
+        case 1:
+          QuestBox<1>(d8, hb, rb, lo, hi, head_dim, whole, sums);
+          break;
+        case 2:
+          QuestBox<2>(d8, hb, rb, lo, hi, head_dim, whole, sums);
+          break;
+        case 3:
+          QuestBox<3>(d8, hb, rb, lo, hi, head_dim, whole, sums);
+          break;
+        default:
+          QuestBox<kQuestHeads>(d8, hb, rb, lo, hi, head_dim, whole, sums);
+          break;
       }
       for (std::uint32_t b = 0; b < heads; ++b) {
         // The rule's tail, in order.
@@ -107,8 +115,8 @@ void QuestLogitsOf(const float* q, std::uint32_t group, const T* min, const T* m
   }
 }
 
-void QuestLogits(const float* q, std::uint32_t group, const void* min, const void* max, DType dtype,
-                 std::uint32_t n, std::uint32_t head_dim, float spread, float scale, float* out) {
+void QuestLogits(const float* q, std::uint32_t group, const void* min, const void* max, DType dtype, std::uint32_t n,
+                 std::uint32_t head_dim, float spread, float scale, float* out) {
   switch (dtype) {
     case DType::f32:
       QuestLogitsOf(q, group, static_cast<const float*>(min), static_cast<const float*>(max), dtype, n, head_dim,
@@ -119,8 +127,8 @@ void QuestLogits(const float* q, std::uint32_t group, const void* min, const voi
                     n, head_dim, spread, scale, out);
       return;
     case DType::bf16:
-      QuestLogitsOf(q, group, static_cast<const hwy::bfloat16_t*>(min), static_cast<const hwy::bfloat16_t*>(max),
-                    dtype, n, head_dim, spread, scale, out);
+      QuestLogitsOf(q, group, static_cast<const hwy::bfloat16_t*>(min), static_cast<const hwy::bfloat16_t*>(max), dtype,
+                    n, head_dim, spread, scale, out);
       return;
   }
 }
@@ -136,7 +144,7 @@ HWY_INLINE void Transpose8(D d8, const float* rows, std::size_t stride, hn::Vec<
   // Pairs of rows, then pairs of pairs (64-bit), within each 128-bit half.
   hn::Vec<D> t[8], u[8];
   for (std::size_t p = 0; p < 4; ++p) {
-    t[2 * p] = hn::InterleaveLower(d8, r[2 * p], r[2 * p + 1]);  // j0 j1 of elements 0 1 | 4 5
+    t[2 * p] = hn::InterleaveLower(d8, r[2 * p], r[2 * p + 1]);      // j0 j1 of elements 0 1 | 4 5
     t[2 * p + 1] = hn::InterleaveUpper(d8, r[2 * p], r[2 * p + 1]);  // 2 3 | 6 7
   }
   for (std::size_t h = 0; h < 2; ++h) {  // rows 0-3, rows 4-7
@@ -168,12 +176,13 @@ constexpr std::size_t kPrefetchBlocks = 1;
 // from the lane's row, q[d] broadcast. out[b * n + lane] = scale * sum.
 template <std::uint32_t H, class D, class VI>
 HWY_INLINE void ShadowKVBlock(D d8, const float* HWY_RESTRICT q, const float* HWY_RESTRICT block,
-                              std::uint32_t head_dim, std::uint32_t whole, VI rows, hn::Vec<D> vscale,
-                              std::uint32_t n, float* HWY_RESTRICT out) {
+                              std::uint32_t head_dim, std::uint32_t whole, VI rows, hn::Vec<D> vscale, std::uint32_t n,
+                              float* HWY_RESTRICT out) {
   hn::Vec<D> acc[H];
   for (std::uint32_t b = 0; b < H; ++b) acc[b] = hn::Zero(d8);
   const auto step = [&](std::uint32_t d, hn::Vec<D> l) {
-    for (std::uint32_t b = 0; b < H; ++b) acc[b] = hn::Add(acc[b], hn::Mul(hn::Set(d8, q[std::size_t{b} * head_dim + d]), l));
+    for (std::uint32_t b = 0; b < H; ++b)
+      acc[b] = hn::Add(acc[b], hn::Mul(hn::Set(d8, q[std::size_t{b} * head_dim + d]), l));
   };
 #if HWY_TARGET != HWY_SCALAR
   for (std::uint32_t d = 0; d < whole; d += 8) {
@@ -213,10 +222,18 @@ void ShadowKVLogits(const float* q, std::uint32_t group, const float* landmarks,
       const float* qb = q + std::size_t{g0} * head_dim;
       float* ob = out + std::size_t{g0} * n + i;
       switch (group - g0 < kHeadBlock ? group - g0 : kHeadBlock) {
-        case 1: ShadowKVBlock<1>(d8, qb, block, head_dim, whole, rows, vscale, n, ob); break;
-        case 2: ShadowKVBlock<2>(d8, qb, block, head_dim, whole, rows, vscale, n, ob); break;
-        case 3: ShadowKVBlock<3>(d8, qb, block, head_dim, whole, rows, vscale, n, ob); break;
-        default: ShadowKVBlock<kHeadBlock>(d8, qb, block, head_dim, whole, rows, vscale, n, ob); break;
+        case 1:
+          ShadowKVBlock<1>(d8, qb, block, head_dim, whole, rows, vscale, n, ob);
+          break;
+        case 2:
+          ShadowKVBlock<2>(d8, qb, block, head_dim, whole, rows, vscale, n, ob);
+          break;
+        case 3:
+          ShadowKVBlock<3>(d8, qb, block, head_dim, whole, rows, vscale, n, ob);
+          break;
+        default:
+          ShadowKVBlock<kHeadBlock>(d8, qb, block, head_dim, whole, rows, vscale, n, ob);
+          break;
       }
     }
   }
@@ -248,8 +265,8 @@ void PortableExps(const float* x, float bias, std::uint32_t n, float* out) {
     auto p = hn::Set(df, 1.98412698e-4f);
     for (const float t : terms) p = hn::Add(hn::Mul(p, r), hn::Set(df, t));
     const auto e = hn::ConvertTo(di, k);
-    const auto out_of_range = hn::Or(hn::Not(hn::Eq(v, v)),
-                                     hn::Or(hn::Gt(v, hn::Set(df, 88.72283f)), hn::Lt(v, hn::Set(df, -103.972084f))));
+    const auto out_of_range =
+        hn::Or(hn::Not(hn::Eq(v, v)), hn::Or(hn::Gt(v, hn::Set(df, 88.72283f)), hn::Lt(v, hn::Set(df, -103.972084f))));
     const auto not_normal = hn::Or(hn::Gt(e, hn::Set(di, 127)), hn::Lt(e, hn::Set(di, -126)));
     if (!hn::AllFalse(df, hn::Or(out_of_range, hn::RebindMask(df, not_normal)))) {
       for (std::uint32_t j = i; j < i + lanes; ++j) out[j] = portable_exp(add_rn(x[j], bias));
@@ -273,8 +290,8 @@ void ShadowKVHeadScores(std::uint32_t n, const float* logits, const char* taken,
   static_assert(kSumLanes % 8 == 0);
   const std::uint32_t whole = n / lanes * lanes;
   const auto untaken_at = [&](std::uint32_t i) {
-    return hn::RebindMask(df, hn::Eq(hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const std::uint8_t*>(taken) + i)),
-                                     hn::Zero(di)));
+    return hn::RebindMask(
+        df, hn::Eq(hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const std::uint8_t*>(taken) + i)), hn::Zero(di)));
   };
   auto vtop = hn::Set(df, kNegativeInfinity);
   for (std::uint32_t i = 0; i < whole; i += lanes) {
@@ -339,8 +356,7 @@ void portable_exps(const float* x, float bias, std::uint32_t n, float* out) {
   HWY_DYNAMIC_DISPATCH(PortableExps)(x, bias, n, out);
 }
 
-void shadowkv_head_scores_simd(std::uint32_t n, const float* logits, const char* taken, float* shares,
-                               float* scores) {
+void shadowkv_head_scores_simd(std::uint32_t n, const float* logits, const char* taken, float* shares, float* scores) {
   HWY_DYNAMIC_DISPATCH(ShadowKVHeadScores)(n, logits, taken, shares, scores);
 }
 

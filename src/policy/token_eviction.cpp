@@ -71,8 +71,7 @@ void LiveTokens::check_eviction(std::string_view policy, const LayerContext& ctx
   }
   for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
     if (positions[h].empty() || positions[h].back() != e.newest) {
-      fail(ErrorCode::invalid_argument, "{}: position {} was not the newest placed in kv head {}", policy, e.newest,
-           h);
+      fail(ErrorCode::invalid_argument, "{}: position {} was not the newest placed in kv head {}", policy, e.newest, h);
     }
     if (e.live_tokens[h] != positions[h].size()) {
       fail(ErrorCode::invalid_argument, "{}: the buffer holds {} live tokens in kv head {}, the policy state {}",
@@ -91,9 +90,8 @@ std::pair<std::size_t, std::size_t> LiveTokens::evictable(const EvictionContext&
   // newest + 1 is placed: a position p stays out of it iff p + recent <= newest + 1.
   const std::uint64_t window_end = std::uint64_t{e.newest} + 1;
   const auto first = std::partition_point(live.begin(), live.end(), [&](std::uint32_t p) { return p < lowest; });
-  const auto end = std::partition_point(first, live.end(), [&](std::uint32_t p) {
-    return std::uint64_t{p} + recent_tokens <= window_end;
-  });
+  const auto end = std::partition_point(
+      first, live.end(), [&](std::uint32_t p) { return std::uint64_t{p} + recent_tokens <= window_end; });
   return {static_cast<std::size_t>(first - live.begin()), static_cast<std::size_t>(end - live.begin())};
 }
 

@@ -46,13 +46,12 @@ void PoolReplay::check(std::uint64_t cpu_free, CommitOrder order, const Hierarch
   table.check_segments(segments);
 }
 
-void check_regroup(std::string_view policy, const HierarchicalPageTable& table, RequestId request,
-                   std::uint32_t layer, std::uint32_t head, std::uint32_t kv_heads, std::uint32_t page_tokens,
-                   const Repartition& regroup, PartitionId saved_partition) {
+void check_regroup(std::string_view policy, const HierarchicalPageTable& table, RequestId request, std::uint32_t layer,
+                   std::uint32_t head, std::uint32_t kv_heads, std::uint32_t page_tokens, const Repartition& regroup,
+                   PartitionId saved_partition) {
   if (regroup.first_partitions.size() != kv_heads || regroup.specs.size() != kv_heads ||
       regroup.first_partitions[head] > saved_partition) {
-    fail(ErrorCode::failed_precondition, "policy {}: malformed regroup of request {} layer {}", policy, request,
-         layer);
+    fail(ErrorCode::failed_precondition, "policy {}: malformed regroup of request {} layer {}", policy, request, layer);
   }
   std::uint64_t tokens = page_tokens;  // the page being saved
   for (PartitionId p = regroup.first_partitions[head]; p < saved_partition; ++p) {

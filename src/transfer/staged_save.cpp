@@ -122,8 +122,8 @@ StagedSaver::StagedSaver(const StagedSaverConfig& config) : config_(config) {
     fail(ErrorCode::invalid_argument, "StagedSaver: staging_slots {} not in 1..{}", config.staging_slots, kMaxSlots);
   }
   if (config.staging_bytes > config.max_staging_bytes) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: staging_bytes {} above max_staging_bytes {}",
-         config.staging_bytes, config.max_staging_bytes);
+    fail(ErrorCode::invalid_argument, "StagedSaver: staging_bytes {} above max_staging_bytes {}", config.staging_bytes,
+         config.max_staging_bytes);
   }
   use_device_ = cuda_device_count() > 0;
   try {
@@ -189,8 +189,10 @@ void StagedSaver::release_resources() noexcept {
 
 void StagedSaver::set_destination(const SaveDestination& d) {
   if (d.chunks.empty() || d.pages_per_chunk == 0 || d.page_count == 0) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: destination needs chunks ({}), pages_per_chunk ({}) and "
-         "page_count ({}) above 0", d.chunks.size(), d.pages_per_chunk, d.page_count);
+    fail(ErrorCode::invalid_argument,
+         "StagedSaver: destination needs chunks ({}), pages_per_chunk ({}) and "
+         "page_count ({}) above 0",
+         d.chunks.size(), d.pages_per_chunk, d.page_count);
   }
   if (d.page_count > d.chunks.size() * std::uint64_t{d.pages_per_chunk}) {
     fail(ErrorCode::invalid_argument, "StagedSaver: page_count {} above {} chunks x {} pages", d.page_count,
@@ -202,11 +204,13 @@ void StagedSaver::set_destination(const SaveDestination& d) {
   }
   const std::size_t block = std::size_t{d.page_tokens} * d.row_bytes;
   if (d.k_block_offset + block > d.page_stride || d.v_block_offset + block > d.page_stride) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: K block at {} or V block at {} ({} bytes each) ends past "
-         "page_stride {}", d.k_block_offset, d.v_block_offset, block, d.page_stride);
+    fail(ErrorCode::invalid_argument,
+         "StagedSaver: K block at {} or V block at {} ({} bytes each) ends past "
+         "page_stride {}",
+         d.k_block_offset, d.v_block_offset, block, d.page_stride);
   }
-  const std::size_t gap = d.k_block_offset > d.v_block_offset ? d.k_block_offset - d.v_block_offset
-                                                              : d.v_block_offset - d.k_block_offset;
+  const std::size_t gap =
+      d.k_block_offset > d.v_block_offset ? d.k_block_offset - d.v_block_offset : d.v_block_offset - d.k_block_offset;
   if (gap < block) {
     fail(ErrorCode::invalid_argument, "StagedSaver: K block at {} and V block at {} overlap ({} bytes each)",
          d.k_block_offset, d.v_block_offset, block);
@@ -229,8 +233,8 @@ SaveTicket StagedSaver::save(const std::byte* source, std::size_t bytes, std::sp
   if (!destination_) fail(ErrorCode::failed_precondition, "StagedSaver: save before set_destination");
   const Destination& d = *destination_;
   if (bytes != targets.size() * d.row_bytes) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: {} source bytes for {} targets of {} bytes", bytes,
-         targets.size(), d.row_bytes);
+    fail(ErrorCode::invalid_argument, "StagedSaver: {} source bytes for {} targets of {} bytes", bytes, targets.size(),
+         d.row_bytes);
   }
   if (targets.empty()) return 0;
   if (source == nullptr) fail(ErrorCode::invalid_argument, "StagedSaver: null source for {} bytes", bytes);

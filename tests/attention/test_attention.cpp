@@ -60,7 +60,7 @@ TEST_CASE("fp16 and bf16 conversions round to nearest even", "[attention][numeri
   REQUIRE(float_to_f16(1.0f) == 0x3c00);
   REQUIRE(float_to_f16(-2.5f) == 0xc100);
   REQUIRE(float_to_f16(65504.0f) == 0x7bff);
-  REQUIRE(float_to_f16(65520.0f) == 0x7c00);  // rounds past the largest finite half
+  REQUIRE(float_to_f16(65520.0f) == 0x7c00);               // rounds past the largest finite half
   REQUIRE(float_to_f16(std::ldexp(1.0f, -24)) == 0x0001);  // smallest subnormal
   REQUIRE(float_to_f16(std::ldexp(1.5f, -24)) == 0x0002);  // tie -> even
   REQUIRE(f16_to_float(0x0001) == std::ldexp(1.0f, -24));
@@ -178,8 +178,8 @@ struct MaskedHead {
   HeadKv compacted(const PageLayout& layout) const {
     HeadKv kv;
     for (std::size_t p = 0; p < compact_pages.size(); ++p)
-      kv.add(compact_pages[p].data(), std::min<std::uint32_t>(layout.page_tokens,
-                                                              std::uint32_t(keys.size() - p * layout.page_tokens)));
+      kv.add(compact_pages[p].data(),
+             std::min<std::uint32_t>(layout.page_tokens, std::uint32_t(keys.size() - p * layout.page_tokens)));
     return kv;
   }
 };
@@ -401,9 +401,9 @@ TEST_CASE("decode_attention rejects bad masks and slot weights and writes nothin
     REQUIRE(std::all_of(weights.begin(), weights.end(), [](float x) { return x == 7.0f; }));
   };
   // slot_weights of the wrong size (one page short, one slot over).
-  REQUIRE_SPARSEKV_ERROR(decode_attention(layout, 2, 1.0f, q.data(), kv, {}, out.data(), lse.data(),
-                                          std::span(weights).first(8)),
-                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(
+      decode_attention(layout, 2, 1.0f, q.data(), kv, {}, out.data(), lse.data(), std::span(weights).first(8)),
+      ErrorCode::invalid_argument);
   weights.push_back(7.0f);
   REQUIRE_SPARSEKV_ERROR(decode_attention(layout, 2, 1.0f, q.data(), kv, {}, out.data(), lse.data(), weights),
                          ErrorCode::invalid_argument);
@@ -457,7 +457,9 @@ TEST_CASE("HostBackend::attend honours AttendPlan::live_masks and fills AttendCa
     // HostBackend's Attend is the vectorized fold (attention/page_fold.hpp):
     // within 1e-5 relative of the scalar reference, and a dead or unused
     // slot's weight exactly 0 as there.
-    const auto close = [](float got, float want) { return std::abs(got - want) <= 1e-5f * std::max(1.0f, std::abs(want)); };
+    const auto close = [](float got, float want) {
+      return std::abs(got - want) <= 1e-5f * std::max(1.0f, std::abs(want));
+    };
     REQUIRE(out.size() == want_out.size());
     for (std::size_t i = 0; i < out.size(); ++i) REQUIRE(close(out[i], want_out[i]));
     REQUIRE(weights.size() == want_weights.size());

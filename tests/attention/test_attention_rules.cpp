@@ -132,7 +132,7 @@ TEST_CASE("folding scores a batch at a time equals the one-at-a-time fold", "[at
       const std::size_t n = 1 + rng() % 48;
       Keys keys = random_keys(rng, n, d, spread);
       for (std::size_t t = 0; t < n; ++t) {
-        keys.weights[t] = 1.0f;  // the kernel's keys are single tokens
+        keys.weights[t] = 1.0f;                                  // the kernel's keys are single tokens
         if (rng() % 4 == 0) keys.scores[t] = kNegativeInfinity;  // unused or dead slots
       }
       keys.scores[rng() % n] = spread;  // at least one live key
@@ -142,7 +142,8 @@ TEST_CASE("folding scores a batch at a time equals the one-at-a-time fold", "[at
       SoftmaxHead batched(d);
       for (std::size_t t0 = 0; t0 < n; t0 += batch) {
         const std::uint32_t m = static_cast<std::uint32_t>(std::min<std::size_t>(batch, n - t0));
-        std::vector<float> weights(keys.scores.begin() + std::ptrdiff_t(t0), keys.scores.begin() + std::ptrdiff_t(t0 + m));
+        std::vector<float> weights(keys.scores.begin() + std::ptrdiff_t(t0),
+                                   keys.scores.begin() + std::ptrdiff_t(t0 + m));
         const float scale = softmax_fold_tile(batched.state, weights.data(), m, weights.data());
         for (float& a : batched.acc) a = softmax_rescale_tile(a, scale);
         for (std::uint32_t j = 0; j < m; ++j) {
@@ -291,8 +292,8 @@ TEST_CASE("split_decode_attention covers every page with bounded chunks", "[atte
         const std::uint32_t pages = std::max(max_pages, 1u);
         REQUIRE(s.head_slices == 1);
         REQUIRE(s.chunks >= 1);
-        REQUIRE(std::uint64_t{s.chunks} * s.chunk_pages >= pages);       // every page in a chunk
-        REQUIRE(std::uint64_t{s.chunks - 1} * s.chunk_pages < pages);    // no chunk past the last page
+        REQUIRE(std::uint64_t{s.chunks} * s.chunk_pages >= pages);     // every page in a chunk
+        REQUIRE(std::uint64_t{s.chunks - 1} * s.chunk_pages < pages);  // no chunk past the last page
         REQUIRE(std::uint64_t{s.chunk_pages} * 16 >= cuda::kMinChunkTokens);
         // At least half of the CTAs the target and the chunk floor allow.
         const std::uint64_t rows = std::uint64_t{batch} * 8;
@@ -355,14 +356,14 @@ TEST_CASE("split CTA rows and token groups follow head_dim, dtype and the group"
   REQUIRE(cuda::decode_attention_group_width(3) == 4);
   REQUIRE(cuda::decode_attention_group_width(5) == 8);
   REQUIRE(cuda::decode_attention_group_width(12) == cuda::kMaxGroupPerCta);
-  REQUIRE(cuda::decode_attention_rows(128, DType::bf16) == 8);   // 16 lanes of 8 elements
+  REQUIRE(cuda::decode_attention_rows(128, DType::bf16) == 8);  // 16 lanes of 8 elements
   REQUIRE(cuda::decode_attention_rows(64, DType::f16) == 16);
-  REQUIRE(cuda::decode_attention_rows(128, DType::f32) == 4);    // 32 lanes of 4 elements
+  REQUIRE(cuda::decode_attention_rows(128, DType::f32) == 4);  // 32 lanes of 4 elements
   REQUIRE(cuda::decode_attention_token_groups(128, DType::bf16, 4) == 2);
   REQUIRE(cuda::decode_attention_token_groups(128, DType::bf16, 1) == 8);
   REQUIRE(cuda::decode_attention_token_groups(128, DType::bf16, 3) == 2);  // width 4
   REQUIRE(cuda::decode_attention_token_groups(128, DType::bf16, 8) == 1);
-  REQUIRE(cuda::decode_attention_token_groups(128, DType::f32, 8) == 1);   // 4 rows, two heads a thread
+  REQUIRE(cuda::decode_attention_token_groups(128, DType::f32, 8) == 1);  // 4 rows, two heads a thread
   REQUIRE(cuda::decode_attention_token_groups(64, DType::bf16, 1) == 16);
   REQUIRE(cuda::decode_attention_token_groups(64, DType::bf16, 12) == 2);
   // A token group's share of a 16-token tile, folded at most 8 at a time.
@@ -454,7 +455,6 @@ TEST_CASE("the kernel's live-slot test and slot weight follow the mask and the g
   REQUIRE(cuda::decode_attention_slot_weight(scores.data(), lse.data(), nullptr, 1, 2, 3, 3, pt, group) == 0.0f);
   REQUIRE(cuda::decode_attention_slot_weight(scores.data(), lse.data(), masks.data(), 1, 1, 1, 4, pt, group) == 0.0f);
 }
-
 
 namespace {
 
@@ -654,11 +654,12 @@ TEST_CASE("host emulation of the masked split-K kernel with slot weights matches
           // Positions at or past an understated max_indices get no score and no weight; the rest are unchanged.
           const std::uint32_t short_indices = max_indices / 2;
           std::vector<float> got_out, got_lse, got_weights;
-          emulate_split_k(b, cuda::split_decode_attention(shape, 4096), got_out, got_lse, &got_weights,
-                          short_indices);
+          emulate_split_k(b, cuda::split_decode_attention(shape, 4096), got_out, got_lse, &got_weights, short_indices);
           REQUIRE(got_weights.size() == std::size_t{short_indices} * page_tokens);
-          require_weights_close(got_weights, std::vector<float>(want_weights.begin(), want_weights.begin() +
-                                                                  std::ptrdiff_t(got_weights.size())), group);
+          require_weights_close(
+              got_weights,
+              std::vector<float>(want_weights.begin(), want_weights.begin() + std::ptrdiff_t(got_weights.size())),
+              group);
         }
       }
     }

@@ -101,7 +101,8 @@ void check_case(std::mt19937& rng) {
     if (scored) f.scores = h.scores.data() + std::size_t{p} * pt * group;
     return f;
   };
-  for (std::uint32_t p = 0; p < pages; ++p) fold_page_scalar(fold_of(want, p), refs[p].data, refs[p].tokens, refs[p].live);
+  for (std::uint32_t p = 0; p < pages; ++p)
+    fold_page_scalar(fold_of(want, p), refs[p].data, refs[p].tokens, refs[p].live);
   for (std::uint32_t p = 0; p < pages;) {
     std::uint32_t count = 1, tokens = refs[p].tokens;
     while (tiled && p + count < pages && tokens + refs[p + count].tokens <= fold_tile_tokens(layout) &&
@@ -197,7 +198,8 @@ TEST_CASE("fold_pages refuses a tile past its slots, changing nothing", "[fold-p
   std::mt19937 rng(3);
   std::normal_distribution<float> normal;
   std::vector<std::byte> data(8 * layout.page_bytes());
-  for (std::size_t i = 0; i < data.size() / 2; ++i) store_element(data.data(), static_cast<std::uint32_t>(i), DType::f16, normal(rng));
+  for (std::size_t i = 0; i < data.size() / 2; ++i)
+    store_element(data.data(), static_cast<std::uint32_t>(i), DType::f16, normal(rng));
   std::vector<float> q(std::size_t{group} * layout.head_dim);
   for (auto& x : q) x = normal(rng);
   Heads h = start(rng, group, layout.head_dim, layout.page_tokens);

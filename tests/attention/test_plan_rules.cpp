@@ -69,7 +69,8 @@ TEST_CASE("plan emulation: the kernels' decomposition reproduces build_plan bit 
     entries += c.host.entries();
     for (std::size_t r = 0; r + 1 < c.host.head_entries.size(); ++r)
       multi_run_rows += c.host.head_entries[r + 1] - c.host.head_entries[r] > 1 ? 1 : 0;
-    zero_token_runs += static_cast<std::size_t>(std::count(c.host.last_page_len.begin(), c.host.last_page_len.end(), 0));
+    zero_token_runs +=
+        static_cast<std::size_t>(std::count(c.host.last_page_len.begin(), c.host.last_page_len.end(), 0));
   }
   // The random cases exercised multi-run rows and pages past their partition's tokens.
   REQUIRE(entries > 5000);
@@ -96,10 +97,9 @@ TEST_CASE("plan emulation: rows past a capacity are planned empty and counted", 
         const std::int64_t runs = append_head_runs(row, c.retrievals[b], h, c.page_tokens, pages, tokens);
         const bool fits = row.indices.size() <= max_pages && runs <= max_entries;
         want_overflow += fits ? 0 : 1;
-        want.head_entries.push_back(want.head_entries.back() +
-                                    (fits ? append_head_runs(want, c.retrievals[b], h, c.page_tokens, pages,
-                                                                     tokens)
-                                          : 0));
+        want.head_entries.push_back(
+            want.head_entries.back() +
+            (fits ? append_head_runs(want, c.retrievals[b], h, c.page_tokens, pages, tokens) : 0));
       }
     }
     PlanArrays got = emulate_plan(c.host_input(max_pages, max_entries), cuda::kPlanFillThreads, rng, kSentinel);

@@ -83,8 +83,7 @@ struct Sequence {
 // Every (row, head) of `got` within `tolerance` of `want`'s largest |value| in
 // that row and head; the strides' padding left as it was. One assertion for
 // the worst element (named), one for the padding.
-void require_close(const Sequence& s, const std::vector<float>& got, const std::vector<float>& want,
-                   double tolerance) {
+void require_close(const Sequence& s, const std::vector<float>& got, const std::vector<float>& want, double tolerance) {
   const std::uint32_t d = s.shape.head_dim;
   double worst = 0;  // |got - want| / (tolerance * largest), at most 1
   std::uint32_t worst_row = 0, worst_head = 0, worst_j = 0;
@@ -151,7 +150,7 @@ TEST_CASE("PromptAttention equals the scalar reference on every target the CPU h
     bool padded;
   };
   // Chunks of 1, 7, 64 rows at position 0 and past it in every plan.
-  const std::vector<Part> small = {{0, 1, false}, {0, 7, true}, {0, 64, false},
+  const std::vector<Part> small = {{0, 1, false}, {0, 7, true},   {0, 64, false},
                                    {1, 1, true},  {57, 7, false}, {130, 64, true}};
   std::mt19937 rng(11);
   std::uint32_t long_chunks = 0;
@@ -280,8 +279,7 @@ TEST_CASE("A NaN key makes exactly the outputs that attend it NaN, on the refere
     const PromptAttentionShape shape = shape_of(dtype, 2, 3, 64);
     Sequence s(shape, 40, 100, false, rng);
     constexpr std::uint32_t kNanToken = 70;  // kv head 1: q heads 3-5 of rows at positions >= 70
-    store_element(s.k.data(), (kNanToken * 2 + 1) * shape.head_dim + 5, dtype,
-                  std::numeric_limits<float>::quiet_NaN());
+    store_element(s.k.data(), (kNanToken * 2 + 1) * shape.head_dim + 5, dtype, std::numeric_limits<float>::quiet_NaN());
     const auto require_nan_where_attended = [&] {
       for (std::uint32_t r = 0; r < s.rows; ++r) {
         for (std::uint32_t h = 0; h < shape.q_heads; ++h) {
@@ -310,9 +308,9 @@ TEST_CASE("A NaN key makes exactly the outputs that attend it NaN, on the refere
 
 TEST_CASE("A prompt attended whole or in chunks gives the same bits", "[prompt-attention]") {
   std::mt19937 rng(21);
-  for (const auto& [shape, first] : {std::pair{shape_of(DType::f16, 3, 3, 64), 0u},
-                                     std::pair{shape_of(DType::bf16, 2, 4, 128), 0u},
-                                     std::pair{shape_of(DType::f32, 1, 8, 64), 33u}}) {
+  for (const auto& [shape, first] :
+       {std::pair{shape_of(DType::f16, 3, 3, 64), 0u}, std::pair{shape_of(DType::bf16, 2, 4, 128), 0u},
+        std::pair{shape_of(DType::f32, 1, 8, 64), 33u}}) {
     Sequence s(shape, first, 300, false, rng);
     // Cuts: chunks of 64 (each with its first), and uneven ones.
     const std::vector<std::vector<std::uint32_t>> cuts = {{64, 64, 64, 64, 44}, {7, 100, 13, 1, 120, 59}};

@@ -86,7 +86,8 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
     buffer.add_request(b, RequestBudget{1, 0});
     slots[b] = rng() % 2 ? tr.page_tokens - 1 : rng() % tr.page_tokens;
     for (std::uint32_t t = 0; t < slots[b]; ++t) {
-      const auto k = encode(test::random_values(row, rng), tr.dtype), v = encode(test::random_values(row, rng), tr.dtype);
+      const auto k = encode(test::random_values(row, rng), tr.dtype),
+                 v = encode(test::random_values(row, rng), tr.dtype);
       buffer.append(b, 0, KvChunk{k.data(), v.data(), 1, tr.dtype});
       const auto kf = decode(k.data(), row, tr.dtype), vf = decode(v.data(), row, tr.dtype);
       tail_keys[b].insert(tail_keys[b].end(), kf.begin(), kf.end());
@@ -119,8 +120,8 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
     tail_pages[i] = i;
     cpu_pages[i] = reinterpret_cast<std::byte*>(saved.data()) + std::size_t{i} * page_bytes;
     rows[i] = items - 1 - i;  // any permutation: rows are the caller's
-    std::memcpy(tier_bytes + i * page_bytes, buffer.gpu_pool().data(buffer.tail_page(i / tr.kv_heads, 0, i % tr.kv_heads)),
-                page_bytes);
+    std::memcpy(tier_bytes + i * page_bytes,
+                buffer.gpu_pool().data(buffer.tail_page(i / tr.kv_heads, 0, i % tr.kv_heads)), page_bytes);
   }
   const std::vector<AppendVector> before = tier;
   std::vector<float> q_out(qf.size(), -1.0f);
@@ -167,7 +168,8 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
   // The host path: the buffer appends each entry (bad rows replaced, their heads compared to the
   // untouched emulated page instead); the policies summarise each full page.
   for (std::uint32_t b = 0; b < tr.batch; ++b) {
-    std::vector<float> kb(kf.begin() + b * row, kf.begin() + (b + 1) * row), vb(vf.begin() + b * row, vf.begin() + (b + 1) * row);
+    std::vector<float> kb(kf.begin() + b * row, kf.begin() + (b + 1) * row),
+        vb(vf.begin() + b * row, vf.begin() + (b + 1) * row);
     std::vector<bool> clean(tr.kv_heads, true);
     for (std::size_t i = 0; i < row; ++i) {
       if (!is_finite(kb[i]) || !is_finite(vb[i])) clean[i / tr.dim] = false;
@@ -234,8 +236,10 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
         return std::vector<float>(v.begin() + r * n, v.begin() + (r + 1) * n);
       };
       if (tr.kind == AppendSummary::quest) {
-        expect(same_bits(summary_row(first, rows[i], tr.dim), summary_row(quest_state.min[h].widened(), 1, tr.dim)), "quest min");
-        expect(same_bits(summary_row(second, rows[i], tr.dim), summary_row(quest_state.max[h].widened(), 1, tr.dim)), "quest max");
+        expect(same_bits(summary_row(first, rows[i], tr.dim), summary_row(quest_state.min[h].widened(), 1, tr.dim)),
+               "quest min");
+        expect(same_bits(summary_row(second, rows[i], tr.dim), summary_row(quest_state.max[h].widened(), 1, tr.dim)),
+               "quest max");
       } else if (tr.kind == AppendSummary::shadowkv) {
         expect(same_bits(summary_row(first, rows[i], tr.dim), summary_row(shadow_state.landmarks[h], 1, tr.dim)),
                "shadowkv landmark");
@@ -263,14 +267,11 @@ Trial random_trial(std::mt19937& rng, bool with_errors) {
   const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
   const AppendSummary kinds[] = {AppendSummary::none, AppendSummary::quest, AppendSummary::shadowkv,
                                  AppendSummary::retroinfer};
-  return Trial{dtypes[rng() % 3],
-               1 + static_cast<std::uint32_t>(rng() % 5),
-               1u << (rng() % 3),
-               1 + static_cast<std::uint32_t>(rng() % 2),
+  return Trial{dtypes[rng() % 3],      1 + static_cast<std::uint32_t>(rng() % 5),
+               1u << (rng() % 3),      1 + static_cast<std::uint32_t>(rng() % 2),
                rng() % 2 ? 64u : 128u,
                1u << (rng() % 6),  // Config takes powers of two up to 32 here
-               kinds[rng() % 4],
-               with_errors ? 1 + static_cast<std::uint32_t>(rng() % 4) : 0};
+               kinds[rng() % 4],       with_errors ? 1 + static_cast<std::uint32_t>(rng() % 4) : 0};
 }
 
 }  // namespace
@@ -327,7 +328,8 @@ TEST_CASE("error word: keys order as the facade scans and decode back", "[append
   CHECK(q < append_error_key(0, AppendTensor::k, 0, 0));  // every q value first
   CHECK(append_error_key(0, AppendTensor::v, 9, 9) < append_error_key(1, AppendTensor::k, 0, 0));
   CHECK(append_error_key(2, AppendTensor::k, 9, 9) < append_error_key(2, AppendTensor::v, 0, 0));
-  CHECK(append_error_key(kMaxAppendBatch - 1, AppendTensor::v, kMaxAppendHeads - 1, kMaxAppendDim - 1) < kNoAppendError);
+  CHECK(append_error_key(kMaxAppendBatch - 1, AppendTensor::v, kMaxAppendHeads - 1, kMaxAppendDim - 1) <
+        kNoAppendError);
   const AppendError e = decode_append_error(append_error_key(kMaxAppendBatch - 1, AppendTensor::v, 65535, 65535));
   CHECK((e.any && e.entry == kMaxAppendBatch - 1 && e.tensor == AppendTensor::v && e.head == 65535 && e.dim == 65535));
   CHECK(!decode_append_error(kNoAppendError).any);
@@ -387,9 +389,20 @@ TEST_CASE("the error word names the value the facade's check refuses", "[append-
     std::vector<std::uint32_t> slots(batch, 0);
     std::vector<std::byte*> cpu_pages(pages.size());
     std::uint64_t error = kNoAppendError;
-    const DeviceAppend a{batch, shape.q_heads, kv_heads, PageLayout{4, dim, dtype}, q.data(), k.data(), v.data(),
-                         q_out.data(), reinterpret_cast<std::byte*>(tier.data()), PageLayout{4, dim, dtype}.page_bytes(),
-                         pages.data(), slots.data(), cpu_pages.data(), &error};
+    const DeviceAppend a{batch,
+                         shape.q_heads,
+                         kv_heads,
+                         PageLayout{4, dim, dtype},
+                         q.data(),
+                         k.data(),
+                         v.data(),
+                         q_out.data(),
+                         reinterpret_cast<std::byte*>(tier.data()),
+                         PageLayout{4, dim, dtype}.page_bytes(),
+                         pages.data(),
+                         slots.data(),
+                         cpu_pages.data(),
+                         &error};
     emulate(a, AppendSummaries{}, 2, Mutation::none);
     const AppendError e = decode_append_error(error);
     REQUIRE(e.any);

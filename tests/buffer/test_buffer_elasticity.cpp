@@ -40,7 +40,7 @@ TEST_CASE("The minimum buffer is mandatory x (1 + min_buffer_ratio)", "[buffer]"
   REQUIRE(b.min_slots_per_head({4, 0}) == 24);  // Spin's 5x buffering
   b.add_request(1, {4, 0});
   REQUIRE(b.slots_per_head(1) == 24);
-  REQUIRE(b.gpu_pool().used() == 25);  // + the tail page
+  REQUIRE(b.gpu_pool().used() == 25);                                              // + the tail page
   REQUIRE_SPARSEKV_ERROR(b.add_request(2, {4, 10}), ErrorCode::invalid_argument);  // below the minimum
   REQUIRE_SPARSEKV_ERROR(b.add_request(2, {0, 0}), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(b.add_request(1, {4, 0}), ErrorCode::already_exists);
@@ -58,7 +58,7 @@ TEST_CASE("Reclaim takes buffering pages in proportion to sequence length", "[bu
   TieredKVBuffer b(kShape, config(400, 1.0), memory, memory);
   b.add_request(1, {10, 100});  // minimum 20: 80 reclaimable
   b.add_request(2, {10, 100});
-  b.add_request(3, {10, 30});   // 10 reclaimable
+  b.add_request(3, {10, 30});  // 10 reclaimable
   prefill(b, 1, 300);
   prefill(b, 2, 100);
   prefill(b, 3, 4000);

@@ -543,7 +543,8 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
   REQUIRE(rigs[2]->buffer.stats().pages_copied > 0);
   REQUIRE(rigs[2]->buffer.stats().slots_copied >= rigs[2]->buffer.stats().pages_copied);
   REQUIRE(rigs[0]->buffer.stats().pages_copied + rigs[1]->buffer.stats().pages_copied +
-              rigs[3]->buffer.stats().pages_copied == 0);
+              rigs[3]->buffer.stats().pages_copied ==
+          0);
   REQUIRE(rigs[1]->buffer.stats().pages_freed > 0);
   REQUIRE(rigs[0]->buffer.stats().pages_freed == 0);
 }
@@ -579,7 +580,7 @@ TEST_CASE("Eviction: shared prefix pages are copied before they are masked, neve
     Rig rig(strategy);
     TieredKVBuffer& b = rig.buffer;
     const RequestId kB = kSharer + 1;  // shares request 1's prefix
-    add_request(b, 1, 10);  // partitions of 4, 4 and 2 tokens
+    add_request(b, 1, 10);             // partitions of 4, 4 and 2 tokens
     b.add_request(kB, RequestBudget{kMandatory, 0, true});
     // A evicts a token outside the prefix first (partition 2); B shares partitions 0 .. 2, A's open page included.
     const std::vector<std::vector<std::uint32_t>> outside{{9}, {8}};
@@ -738,7 +739,7 @@ TEST_CASE("Eviction: slot_reuse refills the fullest page's lowest dead slot", "[
     return *b.position_slot(1, 0, head, position);
   };
   const std::uint32_t pt = kPageTokens;
-  REQUIRE(place(0) == 1 * pt + 2);  // fewest dead: partition 1 (one dead slot)
+  REQUIRE(place(0) == 1 * pt + 2);                      // fewest dead: partition 1 (one dead slot)
   REQUIRE(b.position_slot(1, 0, 1, 14) == 1 * pt + 1);  // tie between 1 and 2: the lower id
   REQUIRE(place(0) == 0 * pt + 0);  // then partitions 0 and 2 tie with two dead: 0, its lowest dead slot
   REQUIRE(b.position_slot(1, 0, 1, 15) == 2 * pt + 2);

@@ -98,7 +98,8 @@ TEST_CASE("quantize_row_q8_0 follows ggml's rule; load_element reads it back", "
   REQUIRE(load_element(q.data(), 0, DType::q8_0) == 254.0f);
   REQUIRE(load_element(q.data(), 1, DType::q8_0) == 6.0f);
   REQUIRE(load_element(q.data(), 2, DType::q8_0) == -6.0f);
-  for (std::uint32_t i = kQ8BlockValues; i < 2 * kQ8BlockValues; ++i) REQUIRE(load_element(q.data(), i, DType::q8_0) == 0.0f);
+  for (std::uint32_t i = kQ8BlockValues; i < 2 * kQ8BlockValues; ++i)
+    REQUIRE(load_element(q.data(), i, DType::q8_0) == 0.0f);
 
   // Any row: each value within half a step of its block's scale, and widen_to_float agrees with load_element.
   std::mt19937 rng(5);
@@ -272,7 +273,8 @@ TEST_CASE("every policy serves q8_0 storage: prefill, decode, extend, fork, read
       m.prefill(3, l, k.data(), v.data(), n, DType::q8_0);
       std::vector<std::byte> again_k(k.size()), again_v(v.size());
       m.read_kv(3, l, 0, std::min(n, m.readable_tokens(3, l)), again_k.data(), again_v.data(), DType::q8_0);
-      const std::size_t readable = std::size_t{std::min(n, m.readable_tokens(3, l))} * kRow / kQ8BlockValues * kQ8BlockBytes;
+      const std::size_t readable =
+          std::size_t{std::min(n, m.readable_tokens(3, l))} * kRow / kQ8BlockValues * kQ8BlockBytes;
       REQUIRE(std::equal(again_k.begin(), again_k.begin() + std::ptrdiff_t(readable), k.begin()));
       REQUIRE(std::equal(again_v.begin(), again_v.begin() + std::ptrdiff_t(readable), v.begin()));
       REQUIRE_SPARSEKV_ERROR(m.read_kv(3, l, 0, 1, again_k.data(), again_v.data(), DType::bf16),

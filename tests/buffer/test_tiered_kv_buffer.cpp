@@ -110,7 +110,8 @@ void check_all_bytes(const TieredKVBuffer& b, const std::map<RequestId, RequestR
 }  // namespace
 
 TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][random]") {
-  for (const auto& [seed, ratio] : {std::pair{21u, 1.0}, std::pair{22u, 2.0}, std::pair{23u, 5.0}, std::pair{24u, 1.0}}) {
+  for (const auto& [seed, ratio] :
+       {std::pair{21u, 1.0}, std::pair{22u, 2.0}, std::pair{23u, 5.0}, std::pair{24u, 1.0}}) {
     HostMemoryResource cpu(false), gpu(false);
     TieredKVBuffer buffer(kShape, small_config(ratio), cpu, gpu);
     std::mt19937 rng(seed);
@@ -237,8 +238,9 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
           for (int attempt = 0; attempt < 12 && !head.partitions.empty(); ++attempt) {
             const auto& last = r.last[layer * kShape.kv_heads + h];
             // Temporal locality: mostly re-pick what the head chose last time.
-            const PartitionId p = !last.empty() && pick(10) < 5 ? last[pick(last.size())]
-                                                                : static_cast<PartitionId>(pick(head.partitions.size()));
+            const PartitionId p = !last.empty() && pick(10) < 5
+                                      ? last[pick(last.size())]
+                                      : static_cast<PartitionId>(pick(head.partitions.size()));
             const auto n = static_cast<std::uint32_t>((head.partitions[p].size() + kPageTokens - 1) / kPageTokens);
             if (std::find(sel.begin(), sel.end(), p) == sel.end() && pages + n <= r.budget.mandatory_pages) {
               sel.push_back(p);
@@ -293,7 +295,9 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
         std::vector<std::vector<std::vector<std::uint32_t>>> regrouped(kShape.kv_heads);
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
           auto& parts = r.heads[layer * kShape.kv_heads + h].partitions;
-          first[h] = parts.empty() ? 0 : static_cast<PartitionId>(parts.size() - 1 - pick(std::min<std::size_t>(parts.size(), 6)));
+          first[h] = parts.empty()
+                         ? 0
+                         : static_cast<PartitionId>(parts.size() - 1 - pick(std::min<std::size_t>(parts.size(), 6)));
           std::vector<std::uint32_t> run;  // the run's tokens in page order
           for (std::size_t p = first[h]; p < parts.size(); ++p) run.insert(run.end(), parts[p].begin(), parts[p].end());
           if (run.empty()) break;  // the walk regroups only when every head has tokens
@@ -313,19 +317,19 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
           }
         }
         if (specs.size() == kShape.kv_heads) try {
-          buffer.repartition(id, layer, first, specs);
-          for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
-            auto& parts = r.heads[layer * kShape.kv_heads + h].partitions;
-            parts.resize(first[h]);
-            parts.insert(parts.end(), regrouped[h].begin(), regrouped[h].end());
-            auto& last = r.last[layer * kShape.kv_heads + h];
-            std::erase_if(last, [&](PartitionId p) { return p >= first[h]; });
+            buffer.repartition(id, layer, first, specs);
+            for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
+              auto& parts = r.heads[layer * kShape.kv_heads + h].partitions;
+              parts.resize(first[h]);
+              parts.insert(parts.end(), regrouped[h].begin(), regrouped[h].end());
+              auto& last = r.last[layer * kShape.kv_heads + h];
+              std::erase_if(last, [&](PartitionId p) { return p >= first[h]; });
+            }
+            ++done["repartition"];
+          } catch (const Error& e) {
+            REQUIRE(e.code() == ErrorCode::resource_exhausted);
+            must_be_unchanged = true;
           }
-          ++done["repartition"];
-        } catch (const Error& e) {
-          REQUIRE(e.code() == ErrorCode::resource_exhausted);
-          must_be_unchanged = true;
-        }
       } else {  // bad input: a clear error, nothing changes
         must_be_unchanged = true;
         const RequestId id = any_request();
@@ -333,8 +337,12 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
         std::vector<float> row(kShape.kv_heads * kShape.head_dim);
         std::vector<std::vector<PartitionId>> sel(kShape.kv_heads);
         switch (pick(8)) {
-          case 0: REQUIRE_SPARSEKV_ERROR(buffer.retrieve(999999, 0, sel, out), ErrorCode::not_found); break;
-          case 1: REQUIRE_SPARSEKV_ERROR(buffer.retrieve(id, kShape.layers, sel, out), ErrorCode::out_of_range); break;
+          case 0:
+            REQUIRE_SPARSEKV_ERROR(buffer.retrieve(999999, 0, sel, out), ErrorCode::not_found);
+            break;
+          case 1:
+            REQUIRE_SPARSEKV_ERROR(buffer.retrieve(id, kShape.layers, sel, out), ErrorCode::out_of_range);
+            break;
           case 2:
             sel[1] = {static_cast<PartitionId>(r.heads[1].partitions.size())};
             REQUIRE_SPARSEKV_ERROR(buffer.retrieve(id, 0, sel, out), ErrorCode::out_of_range);
@@ -400,7 +408,8 @@ TEST_CASE("append_on_device keeps the host append's bookkeeping, refusing alike"
   const std::size_t row = std::size_t{kShape.kv_heads} * kShape.head_dim;
   std::vector<float> prompt(5 * row, 0.5f);
   const std::vector<PartitionSpec> specs(kShape.kv_heads, PartitionSpec::uniform(5, kPageTokens));
-  for (TieredKVBuffer* b : {&host, &device}) b->offload(3, 1, KvChunk{prompt.data(), prompt.data(), 5, DType::f32}, specs);
+  for (TieredKVBuffer* b : {&host, &device})
+    b->offload(3, 1, KvChunk{prompt.data(), prompt.data(), 5, DType::f32}, specs);
   std::vector<float> token(row, 1.0f);
   std::vector<PageId> saved(kShape.kv_heads, kInvalidPage);
   std::uint32_t fills = 0;
@@ -499,18 +508,18 @@ TEST_CASE("offload_on_device + staged save equals offload", "[buffer][staged-sav
     device.validate();
     // Refusals change nothing.
     const std::uint32_t used = device.cpu_pool().used();
-    REQUIRE_SPARSEKV_ERROR(device.offload_on_device(9, 0, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)},
-                                                    placements),
-                           ErrorCode::not_found);
-    REQUIRE_SPARSEKV_ERROR(device.offload_on_device(3, 0, 5, std::vector{PartitionSpec::uniform(4, kPageTokens)},
-                                                    placements),
-                           ErrorCode::invalid_argument);
-    REQUIRE_SPARSEKV_ERROR(device.offload_on_device(3, 0, 0, std::vector{PartitionSpec::uniform(4, kPageTokens)},
-                                                    placements),
-                           ErrorCode::invalid_argument);
-    REQUIRE_SPARSEKV_ERROR(device.offload_on_device(3, 7, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)},
-                                                    placements),
-                           ErrorCode::out_of_range);
+    REQUIRE_SPARSEKV_ERROR(
+        device.offload_on_device(9, 0, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
+        ErrorCode::not_found);
+    REQUIRE_SPARSEKV_ERROR(
+        device.offload_on_device(3, 0, 5, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
+        ErrorCode::invalid_argument);
+    REQUIRE_SPARSEKV_ERROR(
+        device.offload_on_device(3, 0, 0, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
+        ErrorCode::invalid_argument);
+    REQUIRE_SPARSEKV_ERROR(
+        device.offload_on_device(3, 7, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
+        ErrorCode::out_of_range);
     REQUIRE(device.cpu_pool().used() == used);
   }
 }
@@ -529,7 +538,8 @@ TEST_CASE("element_is_finite matches the host prefill's check", "[buffer]") {
       words.push_back(w);
     }
     std::vector<std::byte> data(words.size() * dtype_size(dtype));
-    for (std::size_t i = 0; i < words.size(); ++i) std::memcpy(&data[i * dtype_size(dtype)], &words[i], dtype_size(dtype));
+    for (std::size_t i = 0; i < words.size(); ++i)
+      std::memcpy(&data[i * dtype_size(dtype)], &words[i], dtype_size(dtype));
     std::size_t bad = 0;
     for (std::size_t i = 0; i < words.size(); ++i) {
       const bool want = std::isfinite(load_element(data.data(), static_cast<std::uint32_t>(i), dtype));

@@ -111,8 +111,8 @@ TEST_CASE("BucketedLru: promotion, demotion, threshold eviction and ascending ad
 
 TEST_CASE("BucketedLru: multi-page partitions keep page order and move together", "[cache]") {
   OneHead h({3, 2, 1, 2}, 6, 64);  // top = 63
-  h.step({1});                      // p1 -> slots 0-1
-  h.step({0, 2});                   // p0 -> slots 2-4, p2 -> slot 5
+  h.step({1});                     // p1 -> slots 0-1
+  h.step({0, 2});                  // p0 -> slots 2-4, p2 -> slot 5
   REQUIRE(h.pages.gpu_pages == std::vector<PageId>{102, 103, 104, 105});
   h.step({1, 0});
   REQUIRE(h.pages.gpu_pages == std::vector<PageId>{100, 101, 102, 103, 104});
@@ -135,10 +135,10 @@ TEST_CASE("BucketedLru: bad selections are refused and change nothing", "[cache]
   OneHead h({1, 2, 4, 1}, 5, 64);
   h.step({0, 1});
   const GpuPageEntry before = h.slot(0);
-  REQUIRE_SPARSEKV_ERROR(h.step({3, 3}), ErrorCode::invalid_argument);         // duplicate
-  REQUIRE_SPARSEKV_ERROR(h.step({0, 9}), ErrorCode::out_of_range);             // no partition 9
-  REQUIRE_SPARSEKV_ERROR(h.step({2, 1}, 4), ErrorCode::resource_exhausted);    // 6 pages > budget 4
-  REQUIRE_SPARSEKV_ERROR(h.step({2, 1, 3}), ErrorCode::resource_exhausted);    // 7 pages > 5 slots
+  REQUIRE_SPARSEKV_ERROR(h.step({3, 3}), ErrorCode::invalid_argument);       // duplicate
+  REQUIRE_SPARSEKV_ERROR(h.step({0, 9}), ErrorCode::out_of_range);           // no partition 9
+  REQUIRE_SPARSEKV_ERROR(h.step({2, 1}, 4), ErrorCode::resource_exhausted);  // 6 pages > budget 4
+  REQUIRE_SPARSEKV_ERROR(h.step({2, 1, 3}), ErrorCode::resource_exhausted);  // 7 pages > 5 slots
   REQUIRE(h.slot(0).timestamp == before.timestamp);
   REQUIRE(h.slot(0).partition == before.partition);
   // The scratch marks were cleaned up: a valid step still works.

@@ -96,8 +96,8 @@ TEST_CASE("lru rules: eviction predicate, eviction, admission, residency", "[lru
 
 TEST_CASE("lru rules: the k-th free slot maps to the host's admission cursor", "[lru-rules]") {
   const std::uint32_t starts[4] = {0, 3, 4, 9};  // misses of 3, 1, 5 and 2 pages
-  const std::pair<std::uint32_t, LruAdmission> expected[] = {
-      {0, {0, 0}}, {2, {0, 2}}, {3, {1, 0}}, {4, {2, 0}}, {8, {2, 4}}, {9, {3, 0}}, {10, {3, 1}}};
+  const std::pair<std::uint32_t, LruAdmission> expected[] = {{0, {0, 0}}, {2, {0, 2}}, {3, {1, 0}}, {4, {2, 0}},
+                                                             {8, {2, 4}}, {9, {3, 0}}, {10, {3, 1}}};
   for (const auto& [k, want] : expected) {
     const LruAdmission got = lru_admission(k, starts, 4);
     REQUIRE(got.miss == want.miss);
@@ -155,7 +155,9 @@ TEST_CASE("lru rules: a sort over lru_sort_bits orders the selection before its 
   REQUIRE(lru_sort_bits(kInvalidPartition - 1) == 32);
   std::mt19937 rng(11);
   for (int round = 0; round < 300; ++round) {
-    const PartitionId universe = round % 3 == 0 ? 1 + rng() % 64 : round % 3 == 1 ? 1 + rng() % 5000 : 1 + rng() % 0xfffffffeu;
+    const PartitionId universe = round % 3 == 0   ? 1 + rng() % 64
+                                 : round % 3 == 1 ? 1 + rng() % 5000
+                                                  : 1 + rng() % 0xfffffffeu;
     std::vector<PartitionId> keys;
     for (std::uint32_t i = 0, n = 1 + rng() % 40; i < n; ++i) keys.push_back(rng() % universe);
     std::sort(keys.begin(), keys.end());
@@ -165,7 +167,8 @@ TEST_CASE("lru rules: a sort over lru_sort_bits orders the selection before its 
     const int bits = lru_sort_bits(want.back());
     const std::uint64_t mask = (std::uint64_t{1} << bits) - 1;
     keys.resize(keys.size() + 1 + rng() % 8, kInvalidPartition);
-    std::stable_sort(keys.begin(), keys.end(), [mask](PartitionId a, PartitionId b) { return (a & mask) < (b & mask); });
+    std::stable_sort(keys.begin(), keys.end(),
+                     [mask](PartitionId a, PartitionId b) { return (a & mask) < (b & mask); });
     want.resize(keys.size(), kInvalidPartition);
     CAPTURE(round, universe, bits);
     REQUIRE(keys == want);
@@ -174,7 +177,8 @@ TEST_CASE("lru rules: a sort over lru_sort_bits orders the selection before its 
 
 namespace {
 
-void require_same_tables(const HierarchicalPageTable& a, const HierarchicalPageTable& b, const std::vector<Head>& heads) {
+void require_same_tables(const HierarchicalPageTable& a, const HierarchicalPageTable& b,
+                         const std::vector<Head>& heads) {
   for (const Head& h : heads) {
     REQUIRE(b.gpu_slots(h.request, h.layer, h.head) == a.gpu_slots(h.request, h.layer, h.head));
     require_same_head(a, b, h);
@@ -214,9 +218,8 @@ TEST_CASE("lru emulation: the kernel's decomposition reproduces BucketedLru::ste
         batch.add(lru, host_table, emu_table, h, random_selection(host_table, h, rng, hit_share));
       }
       LaunchOutput out;
-      emulate_lru_step(emu_table.gpu_page_view(), emu_table.lookup(), buckets, batch.instances,
-                       batch.selection_offsets, batch.selected_all, batch.page_offsets, tile_choices[rng() % 4], rng,
-                       out);
+      emulate_lru_step(emu_table.gpu_page_view(), emu_table.lookup(), buckets, batch.instances, batch.selection_offsets,
+                       batch.selected_all, batch.page_offsets, tile_choices[rng() % 4], rng, out);
 
       INFO("seed " << seed << " step " << step << " buckets " << buckets);
       require_same_launch(out, batch, totals);

@@ -194,8 +194,8 @@ TEST_CASE("Belady matches the brute-force optimum on tiny uniform traces", "[cac
     const std::uint32_t partitions = std::uniform_int_distribution<std::uint32_t>(2, 7)(rng);
     const std::uint32_t capacity = std::uniform_int_distribution<std::uint32_t>(1, 4)(rng);
     const std::vector<std::uint32_t> pages(partitions, 1);
-    const Steps steps = random_steps(rng, std::uniform_int_distribution<std::uint32_t>(1, 9)(rng), pages, capacity,
-                                     capacity);
+    const Steps steps =
+        random_steps(rng, std::uniform_int_distribution<std::uint32_t>(1, 9)(rng), pages, capacity, capacity);
     Belady belady(capacity, steps, pages);
     const auto total = replay_all([&](std::size_t) { return belady.step(); }, steps.size());
     INFO("trial " << trial << " partitions " << partitions << " capacity " << capacity);

@@ -100,14 +100,13 @@ TEST_CASE("lru batch emulation: the CSR equals the host's and, chained, the LRU 
       for (std::size_t r = 0; r < rows.size(); ++r) corrupt_counts += select.counts[r] != rows[r].size() ? 1 : 0;
 
       INFO("seed " << seed << " step " << step << " rows " << heads.size() << " max_selected " << select.max_selected);
-      const LruBatchArrays glue =
-          emulate_lru_batch(emu_table.lookup(), select.input(), thread_choices[rng() % 4], rng);
+      const LruBatchArrays glue = emulate_lru_batch(emu_table.lookup(), select.input(), thread_choices[rng() % 4], rng);
       require_same_csr(glue, batch.selection_offsets, batch.selected_all, batch.page_offsets, tokens);
 
       // Chained: the LRU kernel's emulation reads the glue's arrays as they are.
       LaunchOutput out;
-      emulate_lru_step(emu_table.gpu_page_view(), emu_table.lookup(), buckets, select.instances,
-                       glue.selection_offsets, glue.selected, glue.page_offsets, 1 + rng() % 64, rng, out);
+      emulate_lru_step(emu_table.gpu_page_view(), emu_table.lookup(), buckets, select.instances, glue.selection_offsets,
+                       glue.selected, glue.page_offsets, 1 + rng() % 64, rng, out);
       require_same_launch(out, batch, totals);
       for (const Head& h : all) require_same_head(host_table, emu_table, h);
 

@@ -18,7 +18,7 @@ TEST_CASE("Lockstep: the GPU suite's request mix on a deferred-copy backend matc
     RuntimeManager deferred(s.shape, config, make_policy(name, s.budget_tokens), std::make_unique<DeferredBackend>());
     const LockstepResult r = lockstep(host, deferred, s, 11, 0.0);
     CHECK(r.admitted >= s.fitting_requests);
-    CHECK(r.refused > 0);  // the tiers hold fitting_requests of the largest size: the refusal path ran
+    CHECK(r.refused > 0);        // the tiers hold fitting_requests of the largest size: the refusal path ran
     CHECK(r.decode_steps > 50);  // batched layer steps
   }
 }

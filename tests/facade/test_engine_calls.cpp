@@ -194,15 +194,13 @@ TEST_CASE("engine calls: prompt_chunk attends the staged prompt causally, as the
     std::vector<float> q(kQRow), out(kQRow);
     REQUIRE_THROWS_MATCHES(m.prompt_chunk(1, 0, q.data(), 16, out.data()), Error,
                            Catch::Predicate<Error>([](const Error& e) { return e.code() == ErrorCode::out_of_range; }));
-    REQUIRE_THROWS_MATCHES(m.prompt_chunk(1, 0, nullptr, 1, out.data()), Error,
-                           Catch::Predicate<Error>([](const Error& e) {
-                             return e.code() == ErrorCode::invalid_argument;
-                           }));
+    REQUIRE_THROWS_MATCHES(
+        m.prompt_chunk(1, 0, nullptr, 1, out.data()), Error,
+        Catch::Predicate<Error>([](const Error& e) { return e.code() == ErrorCode::invalid_argument; }));
     m.end_prompt(1);
-    REQUIRE_THROWS_MATCHES(m.prompt_chunk(1, 0, q.data(), 1, out.data()), Error,
-                           Catch::Predicate<Error>([](const Error& e) {
-                             return e.code() == ErrorCode::failed_precondition;
-                           }));
+    REQUIRE_THROWS_MATCHES(
+        m.prompt_chunk(1, 0, q.data(), 1, out.data()), Error,
+        Catch::Predicate<Error>([](const Error& e) { return e.code() == ErrorCode::failed_precondition; }));
   }
 }
 
@@ -219,12 +217,11 @@ TEST_CASE("engine calls: a prefill converts V only for a policy whose Index read
     std::mt19937 rng(5);
     std::vector<float> k = draw(rng, prompt * kRow), v = draw(rng, prompt * kRow);
     v[(prompt - 3) * kRow + 5] = std::nanf("");
-    REQUIRE_THROWS_MATCHES(m.prefill(1, 0, k.data(), v.data(), prompt), Error,
-                           Catch::Predicate<Error>([&](const Error& e) {
-                             return e.code() == ErrorCode::invalid_argument &&
-                                    std::string(e.what()).find("token " + std::to_string(prompt - 3)) !=
-                                        std::string::npos;
-                           }));
+    REQUIRE_THROWS_MATCHES(
+        m.prefill(1, 0, k.data(), v.data(), prompt), Error, Catch::Predicate<Error>([&](const Error& e) {
+          return e.code() == ErrorCode::invalid_argument &&
+                 std::string(e.what()).find("token " + std::to_string(prompt - 3)) != std::string::npos;
+        }));
     REQUIRE_FALSE(m.prefilled(1, 0));
   }
 }

@@ -51,7 +51,10 @@ EvictionStream stream_of(std::uint32_t seed) { return EvictionStream({30, 70 + s
 class Reference {
  public:
   Reference(const EvictionStream& s, Rule rule, std::uint32_t budget)
-      : s_(s), rule_(rule), budget_(budget), recent_(rule == Rule::h2o ? budget / 2 : 0),
+      : s_(s),
+        rule_(rule),
+        budget_(budget),
+        recent_(rule == Rule::h2o ? budget / 2 : 0),
         sinks_(rule == Rule::h2o ? 0 : 4) {
     const ModelShape& shape = s.shape;
     heads_.resize(s.batch_size() * shape.layers * shape.kv_heads);
@@ -302,7 +305,7 @@ TEST_CASE("facade eviction: the four strategies give the same outputs; no_op hol
         m.buffer().validate();
       }
       INFO("held pages no_op / free_block / sparse_copy / slot_reuse: " << held[0] << " / " << held[1] << " / "
-                                                                          << held[2] << " / " << held[3]);
+                                                                        << held[2] << " / " << held[3]);
       CHECK(held[0] >= held[1]);
       CHECK(held[1] >= held[3]);
       // Permanent eviction leaves no_op with every page ever opened, slot_reuse with about the budget.
@@ -433,8 +436,7 @@ TEST_CASE("facade eviction: a refused decode changes nothing; the step goes on a
                                  ErrorCode::invalid_argument);
           // The same request twice.
           const std::vector<RequestId> twice{1, 1};
-          REQUIRE_SPARSEKV_ERROR(m.decode(twice, l, s.q[t][l].data(), s.k[t][l].data(), s.v[t][l].data(),
-                                          out.data()),
+          REQUIRE_SPARSEKV_ERROR(m.decode(twice, l, s.q[t][l].data(), s.k[t][l].data(), s.v[t][l].data(), out.data()),
                                  ErrorCode::invalid_argument);
         }
         s.decode(m, t, l, out);

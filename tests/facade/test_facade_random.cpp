@@ -42,7 +42,7 @@ struct Scenario {
 // Every token's K and V rows of one request and layer, in the engine's dtype,
 // and which token each K row is (rows of random normals are distinct).
 struct LayerReference {
-  std::vector<std::byte> k, v;  // [token][kv_head][head_dim]
+  std::vector<std::byte> k, v;                                           // [token][kv_head][head_dim]
   std::vector<std::unordered_map<std::string, std::uint32_t>> token_of;  // per kv head: K row bytes -> token
 };
 
@@ -54,7 +54,8 @@ class Checker {
     std::normal_distribution<float> normal;
     const std::size_t n = std::size_t{rows} * heads * s_.shape.head_dim;
     std::vector<std::byte> bytes(n * dtype_size(s_.shape.dtype));
-    for (std::size_t i = 0; i < n; ++i) store_element(bytes.data(), static_cast<std::uint32_t>(i), s_.shape.dtype, normal(rng));
+    for (std::size_t i = 0; i < n; ++i)
+      store_element(bytes.data(), static_cast<std::uint32_t>(i), s_.shape.dtype, normal(rng));
     return bytes;
   }
 
@@ -101,7 +102,8 @@ class Checker {
       if (!own_attend_) {
         for (std::uint32_t g = 0; g < shape.group_size(); ++g) {
           const std::uint32_t qh = h * shape.group_size() + g;
-          check_output(ref, h, attended, q + (b * shape.q_heads + qh) * row, out + (b * shape.q_heads + qh) * shape.head_dim);
+          check_output(ref, h, attended, q + (b * shape.q_heads + qh) * row,
+                       out + (b * shape.q_heads + qh) * shape.head_dim);
         }
       }
     }
@@ -171,7 +173,8 @@ RunCounts run(RuntimeManager& m, const Scenario& s, std::uint32_t seed) {
     auto& layers = refs[id];
     layers.resize(shape.layers);
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
-      const auto k = checker.random_rows(rng, prompt, shape.kv_heads), v = checker.random_rows(rng, prompt, shape.kv_heads);
+      const auto k = checker.random_rows(rng, prompt, shape.kv_heads),
+                 v = checker.random_rows(rng, prompt, shape.kv_heads);
       m.prefill(id, l, k.data(), v.data(), prompt);
       checker.add(layers[l], k.data(), v.data(), prompt);
     }

@@ -190,8 +190,8 @@ TEST_CASE("RetroInfer: the steady zone takes the newest window first, the sinks 
   std::mt19937 rng(5);
   const std::vector<float> k = normal_values(rng, 64 * 8), v = normal_values(rng, 64 * 8);
   const std::vector<float> q = normal_values(rng, 8);
-  for (const auto& [budget, newest, sinks] : {std::tuple{10u, 1u, false}, std::tuple{12u, 1u, true},
-                                               std::tuple{16u, 2u, false}, std::tuple{20u, 2u, true}}) {
+  for (const auto& [budget, newest, sinks] :
+       {std::tuple{10u, 1u, false}, std::tuple{12u, 1u, true}, std::tuple{16u, 2u, false}, std::tuple{20u, 2u, true}}) {
     INFO("budget " << budget);
     o.budget_tokens = budget;
     const RetroInferPolicy policy(o);
@@ -227,8 +227,12 @@ TEST_CASE("Facade: a budget covering the context equals Dense, every policy and 
   };
   for (std::uint32_t page_tokens : {1u, 2u, 4u, 8u, 16u, 32u}) {
     const Config config = small_config(shape, page_tokens, 128);
-    for (const auto& [prompt, decodes] : std::vector<std::pair<std::uint32_t, std::uint32_t>>{
-             {1, 1}, {12, 1}, {page_tokens, page_tokens}, {page_tokens + 3, page_tokens + 1}, {45, 2 * page_tokens + 1}}) {
+    for (const auto& [prompt, decodes] :
+         std::vector<std::pair<std::uint32_t, std::uint32_t>>{{1, 1},
+                                                              {12, 1},
+                                                              {page_tokens, page_tokens},
+                                                              {page_tokens + 3, page_tokens + 1},
+                                                              {45, 2 * page_tokens + 1}}) {
       const std::uint32_t context = prompt + decodes;  // the budget, exactly
       for (const std::string& name : policy_names()) {
         INFO(name << ": page_tokens " << page_tokens << ", prompt " << prompt << ", " << decodes << " decodes");
@@ -249,7 +253,8 @@ TEST_CASE("Facade: a budget covering the context equals Dense, every policy and 
             std::vector<float> got(q.size()), want(q.size());
             sparse.decode(batch, l, q.data(), k.data(), v.data(), got.data());
             dense.decode(batch, l, q.data(), k.data(), v.data(), want.data());
-            for (std::size_t i = 0; i < q.size(); ++i) REQUIRE(std::abs(got[i] - want[i]) <= 1e-5f * (1 + std::abs(want[i])));
+            for (std::size_t i = 0; i < q.size(); ++i)
+              REQUIRE(std::abs(got[i] - want[i]) <= 1e-5f * (1 + std::abs(want[i])));
           }
         }
       }
@@ -281,7 +286,7 @@ TEST_CASE("Facade: can_admit agrees with add_request, huge max_tokens included",
   config.max_context_tokens = 4096;
   config.min_buffer_ratio = 5.0;  // a request's slots: 6 x its mandatory pages, at most 6144 per head
   const std::size_t page = config.page_bytes(shape);
-  config.cpu_tier_bytes = std::size_t{4} * 600 * page;  // 2 x 2 heads: any prompt up to max_context_tokens fits
+  config.cpu_tier_bytes = std::size_t{4} * 600 * page;   // 2 x 2 heads: any prompt up to max_context_tokens fits
   config.gpu_tier_bytes = std::size_t{4} * 8000 * page;  // more than the per-head maximum allows
   config.host_chunk_bytes = 64 * page;
 
@@ -307,10 +312,18 @@ TEST_CASE("Facade: can_admit agrees with add_request, huge max_tokens included",
     const auto& [name, make] = policies[draw % policies.size()];
     std::uint32_t max_tokens = 0;
     switch (rng() % 4) {
-      case 0: max_tokens = 1 + rng() % 4096; break;
-      case 1: max_tokens = 4096 - rng() % 1024; break;
-      case 2: max_tokens = 4096 + 1 + rng() % 0x7fffffffu; break;
-      default: max_tokens = 0xffffffffu - rng() % 64; break;
+      case 0:
+        max_tokens = 1 + rng() % 4096;
+        break;
+      case 1:
+        max_tokens = 4096 - rng() % 1024;
+        break;
+      case 2:
+        max_tokens = 4096 + 1 + rng() % 0x7fffffffu;
+        break;
+      default:
+        max_tokens = 0xffffffffu - rng() % 64;
+        break;
     }
     const std::uint32_t prompt = 1 + rng() % std::min(max_tokens, 4096u);
     AnyPolicy policy = make();
@@ -364,7 +377,8 @@ TEST_CASE("Facade: StepStats::pages_saved counts pages, one per kv head, like Bu
   REQUIRE(manager.stats().pages_saved == manager.buffer().stats().pages_saved);
 }
 
-TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, and changes nothing", "[facade][errors]") {
+TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, and changes nothing",
+          "[facade][errors]") {
   for (DType dtype : {DType::f32, DType::f16, DType::bf16}) {
     INFO(to_string(dtype));
     const ModelShape shape{1, 4, 2, 8, dtype};

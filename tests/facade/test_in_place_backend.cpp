@@ -186,8 +186,7 @@ TEST_CASE("in place: every policy selects, keeps and attends as HostBackend, wit
   CHECK(test::for_each_policy_scenario(6, run) > 100);
 }
 
-TEST_CASE("in place: the tails are CPU pages, counted by can_admit and refused when the tier is full",
-          "[in-place]") {
+TEST_CASE("in place: the tails are CPU pages, counted by can_admit and refused when the tier is full", "[in-place]") {
   const ModelShape shape = kSmallShape;
   Config config = small_config(256, 4);
   const std::size_t page = config.page_bytes(shape);

@@ -63,7 +63,8 @@ std::vector<double> dense(const std::uint16_t* q, const Tokens& t, std::uint32_t
   double max = -1e300;
   for (std::uint32_t i = 0; i < t.count(); ++i) {
     double s = 0;
-    for (std::uint32_t d = 0; d < kD; ++d) s += double(bf16_to_float(q[d])) * bf16_to_float(t.k[(i * kShape.kv_heads + kv_head) * kD + d]);
+    for (std::uint32_t d = 0; d < kD; ++d)
+      s += double(bf16_to_float(q[d])) * bf16_to_float(t.k[(i * kShape.kv_heads + kv_head) * kD + d]);
     scores[i] = s / std::sqrt(double(kD));
     max = std::max(max, scores[i]);
   }
@@ -89,7 +90,7 @@ struct RunResult {
 // steps; every step of every layer is compared with dense attention.
 RunResult run(RuntimeManager& manager, std::uint32_t seed, std::vector<float>* outputs = nullptr) {
   std::mt19937 rng(seed);
-  std::map<RequestId, std::vector<Tokens>> live;   // per layer
+  std::map<RequestId, std::vector<Tokens>> live;  // per layer
   std::map<RequestId, std::uint32_t> steps_left;
   RunResult result;
   RequestId next = 100;
@@ -216,7 +217,8 @@ TEST_CASE("Manager: a moved Manager decodes on as if it had not moved", "[facade
         still.decode(batch, l, q.data(), t.k.data(), t.v.data(), want.data());
         m.decode(batch, l, q.data(), t.k.data(), t.v.data(), got.data());
         REQUIRE(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
-        for (std::size_t b = 0; b < batch.size(); ++b) REQUIRE(m.retrieval(b).partitions == still.retrieval(b).partitions);
+        for (std::size_t b = 0; b < batch.size(); ++b)
+          REQUIRE(m.retrieval(b).partitions == still.retrieval(b).partitions);
       }
     }
     REQUIRE(moved->stats().cache.hit_partitions == still.stats().cache.hit_partitions);
@@ -348,7 +350,8 @@ TEST_CASE("Manager: AttendPlan runs are FlashInfer-shaped and cover exactly the 
   const Retrieval& r = manager.retrieval(0);
   REQUIRE(plan.indices[0] == r.pages.gpu_pages[0]);
   REQUIRE(plan.indices[3] == r.tail_pages[0]);
-  REQUIRE(plan.gpu_tier_base + plan.indices[1] * plan.page_bytes == manager.buffer().gpu_pool().data(r.pages.gpu_pages[1]));
+  REQUIRE(plan.gpu_tier_base + plan.indices[1] * plan.page_bytes ==
+          manager.buffer().gpu_pool().data(r.pages.gpu_pages[1]));
 }
 
 TEST_CASE("Device-backend Attend: the kernel's walk over a plan's runs equals the host backend's Attend", "[facade]") {
@@ -459,12 +462,17 @@ TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]
   REQUIRE(manager.buffer().sequence_length(1, 1) == seq);
   REQUIRE_SPARSEKV_ERROR(manager.decode(twice, 0, q.data(), t.k.data(), t.v.data(), out.data()),
                          ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(manager.decode(unknown, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::not_found);
-  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, nullptr, t.k.data(), t.v.data(), out.data()), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), nullptr), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(manager.decode({}, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.decode(unknown, 0, q.data(), t.k.data(), t.v.data(), out.data()),
+                         ErrorCode::not_found);
+  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, nullptr, t.k.data(), t.v.data(), out.data()),
+                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), nullptr),
+                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.decode({}, 0, q.data(), t.k.data(), t.v.data(), out.data()),
+                         ErrorCode::invalid_argument);
   q[3] = float_to_bf16(std::nanf(""));
-  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data()),
+                         ErrorCode::invalid_argument);
   q[3] = 0;
   REQUIRE(manager.buffer().sequence_length(1, 0) == 40);
   manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data());

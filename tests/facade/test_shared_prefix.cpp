@@ -33,9 +33,7 @@ constexpr std::size_t kRow = std::size_t{kShape.kv_heads} * kShape.head_dim;  //
 Config config() { return test::small_config(kShape, kPageTokens, 8, kMaxTokens, 4096); }
 
 // RetroInfer's clusters of a prefix are not the prompt's: its forks copy.
-bool shares_pages(const std::string& policy) {
-  return policy != "retroinfer" && policy != "retroinfer_no_estimation";
-}
+bool shares_pages(const std::string& policy) { return policy != "retroinfer" && policy != "retroinfer_no_estimation"; }
 bool evicts(const std::string& policy) { return policy == "h2o" || policy == "streaming_evict"; }
 
 // A request's K and V so far, per layer: [position][kv_heads][head_dim].
@@ -51,7 +49,8 @@ struct History {
 class Twins {
  public:
   Twins(const std::string& policy, std::uint32_t seed)
-      : forked_(kShape, config(), make_policy(policy, 24)), plain_(kShape, config(), make_policy(policy, 24)),
+      : forked_(kShape, config(), make_policy(policy, 24)),
+        plain_(kShape, config(), make_policy(policy, 24)),
         rng_(seed) {}
 
   void add(RequestId id, std::uint32_t prompt) {
@@ -71,7 +70,8 @@ class Twins {
   // Forks `source` at `tokens` in one manager, prefills the same rows in the other.
   void fork(RequestId id, RequestId source, std::uint32_t tokens) {
     const std::uint64_t shared_before = forked_.buffer().stats().pages_shared;
-    const std::uint64_t forked_used = forked_.buffer().cpu_pool().used(), plain_used = plain_.buffer().cpu_pool().used();
+    const std::uint64_t forked_used = forked_.buffer().cpu_pool().used(),
+                        plain_used = plain_.buffer().cpu_pool().used();
     REQUIRE(forked_.can_fork(source, tokens, kMaxTokens).admit);
     forked_.fork(id, source, tokens, kMaxTokens);
     History h;

@@ -48,7 +48,8 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     const PageLayout layout{page_tokens, dim, dtype};
     const std::size_t page = layout.page_bytes(), items = std::size_t{batch} * kv_heads;
     const std::size_t row = std::size_t{kv_heads} * dim, qn = std::size_t{batch} * q_heads * dim;
-    std::vector<float> qf = random_values(qn, rng), kf = random_values(batch * row, rng), vf = random_values(batch * row, rng);
+    std::vector<float> qf = random_values(qn, rng), kf = random_values(batch * row, rng),
+                       vf = random_values(batch * row, rng);
     if (trial % 2) {
       for (int i = 0; i < 3; ++i) {
         std::vector<float>& x = rng() % 3 == 0 ? qf : rng() % 2 ? kf : vf;
@@ -74,8 +75,20 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     std::vector<float> q_out(qn), first(items * dim, -3.0f), second = first, score(items, -3.0f);
     std::vector<std::uint32_t> tokens(items, 0xdeadu);
     std::uint64_t error = kNoAppendError;
-    DeviceAppend a{batch, q_heads, kv_heads, layout, q.data(), k.data(), v.data(), q_out.data(),
-                   reinterpret_cast<std::byte*>(tier.data()), page, tails.data(), slots.data(), cpu_host.data(), &error};
+    DeviceAppend a{batch,
+                   q_heads,
+                   kv_heads,
+                   layout,
+                   q.data(),
+                   k.data(),
+                   v.data(),
+                   q_out.data(),
+                   reinterpret_cast<std::byte*>(tier.data()),
+                   page,
+                   tails.data(),
+                   slots.data(),
+                   cpu_host.data(),
+                   &error};
     AppendSummaries s{kind, rows.data(), first.data(), second.data(), first.data(), score.data(), tokens.data()};
     s.centroid = first.data();
     s.value_sum = second.data();
@@ -94,8 +107,8 @@ TEST_CASE("append kernel equals its host emulation bit for bit", "[append][cuda]
     std::vector<std::byte*> cpu_device(items);
     for (std::size_t i = 0; i < items; ++i) cpu_device[i] = cpu.data + i * page;
     DeviceArray<std::byte*> dcpu(cpu_device);
-    DeviceAppend d{batch, q_heads, kv_heads, layout, dq.data, dk.data, dv.data, dq_out.data, dtier.data, page,
-                   dtails.data, dslots.data, dcpu.data, word.data};
+    DeviceAppend d{batch,       q_heads,    kv_heads, layout,      dq.data,     dk.data,   dv.data,
+                   dq_out.data, dtier.data, page,     dtails.data, dslots.data, dcpu.data, word.data};
     AppendSummaries ds{kind, drows.data, dfirst.data, dsecond.data, dfirst.data, dscore.data, dtokens.data};
     ds.centroid = dfirst.data;
     ds.value_sum = dsecond.data;
@@ -127,11 +140,24 @@ TEST_CASE("append_tokens refuses bad arguments before enqueuing anything", "[app
   DeviceArray<std::uint64_t> word(std::vector<std::uint64_t>{12345});  // a launch would only lower it
   DeviceArray<std::byte*> cpu_pages(std::vector<std::byte*>{cpu.data, cpu.data + layout.page_bytes()});
   DeviceArray<float> out(2 * 64);
-  const DeviceAppend good{1, 4, 2, layout, q.data, kv.data, kv.data, q_out.data, tier.data, layout.page_bytes(),
-                          tails.data, slots.data, cpu_pages.data, word.data};
+  const DeviceAppend good{1,
+                          4,
+                          2,
+                          layout,
+                          q.data,
+                          kv.data,
+                          kv.data,
+                          q_out.data,
+                          tier.data,
+                          layout.page_bytes(),
+                          tails.data,
+                          slots.data,
+                          cpu_pages.data,
+                          word.data};
   const auto refused = [&](DeviceAppend a, AppendSummaries s = {}) {
     CHECK(code_of([&] { append_tokens(a, s, nullptr); }) == ErrorCode::invalid_argument);
-    if (s.kind == AppendSummary::none) CHECK(code_of([&] { append_tokens(a, nullptr); }) == ErrorCode::invalid_argument);
+    if (s.kind == AppendSummary::none)
+      CHECK(code_of([&] { append_tokens(a, nullptr); }) == ErrorCode::invalid_argument);
   };
   DeviceAppend a = good;
   a.kv_heads = 0;

@@ -112,8 +112,8 @@ struct Errors {
 };
 
 // The kernel's outputs against the host's, head by head (REQUIREs the bound).
-Errors compare(const std::vector<float>& got_out, const std::vector<float>& got_lse,
-               const std::vector<float>& want_out, const std::vector<float>& want_lse, std::uint32_t d) {
+Errors compare(const std::vector<float>& got_out, const std::vector<float>& got_lse, const std::vector<float>& want_out,
+               const std::vector<float>& want_lse, std::uint32_t d) {
   Errors worst;
   for (std::size_t h = 0; h < want_lse.size(); ++h) {
     float num = 0, den = 0;
@@ -263,12 +263,12 @@ Errors run_case(std::mt19937& rng, const CaseSpec& spec, cudaStream_t stream) {
 struct SweepForm {
   const char* name;
   std::vector<std::uint32_t> groups, page_tokens;
-  std::uint32_t min_batch, batch_choices;      // batch = min_batch + rng() % batch_choices
-  std::uint32_t min_kv_heads, kv_choices;      // likewise; group 12 takes min_kv_heads
-  std::uint32_t max_row_pages;                 // per row (runs form: per run); 64-token pages at most 6
-  std::uint32_t runs;                          // 0: one entry per row
-  std::uint32_t chunk_choices;                 // chunk_pages = rng() % chunk_choices (0 = automatic)
-  std::uint32_t understate;                    // pages understated in max_pages, a quarter of the cases
+  std::uint32_t min_batch, batch_choices;  // batch = min_batch + rng() % batch_choices
+  std::uint32_t min_kv_heads, kv_choices;  // likewise; group 12 takes min_kv_heads
+  std::uint32_t max_row_pages;             // per row (runs form: per run); 64-token pages at most 6
+  std::uint32_t runs;                      // 0: one entry per row
+  std::uint32_t chunk_choices;             // chunk_pages = rng() % chunk_choices (0 = automatic)
+  std::uint32_t understate;                // pages understated in max_pages, a quarter of the cases
 };
 
 // dtype x head_dim x group x page_tokens, each combination one random case of
@@ -494,7 +494,7 @@ TEST_CASE("sparse_decode_attention rejects bad arguments before launching", "[gp
   CHECK(with_args([](auto& a) { a.workspace = nullptr; }) == bad);
   CHECK(with_args([](auto& a) { a.workspace = static_cast<std::byte*>(a.workspace) + 4; }) == bad);
   CHECK(with_args([](auto& a) { a.workspace_bytes -= 4; }) == bad);
-  CHECK(with_args([&](auto& a) { a.extra.max = q.as<float>(); }) == bad);  // partial extra term
+  CHECK(with_args([&](auto& a) { a.extra.max = q.as<float>(); }) == bad);       // partial extra term
   CHECK(with_args([&](auto& a) { a.slot_weights = out.as<float>(); }) == bad);  // no max_indices: no room for scores
   cuda::DecodeAttentionShape wide = shape;
   wide.layout.page_tokens = 65;  // masks cover 64 slots

@@ -67,12 +67,14 @@ void build(HierarchicalPageTable& table, std::uint32_t seed) {
         std::vector<PageId> pages;
         for (auto& t : tokens) {
           t = big ? 1 + rng() % kPageTokens : 1 + rng() % (4 * kPageTokens);
-          for (std::uint32_t i = 0; i < pages_for_tokens(t, kPageTokens); ++i) pages.push_back(next_cpu++ * 13 % 1000003);
+          for (std::uint32_t i = 0; i < pages_for_tokens(t, kPageTokens); ++i)
+            pages.push_back(next_cpu++ * 13 % 1000003);
         }
         table.append_partitions(r, l, h, tokens, pages);
         const std::uint32_t slots = big ? 2560 : 4 + rng() % 697;
         table.resize_gpu_slots(r, l, h, slots);
-        for (std::uint32_t s = 0; s < slots; ++s) table.set_gpu_entry(r, l, h, s, {kInvalidPartition, next_gpu++, 0, 0, 0});
+        for (std::uint32_t s = 0; s < slots; ++s)
+          table.set_gpu_entry(r, l, h, s, {kInvalidPartition, next_gpu++, 0, 0, 0});
       }
     }
   }

@@ -267,9 +267,11 @@ TEST_CASE("device-tensor decode: a capture takes one step a layer, the next is r
   m.add_request(1, 1024);
   DeviceArray<std::uint16_t> k(random_bf16(200 * kv_row, rng)), v(random_bf16(200 * kv_row, rng));
   for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data, v.data, 200, stream.stream);
-  DeviceArray<std::uint16_t> q(random_bf16(q_row, rng)), k_new(random_bf16(kv_row, rng)), v_new(random_bf16(kv_row, rng));
+  DeviceArray<std::uint16_t> q(random_bf16(q_row, rng)), k_new(random_bf16(kv_row, rng)),
+      v_new(random_bf16(kv_row, rng));
   DeviceArray<float> out(q_row);
-  for (std::uint32_t l = 0; l < shape.layers; ++l) m.decode(batch, l, q.data, k_new.data, v_new.data, out.data, stream.stream);
+  for (std::uint32_t l = 0; l < shape.layers; ++l)
+    m.decode(batch, l, q.data, k_new.data, v_new.data, out.data, stream.stream);
   check(cudaStreamSynchronize(stream.stream));
   ErrorCode refused = ErrorCode::internal;
   std::uint32_t length_before = 0, length_after = 0;

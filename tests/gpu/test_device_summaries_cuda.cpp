@@ -150,9 +150,20 @@ void run_store(AppendSummary kind, DType dtype, std::mt19937& rng) {
         const auto k = encode(random_values(std::size_t{items} * kDim, rng), dtype);
         const auto v = encode(random_values(std::size_t{items} * kDim, rng), dtype);
         const DeviceArray<std::byte> dq(q), dk(k), dv(v);
-        const DeviceAppend a{static_cast<std::uint32_t>(batch.size()), q_heads, kKvHeads, layout, dq.data, dk.data,
-                             dv.data, q_out.data, tiers[layer].data, layout.page_bytes(), dtails.data,
-                             tail_slots.data, dcpu.data, error.data};
+        const DeviceAppend a{static_cast<std::uint32_t>(batch.size()),
+                             q_heads,
+                             kKvHeads,
+                             layout,
+                             dq.data,
+                             dk.data,
+                             dv.data,
+                             q_out.data,
+                             tiers[layer].data,
+                             layout.page_bytes(),
+                             dtails.data,
+                             tail_slots.data,
+                             dcpu.data,
+                             error.data};
         append_tokens(a, ds.append_summaries(layer, drows.data), stream.stream);
         check(cudaStreamSynchronize(stream.stream));
         const auto kf = decode(k.data(), std::size_t{items} * kDim, dtype);
@@ -232,9 +243,8 @@ void run_store(AppendSummary kind, DType dtype, std::mt19937& rng) {
       CAPTURE(layer, budget);
       std::vector<std::vector<PartitionId>> want;
       for (std::uint32_t b = 0; b < batch.size(); ++b) {
-        const DecodeQuery query{std::span<const float>(q).subspan(std::size_t{b} * q_heads * kDim,
-                                                                  std::size_t{q_heads} * kDim),
-                                0};
+        const DecodeQuery query{
+            std::span<const float>(q).subspan(std::size_t{b} * q_heads * kDim, std::size_t{q_heads} * kDim), 0};
         Selection s;
         const LayerContext ctx = context(batch[b].prompt + kAppendedPages * kPageTokens);
         if (kind == AppendSummary::quest) {
@@ -246,14 +256,19 @@ void run_store(AppendSummary kind, DType dtype, std::mt19937& rng) {
         }
         want.insert(want.end(), s.partitions.begin(), s.partitions.end());
       }
-      const QuestSelect quest{ds.min(layer), ds.max(layer), budget, false, quest_policy(budget).options().sink_tokens,
-                              quest_policy(budget).window_tokens(), quest_policy(budget).options().spread};
+      const QuestSelect quest{ds.min(layer),
+                              ds.max(layer),
+                              budget,
+                              false,
+                              quest_policy(budget).options().sink_tokens,
+                              quest_policy(budget).window_tokens(),
+                              quest_policy(budget).options().spread};
       ShadowKVPolicy::Options o;
       o.budget_tokens = budget;
       const ShadowKVSelect shadowkv{ds.landmarks(layer), ds.outlier_scores(layer), budget, o.recent_tokens,
                                     ShadowKVPolicy(o).outlier_count()};
-      const std::uint32_t capacity = kind == AppendSummary::quest ? quest_select_capacity(rows, quest)
-                                                                  : shadowkv_select_capacity(rows, shadowkv);
+      const std::uint32_t capacity =
+          kind == AppendSummary::quest ? quest_select_capacity(rows, quest) : shadowkv_select_capacity(rows, shadowkv);
       DeviceArray<PartitionId> selected(std::size_t{items} * capacity);
       DeviceArray<std::uint32_t> selected_count(items);
       const SelectOutput out{capacity, selected.data, selected_count.data};
@@ -292,8 +307,9 @@ struct DecodePage {
     append_tokens(device_append(dq.data, dk.data, dv.data, tail_slots.data), summaries, stream);
   }
   DeviceAppend device_append(const float* q, const float* k, const float* v, const std::uint32_t* tail_slots) {
-    return DeviceAppend{1, q_heads, kKvHeads, layout, q, k, v, q_out.data, tier.data, layout.page_bytes(),
-                        tails.data, tail_slots, dcpu.data, error.data};
+    return DeviceAppend{1,          q_heads,    kKvHeads,   layout,    q,
+                        k,          v,          q_out.data, tier.data, layout.page_bytes(),
+                        tails.data, tail_slots, dcpu.data,  error.data};
   }
 
   const PageLayout layout{kPageTokens, kDim, DType::f32};
@@ -472,14 +488,14 @@ TEST_CASE("DeviceSummaries refuses bad arguments before enqueuing anything", "[g
   KeyBlock fits = block;
   fits.tokens = 32;
   const std::size_t fits_bytes = ds.prefill_workspace_bytes(32, 8);
-  refused(0, 0, block, 8, bytes);           // 5 pages > capacity 4
-  refused(3, 0, fits, 8, fits_bytes);       // slot out of range
-  refused(0, 2, fits, 8, fits_bytes);       // layer out of range
-  refused(0, 0, fits, 0, fits_bytes);       // page_tokens 0
-  refused(0, 0, fits, 8, fits_bytes - 1);   // small workspace
+  refused(0, 0, block, 8, bytes);          // 5 pages > capacity 4
+  refused(3, 0, fits, 8, fits_bytes);      // slot out of range
+  refused(0, 2, fits, 8, fits_bytes);      // layer out of range
+  refused(0, 0, fits, 0, fits_bytes);      // page_tokens 0
+  refused(0, 0, fits, 8, fits_bytes - 1);  // small workspace
   KeyBlock wrong = fits;
   wrong.kv_heads = 1;
-  refused(0, 0, wrong, 8, fits_bytes);      // the store's shape
+  refused(0, 0, wrong, 8, fits_bytes);  // the store's shape
   // Nothing was enqueued: the tokens are still the zeros of construction.
   check(cudaDeviceSynchronize());
   const auto tokens = download(ds.tokens(0), ds.candidates());

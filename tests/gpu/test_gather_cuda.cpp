@@ -108,9 +108,8 @@ TEST_CASE("gather_pages rejects bad arguments before launching", "[gpu][transfer
   const cuda::GatherConfig ok{};
   auto gather = [&](const PageId* s, std::uint32_t count, const std::byte* src_base, std::size_t src_stride,
                     std::byte* dst_base, std::size_t dst_stride, std::size_t page_bytes, cuda::GatherConfig c) {
-    return code_of([&] {
-      cuda::gather_pages(s, s, count, src_base, src_stride, dst_base, dst_stride, page_bytes, c, nullptr);
-    });
+    return code_of(
+        [&] { cuda::gather_pages(s, s, count, src_base, src_stride, dst_base, dst_stride, page_bytes, c, nullptr); });
   };
   CHECK(gather(ids, 1, src.data, 4096, dst.data, 4096, 4096 + 8, ok) == ErrorCode::invalid_argument);  // not x16
   CHECK(gather(ids, 1, src.data, 4096, dst.data, 4096, 0, ok) == ErrorCode::invalid_argument);

@@ -50,7 +50,8 @@ struct Keys {
         bytes(count * dtype_size(type)),
         fp32(count) {
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (std::size_t i = 0; i < count; ++i) store_element(bytes.data(), static_cast<std::uint32_t>(i), dtype, normal(rng));
+    for (std::size_t i = 0; i < count; ++i)
+      store_element(bytes.data(), static_cast<std::uint32_t>(i), dtype, normal(rng));
     // A zero key (token 1, head 0) and an exact repeat (token 3 = token 2) when there are enough tokens.
     if (tokens > 3) {
       const std::size_t row = std::size_t{kv_heads} * dim * dtype_size(dtype);
@@ -176,7 +177,7 @@ TEST_CASE("kmeans_assign and kmeans_update equal the host steps bit for bit", "[
   std::mt19937 rng(23);
   for (const std::uint32_t dim : {64u, 128u}) {
     for (const auto& [n, k] : {std::pair{1u, 1u}, std::pair{100u, 7u}, std::pair{1000u, 64u}, std::pair{8192u, 512u},
-                              std::pair{3001u, 300u}}) {
+                               std::pair{3001u, 300u}}) {
       CAPTURE(dim, n, k);
       const auto rows = unit_rows(n, dim, rng);
       // Centroids: k rows (as k-means++ seeds them), centroid 2 repeating centroid 1 (exact ties).
@@ -240,14 +241,13 @@ TEST_CASE("index kernels reject bad arguments before launching", "[gpu][index]")
     change(k);
     return k;
   };
-  for (const auto& summary : {std::function<void(const cuda::KeyBlock&, std::uint32_t, float*, float*)>(
-                                  [](const cuda::KeyBlock& k, std::uint32_t p, float* a, float* b) {
-                                    cuda::page_min_max(k, p, a, b, nullptr);
-                                  }),
-                              std::function<void(const cuda::KeyBlock&, std::uint32_t, float*, float*)>(
-                                  [](const cuda::KeyBlock& k, std::uint32_t p, float* a, float* b) {
-                                    cuda::page_mean_outlier(k, p, a, b, nullptr);
-                                  })}) {
+  for (const auto& summary :
+       {std::function<void(const cuda::KeyBlock&, std::uint32_t, float*, float*)>(
+            [](const cuda::KeyBlock&k, std::uint32_t p, float*a, float*b) { cuda::page_min_max(k, p, a, b, nullptr); }),
+        std::function<void(const cuda::KeyBlock&, std::uint32_t, float*, float*)>(
+            [](const cuda::KeyBlock&k, std::uint32_t p, float*a, float*b) {
+              cuda::page_mean_outlier(k, p, a, b, nullptr);
+            })}) {
     CHECK(code_of([&] { summary(ok, 0, f, f); }) == ErrorCode::invalid_argument);
     CHECK(code_of([&] { summary(with([](auto& k) { k.kv_heads = 0; }), 8, f, f); }) == ErrorCode::invalid_argument);
     CHECK(code_of([&] { summary(with([](auto& k) { k.head_dim = 0; }), 8, f, f); }) == ErrorCode::invalid_argument);
@@ -259,8 +259,9 @@ TEST_CASE("index kernels reject bad arguments before launching", "[gpu][index]")
     // No tokens: nothing to do, nothing launched.
     summary(with([](auto& k) { k.tokens = 0; }), 8, nullptr, nullptr);
   }
-  CHECK(code_of([&] { cuda::page_mean_outlier(with([](auto& k) { k.head_dim = cuda::kMaxIndexDim + 1; }), 8, f, f,
-                                              nullptr); }) == ErrorCode::invalid_argument);
+  CHECK(code_of([&] {
+          cuda::page_mean_outlier(with([](auto& k) { k.head_dim = cuda::kMaxIndexDim + 1; }), 8, f, f, nullptr);
+        }) == ErrorCode::invalid_argument);
   CHECK(code_of([&] { cuda::page_mean_outlier(ok, 4097, f, f, nullptr); }) == ErrorCode::invalid_argument);
 
   std::uint32_t* l = labels.data;
@@ -269,9 +270,12 @@ TEST_CASE("index kernels reject bad arguments before launching", "[gpu][index]")
   CHECK(code_of([&] { cuda::kmeans_assign(f, 8, 64, f, 0, l, nullptr, nullptr); }) == ErrorCode::invalid_argument);
   CHECK(code_of([&] { cuda::kmeans_assign(f, 8, cuda::kMaxIndexDim + 1, f, 4, l, nullptr, nullptr); }) ==
         ErrorCode::invalid_argument);
-  CHECK(code_of([&] { cuda::kmeans_assign(nullptr, 8, 64, f, 4, l, nullptr, nullptr); }) == ErrorCode::invalid_argument);
-  CHECK(code_of([&] { cuda::kmeans_assign(f, 8, 64, nullptr, 4, l, nullptr, nullptr); }) == ErrorCode::invalid_argument);
-  CHECK(code_of([&] { cuda::kmeans_assign(f, 8, 64, f, 4, nullptr, nullptr, nullptr); }) == ErrorCode::invalid_argument);
+  CHECK(code_of([&] { cuda::kmeans_assign(nullptr, 8, 64, f, 4, l, nullptr, nullptr); }) ==
+        ErrorCode::invalid_argument);
+  CHECK(code_of([&] { cuda::kmeans_assign(f, 8, 64, nullptr, 4, l, nullptr, nullptr); }) ==
+        ErrorCode::invalid_argument);
+  CHECK(code_of([&] { cuda::kmeans_assign(f, 8, 64, f, 4, nullptr, nullptr, nullptr); }) ==
+        ErrorCode::invalid_argument);
   CHECK(code_of([&] { cuda::kmeans_update(f, 0, 64, l, 4, f, nullptr); }) == ErrorCode::invalid_argument);
   CHECK(code_of([&] { cuda::kmeans_update(f, 8, 64, l, 0, f, nullptr); }) == ErrorCode::invalid_argument);
   CHECK(code_of([&] { cuda::kmeans_update(f, 8, cuda::kMaxIndexDim + 1, l, 4, f, nullptr); }) ==

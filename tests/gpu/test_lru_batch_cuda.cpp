@@ -36,12 +36,21 @@ namespace {
 // graph keeps the pointers.
 struct DeviceStepInput {
   DeviceStepInput(std::uint32_t rows, std::uint32_t max_selected, std::uint32_t max_pages)
-      : rows(rows), max_selected(max_selected), select_selected(std::size_t{rows} * max_selected),
-        select_counts(rows), instances(rows), selection_offsets(std::size_t{rows} + 1),
-        page_offsets(std::size_t{rows} + 1), partition_tokens(std::size_t{rows} * max_selected),
-        selected(std::size_t{rows} * max_selected), workspace(cuda::lru_batch_workspace_bytes(rows)),
-        partition_offsets(std::size_t{rows} * max_selected + 1), gpu_pages(std::size_t{rows} * max_pages),
-        copy_cpu(std::size_t{rows} * max_pages), copy_gpu(std::size_t{rows} * max_pages), stats(rows) {}
+      : rows(rows),
+        max_selected(max_selected),
+        select_selected(std::size_t{rows} * max_selected),
+        select_counts(rows),
+        instances(rows),
+        selection_offsets(std::size_t{rows} + 1),
+        page_offsets(std::size_t{rows} + 1),
+        partition_tokens(std::size_t{rows} * max_selected),
+        selected(std::size_t{rows} * max_selected),
+        workspace(cuda::lru_batch_workspace_bytes(rows)),
+        partition_offsets(std::size_t{rows} * max_selected + 1),
+        gpu_pages(std::size_t{rows} * max_pages),
+        copy_cpu(std::size_t{rows} * max_pages),
+        copy_gpu(std::size_t{rows} * max_pages),
+        stats(rows) {}
 
   // Uploads Select's output and sentinel-filled glue outputs.
   void load(const FixedStride& f) {
@@ -200,7 +209,8 @@ TEST_CASE("build_lru_batch chained into bucketed_lru_step and accumulate_step_st
       const HostStep s = host_step(t, lru, heads, rng);
       for (const CacheStepStats& h : s.batch.host_stats) host_total += h;
       const std::uint32_t max_selected = longest_row(s.rows) + static_cast<std::uint32_t>(rng() % 4);
-      DeviceStepInput d(static_cast<std::uint32_t>(heads.size()), max_selected, t.host.geometry().max_gpu_pages_per_head);
+      DeviceStepInput d(static_cast<std::uint32_t>(heads.size()), max_selected,
+                        t.host.geometry().max_gpu_pages_per_head);
       d.load(fixed_stride(s.rows, s.batch.instances, max_selected, rng));
       d.enqueue(t.slots(), t.lookup(), buckets, total.data, stream.stream);
       check(cudaStreamSynchronize(stream.stream));

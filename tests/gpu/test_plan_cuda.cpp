@@ -30,10 +30,20 @@ constexpr std::int64_t kSentinel = -7;
 struct DevicePlan {
   DevicePlan(std::uint32_t rows, std::uint32_t selections, std::uint32_t pages, std::uint32_t max_pages,
              std::uint32_t max_entries)
-      : rows(rows), max_pages(max_pages), max_entries(max_entries), selection_offsets(rows + 1),
-        partition_offsets(selections + 1), partition_tokens(selections), tail_tokens(rows), gpu_pages(pages),
-        tail_pages(rows), indptr(std::size_t{rows} * max_entries + 1), indices(std::size_t{rows} * max_pages),
-        head_entries(rows + 1), last_page_len(std::size_t{rows} * max_entries), overflow(1),
+      : rows(rows),
+        max_pages(max_pages),
+        max_entries(max_entries),
+        selection_offsets(rows + 1),
+        partition_offsets(selections + 1),
+        partition_tokens(selections),
+        tail_tokens(rows),
+        gpu_pages(pages),
+        tail_pages(rows),
+        indptr(std::size_t{rows} * max_entries + 1),
+        indices(std::size_t{rows} * max_pages),
+        head_entries(rows + 1),
+        last_page_len(std::size_t{rows} * max_entries),
+        overflow(1),
         workspace(cuda::device_plan_workspace_bytes(rows)) {}
 
   // Uploads a case's inputs and sentinel-filled outputs (no reallocation: a captured graph keeps the pointers).
@@ -57,8 +67,16 @@ struct DevicePlan {
     if (!from.empty()) check(cudaMemcpy(to.data, from.data(), from.size() * sizeof(T), cudaMemcpyHostToDevice));
   }
   cuda::DevicePlanInput input(std::uint32_t page_tokens) const {
-    return {rows,          selection_offsets.data, partition_offsets.data, gpu_pages.data, partition_tokens.data,
-            tail_pages.data, tail_tokens.data,     page_tokens,            max_pages,      max_entries};
+    return {rows,
+            selection_offsets.data,
+            partition_offsets.data,
+            gpu_pages.data,
+            partition_tokens.data,
+            tail_pages.data,
+            tail_tokens.data,
+            page_tokens,
+            max_pages,
+            max_entries};
   }
   cuda::DevicePlanOutput output() const {
     return {indptr.data, indices.data, last_page_len.data, head_entries.data, overflow.data};
@@ -156,8 +174,13 @@ TEST_CASE("gather_miss_list captured once copies each replay's misses", "[gpu][t
     const DeviceArray<std::uint32_t> d_offsets(offsets);
     DeviceArray<CacheStepStats> d_stats(kHeads);
     DeviceArray<PageId> d_cpu(kEntries), d_gpu(kEntries);
-    const DeviceMissList misses{kHeads, kEntries, d_offsets.data, &d_stats.data->miss_pages,
-                                sizeof(CacheStepStats) / sizeof(std::uint64_t), d_cpu.data, d_gpu.data};
+    const DeviceMissList misses{kHeads,
+                                kEntries,
+                                d_offsets.data,
+                                &d_stats.data->miss_pages,
+                                sizeof(CacheStepStats) / sizeof(std::uint64_t),
+                                d_cpu.data,
+                                d_gpu.data};
     const cuda::GatherConfig config{2, 4};
     Stream stream;
     d_stats.upload(std::vector<CacheStepStats>(kHeads));  // the warm-up copies nothing: zero misses everywhere
@@ -221,8 +244,9 @@ TEST_CASE("gather_miss_list and build_device_plan refuse bad arguments before la
   CHECK(gather({4, 16, nullptr, u64, 1, u32, u32}, tier, gpu.data, 4096, 4096) == ErrorCode::invalid_argument);
   CHECK(gather({4, 16, u32, nullptr, 1, u32, u32}, tier, gpu.data, 4096, 4096) == ErrorCode::invalid_argument);
   CHECK(gather(ok, {nullptr, 8, 4096}, gpu.data, 4096, 4096) == ErrorCode::invalid_argument);
-  CHECK(code_of([&] { cuda::gather_miss_list(ok, tier, gpu.data, 4096, 4096, {0, 0}, nullptr); }) ==
-        ErrorCode::invalid_argument);
+  CHECK(code_of([&] {
+          cuda::gather_miss_list(ok, tier, gpu.data, 4096, 4096, {0, 0}, nullptr);
+        }) == ErrorCode::invalid_argument);
   // Empty lists enqueue nothing, null arrays or not.
   cuda::gather_miss_list({0, 16, nullptr, nullptr, 1, nullptr, nullptr}, tier, gpu.data, 4096, 4096, {}, nullptr);
   cuda::gather_miss_list({4, 0, nullptr, nullptr, 1, nullptr, nullptr}, tier, gpu.data, 4096, 4096, {}, nullptr);

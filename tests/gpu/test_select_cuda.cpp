@@ -114,8 +114,8 @@ struct DeviceRetro {
     Stream stream;
     cuda::retroinfer_select(dev.rows, retro, cuda::SelectOutput{capacity, selected.data, count.data},
                             dev.workspace.data, dev.workspace.size, stream.stream);
-    const cuda::RetroInferEstimate estimate{dev.b.data, selected.data, count.data, capacity, estimation_fraction,
-                                            estimation};
+    const cuda::RetroInferEstimate estimate{dev.b.data, selected.data,       count.data,
+                                            capacity,   estimation_fraction, estimation};
     cuda::retroinfer_estimate(dev.rows, retro, estimate, cuda::EstimateOutput{max.data, sum.data, acc.data},
                               estimate_workspace.data, estimate_workspace.size, stream.stream);
     check(cudaStreamSynchronize(stream.stream));
@@ -145,8 +145,7 @@ bool same_term(const AttentionPartial& a, const AttentionPartial& b) {
 // arrays) as DecodeAttentionExtra, against the host decode_attention with
 // the host's terms: the worst relative error of an output head.
 float attention_with_terms(const DeviceRetro& retro, const std::vector<float>& q,
-                           const std::vector<AttentionPartial>& host_terms, std::uint32_t kv_heads,
-                           std::mt19937& rng) {
+                           const std::vector<AttentionPartial>& host_terms, std::uint32_t kv_heads, std::mt19937& rng) {
   const cuda::SelectRows& rows = retro.dev.rows;
   AttentionBatch b;
   b.batch = rows.rows / kv_heads;
@@ -221,8 +220,7 @@ TEST_CASE("quest_select equals QuestPolicy::select", "[gpu][select]") {
         LayerContext ctx = layer_context(4, 128, 8, group);
         std::vector<SelectRequest<QuestPolicy::LayerState>> batch;
         for (int b = 0; b < 3; ++b) batch.push_back(quest_request(ctx, n, 16, rng));
-        const HostRows host = arena ? in_arena(quest_rows(ctx, batch), 5, 3, rng)
-                                    : quest_rows(ctx, batch);
+        const HostRows host = arena ? in_arena(quest_rows(ctx, batch), 5, 3, rng) : quest_rows(ctx, batch);
         DeviceRows dev(host);
         for (const std::uint32_t budget : {1u, 8u, 2048u, 100000u}) {
           for (const std::uint32_t layer : {0u, 5u}) {
@@ -232,12 +230,17 @@ TEST_CASE("quest_select equals QuestPolicy::select", "[gpu][select]") {
             options.budget_tokens = budget;
             const QuestPolicy policy(options);
             const auto want = host_select(policy, ctx, batch);
-            const cuda::QuestSelect quest{dev.a.data, dev.b.data, budget, layer < options.dense_layers,
-                                          options.sink_tokens, policy.window_tokens(), options.spread};
-            const auto got = dev.run(cuda::quest_select_capacity(dev.rows, quest), [&](const cuda::SelectOutput& out,
-                                                                                       cudaStream_t s) {
-              cuda::quest_select(dev.rows, quest, out, dev.workspace.data, dev.workspace.size, s);
-            });
+            const cuda::QuestSelect quest{dev.a.data,
+                                          dev.b.data,
+                                          budget,
+                                          layer < options.dense_layers,
+                                          options.sink_tokens,
+                                          policy.window_tokens(),
+                                          options.spread};
+            const auto got = dev.run(
+                cuda::quest_select_capacity(dev.rows, quest), [&](const cuda::SelectOutput& out, cudaStream_t s) {
+                  cuda::quest_select(dev.rows, quest, out, dev.workspace.data, dev.workspace.size, s);
+                });
             require_same(got, want);
           }
         }
@@ -255,8 +258,7 @@ TEST_CASE("shadowkv_select equals ShadowKVPolicy::select", "[gpu][select]") {
         const LayerContext ctx = layer_context(2, 128, 8, group);
         std::vector<SelectRequest<ShadowKVPolicy::LayerState>> batch;
         for (int b = 0; b < 2; ++b) batch.push_back(shadowkv_request(ctx, n, rng));
-        const HostRows host = arena ? in_arena(shadowkv_rows(ctx, batch), 5, 3, rng)
-                                    : shadowkv_rows(ctx, batch);
+        const HostRows host = arena ? in_arena(shadowkv_rows(ctx, batch), 5, 3, rng) : shadowkv_rows(ctx, batch);
         DeviceRows dev(host);
         for (const std::uint32_t budget : {1u, 16u, 2048u, 200000u}) {
           CAPTURE(arena, group, n, budget);
@@ -266,11 +268,10 @@ TEST_CASE("shadowkv_select equals ShadowKVPolicy::select", "[gpu][select]") {
           const auto want = host_select(policy, ctx, batch);
           const cuda::ShadowKVSelect shadowkv{dev.a.data, dev.b.data, budget, options.recent_tokens,
                                               policy.outlier_count()};
-          const auto got = dev.run(cuda::shadowkv_select_capacity(dev.rows, shadowkv),
-                                   [&](const cuda::SelectOutput& out, cudaStream_t s) {
-                                     cuda::shadowkv_select(dev.rows, shadowkv, out, dev.workspace.data,
-                                                           dev.workspace.size, s);
-                                   });
+          const auto got = dev.run(
+              cuda::shadowkv_select_capacity(dev.rows, shadowkv), [&](const cuda::SelectOutput& out, cudaStream_t s) {
+                cuda::shadowkv_select(dev.rows, shadowkv, out, dev.workspace.data, dev.workspace.size, s);
+              });
           require_same(got, want);
         }
       }
@@ -290,8 +291,7 @@ TEST_CASE("retroinfer_select equals RetroInferPolicy::select", "[gpu][select]") 
         for (const std::uint32_t window : {64u, 19u}) {
           batch.push_back(retroinfer_request(ctx, clusters, 12, window, rng));
         }
-        const HostRows host = arena ? in_arena(retroinfer_rows(ctx, batch), 5, 3, rng)
-                                    : retroinfer_rows(ctx, batch);
+        const HostRows host = arena ? in_arena(retroinfer_rows(ctx, batch), 5, 3, rng) : retroinfer_rows(ctx, batch);
         DeviceRows dev(host);
         DeviceArray<PartitionId> sinks(host.sink_partitions);
         DeviceArray<std::uint32_t> sink_tokens(host.sink_tokens), recent(host.recent), windows(host.windows);
@@ -303,13 +303,12 @@ TEST_CASE("retroinfer_select equals RetroInferPolicy::select", "[gpu][select]") 
             options.retrieval_fraction = fraction;
             options.estimation_fraction = 0.0f;
             const auto want = host_select(RetroInferPolicy(options), ctx, batch);
-            const cuda::RetroInferSelect retro{dev.a.data, sinks.data, sink_tokens.data, recent.data, budget, 64,
-                                               fraction, windows.data};
-            const auto got = dev.run(cuda::retroinfer_select_capacity(dev.rows, retro),
-                                     [&](const cuda::SelectOutput& out, cudaStream_t s) {
-                                       cuda::retroinfer_select(dev.rows, retro, out, dev.workspace.data,
-                                                               dev.workspace.size, s);
-                                     });
+            const cuda::RetroInferSelect retro{dev.a.data, sinks.data, sink_tokens.data, recent.data,
+                                               budget,     64,         fraction,         windows.data};
+            const auto got = dev.run(
+                cuda::retroinfer_select_capacity(dev.rows, retro), [&](const cuda::SelectOutput& out, cudaStream_t s) {
+                  cuda::retroinfer_select(dev.rows, retro, out, dev.workspace.data, dev.workspace.size, s);
+                });
             require_same(got, want);
           }
         }
@@ -333,8 +332,7 @@ TEST_CASE("retroinfer_estimate equals RetroInferPolicy::attend", "[gpu][select]"
         for (const std::uint32_t window : {64u, 19u}) {
           batch.push_back(retroinfer_request(ctx, clusters, 12, window, rng));
         }
-        const HostRows host = arena ? in_arena(retroinfer_rows(ctx, batch), 5, 3, rng)
-                                    : retroinfer_rows(ctx, batch);
+        const HostRows host = arena ? in_arena(retroinfer_rows(ctx, batch), 5, 3, rng) : retroinfer_rows(ctx, batch);
         DeviceRetro dev(host);
         for (const std::uint32_t budget : {0u, 1u, 40u, 2048u, 1000000u}) {  // 0: the fraction rule
           for (const Zones zones : {Zones{0.018f, 0.232f}, Zones{0.3f, 0.7f}}) {
@@ -384,9 +382,9 @@ TEST_CASE("streaming_select and dense_select equal StreamingWindowPolicy / Dense
     {
       CAPTURE(page_tokens);
       const auto want = host_select(DensePolicy(), ctx, dense_batch);
-      const auto got = dev.run(cuda::dense_select_capacity(dev.rows), [&](const cuda::SelectOutput& out, cudaStream_t s) {
-        cuda::dense_select(dev.rows, out, s);
-      });
+      const auto got =
+          dev.run(cuda::dense_select_capacity(dev.rows),
+                  [&](const cuda::SelectOutput& out, cudaStream_t s) { cuda::dense_select(dev.rows, out, s); });
       require_same(got, want);
     }
     for (const std::uint32_t budget : {1u, 3u, 8u, 100u, 2048u, 100000u}) {

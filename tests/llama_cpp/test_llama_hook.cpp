@@ -43,17 +43,20 @@ namespace {
 
 std::string model_path() {
   const char* dir = std::getenv("SPARSEKV_MODEL_DIR");
-  const std::filesystem::path base =
-      dir != nullptr ? std::filesystem::path(dir) : std::filesystem::path(std::getenv("HOME")) / ".cache/sparsekv/models";
+  const std::filesystem::path base = dir != nullptr
+                                         ? std::filesystem::path(dir)
+                                         : std::filesystem::path(std::getenv("HOME")) / ".cache/sparsekv/models";
   return (base / "SmolLM2-135M-Instruct.Q4_1.gguf").string();
 }
 
 struct Model {
   llama_model* model = nullptr;
   Model() {
-    llama_log_set([](ggml_log_level level, const char* text, void*) {
-      if (level >= GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
-    }, nullptr);
+    llama_log_set(
+        [](ggml_log_level level, const char* text, void*) {
+          if (level >= GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+        },
+        nullptr);
     llama_backend_init();
     model = llama_model_load_from_file(model_path().c_str(), llama_model_default_params());
     REQUIRE(model != nullptr);
@@ -266,7 +269,8 @@ TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.c
         REQUIRE(own.size() == hooked.size());
         float scale = 0;
         for (const float x : own) scale = std::max(scale, std::abs(x));
-        for (std::size_t i = 0; i < own.size(); ++i) worst = std::max(worst, double(std::abs(own[i] - hooked[i]) / scale));
+        for (std::size_t i = 0; i < own.size(); ++i)
+          worst = std::max(worst, double(std::abs(own[i] - hooked[i]) / scale));
         ++compared;
       }
     }
@@ -317,8 +321,8 @@ TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.c
         };
         std::vector<float> pq, pk, pv, po;  // the prompt's three ubatches, in order
         for (int c = 0; c < 3; ++c) {
-          for (auto [to, name] : {std::pair{&pq, "Qcur"}, std::pair{&pk, "Kcur"}, std::pair{&pv, "Vcur"},
-                                  std::pair{&po, "kqv_out"}}) {
+          for (auto [to, name] :
+               {std::pair{&pq, "Qcur"}, std::pair{&pk, "Kcur"}, std::pair{&pv, "Vcur"}, std::pair{&po, "kqv_out"}}) {
             const std::vector<float>& part = get(prompt_step(sequences, s, c), name);
             to->insert(to->end(), part.begin(), part.end());
           }
@@ -334,14 +338,16 @@ TEST_CASE("llama.cpp hook: the library's prompt and decode attention are llama.c
           const std::vector<float>& v = get(step, "Vcur");
           keys.insert(keys.end(), k.begin() + s * 192, k.begin() + (s + 1) * 192);
           values.insert(values.end(), v.begin() + s * 192, v.begin() + (s + 1) * 192);
-          attend(get(step, "Qcur").data() + s * 576, get(step, "kqv_out").data() + s * 576, 300 + std::size_t(step) + 1);
+          attend(get(step, "Qcur").data() + s * 576, get(step, "kqv_out").data() + s * 576,
+                 300 + std::size_t(step) + 1);
         }
         for (std::size_t i = 0; i < 5; ++i) {  // the continuation's rows, decode steps of the library
           const std::size_t row = s * 5 + i;
           const std::vector<float>& k = get(8, "Kcur");
           const std::vector<float>& v = get(8, "Vcur");
           keys.insert(keys.end(), k.begin() + std::ptrdiff_t(row * 192), k.begin() + std::ptrdiff_t((row + 1) * 192));
-          values.insert(values.end(), v.begin() + std::ptrdiff_t(row * 192), v.begin() + std::ptrdiff_t((row + 1) * 192));
+          values.insert(values.end(), v.begin() + std::ptrdiff_t(row * 192),
+                        v.begin() + std::ptrdiff_t((row + 1) * 192));
           attend(get(8, "Qcur").data() + row * 576, get(8, "kqv_out").data() + row * 576, 308 + i + 1);
         }
       }
@@ -392,8 +398,7 @@ TEST_CASE("llama.cpp hook: q8_0 storage is ggml's q8_0, and costs no more than l
   std::vector<float> x(64 * 1024);
   for (std::size_t i = 0; i < x.size(); ++i) {
     const float scale = std::ldexp(1.0f, int(i / 32 % 30) - 20);  // d within f16 range
-    x[i] = i % 7 == 0 ? scale * float(int(rng() % 255) - 127) * 0.5f
-                      : scale * std::normal_distribution<float>()(rng);
+    x[i] = i % 7 == 0 ? scale * float(int(rng() % 255) - 127) * 0.5f : scale * std::normal_distribution<float>()(rng);
   }
   std::vector<std::byte> ours(x.size() / 32 * 34), ggml(ours.size());
   quantize_row_q8_0(x.data(), x.size(), ours.data());
@@ -777,9 +782,10 @@ TEST_CASE("llama.cpp hook: four sequences, prompts beside decode tokens, decode 
       REQUIRE(one.decode(r.fed, from, to, llama_pos(from)) == 0);
       const float* logits = llama_get_logits_ith(one.ctx, -1);
       const std::vector<float>& own = r.logits[step];
-      for (std::int32_t i = 0; i < n_vocab; ++i) worst = std::max(worst, double(std::abs(logits[i] - own[std::size_t(i)])));
-      same_top += std::max_element(logits, logits + n_vocab) - logits ==
-                  std::max_element(own.begin(), own.end()) - own.begin();
+      for (std::int32_t i = 0; i < n_vocab; ++i)
+        worst = std::max(worst, double(std::abs(logits[i] - own[std::size_t(i)])));
+      same_top +=
+          std::max_element(logits, logits + n_vocab) - logits == std::max_element(own.begin(), own.end()) - own.begin();
       ++steps;
     }
   }
@@ -823,12 +829,10 @@ TEST_CASE("llama.cpp hook: a saved sequence loads back exactly; a state load beh
     cells.resize(llama_state_seq_get_size_ext(c.ctx, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY));
     REQUIRE(llama_state_seq_get_data_ext(c.ctx, cells.data(), cells.size(), 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) ==
             cells.size());
-    REQUIRE_THROWS_MATCHES(hook.save_sequence(1), Error, Catch::Predicate<Error>([](const Error& e) {
-                             return e.code() == ErrorCode::not_found;
-                           }));
-    REQUIRE_THROWS_MATCHES(hook.save_sequence(0, 301), Error, Catch::Predicate<Error>([](const Error& e) {
-                             return e.code() == ErrorCode::out_of_range;
-                           }));
+    REQUIRE_THROWS_MATCHES(hook.save_sequence(1), Error,
+                           Catch::Predicate<Error>([](const Error& e) { return e.code() == ErrorCode::not_found; }));
+    REQUIRE_THROWS_MATCHES(hook.save_sequence(0, 301), Error,
+                           Catch::Predicate<Error>([](const Error& e) { return e.code() == ErrorCode::out_of_range; }));
     snapshot = hook.save_sequence(0);
     REQUIRE(snapshot.tokens == 300);
     REQUIRE(c.decode(t, 300, 301, 300) == 0);
@@ -1019,7 +1023,9 @@ class FirstPagesPolicy {
       for (std::uint32_t p = 0; p < std::min(state.pages, mandatory_pages(ctx)); ++p) out.partitions[h].push_back(p);
     }
   }
-  std::uint32_t mandatory_pages(const LayerContext& ctx) const { return std::max(1u, budget_tokens_ / ctx.page_tokens); }
+  std::uint32_t mandatory_pages(const LayerContext& ctx) const {
+    return std::max(1u, budget_tokens_ / ctx.page_tokens);
+  }
 
  private:
   std::uint32_t budget_tokens_;
@@ -1042,14 +1048,15 @@ Needle niah_single(std::uint32_t sentences, double depth, std::uint32_t seed) {
     if (i == at) context += "One of the special magic numbers for " + key + " is: " + value + ". ";
     context += noise + " ";
   }
-  const std::string question = "Some special magic numbers are hidden within the following text. Make sure to "
-                               "memorize it. I will quiz you about the numbers afterwards.\n" + context +
-                               "\nWhat are all the special magic numbers for " + key +
-                               " mentioned in the provided text?";
+  const std::string question =
+      "Some special magic numbers are hidden within the following text. Make sure to "
+      "memorize it. I will quiz you about the numbers afterwards.\n" +
+      context + "\nWhat are all the special magic numbers for " + key + " mentioned in the provided text?";
   const llama_chat_message message{"user", question.c_str()};
   const char* tmpl = llama_model_chat_template(model().model, nullptr);
   std::vector<char> rendered(question.size() * 2 + 256);
-  const std::int32_t n = llama_chat_apply_template(tmpl, &message, 1, true, rendered.data(), std::int32_t(rendered.size()));
+  const std::int32_t n =
+      llama_chat_apply_template(tmpl, &message, 1, true, rendered.data(), std::int32_t(rendered.size()));
   REQUIRE(n > 0);
   REQUIRE(std::size_t(n) <= rendered.size());
   return {std::string(rendered.data(), std::size_t(n)),
@@ -1059,8 +1066,8 @@ Needle niah_single(std::uint32_t sentences, double depth, std::uint32_t seed) {
 std::vector<llama_token> tokens_of(const std::string& text, bool bos) {
   const llama_vocab* vocab = llama_model_get_vocab(model().model);
   std::vector<llama_token> out(text.size() + 8);
-  const std::int32_t n = llama_tokenize(vocab, text.data(), std::int32_t(text.size()), out.data(),
-                                        std::int32_t(out.size()), bos, true);
+  const std::int32_t n =
+      llama_tokenize(vocab, text.data(), std::int32_t(text.size()), out.data(), std::int32_t(out.size()), bos, true);
   REQUIRE(n >= 0);
   out.resize(std::size_t(n));
   return out;
@@ -1103,9 +1110,7 @@ std::string answer(const Prefilled& prefilled, const HookOptions& options, std::
   std::vector<llama_token> t = prefilled.tokens;
   REQUIRE(llama_state_seq_set_data(ctx, prefilled.state.data(), prefilled.state.size(), 0) == prefilled.state.size());
   REQUIRE(llama_memory_seq_rm(llama_get_memory(ctx), 0, llama_pos(t.size() - 1), -1));
-  const auto decode_last = [&] {
-    REQUIRE(llama_decode(ctx, llama_batch_get_one(&t.back(), 1)) == 0);
-  };
+  const auto decode_last = [&] { REQUIRE(llama_decode(ctx, llama_batch_get_one(&t.back(), 1)) == 0); };
   decode_last();
   const llama_vocab* vocab = llama_model_get_vocab(model().model);
   std::string out;
@@ -1124,8 +1129,10 @@ std::string answer(const Prefilled& prefilled, const HookOptions& options, std::
 
 }  // namespace
 
-TEST_CASE("llama.cpp hook: a needle in a 2K-token haystack is found by Dense and Quest, lost by a policy that "
-          "selects the wrong pages", "[model-file][llama-hook][retrieval]") {
+TEST_CASE(
+    "llama.cpp hook: a needle in a 2K-token haystack is found by Dense and Quest, lost by a policy that "
+    "selects the wrong pages",
+    "[model-file][llama-hook][retrieval]") {
   // RULER's niah_single_1 at 4 depths. The retrieval check: a policy finds
   // at least as many needles as Dense less one. A policy that attends the
   // context's first 256 tokens whatever the query fails it.

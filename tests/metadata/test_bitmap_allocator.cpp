@@ -39,13 +39,14 @@ TEST_CASE("BitmapAllocator random allocate/free against std::set", "[metadata][r
         } else {
           const std::uint32_t slot = std::uniform_int_distribution<std::uint32_t>(0, capacity + 3)(rng);
           if (!live.count(slot)) {
-            REQUIRE_SPARSEKV_ERROR(bitmap.free(slot), slot < capacity ? ErrorCode::failed_precondition
-                                                                      : ErrorCode::out_of_range);
+            REQUIRE_SPARSEKV_ERROR(bitmap.free(slot),
+                                   slot < capacity ? ErrorCode::failed_precondition : ErrorCode::out_of_range);
           }
         }
         REQUIRE(bitmap.used() == live.size());
       }
-      for (std::uint32_t slot = 0; slot < capacity; ++slot) REQUIRE(bitmap.is_allocated(slot) == (live.count(slot) == 1));
+      for (std::uint32_t slot = 0; slot < capacity; ++slot)
+        REQUIRE(bitmap.is_allocated(slot) == (live.count(slot) == 1));
     }
   }
 }

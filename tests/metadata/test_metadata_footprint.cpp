@@ -79,8 +79,7 @@ TEST_CASE("Footprint model with slot masks equals a real table's bytes; without,
   const std::size_t mask_directory = 4 * instances * ((on.max_cpu_pages_per_head + 63) / 64 + 1);
   for (const MetadataWorkingSet ws : {MetadataWorkingSet{3, 5000, 8, 0.1}, MetadataWorkingSet{2, 1234, 16, 0.25},
                                       MetadataWorkingSet{1, 77, 8, 1.0}, MetadataWorkingSet{1, 512, 8, 0.5}}) {
-    INFO("requests " << ws.requests << ", context " << ws.context_tokens << ", partitions of "
-                     << ws.partition_tokens);
+    INFO("requests " << ws.requests << ", context " << ws.context_tokens << ", partitions of " << ws.partition_tokens);
     const MetadataFootprint with = estimate_metadata_footprint(on, config.max_context_tokens, ws);
     const MetadataFootprint without = estimate_metadata_footprint(off, config.max_context_tokens, ws);
     const MetadataBytes real = build(on, ws);
@@ -141,8 +140,9 @@ TEST_CASE("Flat layout scales with the worst case and two-level with the working
   // one partly filled GPU-table segment per head.
   REQUIRE(h.segment_bytes * 4 >= f.segment_bytes - std::size_t{32} * 80 * 8 * 256 * sizeof(GpuPageEntry));
   REQUIRE(h.segment_bytes * 4 <= f.segment_bytes + std::size_t{32} * 80 * 8 * 256 * sizeof(GpuPageEntry));
-  REQUIRE_SPARSEKV_ERROR(estimate_metadata_footprint(g, config.max_context_tokens, MetadataWorkingSet{33, 1024, 8, 0.1}),
-                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(
+      estimate_metadata_footprint(g, config.max_context_tokens, MetadataWorkingSet{33, 1024, 8, 0.1}),
+      ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(estimate_metadata_footprint(g, config.max_context_tokens, MetadataWorkingSet{1, 1024, 8, 1.5}),
                          ErrorCode::invalid_argument);
 }

@@ -184,8 +184,8 @@ TEST_CASE("HierarchicalPageTable random map/unmap matches a std::map reference",
         } else if (kind == 7) {  // unmap one head
           const bool any_resident = std::any_of(head.partitions.begin(), head.partitions.end(),
                                                 [](const PartitionRef& p) { return p.resident; });
-          const bool any_cached = std::any_of(head.slots.begin(), head.slots.end(),
-                                              [](const GpuPageEntry& e) { return e.occupied(); });
+          const bool any_cached =
+              std::any_of(head.slots.begin(), head.slots.end(), [](const GpuPageEntry& e) { return e.occupied(); });
           REQUIRE(any_cached == any_resident);
           if (any_cached) {
             REQUIRE_SPARSEKV_ERROR(table.clear_partitions(r, l, h), ErrorCode::failed_precondition);
@@ -237,8 +237,12 @@ TEST_CASE("HierarchicalPageTable random map/unmap matches a std::map reference",
         } else if (kind <= 17) {  // bad input: changes nothing
           must_be_unchanged = true;
           switch (pick(6)) {
-            case 0: REQUIRE_SPARSEKV_ERROR(table.partition_count(9999, l, h), ErrorCode::not_found); break;
-            case 1: REQUIRE_SPARSEKV_ERROR(table.partition_count(r, g.layers, h), ErrorCode::out_of_range); break;
+            case 0:
+              REQUIRE_SPARSEKV_ERROR(table.partition_count(9999, l, h), ErrorCode::not_found);
+              break;
+            case 1:
+              REQUIRE_SPARSEKV_ERROR(table.partition_count(r, g.layers, h), ErrorCode::out_of_range);
+              break;
             case 2: {
               std::vector<PageId> out;
               REQUIRE_SPARSEKV_ERROR(table.cpu_pages(r, l, g.kv_heads + 1, 0, out), ErrorCode::out_of_range);

@@ -268,30 +268,32 @@ TEST_CASE("Slot masks: validate() catches each planted violation", "[metadata][s
   const TwoLevelView<MetaPartitionEntry> meta = table.meta_view();
 
   // A live bit at or past the page's tokens (page 0 holds 3; page 2 holds 2).
-  require_caught(table, "at or past its 3 tokens", [&] { *masks.find(inst, 0) = 0b1000; },
-                 [&] { *masks.find(inst, 0) = 0b111; });
-  require_caught(table, "at or past its 2 tokens", [&] { *masks.find(inst, 2) = 0b111; },
-                 [&] { *masks.find(inst, 2) = 0b11; });
+  require_caught(
+      table, "at or past its 3 tokens", [&] { *masks.find(inst, 0) = 0b1000; }, [&] { *masks.find(inst, 0) = 0b111; });
+  require_caught(
+      table, "at or past its 2 tokens", [&] { *masks.find(inst, 2) = 0b111; }, [&] { *masks.find(inst, 2) = 0b11; });
   // kInvalidPage on a partition that still holds another page.
-  require_caught(table, "mixes freed and held", [&] { *cpu.find(inst, 2) = kInvalidPage; },
-                 [&] { *cpu.find(inst, 2) = 3; });
+  require_caught(
+      table, "mixes freed and held", [&] { *cpu.find(inst, 2) = kInvalidPage; }, [&] { *cpu.find(inst, 2) = 3; });
   // A freed partition with a live slot.
-  require_caught(table, "freed partition 2 has a live slot", [&] { *masks.find(inst, 3) = 1; },
-                 [&] { *masks.find(inst, 3) = 0; });
+  require_caught(
+      table, "freed partition 2 has a live slot", [&] { *masks.find(inst, 3) = 1; }, [&] { *masks.find(inst, 3) = 0; });
   // A freed partition marked resident.
-  require_caught(table, "freed partition 2 is resident",
-                 [&] { *meta.find(inst, 2) = MetaPartitionEntry::make(4, true); },
-                 [&] { *meta.find(inst, 2) = MetaPartitionEntry::make(4, false); });
+  require_caught(
+      table, "freed partition 2 is resident", [&] { *meta.find(inst, 2) = MetaPartitionEntry::make(4, true); },
+      [&] { *meta.find(inst, 2) = MetaPartitionEntry::make(4, false); });
   // Mask table length out of step with the CPU page table (same segment count).
   auto* lengths = const_cast<std::uint32_t*>(masks.lengths);
-  require_caught(table, "slot mask table length", [&] { lengths[inst] = 3; }, [&] { lengths[inst] = 4; });
+  require_caught(
+      table, "slot mask table length", [&] { lengths[inst] = 3; }, [&] { lengths[inst] = 4; });
   // kInvalidPage in a table without masks.
   HierarchicalPageTable plain(geometry(false), memory, memory);
   plain.add_request(3);
   plain.append_partitions(3, 1, 1, std::vector<std::uint32_t>{2}, std::vector<PageId>{8});
   const std::size_t plain_inst = plain.instance(3, 1, 1);
-  require_caught(plain, "without slot masks", [&] { *plain.cpu_page_view().find(plain_inst, 0) = kInvalidPage; },
-                 [&] { *plain.cpu_page_view().find(plain_inst, 0) = 8; });
+  require_caught(
+      plain, "without slot masks", [&] { *plain.cpu_page_view().find(plain_inst, 0) = kInvalidPage; },
+      [&] { *plain.cpu_page_view().find(plain_inst, 0) = 8; });
 }
 
 TEST_CASE("PartitionMap: evict_slots and release_page follow the ref-count rule", "[partition][slot-masks]") {

@@ -143,7 +143,8 @@ TEST_CASE("dense forward matches the numpy reference logits", "[.][model-file]")
   }
   const float* last = logits.data() + (T - 1) * V;
   for (std::size_t i = 0; i < V; ++i) {
-    if (!close(last[i], ref.last_logits[i], kRel)) FAIL_CHECK("last logit " << i << ": " << last[i] << " vs " << ref.last_logits[i]);
+    if (!close(last[i], ref.last_logits[i], kRel))
+      FAIL_CHECK("last logit " << i << ": " << last[i] << " vs " << ref.last_logits[i]);
     worst = std::max(worst, std::abs(last[i] - ref.last_logits[i]) / (1 + std::abs(ref.last_logits[i])));
   }
   WARN("worst relative logit difference vs the fp64 reference: " << worst);
@@ -260,7 +261,8 @@ TEST_CASE("SparseSession stores K/V in the config's kv_dtype", "[model]") {
     };
     const auto rounded = [&](const std::vector<float>& x) {
       std::vector<std::uint16_t> r(x.size());
-      for (std::size_t i = 0; i < x.size(); ++i) sparsekv::store_element(r.data(), static_cast<std::uint32_t>(i), dtype, x[i]);
+      for (std::size_t i = 0; i < x.size(); ++i)
+        sparsekv::store_element(r.data(), static_cast<std::uint32_t>(i), dtype, x[i]);
       return r;
     };
     const auto session_manager = make_manager(c, sparsekv::make_policy("dense", kMaxTokens), kMaxTokens);
@@ -285,7 +287,8 @@ TEST_CASE("SparseSession stores K/V in the config's kv_dtype", "[model]") {
         direct->decode(std::span(&id, 1), layer, rounded(q).data(), rounded(k).data(), rounded(v).data(), want.data());
         INFO("step " << step << " layer " << layer);
         CHECK(std::memcmp(out.data(), want.data(), qd * sizeof(float)) == 0);
-        for (std::size_t i = 0; i < qd; ++i) CHECK(std::abs(out[i] - exact[i]) <= (dtype == sparsekv::DType::f16 ? 5e-3 : 4e-2));
+        for (std::size_t i = 0; i < qd; ++i)
+          CHECK(std::abs(out[i] - exact[i]) <= (dtype == sparsekv::DType::f16 ? 5e-3 : 4e-2));
       }
     }
   }

@@ -154,13 +154,17 @@ struct Reference {
 // the ids as little-endian uint32.
 const std::vector<Reference> kReference = {
     {kTricky[0], 10, {504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30}},
-    {kTricky[1], 36, {19556, 28, 905, 17, 657, 506, 216, 34, 32, 34, 36, 284, 392, 3543, 3363, 216, 35, 30, 33, 36, 33, 37, 41, 3710, 43, 1326, 982, 392, 3060, 502, 6737, 339, 5248, 346, 2316, 30}},
-    {kTricky[2], 18, {216, 2899, 5600, 28, 256, 6210, 256, 7313, 197, 397, 29416, 198, 198, 2241, 3204, 3717, 1112, 256}},
+    {kTricky[1], 36, {19556, 28, 905, 17, 657, 506,  216, 34,   32,  34,  36,   284, 392,  3543, 3363, 216, 35,   30,
+                      33,    36, 33,  37, 41,  3710, 43,  1326, 982, 392, 3060, 502, 6737, 339,  5248, 346, 2316, 30}},
+    {kTricky[2],
+     18,
+     {216, 2899, 5600, 28, 256, 6210, 256, 7313, 197, 397, 29416, 198, 198, 2241, 3204, 3717, 1112, 256}},
     {kTricky[3], 81, {}, 0x398845a19ca10d80ull},
     {kTricky[4], 18, {1, 4093, 198, 1780, 314, 216, 33, 34, 27, 35, 36, 47, 2, 198, 1, 520, 9531, 198}},
     {kTricky[5], 16, {104, 15442, 105, 12109, 218, 106, 321, 118, 103, 3351, 250, 386, 199, 200, 97, 2738}},
     {kTricky[6], 15, {63, 23, 47917, 506, 637, 385, 5036, 23, 10922, 99, 10922, 637, 67, 637, 16421}},
-    {kTricky[7], 22, {1604, 275, 24, 104, 727, 472, 1003, 1792, 828, 34, 216, 907, 5222, 16506, 197, 3272, 24, 86, 24, 33, 32, 1292}},
+    {kTricky[7], 22, {1604, 275,  24,    104, 727,  472, 1003, 1792, 828, 34, 216,
+                      907,  5222, 16506, 197, 3272, 24,  86,   24,   33,  32, 1292}},
 };
 
 // Same tool on whole licence texts from /usr/share/common-licenses: bytes, token count, fnv.
@@ -202,9 +206,11 @@ TEST_CASE("SmolLM2 tokenizer: vocabulary and special tokens", "[.][model-file]")
   CHECK(tok.encode("<|im_start|>", false) != std::vector<std::int32_t>{1});
   // The bytes SmolLM2's vocabulary lacks (checked with the gguf package: their
   // GPT-2 characters are not in tokenizer.ggml.tokens); Hugging Face drops them.
-  CHECK(tok.missing_bytes() == std::vector<std::uint8_t>{0x04, 0x06, 0x13, 0x14, 0x16, 0x1d, 0xc0, 0xc1, 0xf1, 0xf2,
-                                                        0xf5, 0xf6, 0xf7, 0xf8, 0xf9, 0xfa, 0xfb, 0xfc, 0xfd, 0xfe, 0xff});
-  CHECK(tok.encode("a\x04" "b") == std::vector<std::int32_t>{81, 82});  // tokenizers gives [81, 82] too
+  CHECK(tok.missing_bytes() == std::vector<std::uint8_t>{0x04, 0x06, 0x13, 0x14, 0x16, 0x1d, 0xc0,
+                                                         0xc1, 0xf1, 0xf2, 0xf5, 0xf6, 0xf7, 0xf8,
+                                                         0xf9, 0xfa, 0xfb, 0xfc, 0xfd, 0xfe, 0xff});
+  CHECK(tok.encode("a\x04"
+                   "b") == std::vector<std::int32_t>{81, 82});  // tokenizers gives [81, 82] too
 }
 
 TEST_CASE("SmolLM2 tokenizer: ids equal the Hugging Face reference", "[.][model-file]") {

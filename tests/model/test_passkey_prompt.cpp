@@ -47,7 +47,7 @@ TEST_CASE("passkey: the answer check finds the 5 digits and nothing else", "[pas
   CHECK_FALSE(pk::answer_matches(" 1234.", "12345"));
   CHECK_FALSE(pk::answer_matches(" 54321", "12345"));
   CHECK_FALSE(pk::answer_matches(" 1 2 3 4 5", "12345"));
-  CHECK_FALSE(pk::answer_matches(" 123456", "12345"));   // part of a longer number
+  CHECK_FALSE(pk::answer_matches(" 123456", "12345"));  // part of a longer number
   CHECK_FALSE(pk::answer_matches(" 012345", "12345"));
   CHECK(pk::answer_matches(" 123456 and 12345", "12345"));
   CHECK_FALSE(pk::answer_matches("anything", ""));

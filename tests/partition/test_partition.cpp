@@ -53,11 +53,11 @@ TEST_CASE("PartitionSpec uniform and variable", "[partition]") {
 TEST_CASE("PartitionSpec rejects specs that lose or duplicate tokens", "[partition][errors]") {
   REQUIRE_SPARSEKV_ERROR(PartitionSpec::uniform(0, 4), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(PartitionSpec::uniform(4, 0), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(4, {{0, 1}, {2}}), ErrorCode::invalid_argument);      // token 3 lost
-  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(3, {{0, 1}, {1, 2}}), ErrorCode::invalid_argument);   // duplicate
-  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(3, {{0, 1, 2}, {}}), ErrorCode::invalid_argument);    // empty
-  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(2, {{0, 7}}), ErrorCode::invalid_argument);           // range
-  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(2, {1, 2}, {0, 1}), ErrorCode::invalid_argument);     // offsets
+  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(4, {{0, 1}, {2}}), ErrorCode::invalid_argument);     // token 3 lost
+  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(3, {{0, 1}, {1, 2}}), ErrorCode::invalid_argument);  // duplicate
+  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(3, {{0, 1, 2}, {}}), ErrorCode::invalid_argument);   // empty
+  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(2, {{0, 7}}), ErrorCode::invalid_argument);          // range
+  REQUIRE_SPARSEKV_ERROR(PartitionSpec::variable(2, {1, 2}, {0, 1}), ErrorCode::invalid_argument);    // offsets
 }
 
 TEST_CASE("PartitionMap places every token of a variable spec in its partition's pages", "[partition]") {

@@ -238,7 +238,7 @@ TEST_CASE("host k-means steps follow the shared rules bit for bit", "[index-rule
       CHECK(kmeans_assign(rows, n, dim, centroids, k, labels) == n);
       REQUIRE(labels == want);
       if (k >= 3) CHECK(std::count(labels.begin(), labels.end(), 2u) == 0);  // ties go to centroid 1
-      CHECK(kmeans_assign(rows, n, dim, centroids, k, labels) == 0);  // nothing changes the second time
+      CHECK(kmeans_assign(rows, n, dim, centroids, k, labels) == 0);         // nothing changes the second time
 
       // An empty cluster: nobody keeps label k - 1 when k > 1.
       if (k > 1) std::replace(labels.begin(), labels.end(), k - 1, 0u);
@@ -357,8 +357,8 @@ TEST_CASE("index kernels' shared arrays stay inside their allocation at 16-byte 
       const std::size_t bytes = cuda::mean_outlier_shared_bytes(dim, page_tokens);
       if (granule_span(landmark).second > granule_span(cosine).first || granule_span(cosine).second > bytes) {
         FAIL("page_tokens " << page_tokens << ": landmark ends at " << granule_span(landmark).second
-                            << ", cosine spans [" << granule_span(cosine).first << ", "
-                            << granule_span(cosine).second << ") of " << bytes << " bytes");
+                            << ", cosine spans [" << granule_span(cosine).first << ", " << granule_span(cosine).second
+                            << ") of " << bytes << " bytes");
       }
     }
   }

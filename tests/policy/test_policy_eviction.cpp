@@ -305,8 +305,7 @@ TEST_CASE("h2o: bad input is refused and changes nothing", "[policy][eviction][h
   REQUIRE_SPARSEKV_ERROR(policy.observe(ctx, weights({{{0, 1.0f}}, {{1, 1.0f}, {1, 1.0f}}}), state),
                          ErrorCode::invalid_argument);
   unchanged();
-  REQUIRE_SPARSEKV_ERROR(policy.observe(ctx, weights({{{0, 1.0f}}, {{1, -0.5f}}}), state),
-                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(policy.observe(ctx, weights({{{0, 1.0f}}, {{1, -0.5f}}}), state), ErrorCode::invalid_argument);
   unchanged();
   REQUIRE_SPARSEKV_ERROR(
       policy.observe(ctx, weights({{{0, 1.0f}}, {{1, std::numeric_limits<float>::quiet_NaN()}}}), state),
@@ -324,8 +323,7 @@ TEST_CASE("h2o: bad input is refused and changes nothing", "[policy][eviction][h
   auto wrong_count = eviction_at(state.live, 4);
   wrong_count.live_tokens[1] = 4;
   REQUIRE_SPARSEKV_ERROR(policy.evict(ctx, wrong_count, state, out), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(policy.evict(ctx, eviction_at(state.live, 4, {1}), state, out),
-                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(policy.evict(ctx, eviction_at(state.live, 4, {1}), state, out), ErrorCode::invalid_argument);
   unchanged();
   REQUIRE(out.positions == std::vector<Positions>{{42}});
   // A state never indexed.
@@ -333,8 +331,7 @@ TEST_CASE("h2o: bad input is refused and changes nothing", "[policy][eviction][h
   REQUIRE_SPARSEKV_ERROR(policy.placed(ctx, 0, fresh), ErrorCode::invalid_argument);
 }
 
-TEST_CASE("h2o and streaming_evict: constructors refuse a budget below the protected window",
-          "[policy][eviction]") {
+TEST_CASE("h2o and streaming_evict: constructors refuse a budget below the protected window", "[policy][eviction]") {
   REQUIRE_SPARSEKV_ERROR(h2o(0, 0), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(h2o(5, 4, 2), ErrorCode::invalid_argument);
   REQUIRE_NOTHROW(h2o(6, 4, 2));

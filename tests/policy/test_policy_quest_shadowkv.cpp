@@ -50,7 +50,11 @@ struct Chunk {
   // Independent noise keys, or (coherent) per-page base directions plus a
   // little noise, the way neighbouring keys of real models look alike.
   Chunk(const LayerContext& ctx, std::uint32_t n, std::uint32_t seed, bool coherent = false)
-      : tokens(n), kv_heads(ctx.kv_heads), dim(ctx.head_dim), keys(std::size_t{n} * kv_heads * dim), values(keys.size()) {
+      : tokens(n),
+        kv_heads(ctx.kv_heads),
+        dim(ctx.head_dim),
+        keys(std::size_t{n} * kv_heads * dim),
+        values(keys.size()) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (std::uint32_t t = 0; t < n; ++t) {
@@ -91,7 +95,8 @@ Vec random_query(const LayerContext& ctx, std::uint32_t seed) {
 Vec group_direction(const LayerContext& ctx, const Vec& q, std::uint32_t h) {
   Vec dir(ctx.head_dim, 0.0f);
   for (std::uint32_t g = 0; g < ctx.group_size(); ++g) {
-    for (std::uint32_t d = 0; d < ctx.head_dim; ++d) dir[d] += q[(std::size_t{h} * ctx.group_size() + g) * ctx.head_dim + d];
+    for (std::uint32_t d = 0; d < ctx.head_dim; ++d)
+      dir[d] += q[(std::size_t{h} * ctx.group_size() + g) * ctx.head_dim + d];
   }
   return normalized(dir);
 }
@@ -148,7 +153,9 @@ struct Run {
   }
 };
 
-bool has(const std::vector<PartitionId>& ids, PartitionId p) { return std::find(ids.begin(), ids.end(), p) != ids.end(); }
+bool has(const std::vector<PartitionId>& ids, PartitionId p) {
+  return std::find(ids.begin(), ids.end(), p) != ids.end();
+}
 
 }  // namespace
 
@@ -163,7 +170,8 @@ TEST_CASE("Quest finds planted critical tokens", "[policy][quest]") {
     for (std::uint32_t t : planted[h]) kv.set(t, h, group_direction(ctx, q, h), 4.0f);
   }
   // k = 4: the newest and the three planted.
-  const QuestPolicy quest({.budget_tokens = 64, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy quest(
+      {.budget_tokens = 64, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run run(quest, ctx, kv);
   const Selection s = run.select(q);
   run.check(s, 64);
@@ -184,7 +192,8 @@ TEST_CASE("Quest always keeps the newest partition and handles decode pages", "[
   for (std::uint32_t t = 240; t < 256; ++t) {
     for (std::uint32_t h = 0; h < 2; ++h) kv.set(t, h, group_direction(ctx, q, h), -4.0f);
   }
-  const QuestPolicy quest({.budget_tokens = 32, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy quest(
+      {.budget_tokens = 32, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run run(quest, ctx, kv);
   Selection s = run.select(q);
   run.check(s, 32);
@@ -226,7 +235,8 @@ TEST_CASE("Quest ranks by the group's summed softmax: a flat head does not outvo
   CHECK(run.select(q).partitions[0] == std::vector<PartitionId>{5, 31});
 }
 
-TEST_CASE("Quest's spread: 1 ranks by the paper's bound, 0 and the default by the key box's centre", "[policy][quest]") {
+TEST_CASE("Quest's spread: 1 ranks by the paper's bound, 0 and the default by the key box's centre",
+          "[policy][quest]") {
   // One q head, q = e0. Page 3's keys alternate +3 e0 and -3 e0 (a box of
   // centre 0 and half-width 3 on e0: bound 3, centre 0); page 9's are all
   // 2 e0 (bound and centre 2); every other key is 0. The bound picks page 3,
@@ -252,7 +262,8 @@ TEST_CASE("Quest's spread: 1 ranks by the paper's bound, 0 and the default by th
 TEST_CASE("Quest keeps the first layers dense", "[policy][quest]") {
   const Vec q = random_query(context(), 5);
   const Chunk kv(context(), 512, 4);
-  const QuestPolicy quest({.budget_tokens = 32, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy quest(
+      {.budget_tokens = 32, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   for (std::uint32_t layer : {0u, 1u}) {
     Run run(quest, context(layer), kv);
     const Selection s = run.select(q);
@@ -264,8 +275,11 @@ TEST_CASE("Quest keeps the first layers dense", "[policy][quest]") {
   CHECK(quest.mandatory_pages(sparse.ctx) == 32 / 8);
   for (const auto& chosen : sparse.select(q).partitions) CHECK(chosen.size() == 2);
 
-  const QuestPolicy all_sparse(
-      {.budget_tokens = 32, .page_tokens_per_partition = 16, .dense_layers = 0, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy all_sparse({.budget_tokens = 32,
+                                .page_tokens_per_partition = 16,
+                                .dense_layers = 0,
+                                .sink_tokens = 0,
+                                .recent_fraction = 0.0f});
   Run layer0(all_sparse, context(0), kv);
   for (const auto& chosen : layer0.select(q).partitions) CHECK(chosen.size() == 2);
 }
@@ -294,7 +308,8 @@ TEST_CASE("Quest keeps the attention sink and a recent window before ranking", "
   }
   // The paper's rule on the same keys: the sink and the window are dropped
   // for partitions ranked by bound.
-  const QuestPolicy paper({.budget_tokens = 128, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
+  const QuestPolicy paper(
+      {.budget_tokens = 128, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f});
   Run plain(paper, ctx, kv);
   const Selection p = plain.select(q);
   for (const auto& chosen : p.partitions) {
@@ -329,7 +344,8 @@ TEST_CASE("Quest finds the needle the oracle finds, with a heavy attention sink"
   }
   for (const QuestPolicy& quest :
        {QuestPolicy({.budget_tokens = budget}),
-        QuestPolicy({.budget_tokens = budget, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f})}) {
+        QuestPolicy(
+            {.budget_tokens = budget, .page_tokens_per_partition = 16, .sink_tokens = 0, .recent_fraction = 0.0f})}) {
     Run run(quest, ctx, kv);
     const Selection got = run.select(q);
     run.check(got, budget);
@@ -364,7 +380,8 @@ TEST_CASE("Quest respects its budget", "[policy][quest]") {
 }
 
 TEST_CASE("Quest rejects bad input", "[policy][quest]") {
-  REQUIRE_SPARSEKV_ERROR(QuestPolicy({.budget_tokens = 0, .page_tokens_per_partition = 16}), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(QuestPolicy({.budget_tokens = 0, .page_tokens_per_partition = 16}),
+                         ErrorCode::invalid_argument);
   for (const float bad_fraction : {-0.1f, 1.5f, std::nanf("")}) {
     REQUIRE_SPARSEKV_ERROR(QuestPolicy({.recent_fraction = bad_fraction}), ErrorCode::invalid_argument);
     REQUIRE_SPARSEKV_ERROR(QuestPolicy({.spread = bad_fraction}), ErrorCode::invalid_argument);
@@ -540,8 +557,7 @@ TEST_CASE("ShadowKV rejects bad input", "[policy][shadowkv]") {
                          ErrorCode::invalid_argument);
   const Chunk half(ctx, 4, 2), page(ctx, 8, 3);
   REQUIRE_SPARSEKV_ERROR(shadow.append(ctx, AppendedPage{half.view(), {8, 8}}, state), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(shadow.append(ctx, AppendedPage{page.view(), {8, 8, 8}}, state),
-                         ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(shadow.append(ctx, AppendedPage{page.view(), {8, 8, 8}}, state), ErrorCode::invalid_argument);
   CHECK(state.tokens.size() == 8);  // unchanged
   CHECK(state.landmarks[1].size() == 8 * 16);
 }
@@ -643,7 +659,8 @@ namespace {
 // Where each of a state's growing arrays lives: a reallocation moves one.
 std::vector<const void*> homes(const QuestPolicy::LayerState& s) {
   std::vector<const void*> at{s.tokens.data()};
-  for (std::size_t h = 0; h < s.ids.size(); ++h) at.insert(at.end(), {s.ids[h].data(), s.min[h].data(), s.max[h].data()});
+  for (std::size_t h = 0; h < s.ids.size(); ++h)
+    at.insert(at.end(), {s.ids[h].data(), s.min[h].data(), s.max[h].data()});
   return at;
 }
 std::vector<const void*> homes(const ShadowKVPolicy::LayerState& s) {
@@ -679,8 +696,8 @@ void check_reserved(const P& policy, bool fork) {
     const std::size_t row = std::size_t{ctx.kv_heads} * ctx.head_dim;
     const Vec keys(prompt.keys.begin() + reused * row, prompt.keys.end()),
         values(prompt.values.begin() + reused * row, prompt.values.end());
-    sparsekv::fork_index(policy, ctx, source, KvView{keys, values, prompt.tokens - reused, ctx.kv_heads, ctx.head_dim, reused},
-                         state);
+    sparsekv::fork_index(policy, ctx, source,
+                         KvView{keys, values, prompt.tokens - reused, ctx.kv_heads, ctx.head_dim, reused}, state);
   } else {
     policy.index(ctx, prompt.view(), state);
   }
@@ -688,7 +705,8 @@ void check_reserved(const P& policy, bool fork) {
   auto id = static_cast<PartitionId>(state.tokens.size());
   for (std::uint32_t page = 0; page < 11; ++page, ++id) {
     const Chunk kv(ctx, ctx.page_tokens, 30 + page);
-    REQUIRE_FALSE(policy.append(ctx, AppendedPage{kv.view(), std::vector<PartitionId>(ctx.kv_heads, id)}, state).has_value());
+    REQUIRE_FALSE(
+        policy.append(ctx, AppendedPage{kv.view(), std::vector<PartitionId>(ctx.kv_heads, id)}, state).has_value());
     ctx.tokens += ctx.page_tokens;
     INFO("decode page " << page);
     CHECK(homes(state) == before);
@@ -732,7 +750,8 @@ TEST_CASE("A query with a NaN or an infinity anywhere is refused, naming the val
   shadow.index(ctx, prompt.view(), shadow_state);
   const std::size_t n = std::size_t{ctx.q_heads} * ctx.head_dim;
   for (const std::size_t at : {std::size_t{0}, n / 2 + 3, n - 1}) {
-    for (const float bad : {std::nanf(""), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+    for (const float bad :
+         {std::nanf(""), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
       Vec q = random_query(ctx, 5);
       q[at] = bad;
       const DecodeQuery query{q, ctx.tokens};
@@ -741,7 +760,8 @@ TEST_CASE("A query with a NaN or an infinity anywhere is refused, naming the val
           call();
         } catch (const Error& e) {
           CHECK(e.code() == ErrorCode::invalid_argument);
-          return std::string(e.what()).find("query value " + std::to_string(at) + " is not finite") != std::string::npos;
+          return std::string(e.what()).find("query value " + std::to_string(at) + " is not finite") !=
+                 std::string::npos;
         }
         return false;
       };
@@ -851,8 +871,8 @@ TEST_CASE("Keys a 16-bit K/V dtype cannot hold get boxes rounded outward that st
     for (std::uint32_t i = 0; i < state.min[h].rows(); ++i) {
       for (std::uint32_t d = 0; d < ctx.head_dim; ++d) {
         const float lo = exact.min[h].at(i, d);
-        REQUIRE(state.min[h].at(i, d) == load_element(std::array{round_outward(lo, DType::f16, BoxSide::lower)}.data(),
-                                                      0, DType::f16));
+        REQUIRE(state.min[h].at(i, d) ==
+                load_element(std::array{round_outward(lo, DType::f16, BoxSide::lower)}.data(), 0, DType::f16));
         rounded += state.min[h].at(i, d) != lo ? 1 : 0;
       }
     }

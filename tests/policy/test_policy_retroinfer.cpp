@@ -205,7 +205,7 @@ TEST_CASE("spherical k-means recovers planted clusters", "[retroinfer][kmeans]")
     }
     REQUIRE(labels[t] == found[truth[t]]);  // pure
   }
-  REQUIRE(used.size() == clusters);  // and one found cluster per planted one
+  REQUIRE(used.size() == clusters);                                     // and one found cluster per planted one
   REQUIRE(spherical_kmeans(data, n, dim, clusters, 10, 42) == labels);  // deterministic
 
   // k == n: every row its own cluster; identical rows collapse into one.
@@ -591,9 +591,8 @@ TEST_CASE("retroinfer's estimation zone lowers the attention error", "[retroinfe
   }
   with /= samples;
   without /= samples;
-  INFO("mean relative L2 error vs dense: retrieval+estimation " << with << ", retrieval only " << without
-                                                                << ", estimation better in " << better << "/"
-                                                                << samples);
+  INFO("mean relative L2 error vs dense: retrieval+estimation "
+       << with << ", retrieval only " << without << ", estimation better in " << better << "/" << samples);
   CHECK(with < 0.6 * without);
   CHECK(better >= samples * 3 / 4);
 }

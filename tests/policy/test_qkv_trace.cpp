@@ -119,7 +119,7 @@ TEST_CASE("qkv trace: the streaming writer checks its input and writes the manif
     REQUIRE_SPARSEKV_ERROR(w.prompt(0, prompt, prompt), ErrorCode::failed_precondition);
     REQUIRE_SPARSEKV_ERROR(w.prompt(1, prompt, prompt), ErrorCode::out_of_range);
     w.decode(0, q, kv, kv);
-    REQUIRE_SPARSEKV_ERROR(w.finish(), ErrorCode::failed_precondition);  // one step missing
+    REQUIRE_SPARSEKV_ERROR(w.finish(), ErrorCode::failed_precondition);            // one step missing
     REQUIRE_SPARSEKV_ERROR(read_qkv_trace(dir.path / "w"), ErrorCode::not_found);  // no manifest yet
     w.decode(0, q, kv, kv);
     REQUIRE_SPARSEKV_ERROR(w.decode(0, q, kv, kv), ErrorCode::failed_precondition);  // beyond decode_steps
@@ -131,7 +131,8 @@ TEST_CASE("qkv trace: the streaming writer checks its input and writes the manif
   REQUIRE(t.layers[0].keys.size() == 5 * 8);
   REQUIRE(t.layers[0].keys[3 * 8] == 3.0f);
   REQUIRE(t.layers[0].queries[8] == 2.0f);
-  REQUIRE_SPARSEKV_ERROR(QkvTraceWriter(dir.path / "x", QkvTraceHeader{1, 3, 2, 8, 3, 1, RopeStage::post_rope, ""}), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(QkvTraceWriter(dir.path / "x", QkvTraceHeader{1, 3, 2, 8, 3, 1, RopeStage::post_rope, ""}),
+                         ErrorCode::invalid_argument);
 }
 
 TEST_CASE("qkv trace: reader errors name the path", "[qkv_trace][errors]") {
@@ -158,12 +159,14 @@ TEST_CASE("qkv trace: reader errors name the path", "[qkv_trace][errors]") {
   manifest_error("sparsekv-qkv-trace 1\nlayers 1\n", "missing 'q_heads'");
   manifest_error("sparsekv-qkv-trace 1\nlayers x\n", "line 2");
   manifest_error(kManifest + "rope sideways\n", "rope must be");
-  manifest_error("sparsekv-qkv-trace 1\nlayers 1\nq_heads 3\nkv_heads 2\nhead_dim 8\nprompt_tokens 3\n"
-                 "decode_steps 1\ndtype f32\n",
-                 "multiple of kv_heads");
-  manifest_error("sparsekv-qkv-trace 1\nlayers 1\nq_heads 2\nkv_heads 1\nhead_dim 8\nprompt_tokens 3\n"
-                 "decode_steps 1\ndtype bf16\n",
-                 "dtype 'bf16' unsupported");
+  manifest_error(
+      "sparsekv-qkv-trace 1\nlayers 1\nq_heads 3\nkv_heads 2\nhead_dim 8\nprompt_tokens 3\n"
+      "decode_steps 1\ndtype f32\n",
+      "multiple of kv_heads");
+  manifest_error(
+      "sparsekv-qkv-trace 1\nlayers 1\nq_heads 2\nkv_heads 1\nhead_dim 8\nprompt_tokens 3\n"
+      "decode_steps 1\ndtype bf16\n",
+      "dtype 'bf16' unsupported");
 
   // Comments and blank lines are fine; then the binary files are checked.
   write_text(d / "manifest.txt", "# a dump\n\n" + kManifest + "model  some model # trailing comment\n");

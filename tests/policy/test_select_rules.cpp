@@ -117,8 +117,8 @@ Sweep quest_sweep(const Emulation& e, std::uint32_t seed, Layout layout = Layout
             options.spread = spread;
             const QuestPolicy policy(options);
             const auto want = host_select(policy, ctx, batch);
-            const cuda::QuestSelect quest{nullptr, nullptr, budget, layer < options.dense_layers, sink,
-                                          policy.window_tokens(), spread};
+            const cuda::QuestSelect quest{
+                nullptr, nullptr, budget, layer < options.dense_layers, sink, policy.window_tokens(), spread};
             for (std::uint32_t r = 0; r < rows.rows(); ++r) sweep.compare(emulate_quest(e, rows, r, quest), want[r]);
           }
         }
@@ -215,8 +215,7 @@ StoredRequest<State> stored_request(const Policy& policy, const LayerContext& ba
   policy.index(ctx, key_view(keys, prompt, ctx), r.state);
   for (std::uint32_t page = 0; page < appended; ++page) {
     ctx.tokens += ctx.page_tokens;
-    const std::vector<float> page_keys =
-        random_values(std::size_t{ctx.page_tokens} * ctx.kv_heads * ctx.head_dim, rng);
+    const std::vector<float> page_keys = random_values(std::size_t{ctx.page_tokens} * ctx.kv_heads * ctx.head_dim, rng);
     const auto id = static_cast<PartitionId>(r.state.tokens.size());
     const AppendedPage appended{key_view(page_keys, ctx.page_tokens, ctx), std::vector<PartitionId>(ctx.kv_heads, id)};
     policy.append(ctx, appended, r.state);
@@ -285,7 +284,10 @@ Sweep store_sweep(const Emulation& e, std::uint32_t seed) {
     }
     const HostRows quest_rows = store_rows(
         shape, ctx, quest_batch, ctx.head_dim,
-        [](const QuestPolicy::LayerState& s, std::uint32_t h) { return std::pair{s.min[h].widened(), s.max[h].widened()}; }, rng);
+        [](const QuestPolicy::LayerState& s, std::uint32_t h) {
+          return std::pair{s.min[h].widened(), s.max[h].widened()};
+        },
+        rng);
     const HostRows shadowkv_rows = store_rows(
         shape, ctx, shadowkv_batch, 1,
         [](const ShadowKVPolicy::LayerState& s, std::uint32_t h) {
@@ -350,7 +352,8 @@ PositionalSweep positional_sweep(const Emulation& e, std::uint32_t seed) {
     const DensePolicy dense;
     const auto want_dense = host_select(dense, ctx, dense_batch);
     REQUIRE(std::holds_alternative<DenseDeviceSelect>(device_select(dense, ctx)));
-    for (std::uint32_t r = 0; r < rows.rows(); ++r) out.sweep.compare(emulate_positional(e, rows, r, nullptr), want_dense[r]);
+    for (std::uint32_t r = 0; r < rows.rows(); ++r)
+      out.sweep.compare(emulate_positional(e, rows, r, nullptr), want_dense[r]);
     for (const std::uint32_t budget : {1u, 2u, 3u, 5u, 8u, 17u, 64u, 100u, 1000u, 100000u}) {
       for (const std::uint32_t sinks : {0u, 1u, 3u, 4u, 8u, 9u, 40u}) {
         StreamingWindowPolicy::Options options;
@@ -493,7 +496,8 @@ TEST_CASE("lane sums add lane i % 32 in order, then a fixed tree", "[select-rule
   v[0] = 1e8f;
   float sequential = 0.0f;
   for (float x : v) sequential += x;
-  const float lanes = lane_sum<float>(64, [&](std::uint32_t i) { return v[i]; }, [](std::uint32_t) { return true; });
+  const float lanes = lane_sum<float>(
+      64, [&](std::uint32_t i) { return v[i]; }, [](std::uint32_t) { return true; });
   CHECK(sequential == 1e8f);
   CHECK(lanes > sequential);
 }
@@ -707,14 +711,14 @@ TEST_CASE("the positional zones keep the sinks' and the window's budget rules", 
   struct Case {
     std::uint32_t sink_pages, budget, sinks, window;
   };
-  for (const Case c : {Case{1, 12, 1, 5},    // one sink page, two newest pages
-                       Case{1, 3, 0, 7},     // the sink does not fit: nothing fits
-                       Case{2, 11, 2, 7},    // both sinks, 3 left: no window page
-                       Case{0, 100, 0, 0},   // covering: everything
-                       Case{9, 100, 7, 7},   // more sink pages than candidates
-                       Case{1, 7, 1, 7},     // 3 left after the sink: a full page does not fit
-                       Case{0, 19, 0, 2},    // the short page ends the window
-                       Case{3, 27, 3, 3}}) { // the window meets the sinks
+  for (const Case c : {Case{1, 12, 1, 5},     // one sink page, two newest pages
+                       Case{1, 3, 0, 7},      // the sink does not fit: nothing fits
+                       Case{2, 11, 2, 7},     // both sinks, 3 left: no window page
+                       Case{0, 100, 0, 0},    // covering: everything
+                       Case{9, 100, 7, 7},    // more sink pages than candidates
+                       Case{1, 7, 1, 7},      // 3 left after the sink: a full page does not fit
+                       Case{0, 19, 0, 2},     // the short page ends the window
+                       Case{3, 27, 3, 3}}) {  // the window meets the sinks
     const PositionalZone z = streaming_zone(7, tokens, c.sink_pages, c.budget);
     CAPTURE(c.sink_pages, c.budget, z.sinks, z.window);
     CHECK(z.sinks == c.sinks);
@@ -853,11 +857,9 @@ TEST_CASE("select_row_span clamps a row to the capacity and the arrays", "[selec
   struct Case {
     std::uint32_t first, count, max_row, candidates, want_first, want_n;
   };
-  for (const Case c : {Case{40, 7, 10, 100, 40, 7},
-                       Case{40, 17, 10, 100, 40, 10},  // a count above the capacity
-                       Case{95, 10, 10, 100, 95, 5},   // past the arrays
-                       Case{100, 3, 10, 100, 100, 0},
-                       Case{0xfffffff0u, 0x20u, 0x40u, 100, 100, 0},  // no wrap
+  for (const Case c : {Case{40, 7, 10, 100, 40, 7}, Case{40, 17, 10, 100, 40, 10},  // a count above the capacity
+                       Case{95, 10, 10, 100, 95, 5},                                // past the arrays
+                       Case{100, 3, 10, 100, 100, 0}, Case{0xfffffff0u, 0x20u, 0x40u, 100, 100, 0},  // no wrap
                        Case{0, 0, 10, 100, 0, 0}}) {
     const cuda::SelectRowSpan span = cuda::select_row_span(c.first, c.count, c.max_row, c.candidates);
     CAPTURE(c.first, c.count, c.max_row, c.candidates, span.first, span.n);
@@ -1126,8 +1128,7 @@ TEST_CASE("quest_logits_simd equals quest_logit bit for bit for every head, on e
   });
 }
 
-TEST_CASE("shadowkv_logits_simd equals shadowkv_logit bit for bit for every head, on every target",
-          "[select-rules]") {
+TEST_CASE("shadowkv_logits_simd equals shadowkv_logit bit for bit for every head, on every target", "[select-rules]") {
   std::mt19937 rng(37);
   std::normal_distribution<float> normal;
   on_every_target([&](const std::string& target) {
@@ -1178,7 +1179,8 @@ TEST_CASE("shadowkv_head_scores_simd equals shadowkv_head_scores bit for bit on 
       for (std::uint32_t i = 0; i < n; ++i) {
         CAPTURE(target, trial, n, i, logits[i], int(taken[i]));
         REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want[i]));
-        if (taken[i] == 0) REQUIRE(std::bit_cast<std::uint32_t>(got_shares[i]) == std::bit_cast<std::uint32_t>(want_shares[i]));
+        if (taken[i] == 0)
+          REQUIRE(std::bit_cast<std::uint32_t>(got_shares[i]) == std::bit_cast<std::uint32_t>(want_shares[i]));
       }
     }
   });
@@ -1245,7 +1247,8 @@ TEST_CASE("a candidate's group logits, whole or in pieces, equal quest_logit and
           const float want_shadow = shadowkv_logit(qh, landmark.data(), d, logit_scale(d));
           // Bits, but a NaN only as a NaN: its payload is the platform's (GPUs return one pattern).
           const auto same = [](float got, float want) {
-            return std::isnan(want) ? std::isnan(got) : std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want);
+            return std::isnan(want) ? std::isnan(got)
+                                    : std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want);
           };
           REQUIRE(same(quest[g], want_quest));
           REQUIRE(same(quest_pieces[g], want_quest));
@@ -1260,17 +1263,31 @@ TEST_CASE("a candidate's group logits, whole or in pieces, equal quest_logit and
 TEST_CASE("portable_exps and softmax_rank_add_simd equal the scalar rules bit for bit on every target",
           "[select-rules]") {
   std::mt19937 rng(41);
-  const float specials[] = {0.0f, -0.0f, 88.72283f, 88.8f, 89.0f, -87.3f, -87.4f, -100.0f, -103.9f, -103.972084f,
-                            -104.0f, -1e30f, 1e30f, std::numeric_limits<float>::infinity(),
-                            -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            88.72283f,
+                            88.8f,
+                            89.0f,
+                            -87.3f,
+                            -87.4f,
+                            -100.0f,
+                            -103.9f,
+                            -103.972084f,
+                            -104.0f,
+                            -1e30f,
+                            1e30f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN()};
   on_every_target([&](const std::string& target) {
     for (int trial = 0; trial < 200; ++trial) {
       const std::uint32_t n = 1 + static_cast<std::uint32_t>(rng() % 100);
       std::vector<float> x(n);
       for (auto& v : x) {
         const std::uint32_t pick = rng() % 10;
-        v = pick == 0 ? specials[rng() % std::size(specials)]
-                      : std::uniform_real_distribution<float>(pick < 5 ? -20.0f : -110.0f, pick < 8 ? 0.0f : 90.0f)(rng);
+        v = pick == 0
+                ? specials[rng() % std::size(specials)]
+                : std::uniform_real_distribution<float>(pick < 5 ? -20.0f : -110.0f, pick < 8 ? 0.0f : 90.0f)(rng);
       }
       const float bias = trial % 4 == 0 ? 0.0f : std::uniform_real_distribution<float>(-5.0f, 5.0f)(rng);
       std::vector<float> got(n);
@@ -1291,4 +1308,3 @@ TEST_CASE("portable_exps and softmax_rank_add_simd equal the scalar rules bit fo
     }
   });
 }
-

@@ -57,8 +57,7 @@ AttendPlan host_plan(const std::vector<const Retrieval*>& retrievals, std::uint3
   std::vector<std::uint32_t> tokens;
   for (const Retrieval* r : retrievals) {
     for (std::uint32_t h = 0; h < kv_heads; ++h) {
-      plan.head_entries.push_back(plan.head_entries.back() +
-                                  append_head_runs(plan, *r, h, page_tokens, pages, tokens));
+      plan.head_entries.push_back(plan.head_entries.back() + append_head_runs(plan, *r, h, page_tokens, pages, tokens));
     }
   }
   return plan;
@@ -123,8 +122,8 @@ std::string table_difference(const Manager<Policy>& host, const Manager<Policy>&
       if (want.meta.length(inst) != got.meta.length(inst)) return "meta-partition table lengths differ";
       for (std::uint32_t p = 0; p < want.meta.length(inst); ++p) {
         if (want.meta.find(inst, p)->bits != got.meta.find(inst, p)->bits) {
-          return "meta entry " + std::to_string(p) + " of layer " + std::to_string(l) + " head " +
-                 std::to_string(h) + " differs";
+          return "meta entry " + std::to_string(p) + " of layer " + std::to_string(l) + " head " + std::to_string(h) +
+                 " differs";
         }
       }
       if (want_slots.length(inst) != got_slots.length(inst)) return "GPU page table lengths differ";
@@ -189,8 +188,8 @@ struct LockstepReport {
 // short_prompts: half the prompts short enough that a policy may keep a
 // window of its own until its first index update (RetroInfer).
 template <class Policy>
-LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const RuntimeEmulation& emulation,
-                               int steps, const Config& config = device_config(), bool short_prompts = false) {
+LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const RuntimeEmulation& emulation, int steps,
+                               const Config& config = device_config(), bool short_prompts = false) {
   const ModelShape shape = device_shape();
   EmulatedDeviceMemory memory;
   auto owned = std::make_unique<EmulatedBackend>(memory, emulation);
@@ -300,7 +299,8 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const R
       }
       ++report.steps;
       report.plan_steps += plan_only ? 1 : 0;
-      if (differ(step, l, step_difference(host, *backend.runtime(), batch.size(), shape.kv_heads, config.page_tokens))) {
+      if (differ(step, l,
+                 step_difference(host, *backend.runtime(), batch.size(), shape.kv_heads, config.page_tokens))) {
         return report;
       }
       for (RequestId id : batch) {
@@ -312,8 +312,8 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const R
           report.worst_error = std::max(report.worst_error, double(std::abs(got[i] - want[i])));
         }
         if (report.worst_error > 2e-3) {
-          report.difference = "step " + std::to_string(step) + ": outputs differ by " +
-                              std::to_string(report.worst_error);
+          report.difference =
+              "step " + std::to_string(step) + ": outputs differ by " + std::to_string(report.worst_error);
           return report;
         }
       }
@@ -380,10 +380,10 @@ RetroInferPolicy retroinfer_policy(bool estimation) {
 void require_clean(const LockstepReport& r, bool evicts = true) {
   INFO(r.difference);
   REQUIRE(r.difference.empty());
-  INFO("steps " << r.steps << ", plan steps " << r.plan_steps << ", fills " << r.fills << ", admitted "
-                << r.admitted << ", finished " << r.finished << ", largest batch " << r.largest_batch
-                << ", hit / miss / evicted pages " << r.hit_pages << " / " << r.miss_pages << " / "
-                << r.evicted_pages << ", worst error " << r.worst_error);
+  INFO("steps " << r.steps << ", plan steps " << r.plan_steps << ", fills " << r.fills << ", admitted " << r.admitted
+                << ", finished " << r.finished << ", largest batch " << r.largest_batch
+                << ", hit / miss / evicted pages " << r.hit_pages << " / " << r.miss_pages << " / " << r.evicted_pages
+                << ", worst error " << r.worst_error);
   // The run covered what it claims: many steps of both kinds, tails filling,
   // requests arriving and finishing, batches of several, misses and evictions.
   CHECK(r.steps > 150);
@@ -523,8 +523,7 @@ struct HostOnlyQuest : QuestPolicy {
 
 }  // namespace
 
-TEST_CASE("device-tensor API: bad input is refused before anything changes or is enqueued",
-          "[device-decode-rules]") {
+TEST_CASE("device-tensor API: bad input is refused before anything changes or is enqueued", "[device-decode-rules]") {
   const ModelShape shape = device_shape();
   const Config config = device_config();
   EmulatedDeviceMemory memory;
@@ -537,7 +536,8 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   const std::uint32_t prompt = 47;
   m.add_request(1, 200);
   m.add_request(2, 200);
-  const std::vector<std::uint16_t> host_k = random_bf16(prompt * kv_row, rng), host_v = random_bf16(prompt * kv_row, rng);
+  const std::vector<std::uint16_t> host_k = random_bf16(prompt * kv_row, rng),
+                                   host_v = random_bf16(prompt * kv_row, rng);
   const EmulatedArray<std::uint16_t> k(memory, host_k), v(memory, host_v);
 
   // Prefill: host or null pointers where device ones are required.
@@ -551,8 +551,7 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   REQUIRE(refusal([&] { m.prefill(1, 0, nullptr, v.data, prompt, kStream); }) == ErrorCode::invalid_argument);
   REQUIRE(refusal([&] { m.prefill(1, 0, k.data, v.data, 0, kStream); }) == ErrorCode::invalid_argument);
   REQUIRE(refusal([&] { m.prefill(9, 0, k.data, v.data, prompt, kStream); }) == ErrorCode::not_found);
-  REQUIRE(refusal([&] { m.prefill(1, shape.layers, k.data, v.data, prompt, kStream); }) ==
-          ErrorCode::out_of_range);
+  REQUIRE(refusal([&] { m.prefill(1, shape.layers, k.data, v.data, prompt, kStream); }) == ErrorCode::out_of_range);
   REQUIRE(snapshot(m, backend, ids) == before);
 
   for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data, v.data, prompt, kStream);
@@ -584,15 +583,13 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, nullptr, kStream); }) ==
           ErrorCode::invalid_argument);
   REQUIRE(refusal([&] { m.plan(one, 0, q.data, nullptr, vn.data, kStream); }) == ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.plan(one, 0, q.data, kn.data, host_new.data(), kStream); }) ==
-          ErrorCode::invalid_argument);
+  REQUIRE(refusal([&] { m.plan(one, 0, q.data, kn.data, host_new.data(), kStream); }) == ErrorCode::invalid_argument);
   // Batches: empty, a request twice, an unknown request, a layer out of range.
   REQUIRE(refusal([&] { m.decode(none, 0, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::invalid_argument);
   REQUIRE(refusal([&] { m.decode(twice, 0, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::invalid_argument);
-  REQUIRE(refusal([&] { m.decode(unknown, 0, q.data, kn.data, vn.data, out.data, kStream); }) ==
-          ErrorCode::not_found);
+  REQUIRE(refusal([&] { m.decode(unknown, 0, q.data, kn.data, vn.data, out.data, kStream); }) == ErrorCode::not_found);
   REQUIRE(refusal([&] { m.decode(one, shape.layers, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::out_of_range);
   // Decode before prefill (request 2 in layer 1), after request 1's layer 1 is fine.
@@ -630,8 +627,7 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   m.decode(one, 0, q.data, kn.data, vn.data, out.data, kStream);  // reported once
 }
 
-TEST_CASE("device-tensor API: a backend without device memory is refused, changing nothing",
-          "[device-decode-rules]") {
+TEST_CASE("device-tensor API: a backend without device memory is refused, changing nothing", "[device-decode-rules]") {
   const ModelShape shape = device_shape();
   const Config config = device_config();
   std::mt19937 rng(12);

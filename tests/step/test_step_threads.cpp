@@ -198,8 +198,7 @@ std::uint64_t run(const Scenario& s, const std::string& policy, std::uint32_t bu
 
 }  // namespace
 
-TEST_CASE("host step: the phases on any threads, in any order, equal the serial decode() bit for bit",
-          "[threads]") {
+TEST_CASE("host step: the phases on any threads, in any order, equal the serial decode() bit for bit", "[threads]") {
   CHECK(test::for_each_policy_scenario(5, run) > 100);
 }
 
@@ -233,7 +232,7 @@ TEST_CASE("host step: a phase with a slice that never ran is refused", "[threads
   step.select(0, 2);
   REQUIRE_SPARSEKV_ERROR(step.commit(), ErrorCode::failed_precondition);
   REQUIRE(m.buffer().sequence_length(1, 0) == 600);  // nothing changed
-  REQUIRE(step.attend_units() == 0);                  // the step is over
+  REQUIRE(step.attend_units() == 0);                 // the step is over
 
   // Attend: 601 tokens a row are 3 chunks (32 pages of 8 tokens each), 12 in
   // all (2 requests x 2 kv heads); ith 2 of 3 never runs.

@@ -104,7 +104,8 @@ inline void emulate(const DeviceAppend& a, const AppendSummaries& s, std::uint32
           }
         }
         for (std::uint32_t t = 0; t < kAppendThreads; ++t) {
-          for (std::size_t v = t; v < cuda::append_page_vectors(l); v += kAppendThreads) cuda::append_save_vector(a, b, h, v);
+          for (std::size_t v = t; v < cuda::append_page_vectors(l); v += kAppendThreads)
+            cuda::append_save_vector(a, b, h, v);
         }
       };
       const bool fills = cuda::append_fills_tail(a, b);

@@ -104,9 +104,14 @@ inline std::vector<std::vector<std::uint32_t>> random_run_shapes(std::mt19937& r
   const auto run_pages = [&] { return 1 + std::uint32_t(rng() % max_run_pages); };
   for (std::uint32_t r = 0; r < rows; ++r) {
     switch (r % 6) {
-      case 1: break;
-      case 2: shapes[r] = {1}; break;
-      case 3: shapes[r] = {run_pages(), 0, run_pages()}; break;
+      case 1:
+        break;
+      case 2:
+        shapes[r] = {1};
+        break;
+      case 3:
+        shapes[r] = {run_pages(), 0, run_pages()};
+        break;
       default:
         for (std::uint32_t e = 1 + std::uint32_t(rng() % max_runs); e > 0; --e) shapes[r].push_back(run_pages());
     }
@@ -317,10 +322,9 @@ struct SoftmaxHead {
 // in order, then the extra term; the weights phase (with `weights`: [max_indices][page_tokens],
 // NaN where not written) runs `weight_threads` threads per row, each with its
 // own cursor, over the row's (page, slot) pairs (decode_attention_slot_weight).
-inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttentionSplit& split,
-                            std::vector<float>& out, std::vector<float>& lse,
-                            std::vector<float>* weights = nullptr, std::uint32_t max_indices = 0,
-                            std::uint32_t weight_threads = 128) {
+inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttentionSplit& split, std::vector<float>& out,
+                            std::vector<float>& lse, std::vector<float>* weights = nullptr,
+                            std::uint32_t max_indices = 0, std::uint32_t weight_threads = 128) {
   const std::uint32_t d = b.layout.head_dim;
   const std::uint32_t group = b.group();
   const std::uint32_t page_tokens = b.layout.page_tokens;
@@ -377,7 +381,8 @@ inline void emulate_split_k(const AttentionBatch& b, const cuda::DecodeAttention
             SoftmaxHead& head = sub[w];
             for (std::uint32_t j0 = 0; j0 < cuda::kSplitTileTokens / token_groups; j0 += fold_batch) {
               std::vector<float> batch_weights(fold_batch);
-              for (std::uint32_t j = 0; j < fold_batch; ++j) batch_weights[j] = tile_scores[w + (j0 + j) * token_groups];
+              for (std::uint32_t j = 0; j < fold_batch; ++j)
+                batch_weights[j] = tile_scores[w + (j0 + j) * token_groups];
               const float scale = softmax_fold_tile(head.state, batch_weights.data(), fold_batch, batch_weights.data());
               for (float& a : head.acc) a = softmax_rescale_tile(a, scale);
               for (std::uint32_t j = 0; j < fold_batch; ++j) {

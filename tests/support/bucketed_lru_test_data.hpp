@@ -41,9 +41,9 @@ inline Candidates shuffled_candidates(const HierarchicalPageTable& table, const 
 // Distinct candidates whose pages fit `limit`, each drawn from the resident
 // ones with probability `hit_share` (hit ratio around that share), in at most
 // `max_tries` draws.
-inline std::vector<PartitionId> pick_selection(const HierarchicalPageTable& table, const Head& h,
-                                               const Candidates& c, std::uint32_t limit, std::uint32_t max_tries,
-                                               std::mt19937& rng, double hit_share) {
+inline std::vector<PartitionId> pick_selection(const HierarchicalPageTable& table, const Head& h, const Candidates& c,
+                                               std::uint32_t limit, std::uint32_t max_tries, std::mt19937& rng,
+                                               double hit_share) {
   std::vector<PartitionId> selected;
   std::uint32_t pages = 0;
   std::size_t ri = 0, oi = 0;
@@ -175,7 +175,8 @@ inline void build_emulation_table(HierarchicalPageTable& table, std::uint32_t se
         std::vector<PageId> pages;
         for (auto& t : tokens) {
           t = 1 + rng() % (3 * kEmulationPageTokens);
-          for (std::uint32_t i = 0; i < pages_for_tokens(t, kEmulationPageTokens); ++i) pages.push_back(next_cpu++ * 31 % 100003);
+          for (std::uint32_t i = 0; i < pages_for_tokens(t, kEmulationPageTokens); ++i)
+            pages.push_back(next_cpu++ * 31 % 100003);
         }
         table.append_partitions(r * 10 + 3, l, h, tokens, pages);
         const std::uint32_t slots = 4 + rng() % 93;
@@ -191,7 +192,7 @@ inline void build_emulation_table(HierarchicalPageTable& table, std::uint32_t se
 // A selection of distinct partitions whose pages fit the head's slots, biased
 // towards resident partitions (hit ratio around the given share).
 inline std::vector<PartitionId> random_selection(const HierarchicalPageTable& table, const Head& h, std::mt19937& rng,
-                                          double hit_share) {
+                                                 double hit_share) {
   const std::uint32_t slots = table.gpu_slots(h.request, h.layer, h.head);
   const Candidates candidates = shuffled_candidates(table, h, rng);
   const std::uint32_t limit = rng() % (slots + 1);

@@ -22,7 +22,8 @@ class DeferredTransfer final : public PageTransfer {
   void load(std::span<const PageMove> moves, std::size_t page_bytes) override { enqueue(moves, page_bytes); }
   void save(std::span<const PageMove> moves, std::size_t page_bytes) override { enqueue(moves, page_bytes); }
   void write(std::span<const PageMove> rows, std::size_t row_bytes) override {
-    for (const PageMove& r : rows) queue_.push_back({r.dst, nullptr, std::vector<std::byte>(r.src, r.src + row_bytes), row_bytes});
+    for (const PageMove& r : rows)
+      queue_.push_back({r.dst, nullptr, std::vector<std::byte>(r.src, r.src + row_bytes), row_bytes});
   }
   void synchronize() override {
     for (const Op& op : queue_) std::memcpy(op.dst, op.src != nullptr ? op.src : op.bytes.data(), op.size);

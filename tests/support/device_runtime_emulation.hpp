@@ -136,8 +136,13 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
         layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
         replica_copy_(buffer.transfer()),
         replica_(buffer.table(), table_memory_, replica_copy_),
-        shape_{store_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads,
-               setup.shape.head_dim, setup.max_partitions_per_head, first_candidate_partition(setup.select)} {
+        shape_{store_summary_kind(setup.select),
+               setup.shape.layers,
+               setup.max_requests,
+               setup.shape.kv_heads,
+               setup.shape.head_dim,
+               setup.max_partitions_per_head,
+               first_candidate_partition(setup.select)} {
     cuda::check_summary_shape("DeviceSummaries", shape_);
     buffer_.transfer().synchronize();
     const ModelShape& s = setup.shape;
@@ -145,9 +150,8 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     // The tokens kind keeps token counts alone (no summary arrays).
     const bool summarized = shape_.kind != cuda::AppendSummary::tokens;
     // Quest's max and RetroInfer's value sums are vectors, ShadowKV's outlier score one value.
-    const std::size_t b_width = shape_.kind == cuda::AppendSummary::quest || shape_.kind == cuda::AppendSummary::retroinfer
-                                    ? s.head_dim
-                                    : 1;
+    const std::size_t b_width =
+        shape_.kind == cuda::AppendSummary::quest || shape_.kind == cuda::AppendSummary::retroinfer ? s.head_dim : 1;
     for (std::uint32_t l = 0; l < s.layers; ++l) {
       HostRows store;
       store.kv_heads = s.kv_heads;
@@ -190,8 +194,7 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
   }
 
   // The CUDA runtime's offload: the same save_prompt, on StagedSaver's host path.
-  void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements,
-                      void* stream) override {
+  void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements, void* stream) override {
     StagedSaver saver;
     std::vector<RowTarget> k_targets, v_targets;
     // Small pieces, so a prompt crosses several of them as a long one does on the device.
@@ -228,7 +231,8 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
             page_min_max_channel(key, count, d, s.dtype, store.a[c * dim + d], store.b[c * dim + d]);
           }
         } else if (shape_.kind == cuda::AppendSummary::shadowkv) {
-          for (std::uint32_t d = 0; d < dim; ++d) landmark[d] = store.a[c * dim + d] = page_mean_channel(key, count, d, s.dtype);
+          for (std::uint32_t d = 0; d < dim; ++d)
+            landmark[d] = store.a[c * dim + d] = page_mean_channel(key, count, d, s.dtype);
           const float norm = sqrt_rn(dot_in_order(landmark.data(), landmark.data(), dim));
           float lowest = kOutlierScoreStart;
           for (std::uint32_t t = 0; t < count; ++t) {
@@ -263,10 +267,10 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     std::vector<std::uint32_t> sink_tokens(rows), recent(rows), windows(rows);
     std::vector<ReplicaWordWrite> writes(max_writes);
     std::uint32_t write_count = 0;
-    fill_launch_arguments(step, s.kv_heads, shape_, buffer_.cpu_pool(), replica_, buffer_.table(), writes_,
-                               LaunchArguments{tail_slots, tail_pages, tail_tokens, first, count, summary_rows,
-                                                   instances, cpu_pages, sink_partitions, sink_tokens, recent,
-                                                   windows, writes, &write_count});
+    fill_launch_arguments(
+        step, s.kv_heads, shape_, buffer_.cpu_pool(), replica_, buffer_.table(), writes_,
+        LaunchArguments{tail_slots, tail_pages, tail_tokens, first, count, summary_rows, instances, cpu_pages,
+                        sink_partitions, sink_tokens, recent, windows, writes, &write_count});
     if (emulation_.summary_row_of_newest) {
       for (std::uint32_t r = 0; r < rows; ++r) --summary_rows[r];
     }
@@ -375,9 +379,9 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
                                                  q.window_tokens, q.spread});
         }
         std::vector<PartitionId> operator()(const ShadowKVDeviceSelect& k) const {
-          return emulate_shadowkv(emulation.select, store, row,
-                                  cuda::ShadowKVSelect{nullptr, nullptr, k.budget_tokens, k.recent_tokens,
-                                                       k.outlier_pages});
+          return emulate_shadowkv(
+              emulation.select, store, row,
+              cuda::ShadowKVSelect{nullptr, nullptr, k.budget_tokens, k.recent_tokens, k.outlier_pages});
         }
         std::vector<PartitionId> operator()(const StreamingDeviceSelect& w) const {
           const cuda::StreamingSelect streaming{w.budget_tokens, w.sink_pages, page_tokens};
@@ -528,7 +532,9 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     if (!bad_) return;
     const cuda::AppendError e = cuda::decode_append_error(std::exchange(bad_word_, kNoAppendError));
     bad_ = false;
-    const char* tensor = e.tensor == cuda::AppendTensor::q ? "q" : e.tensor == cuda::AppendTensor::k ? "k_new" : "v_new";
+    const char* tensor = e.tensor == cuda::AppendTensor::q   ? "q"
+                         : e.tensor == cuda::AppendTensor::k ? "k_new"
+                                                             : "v_new";
     fail(ErrorCode::invalid_argument,
          "an earlier decode step's {} of batch entry {} (head {}, dim {}) was not finite; that row was not appended",
          tensor, e.entry, e.head, e.dim);
@@ -597,8 +603,7 @@ class EmulatedBackend final : public Backend {
   void copy_to_device(void* device, const void* host, std::size_t bytes, void* /*stream*/) override {
     std::memcpy(device, host, bytes);
   }
-  std::unique_ptr<DeviceRuntime> make_device_runtime(const DeviceRuntimeSetup& setup,
-                                                     TieredKVBuffer& buffer) override {
+  std::unique_ptr<DeviceRuntime> make_device_runtime(const DeviceRuntimeSetup& setup, TieredKVBuffer& buffer) override {
     auto runtime = std::make_unique<EmulatedDeviceRuntime>(setup, buffer, memory_, emulation_);
     runtime_ = runtime.get();
     setup_ = setup;

@@ -17,7 +17,7 @@ namespace sparsekv::test {
 
 struct EvictionStream {
   ModelShape shape{2, 4, 2, 16, DType::f32};  // 2 layers, GQA group of 2
-  std::vector<std::uint32_t> prompts;          // request first_id + b has prompts[b] tokens
+  std::vector<std::uint32_t> prompts;         // request first_id + b has prompts[b] tokens
   std::uint32_t steps = 0;
   RequestId first_id = 1;
   // prompt_k[b][layer], [tokens][kv_heads][head_dim]; q[step][layer], [batch][q_heads][head_dim]; k / v likewise.

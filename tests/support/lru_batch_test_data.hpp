@@ -67,7 +67,8 @@ struct LruBatchArrays {
 
   // Capacity for `rows` rows of `max_selected`, every entry kGlueSentinel.
   LruBatchArrays(std::uint32_t rows, std::uint32_t max_selected)
-      : selection_offsets(std::size_t{rows} + 1, kGlueSentinel), page_offsets(std::size_t{rows} + 1, kGlueSentinel),
+      : selection_offsets(std::size_t{rows} + 1, kGlueSentinel),
+        page_offsets(std::size_t{rows} + 1, kGlueSentinel),
         partition_tokens(std::size_t{rows} * max_selected, kGlueSentinel),
         selected(std::size_t{rows} * max_selected, kGlueSentinel) {}
 

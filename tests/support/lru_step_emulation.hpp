@@ -106,9 +106,15 @@ inline void emulate_lru_step(const TwoLevelView<GpuPageEntry>& slots, const Part
       GpuPageEntry* e = slots.find(inst, s);
       const std::uint32_t sel = e->occupied() ? selection_of(e->partition) : kNotSelected;
       switch (lru_touch(*e, sel, top)) {
-        case LruTouch::free: ++free_slots; break;
-        case LruTouch::hit: out.gpu_pages[offsets[sel] + e->page_in_partition] = e->gpu_page; break;
-        case LruTouch::aged: ++histogram[e->timestamp]; break;
+        case LruTouch::free:
+          ++free_slots;
+          break;
+        case LruTouch::hit:
+          out.gpu_pages[offsets[sel] + e->page_in_partition] = e->gpu_page;
+          break;
+        case LruTouch::aged:
+          ++histogram[e->timestamp];
+          break;
       }
     }
 

@@ -121,8 +121,7 @@ inline void require_same_plan(const PlanArrays& got, const AttendPlan& host, std
   REQUIRE(got.overflow_rows == 0);
   const std::size_t used_rows = host.head_entries.size() - 1;
   REQUIRE(got.head_entries.size() == std::size_t{rows} + 1);
-  for (std::size_t r = 0; r <= rows; ++r)
-    REQUIRE(got.head_entries[r] == host.head_entries[std::min(r, used_rows)]);
+  for (std::size_t r = 0; r <= rows; ++r) REQUIRE(got.head_entries[r] == host.head_entries[std::min(r, used_rows)]);
   const std::size_t entries = host.entries();
   const std::size_t indices = host.indices.size();
   REQUIRE(std::equal(host.indptr.begin(), host.indptr.end(), got.indptr.begin()));
@@ -208,8 +207,8 @@ inline std::vector<Copy> emulate_gather(const DeviceMissList& m, std::uint32_t w
       std::uint32_t offset[32] = {};
       for (std::uint32_t lane = 0; lane < 32 && group + lane < m.heads; ++lane) {
         offset[lane] = m.page_offsets[group + lane];
-        entries[lane] = miss_list_entries(offset[lane], m.counts[std::size_t{group + lane} * m.count_stride],
-                                          m.max_entries);
+        entries[lane] =
+            miss_list_entries(offset[lane], m.counts[std::size_t{group + lane} * m.count_stride], m.max_entries);
       }
       std::exclusive_scan(entries, entries + 32, start, std::uint64_t{0});
       for (std::uint32_t lane = 0; lane < 32; ++lane) {

@@ -34,8 +34,8 @@ constexpr std::uint64_t kNoKey = std::numeric_limits<std::uint64_t>::max();
 
 struct Emulation {
   std::uint32_t tile = cuda::kSelectTile;
-  bool ties_to_higher = false;  // mutation: ties rank the higher index first
-  bool skip_stops = false;      // mutation: a candidate that does not fit ends the fill
+  bool ties_to_higher = false;      // mutation: ties rank the higher index first
+  bool skip_stops = false;          // mutation: a candidate that does not fit ends the fill
   bool estimate_retrieved = false;  // mutation: the estimate ignores the selection
   bool candidate_order = false;     // mutation: the estimate folds its zone in candidate order
   bool csr_extent = false;          // mutation: a row ends where the next row's first candidate is (a CSR habit)
@@ -76,7 +76,7 @@ T emulated_lane_sum(std::uint32_t n, Value value, Include include) {
 // block_ranked_fill, round by round.
 template <class Filler, class Score, class Eligible, class Take>
 inline void emulated_ranked_fill(const Emulation& e, std::uint32_t n, const std::uint32_t* tokens, Filler& fill,
-                          Score score, Eligible eligible, Take take) {
+                                 Score score, Eligible eligible, Take take) {
   std::uint64_t bound = 0;
   for (;;) {
     std::vector<std::uint64_t> left;
@@ -159,7 +159,8 @@ inline void emulated_softmax_shares(const HostRows& rows, std::uint32_t m, const
   scores.assign(m, 0.0f);
   for (std::uint32_t g = 0; g < rows.group; ++g) {
     const float* s = logits.data() + std::size_t{g} * m;
-    const float top = emulated_max(m, [&](std::uint32_t i) { return s[i]; }, all);
+    const float top = emulated_max(
+        m, [&](std::uint32_t i) { return s[i]; }, all);
     const double sum = emulated_lane_sum<double>(
         m, [&](std::uint32_t i) { return static_cast<double>(portable_exp(add_rn(s[i], -top))); }, all);
     const float inverse = softmax_inverse_sum(sum);
@@ -216,7 +217,7 @@ std::vector<float> emulated_logits_kernel(const HostRows& rows, std::uint32_t r,
 }
 
 inline std::vector<PartitionId> emulate_quest(const Emulation& e, const HostRows& rows, std::uint32_t r,
-                                       const cuda::QuestSelect& quest) {
+                                              const cuda::QuestSelect& quest) {
   const cuda::SelectRowSpan span = row_span(e, rows, r);
   const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
   if (quest.dense_layer || row_total(rows, span) <= quest.budget_tokens) return row_partitions(rows, span);
@@ -265,7 +266,7 @@ inline std::vector<PartitionId> emulate_positional(const Emulation& e, const Hos
 }
 
 inline std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostRows& rows, std::uint32_t r,
-                                          const cuda::ShadowKVSelect& shadowkv) {
+                                                 const cuda::ShadowKVSelect& shadowkv) {
   const cuda::SelectRowSpan span = row_span(e, rows, r);
   const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
   if (row_total(rows, span) <= shadowkv.budget_tokens) return row_partitions(rows, span);
@@ -278,8 +279,8 @@ inline std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostR
     taken[i] = 1;
     chosen.push_back(rows.partitions[first + i]);
   };
-  const ShadowKVWindow window =
-      shadowkv_window(n, [&](std::uint32_t i) { return tokens[i]; }, shadowkv.recent_tokens, shadowkv.budget_tokens);
+  const ShadowKVWindow window = shadowkv_window(
+      n, [&](std::uint32_t i) { return tokens[i]; }, shadowkv.recent_tokens, shadowkv.budget_tokens);
   for (std::uint32_t i = n - window.pages; i < n; ++i) take(i);
   SkipFill outliers{window.left, shadowkv.outlier_pages};
   emulated_ranked_fill(
@@ -298,11 +299,13 @@ inline std::vector<PartitionId> emulate_shadowkv(const Emulation& e, const HostR
     for (std::uint32_t i = 0; i < n; ++i) {
       if (untaken(i)) scratch[i] = logits[std::size_t{g} * n + i];
     }
-    const float top = emulated_max(n, [&](std::uint32_t i) { return scratch[i]; }, untaken);
+    const float top = emulated_max(
+        n, [&](std::uint32_t i) { return scratch[i]; }, untaken);
     for (std::uint32_t i = 0; i < n; ++i) {
       if (untaken(i)) scratch[i] = portable_exp(add_rn(scratch[i], -top));
     }
-    const float sum = emulated_lane_sum<float>(n, [&](std::uint32_t i) { return scratch[i]; }, untaken);
+    const float sum = emulated_lane_sum<float>(
+        n, [&](std::uint32_t i) { return scratch[i]; }, untaken);
     for (std::uint32_t i = 0; i < n; ++i) {
       if (untaken(i)) scores[i] = fold_max_score(g == 0 ? kMinusInf : scores[i], div_rn(scratch[i], sum));
     }
@@ -324,7 +327,7 @@ inline void emulated_retroinfer_rank(const HostRows& rows, std::uint32_t r, cuda
 }
 
 inline SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, cuda::SelectRowSpan span,
-                                const cuda::RetroInferSelect& retro) {
+                                       const cuda::RetroInferSelect& retro) {
   const std::uint32_t* tokens = rows.tokens.data() + span.first;
   const std::uint32_t recent = std::min(rows.recent[r], span.n), older = span.n - recent;
   return steady_zone(
@@ -333,7 +336,7 @@ inline SteadyZone emulated_steady_zone(const HostRows& rows, std::uint32_t r, cu
 }
 
 inline std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const HostRows& rows, std::uint32_t r,
-                                            const cuda::RetroInferSelect& retro) {
+                                                   const cuda::RetroInferSelect& retro) {
   const cuda::SelectRowSpan span = row_span(e, rows, r);
   const std::uint32_t first = span.first, n = span.n;
   const std::uint32_t* tokens = rows.tokens.data() + first;
@@ -365,9 +368,9 @@ inline std::vector<PartitionId> emulate_retroinfer(const Emulation& e, const Hos
 // marked, thread 0's zone list in rank order, then each (q head, dimension)
 // thread's fold over the list. Returns the row's group of terms.
 inline std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const HostRows& rows, std::uint32_t r,
-                                               const cuda::RetroInferSelect& retro,
-                                               const cuda::RetroInferEstimate& estimate,
-                                               const std::vector<PartitionId>& selection) {
+                                                      const cuda::RetroInferSelect& retro,
+                                                      const cuda::RetroInferEstimate& estimate,
+                                                      const std::vector<PartitionId>& selection) {
   const cuda::SelectRowSpan span = row_span(e, rows, r);
   const std::uint32_t first = span.first, n = span.n, dim = rows.head_dim;
   const std::uint32_t* tokens = rows.tokens.data() + first;
@@ -380,8 +383,8 @@ inline std::vector<AttentionPartial> emulate_estimate(const Emulation& e, const 
   emulated_retroinfer_rank(rows, r, span, m, logits, scores);
   std::vector<char> taken(m);
   for (std::uint32_t i = 0; i < m; ++i) {
-    taken[i] = !e.estimate_retrieved &&
-               std::binary_search(selection.begin(), selection.end(), rows.partitions[first + i]);
+    taken[i] =
+        !e.estimate_retrieved && std::binary_search(selection.begin(), selection.end(), rows.partitions[first + i]);
   }
   std::vector<std::uint32_t> members;
   BreakFill zone = retroinfer_estimation_fill(estimate.estimation_fraction, m);

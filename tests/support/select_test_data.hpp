@@ -110,9 +110,9 @@ inline SelectRequest<ShadowKVPolicy::LayerState> shadowkv_request(const LayerCon
 // A wave index per kv head: an optional sink (id 0), `clusters` clusters of
 // 1..40 tokens, `recent` one-page recent partitions; ids 0.. in that order;
 // random value sums.
-inline SelectRequest<RetroInferPolicy::LayerState> retroinfer_request(const LayerContext& ctx,
-                                                                      std::uint32_t clusters, std::uint32_t recent,
-                                                                      std::uint32_t window, std::mt19937& rng) {
+inline SelectRequest<RetroInferPolicy::LayerState> retroinfer_request(const LayerContext& ctx, std::uint32_t clusters,
+                                                                      std::uint32_t recent, std::uint32_t window,
+                                                                      std::mt19937& rng) {
   SelectRequest<RetroInferPolicy::LayerState> r;
   r.q = random_values(std::size_t{ctx.q_heads} * ctx.head_dim, rng);
   auto& s = r.state;
@@ -127,7 +127,8 @@ inline SelectRequest<RetroInferPolicy::LayerState> retroinfer_request(const Laye
     for (std::uint32_t c = 0; c < clusters; ++c) head.clusters.push_back({id++, size(rng)});
     head.centroids = random_values(std::size_t{clusters} * ctx.head_dim, rng, 0.5f);
     plant_ties(head.centroids, clusters, ctx.head_dim, rng);
-    for (std::uint32_t i = 0; i < recent; ++i) head.recent.push_back({id++, static_cast<std::uint32_t>(1 + rng() % ctx.page_tokens)});
+    for (std::uint32_t i = 0; i < recent; ++i)
+      head.recent.push_back({id++, static_cast<std::uint32_t>(1 + rng() % ctx.page_tokens)});
     head.recent_centroids = random_values(std::size_t{recent} * ctx.head_dim, rng, 0.5f);
     head.value_sums = random_values(std::size_t{clusters} * ctx.head_dim, rng, 8.0f);
     head.recent_value_sums = random_values(std::size_t{recent} * ctx.head_dim, rng, 8.0f);
@@ -307,8 +308,9 @@ std::vector<std::vector<PartitionId>> host_select(const Policy& policy, const La
 
 // RetroInferPolicy::attend's terms of a batch on its own selections, one per
 // q head of each request: [request][q head] = row * group + j.
-inline std::vector<AttentionPartial> host_estimate(const RetroInferPolicy& policy, const LayerContext& ctx,
-                                                   const std::vector<SelectRequest<RetroInferPolicy::LayerState>>& batch) {
+inline std::vector<AttentionPartial> host_estimate(
+    const RetroInferPolicy& policy, const LayerContext& ctx,
+    const std::vector<SelectRequest<RetroInferPolicy::LayerState>>& batch) {
   std::vector<AttentionPartial> out;
   for (const auto& req : batch) {
     Selection s;
@@ -347,7 +349,8 @@ PositionalRequest<Policy> positional_request(const Policy& policy, const LayerCo
   const std::uint32_t prompt_pages = cuda::page_count(prompt, ctx.page_tokens);
   for (std::uint32_t p = 0; p < appended; ++p) {
     ctx.tokens += ctx.page_tokens;
-    const AppendedPage a{key_view(page, ctx.page_tokens, ctx), std::vector<PartitionId>(ctx.kv_heads, prompt_pages + p)};
+    const AppendedPage a{key_view(page, ctx.page_tokens, ctx),
+                         std::vector<PartitionId>(ctx.kv_heads, prompt_pages + p)};
     policy.append(ctx, a, r.state);
   }
   return r;

@@ -46,7 +46,8 @@ inline StepScenario random_step_scenario(std::mt19937& rng) {
 inline std::vector<std::byte> random_rows(std::mt19937& rng, std::size_t values, DType dtype) {
   std::normal_distribution<float> normal;
   std::vector<std::byte> bytes(values * dtype_size(dtype));
-  for (std::size_t i = 0; i < values; ++i) store_element(bytes.data(), static_cast<std::uint32_t>(i), dtype, normal(rng));
+  for (std::size_t i = 0; i < values; ++i)
+    store_element(bytes.data(), static_cast<std::uint32_t>(i), dtype, normal(rng));
   return bytes;
 }
 

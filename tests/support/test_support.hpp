@@ -46,15 +46,15 @@ inline Config small_config(const ModelShape& shape, std::uint32_t page_tokens, s
 
 }  // namespace sparsekv::test
 
-#define REQUIRE_SPARSEKV_ERROR(expression, error_code)                        \
-  do {                                                                        \
-    bool sparsekv_thrown_ = false;                                            \
-    try {                                                                     \
-      (void)(expression);                                                     \
-    } catch (const sparsekv::Error& sparsekv_error_) {                        \
-      sparsekv_thrown_ = true;                                                \
-      INFO(sparsekv_error_.what());                                           \
-      REQUIRE(sparsekv_error_.code() == (error_code));                        \
-    }                                                                         \
-    REQUIRE(sparsekv_thrown_);                                                \
+#define REQUIRE_SPARSEKV_ERROR(expression, error_code) \
+  do {                                                 \
+    bool sparsekv_thrown_ = false;                     \
+    try {                                              \
+      (void)(expression);                              \
+    } catch (const sparsekv::Error& sparsekv_error_) { \
+      sparsekv_thrown_ = true;                         \
+      INFO(sparsekv_error_.what());                    \
+      REQUIRE(sparsekv_error_.code() == (error_code)); \
+    }                                                  \
+    REQUIRE(sparsekv_thrown_);                         \
   } while (false)

@@ -147,9 +147,8 @@ TEST_CASE("StagedSaver writes an engine chunk where PageLayout puts it", "[stage
   std::byte* chunk = const_cast<std::byte*>(pool.base());
   const std::vector<std::byte*> chunks{chunk};
   StagedSaver saver(StagedSaverConfig{2});
-  saver.set_destination(SaveDestination{chunks, pool.capacity(), pool.capacity(), pool.page_bytes(),
-                                        layout.page_tokens, layout.row_bytes(), layout.k_offset(0),
-                                        layout.v_offset(0)});
+  saver.set_destination(SaveDestination{chunks, pool.capacity(), pool.capacity(), pool.page_bytes(), layout.page_tokens,
+                                        layout.row_bytes(), layout.k_offset(0), layout.v_offset(0)});
   // Token t of head h: page pages[2h + t / 8], slot t % 8 (TokenPlacement of a uniform spec).
   std::vector<RowTarget> targets;
   for (const KvBlock block : {KvBlock::k, KvBlock::v})

@@ -39,13 +39,13 @@
 namespace sparsekv {
 
 struct AttendPlan {
-  std::vector<std::int64_t> indptr{0};          // [entries + 1] into indices
-  std::vector<std::int64_t> indices;            // GPU-tier page ids
-  std::vector<std::int32_t> last_page_len;      // [entries]
-  std::vector<std::int64_t> head_entries{0};    // [batch * kv_heads + 1] into the entries
-  std::vector<AttentionPartial> extra;          // empty or [batch * q_heads]
-  std::vector<SlotMask> live_masks;             // empty or [indices.size()]: bit t = slot t of indices[i] live
-  const std::byte* gpu_tier_base = nullptr;     // page p at gpu_tier_base + p * page_bytes
+  std::vector<std::int64_t> indptr{0};        // [entries + 1] into indices
+  std::vector<std::int64_t> indices;          // GPU-tier page ids
+  std::vector<std::int32_t> last_page_len;    // [entries]
+  std::vector<std::int64_t> head_entries{0};  // [batch * kv_heads + 1] into the entries
+  std::vector<AttentionPartial> extra;        // empty or [batch * q_heads]
+  std::vector<SlotMask> live_masks;           // empty or [indices.size()]: bit t = slot t of indices[i] live
+  const std::byte* gpu_tier_base = nullptr;   // page p at gpu_tier_base + p * page_bytes
   std::size_t page_bytes = 0;
   // Empty, or [indices.size()]: where page indices[i] is, for a plan over the
   // CPU tier in place (a chunked pool, gpu_tier_base null; indices are then

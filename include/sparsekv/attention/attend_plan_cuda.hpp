@@ -125,7 +125,8 @@ SPARSEKV_HOST_DEVICE inline PlanPage plan_row_page(const DevicePlanInput& in, st
       hi = mid;
     }
   }
-  return {in.gpu_pages[target], plan_page_tokens(in.partition_tokens[lo], target - in.partition_offsets[lo], in.page_tokens)};
+  return {in.gpu_pages[target],
+          plan_page_tokens(in.partition_tokens[lo], target - in.partition_offsets[lo], in.page_tokens)};
 }
 
 // Writes page q of a row: its index at `page_at` (the row's first page's

@@ -164,8 +164,8 @@ SPARSEKV_HOST_DEVICE inline float softmax_group_weight(const float* scores, cons
 // Host container over the rules above: one head's state with its accumulator.
 struct AttentionPartial {
   float max = kNegativeInfinity;
-  float sum = 0.0f;         // sum of exp(score - max)
-  std::vector<float> acc;   // sum of exp(score - max) * value, head_dim entries
+  float sum = 0.0f;        // sum of exp(score - max)
+  std::vector<float> acc;  // sum of exp(score - max) * value, head_dim entries
 
   AttentionPartial() = default;
   explicit AttentionPartial(std::uint32_t head_dim) : acc(head_dim, 0.0f) {}

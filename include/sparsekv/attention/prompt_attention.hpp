@@ -40,7 +40,7 @@ namespace sparsekv {
 struct PromptAttentionShape {
   DType dtype = DType::f16;  // K/V dtype: f32, f16, bf16, or q8_0 (head_dim a multiple of 32)
   std::uint32_t q_heads = 0, kv_heads = 0, head_dim = 0;  // GQA: q head h reads kv head h / (q_heads / kv_heads)
-  float scale = 0.0f;  // scores are q.k * scale (positive, finite)
+  float scale = 0.0f;                                     // scores are q.k * scale (positive, finite)
 };
 
 // One sequence's chunk: `rows` queries at positions first .. first + rows - 1,
@@ -52,8 +52,8 @@ struct PromptChunk {
   const std::byte* v = nullptr;  // same
   std::uint32_t first = 0;
   std::uint32_t rows = 0;
-  float* out = nullptr;          // [rows][q_heads][head_dim] fp32, rows out_stride floats apart
-  std::size_t out_stride = 0;    // 0: q_heads * head_dim
+  float* out = nullptr;        // [rows][q_heads][head_dim] fp32, rows out_stride floats apart
+  std::size_t out_stride = 0;  // 0: q_heads * head_dim
 };
 
 // Keys per block of the rule (and of the kernel's K/V loop).

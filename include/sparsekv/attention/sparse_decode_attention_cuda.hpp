@@ -109,8 +109,8 @@ struct DecodeAttentionSplit {
 
 // Workspace of `chunks` partials per q head: fp32 acc [chunks][batch * q_heads][head_dim]
 // followed by fp32 max and sum [chunks][batch * q_heads] each.
-inline std::size_t decode_attention_workspace_bytes(std::uint32_t chunks, std::uint32_t batch,
-                                                    std::uint32_t q_heads, std::uint32_t head_dim) {
+inline std::size_t decode_attention_workspace_bytes(std::uint32_t chunks, std::uint32_t batch, std::uint32_t q_heads,
+                                                    std::uint32_t head_dim) {
   return std::size_t{chunks} * batch * q_heads * (std::size_t{head_dim} + 2) * sizeof(float);
 }
 
@@ -288,9 +288,7 @@ struct DecodeAttentionPages {
 struct DecodeAttentionRow {
   std::int64_t first_entry = 0, end_entry = 0;
   std::int64_t begin = 0, end = 0;
-  SPARSEKV_HOST_DEVICE std::uint64_t pages() const {
-    return end > begin ? static_cast<std::uint64_t>(end - begin) : 0;
-  }
+  SPARSEKV_HOST_DEVICE std::uint64_t pages() const { return end > begin ? static_cast<std::uint64_t>(end - begin) : 0; }
 };
 
 SPARSEKV_HOST_DEVICE inline DecodeAttentionRow decode_attention_row(const DecodeAttentionPages& p, std::uint32_t row) {

@@ -55,7 +55,7 @@ class SplitPlanAttention {
 
  private:
   struct Chunk {
-    std::uint32_t row = 0;                   // b * kv_heads + h
+    std::uint32_t row = 0;                     // b * kv_heads + h
     std::size_t first_page = 0, end_page = 0;  // plan page indices [first, end)
   };
   void run_chunk(std::size_t c) noexcept;

@@ -82,13 +82,13 @@ constexpr AppendError decode_append_error(std::uint64_t word) {
 
 struct DeviceAppend {
   std::uint32_t batch = 0;
-  std::uint32_t q_heads = 0;   // a multiple of kv_heads (GQA)
+  std::uint32_t q_heads = 0;  // a multiple of kv_heads (GQA)
   std::uint32_t kv_heads = 0;
-  PageLayout layout;           // page_tokens, head_dim and the model dtype of q, k_new, v_new and pages
-  const void* q = nullptr;     // [batch][q_heads][head_dim]
-  const void* k_new = nullptr; // [batch][kv_heads][head_dim]
-  const void* v_new = nullptr; // [batch][kv_heads][head_dim]
-  float* q_out = nullptr;      // [batch][q_heads][head_dim] fp32, what the attention kernel reads
+  PageLayout layout;            // page_tokens, head_dim and the model dtype of q, k_new, v_new and pages
+  const void* q = nullptr;      // [batch][q_heads][head_dim]
+  const void* k_new = nullptr;  // [batch][kv_heads][head_dim]
+  const void* v_new = nullptr;  // [batch][kv_heads][head_dim]
+  float* q_out = nullptr;       // [batch][q_heads][head_dim] fp32, what the attention kernel reads
   // GPU tier: page p at gpu_tier + p * page_stride (16-byte aligned base and stride).
   std::byte* gpu_tier = nullptr;
   std::size_t page_stride = 0;

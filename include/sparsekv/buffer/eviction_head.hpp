@@ -35,12 +35,12 @@ constexpr std::uint32_t dead_slots(SlotMask mask, std::uint32_t tokens) noexcept
 }
 
 struct EvictionHead {
-  std::vector<std::uint32_t> slot_position;                 // [partition * page_tokens + slot]; kNoPosition unless live
-  std::unordered_map<std::uint32_t, std::uint32_t> live;    // position -> partition * page_tokens + slot
+  std::vector<std::uint32_t> slot_position;               // [partition * page_tokens + slot]; kNoPosition unless live
+  std::unordered_map<std::uint32_t, std::uint32_t> live;  // position -> partition * page_tokens + slot
   std::set<std::pair<std::uint32_t, PartitionId>> reusable;  // (dead slots, partition) of held pages with a dead slot
-  std::uint32_t held_pages = 0;                             // partitions not freed
-  std::set<PartitionId> freed;                              // tombstones, the lowest reused first
-  PartitionId open = kInvalidPartition;                     // the page fresh tokens fill in order: the last opened
+  std::uint32_t held_pages = 0;                              // partitions not freed
+  std::set<PartitionId> freed;                               // tombstones, the lowest reused first
+  PartitionId open = kInvalidPartition;                      // the page fresh tokens fill in order: the last opened
 };
 
 }  // namespace sparsekv

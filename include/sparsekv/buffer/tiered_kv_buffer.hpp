@@ -179,15 +179,15 @@ struct Retrieval {
 
 struct BufferStats {
   CacheStepStats cache;
-  std::uint64_t retrieve_steps = 0;  // (request, layer, kv head) steps
-  std::uint64_t bytes_loaded = 0;    // CPU -> GPU by retrieve
-  std::uint64_t pages_saved = 0;     // GPU tail -> CPU by append
-  std::uint64_t bytes_offloaded = 0; // prefill K/V written to the CPU tier
-  std::uint64_t pages_freed = 0;     // CPU pages evict() released (free_block, slot_reuse)
-  std::uint64_t pages_copied = 0;    // CPU pages a sparse_copy compaction wrote
-  std::uint64_t slots_copied = 0;    // live rows it moved into them
-  std::uint64_t pages_shared = 0;    // CPU pages offload_shared mapped by reference instead of writing
-  std::uint64_t pages_unshared = 0;  // shared pages evict() copied for the request masking them
+  std::uint64_t retrieve_steps = 0;   // (request, layer, kv head) steps
+  std::uint64_t bytes_loaded = 0;     // CPU -> GPU by retrieve
+  std::uint64_t pages_saved = 0;      // GPU tail -> CPU by append
+  std::uint64_t bytes_offloaded = 0;  // prefill K/V written to the CPU tier
+  std::uint64_t pages_freed = 0;      // CPU pages evict() released (free_block, slot_reuse)
+  std::uint64_t pages_copied = 0;     // CPU pages a sparse_copy compaction wrote
+  std::uint64_t slots_copied = 0;     // live rows it moved into them
+  std::uint64_t pages_shared = 0;     // CPU pages offload_shared mapped by reference instead of writing
+  std::uint64_t pages_unshared = 0;   // shared pages evict() copied for the request masking them
 };
 
 class TieredKVBuffer {
@@ -496,8 +496,8 @@ class TieredKVBuffer {
   BucketedLru lru_;
   std::map<RequestId, RequestState> requests_;  // ordered: reclaim walks requests deterministically
   BufferStats stats_;
-  std::vector<PageMove> moves_;  // scratch: a decode token's rows, Retrieve's copies
-  std::vector<std::byte> token_rows_;  // scratch: a decode token's rows converted to the storage dtype
+  std::vector<PageMove> moves_;                // scratch: a decode token's rows, Retrieve's copies
+  std::vector<std::byte> token_rows_;          // scratch: a decode token's rows converted to the storage dtype
   std::vector<PartitionId> saved_partitions_;  // scratch: a saved tail page's partition per kv head
 };
 

@@ -131,9 +131,8 @@ SPARSEKV_HOST_DEVICE constexpr int lru_sort_bits(PartitionId max_partition) {
 
 // Selection index of `partition` in a selection sorted by partition id
 // (`indices[i]` is the selection index of `sorted[i]`), or kNotSelected.
-SPARSEKV_HOST_DEVICE inline std::uint32_t lru_find_selection(const PartitionId* sorted,
-                                                             const std::uint32_t* indices, std::uint32_t count,
-                                                             PartitionId partition) {
+SPARSEKV_HOST_DEVICE inline std::uint32_t lru_find_selection(const PartitionId* sorted, const std::uint32_t* indices,
+                                                             std::uint32_t count, PartitionId partition) {
   std::uint32_t lo = 0;
   std::uint32_t hi = count;
   while (lo < hi) {

@@ -127,8 +127,8 @@ std::size_t lru_batch_workspace_bytes(std::uint32_t rows);
 // max_selected > 0 as well; workspace non-null and workspace_bytes >=
 // lru_batch_workspace_bytes(rows). rows == 0 enqueues nothing. Throws
 // ErrorCode::cuda_error if a launch fails.
-void build_lru_batch(const PartitionLookup& lookup, const LruBatchInput& in, const LruBatchOutput& out,
-                     void* workspace, std::size_t workspace_bytes, void* stream);
+void build_lru_batch(const PartitionLookup& lookup, const LruBatchInput& in, const LruBatchOutput& out, void* workspace,
+                     std::size_t workspace_bytes, void* stream);
 
 // a + b, field by field: CacheStepStats::operator+= for the device too.
 SPARSEKV_HOST_DEVICE inline CacheStepStats step_stats_sum(const CacheStepStats& a, const CacheStepStats& b) {

@@ -18,9 +18,7 @@ inline constexpr std::size_t kQ8BlockBytes = 2 + kQ8BlockValues;
 
 // Bytes of one element of f32, f16 or bf16 (a model dtype); q8_0 has no
 // per-element size: its rows are measured by dtype_row_bytes.
-SPARSEKV_HOST_DEVICE constexpr std::size_t dtype_size(DType dtype) noexcept {
-  return dtype == DType::f32 ? 4 : 2;
-}
+SPARSEKV_HOST_DEVICE constexpr std::size_t dtype_size(DType dtype) noexcept { return dtype == DType::f32 ? 4 : 2; }
 
 // Bytes of a row of `values` elements (for q8_0 a multiple of kQ8BlockValues).
 SPARSEKV_HOST_DEVICE constexpr std::size_t dtype_row_bytes(DType dtype, std::size_t values) noexcept {
@@ -29,10 +27,14 @@ SPARSEKV_HOST_DEVICE constexpr std::size_t dtype_row_bytes(DType dtype, std::siz
 
 constexpr std::string_view to_string(DType dtype) noexcept {
   switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-    case DType::q8_0: return "q8_0";
+    case DType::f32:
+      return "f32";
+    case DType::f16:
+      return "f16";
+    case DType::bf16:
+      return "bf16";
+    case DType::q8_0:
+      return "q8_0";
   }
   return "unknown";
 }

@@ -19,9 +19,7 @@ struct ModelShape {
   // K and V bytes of one token for one (layer, kv head).
   std::size_t head_token_bytes() const noexcept { return 2 * std::size_t{head_dim} * dtype_size(dtype); }
   // K and V bytes of one token over all layers and kv heads.
-  std::size_t token_bytes() const noexcept {
-    return head_token_bytes() * layers * kv_heads;
-  }
+  std::size_t token_bytes() const noexcept { return head_token_bytes() * layers * kv_heads; }
 
   // Throws ErrorCode::invalid_argument naming the first bad field.
   void validate() const;

@@ -49,9 +49,9 @@ SPARSEKV_HOST_DEVICE inline std::uint16_t float_to_f16(float f) {
   const std::uint32_t u = float_bits(f);
   const std::uint32_t sign = (u >> 16) & 0x8000u;
   const std::uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // overflow -> inf
-  if (abs < 0x38800000u) {  // subnormal or zero in fp16
+  if (abs < 0x38800000u) {                                                    // subnormal or zero in fp16
     if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);
     const std::uint32_t shift = 126 - (abs >> 23);
     const std::uint32_t mantissa = (abs & 0x7fffffu) | 0x800000u;

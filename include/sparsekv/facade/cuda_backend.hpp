@@ -48,8 +48,7 @@ class CudaBackend final : public Backend {
   void copy_to_host(void* host, const void* device, std::size_t bytes, void* stream) override;
   void copy_to_device(void* device, const void* host, std::size_t bytes, void* stream) override;
   // The device-tensor API's runtime (cuda/step/device_runtime.cpp).
-  std::unique_ptr<DeviceRuntime> make_device_runtime(const DeviceRuntimeSetup& setup,
-                                                     TieredKVBuffer& buffer) override;
+  std::unique_ptr<DeviceRuntime> make_device_runtime(const DeviceRuntimeSetup& setup, TieredKVBuffer& buffer) override;
 
  private:
   // A device buffer that only grows.

@@ -15,8 +15,8 @@ namespace sparsekv {
 struct DeviceStream {
   // Implicit: an engine's stream passes as it is.
   template <class Handle>
-    requires(!std::is_const_v<Handle>)
-  DeviceStream(Handle* stream) noexcept : handle(stream) {}
+  requires(!std::is_const_v<Handle>) DeviceStream(Handle* stream)
+  noexcept : handle(stream) {}
 
   void* handle;
 };

@@ -23,7 +23,7 @@ class HostBackend final : public Backend {
   bool attends_on_host() const noexcept override { return true; }
 
  private:
-  HostMemoryResource cpu_memory_{true};   // pinned when a CUDA device is present
+  HostMemoryResource cpu_memory_{true};                             // pinned when a CUDA device is present
   HostMemoryResource gpu_memory_{false, Residency::at_allocation};  // stands in for HBM
   HostPageTransfer transfer_;
   SplitPlanAttention attention_;

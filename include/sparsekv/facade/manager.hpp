@@ -119,9 +119,9 @@ class Manager {
   // succeed now (for a new id) and a `prompt_tokens`-token prompt fits both
   // max_tokens and the CPU tier; otherwise `reason` says why.
   AdmissionAdvice can_admit(std::uint32_t prompt_tokens, std::uint32_t max_tokens) const {
-    if (std::optional<Refusal> r = max_tokens_refusal(scope_, max_tokens)) return AdmissionAdvice{.reason = std::move(r->message)};
-    AdmissionAdvice advice =
-        buffer_->can_admit(prompt_tokens, budget(max_tokens), prompt_pages(scope_, prompt_tokens));
+    if (std::optional<Refusal> r = max_tokens_refusal(scope_, max_tokens))
+      return AdmissionAdvice{.reason = std::move(r->message)};
+    AdmissionAdvice advice = buffer_->can_admit(prompt_tokens, budget(max_tokens), prompt_pages(scope_, prompt_tokens));
     if (advice.admit && prompt_tokens > max_tokens) {
       advice.admit = false;
       advice.reason = fmt::format("a {}-token prompt exceeds max_tokens {}", prompt_tokens, max_tokens);
@@ -137,14 +137,16 @@ class Manager {
   // any other (RetroInfer) the prompt's pages are the policy's bound, as in
   // can_admit: the advice then errs on refusing.
   AdmissionAdvice can_fork(RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) const {
-    if (std::optional<Refusal> r = fork_refusal(source, tokens, max_tokens)) return AdmissionAdvice{.reason = std::move(r->message)};
+    if (std::optional<Refusal> r = fork_refusal(source, tokens, max_tokens))
+      return AdmissionAdvice{.reason = std::move(r->message)};
     const RequestBudget b = budget(max_tokens);
     if (!forks_index(policy_)) return buffer_->can_admit(tokens, b, prompt_pages(scope_, tokens));
     return buffer_->can_admit_pages(tokens, b, ForkRunner<Policy>{}.new_pages(scope_, registry_, source, tokens));
   }
 
   void add_request(RequestId request, std::uint32_t max_tokens) {
-    if (std::optional<Refusal> r = max_tokens_refusal(scope_, max_tokens)) fail(r->code, "request {}: {}", request, r->message);
+    if (std::optional<Refusal> r = max_tokens_refusal(scope_, max_tokens))
+      fail(r->code, "request {}: {}", request, r->message);
     const RequestBudget b = budget(max_tokens);
     device_.admit(request, [&] { buffer_->add_request(request, b); });
     registry_.add(request, max_tokens, b.mandatory_pages, policy_);
@@ -205,7 +207,9 @@ class Manager {
   }
   // Tokens of `layer`'s prompt staged by prefill_chunk and not yet prefilled;
   // and whether the layer is prefilled (decode and extend need it).
-  std::uint32_t staged_tokens(RequestId request, std::uint32_t layer) const { return layer_state(request, layer).staged_tokens; }
+  std::uint32_t staged_tokens(RequestId request, std::uint32_t layer) const {
+    return layer_state(request, layer).staged_tokens;
+  }
   bool prefilled(RequestId request, std::uint32_t layer) const { return layer_state(request, layer).prefilled; }
   // Reads back positions [first, end) of the layer's K/V into k and v
   // ([end - first][kv_heads][head_dim], in `as`: the model dtype unless said,
@@ -261,14 +265,15 @@ class Manager {
   // nothing, what decode() throws; only then is a staged prompt prefilled,
   // as the layer's first decode step would. A pool that runs out mid-way
   // throws resource_exhausted naming how many tokens went in (those stay).
-  void extend(RequestId request, std::uint32_t layer, const void* q, const void* k, const void* v,
-              std::uint32_t tokens, float* out = nullptr) {
+  void extend(RequestId request, std::uint32_t layer, const void* q, const void* k, const void* v, std::uint32_t tokens,
+              float* out = nullptr) {
     use_api(Api::host);
     extend_.check(scope_, registry_, request, layer, q, k, v, tokens);
     if (registry_.at(request).layers[layer].staged_tokens != 0) prefill_staged(request, layer);
     const RequestId batch[] = {request};
-    extend_.run(scope_, request, q, k, v, tokens, out,
-                [&](const void* qt, const void* kt, const void* vt, float* ot) { decode(batch, layer, qt, kt, vt, ot); });
+    extend_.run(scope_, request, q, k, v, tokens, out, [&](const void* qt, const void* kt, const void* vt, float* ot) {
+      decode(batch, layer, qt, kt, vt, ot);
+    });
   }
 
   // Built-in Attend: out[b] = attention of q[b] over request b's selected

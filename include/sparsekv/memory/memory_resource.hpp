@@ -15,9 +15,12 @@ enum class MemoryKind { host, pinned_host, device };
 
 constexpr std::string_view to_string(MemoryKind kind) noexcept {
   switch (kind) {
-    case MemoryKind::host: return "host";
-    case MemoryKind::pinned_host: return "pinned_host";
-    case MemoryKind::device: return "device";
+    case MemoryKind::host:
+      return "host";
+    case MemoryKind::pinned_host:
+      return "pinned_host";
+    case MemoryKind::device:
+      return "device";
   }
   return "unknown";
 }

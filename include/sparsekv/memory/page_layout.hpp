@@ -19,9 +19,7 @@ struct PageLayout {
   std::uint32_t head_dim = 128;
   DType dtype = DType::bf16;
 
-  SPARSEKV_HOST_DEVICE constexpr std::size_t row_bytes() const noexcept {
-    return dtype_row_bytes(dtype, head_dim);
-  }
+  SPARSEKV_HOST_DEVICE constexpr std::size_t row_bytes() const noexcept { return dtype_row_bytes(dtype, head_dim); }
   SPARSEKV_HOST_DEVICE constexpr std::size_t block_bytes() const noexcept {
     return std::size_t{page_tokens} * row_bytes();
   }

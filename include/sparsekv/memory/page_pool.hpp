@@ -23,8 +23,7 @@ class PagePool {
   // `capacity_pages` pages of `layout.page_bytes()` each, reserved from
   // `memory` in chunks of `pages_per_chunk` pages (0: the whole capacity in one
   // chunk). `memory` must outlive the pool.
-  PagePool(PageLayout layout, std::uint32_t capacity_pages, MemoryResource& memory,
-           std::uint32_t pages_per_chunk = 0);
+  PagePool(PageLayout layout, std::uint32_t capacity_pages, MemoryResource& memory, std::uint32_t pages_per_chunk = 0);
   ~PagePool();
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;

@@ -18,7 +18,8 @@ class ReservedBytes {
  public:
   ReservedBytes() = default;
   ReservedBytes(ReservedBytes&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)),
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
         capacity_(std::exchange(o.capacity_, 0)) {}
   ReservedBytes& operator=(ReservedBytes&& o) noexcept {
     if (this != &o) {
@@ -39,8 +40,7 @@ class ReservedBytes {
   void reserve(std::size_t capacity) {
     if (capacity_ == capacity) return;
     if (capacity_ != 0) {
-      fail(ErrorCode::invalid_argument, "ReservedBytes: {} bytes are reserved; cannot reserve {}", capacity_,
-           capacity);
+      fail(ErrorCode::invalid_argument, "ReservedBytes: {} bytes are reserved; cannot reserve {}", capacity_, capacity);
     }
     data_ = static_cast<std::byte*>(allocate(capacity));
     capacity_ = capacity;

@@ -103,8 +103,7 @@ class HierarchicalPageTable {
  public:
   // `gpu_tier` backs the meta-partition and GPU page tables, `cpu_tier` the
   // partition offset and CPU page tables. Both must outlive the table.
-  HierarchicalPageTable(const PageTableGeometry& geometry, MemoryResource& gpu_tier,
-                        MemoryResource& cpu_tier);
+  HierarchicalPageTable(const PageTableGeometry& geometry, MemoryResource& gpu_tier, MemoryResource& cpu_tier);
 
   // Requests. add_request throws already_exists / resource_exhausted (no slot).
   // remove_request returns every segment of the request; it refuses
@@ -131,8 +130,7 @@ class HierarchicalPageTable {
   SegmentDemand replace_demand(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t keep,
                                std::uint64_t partitions, std::uint64_t pages) const;
   // Segments growing one head's GPU page table to `slots` would take.
-  SegmentDemand gpu_slots_demand(RequestId request, std::uint32_t layer, std::uint32_t head,
-                                 std::uint32_t slots) const;
+  SegmentDemand gpu_slots_demand(RequestId request, std::uint32_t layer, std::uint32_t head, std::uint32_t slots) const;
   // Throws resource_exhausted naming the first pool that cannot supply `demand`.
   void check_segments(const SegmentDemand& demand) const;
   // What check_segments would throw, without throwing; empty when every pool can supply `demand`.
@@ -146,8 +144,7 @@ class HierarchicalPageTable {
   std::uint32_t partition_count(RequestId request, std::uint32_t layer, std::uint32_t head) const;
   std::uint32_t cpu_page_count(RequestId request, std::uint32_t layer, std::uint32_t head) const;
   MetaPartitionEntry meta(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const;
-  void set_resident(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition,
-                    bool resident);
+  void set_resident(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition, bool resident);
   std::uint32_t page_count(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition) const;
   // Appends the partition's CPU page ids to `out`, in page order.
   void cpu_pages(RequestId request, std::uint32_t layer, std::uint32_t head, PartitionId partition,

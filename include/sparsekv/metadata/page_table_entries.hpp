@@ -46,8 +46,7 @@ using PartitionOffset = std::uint32_t;
 // CPU page table (CPU tier): flat per-head array of CPU page ids.
 using CpuPageEntry = PageId;
 
-SPARSEKV_HOST_DEVICE constexpr std::uint32_t pages_for_tokens(std::uint32_t tokens,
-                                                              std::uint32_t page_tokens) {
+SPARSEKV_HOST_DEVICE constexpr std::uint32_t pages_for_tokens(std::uint32_t tokens, std::uint32_t page_tokens) {
   return (tokens + page_tokens - 1) / page_tokens;
 }
 

@@ -90,10 +90,10 @@ class TableReplica {
   void upload(const TwoLevelTable<Entry>& master, std::size_t instance, ReplicaCopy& copy) {
     const TwoLevelView<Entry> m = master.view();
     const ReplicaMove row{reinterpret_cast<const std::byte*>(m.directory + instance * directory_length_),
-                       reinterpret_cast<std::byte*>(directory_ + instance * directory_length_)};
+                          reinterpret_cast<std::byte*>(directory_ + instance * directory_length_)};
     copy.to_replica({&row, 1}, std::size_t{directory_length_} * sizeof(std::uint32_t));
     const ReplicaMove length{reinterpret_cast<const std::byte*>(m.lengths + instance),
-                          reinterpret_cast<std::byte*>(lengths() + instance)};
+                             reinterpret_cast<std::byte*>(lengths() + instance)};
     copy.to_replica({&length, 1}, sizeof(std::uint32_t));
     segment_moves(master, instance, true);
     copy.to_replica(moves_, segment_bytes_);
@@ -103,8 +103,8 @@ class TableReplica {
   // length and the directory slots of their segments equal the master's,
   // appended to `out`: for entries the host appended while kernels own the
   // instance's other entries. Entry is a whole number of 32-bit words.
-  void entry_writes(const TwoLevelTable<Entry>& master, std::size_t instance, std::uint32_t first,
-                    std::uint32_t count, std::vector<ReplicaWordWrite>& out) const {
+  void entry_writes(const TwoLevelTable<Entry>& master, std::size_t instance, std::uint32_t first, std::uint32_t count,
+                    std::vector<ReplicaWordWrite>& out) const {
     static_assert(sizeof(Entry) % sizeof(std::uint32_t) == 0);
     if (count == 0) return;
     const TwoLevelView<Entry> m = master.view();

@@ -21,7 +21,6 @@
 
 namespace sparsekv {
 
-
 template <class Entry>
 class TwoLevelTable {
  public:
@@ -68,13 +67,13 @@ class TwoLevelTable {
   // the pool lacks the segments growth needs.
   void check_resize(std::size_t instance, std::uint32_t entries) const {
     if (entries > max_entries_) {
-      fail(ErrorCode::resource_exhausted, "{}: {} entries exceed the per-head maximum of {}", name_,
-           entries, max_entries_);
+      fail(ErrorCode::resource_exhausted, "{}: {} entries exceed the per-head maximum of {}", name_, entries,
+           max_entries_);
     }
     const std::uint32_t extra = segments_to_grow(instance, entries);
     if (extra > pool_.available()) {
-      fail(ErrorCode::resource_exhausted, "{}: {} more segments needed, {} of {} free", name_, extra,
-           pool_.available(), pool_.capacity());
+      fail(ErrorCode::resource_exhausted, "{}: {} more segments needed, {} of {} free", name_, extra, pool_.available(),
+           pool_.capacity());
     }
   }
 
@@ -95,13 +94,11 @@ class TwoLevelTable {
   }
 
   Entry& at(std::size_t instance, std::uint32_t index) noexcept { return *view().find(instance, index); }
-  const Entry& at(std::size_t instance, std::uint32_t index) const noexcept {
-    return *view().find(instance, index);
-  }
+  const Entry& at(std::size_t instance, std::uint32_t index) const noexcept { return *view().find(instance, index); }
 
   TwoLevelView<Entry> view() const noexcept {
-    return {directory_, lengths_, reinterpret_cast<Entry*>(const_cast<SegmentPool&>(pool_).base()),
-            directory_length_, segment_shift_};
+    return {directory_, lengths_, reinterpret_cast<Entry*>(const_cast<SegmentPool&>(pool_).base()), directory_length_,
+            segment_shift_};
   }
 
   // Directory (plus per-instance lengths) and the whole pre-allocated pool.

@@ -90,9 +90,7 @@ class AnyPolicy {
   void placed(const LayerContext& ctx, std::uint32_t position, std::any& state) const {
     impl_->placed(ctx, position, state);
   }
-  void observe(const LayerContext& ctx, const TokenWeights& w, std::any& state) const {
-    impl_->observe(ctx, w, state);
-  }
+  void observe(const LayerContext& ctx, const TokenWeights& w, std::any& state) const { impl_->observe(ctx, w, state); }
   // RewritesSummaries; a no-op for the policies without it.
   bool rewrites() const { return impl_->rewrites(); }
   void rewrite(const LayerContext& ctx, const RewrittenPage& page, std::any& state) const {

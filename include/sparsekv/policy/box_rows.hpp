@@ -26,7 +26,8 @@ enum class BoxSide : std::uint8_t { lower, upper };
 // of x: x itself when the dtype holds it, NaN as NaN.
 inline std::uint16_t round_outward(float x, DType dtype, BoxSide side) {
   const std::uint32_t bits = float_bits(x);
-  if (dtype == DType::bf16 && (bits & 0xffffu) == 0) return static_cast<std::uint16_t>(bits >> 16);  // held: the usual case
+  if (dtype == DType::bf16 && (bits & 0xffffu) == 0)
+    return static_cast<std::uint16_t>(bits >> 16);  // held: the usual case
   const std::uint16_t h = dtype == DType::bf16 ? float_to_bf16(x) : float_to_f16(x);
   const float back = dtype == DType::bf16 ? bf16_to_float(h) : f16_to_float(h);
   if (back == x || x != x) return h;

@@ -21,7 +21,7 @@ class DensePolicy {
   };
   static constexpr std::string_view kName = "dense";
   static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kRegroups = false;  // append() never asks for a Repartition
+  static constexpr bool kRegroups = false;          // append() never asks for a Repartition
   static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   DensePolicy() = default;

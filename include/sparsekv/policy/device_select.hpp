@@ -85,8 +85,8 @@ inline std::uint32_t first_candidate_partition(const DeviceSelect& s) {
 // counts); AppendSummary::none for a policy without a device Select.
 inline cuda::AppendSummary summary_kind(const DeviceSelect& s) {
   using Summary = cuda::AppendSummary;
-  constexpr Summary kinds[] = {Summary::none, Summary::quest, Summary::shadowkv, Summary::tokens, Summary::tokens,
-                               Summary::retroinfer};
+  constexpr Summary kinds[] = {Summary::none,   Summary::quest,  Summary::shadowkv,
+                               Summary::tokens, Summary::tokens, Summary::retroinfer};
   static_assert(std::size(kinds) == std::variant_size_v<DeviceSelect>);
   return kinds[s.index()];
 }

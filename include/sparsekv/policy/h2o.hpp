@@ -110,8 +110,7 @@ class H2OPolicy {
   void observe(const LayerContext& ctx, const TokenWeights& w, LayerState& state) const {
     check_state(ctx, state);
     if (w.heads.size() != ctx.kv_heads) {
-      fail(ErrorCode::invalid_argument, "h2o: weights for {} kv heads, the layer has {}", w.heads.size(),
-           ctx.kv_heads);
+      fail(ErrorCode::invalid_argument, "h2o: weights for {} kv heads, the layer has {}", w.heads.size(), ctx.kv_heads);
     }
     std::vector<std::vector<std::uint32_t>> at(ctx.kv_heads);
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
@@ -120,8 +119,8 @@ class H2OPolicy {
       for (const TokenWeight& tw : w.heads[h]) {
         const auto it = std::lower_bound(live.begin(), live.end(), tw.position);
         if (it == live.end() || *it != tw.position) {
-          fail(ErrorCode::invalid_argument, "h2o: weight for position {}, which is not live in kv head {}",
-               tw.position, h);
+          fail(ErrorCode::invalid_argument, "h2o: weight for position {}, which is not live in kv head {}", tw.position,
+               h);
         }
         const auto i = static_cast<std::uint32_t>(it - live.begin());
         if (seen[i]) fail(ErrorCode::invalid_argument, "h2o: position {} weighed twice in kv head {}", tw.position, h);

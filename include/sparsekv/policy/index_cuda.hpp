@@ -104,7 +104,7 @@ void kmeans_assign(const float* rows, std::uint32_t n, std::uint32_t dim, const 
 // Each cluster scans all n labels, so the cost grows with n * k. Throws
 // invalid_argument when n, dim or k is 0, dim > kMaxIndexDim, or a pointer
 // is null.
-void kmeans_update(const float* rows, std::uint32_t n, std::uint32_t dim, const std::uint32_t* labels,
-                   std::uint32_t k, float* centroids, void* stream);
+void kmeans_update(const float* rows, std::uint32_t n, std::uint32_t dim, const std::uint32_t* labels, std::uint32_t k,
+                   float* centroids, void* stream);
 
 }  // namespace sparsekv::cuda

@@ -34,7 +34,7 @@ class OraclePolicy {
   };
   static constexpr std::string_view kName = "oracle";
   static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kRegroups = false;  // append() never asks for a Repartition
+  static constexpr bool kRegroups = false;          // append() never asks for a Repartition
   static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   OraclePolicy() : OraclePolicy(Options{}) {}
@@ -48,9 +48,10 @@ class OraclePolicy {
     check_layer_context(kName, ctx);
     check_kv_view(kName, ctx, kv, false);
     return {index_uniform_partitions(
-        ctx, kv, ctx.page_tokens, state,
-        [&](LayerState& s, std::uint32_t reserved) { prepare_keys(ctx, s, reserved); },
-        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) { add_keys(s, h, kv, first, count); })};
+        ctx, kv, ctx.page_tokens, state, [&](LayerState& s, std::uint32_t reserved) { prepare_keys(ctx, s, reserved); },
+        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
+          add_keys(s, h, kv, first, count);
+        })};
   }
 
   // A fork reuses the source's keys of its whole leading pages.
@@ -66,9 +67,12 @@ class OraclePolicy {
         [&](LayerState& s, std::uint32_t reserved) { prepare_keys(ctx, s, reserved); },
         [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
           const std::size_t values = std::size_t{partitions} * ctx.page_tokens * ctx.head_dim;
-          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) to.keys[h].assign(from.keys[h].begin(), from.keys[h].begin() + values);
+          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h)
+            to.keys[h].assign(from.keys[h].begin(), from.keys[h].begin() + values);
         },
-        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) { add_keys(s, h, kv, first, count); })};
+        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
+          add_keys(s, h, kv, first, count);
+        })};
   }
 
   std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {

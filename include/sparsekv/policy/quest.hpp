@@ -67,22 +67,22 @@ namespace sparsekv {
 class QuestPolicy {
  public:
   struct Options {
-    std::uint32_t budget_tokens = 2048;            // per kv head per step, newest partition included
-    std::uint32_t page_tokens_per_partition = 0;   // Quest's page; 0: one KV page, else a multiple of it
-    std::uint32_t dense_layers = 2;                // Quest keeps the first two layers dense
-    std::uint32_t sink_tokens = 4;                 // StreamingLLM's 4 attention sinks (0: none, as the paper)
-    float recent_fraction = 0.25f;                  // of the budget, the recent window (0: the newest partition only)
-    float spread = 0.5f;                            // weight of the box's half-width in the score (1: the paper's bound)
+    std::uint32_t budget_tokens = 2048;           // per kv head per step, newest partition included
+    std::uint32_t page_tokens_per_partition = 0;  // Quest's page; 0: one KV page, else a multiple of it
+    std::uint32_t dense_layers = 2;               // Quest keeps the first two layers dense
+    std::uint32_t sink_tokens = 4;                // StreamingLLM's 4 attention sinks (0: none, as the paper)
+    float recent_fraction = 0.25f;                // of the budget, the recent window (0: the newest partition only)
+    float spread = 0.5f;                          // weight of the box's half-width in the score (1: the paper's bound)
   };
   struct LayerState {
     std::uint32_t head_dim = 0;
-    std::vector<std::uint32_t> tokens;         // per partition, the same in every kv head
+    std::vector<std::uint32_t> tokens;          // per partition, the same in every kv head
     std::vector<std::vector<PartitionId>> ids;  // [kv head][partition]
     std::vector<BoxRows> min, max;              // [kv head], a row per partition
   };
   static constexpr std::string_view kName = "quest";
   static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kRegroups = false;  // append() never asks for a Repartition
+  static constexpr bool kRegroups = false;          // append() never asks for a Repartition
   static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   QuestPolicy() : QuestPolicy(Options{}) {}  // not `= {}`: GCC rejects nested defaults there
@@ -250,8 +250,7 @@ class QuestPolicy {
   // The box of tokens [first, first + count) of kv head h of kv, written to
   // lo / hi: the first key folded with the rest, the rule cuda::page_min_max
   // shares (summary_rules.hpp).
-  static void bound(float* lo, float* hi, const KvView& kv, std::uint32_t h, std::uint32_t first,
-                    std::uint32_t count) {
+  static void bound(float* lo, float* hi, const KvView& kv, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
     const std::uint32_t dim = kv.head_dim;
     const float* k = kv.key(first, h);
     std::copy(k, k + dim, lo);

@@ -76,17 +76,17 @@ void kmeans_update(std::span<const float> rows, std::uint32_t n, std::uint32_t d
 class RetroInferPolicy {
  public:
   struct Options {
-    std::uint32_t budget_tokens = 0;         // tokens per kv head for steady + retrieval; 0: none given
-    std::uint32_t segment_tokens = 8192;     // segmented clustering: tokens per k-means segment
-    std::uint32_t tokens_per_cluster = 16;   // 1/16 of the tokens become centroids
+    std::uint32_t budget_tokens = 0;        // tokens per kv head for steady + retrieval; 0: none given
+    std::uint32_t segment_tokens = 8192;    // segmented clustering: tokens per k-means segment
+    std::uint32_t tokens_per_cluster = 16;  // 1/16 of the tokens become centroids
     std::uint32_t kmeans_iterations = 10;
-    std::uint32_t sink_tokens = 4;           // steady zone: 4 initial tokens ...
-    std::uint32_t window_tokens = 64;        // ... and the 64 newest
-    float retrieval_fraction = 0.018f;       // of the clusters, exact (budget_tokens 0 only)
-    float estimation_fraction = 0.232f;      // of the clusters, estimated from centroids
-    std::uint32_t update_tokens = 1024;      // decode tokens between incremental index updates
-    bool estimation = true;                  // false: retroinfer_no_estimation (retrieval only)
-    std::uint64_t seed = 0x5eedULL;          // k-means++ seeding
+    std::uint32_t sink_tokens = 4;       // steady zone: 4 initial tokens ...
+    std::uint32_t window_tokens = 64;    // ... and the 64 newest
+    float retrieval_fraction = 0.018f;   // of the clusters, exact (budget_tokens 0 only)
+    float estimation_fraction = 0.232f;  // of the clusters, estimated from centroids
+    std::uint32_t update_tokens = 1024;  // decode tokens between incremental index updates
+    bool estimation = true;              // false: retroinfer_no_estimation (retrieval only)
+    std::uint64_t seed = 0x5eedULL;      // k-means++ seeding
   };
 
   // An exact partition: its id and token count.
@@ -96,10 +96,10 @@ class RetroInferPolicy {
   };
   // One kv head's wave index.
   struct HeadState {
-    Group sink;                        // the sink tokens (tokens == 0: none)
-    std::vector<Group> clusters;       // meta index, in id order
-    std::vector<float> centroids;      // [cluster][head_dim]: mean post-RoPE key (eq. 3)
-    std::vector<float> value_sums;     // [cluster][head_dim]: VS (eq. 4)
+    Group sink;                     // the sink tokens (tokens == 0: none)
+    std::vector<Group> clusters;    // meta index, in id order
+    std::vector<float> centroids;   // [cluster][head_dim]: mean post-RoPE key (eq. 3)
+    std::vector<float> value_sums;  // [cluster][head_dim]: VS (eq. 4)
     // Partitions not clustered yet (the prefill's window, decode pages), oldest
     // first, each at most one page; summarised like clusters.
     std::vector<Group> recent;
@@ -113,8 +113,8 @@ class RetroInferPolicy {
   struct LayerState {
     std::vector<HeadState> heads;  // per kv head; empty before index()
     std::uint32_t head_dim = 0;
-    std::uint32_t window = 0;      // steady window in tokens (a short prefill's whole tail until the first update)
-    std::uint32_t generated = 0;   // tokens appended since the last index update
+    std::uint32_t window = 0;     // steady window in tokens (a short prefill's whole tail until the first update)
+    std::uint32_t generated = 0;  // tokens appended since the last index update
   };
 
   static constexpr std::string_view kName = "retroinfer";

@@ -47,10 +47,10 @@ namespace sparsekv::cuda {
 struct SelectRows {
   std::uint32_t rows = 0;
   std::uint32_t kv_heads = 0;
-  std::uint32_t group = 0;               // q heads per kv head
+  std::uint32_t group = 0;  // q heads per kv head
   std::uint32_t head_dim = 0;
-  std::uint32_t candidates = 0;          // the per-candidate arrays' extent: first[r] + count[r] <= candidates
-  std::uint32_t max_row_candidates = 0;  // >= every count[r]
+  std::uint32_t candidates = 0;             // the per-candidate arrays' extent: first[r] + count[r] <= candidates
+  std::uint32_t max_row_candidates = 0;     // >= every count[r]
   const std::uint32_t* first = nullptr;     // [rows]: row r's first candidate
   const std::uint32_t* count = nullptr;     // [rows]: row r's candidates
   const std::uint32_t* tokens = nullptr;    // [candidates], each >= 1 inside a row
@@ -66,8 +66,7 @@ struct SelectRowSpan {
   std::uint32_t n = 0;
 };
 SPARSEKV_HOST_DEVICE inline SelectRowSpan select_row_span(std::uint32_t first, std::uint32_t count,
-                                                          std::uint32_t max_row_candidates,
-                                                          std::uint32_t candidates) {
+                                                          std::uint32_t max_row_candidates, std::uint32_t candidates) {
   const std::uint32_t start = first < candidates ? first : candidates;
   const std::uint32_t room = candidates - start;
   std::uint32_t n = count < max_row_candidates ? count : max_row_candidates;
@@ -133,8 +132,7 @@ struct RetroInferSelect {
 };
 
 // Row r's steady window in tokens, as the kernels and the CI emulation read it.
-SPARSEKV_HOST_DEVICE inline std::uint32_t retroinfer_row_window(const RetroInferSelect& retroinfer,
-                                                               std::uint32_t row) {
+SPARSEKV_HOST_DEVICE inline std::uint32_t retroinfer_row_window(const RetroInferSelect& retroinfer, std::uint32_t row) {
   return retroinfer.windows != nullptr ? retroinfer.windows[row] : retroinfer.window_tokens;
 }
 
@@ -195,8 +193,8 @@ std::size_t select_workspace_bytes(const SelectRows& rows);
 // RetroInfer has no budget (0: its fraction counts candidates, not tokens).
 // select_capacity is that rule, inline so the facade sizes its arrays by it
 // (select_capacity in policy/device_select.hpp) without the CUDA library.
-inline std::uint32_t select_capacity(std::uint32_t max_row_candidates, std::uint32_t budget_candidates,
-                                     bool whole_row, std::uint32_t extra) {
+inline std::uint32_t select_capacity(std::uint32_t max_row_candidates, std::uint32_t budget_candidates, bool whole_row,
+                                     std::uint32_t extra) {
   const std::uint64_t whole = std::uint64_t{max_row_candidates} + extra;
   const std::uint64_t most = whole_row || budget_candidates >= whole ? whole : budget_candidates;
   return static_cast<std::uint32_t>(most);
@@ -216,8 +214,8 @@ std::uint32_t dense_select_capacity(const SelectRows& rows);
 // rows == 0 enqueues nothing.
 void quest_select(const SelectRows& rows, const QuestSelect& quest, const SelectOutput& out, void* workspace,
                   std::size_t workspace_bytes, void* stream);
-void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, const SelectOutput& out,
-                     void* workspace, std::size_t workspace_bytes, void* stream);
+void shadowkv_select(const SelectRows& rows, const ShadowKVSelect& shadowkv, const SelectOutput& out, void* workspace,
+                     std::size_t workspace_bytes, void* stream);
 void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfer, const SelectOutput& out,
                        void* workspace, std::size_t workspace_bytes, void* stream);
 
@@ -230,8 +228,7 @@ void retroinfer_select(const SelectRows& rows, const RetroInferSelect& retroinfe
 // page_tokens of 0 (streaming), max_selected below the capacity above, or a
 // null pointer the call reads or writes (dense reads no tokens). rows == 0
 // enqueues nothing.
-void streaming_select(const SelectRows& rows, const StreamingSelect& streaming, const SelectOutput& out,
-                      void* stream);
+void streaming_select(const SelectRows& rows, const StreamingSelect& streaming, const SelectOutput& out, void* stream);
 void dense_select(const SelectRows& rows, const SelectOutput& out, void* stream);
 
 // Writes each q head's estimation term: the values RetroInferPolicy::attend
@@ -242,8 +239,7 @@ void dense_select(const SelectRows& rows, const SelectOutput& out, void* stream)
 // summing with the retrieval fraction to more than 1, a workspace smaller
 // than select_workspace_bytes, or a null value_sums, selection or output
 // pointer. rows == 0 enqueues nothing.
-void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroinfer,
-                         const RetroInferEstimate& estimate, const EstimateOutput& out, void* workspace,
-                         std::size_t workspace_bytes, void* stream);
+void retroinfer_estimate(const SelectRows& rows, const RetroInferSelect& retroinfer, const RetroInferEstimate& estimate,
+                         const EstimateOutput& out, void* workspace, std::size_t workspace_bytes, void* stream);
 
 }  // namespace sparsekv::cuda

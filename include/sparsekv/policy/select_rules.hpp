@@ -228,9 +228,7 @@ struct BreakFill {
     --limit;
     return Fill::take;
   }
-  SPARSEKV_HOST_DEVICE bool full(std::uint32_t smallest) const {
-    return limit == 0 || used + smallest > budget;
-  }
+  SPARSEKV_HOST_DEVICE bool full(std::uint32_t smallest) const { return limit == 0 || used + smallest > budget; }
   SPARSEKV_HOST_DEVICE std::uint64_t most_takes(std::uint32_t smallest) const {
     const std::uint64_t fit = used >= budget ? 0 : (budget - used) / smallest;
     return fit < limit ? fit : limit;
@@ -249,7 +247,7 @@ void ranked_fill(std::uint32_t n, Filler& fill, Score&& score, Eligible&& eligib
   keys.resize(n);
   std::size_t eligible_keys = 0;
   std::uint32_t smallest = std::numeric_limits<std::uint32_t>::max();  // tokens of the smallest candidate
-  for (std::uint32_t i = 0; i < n; ++i) {  // no branch: an ineligible key is overwritten
+  for (std::uint32_t i = 0; i < n; ++i) {                              // no branch: an ineligible key is overwritten
     keys[eligible_keys] = rank_key(score(i), i);
     const bool counts = eligible(i);
     const std::uint32_t t = tokens(i);
@@ -385,8 +383,7 @@ struct LaneOrderSums {
 // The q rows of heads [h0, h0 + kLogitHeads), the heads past `count` reading head h0's.
 struct LogitHeads {
   const float* q[kLogitHeads];
-  SPARSEKV_HOST_DEVICE LogitHeads(const float* queries, std::uint32_t count, std::uint32_t h0,
-                                  std::uint32_t head_dim) {
+  SPARSEKV_HOST_DEVICE LogitHeads(const float* queries, std::uint32_t count, std::uint32_t h0, std::uint32_t head_dim) {
     for (std::uint32_t h = 0; h < kLogitHeads; ++h) {
       q[h] = queries + std::size_t{h0 + (h0 + h < count ? h : 0)} * head_dim;
     }
@@ -424,8 +421,8 @@ struct QuestGroupLogits {
 
 template <class Emit>
 SPARSEKV_HOST_DEVICE inline void quest_group_logits(const float* q, std::uint32_t count, const float* min,
-                                                    const float* max, std::uint32_t head_dim, float spread,
-                                                    float scale, Emit&& emit) {
+                                                    const float* max, std::uint32_t head_dim, float spread, float scale,
+                                                    Emit&& emit) {
   for (std::uint32_t h0 = 0; h0 < count; h0 += kLogitHeads) {
     QuestGroupLogits group(q, count, h0, head_dim, spread, scale);
     group.add(min, max, 0, head_dim);
@@ -502,9 +499,8 @@ struct ShadowKVGroupLogits {
 // shadowkv_logit of `count` heads (q: [count][head_dim]) in one pass over the
 // landmark, kLogitHeads at a time; emit(h, logit).
 template <class Emit>
-SPARSEKV_HOST_DEVICE inline void shadowkv_group_logits(const float* q, std::uint32_t count,
-                                                       const float* landmark, std::uint32_t head_dim, float scale,
-                                                       Emit&& emit) {
+SPARSEKV_HOST_DEVICE inline void shadowkv_group_logits(const float* q, std::uint32_t count, const float* landmark,
+                                                       std::uint32_t head_dim, float scale, Emit&& emit) {
   for (std::uint32_t h0 = 0; h0 < count; h0 += kLogitHeads) {
     ShadowKVGroupLogits group(q, count, h0, head_dim, scale);
     group.add(landmark, 0, head_dim);
@@ -556,7 +552,8 @@ inline void shadowkv_head_scores(std::uint32_t n, const float* logits, const cha
   }
   for (std::uint32_t i = 0; i < n; ++i) shares[i] = portable_exp(add_rn(logits[i], -top));
   const auto untaken = [&](std::uint32_t i) { return taken[i] == 0; };
-  const float sum = lane_sum<float>(n, [&](std::uint32_t i) { return shares[i]; }, untaken);
+  const float sum = lane_sum<float>(
+      n, [&](std::uint32_t i) { return shares[i]; }, untaken);
   for (std::uint32_t i = 0; i < n; ++i) {
     if (taken[i] == 0) scores[i] = fold_max_score(scores[i], div_rn(shares[i], sum));
   }
@@ -619,8 +616,8 @@ struct SteadyZone {
 };
 
 template <class RecentTokens>
-SPARSEKV_HOST_DEVICE SteadyZone steady_zone(std::uint32_t recent, RecentTokens recent_tokens,
-                                            std::uint32_t sink_tokens, std::uint32_t window, std::uint32_t budget) {
+SPARSEKV_HOST_DEVICE SteadyZone steady_zone(std::uint32_t recent, RecentTokens recent_tokens, std::uint32_t sink_tokens,
+                                            std::uint32_t window, std::uint32_t budget) {
   SteadyZone s;
   std::uint32_t covered = 0;
   for (std::uint32_t i = recent; i-- > 0 && covered < window;) {

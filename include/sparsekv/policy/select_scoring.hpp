@@ -31,8 +31,7 @@ void portable_exps(const float* x, float bias, std::uint32_t n, float* out);
 
 // shadowkv_head_scores (select_rules.hpp), vectorized: the same shares and
 // scores bit for bit.
-void shadowkv_head_scores_simd(std::uint32_t n, const float* logits, const char* taken, float* shares,
-                               float* scores);
+void shadowkv_head_scores_simd(std::uint32_t n, const float* logits, const char* taken, float* shares, float* scores);
 
 // softmax_rank_add (select_rules.hpp) with portable_exps: the same ranks.
 void softmax_rank_add_simd(std::uint32_t m, const float* logits, float* rank);

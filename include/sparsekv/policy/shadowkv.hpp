@@ -59,7 +59,7 @@ class ShadowKVPolicy {
   };
   static constexpr std::string_view kName = "shadowkv";
   static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kRegroups = false;  // append() never asks for a Repartition
+  static constexpr bool kRegroups = false;          // append() never asks for a Repartition
   static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   ShadowKVPolicy() : ShadowKVPolicy(Options{}) {}  // not `= {}`: GCC rejects nested defaults there
@@ -197,8 +197,8 @@ class ShadowKVPolicy {
   static void check_state(const LayerContext& ctx, const LayerState& state) {
     check_layer_context(kName, ctx);
     if (state.tokens.empty() || state.ids.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
-      fail(ErrorCode::invalid_argument, "shadowkv: layer state was not indexed for {} kv heads x {} dims",
-           ctx.kv_heads, ctx.head_dim);
+      fail(ErrorCode::invalid_argument, "shadowkv: layer state was not indexed for {} kv heads x {} dims", ctx.kv_heads,
+           ctx.head_dim);
     }
   }
   // Appends the landmark and outlier score of tokens [first, first + count) of
@@ -207,8 +207,7 @@ class ShadowKVPolicy {
                         std::uint32_t count) {
     auto& landmarks = state.landmarks[h];
     landmarks.resize(landmarks.size() + kv.head_dim, 0.0f);
-    state.outlier_score[h].push_back(
-        landmark(landmarks.data() + landmarks.size() - kv.head_dim, kv, h, first, count));
+    state.outlier_score[h].push_back(landmark(landmarks.data() + landmarks.size() - kv.head_dim, kv, h, first, count));
   }
   // Writes the landmark of tokens [first, first + count) of kv head h of kv
   // to `mean` (zeroed by the caller) and returns their outlier score, by the

@@ -176,40 +176,39 @@ struct Selection {
 };
 
 template <class P>
-concept SparseAttention =
-    requires(const P& policy, typename P::LayerState& state, const typename P::LayerState& cstate,
-             const LayerContext& ctx, const KvView& kv, const AppendedPage& page, const DecodeQuery& q,
-             Selection& selection) {
-      typename P::Options;
-      typename P::LayerState;
-      { P::kName } -> std::convertible_to<std::string_view>;
-      { P::kRope } -> std::convertible_to<RopeStage>;
-      { policy.index(ctx, kv, state) } -> std::same_as<std::vector<PartitionSpec>>;
-      { policy.append(ctx, page, state) } -> std::same_as<std::optional<Repartition>>;
-      { policy.select(ctx, q, cstate, selection) } -> std::same_as<void>;
-      { policy.mandatory_pages(ctx) } -> std::same_as<std::uint32_t>;
-    };
+concept SparseAttention = requires(const P& policy, typename P::LayerState& state, const typename P::LayerState& cstate,
+                                   const LayerContext& ctx, const KvView& kv, const AppendedPage& page,
+                                   const DecodeQuery& q, Selection& selection) {
+  typename P::Options;
+  typename P::LayerState;
+  { P::kName } -> std::convertible_to<std::string_view>;
+  { P::kRope } -> std::convertible_to<RopeStage>;
+  { policy.index(ctx, kv, state) } -> std::same_as<std::vector<PartitionSpec>>;
+  { policy.append(ctx, page, state) } -> std::same_as<std::optional<Repartition>>;
+  { policy.select(ctx, q, cstate, selection) } -> std::same_as<void>;
+  { policy.mandatory_pages(ctx) } -> std::same_as<std::uint32_t>;
+};
 
 template <class P>
 concept CustomAttend = SparseAttention<P> &&
     requires(const P& policy, const typename P::LayerState& state, const LayerContext& ctx, const DecodeQuery& q,
              const Selection& selection, std::span<AttentionPartial> extra) {
-      { policy.attend(ctx, q, state, selection, extra) } -> std::same_as<void>;
-    };
+  { policy.attend(ctx, q, state, selection, extra) } -> std::same_as<void>;
+};
 
 template <class P>
 concept SelectsByHead = SparseAttention<P> &&
     requires(const P& policy, const typename P::LayerState& state, const LayerContext& ctx, const DecodeQuery& q,
              std::uint32_t head, std::vector<PartitionId>& ids) {
-      { policy.select_head(ctx, q, state, head, ids) } -> std::same_as<void>;
-    };
+  { policy.select_head(ctx, q, state, head, ids) } -> std::same_as<void>;
+};
 
 template <class P>
 concept AttendsByHead = CustomAttend<P> &&
     requires(const P& policy, const typename P::LayerState& state, const LayerContext& ctx, const DecodeQuery& q,
              std::uint32_t head, std::span<const PartitionId> selected, std::span<AttentionPartial> extra) {
-      { policy.attend_head(ctx, q, state, head, selected, extra) } -> std::same_as<void>;
-    };
+  { policy.attend_head(ctx, q, state, head, selected, extra) } -> std::same_as<void>;
+};
 
 // select() of a policy that selects by head: every kv head in turn.
 template <class P>
@@ -228,9 +227,9 @@ template <class P>
 concept ForksIndex = SparseAttention<P> &&
     requires(const P& policy, const typename P::LayerState& source, typename P::LayerState& state,
              const LayerContext& ctx, const KvView& kv) {
-      { policy.reused_tokens(ctx, source) } -> std::same_as<std::uint32_t>;
-      { policy.fork_index(ctx, source, kv, state) } -> std::same_as<std::vector<PartitionSpec>>;
-    };
+  { policy.reused_tokens(ctx, source) } -> std::same_as<std::uint32_t>;
+  { policy.fork_index(ctx, source, kv, state) } -> std::same_as<std::vector<PartitionSpec>>;
+};
 
 // The calls a decode step makes on any policy, its optional parts answered
 // here once; AnyPolicy overloads each (any_policy.hpp), so a step templated on
@@ -333,8 +332,7 @@ void check_kv_view(std::string_view policy, const LayerContext& ctx, const KvVie
 void check_decode_query(std::string_view policy, const LayerContext& ctx, const DecodeQuery& q);
 void check_head(std::string_view policy, const LayerContext& ctx, std::uint32_t head);
 // A full page (page_tokens tokens, K and V) with one partition id per kv head.
-void check_appended_page(std::string_view policy, const LayerContext& ctx, const AppendedPage& page,
-                         bool needs_values);
+void check_appended_page(std::string_view policy, const LayerContext& ctx, const AppendedPage& page, bool needs_values);
 
 // Index of the block-summary policies (Quest, ShadowKV) and the oracle:
 // uniform partitions of `partition_tokens` tokens, the same in every kv head,
@@ -407,8 +405,9 @@ PartitionSpec fork_uniform_partitions(const LayerContext& ctx, const State& sour
   if (kv.first_position != reusable_uniform_tokens(ctx, source, partition_tokens) ||
       kv.first_position + kv.tokens != ctx.tokens) {
     fail(ErrorCode::invalid_argument,
-         "fork_index: K/V of tokens {} .. {} given; the fork takes {} of its {} tokens from its source", kv.first_position,
-         kv.first_position + kv.tokens, reusable_uniform_tokens(ctx, source, partition_tokens), ctx.tokens);
+         "fork_index: K/V of tokens {} .. {} given; the fork takes {} of its {} tokens from its source",
+         kv.first_position, kv.first_position + kv.tokens, reusable_uniform_tokens(ctx, source, partition_tokens),
+         ctx.tokens);
   }
   const PartitionSpec spec = PartitionSpec::uniform(ctx.tokens, partition_tokens);
   const std::uint32_t reused = kv.first_position / partition_tokens;

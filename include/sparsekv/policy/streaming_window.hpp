@@ -27,7 +27,7 @@ class StreamingWindowPolicy {
   };
   static constexpr std::string_view kName = "streaming";
   static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kRegroups = false;  // append() never asks for a Repartition
+  static constexpr bool kRegroups = false;          // append() never asks for a Repartition
   static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   StreamingWindowPolicy();
@@ -65,9 +65,7 @@ class StreamingWindowPolicy {
     ids.clear();
     const std::uint32_t pt = ctx.page_tokens;
     const std::uint32_t prompt_pages = (state.prompt_tokens + pt - 1) / pt;
-    const auto size = [&](PartitionId p) {
-      return p + 1 == prompt_pages ? state.prompt_tokens - p * pt : pt;
-    };
+    const auto size = [&](PartitionId p) { return p + 1 == prompt_pages ? state.prompt_tokens - p * pt : pt; };
     const std::uint32_t sink_pages = static_cast<std::uint32_t>((std::uint64_t{options_.sink_tokens} + pt - 1) / pt);
     const std::uint32_t n = state.partitions.at(h);
     std::uint64_t left = options_.budget_tokens;
@@ -109,8 +107,8 @@ struct StreamingDeviceSelect {
 };
 inline StreamingDeviceSelect device_select_spec(const StreamingWindowPolicy& p, const LayerContext& ctx) {
   // select_head's sink_pages: ceil(sink_tokens / page_tokens) in 64 bits.
-  const auto sink_pages = static_cast<std::uint32_t>((std::uint64_t{p.options().sink_tokens} + ctx.page_tokens - 1) /
-                                                     ctx.page_tokens);
+  const auto sink_pages =
+      static_cast<std::uint32_t>((std::uint64_t{p.options().sink_tokens} + ctx.page_tokens - 1) / ctx.page_tokens);
   return {p.options().budget_tokens, sink_pages};
 }
 

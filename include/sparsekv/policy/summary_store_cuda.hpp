@@ -86,12 +86,11 @@ struct PageValueRows {
   SPARSEKV_HOST_DEVICE const std::byte* operator()(std::uint32_t t) const { return page + layout.v_offset(t); }
 };
 
-
 // The store's shape and geometry.
 struct SummaryShape {
   AppendSummary kind = AppendSummary::none;  // quest, shadowkv, retroinfer or tokens (token counts only)
   std::uint32_t layers = 0;
-  std::uint32_t slots = 0;     // concurrent requests
+  std::uint32_t slots = 0;  // concurrent requests
   std::uint32_t kv_heads = 0;
   std::uint32_t head_dim = 0;
   std::uint32_t capacity = 0;  // partitions (pages) per (slot, layer, kv head)
@@ -136,14 +135,14 @@ inline void check_summary_shape(const char* function, const SummaryShape& s) {
 // The pages of a prompt of `tokens` tokens (page_count: the last may be
 // short), checked against the store: throws invalid_argument for a slot or
 // layer out of range, page_tokens of 0, or more pages than a region holds.
-inline std::uint32_t prefill_pages(const char* function, const SummaryShape& s, std::uint32_t slot,
-                                   std::uint32_t layer, std::uint32_t tokens, std::uint32_t page_tokens) {
+inline std::uint32_t prefill_pages(const char* function, const SummaryShape& s, std::uint32_t slot, std::uint32_t layer,
+                                   std::uint32_t tokens, std::uint32_t page_tokens) {
   const auto fail = [function](const std::string& what) {
     throw Error(ErrorCode::invalid_argument, std::string(function) + ": " + what);
   };
   if (slot >= s.slots || layer >= s.layers) {
-    fail("slot " + std::to_string(slot) + " / layer " + std::to_string(layer) + " outside " +
-         std::to_string(s.slots) + " slots x " + std::to_string(s.layers) + " layers");
+    fail("slot " + std::to_string(slot) + " / layer " + std::to_string(layer) + " outside " + std::to_string(s.slots) +
+         " slots x " + std::to_string(s.layers) + " layers");
   }
   if (page_tokens == 0) fail("page_tokens must be > 0");
   const std::uint32_t pages = page_count(tokens, page_tokens);
@@ -167,9 +166,9 @@ inline void check_summary_rows(const char* function, const SummaryShape& s, std:
     fail("summary kind " + std::to_string(static_cast<int>(s.kind)) + " takes no rows from the host");
   }
   if (slot >= s.slots || layer >= s.layers || head >= s.kv_heads) {
-    fail("slot " + std::to_string(slot) + " / layer " + std::to_string(layer) + " / kv head " +
-         std::to_string(head) + " outside " + std::to_string(s.slots) + " slots x " + std::to_string(s.layers) +
-         " layers x " + std::to_string(s.kv_heads) + " kv heads");
+    fail("slot " + std::to_string(slot) + " / layer " + std::to_string(layer) + " / kv head " + std::to_string(head) +
+         " outside " + std::to_string(s.slots) + " slots x " + std::to_string(s.layers) + " layers x " +
+         std::to_string(s.kv_heads) + " kv heads");
   }
   if (rows > s.capacity) {
     fail(std::to_string(rows) + " rows, above the capacity of " + std::to_string(s.capacity));
@@ -208,13 +207,13 @@ class DeviceSummaries {
 
   // A layer's device arrays, [candidates()] rows each; the other kinds' are
   // null (tokens: all but tokens()). Throw invalid_argument for a layer out of range.
-  float* min(std::uint32_t layer) const;             // quest: [c][head_dim]
-  float* max(std::uint32_t layer) const;             // quest: [c][head_dim]
-  float* landmarks(std::uint32_t layer) const;       // shadowkv: [c][head_dim]
-  float* outlier_scores(std::uint32_t layer) const;  // shadowkv: [c]
-  float* centroids(std::uint32_t layer) const;       // retroinfer: [c][head_dim]
-  float* value_sums(std::uint32_t layer) const;      // retroinfer: [c][head_dim]
-  std::uint32_t* tokens(std::uint32_t layer) const;  // [c]
+  float* min(std::uint32_t layer) const;                                  // quest: [c][head_dim]
+  float* max(std::uint32_t layer) const;                                  // quest: [c][head_dim]
+  float* landmarks(std::uint32_t layer) const;                            // shadowkv: [c][head_dim]
+  float* outlier_scores(std::uint32_t layer) const;                       // shadowkv: [c]
+  float* centroids(std::uint32_t layer) const;                            // retroinfer: [c][head_dim]
+  float* value_sums(std::uint32_t layer) const;                           // retroinfer: [c][head_dim]
+  std::uint32_t* tokens(std::uint32_t layer) const;                       // [c]
   const PartitionId* partitions() const noexcept { return partitions_; }  // [c], every layer
 
   // The append kernel's AppendSummaries for `layer`: this store's arrays

@@ -87,11 +87,11 @@ template <class P>
 concept TokenEviction = SparseAttention<P> &&
     requires(const P& policy, typename P::LayerState& state, const LayerContext& ctx, const EvictionContext& e,
              const TokenWeights& w, Eviction& out, std::uint32_t position) {
-      { P::kNeedsWeights } -> std::convertible_to<bool>;
-      { policy.evict(ctx, e, state, out) } -> std::same_as<void>;
-      { policy.placed(ctx, position, state) } -> std::same_as<void>;
-      { policy.observe(ctx, w, state) } -> std::same_as<void>;
-    };
+  { P::kNeedsWeights } -> std::convertible_to<bool>;
+  { policy.evict(ctx, e, state, out) } -> std::same_as<void>;
+  { policy.placed(ctx, position, state) } -> std::same_as<void>;
+  { policy.observe(ctx, w, state) } -> std::same_as<void>;
+};
 
 // The live rows of one partition of kv head `head` after its live set
 // changed: live_rows has one kv head (kv_heads == 1), its rows in slot order.
@@ -104,8 +104,8 @@ struct RewrittenPage {
 template <class P>
 concept RewritesSummaries = SparseAttention<P> &&
     requires(const P& policy, typename P::LayerState& state, const LayerContext& ctx, const RewrittenPage& page) {
-      { policy.rewrite(ctx, page, state) } -> std::same_as<void>;
-    };
+  { policy.rewrite(ctx, page, state) } -> std::same_as<void>;
+};
 
 // Uniform calls for any SparseAttention policy: the eviction hooks of a
 // TokenEviction / RewritesSummaries policy, and for every other policy no
@@ -180,6 +180,7 @@ struct LiveTokens {
   // The whole context, as Dense: the first decode step attends every live
   // token and free_block can leave one live token per page.
   static std::uint32_t mandatory_pages(std::string_view policy, const LayerContext& ctx);
+
  private:
   PartitionSpec lay_out(const LayerContext& ctx, std::uint32_t tokens, std::uint32_t first_position);
 };
@@ -201,8 +202,7 @@ std::uint32_t rewritten_partition(std::string_view policy, const LayerContext& c
     }
     return i;
   }
-  fail(ErrorCode::invalid_argument, "{}: kv head {} has no partition {} to rewrite", policy, page.head,
-       page.partition);
+  fail(ErrorCode::invalid_argument, "{}: kv head {} has no partition {} to rewrite", policy, page.head, page.partition);
 }
 
 }  // namespace sparsekv

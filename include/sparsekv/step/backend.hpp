@@ -55,8 +55,8 @@ class Backend {
   virtual AttendSite attend_site() const noexcept { return AttendSite::gpu_tier; }
   // Throws invalid_argument when attend() cannot run this shape; decode()
   // asks before it changes anything.
-  virtual void check_attend(const PageLayout& /*layout*/, std::uint32_t /*q_heads*/,
-                            std::uint32_t /*kv_heads*/) const {}
+  virtual void check_attend(const PageLayout& /*layout*/, std::uint32_t /*q_heads*/, std::uint32_t /*kv_heads*/) const {
+  }
   // The cudaStream_t Retrieve's copies run on (nullptr: the host backend,
   // nothing in flight). An engine running its own kernel over an AttendPlan
   // orders it after this stream.

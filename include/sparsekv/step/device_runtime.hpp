@@ -35,11 +35,11 @@ class TieredKVBuffer;
 struct DeviceRuntimeSetup {
   ModelShape shape;
   std::uint32_t page_tokens = 0;
-  std::uint32_t max_batch = 0;               // entries per step
-  std::uint32_t max_requests = 0;            // table slots (Config::max_requests)
-  std::uint32_t max_partitions_per_head = 0; // summary rows per (request, layer, kv head)
-  std::uint32_t max_selected_per_head = 0;   // partitions one Select returns at most
-  std::uint32_t max_pages_per_head = 0;      // pages one selection covers at most (mandatory pages)
+  std::uint32_t max_batch = 0;                // entries per step
+  std::uint32_t max_requests = 0;             // table slots (Config::max_requests)
+  std::uint32_t max_partitions_per_head = 0;  // summary rows per (request, layer, kv head)
+  std::uint32_t max_selected_per_head = 0;    // partitions one Select returns at most
+  std::uint32_t max_pages_per_head = 0;       // pages one selection covers at most (mandatory pages)
   std::uint32_t timestamp_buckets = 0;
   // Any layer's device Select: the summaries the store keeps and the first
   // candidate's partition id are the same in every layer.
@@ -55,8 +55,8 @@ struct DeviceStepInput {
   const void* q = nullptr;      // device, [batch][q_heads][head_dim], model dtype
   const void* k_new = nullptr;  // device, [batch][kv_heads][head_dim]
   const void* v_new = nullptr;
-  float* out = nullptr;         // device, [batch][q_heads][head_dim] fp32; null: plan only
-  void* stream = nullptr;       // the engine's cudaStream_t
+  float* out = nullptr;                          // device, [batch][q_heads][head_dim] fp32; null: plan only
+  void* stream = nullptr;                        // the engine's cudaStream_t
   DeviceSelect select;                           // this layer's
   std::span<const std::uint32_t> request_slots;  // [batch]: the table slot of each entry's request
   std::span<const std::uint32_t> tail_slots;     // [batch]: tokens in the tail before this one
@@ -67,7 +67,7 @@ struct DeviceStepInput {
   // partition candidates[r] (its meta entry reaches the device tables in
   // this step's arguments); unread for entries whose tail does not fill.
   std::span<const PageId> save_pages;
-  std::span<const std::size_t> instances;        // [rows]: HierarchicalPageTable::instance
+  std::span<const std::size_t> instances;  // [rows]: HierarchicalPageTable::instance
   // [rows]: what each row reads of the host policy state (host_state_row);
   // empty for the kinds whose rows read none.
   std::span<const HostStateRow> host_state_rows;

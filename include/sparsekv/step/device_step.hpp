@@ -100,8 +100,7 @@ class DeviceStep {
   // A policy that clusters on the host instead has the prompt copied down
   // once, indexed and offloaded as on the host path, and its summaries
   // uploaded. Non-finite K/V is refused first, changing nothing.
-  void prefill(const Entry& e, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens,
-               void* stream) {
+  void prefill(const Entry& e, std::uint32_t layer, const void* k, const void* v, std::uint32_t tokens, void* stream) {
     using Clock = std::chrono::steady_clock;
     const std::uint64_t row = scope_.kv_row();
     const std::uint32_t head_dim = scope_.shape->head_dim;
@@ -120,8 +119,7 @@ class DeviceStep {
       scope_.backend->copy_to_host(prompt_v_.data(), v, bytes, stream);
       scope_.to_float(prompt_k_.data(), tokens * row, keys_);
       scope_.to_float(prompt_v_.data(), tokens * row, values_);
-      index_and_offload(scope_, e.request, layer, *e.state, prompt_k_.data(), prompt_v_.data(), keys_, values_,
-                        tokens);
+      index_and_offload(scope_, e.request, layer, *e.state, prompt_k_.data(), prompt_v_.data(), keys_, values_, tokens);
       upload_summary_rows(e, layer, stream);
       runtime_.upload_tables(e.request);
       return;
@@ -169,10 +167,10 @@ class DeviceStep {
   std::vector<PageId> tail_pages_, save_pages_;
   std::vector<std::size_t> instances_;
   std::vector<HostStateRow> host_state_rows_;
-  std::vector<TokenPlacement> placements_;     // a device prompt's rows in the CPU tier
+  std::vector<TokenPlacement> placements_;      // a device prompt's rows in the CPU tier
   std::vector<std::byte> prompt_k_, prompt_v_;  // a prompt or step's K / V, come down
   std::vector<float> keys_, values_;
-  std::vector<std::byte> page_bytes_;           // one page of an index update
+  std::vector<std::byte> page_bytes_;  // one page of an index update
   std::vector<PageId> cpu_pages_;
   HostSummaryRows summary_rows_;
 };
@@ -204,8 +202,7 @@ void DeviceStep<Policy>::prepare(std::span<const Entry> batch, std::uint32_t lay
       }
       if (!std::exchange(synced, true)) runtime_.synchronize();  // the unfed pages' saves and the tail
       feed_pages(batch, b, layer, k_new, v_new, stream);
-      demand = next.regroup ? buffer.save_demand(e.request, layer, next.regroup->first_partitions,
-                                                 next.regroup->specs)
+      demand = next.regroup ? buffer.save_demand(e.request, layer, next.regroup->first_partitions, next.regroup->specs)
                             : buffer.save_demand(e.request, layer);
     } else {
       demand = buffer.save_demand(e.request, layer);
@@ -300,8 +297,8 @@ void DeviceStep<Policy>::decode(std::span<const Entry> batch, std::uint32_t laye
 // append returns the policy's regroup, checked as the host step checks it;
 // an earlier page asking for one is a policy bug.
 template <class Policy>
-void DeviceStep<Policy>::feed_pages(std::span<const Entry> batch, std::size_t b, std::uint32_t layer,
-                                    const void* k_new, const void* v_new, void* stream) {
+void DeviceStep<Policy>::feed_pages(std::span<const Entry> batch, std::size_t b, std::uint32_t layer, const void* k_new,
+                                    const void* v_new, void* stream) {
   const Policy& policy = *scope_.policy;
   const TieredKVBuffer& buffer = *scope_.buffer;
   const ModelShape& shape = *scope_.shape;

@@ -74,9 +74,9 @@ class DeviceTensorCalls {
       return;
     }
     require_device_memory();
-    for (const auto& [what, p] : {std::pair{"decode q", q}, std::pair{"decode k_new", k_new},
-                                  std::pair{"decode v_new", v_new},
-                                  std::pair{"decode out", static_cast<const void*>(out)}}) {
+    for (const auto& [what, p] :
+         {std::pair{"decode q", q}, std::pair{"decode k_new", k_new}, std::pair{"decode v_new", v_new},
+          std::pair{"decode out", static_cast<const void*>(out)}}) {
       check_pointer(what, p);
     }
     const std::size_t elem = dtype_size(scope_.shape->dtype);

@@ -22,13 +22,12 @@ class ExtendRunner {
   // failed_precondition (the layer neither prefilled nor staged),
   // resource_exhausted (past max_tokens), invalid_argument (null or
   // non-finite q, K or V, no tokens).
-  void check(const StepScope<Policy>& scope, RequestRegistry<Policy>& registry, RequestId request,
-             std::uint32_t layer, const void* q, const void* k, const void* v, std::uint32_t tokens) {
+  void check(const StepScope<Policy>& scope, RequestRegistry<Policy>& registry, RequestId request, std::uint32_t layer,
+             const void* q, const void* k, const void* v, std::uint32_t tokens) {
     RequestSteps<typename Policy::LayerState>& r = registry.at(request);
     check_index("layer", layer, scope.shape->layers);
     if (q == nullptr || k == nullptr || v == nullptr || tokens == 0) {
-      fail(ErrorCode::invalid_argument, "extend of request {}: q, K and V must be non-null with tokens > 0",
-           request);
+      fail(ErrorCode::invalid_argument, "extend of request {}: q, K and V must be non-null with tokens > 0", request);
     }
     const std::uint32_t staged = r.layers[layer].staged_tokens;
     const RequestId batch[] = {request};

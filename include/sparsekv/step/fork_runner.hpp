@@ -45,10 +45,11 @@ class ForkRunner {
         return Refusal{ErrorCode::failed_precondition, fmt::format("request {} layer {} is not prefilled", source, l)};
       }
       if (const std::uint32_t readable = scope.buffer->readable_tokens(source, l); tokens > readable) {
-        return Refusal{ErrorCode::out_of_range,
-                       fmt::format("request {} layer {} holds its first {} tokens in order in the CPU tier (the rest "
-                                   "are in the unsaved decode page on the GPU tier, regrouped or evicted); cannot fork {}",
-                                   source, l, readable, tokens)};
+        return Refusal{
+            ErrorCode::out_of_range,
+            fmt::format("request {} layer {} holds its first {} tokens in order in the CPU tier (the rest "
+                        "are in the unsaved decode page on the GPU tier, regrouped or evicted); cannot fork {}",
+                        source, l, readable, tokens)};
       }
     }
     return std::nullopt;
@@ -98,7 +99,7 @@ class ForkRunner {
     return reused;
   }
 
-  std::vector<std::byte> k_, v_;     // the source's rows, in the model dtype
+  std::vector<std::byte> k_, v_;      // the source's rows, in the model dtype
   std::vector<float> keys_, values_;  // the same in fp32
 };
 

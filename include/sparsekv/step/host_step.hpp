@@ -90,9 +90,7 @@ class HostStep {
   // a Select unit threw (the first in unit order) or a bad selection's
   // invalid_argument, changing nothing; the step is then over.
   void commit();
-  std::size_t attend_units() const noexcept {
-    return phase_ == Phase::committed && split_ ? attention_.chunks() : 0;
-  }
+  std::size_t attend_units() const noexcept { return phase_ == Phase::committed && split_ ? attention_.chunks() : 0; }
   void attend(std::size_t ith, std::size_t nth) noexcept;
   void finish();
 
@@ -151,7 +149,7 @@ class HostStep {
   std::vector<LayerContext> contexts_;  // per entry, as Select sees it
   std::vector<std::uint32_t> positions_;
   std::vector<Selection> selections_;
-  std::vector<AttentionPartial> extra_;  // a policy's own Attend terms, [batch][q_heads]
+  std::vector<AttentionPartial> extra_;     // a policy's own Attend terms, [batch][q_heads]
   std::vector<std::exception_ptr> errors_;  // per Select unit
   std::vector<char> selected_;              // per Select unit: it ran
   // Commit and Attend.
@@ -178,8 +176,7 @@ void HostStep<Policy>::begin(std::span<const Entry> batch, std::uint32_t layer, 
   if (!scope_.to_float(q, batch.size() * qd, queries_)) {
     const auto i = static_cast<std::size_t>(
         std::find_if(queries_.begin(), queries_.end(), [](float x) { return !is_finite(x); }) - queries_.begin());
-    fail(ErrorCode::invalid_argument, "decode: q value {} of request {} is not finite", i % qd,
-         batch[i / qd].request);
+    fail(ErrorCode::invalid_argument, "decode: q value {} of request {} is not finite", i % qd, batch[i / qd].request);
   }
   scope_.rescale_queries(queries_);
   const bool k_finite = scope_.to_float(k_new, batch.size() * scope_.kv_row(), keys_);
@@ -306,8 +303,7 @@ void HostStep<Policy>::select_unit(std::size_t unit) {
   const std::uint32_t q_heads = scope_.shape->q_heads;
   const std::size_t b = by_head_ ? unit / kv_heads : unit;
   const State& state = entries_[b].state->policy;
-  const DecodeQuery query{std::span<const float>(queries_).subspan(b * scope_.q_row(), scope_.q_row()),
-                          positions_[b]};
+  const DecodeQuery query{std::span<const float>(queries_).subspan(b * scope_.q_row(), scope_.q_row()), positions_[b]};
   const std::span<AttentionPartial> extra =
       extra_.empty() ? std::span<AttentionPartial>{} : std::span(extra_).subspan(b * q_heads, q_heads);
   if (!by_head_) {

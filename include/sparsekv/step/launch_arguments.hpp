@@ -47,7 +47,7 @@ struct LaunchArguments {
   std::span<std::uint32_t> sink_tokens;
   std::span<std::uint32_t> recent;
   std::span<std::uint32_t> windows;
-  std::span<ReplicaWordWrite> writes;     // [max_writes]
+  std::span<ReplicaWordWrite> writes;  // [max_writes]
   std::uint32_t* write_count = nullptr;
 };
 
@@ -55,9 +55,9 @@ struct LaunchArguments {
 // Throws resource_exhausted when the saved pages' meta entries need more
 // writes than out.writes holds (before anything is written there).
 inline void fill_launch_arguments(const DeviceStepInput& step, std::uint32_t kv_heads,
-                                       const cuda::SummaryShape& summaries, const PagePool& cpu,
-                                       const GpuTablesReplica& replica, const HierarchicalPageTable& table,
-                                       std::vector<ReplicaWordWrite>& scratch, const LaunchArguments& out) {
+                                  const cuda::SummaryShape& summaries, const PagePool& cpu,
+                                  const GpuTablesReplica& replica, const HierarchicalPageTable& table,
+                                  std::vector<ReplicaWordWrite>& scratch, const LaunchArguments& out) {
   const std::uint32_t rows = step.batch * kv_heads;
   std::copy(step.tail_slots.begin(), step.tail_slots.end(), out.tail_slots.begin());
   std::copy(step.tail_pages.begin(), step.tail_pages.end(), out.tail_pages.begin());

@@ -19,10 +19,10 @@ namespace sparsekv {
 // Row i of a prompt tensor in the engine layout ([tokens][kv_heads][head_dim],
 // i = t * kv_heads + h) goes to placements[i] (TieredKVBuffer::
 // offload_on_device), in `block` (K or V) of that page.
-inline void prompt_row_targets(std::span<const TokenPlacement> placements, KvBlock block,
-                               std::vector<RowTarget>& out) {
+inline void prompt_row_targets(std::span<const TokenPlacement> placements, KvBlock block, std::vector<RowTarget>& out) {
   out.resize(placements.size());
-  for (std::size_t i = 0; i < placements.size(); ++i) out[i] = RowTarget{placements[i].cpu_page, placements[i].slot, block};
+  for (std::size_t i = 0; i < placements.size(); ++i)
+    out[i] = RowTarget{placements[i].cpu_page, placements[i].slot, block};
 }
 
 // The CPU tier's chunks reserved so far as a StagedSaver destination. Taken

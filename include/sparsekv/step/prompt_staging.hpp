@@ -94,8 +94,8 @@ class PromptStaging {
            ls.staged_tokens);
     }
     if (q == nullptr || out == nullptr) fail(ErrorCode::invalid_argument, "prompt_chunk: q and out must not be null");
-    return PromptChunk{q, q_stride, ls.staged_k.data(), ls.staged_v.data(), ls.staged_tokens - rows, rows, out,
-                       out_stride};
+    return PromptChunk{q,    q_stride, ls.staged_k.data(), ls.staged_v.data(), ls.staged_tokens - rows,
+                       rows, out,      out_stride};
   }
 
   // Prefills the layer with its staged prompt and releases the staged bytes,
@@ -103,7 +103,8 @@ class PromptStaging {
   // is long: kept, it would stay resident beside the CPU tier.
   static void prefill(const StepScope<Policy>& scope, RequestRegistry<Policy>& registry, RequestId request,
                       std::uint32_t layer, std::vector<float>& keys, std::vector<float>& values) {
-    LayerStepState<State>& ls = registry.prefill_entry(request, layer, registry.at(request).layers[layer].staged_tokens);
+    LayerStepState<State>& ls =
+        registry.prefill_entry(request, layer, registry.at(request).layers[layer].staged_tokens);
     host_prefill(scope, request, layer, ls, ls.staged_k.data(), ls.staged_v.data(), ls.staged_tokens, keys, values,
                  scope.config->storage_dtype(*scope.shape));
     ls.staged_k.release();
@@ -118,7 +119,7 @@ class PromptStaging {
  private:
   static constexpr std::size_t kKeptScratchBytes = std::size_t{1} << 20;
   std::vector<float> keys_, values_;  // a chunk in fp32, for its finiteness check
-  std::vector<std::byte> rows_;  // a chunk's rows converted to the storage dtype
+  std::vector<std::byte> rows_;       // a chunk's rows converted to the storage dtype
 };
 
 }  // namespace sparsekv

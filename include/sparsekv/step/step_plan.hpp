@@ -31,11 +31,11 @@ enum class CommitOrder : std::uint8_t {
 // What one batch entry takes and frees, in its commit's order.
 struct EntryDemand {
   RequestId request = 0;
-  bool placement = false;           // an evicting entry: copies, frees `freed_first`, then places its token
-  std::uint64_t copied_first = 0;   // private copies of the shared pages it evicts from, taken before any frees
+  bool placement = false;          // an evicting entry: copies, frees `freed_first`, then places its token
+  std::uint64_t copied_first = 0;  // private copies of the shared pages it evicts from, taken before any frees
   std::uint64_t freed_first = 0;
-  std::uint64_t taken = 0;          // pages a save or placement takes
-  bool regroups = false;            // then frees regroup_freed and takes regroup_taken
+  std::uint64_t taken = 0;  // pages a save or placement takes
+  bool regroups = false;    // then frees regroup_freed and takes regroup_taken
   std::uint64_t regroup_taken = 0, regroup_freed = 0;
   SegmentDemand segments;
 };
@@ -59,22 +59,22 @@ class PoolReplay {
 // at the saved partition and covering exactly its tokens plus the saved
 // page's. Checked before anything changes: a policy bug must not leave a
 // request half-stepped. Throws failed_precondition.
-void check_regroup(std::string_view policy, const HierarchicalPageTable& table, RequestId request,
-                   std::uint32_t layer, std::uint32_t head, std::uint32_t kv_heads, std::uint32_t page_tokens,
-                   const Repartition& regroup, PartitionId saved_partition);
+void check_regroup(std::string_view policy, const HierarchicalPageTable& table, RequestId request, std::uint32_t layer,
+                   std::uint32_t head, std::uint32_t kv_heads, std::uint32_t page_tokens, const Repartition& regroup,
+                   PartitionId saved_partition);
 
 // Per batch entry, what the step commits besides the buffer's own changes.
 template <class State>
 struct PlannedEntry {
-  bool saves = false;                  // this token fills the tail page
-  State state;                         // the policy state to commit (saves, or an evicting entry)
-  std::optional<Repartition> regroup;  // the policy's, with the save
-  std::vector<float> page_k, page_v;   // the full page, fp32 [token][kv_head][dim]
-  std::vector<PartitionId> partitions; // its partition id in each kv head
+  bool saves = false;                   // this token fills the tail page
+  State state;                          // the policy state to commit (saves, or an evicting entry)
+  std::optional<Repartition> regroup;   // the policy's, with the save
+  std::vector<float> page_k, page_v;    // the full page, fp32 [token][kv_head][dim]
+  std::vector<PartitionId> partitions;  // its partition id in each kv head
   // The policy never regroups (kRegroups): it sees the page at commit, on its
   // own state, and `state` is unused.
   bool appends_at_commit = false;
-  bool feeds = false;                  // device path: the state was fed the pages since its last update
+  bool feeds = false;  // device path: the state was fed the pages since its last update
 };
 
 template <class State>

@@ -35,7 +35,8 @@ struct StepScope {
   StepStats* stats = nullptr;
 
   LayerContext context(std::uint32_t layer, std::uint32_t tokens) const {
-    LayerContext ctx{layer, shape->layers, shape->q_heads, shape->kv_heads, shape->head_dim, config->page_tokens, tokens};
+    LayerContext ctx{layer,           shape->layers,       shape->q_heads, shape->kv_heads,
+                     shape->head_dim, config->page_tokens, tokens};
     ctx.kv_dtype = shape->dtype;
     return ctx;
   }
@@ -58,8 +59,8 @@ struct StepScope {
            to_string(*rows), to_string(shape->dtype), to_string(stored));
     }
   }
-  std::size_t kv_row() const { return std::size_t{shape->kv_heads} * shape->head_dim; }   // one token's K or V
-  std::size_t q_row() const { return std::size_t{shape->q_heads} * shape->head_dim; }     // one token's q
+  std::size_t kv_row() const { return std::size_t{shape->kv_heads} * shape->head_dim; }  // one token's K or V
+  std::size_t q_row() const { return std::size_t{shape->q_heads} * shape->head_dim; }    // one token's q
 
   // `n` values at `data` (in `dtype`: the model's unless said) as fp32 in
   // `out`; whether all are finite (found in the same pass).

@@ -8,8 +8,8 @@
 namespace sparsekv {
 
 struct StepStats {
-  CacheStepStats cache;            // hits + misses = selected pages
-  std::uint64_t pages_moved = 0;   // CPU -> GPU by Retrieve
+  CacheStepStats cache;           // hits + misses = selected pages
+  std::uint64_t pages_moved = 0;  // CPU -> GPU by Retrieve
   std::uint64_t bytes_moved = 0;
   std::uint64_t pages_saved = 0;   // GPU tail -> CPU by decode appends, one per kv head (as BufferStats)
   std::uint64_t decode_steps = 0;  // (request, layer) decode steps

@@ -35,8 +35,8 @@ struct ChunkedPages {
 // Every array is device-accessible (device memory or mapped pinned memory);
 // `heads` and `max_entries` are the only host-known figures.
 struct DeviceMissList {
-  std::uint32_t heads = 0;        // capacity: heads of the LRU launch
-  std::uint32_t max_entries = 0;  // capacity of the copy arrays (the LRU launch's page_offsets[heads])
+  std::uint32_t heads = 0;                      // capacity: heads of the LRU launch
+  std::uint32_t max_entries = 0;                // capacity of the copy arrays (the LRU launch's page_offsets[heads])
   const std::uint32_t* page_offsets = nullptr;  // [heads]: head h's region starts here
   // Head h copies counts[h * count_stride] entries. A 64-bit strided view so
   // the LRU step's CacheStepStats::miss_pages is read in place

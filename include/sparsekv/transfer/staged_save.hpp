@@ -79,9 +79,9 @@ struct SaveDestination {
 };
 
 struct StagedSaverConfig {
-  std::uint32_t workers = 4;         // host scatter threads, 1..64
-  std::uint32_t staging_slots = 2;   // staging buffers in flight, 1..16
-  std::size_t staging_bytes = 0;     // initial bytes per slot (grows on demand)
+  std::uint32_t workers = 4;                             // host scatter threads, 1..64
+  std::uint32_t staging_slots = 2;                       // staging buffers in flight, 1..16
+  std::size_t staging_bytes = 0;                         // initial bytes per slot (grows on demand)
   std::size_t max_staging_bytes = std::size_t{1} << 30;  // per slot; larger saves are refused
 };
 
@@ -117,8 +117,8 @@ class StagedSaver {
   // returns; `compute_stream` is ignored.
   // `on_complete` (optional) runs on a worker after every row is written;
   // an exception it throws surfaces on wait().
-  SaveTicket save(const std::byte* source, std::size_t bytes, std::span<const RowTarget> targets,
-                  void* compute_stream, std::function<void()> on_complete = {});
+  SaveTicket save(const std::byte* source, std::size_t bytes, std::span<const RowTarget> targets, void* compute_stream,
+                  std::function<void()> on_complete = {});
 
   // Makes `stream` (a cudaStream_t) wait, on the device and without blocking
   // the host, until save `ticket` has read its source. No-op for host-path
@@ -166,11 +166,11 @@ class StagedSaver {
   std::condition_variable_any work_cv_;  // workers: a new save was enqueued
   std::condition_variable done_cv_;      // callers: a save finished
   std::vector<std::unique_ptr<Slot>> slots_;
-  std::deque<Slot*> in_flight_;                        // unfinished saves in ticket order
-  std::map<SaveTicket, std::exception_ptr> errors_;    // finished with an error, not yet rethrown
-  SaveTicket issued_ = 0;                              // last ticket handed out
-  SaveTicket finished_ = 0;                            // every ticket <= it has finished
-  std::vector<std::jthread> workers_;                  // last: joined before the rest goes
+  std::deque<Slot*> in_flight_;                      // unfinished saves in ticket order
+  std::map<SaveTicket, std::exception_ptr> errors_;  // finished with an error, not yet rethrown
+  SaveTicket issued_ = 0;                            // last ticket handed out
+  SaveTicket finished_ = 0;                          // every ticket <= it has finished
+  std::vector<std::jthread> workers_;                // last: joined before the rest goes
 };
 
 }  // namespace sparsekv
