@@ -3,8 +3,8 @@
 // 8 kv heads x 2048 selected tokens per (request, kv head) -- 128 pages of 16
 // tokens or 256 of 8 -- scattered over a 512 MiB page pool, bf16 pages, GQA 4
 // (32 q heads), fp32 q / o / lse. The head_dim 128, 16-token rows come first:
-// the shape of issue 14's table.
-// Targets (issue 14): at batch >= 32, >= 0.8 of the HBM bound and within
+// the shape of docs/performance.md's table.
+// Targets: at batch >= 32, >= 0.8 of the HBM bound and within
 // 1.15x of PyTorch SDPA over the same KV made contiguous; at batch 8 within
 // 1.3x; at batch 1 <= 20 us. benchmarks/peer_attention.py times the PyTorch
 // side over the same grid and shapes.
@@ -15,7 +15,7 @@
 //   hbm_GBps  - the HBM bound measured in the same process: a 256 MiB
 //               device-to-device cudaMemcpyAsync, counted as 2 x 256 MiB
 //               (every byte is read and written once)
-//   over_hbm  - GBps / hbm_GBps (the issue's target is >= 0.8 at batch >= 32)
+//   over_hbm  - GBps / hbm_GBps (the target is >= 0.8 at batch >= 32)
 //   chunks    - split-K chunks per (request, kv head) chosen for this case
 //   pages     - pages per (request, kv head): 2048 / page_tokens
 // Launches rotate over disjoint page sets (>= 128 MiB together, or one set

@@ -33,7 +33,7 @@
 //    dense_ms;
 //  - hit_ratio: GPU-cache hits over selected pages in the timed steps;
 //  - tokens/s: batch / step_ms -- of ONE layer (a model of L layers: / L).
-// Targets (issue 13): step_ms <= 2 x floor_ms at batch >= 8; at 128K and
+// Targets: step_ms <= 2 x floor_ms at batch >= 8; at 128K and
 // batch 8, step_ms <= 0.25 x dense_ms.
 //
 // Memory: the CPU tier (pinned host memory) holds every request's context:

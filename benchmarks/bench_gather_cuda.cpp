@@ -13,7 +13,7 @@
 //   over_per_page - against one cudaMemcpyAsync per page, on the same pages
 //   over_batch    - against one cudaMemcpyBatchAsync over the same pages (CUDA 12.8+; -1 without)
 //
-// BM_GatherOverlap (issue 14, overlap): in the device pipeline one layer's
+// BM_GatherOverlap: in the device pipeline one layer's
 // gather runs beside another layer's attention. Each run takes an attention
 // batch (8 or 32 requests; the shape of bench_attention_cuda.cpp: 8 kv heads,
 // 32 q heads, head_dim 128, bf16 pages of 16 tokens, 2048 selected tokens per

@@ -1,5 +1,5 @@
-// sparsekv-bench-host: the host backend's Attend and Select on the CPU
-// (issue 27 item 4), each beside its bounds measured in the same process.
+// sparsekv-bench-host: the host backend's Attend and Select on the CPU,
+// each beside its bounds measured in the same process.
 //
 // Attend/<shape>/<dtype>/budget:B/page:P/threads:N
 //   SplitPlanAttention (the host Attend) of one decode step of one layer:
@@ -61,7 +61,7 @@
 //   halves over the pool. Counters: us (per (request, layer)), over_attend =
 //   Select time / Attend time per (request, layer) for the same budget
 //   (Attend/llama/bf16/budget:1024/page:16 at the same thread count; the
-//   issue's target is <= 0.15).
+//   target is <= 0.15).
 // Select/shadowkv/smollm/context:{4096,4142}/page:8/threads:N
 //   The same at smollm-demo's Select: the SmolLM2 shape, ShadowKV over
 //   8-token pages, budget 512, a 4,096-token context (whole pages) or the

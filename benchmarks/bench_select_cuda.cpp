@@ -1,5 +1,5 @@
 // Select kernels (policy/select_cuda.hpp, docs/policies/select-gpu.md) on
-// issue 13's shape, "many short rows, small k": rows = batch x 8 kv heads in
+// the decode step's shape, "many short rows, small k": rows = batch x 8 kv heads in
 // {8, 64, 256}, candidates per row in {2048, 4096, 8192, 16384}, head_dim
 // 128, GQA group 4, a 2048-token budget (Quest: 16-token partitions, k ~ 128;
 // ShadowKV: 8-token pages, k ~ 256; RetroInfer: clusters of 1..40 tokens and

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch peer of benchmarks/bench_attention_cuda.cpp (issue 14): the same grid
+"""PyTorch peer of benchmarks/bench_attention_cuda.cpp: the same grid
 and shapes timed with PyTorch's kernels, so that the two tables can be read
 side by side.
 
@@ -18,7 +18,7 @@ Per row:
   sdpa_contig_us   F.scaled_dot_product_attention(enable_gqa=True) over the
                    case's K and V already contiguous, [batch][8][2048][head_dim]:
                    the dense decode kernel an engine has, reading the same
-                   bytes without paging (issue 14's reference time)
+                   bytes without paging (the reference time)
   gather_sdpa_us   index_select of the pages' K blocks and of their V blocks
                    straight into that contiguous form, then the same SDPA: the
                    naive sparse path ("-", null in JSON, when the host could not
@@ -42,7 +42,7 @@ the GPU busy while Python enqueues (tens of microseconds a launch, more than a
 batch-1 launch runs), so the events time the kernels and not the host: an
 iteration whose start event has already completed when its last launch is
 enqueued (the GPU may have waited for the host) is discarded and the pad
-doubled. Issue 14's table timed one call at a time, host dispatch included, so
+doubled. The first H100 table timed one call at a time, host dispatch included, so
 its small batches read higher than this.
 
 --json PATH writes {"device", "torch", "hbm_GBps", "rows": [...]}, each row with

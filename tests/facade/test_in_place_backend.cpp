@@ -1,4 +1,4 @@
-// InPlaceBackend (facade/in_place_backend.hpp; issue 27 item 3): a CPU
+// InPlaceBackend (facade/in_place_backend.hpp): a CPU
 // engine's backend attends the CPU tier where it is. For every built-in
 // policy, evicting ones included, over random shapes, dtypes, page sizes,
 // budgets, batches and requests that arrive and finish, a Manager on it and

@@ -15,7 +15,7 @@
 // / max_d |host| (the head's L-inf norm, so near-zero elements do not blow
 // it up); a head that attended to nothing must be exactly 0 in both. lse:
 // |kernel - host| / max(1, |host|), and -inf exactly where the host has -inf.
-// Bound: 2e-3 (the bf16 bound, applied to every dtype). Slot
+// Bound: 2e-3 (the bf16 bound, applied to every dtype). Slot
 // weights: |kernel - host| <= 1e-4 per slot (scores differ only in fp32
 // summation order), exactly 0 for dead and unused slots.
 #include <catch2/catch.hpp>

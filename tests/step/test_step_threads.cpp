@@ -1,4 +1,4 @@
-// The host step split across threads (step/host_step.hpp; issue 26): for
+// The host step split across threads (step/host_step.hpp): for
 // every built-in policy, evicting ones included, random shapes, dtypes,
 // budgets and batches, managers driven by identical calls through
 //   - decode() on this thread (the reference),

@@ -1,4 +1,4 @@
-# The split attention kernel's resources on sm_90 (issue 14, docs/performance.md):
+# The split attention kernel's resources on sm_90 (docs/performance.md):
 # no instantiation spills, and every one keeps at least 6 CTAs of 128 threads
 # per SM (the register-held kernel had 2-3 at GQA 4-8): a change that grows
 # its registers or shared memory past that fails here, before any GPU run.

@@ -1,6 +1,6 @@
 #pragma once
-// Oracle: the best page selection of a given size, for measuring the others
-// (issue 15). It keeps every post-RoPE key and, per step and kv head, ranks
+// Oracle: the best page selection of a given size, for measuring the others.
+// It keeps every post-RoPE key and, per step and kv head, ranks
 // the KV pages by the dense softmax mass the GQA group's queries put on them
 // (each q head's softmax over the whole selectable context, summed over the
 // group), then takes pages in descending mass while the token budget lasts.
