@@ -81,7 +81,7 @@ class SparsePipeline {
                                [&](PageId page, std::uint32_t tokens) { kv_[h].add(gpu.data(page), tokens); });
     }
     extra_.clear();
-    if (policy_.has_attend()) {
+    if (policy_.has_custom_attend()) {
       extra_.assign(shape_.q_heads, AttentionPartial(shape_.head_dim));
       policy_.attend(ctx, q, states_[layer], selection_, extra_);
     }

@@ -158,7 +158,7 @@ struct RunCounts {
 // must succeed: the tiers are sized for the scenario.
 RunCounts run(RuntimeManager& m, const Scenario& s, std::uint32_t seed) {
   const ModelShape& shape = s.shape;
-  const Checker checker(s, m.policy().has_attend());
+  const Checker checker(s, m.policy().has_custom_attend());
   std::mt19937 rng(seed);
   std::map<RequestId, std::vector<LayerReference>> refs;
   std::map<RequestId, std::uint32_t> left;
@@ -298,7 +298,7 @@ TEST_CASE("Facade, randomized: RetroInfer through re-index boundaries near max_c
       s.config.gpu_tier_bytes = probe.can_admit(s.max_prompt, max_tokens).gpu_pages_needed * page;
     }
     RuntimeManager m(s.shape, s.config, AnyPolicy(RetroInferPolicy(o)));
-    const Checker checker(s, m.policy().has_attend());
+    const Checker checker(s, m.policy().has_custom_attend());
     std::vector<LayerReference> ref(1);
     REQUIRE(m.can_admit(s.max_prompt, max_tokens).admit);
     m.add_request(7, max_tokens);

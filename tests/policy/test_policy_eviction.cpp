@@ -19,9 +19,9 @@
 
 using namespace sparsekv;
 
-static_assert(TokenEviction<H2OPolicy>);
-static_assert(TokenEviction<StreamingEvictionPolicy>);
-static_assert(!TokenEviction<QuestPolicy>);
+static_assert(EvictsTokens<H2OPolicy>);
+static_assert(EvictsTokens<StreamingEvictionPolicy>);
+static_assert(!EvictsTokens<QuestPolicy>);
 static_assert(RewritesSummaries<QuestPolicy>);
 static_assert(RewritesSummaries<ShadowKVPolicy>);
 static_assert(!RewritesSummaries<H2OPolicy>);
@@ -360,7 +360,7 @@ TEST_CASE("streaming_evict: sinks stay, the token leaving the window goes", "[po
   StreamingEvictionPolicy::Options o;
   o.budget_tokens = 8;
   const StreamingEvictionPolicy policy(o);
-  STATIC_REQUIRE(!StreamingEvictionPolicy::kNeedsWeights);
+  STATIC_REQUIRE(!StreamingEvictionPolicy::kNeedsTokenWeights);
   auto state = indexed(policy, ctx, 10);
   // At prefill: 10 live, 11 with the next token: 3 go, the oldest after the 4 sinks.
   Eviction out;
@@ -475,9 +475,9 @@ TEST_CASE("AnyPolicy forwards the eviction calls; make_policy knows h2o and stre
   const LayerContext ctx = context();
   const AnyPolicy any = make_policy("h2o", 8);
   CHECK(any.name() == "h2o");
-  CHECK(any.evicts());
-  CHECK(any.needs_weights());
-  CHECK(!any.rewrites());
+  CHECK(any.evicts_tokens());
+  CHECK(any.needs_token_weights());
+  CHECK(!any.rewrites_summaries());
   // make_policy's recent window is half the budget: prompt 8, token 8 placed,
   // 0..4 heavy. With a window of 4, 5 and then the oldest go (a window of 2
   // would evict 5 and 6).
@@ -496,14 +496,14 @@ TEST_CASE("AnyPolicy forwards the eviction calls; make_policy knows h2o and stre
   CHECK(out.positions == std::vector<Positions>{{0, 5}, {0, 5}});
 
   const AnyPolicy streaming = make_policy("streaming_evict", 8);
-  CHECK(streaming.evicts());
-  CHECK(!streaming.needs_weights());
+  CHECK(streaming.evicts_tokens());
+  CHECK(!streaming.needs_token_weights());
   REQUIRE_SPARSEKV_ERROR(make_policy("streaming_evict", 4), ErrorCode::invalid_argument);
 
   const AnyPolicy quest = make_policy("quest", 8);
-  CHECK(!quest.evicts());
-  CHECK(!quest.needs_weights());
-  CHECK(quest.rewrites());
+  CHECK(!quest.evicts_tokens());
+  CHECK(!quest.needs_token_weights());
+  CHECK(quest.rewrites_summaries());
   std::any q = quest.make_state();
   quest.index(ctx, chunk.view(), q);
   out.positions = {{1}};
@@ -514,7 +514,7 @@ TEST_CASE("AnyPolicy forwards the eviction calls; make_policy knows h2o and stre
   std::vector<float> rows = chunk.rows_of(0, {0});
   quest.rewrite(ctx, RewrittenPage{0, 0, one_head_view(rows, 1, ctx.head_dim)}, q);
   CHECK(std::any_cast<const QuestPolicy::LayerState&>(q).max != before);
-  CHECK(!make_policy("dense", 0).rewrites());
+  CHECK(!make_policy("dense", 0).rewrites_summaries());
 
   const auto names = policy_names();
   CHECK(eviction_policy_names() == std::vector<std::string>{"h2o", "streaming_evict"});

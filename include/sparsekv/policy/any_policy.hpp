@@ -25,7 +25,7 @@ class AnyPolicy {
 
   std::string_view name() const { return impl_->name(); }
   RopeStage rope() const { return impl_->rope(); }
-  bool has_attend() const { return impl_->has_attend(); }
+  bool has_custom_attend() const { return impl_->has_custom_attend(); }
   bool may_regroup() const { return impl_->may_regroup(); }
   bool index_reads_values() const { return impl_->index_reads_values(); }
   // A fresh per-(request, layer) state.
@@ -82,8 +82,8 @@ class AnyPolicy {
   }
   // Token eviction (token_eviction.hpp). For policies that evict nothing:
   // false, no weights, an empty list per kv head, and no-ops.
-  bool evicts() const { return impl_->evicts(); }
-  bool needs_weights() const { return impl_->needs_weights(); }
+  bool evicts_tokens() const { return impl_->evicts_tokens(); }
+  bool needs_token_weights() const { return impl_->needs_token_weights(); }
   void evict(const LayerContext& ctx, const EvictionContext& e, std::any& state, Eviction& out) const {
     impl_->evict(ctx, e, state, out);
   }
@@ -92,7 +92,7 @@ class AnyPolicy {
   }
   void observe(const LayerContext& ctx, const TokenWeights& w, std::any& state) const { impl_->observe(ctx, w, state); }
   // RewritesSummaries; a no-op for the policies without it.
-  bool rewrites() const { return impl_->rewrites(); }
+  bool rewrites_summaries() const { return impl_->rewrites_summaries(); }
   void rewrite(const LayerContext& ctx, const RewrittenPage& page, std::any& state) const {
     impl_->rewrite(ctx, page, state);
   }
@@ -102,7 +102,7 @@ class AnyPolicy {
     virtual ~Concept() = default;
     virtual std::string_view name() const = 0;
     virtual RopeStage rope() const = 0;
-    virtual bool has_attend() const = 0;
+    virtual bool has_custom_attend() const = 0;
     virtual bool may_regroup() const = 0;
     virtual bool index_reads_values() const = 0;
     virtual std::any make_state() const = 0;
@@ -127,12 +127,12 @@ class AnyPolicy {
     virtual HostStateRow host_state_row(const std::any&, std::uint32_t, std::uint32_t) const = 0;
     virtual bool host_index_update_due(const std::any&, std::uint32_t) const = 0;
     virtual void host_summary_rows(const std::any&, std::uint32_t, HostSummaryRows&) const = 0;
-    virtual bool evicts() const = 0;
-    virtual bool needs_weights() const = 0;
+    virtual bool evicts_tokens() const = 0;
+    virtual bool needs_token_weights() const = 0;
     virtual void evict(const LayerContext&, const EvictionContext&, std::any&, Eviction&) const = 0;
     virtual void placed(const LayerContext&, std::uint32_t, std::any&) const = 0;
     virtual void observe(const LayerContext&, const TokenWeights&, std::any&) const = 0;
-    virtual bool rewrites() const = 0;
+    virtual bool rewrites_summaries() const = 0;
     virtual void rewrite(const LayerContext&, const RewrittenPage&, std::any&) const = 0;
   };
 
@@ -142,7 +142,7 @@ class AnyPolicy {
     explicit Model(P p) : policy(std::move(p)) {}
     std::string_view name() const override { return P::kName; }
     RopeStage rope() const override { return P::kRope; }
-    bool has_attend() const override { return CustomAttend<P>; }
+    bool has_custom_attend() const override { return CustomAttend<P>; }
     bool may_regroup() const override { return sparsekv::may_regroup(policy); }
     bool index_reads_values() const override { return sparsekv::index_reads_values(policy); }
     std::any make_state() const override { return State{}; }
@@ -191,8 +191,8 @@ class AnyPolicy {
     void host_summary_rows(const std::any& s, std::uint32_t head, HostSummaryRows& out) const override {
       sparsekv::host_summary_rows(policy, std::any_cast<const State&>(s), head, out);
     }
-    bool evicts() const override { return TokenEviction<P>; }
-    bool needs_weights() const override { return needs_token_weights(policy); }
+    bool evicts_tokens() const override { return EvictsTokens<P>; }
+    bool needs_token_weights() const override { return needs_token_weights(policy); }
     void evict(const LayerContext& c, const EvictionContext& e, std::any& s, Eviction& out) const override {
       evict_tokens(policy, c, e, std::any_cast<State&>(s), out);
     }
@@ -202,7 +202,7 @@ class AnyPolicy {
     void observe(const LayerContext& c, const TokenWeights& w, std::any& s) const override {
       observe_weights(policy, c, w, std::any_cast<State&>(s));
     }
-    bool rewrites() const override { return RewritesSummaries<P>; }
+    bool rewrites_summaries() const override { return RewritesSummaries<P>; }
     void rewrite(const LayerContext& c, const RewrittenPage& page, std::any& s) const override {
       rewrite_summary(policy, c, page, std::any_cast<State&>(s));
     }
@@ -243,7 +243,7 @@ inline std::vector<PartitionSpec> fork_index(const AnyPolicy& p, const LayerCont
                                              const KvView& kv, std::any& state) {
   return p.fork_index(ctx, source, kv, state);
 }
-inline bool has_custom_attend(const AnyPolicy& p) { return p.has_attend(); }
+inline bool has_custom_attend(const AnyPolicy& p) { return p.has_custom_attend(); }
 inline bool may_regroup(const AnyPolicy& p) { return p.may_regroup(); }
 inline bool index_reads_values(const AnyPolicy& p) { return p.index_reads_values(); }
 inline void custom_attend(const AnyPolicy& p, const LayerContext& ctx, const DecodeQuery& q, const std::any& state,
@@ -264,8 +264,8 @@ inline void attend_one_head(const AnyPolicy& p, const LayerContext& ctx, const D
 inline std::optional<HeadCapacity> declared_head_capacity(const AnyPolicy& p, const LayerContext& ctx) {
   return p.head_capacity(ctx);
 }
-inline bool evicts_tokens(const AnyPolicy& p) { return p.evicts(); }
-inline bool needs_token_weights(const AnyPolicy& p) { return p.needs_weights(); }
+inline bool evicts_tokens(const AnyPolicy& p) { return p.evicts_tokens(); }
+inline bool needs_token_weights(const AnyPolicy& p) { return p.needs_token_weights(); }
 inline void token_placed(const AnyPolicy& p, const LayerContext& ctx, std::uint32_t position, std::any& state) {
   p.placed(ctx, position, state);
 }

@@ -3,7 +3,7 @@
 // ref. [9]): every token keeps the cumulative attention it has received;
 // once the cache holds its budget, each decode step greedily evicts the live
 // token with the lowest cumulative score among those older than the recent
-// window, one token per step by default. A TokenEviction policy
+// window, one token per step by default. A EvictsTokens policy
 // (token_eviction.hpp); docs/policies/h2o.md.
 //
 // Choices:
@@ -50,7 +50,7 @@ class H2OPolicy {
   };
   static constexpr std::string_view kName = "h2o";
   static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kNeedsWeights = true;
+  static constexpr bool kNeedsTokenWeights = true;
   static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   H2OPolicy();

@@ -2,7 +2,7 @@
 // StreamingLLM eviction (Xiao et al. 2023; SpvLLM §4.2 and its ref. [8]): the
 // cache keeps the first `sink_tokens` tokens (attention sinks) and a rolling
 // window of the newest tokens; each decode step evicts the token that leaves
-// the window. A TokenEviction policy (token_eviction.hpp) that needs no
+// the window. A EvictsTokens policy (token_eviction.hpp) that needs no
 // attention weights; docs/policies/streaming_evict.md. The static-selection
 // form over a full cache is StreamingWindowPolicy (streaming_window.hpp).
 //
@@ -36,7 +36,7 @@ class StreamingEvictionPolicy {
   };
   static constexpr std::string_view kName = "streaming_evict";
   static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kNeedsWeights = false;
+  static constexpr bool kNeedsTokenWeights = false;
   static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   StreamingEvictionPolicy();

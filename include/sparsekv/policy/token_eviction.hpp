@@ -1,14 +1,14 @@
 #pragma once
 // Permanent token eviction (SpvLLM §1, §4.2): policies that drop tokens from
 // the KV cache for good, H2O (Zhang et al. 2023, SpvLLM ref. [9]) and
-// StreamingLLM (Xiao et al. 2023, ref. [8]). A TokenEviction policy is a
+// StreamingLLM (Xiao et al. 2023, ref. [8]). A EvictsTokens policy is a
 // SparseAttention policy (sparse_attention.hpp) that also decides, per kv
 // head, which sequence positions leave the cache; the library keeps the
 // position <-> (partition, slot) maps, masks dead slots and reuses them
 // (docs/policies/h2o.md, docs/policies/streaming_evict.md).
 //
-// On top of SparseAttention, a TokenEviction policy P has
-//   P::kNeedsWeights            whether observe() wants this step's attention
+// On top of SparseAttention, a EvictsTokens policy P has
+//   P::kNeedsTokenWeights            whether observe() wants this step's attention
 //                               weights (H2O) or ignores them (StreamingLLM)
 //   p.placed(ctx, pos, state)   decode: token `pos` became live in every kv
 //                               head; positions arrive in increasing order
@@ -84,10 +84,10 @@ struct TokenWeights {
 };
 
 template <class P>
-concept TokenEviction = SparseAttention<P> &&
+concept EvictsTokens = SparseAttention<P> &&
     requires(const P& policy, typename P::LayerState& state, const LayerContext& ctx, const EvictionContext& e,
              const TokenWeights& w, Eviction& out, std::uint32_t position) {
-  { P::kNeedsWeights } -> std::convertible_to<bool>;
+  { P::kNeedsTokenWeights } -> std::convertible_to<bool>;
   { policy.evict(ctx, e, state, out) } -> std::same_as<void>;
   { policy.placed(ctx, position, state) } -> std::same_as<void>;
   { policy.observe(ctx, w, state) } -> std::same_as<void>;
@@ -108,16 +108,16 @@ concept RewritesSummaries = SparseAttention<P> &&
 };
 
 // Uniform calls for any SparseAttention policy: the eviction hooks of a
-// TokenEviction / RewritesSummaries policy, and for every other policy no
+// EvictsTokens / RewritesSummaries policy, and for every other policy no
 // weights, no eviction (an empty list per kv head) and no rewrite.
 template <SparseAttention P>
 constexpr bool evicts_tokens(const P&) {
-  return TokenEviction<P>;
+  return EvictsTokens<P>;
 }
 template <SparseAttention P>
 constexpr bool needs_token_weights(const P&) {
-  if constexpr (TokenEviction<P>) {
-    return P::kNeedsWeights;
+  if constexpr (EvictsTokens<P>) {
+    return P::kNeedsTokenWeights;
   } else {
     return false;
   }
@@ -125,7 +125,7 @@ constexpr bool needs_token_weights(const P&) {
 template <SparseAttention P>
 void evict_tokens(const P& p, const LayerContext& ctx, const EvictionContext& e, typename P::LayerState& state,
                   Eviction& out) {
-  if constexpr (TokenEviction<P>) {
+  if constexpr (EvictsTokens<P>) {
     p.evict(ctx, e, state, out);
   } else {
     out.reset(ctx.kv_heads);
@@ -133,11 +133,11 @@ void evict_tokens(const P& p, const LayerContext& ctx, const EvictionContext& e,
 }
 template <SparseAttention P>
 void token_placed(const P& p, const LayerContext& ctx, std::uint32_t position, typename P::LayerState& state) {
-  if constexpr (TokenEviction<P>) p.placed(ctx, position, state);
+  if constexpr (EvictsTokens<P>) p.placed(ctx, position, state);
 }
 template <SparseAttention P>
 void observe_weights(const P& p, const LayerContext& ctx, const TokenWeights& w, typename P::LayerState& state) {
-  if constexpr (TokenEviction<P>) p.observe(ctx, w, state);
+  if constexpr (EvictsTokens<P>) p.observe(ctx, w, state);
 }
 template <SparseAttention P>
 void rewrite_summary(const P& p, const LayerContext& ctx, const RewrittenPage& page, typename P::LayerState& state) {
