@@ -1,4 +1,4 @@
-// Save D2H (SparseServe §3.2.2 FlashD2H): StagedSaver -- one contiguous D2H
+// Save D2H (SparseServe §3.2.2 FlashD2H): FlashD2HSaver -- one contiguous D2H
 // copy into pinned staging, then host workers scatter the rows -- saving KV
 // pages from device memory into random distinct pages of a pinned CPU pool
 // (256 MiB). Pages of 2/4/8/16/32 KB (K block then V block of 256-byte rows:
@@ -53,7 +53,7 @@
 #include <vector>
 
 #include "cuda_bench_support.hpp"
-#include "sparsekv/transfer/staged_save.hpp"
+#include "sparsekv/transfer/flash_d2h_save.hpp"
 
 namespace {
 
@@ -239,10 +239,10 @@ void run_save(benchmark::State& state, std::uint32_t pages) {
   const CopyReferences& ref = references(c);
 
   // Both staging slots sized for the save up front: nothing is allocated in the timed loop.
-  sparsekv::StagedSaver saver(sparsekv::StagedSaverConfig{workers, 2, bytes});
+  sparsekv::FlashD2HSaver saver(sparsekv::FlashD2HSaverConfig{workers, 2, bytes});
   saver.set_destination(destination(page_bytes));
   auto save = [&] { saver.wait(saver.save(b.source, bytes, c.targets, b.stream)); };
-  verify("StagedSaver", c, save);
+  verify("FlashD2HSaver", c, save);
   save();  // the second staging slot's first save
   double total_ms = 0;
   for (auto _ : state) {

@@ -132,7 +132,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   }
 
   void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements, void* stream) override {
-    if (!saver_) saver_ = std::make_unique<StagedSaver>();
+    if (!saver_) saver_ = std::make_unique<FlashD2HSaver>();
     save_prompt(*saver_, buffer_.cpu_pool(), k, v, placements, kPromptPieceBytes, stream, k_targets_, v_targets_);
   }
 
@@ -495,7 +495,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   DeviceSummaries summaries_;
   // The device prefill: its finiteness word and staged D2H saver, made on first use.
   DeviceBytes finite_word_;
-  std::unique_ptr<StagedSaver> saver_;
+  std::unique_ptr<FlashD2HSaver> saver_;
   std::vector<RowTarget> k_targets_, v_targets_;
   DeviceBytes q_, selected_, selected_count_, select_workspace_;
   // RetroInfer's estimation terms (DecodeAttentionExtra), and whether the last step wrote them.

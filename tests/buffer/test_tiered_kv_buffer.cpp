@@ -448,17 +448,17 @@ TEST_CASE("append_on_device keeps the host append's bookkeeping, refusing alike"
 
 // The device prefill's Offload (Manager::prefill with device tensors) on the
 // host path of the same code: offload_on_device's placements turned into
-// StagedSaver targets (step/prompt_offload.hpp) and scattered by its
+// FlashD2HSaver targets (step/prompt_offload.hpp) and scattered by its
 // workers write the bytes, page ids and table entries offload() writes, for
 // one-page and multi-page partitions, across chunk boundaries of the pool.
-TEST_CASE("offload_on_device + staged save equals offload", "[buffer][staged-save]") {
+TEST_CASE("offload_on_device + staged save equals offload", "[buffer][flash-d2h-save]") {
   HostMemoryResource memory(false);
   const std::size_t row = std::size_t{kShape.kv_heads} * kShape.head_dim;
   for (const std::uint32_t partition_tokens : {kPageTokens, 3 * kPageTokens}) {
     INFO("partition tokens " << partition_tokens);
     TieredKVBuffer host(kShape, small_config(1.0), memory, memory);
     TieredKVBuffer device(kShape, small_config(1.0), memory, memory);
-    StagedSaver saver(StagedSaverConfig{3, 2, 0, std::size_t{1} << 20});
+    FlashD2HSaver saver(FlashD2HSaverConfig{3, 2, 0, std::size_t{1} << 20});
     std::vector<TokenPlacement> placements;
     std::vector<RowTarget> targets;
     for (const RequestId id : {RequestId{3}, RequestId{5}}) {

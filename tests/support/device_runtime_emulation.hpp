@@ -193,9 +193,9 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     return kNoNonFinite;
   }
 
-  // The CUDA runtime's offload: the same save_prompt, on StagedSaver's host path.
+  // The CUDA runtime's offload: the same save_prompt, on FlashD2HSaver's host path.
   void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements, void* stream) override {
-    StagedSaver saver;
+    FlashD2HSaver saver;
     std::vector<RowTarget> k_targets, v_targets;
     // Small pieces, so a prompt crosses several of them as a long one does on the device.
     save_prompt(saver, buffer_.cpu_pool(), k, v, placements, 3 * buffer_.cpu_pool().layout().row_bytes(), stream,

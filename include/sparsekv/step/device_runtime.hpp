@@ -115,7 +115,7 @@ class DeviceRuntime {
   static constexpr std::uint64_t kNoNonFinite = ~std::uint64_t{0};
   virtual std::uint64_t first_non_finite(const void* data, std::uint64_t count, void* stream) = 0;
   // Offload of a prompt's device K / V into the CPU tier through the staged
-  // D2H path (transfer/staged_save.hpp; SparseServe §3.2.2 FlashD2H, §3.4
+  // D2H path (transfer/flash_d2h_save.hpp; SparseServe §3.2.2 FlashD2H, §3.4
   // layer-segmented prefill): one contiguous copy per tensor into pinned
   // staging after the work enqueued on `stream`, host workers scattering the
   // rows into their pages. Row t * kv_heads + h of K and of V goes to

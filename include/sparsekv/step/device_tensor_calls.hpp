@@ -3,7 +3,7 @@
 // "Device tensors"). A policy with a device Select in every layer runs the
 // whole step on the device (DeviceStep, through the backend's DeviceRuntime,
 // made at the first call); any other takes the host-Select path: the call's
-// tensors are staged in host memory (StagedTensors), the host call runs, and
+// tensors are staged in host memory (HostSelectTensors), the host call runs, and
 // `out` goes back up, each call waiting. Every call checks its arguments and
 // the registry's requests before it changes anything.
 #include <cstddef>
@@ -21,7 +21,7 @@
 #include "sparsekv/step/prefill.hpp"
 #include "sparsekv/step/request_registry.hpp"
 #include "sparsekv/step/request_sizing.hpp"
-#include "sparsekv/step/staged_tensors.hpp"
+#include "sparsekv/step/host_select_tensors.hpp"
 #include "sparsekv/step/step_scope.hpp"
 
 namespace sparsekv {
@@ -200,7 +200,7 @@ class DeviceTensorCalls {
   std::optional<DeviceStep<Policy>> step_;
   std::vector<typename DeviceStep<Policy>::Entry> entries_;
   std::vector<float> keys_, values_;  // a staged prompt in fp32
-  StagedTensors staged_;
+  HostSelectTensors staged_;
 };
 
 }  // namespace sparsekv

@@ -12,7 +12,7 @@
 
 #include "sparsekv/memory/page_pool.hpp"
 #include "sparsekv/partition/partition_map.hpp"
-#include "sparsekv/transfer/staged_save.hpp"
+#include "sparsekv/transfer/flash_d2h_save.hpp"
 
 namespace sparsekv {
 
@@ -25,7 +25,7 @@ inline void prompt_row_targets(std::span<const TokenPlacement> placements, KvBlo
     out[i] = RowTarget{placements[i].cpu_page, placements[i].slot, block};
 }
 
-// The CPU tier's chunks reserved so far as a StagedSaver destination. Taken
+// The CPU tier's chunks reserved so far as a FlashD2HSaver destination. Taken
 // after the prompt's pages are mapped (a mapping may reserve a chunk).
 inline SaveDestination cpu_tier_destination(const PagePool& pool) {
   SaveDestination d;
@@ -47,7 +47,7 @@ inline SaveDestination cpu_tier_destination(const PagePool& pool) {
 // scatter the previous piece), then waits until every row is written.
 // `k_targets` / `v_targets` are the caller's reusable scratch. The CUDA
 // runtime passes device K / V; the CI emulation the same call on host ones.
-inline void save_prompt(StagedSaver& saver, const PagePool& pool, const void* k, const void* v,
+inline void save_prompt(FlashD2HSaver& saver, const PagePool& pool, const void* k, const void* v,
                         std::span<const TokenPlacement> placements, std::size_t piece_bytes, void* stream,
                         std::vector<RowTarget>& k_targets, std::vector<RowTarget>& v_targets) {
   saver.set_destination(cpu_tier_destination(pool));

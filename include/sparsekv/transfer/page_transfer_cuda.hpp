@@ -8,7 +8,7 @@
 //    kernel's vector accesses need, fall back to one cudaMemcpyAsync each);
 //  - save: a full decode tail, one cudaMemcpyAsync device -> pinned host per
 //    page (a few pages per step; batched prefill-size saves go through
-//    transfer/staged_save.hpp);
+//    transfer/flash_d2h_save.hpp);
 //  - write: a decode token's rows, staged in mapped pinned memory so the
 //    engine's buffer may be reused at once, then one gather launch scatters
 //    them into the tail pages.

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "gpu_support.hpp"
-#include "sparsekv/transfer/staged_save.hpp"
+#include "sparsekv/transfer/flash_d2h_save.hpp"
 
 using namespace sparsekv;
 using namespace sparsekv::gpu_test;
@@ -93,12 +93,12 @@ std::vector<RowTarget> step_targets(std::uint32_t tokens, std::uint32_t heads, s
 
 }  // namespace
 
-TEST_CASE("StagedSaver saves device rows behind the compute stream", "[gpu][save]") {
+TEST_CASE("FlashD2HSaver saves device rows behind the compute stream", "[gpu][save]") {
   std::mt19937 rng(17);
   for (const std::uint32_t workers : {1u, 2u, 4u}) {
     CAPTURE(workers);
     Tier tier(rng);
-    StagedSaver saver(StagedSaverConfig{workers});
+    FlashD2HSaver saver(FlashD2HSaverConfig{workers});
     REQUIRE(saver.uses_device());
     saver.set_destination(tier.destination());
     Stream compute;
@@ -143,10 +143,10 @@ TEST_CASE("StagedSaver saves device rows behind the compute stream", "[gpu][save
   }
 }
 
-TEST_CASE("StagedSaver copies before the compute stream overwrites its source", "[gpu][save]") {
+TEST_CASE("FlashD2HSaver copies before the compute stream overwrites its source", "[gpu][save]") {
   std::mt19937 rng(23);
   Tier tier(rng);
-  StagedSaver saver(StagedSaverConfig{3});
+  FlashD2HSaver saver(FlashD2HSaverConfig{3});
   saver.set_destination(tier.destination());
   Stream compute;
   const std::vector<RowTarget> targets = step_targets(32, 8, 10, 0);

@@ -1,5 +1,5 @@
 #pragma once
-// StagedTensors: a device-tensor call served on the host -- a policy with only
+// HostSelectTensors: a device-tensor call served on the host -- a policy with only
 // a host Select on the device-tensor API (docs/integration.md, "Device
 // tensors") -- has its tensors copied into host memory through the backend,
 // runs as a host step, and has its output copied back. Every copy waits: a
@@ -12,7 +12,7 @@
 
 namespace sparsekv {
 
-class StagedTensors {
+class HostSelectTensors {
  public:
   // Tensor slot i (q, k, v: 0, 1, 2) as a host copy of `bytes` of device memory.
   const std::byte* stage(Backend& backend, std::size_t i, const void* device, std::size_t bytes, void* stream) {

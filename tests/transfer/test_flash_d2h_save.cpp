@@ -1,4 +1,4 @@
-// Save D2H (SparseServe §3.2.2 FlashD2H), host path: StagedSaver against a
+// Save D2H (SparseServe §3.2.2 FlashD2H), host path: FlashD2HSaver against a
 // sequential reference scatter, byte for byte over the whole pool (rows not
 // targeted, padding and other chunks included), with 1, 2 and 4 workers,
 // saves waited one by one or pipelined, bad input and worker errors.
@@ -12,7 +12,7 @@
 
 #include "sparsekv/memory/memory_resource.hpp"
 #include "sparsekv/memory/page_pool.hpp"
-#include "sparsekv/transfer/staged_save.hpp"
+#include "sparsekv/transfer/flash_d2h_save.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;
@@ -86,7 +86,7 @@ std::vector<std::byte> random_bytes(std::size_t n, std::mt19937& rng) {
 
 }  // namespace
 
-TEST_CASE("StagedSaver scatters like a sequential reference", "[staged-save]") {
+TEST_CASE("FlashD2HSaver scatters like a sequential reference", "[flash-d2h-save]") {
   std::mt19937 rng(2024);
   struct Geometry {
     std::uint32_t page_tokens;
@@ -104,7 +104,7 @@ TEST_CASE("StagedSaver scatters like a sequential reference", "[staged-save]") {
         TestPool pool(g.page_tokens, row_bytes, 5, 13, g.padding, rng);
         TestPool reference = pool;
         reference.chunks.clear();
-        StagedSaver saver(StagedSaverConfig{workers, 2, 0, std::size_t{1} << 24});
+        FlashD2HSaver saver(FlashD2HSaverConfig{workers, 2, 0, std::size_t{1} << 24});
         REQUIRE(saver.workers() == workers);
         saver.set_destination(pool.destination());
         std::vector<std::byte> source;
@@ -133,7 +133,7 @@ TEST_CASE("StagedSaver scatters like a sequential reference", "[staged-save]") {
   }
 }
 
-TEST_CASE("StagedSaver writes an engine chunk where PageLayout puts it", "[staged-save]") {
+TEST_CASE("FlashD2HSaver writes an engine chunk where PageLayout puts it", "[flash-d2h-save]") {
   // [tokens][kv_heads][head_dim], K then V in one buffer, into a single-chunk PagePool.
   std::mt19937 rng(7);
   const PageLayout layout{8, 16, DType::f16};
@@ -146,7 +146,7 @@ TEST_CASE("StagedSaver writes an engine chunk where PageLayout puts it", "[stage
   REQUIRE(pool.base() != nullptr);
   std::byte* chunk = const_cast<std::byte*>(pool.base());
   const std::vector<std::byte*> chunks{chunk};
-  StagedSaver saver(StagedSaverConfig{2});
+  FlashD2HSaver saver(FlashD2HSaverConfig{2});
   saver.set_destination(SaveDestination{chunks, pool.capacity(), pool.capacity(), pool.page_bytes(), layout.page_tokens,
                                         layout.row_bytes(), layout.k_offset(0), layout.v_offset(0)});
   // Token t of head h: page pages[2h + t / 8], slot t % 8 (TokenPlacement of a uniform spec).
@@ -168,12 +168,12 @@ TEST_CASE("StagedSaver writes an engine chunk where PageLayout puts it", "[stage
   }
 }
 
-TEST_CASE("StagedSaver keeps each save's destination and grows staging under back-pressure", "[staged-save]") {
+TEST_CASE("FlashD2HSaver keeps each save's destination and grows staging under back-pressure", "[flash-d2h-save]") {
   std::mt19937 rng(99);
   TestPool first(8, 64, 4, 8, 0, rng), second(8, 64, 4, 8, 0, rng);
   TestPool first_ref = first, second_ref = second;
   // One slot: every save waits for the previous one's scatter before reusing staging.
-  StagedSaver saver(StagedSaverConfig{3, 1, 128, std::size_t{1} << 20});
+  FlashD2HSaver saver(FlashD2HSaverConfig{3, 1, 128, std::size_t{1} << 20});
   REQUIRE(saver.staging_bytes() == 128);
   std::vector<SaveTicket> tickets;
   for (int step = 0; step < 8; ++step) {
@@ -193,11 +193,11 @@ TEST_CASE("StagedSaver keeps each save's destination and grows staging under bac
   REQUIRE(second.storage == second_ref.storage);
 }
 
-TEST_CASE("StagedSaver refuses bad input and leaves the pool unchanged", "[staged-save]") {
+TEST_CASE("FlashD2HSaver refuses bad input and leaves the pool unchanged", "[flash-d2h-save]") {
   std::mt19937 rng(3);
   TestPool pool(8, 32, 4, 10, 0, rng);  // chunks of 4 pages: the third holds pages 8, 9
   const auto before = pool.storage;
-  StagedSaver saver(StagedSaverConfig{2, 2, 0, 64 * 32});
+  FlashD2HSaver saver(FlashD2HSaverConfig{2, 2, 0, 64 * 32});
   const std::vector<RowTarget> one{{1, 0, KvBlock::k}};
   const std::vector<std::byte> source = random_bytes(32 * 64 + 32, rng);
 
@@ -270,19 +270,19 @@ TEST_CASE("StagedSaver refuses bad input and leaves the pool unchanged", "[stage
   reference.scatter(source, targets);
   REQUIRE(pool.storage == reference.storage);
 
-  REQUIRE_SPARSEKV_ERROR(StagedSaver(StagedSaverConfig{0}), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(StagedSaver(StagedSaverConfig{65}), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(StagedSaver(StagedSaverConfig{2, 0}), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(StagedSaver(StagedSaverConfig{2, 2, 4096, 1024}), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(FlashD2HSaver(FlashD2HSaverConfig{0}), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(FlashD2HSaver(FlashD2HSaverConfig{65}), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(FlashD2HSaver(FlashD2HSaverConfig{2, 0}), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(FlashD2HSaver(FlashD2HSaverConfig{2, 2, 4096, 1024}), ErrorCode::invalid_argument);
 }
 
-TEST_CASE("StagedSaver surfaces worker errors on wait, once each", "[staged-save]") {
+TEST_CASE("FlashD2HSaver surfaces worker errors on wait, once each", "[flash-d2h-save]") {
   std::mt19937 rng(41);
   for (const std::uint32_t workers : {1u, 4u}) {
     CAPTURE(workers);
     TestPool pool(8, 16, 8, 8, 0, rng);
     TestPool reference = pool;
-    StagedSaver saver(StagedSaverConfig{workers});
+    FlashD2HSaver saver(FlashD2HSaverConfig{workers});
     saver.set_destination(pool.destination());
     // Callbacks of different saves may run concurrently on different workers.
     std::mutex completed_mutex;

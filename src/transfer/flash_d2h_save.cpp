@@ -1,5 +1,5 @@
-// transfer: Save D2H (SparseServe §3.2.2 FlashD2H), see staged_save.hpp.
-#include "sparsekv/transfer/staged_save.hpp"
+// transfer: Save D2H (SparseServe §3.2.2 FlashD2H), see flash_d2h_save.hpp.
+#include "sparsekv/transfer/flash_d2h_save.hpp"
 
 #include <algorithm>
 #include <cstdlib>
@@ -15,7 +15,7 @@
 
 namespace sparsekv {
 
-struct StagedSaver::Destination {
+struct FlashD2HSaver::Destination {
   std::vector<std::byte*> chunks;
   std::uint32_t pages_per_chunk = 0;
   std::uint32_t page_count = 0;
@@ -33,7 +33,7 @@ struct StagedSaver::Destination {
 
 // One staging buffer and the save that occupies it. Written by save() only
 // while free (ticket == 0); the mutex hand-over publishes it to the workers.
-struct StagedSaver::Slot {
+struct FlashD2HSaver::Slot {
   std::byte* staging = nullptr;
   std::size_t capacity = 0;
   void* copied_event = nullptr;  // cudaEvent_t recorded after the D2H copy
@@ -59,7 +59,7 @@ constexpr std::size_t kAlignment = 256;
 #if SPARSEKV_WITH_CUDA_RUNTIME
 [[noreturn]] void fail_cuda(const char* what, cudaError_t status) {
   cudaGetLastError();  // clear a non-sticky error so later calls start clean
-  fail(ErrorCode::cuda_error, "StagedSaver: {} failed: {}", what, cudaGetErrorString(status));
+  fail(ErrorCode::cuda_error, "FlashD2HSaver: {} failed: {}", what, cudaGetErrorString(status));
 }
 
 void check_cuda(const char* what, cudaError_t status) {
@@ -86,7 +86,7 @@ std::byte* allocate_staging(std::size_t bytes, bool pinned) {
     const cudaError_t status = cudaHostAlloc(&pointer, bytes, cudaHostAllocPortable);
     if (status != cudaSuccess) {
       cudaGetLastError();
-      fail(ErrorCode::resource_exhausted, "StagedSaver: cudaHostAlloc of {} staging bytes failed: {}", bytes,
+      fail(ErrorCode::resource_exhausted, "FlashD2HSaver: cudaHostAlloc of {} staging bytes failed: {}", bytes,
            cudaGetErrorString(status));
     }
     return static_cast<std::byte*>(pointer);
@@ -95,7 +95,7 @@ std::byte* allocate_staging(std::size_t bytes, bool pinned) {
   (void)pinned;
 #endif
   void* pointer = std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
-  if (pointer == nullptr) fail(ErrorCode::resource_exhausted, "StagedSaver: {} staging bytes unavailable", bytes);
+  if (pointer == nullptr) fail(ErrorCode::resource_exhausted, "FlashD2HSaver: {} staging bytes unavailable", bytes);
   return static_cast<std::byte*>(pointer);
 }
 
@@ -114,16 +114,16 @@ void free_staging(std::byte* pointer, bool pinned) noexcept {
 
 }  // namespace
 
-StagedSaver::StagedSaver(const StagedSaverConfig& config) : config_(config) {
+FlashD2HSaver::FlashD2HSaver(const FlashD2HSaverConfig& config) : config_(config) {
   if (config.workers == 0 || config.workers > kMaxWorkers) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: workers {} not in 1..{}", config.workers, kMaxWorkers);
+    fail(ErrorCode::invalid_argument, "FlashD2HSaver: workers {} not in 1..{}", config.workers, kMaxWorkers);
   }
   if (config.staging_slots == 0 || config.staging_slots > kMaxSlots) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: staging_slots {} not in 1..{}", config.staging_slots, kMaxSlots);
+    fail(ErrorCode::invalid_argument, "FlashD2HSaver: staging_slots {} not in 1..{}", config.staging_slots, kMaxSlots);
   }
   if (config.staging_bytes > config.max_staging_bytes) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: staging_bytes {} above max_staging_bytes {}", config.staging_bytes,
-         config.max_staging_bytes);
+    fail(ErrorCode::invalid_argument, "FlashD2HSaver: staging_bytes {} above max_staging_bytes {}",
+         config.staging_bytes, config.max_staging_bytes);
   }
   use_device_ = cuda_device_count() > 0;
   try {
@@ -161,7 +161,7 @@ StagedSaver::StagedSaver(const StagedSaverConfig& config) : config_(config) {
   }
 }
 
-StagedSaver::~StagedSaver() {
+FlashD2HSaver::~FlashD2HSaver() {
   {
     std::unique_lock lock(mutex_);
     done_cv_.wait(lock, [&] { return finished_ == issued_; });
@@ -170,7 +170,7 @@ StagedSaver::~StagedSaver() {
   release_resources();
 }
 
-void StagedSaver::release_resources() noexcept {
+void FlashD2HSaver::release_resources() noexcept {
   for (auto& slot : slots_) {
     free_staging(slot->staging, use_device_);
     slot->staging = nullptr;
@@ -187,32 +187,32 @@ void StagedSaver::release_resources() noexcept {
   copy_stream_ = nullptr;
 }
 
-void StagedSaver::set_destination(const SaveDestination& d) {
+void FlashD2HSaver::set_destination(const SaveDestination& d) {
   if (d.chunks.empty() || d.pages_per_chunk == 0 || d.page_count == 0) {
     fail(ErrorCode::invalid_argument,
-         "StagedSaver: destination needs chunks ({}), pages_per_chunk ({}) and "
+         "FlashD2HSaver: destination needs chunks ({}), pages_per_chunk ({}) and "
          "page_count ({}) above 0",
          d.chunks.size(), d.pages_per_chunk, d.page_count);
   }
   if (d.page_count > d.chunks.size() * std::uint64_t{d.pages_per_chunk}) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: page_count {} above {} chunks x {} pages", d.page_count,
+    fail(ErrorCode::invalid_argument, "FlashD2HSaver: page_count {} above {} chunks x {} pages", d.page_count,
          d.chunks.size(), d.pages_per_chunk);
   }
   if (d.row_bytes == 0 || d.page_tokens == 0) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: row_bytes {} and page_tokens {} must be above 0", d.row_bytes,
+    fail(ErrorCode::invalid_argument, "FlashD2HSaver: row_bytes {} and page_tokens {} must be above 0", d.row_bytes,
          d.page_tokens);
   }
   const std::size_t block = std::size_t{d.page_tokens} * d.row_bytes;
   if (d.k_block_offset + block > d.page_stride || d.v_block_offset + block > d.page_stride) {
     fail(ErrorCode::invalid_argument,
-         "StagedSaver: K block at {} or V block at {} ({} bytes each) ends past "
+         "FlashD2HSaver: K block at {} or V block at {} ({} bytes each) ends past "
          "page_stride {}",
          d.k_block_offset, d.v_block_offset, block, d.page_stride);
   }
   const std::size_t gap =
       d.k_block_offset > d.v_block_offset ? d.k_block_offset - d.v_block_offset : d.v_block_offset - d.k_block_offset;
   if (gap < block) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: K block at {} and V block at {} overlap ({} bytes each)",
+    fail(ErrorCode::invalid_argument, "FlashD2HSaver: K block at {} and V block at {} overlap ({} bytes each)",
          d.k_block_offset, d.v_block_offset, block);
   }
   auto destination = std::make_shared<Destination>();
@@ -227,35 +227,35 @@ void StagedSaver::set_destination(const SaveDestination& d) {
   destination_ = std::move(destination);
 }
 
-SaveTicket StagedSaver::save(const std::byte* source, std::size_t bytes, std::span<const RowTarget> targets,
-                             void* compute_stream, std::function<void()> on_complete) {
+SaveTicket FlashD2HSaver::save(const std::byte* source, std::size_t bytes, std::span<const RowTarget> targets,
+                               void* compute_stream, std::function<void()> on_complete) {
   // Arguments first: nothing is enqueued or written when one is wrong.
-  if (!destination_) fail(ErrorCode::failed_precondition, "StagedSaver: save before set_destination");
+  if (!destination_) fail(ErrorCode::failed_precondition, "FlashD2HSaver: save before set_destination");
   const Destination& d = *destination_;
   if (bytes != targets.size() * d.row_bytes) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: {} source bytes for {} targets of {} bytes", bytes, targets.size(),
-         d.row_bytes);
+    fail(ErrorCode::invalid_argument, "FlashD2HSaver: {} source bytes for {} targets of {} bytes", bytes,
+         targets.size(), d.row_bytes);
   }
   if (targets.empty()) return 0;
-  if (source == nullptr) fail(ErrorCode::invalid_argument, "StagedSaver: null source for {} bytes", bytes);
+  if (source == nullptr) fail(ErrorCode::invalid_argument, "FlashD2HSaver: null source for {} bytes", bytes);
   if (bytes > config_.max_staging_bytes) {
-    fail(ErrorCode::resource_exhausted, "StagedSaver: save of {} bytes above max_staging_bytes {}", bytes,
+    fail(ErrorCode::resource_exhausted, "FlashD2HSaver: save of {} bytes above max_staging_bytes {}", bytes,
          config_.max_staging_bytes);
   }
   for (std::size_t i = 0; i < targets.size(); ++i) {
     const RowTarget& t = targets[i];
     if (t.page >= d.page_count) {
-      fail(ErrorCode::out_of_range, "StagedSaver: target {} page {} out of range [0, {})", i, t.page, d.page_count);
+      fail(ErrorCode::out_of_range, "FlashD2HSaver: target {} page {} out of range [0, {})", i, t.page, d.page_count);
     }
     if (t.slot >= d.page_tokens) {
-      fail(ErrorCode::out_of_range, "StagedSaver: target {} slot {} out of range [0, {})", i, t.slot, d.page_tokens);
+      fail(ErrorCode::out_of_range, "FlashD2HSaver: target {} slot {} out of range [0, {})", i, t.slot, d.page_tokens);
     }
     if (t.block != KvBlock::k && t.block != KvBlock::v) {
-      fail(ErrorCode::invalid_argument, "StagedSaver: target {} block {} is neither K nor V", i,
+      fail(ErrorCode::invalid_argument, "FlashD2HSaver: target {} block {} is neither K nor V", i,
            static_cast<unsigned>(t.block));
     }
     if (d.chunks[t.page / d.pages_per_chunk] == nullptr) {
-      fail(ErrorCode::failed_precondition, "StagedSaver: target {} page {} lies in unreserved chunk {}", i, t.page,
+      fail(ErrorCode::failed_precondition, "FlashD2HSaver: target {} page {} lies in unreserved chunk {}", i, t.page,
            t.page / d.pages_per_chunk);
     }
   }
@@ -322,7 +322,7 @@ SaveTicket StagedSaver::save(const std::byte* source, std::size_t bytes, std::sp
   return ticket;
 }
 
-void StagedSaver::worker_loop(std::stop_token stop, std::uint32_t index) {
+void FlashD2HSaver::worker_loop(std::stop_token stop, std::uint32_t index) {
 #if SPARSEKV_WITH_CUDA_RUNTIME
   // The runtime's current device is per thread: bind it to the saver's once.
   const bool device_bound = !use_device_ || cudaSetDevice(device_) == cudaSuccess;
@@ -338,7 +338,7 @@ void StagedSaver::worker_loop(std::stop_token stop, std::uint32_t index) {
     try {
       if (slot->device_copy) {
 #if SPARSEKV_WITH_CUDA_RUNTIME
-        if (!device_bound) fail(ErrorCode::cuda_error, "StagedSaver: cudaSetDevice({}) failed in a worker", device_);
+        if (!device_bound) fail(ErrorCode::cuda_error, "FlashD2HSaver: cudaSetDevice({}) failed in a worker", device_);
         check_cuda("cudaEventSynchronize(copy)", cudaEventSynchronize(static_cast<cudaEvent_t>(slot->copied_event)));
 #endif
       }
@@ -356,7 +356,7 @@ void StagedSaver::worker_loop(std::stop_token stop, std::uint32_t index) {
   }
 }
 
-void StagedSaver::scatter(const Slot& slot, std::uint32_t index) const {
+void FlashD2HSaver::scatter(const Slot& slot, std::uint32_t index) const {
   const Destination& d = *slot.destination;
   const auto workers = static_cast<std::uint32_t>(workers_.size());
   const std::byte* row = slot.staging;
@@ -367,7 +367,7 @@ void StagedSaver::scatter(const Slot& slot, std::uint32_t index) const {
   }
 }
 
-void StagedSaver::finish_save(Slot& slot) {
+void FlashD2HSaver::finish_save(Slot& slot) {
   // The last worker of a save runs its callback once every row is in place.
   std::exception_ptr callback_error;
   bool failed = false;
@@ -401,13 +401,13 @@ void StagedSaver::finish_save(Slot& slot) {
   done_cv_.notify_all();
 }
 
-void StagedSaver::check_ticket(SaveTicket ticket) const {
+void FlashD2HSaver::check_ticket(SaveTicket ticket) const {
   if (ticket > issued_) {
-    fail(ErrorCode::invalid_argument, "StagedSaver: ticket {} was never issued (last is {})", ticket, issued_);
+    fail(ErrorCode::invalid_argument, "FlashD2HSaver: ticket {} was never issued (last is {})", ticket, issued_);
   }
 }
 
-void StagedSaver::wait_copy(SaveTicket ticket, void* stream) {
+void FlashD2HSaver::wait_copy(SaveTicket ticket, void* stream) {
   std::lock_guard lock(mutex_);
   check_ticket(ticket);
   if (ticket <= finished_) return;
@@ -422,7 +422,7 @@ void StagedSaver::wait_copy(SaveTicket ticket, void* stream) {
 #endif
 }
 
-void StagedSaver::wait(SaveTicket ticket) {
+void FlashD2HSaver::wait(SaveTicket ticket) {
   std::exception_ptr error;
   {
     std::unique_lock lock(mutex_);
@@ -437,7 +437,7 @@ void StagedSaver::wait(SaveTicket ticket) {
   if (error) std::rethrow_exception(error);
 }
 
-void StagedSaver::wait() {
+void FlashD2HSaver::wait() {
   SaveTicket last = 0;
   {
     std::lock_guard lock(mutex_);
@@ -446,19 +446,19 @@ void StagedSaver::wait() {
   wait(last);
 }
 
-bool StagedSaver::finished(SaveTicket ticket) const {
+bool FlashD2HSaver::finished(SaveTicket ticket) const {
   std::lock_guard lock(mutex_);
   return ticket <= finished_;
 }
 
-std::size_t StagedSaver::staging_bytes() const {
+std::size_t FlashD2HSaver::staging_bytes() const {
   std::lock_guard lock(mutex_);
   std::size_t total = 0;
   for (const auto& slot : slots_) total += slot->capacity;
   return total;
 }
 
-SaveTicket StagedSaver::last_ticket() const {
+SaveTicket FlashD2HSaver::last_ticket() const {
   std::lock_guard lock(mutex_);
   return issued_;
 }

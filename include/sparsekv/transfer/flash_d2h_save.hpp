@@ -78,7 +78,7 @@ struct SaveDestination {
   std::size_t v_block_offset = 0;  // PageLayout::v_offset(0)
 };
 
-struct StagedSaverConfig {
+struct FlashD2HSaverConfig {
   std::uint32_t workers = 4;                             // host scatter threads, 1..64
   std::uint32_t staging_slots = 2;                       // staging buffers in flight, 1..16
   std::size_t staging_bytes = 0;                         // initial bytes per slot (grows on demand)
@@ -88,15 +88,15 @@ struct StagedSaverConfig {
 // 1, 2, ... in save order; 0 = a save with no rows (nothing enqueued).
 using SaveTicket = std::uint64_t;
 
-class StagedSaver {
+class FlashD2HSaver {
  public:
   // Throws invalid_argument for a config out of range; resource_exhausted or
   // cuda_error if staging, stream or events cannot be created.
-  explicit StagedSaver(const StagedSaverConfig& config = {});
+  explicit FlashD2HSaver(const FlashD2HSaverConfig& config = {});
   // Waits for every save (errors not yet observed are dropped), then joins.
-  ~StagedSaver();
-  StagedSaver(const StagedSaver&) = delete;
-  StagedSaver& operator=(const StagedSaver&) = delete;
+  ~FlashD2HSaver();
+  FlashD2HSaver(const FlashD2HSaver&) = delete;
+  FlashD2HSaver& operator=(const FlashD2HSaver&) = delete;
 
   // Replaces the destination for later saves (the chunk list is copied);
   // saves already enqueued keep theirs. invalid_argument when the geometry is
@@ -155,7 +155,7 @@ class StagedSaver {
   void check_ticket(SaveTicket ticket) const;
   void release_resources() noexcept;
 
-  StagedSaverConfig config_;
+  FlashD2HSaverConfig config_;
   bool use_device_ = false;
   int device_ = 0;
   void* copy_stream_ = nullptr;  // cudaStream_t
