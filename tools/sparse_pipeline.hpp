@@ -36,7 +36,7 @@ class SparsePipeline {
     config_.gpu_tier_bytes = heads * (2 * std::size_t{mandatory} + 2) * page;
     config_.host_chunk_bytes = std::min<std::size_t>(config_.cpu_tier_bytes, std::size_t{64} << 20);
     buffer_ = std::make_unique<TieredKVBuffer>(shape, config_, cpu_, gpu_);
-    buffer_->add_request(kRequest, RequestBudget{mandatory, 0});
+    buffer_->add_request(kRequest, RequestPages{mandatory, 0});
     for (std::uint32_t l = 0; l < shape.layers; ++l) states_.push_back(policy_.make_state());
     recent_.resize(shape.layers);
   }

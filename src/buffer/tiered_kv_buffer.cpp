@@ -80,7 +80,7 @@ const TieredKVBuffer::RequestState& TieredKVBuffer::state(RequestId request) con
   return const_cast<TieredKVBuffer*>(this)->state(request);
 }
 
-std::uint32_t TieredKVBuffer::min_slots_per_head(const RequestBudget& budget) const {
+std::uint32_t TieredKVBuffer::min_slots_per_head(const RequestPages& budget) const {
   if (site_ == AttendSite::cpu_tier) return 0;  // nothing is cached: selected pages are read where they are
   // In double, then saturated: a budget too large to hold is refused by its caller.
   const double slots = budget.mandatory_pages + std::ceil(config_.min_buffer_ratio * budget.mandatory_pages);
@@ -91,7 +91,7 @@ std::uint64_t TieredKVBuffer::reclaimable_slots(const RequestState& s) const {
   return s.slots - min_slots_per_head(s.budget);
 }
 
-std::optional<Refusal> TieredKVBuffer::refusal(const RequestBudget& budget) const {
+std::optional<Refusal> TieredKVBuffer::refusal(const RequestPages& budget) const {
   if (budget.mandatory_pages == 0) return Refusal{ErrorCode::invalid_argument, "mandatory_pages must be > 0"};
   if (budget.evicts && !table_.has_slot_masks()) {
     return Refusal{ErrorCode::failed_precondition,
@@ -139,14 +139,14 @@ std::optional<Refusal> TieredKVBuffer::refusal(const RequestBudget& budget) cons
   return std::nullopt;
 }
 
-AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget,
+AdmissionAdvice TieredKVBuffer::can_admit(std::uint32_t prompt_tokens, const RequestPages& budget,
                                           std::optional<std::uint32_t> prompt_pages_per_head) const {
   return can_admit_pages(prompt_tokens, budget,
                          heads() * prompt_pages_per_head.value_or(
                                        (std::uint64_t{prompt_tokens} + config_.page_tokens - 1) / config_.page_tokens));
 }
 
-AdmissionAdvice TieredKVBuffer::can_admit_pages(std::uint32_t prompt_tokens, const RequestBudget& budget,
+AdmissionAdvice TieredKVBuffer::can_admit_pages(std::uint32_t prompt_tokens, const RequestPages& budget,
                                                 std::uint64_t prompt_pages) const {
   AdmissionAdvice a;
   const std::uint64_t slots = std::max(budget.buffer_pages, min_slots_per_head(budget));
@@ -171,7 +171,7 @@ AdmissionAdvice TieredKVBuffer::can_admit_pages(std::uint32_t prompt_tokens, con
   return a;
 }
 
-void TieredKVBuffer::add_request(RequestId request, const RequestBudget& budget) {
+void TieredKVBuffer::add_request(RequestId request, const RequestPages& budget) {
   if (requests_.contains(request)) fail(ErrorCode::already_exists, "request {} is already registered", request);
   if (const std::optional<Refusal> r = refusal(budget)) fail(r->code, "request {}: {}", request, r->message);
   const std::uint32_t slots = std::max(budget.buffer_pages, min_slots_per_head(budget));

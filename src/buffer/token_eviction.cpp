@@ -18,7 +18,7 @@ const TieredKVBuffer::RequestState& TieredKVBuffer::evicting(RequestId request, 
   const RequestState& s = state(request);
   check_index("layer", layer, shape_.layers);
   if (!s.budget.evicts) {
-    fail(ErrorCode::failed_precondition, "request {} does not evict tokens (RequestBudget::evicts is false)", request);
+    fail(ErrorCode::failed_precondition, "request {} does not evict tokens (RequestPages::evicts is false)", request);
   }
   return s;
 }

@@ -83,7 +83,7 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
   std::vector<std::uint32_t> slots(tr.batch);
   std::vector<std::vector<float>> tail_keys(tr.batch), tail_values(tr.batch);
   for (std::uint32_t b = 0; b < tr.batch; ++b) {
-    buffer.add_request(b, RequestBudget{1, 0});
+    buffer.add_request(b, RequestPages{1, 0});
     slots[b] = rng() % 2 ? tr.page_tokens - 1 : rng() % tr.page_tokens;
     for (std::uint32_t t = 0; t < slots[b]; ++t) {
       const auto k = encode(test::random_values(row, rng), tr.dtype),

@@ -103,7 +103,7 @@ using Live = std::map<HeadKey, std::set<std::uint32_t>>;  // the reference: live
 // A request that evicts, its `prompt` tokens offloaded with `specs[layer]` (one spec, or one per kv head).
 void add_request(TieredKVBuffer& b, RequestId r, std::uint32_t prompt,
                  const std::vector<std::vector<PartitionSpec>>& specs) {
-  b.add_request(r, RequestBudget{kMandatory, 0, true});
+  b.add_request(r, RequestPages{kMandatory, 0, true});
   for (std::uint32_t l = 0; l < kShape.layers; ++l) b.offload(r, l, Rows(r, l, 0, prompt).chunk(), specs[l]);
 }
 
@@ -345,7 +345,7 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
     requests.insert(next);
     if (share && mix.sharers && requests.size() < rigs[0]->config.max_requests) {
       const RequestId sharer = next + kSharer * ++sharers;  // the same rows as `next`
-      for (auto& rig : rigs) rig->buffer.add_request(sharer, RequestBudget{kMandatory, 0, true});
+      for (auto& rig : rigs) rig->buffer.add_request(sharer, RequestPages{kMandatory, 0, true});
       for (std::uint32_t l = 0; l < kShape.layers; ++l) {
         std::uint32_t fewest = std::numeric_limits<std::uint32_t>::max();
         for (const PartitionSpec& spec : specs[l]) fewest = std::min(fewest, spec.partition_count());
@@ -581,7 +581,7 @@ TEST_CASE("Eviction: shared prefix pages are copied before they are masked, neve
     TieredKVBuffer& b = rig.buffer;
     const RequestId kB = kSharer + 1;  // shares request 1's prefix
     add_request(b, 1, 10);             // partitions of 4, 4 and 2 tokens
-    b.add_request(kB, RequestBudget{kMandatory, 0, true});
+    b.add_request(kB, RequestPages{kMandatory, 0, true});
     // A evicts a token outside the prefix first (partition 2); B shares partitions 0 .. 2, A's open page included.
     const std::vector<std::vector<std::uint32_t>> outside{{9}, {8}};
     for (std::uint32_t l = 0; l < kShape.layers; ++l) b.evict(1, l, outside);
@@ -598,7 +598,7 @@ TEST_CASE("Eviction: shared prefix pages are copied before they are masked, neve
     check_rows(b, live, strategy, true);
     REQUIRE_SPARSEKV_ERROR(b.share_prefix(kB, 1, 0, 1), ErrorCode::failed_precondition);  // B's layer is not empty
     REQUIRE_SPARSEKV_ERROR(b.share_prefix(1, 1, 0, 1), ErrorCode::invalid_argument);
-    b.add_request(3, RequestBudget{kMandatory, 0, true});
+    b.add_request(3, RequestPages{kMandatory, 0, true});
     REQUIRE_SPARSEKV_ERROR(b.share_prefix(3, 1, 0, 4), ErrorCode::out_of_range);
 
     // Either request evicting a shared token copies its page first (copy-on-evict): the dry runs count the
@@ -669,11 +669,11 @@ TEST_CASE("Eviction: shared prefix pages are copied before they are masked, neve
 TEST_CASE("Eviction: requests that evict have no tail and refuse the tail's calls", "[buffer][eviction][errors]") {
   Rig rig(EvictionStrategy::slot_reuse);
   TieredKVBuffer& b = rig.buffer;
-  const RequestBudget evicting{kMandatory, 0, true};
+  const RequestPages evicting{kMandatory, 0, true};
   const std::uint64_t heads = kShape.layers * kShape.kv_heads;
   const std::uint64_t slots = b.min_slots_per_head(evicting);
   REQUIRE(b.can_admit(8, evicting).gpu_pages_needed == heads * slots);
-  REQUIRE(b.can_admit(8, RequestBudget{kMandatory, 0, false}).gpu_pages_needed == heads * (slots + 1));
+  REQUIRE(b.can_admit(8, RequestPages{kMandatory, 0, false}).gpu_pages_needed == heads * (slots + 1));
   b.add_request(1, evicting);
   REQUIRE(b.gpu_pool().used() == heads * slots);
   // Prompt partitions of more than one page are refused; nothing is mapped.
@@ -693,7 +693,7 @@ TEST_CASE("Eviction: requests that evict have no tail and refuse the tail's call
   REQUIRE_NOTHROW(b.validate());
 
   // A request that does not evict refuses the eviction calls.
-  b.add_request(2, RequestBudget{kMandatory, 0, false});
+  b.add_request(2, RequestPages{kMandatory, 0, false});
   const std::vector<std::vector<std::uint32_t>> none(kShape.kv_heads);
   REQUIRE_SPARSEKV_ERROR(b.evict(2, 0, none), ErrorCode::failed_precondition);
   REQUIRE_SPARSEKV_ERROR(b.place_token(2, 0, Rows(2, 0, 0, 1).chunk()), ErrorCode::failed_precondition);
@@ -774,7 +774,7 @@ TEST_CASE("Eviction: a step's segment demand is what evict and place_token map, 
       config.host_chunk_bytes = 32 * config.page_bytes(kShape);
       Rig rig(config);
       TieredKVBuffer& b = rig.buffer;
-      b.add_request(1, RequestBudget{kMandatory, 0, true});
+      b.add_request(1, RequestPages{kMandatory, 0, true});
       // Layer 1: 33 one-page partitions per head (two segments each), the first 32 then freed.
       b.offload(1, 1, Rows(1, 1, 0, 132).chunk(), std::vector{PartitionSpec::uniform(132, kPageTokens)});
       std::vector<std::uint32_t> first(128);

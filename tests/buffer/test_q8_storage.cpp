@@ -135,7 +135,7 @@ TEST_CASE("q8_0 storage is refused where it cannot be served", "[q8-storage]") {
 
   HostMemoryResource memory(false);
   TieredKVBuffer buffer(kShape, c, memory, memory);
-  buffer.add_request(1, RequestBudget{2, 0});
+  buffer.add_request(1, RequestPages{2, 0});
   std::vector<PageId> saved(kShape.kv_heads);
   REQUIRE_SPARSEKV_ERROR(buffer.append_on_device(1, 0, saved), ErrorCode::failed_precondition);
   std::vector<TokenPlacement> placements;
@@ -148,8 +148,8 @@ TEST_CASE("the buffer stores q8_0 rows exactly as quantized, and reads them back
   HostMemoryResource memory(false);
   const Config c = q8_config();
   TieredKVBuffer buffer(kShape, c, memory, memory);
-  buffer.add_request(1, RequestBudget{2, 0});
-  buffer.add_request(2, RequestBudget{2, 0});
+  buffer.add_request(1, RequestPages{2, 0});
+  buffer.add_request(2, RequestPages{2, 0});
   std::mt19937 rng(11);
   const std::uint32_t prompt = 10, decoded = 2 * kPageTokens;
   std::vector<float> k = draw(rng, prompt * kRow), v = draw(rng, prompt * kRow);

@@ -44,7 +44,7 @@ struct HeadRef {
   std::vector<std::vector<std::uint32_t>> partitions;  // token ids, in the order laid out in pages
 };
 struct RequestRef {
-  RequestBudget budget;
+  RequestPages budget;
   std::vector<std::uint32_t> tokens = std::vector<std::uint32_t>(kShape.layers, 0);
   std::vector<HeadRef> heads = std::vector<HeadRef>(kShape.layers * kShape.kv_heads);
   std::vector<std::vector<PartitionId>> last = std::vector<std::vector<PartitionId>>(kShape.layers * kShape.kv_heads);
@@ -131,7 +131,7 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
         return it->first;
       };
       if (kind < 4 || ref.empty()) {
-        RequestBudget budget{static_cast<std::uint32_t>(1 + pick(4)), 0};
+        RequestPages budget{static_cast<std::uint32_t>(1 + pick(4)), 0};
         if (pick(3) == 0) budget.buffer_pages = buffer.min_slots_per_head(budget) + static_cast<std::uint32_t>(pick(6));
         const AdmissionAdvice advice = buffer.can_admit(0, budget);
         const RequestId id = next_id++;
@@ -403,7 +403,7 @@ TEST_CASE("append_on_device keeps the host append's bookkeeping, refusing alike"
   HostMemoryResource memory(false);
   TieredKVBuffer host(kShape, small_config(1.0), memory, memory);
   TieredKVBuffer device(kShape, small_config(1.0), memory, memory);
-  const RequestBudget budget{2, 0};
+  const RequestPages budget{2, 0};
   for (TieredKVBuffer* b : {&host, &device}) b->add_request(3, budget);
   const std::size_t row = std::size_t{kShape.kv_heads} * kShape.head_dim;
   std::vector<float> prompt(5 * row, 0.5f);
@@ -462,7 +462,7 @@ TEST_CASE("offload_on_device + staged save equals offload", "[buffer][flash-d2h-
     std::vector<TokenPlacement> placements;
     std::vector<RowTarget> targets;
     for (const RequestId id : {RequestId{3}, RequestId{5}}) {
-      for (TieredKVBuffer* b : {&host, &device}) b->add_request(id, RequestBudget{2, 0});
+      for (TieredKVBuffer* b : {&host, &device}) b->add_request(id, RequestPages{2, 0});
       for (std::uint32_t l = 0; l < kShape.layers; ++l) {
         const std::uint32_t tokens = 150 + 37 * l + static_cast<std::uint32_t>(id);  // pages span the 64-page chunks
         std::vector<float> k(tokens * row), v(tokens * row);

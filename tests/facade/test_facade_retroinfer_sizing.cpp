@@ -181,7 +181,7 @@ TEST_CASE("Manager: RetroInfer requests fit the page table they are admitted int
     // Admitted up front (the old bound asked for more pages than a head can hold) ...
     REQUIRE(kv.can_admit(prompt, max_context).admit);
     kv.add_request(1, max_context);
-    REQUIRE(kv.budget(max_context).mandatory_pages <= kv.buffer().table().geometry().max_cpu_pages_per_head);
+    REQUIRE(kv.request_pages(max_context).mandatory_pages <= kv.buffer().table().geometry().max_cpu_pages_per_head);
     // ... and never refused for the page table's sake while it runs.
     kv.prefill(1, 0, s.k.data(), s.v.data(), prompt);
     for (std::uint32_t t = prompt; t < max_context; ++t) {

@@ -224,12 +224,12 @@ TEST_CASE("in place: a buffer refuses GPU slots and device memory", "[in-place]"
   HostMemoryResource memory(false);
   HostPageTransfer transfer;
   TieredKVBuffer buffer(shape, config, memory, memory, memory, transfer, config.head_capacity(), AttendSite::cpu_tier);
-  RequestBudget with_slots;
+  RequestPages with_slots;
   with_slots.mandatory_pages = 2;
   with_slots.buffer_pages = 4;
   REQUIRE_THROWS_AS(buffer.add_request(1, with_slots), Error);
   CHECK_FALSE(buffer.has_request(1));
-  buffer.add_request(1, RequestBudget{2, 0, false});
+  buffer.add_request(1, RequestPages{2, 0, false});
   CHECK(buffer.slots_per_head(1) == 0);
   // No GPU pages to grow into: refused, nothing changed.
   try {

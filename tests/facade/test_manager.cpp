@@ -553,7 +553,7 @@ TEST_CASE("TieredKVBuffer::repartition checks everything before it drops a run",
   c.host_chunk_bytes = 4096 * page;
   HostMemoryResource cpu(false), gpu(false);
   TieredKVBuffer b(shape, c, cpu, gpu);
-  b.add_request(1, RequestBudget{4, 0});
+  b.add_request(1, RequestPages{4, 0});
   const std::uint32_t n = 65537;  // one partition of these would span more than 2^16 pages
   std::vector<float> k(std::size_t{n} * 16, 1.0f), v(std::size_t{n} * 16, 2.0f);
   const PartitionSpec spec = PartitionSpec::uniform(n, 1);
@@ -573,6 +573,6 @@ TEST_CASE("TieredKVBuffer::repartition checks everything before it drops a run",
   REQUIRE(b.table().partition_count(1, 0, 0) == 2);
   b.validate();
   // Budgets too large to hold are refused, not wrapped around.
-  REQUIRE(b.min_slots_per_head(RequestBudget{0x80000000u, 0}) == 0xffffffffu);
-  REQUIRE_SPARSEKV_ERROR(b.add_request(2, RequestBudget{0x80000000u, 0}), ErrorCode::resource_exhausted);
+  REQUIRE(b.min_slots_per_head(RequestPages{0x80000000u, 0}) == 0xffffffffu);
+  REQUIRE_SPARSEKV_ERROR(b.add_request(2, RequestPages{0x80000000u, 0}), ErrorCode::resource_exhausted);
 }

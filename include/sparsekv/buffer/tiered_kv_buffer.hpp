@@ -83,8 +83,10 @@ struct KvChunk {
   DType dtype = DType::bf16;
 };
 
-struct RequestBudget {
-  // Most pages one step selects in any (layer, kv head): the policy's budget.
+// What a request reserves in the GPU tier, in pages per (layer, kv head) (a
+// policy's budget is in tokens), and whether it evicts tokens.
+struct RequestPages {
+  // Most pages one step selects in any (layer, kv head): the policy's budget in pages.
   std::uint32_t mandatory_pages = 0;
   // GPU pages per (layer, kv head); 0 = the minimum, mandatory x (1 + min_buffer_ratio).
   std::uint32_t buffer_pages = 0;
@@ -210,7 +212,7 @@ class TieredKVBuffer {
 
   // Registers a request and gives it its GPU pages, reclaiming buffering
   // pages from other requests when the GPU tier is short.
-  void add_request(RequestId request, const RequestBudget& budget);
+  void add_request(RequestId request, const RequestPages& budget);
   // Releases every page of the request and forgets it.
   void finish(RequestId request);
 
@@ -271,11 +273,11 @@ class TieredKVBuffer {
   // `prompt_pages_per_head`: the most CPU pages one (layer, kv head) of the
   // prompt takes (a policy whose partitions pad their last page knows it);
   // by default the prompt in one-page partitions.
-  AdmissionAdvice can_admit(std::uint32_t prompt_tokens, const RequestBudget& budget,
+  AdmissionAdvice can_admit(std::uint32_t prompt_tokens, const RequestPages& budget,
                             std::optional<std::uint32_t> prompt_pages_per_head = std::nullopt) const;
   // The same for a prompt whose CPU pages over every (layer, kv head) are
   // `prompt_pages` in all (a fork's: fork_pages summed over the layers).
-  AdmissionAdvice can_admit_pages(std::uint32_t prompt_tokens, const RequestBudget& budget,
+  AdmissionAdvice can_admit_pages(std::uint32_t prompt_tokens, const RequestPages& budget,
                                   std::uint64_t prompt_pages) const;
   // Pages of the partitions selected over the last working_set_window steps, summed over heads.
   std::uint64_t working_set_pages(RequestId request) const;
@@ -352,7 +354,7 @@ class TieredKVBuffer {
 
   bool has_request(RequestId request) const noexcept { return requests_.contains(request); }
   std::uint32_t slots_per_head(RequestId request) const;
-  std::uint32_t min_slots_per_head(const RequestBudget& budget) const;
+  std::uint32_t min_slots_per_head(const RequestPages& budget) const;
   std::uint32_t sequence_length(RequestId request, std::uint32_t layer) const;
   PageId tail_page(RequestId request, std::uint32_t layer, std::uint32_t head) const;
   std::uint32_t tail_tokens(RequestId request, std::uint32_t layer) const;
@@ -373,7 +375,7 @@ class TieredKVBuffer {
 
  private:
   struct RequestState {
-    RequestBudget budget;
+    RequestPages budget;
     std::uint32_t slots = 0;
     std::vector<std::uint32_t> tokens;       // per layer
     std::vector<std::uint32_t> tail_tokens;  // per layer
@@ -414,7 +416,7 @@ class TieredKVBuffer {
   };
 
   // Why add_request(budget) would be refused now, or nothing: can_admit and add_request share it.
-  std::optional<Refusal> refusal(const RequestBudget& budget) const;
+  std::optional<Refusal> refusal(const RequestPages& budget) const;
   RequestState& state(RequestId request);
   const RequestState& state(RequestId request) const;
   std::uint64_t heads() const noexcept { return std::uint64_t{shape_.layers} * shape_.kv_heads; }
@@ -437,7 +439,7 @@ class TieredKVBuffer {
   void check_tail_save(RequestId request, std::uint32_t layer) const;
   // Refuses (failed_precondition) a request that evicts: it has no GPU tail.
   void check_has_tail(RequestId request, const RequestState& s) const;
-  static std::uint32_t tail_pages_per_head(const RequestBudget& budget) noexcept { return budget.evicts ? 0 : 1; }
+  static std::uint32_t tail_pages_per_head(const RequestPages& budget) noexcept { return budget.evicts ? 0 : 1; }
   // Where the tails live: the GPU tier, or the CPU tier in place.
   PagePool& tail_pool() noexcept { return site_ == AttendSite::cpu_tier ? cpu_pool_ : gpu_pool_; }
   const PagePool& tail_pool() const noexcept { return site_ == AttendSite::cpu_tier ? cpu_pool_ : gpu_pool_; }

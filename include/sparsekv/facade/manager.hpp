@@ -86,7 +86,8 @@ class Manager {
            kMaxMaskedPageTokens, config_.page_tokens);
     }
     scope_ = StepScope<Policy>{&shape_, &config_, &policy_, nullptr, backend_.get(), &stats_};  // for the sizing
-    budget(config_.max_context_tokens);  // a policy that cannot serve this shape or page size refuses here, not later
+    request_pages(
+        config_.max_context_tokens);  // a policy that cannot serve this shape or page size refuses here, not later
     buffer_ = std::make_unique<TieredKVBuffer>(shape, config, backend_->cpu_tier(), backend_->gpu_pages(),
                                                backend_->gpu_tables(), backend_->transfer(),
                                                table_head_capacity(scope_), backend_->attend_site());
@@ -111,9 +112,8 @@ class Manager {
   Manager& operator=(const Manager&) = delete;
   Manager& operator=(Manager&&) = delete;
 
-  // The per-(layer, kv head) mandatory pages the policy needs for a request of
-  // up to `max_tokens` tokens, taken over all layers.
-  RequestBudget budget(std::uint32_t max_tokens) const { return request_budget(scope_, max_tokens); }
+  // The GPU pages per (layer, kv head) a request of up to `max_tokens` tokens reserves (step/request_sizing.hpp).
+  RequestPages request_pages(std::uint32_t max_tokens) const { return sparsekv::request_pages(scope_, max_tokens); }
 
   // Advice: admit is true exactly when add_request(id, max_tokens) would
   // succeed now (for a new id) and a `prompt_tokens`-token prompt fits both
@@ -121,7 +121,8 @@ class Manager {
   AdmissionAdvice can_admit(std::uint32_t prompt_tokens, std::uint32_t max_tokens) const {
     if (std::optional<Refusal> r = max_tokens_refusal(scope_, max_tokens))
       return AdmissionAdvice{.reason = std::move(r->message)};
-    AdmissionAdvice advice = buffer_->can_admit(prompt_tokens, budget(max_tokens), prompt_pages(scope_, prompt_tokens));
+    AdmissionAdvice advice =
+        buffer_->can_admit(prompt_tokens, request_pages(max_tokens), prompt_pages(scope_, prompt_tokens));
     if (advice.admit && prompt_tokens > max_tokens) {
       advice.admit = false;
       advice.reason = fmt::format("a {}-token prompt exceeds max_tokens {}", prompt_tokens, max_tokens);
@@ -139,7 +140,7 @@ class Manager {
   AdmissionAdvice can_fork(RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) const {
     if (std::optional<Refusal> r = fork_refusal(source, tokens, max_tokens))
       return AdmissionAdvice{.reason = std::move(r->message)};
-    const RequestBudget b = budget(max_tokens);
+    const RequestPages b = request_pages(max_tokens);
     if (!forks_index(policy_)) return buffer_->can_admit(tokens, b, prompt_pages(scope_, tokens));
     return buffer_->can_admit_pages(tokens, b, ForkRunner<Policy>{}.new_pages(scope_, registry_, source, tokens));
   }
@@ -147,7 +148,7 @@ class Manager {
   void add_request(RequestId request, std::uint32_t max_tokens) {
     if (std::optional<Refusal> r = max_tokens_refusal(scope_, max_tokens))
       fail(r->code, "request {}: {}", request, r->message);
-    const RequestBudget b = budget(max_tokens);
+    const RequestPages b = request_pages(max_tokens);
     device_.admit(request, [&] { buffer_->add_request(request, b); });
     registry_.add(request, max_tokens, b.mandatory_pages, policy_);
   }

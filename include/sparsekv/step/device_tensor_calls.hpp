@@ -111,7 +111,7 @@ class DeviceTensorCalls {
     if (runtime_) return *runtime_;
     runtime_ = scope_.backend->make_device_runtime(
         device_runtime_setup(scope_, table_head_capacity(scope_).partitions,
-                             request_budget(scope_, scope_.config->max_context_tokens).mandatory_pages),
+                             request_pages(scope_, scope_.config->max_context_tokens).mandatory_pages),
         *scope_.buffer);
     if (!runtime_) unavailable();
     registry_->for_each_id([&](RequestId id) { runtime_->upload_tables(id); });

@@ -23,12 +23,12 @@ std::optional<Refusal> max_tokens_refusal(const StepScope<Policy>& scope, std::u
 // The per-(layer, kv head) mandatory pages the policy needs for a request of
 // up to `max_tokens` tokens, taken over all layers.
 template <class Policy>
-RequestBudget request_budget(const StepScope<Policy>& scope, std::uint32_t max_tokens) {
+RequestPages request_pages(const StepScope<Policy>& scope, std::uint32_t max_tokens) {
   std::uint32_t mandatory = 1;
   for (std::uint32_t l = 0; l < scope.shape->layers; ++l) {
     mandatory = std::max(mandatory, scope.policy->mandatory_pages(scope.context(l, max_tokens)));
   }
-  return RequestBudget{mandatory, 0, evicts_tokens(*scope.policy)};
+  return RequestPages{mandatory, 0, evicts_tokens(*scope.policy)};
 }
 
 // What the page table is sized for per head: the policy's own bound for a
