@@ -89,15 +89,9 @@ class OraclePolicy {
   void select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t h,
                    std::vector<PartitionId>& chosen) const {
     check_state(ctx, state);
-    check_decode_query(kName, ctx, q);
-    check_head(kName, ctx, h);
-    chosen.clear();
+    if (select_all_within_budget(kName, ctx, q, state, h, options_.budget_tokens, false, chosen)) return;
     const auto n = static_cast<std::uint32_t>(state.tokens.size());
     const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
-    if (total <= options_.budget_tokens) {
-      chosen = state.ids[h];
-      return;
-    }
     const std::uint32_t group = ctx.group_size(), d = ctx.head_dim;
     const double scale = 1.0 / std::sqrt(double(d));
     std::vector<double> logits(total);

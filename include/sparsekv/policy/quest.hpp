@@ -49,7 +49,6 @@
 //    are, and half the bytes of fp32 for f16 / bf16 models.
 #include <algorithm>
 #include <cstdint>
-#include <numeric>
 #include <optional>
 #include <span>
 #include <vector>
@@ -151,15 +150,9 @@ class QuestPolicy {
   void select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t h,
                    std::vector<PartitionId>& chosen) const {
     check_state(ctx, state);
-    check_decode_query(kName, ctx, q);
-    check_head(kName, ctx, h);
-    chosen.clear();
+    const bool dense_layer = ctx.layer < options_.dense_layers;
+    if (select_all_within_budget(kName, ctx, q, state, h, options_.budget_tokens, dense_layer, chosen)) return;
     const auto n = static_cast<std::uint32_t>(state.tokens.size());
-    const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
-    if (ctx.layer < options_.dense_layers || total <= options_.budget_tokens) {
-      chosen = state.ids[h];
-      return;
-    }
     const std::uint32_t group = ctx.group_size();
     const std::uint32_t newest = n - 1;
     const float scale = logit_scale(ctx.head_dim);

@@ -76,6 +76,7 @@
 // Adding an algorithm is one header: examples/custom_policy.cpp.
 #include <algorithm>
 #include <concepts>
+#include <numeric>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -373,6 +374,23 @@ void append_page_partition(const LayerContext& ctx, const AppendedPage& page, St
     state.ids[h].push_back(page.partitions[h]);
     summarize(state, h, page.page, 0, page.page.tokens);
   }
+}
+
+// Select's start in the same policies, after their state check: the query
+// and head checked, and every partition of head h chosen when the context
+// fits `budget_tokens` (or `all_pages` asks for it: Quest's dense layers).
+// Returns whether Select is done; otherwise `chosen` is empty.
+template <class State>
+bool select_all_within_budget(std::string_view policy, const LayerContext& ctx, const DecodeQuery& q,
+                              const State& state, std::uint32_t h, std::uint64_t budget_tokens, bool all_pages,
+                              std::vector<PartitionId>& chosen) {
+  check_decode_query(policy, ctx, q);
+  check_head(policy, ctx, h);
+  chosen.clear();
+  const std::uint64_t total = std::accumulate(state.tokens.begin(), state.tokens.end(), std::uint64_t{0});
+  if (!all_pages && total > budget_tokens) return false;
+  chosen = state.ids[h];
+  return true;
 }
 
 // A fork's Index of the same policies (ForksIndex): the leading whole
