@@ -192,7 +192,7 @@ class AnyPolicy {
       sparsekv::host_summary_rows(policy, std::any_cast<const State&>(s), head, out);
     }
     bool evicts_tokens() const override { return EvictsTokens<P>; }
-    bool needs_token_weights() const override { return needs_token_weights(policy); }
+    bool needs_token_weights() const override { return sparsekv::needs_token_weights(policy); }
     void evict(const LayerContext& c, const EvictionContext& e, std::any& s, Eviction& out) const override {
       evict_tokens(policy, c, e, std::any_cast<State&>(s), out);
     }
