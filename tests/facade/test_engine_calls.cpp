@@ -249,7 +249,7 @@ TEST_CASE("engine calls: chunks and continuations refused where they cannot be s
   }
   // A staged prompt is not mixed with a whole one; a chunk over max_tokens in total is refused.
   REQUIRE_SPARSEKV_ERROR(m.prefill(1, 0, k.data(), v.data(), 4), ErrorCode::failed_precondition);
-  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, k.data(), v.data(), 21), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(m.prefill_chunk(1, 0, k.data(), v.data(), 21), ErrorCode::resource_exhausted);
   REQUIRE(m.staged_tokens(1, 0) == 20);
   // extend checks before it prefills a staged prompt: a refusal leaves the layer staged.
   REQUIRE_SPARSEKV_ERROR(m.extend(1, 0, q.data(), bad.data(), v.data(), 10), ErrorCode::invalid_argument);
