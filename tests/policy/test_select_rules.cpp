@@ -22,6 +22,7 @@
 // attend on each request's own window. StreamingWindow's and Dense's
 // positional selections over a token-counts-only store against their host
 // select, bit for bit.
+#include <any>
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -767,6 +768,34 @@ TEST_CASE("the positional zones keep the sinks' and the window's budget rules", 
   CHECK_FALSE(host_index_update_due(RetroInferPolicy(retro), state, 16));
   CHECK(host_index_update_due(RetroInferPolicy(retro), state, 32));
   CHECK_FALSE(host_index_update_due(QuestPolicy(), QuestPolicy::LayerState{}, 1u << 30));
+  // The feeding is one optional capability: RetroInfer has it, and through
+  // AnyPolicy answers the same; a policy without it reads nothing of its state.
+  STATIC_REQUIRE(FeedsHostState<RetroInferPolicy>);
+  STATIC_REQUIRE_FALSE(FeedsHostState<QuestPolicy>);
+  STATIC_REQUIRE_FALSE(FeedsHostState<ShadowKVPolicy>);
+  CHECK(host_index_update_due(AnyPolicy(RetroInferPolicy(retro)), std::any(state), 32));
+  state.window = 64;
+  state.heads.resize(1);
+  state.heads[0].sink = {0, 4};
+  state.heads[0].recent = {{7, 16}, {8, 16}};
+  state.heads[0].clusters = {{1, 20}};
+  state.heads[0].centroids = {1.0f, 2.0f};
+  state.heads[0].recent_centroids = {3.0f, 4.0f, 5.0f, 6.0f};
+  const HostStateRow row = host_state_row(RetroInferPolicy(retro), state, 0, 3);
+  CHECK(row.sink_partition == 0);
+  CHECK(row.sink_tokens == 4);
+  CHECK(row.recent == 5);  // two recent partitions and three unfed pages
+  CHECK(row.window == 64);
+  HostSummaryRows rows;
+  host_summary_rows(RetroInferPolicy(retro), state, 0, rows);
+  CHECK(rows.tokens == std::vector<std::uint32_t>{20, 16, 16});
+  CHECK(rows.centroids == std::vector<float>{1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f});
+  rows.tokens = {9};
+  host_summary_rows(QuestPolicy(), QuestPolicy::LayerState{}, 0, rows);
+  CHECK(rows.tokens.empty());
+  const HostStateRow none = host_state_row(QuestPolicy(), QuestPolicy::LayerState{}, 0, 3);
+  CHECK(none.sink_tokens == 0);
+  CHECK(none.recent == 0);
 }
 
 TEST_CASE("the summary store's geometry is checked on the host", "[select-rules]") {

@@ -12,7 +12,7 @@
 // from the candidates' positions and token counts alone (no summaries: the
 // store keeps only token counts). RetroInfer (Chen et al. 2025, §4.2) ranks
 // centroids kept on the device; its clustering stays on the host, whose state
-// its rows read (host_state_row below). Every other policy has none
+// its rows read (policy/host_state_feed.hpp). Every other policy has none
 // (std::monostate) and is served by the host-tensor API.
 #include <cstdint>
 #include <optional>
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/host_state_feed.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
@@ -120,70 +121,6 @@ inline std::uint32_t select_capacity(const DeviceSelect& s, std::uint32_t max_pa
     }
   };
   return std::visit(Capacity{max_partitions, page_tokens}, s);
-}
-
-// ---- The host state a device Select reads (RetroInfer) ---------------------
-
-// What one (request, kv head) row reads from the host policy state besides
-// the summaries (RetroInfer's sink and steady zone); zero for the policies
-// whose state the device Select does not read.
-struct HostStateRow {
-  PartitionId sink_partition = 0;
-  std::uint32_t sink_tokens = 0;  // 0: no sink
-  std::uint32_t recent = 0;       // how many of the row's last candidates are recent partitions
-  std::uint32_t window = 0;       // the steady window in tokens
-};
-
-// RetroInfer's decode pages are one-page partitions whose summaries (mean
-// key, value sum) the append kernel writes; the host state learns of them
-// only at its next index update, when the step feeds it the pages saved
-// since the last (`unfed_pages` of them, the same count in every kv head).
-template <SparseAttention P>
-HostStateRow host_state_row(const P&, const typename P::LayerState&, std::uint32_t, std::uint32_t) {
-  return {};
-}
-inline HostStateRow host_state_row(const RetroInferPolicy&, const RetroInferPolicy::LayerState& state,
-                                   std::uint32_t head, std::uint32_t unfed_pages) {
-  const RetroInferPolicy::HeadState& h = state.heads.at(head);
-  return {h.sink.id, h.sink.tokens, static_cast<std::uint32_t>(h.recent.size()) + unfed_pages, state.window};
-}
-
-// The summaries of a head's candidates as the host state holds them, for the
-// device store (written at prefill and after each index update): RetroInfer's
-// clusters then recent partitions, each its centroid (mean key), value sum
-// and token count. Policies whose state the device Select does not read: none.
-struct HostSummaryRows {
-  std::vector<float> centroids;   // [n][head_dim]
-  std::vector<float> value_sums;  // [n][head_dim]
-  std::vector<std::uint32_t> tokens;
-};
-template <SparseAttention P>
-void host_summary_rows(const P&, const typename P::LayerState&, std::uint32_t, HostSummaryRows& out) {
-  out = {};
-}
-inline void host_summary_rows(const RetroInferPolicy&, const RetroInferPolicy::LayerState& state, std::uint32_t head,
-                              HostSummaryRows& out) {
-  const RetroInferPolicy::HeadState& h = state.heads.at(head);
-  out.centroids = h.centroids;
-  out.centroids.insert(out.centroids.end(), h.recent_centroids.begin(), h.recent_centroids.end());
-  out.value_sums = h.value_sums;
-  out.value_sums.insert(out.value_sums.end(), h.recent_value_sums.begin(), h.recent_value_sums.end());
-  out.tokens.clear();
-  for (const auto& g : h.clusters) out.tokens.push_back(g.tokens);
-  for (const auto& g : h.recent) out.tokens.push_back(g.tokens);
-}
-
-// Whether feeding the state `pending_tokens` more decode tokens (the unfed
-// pages and the one this step fills) reaches the policy's next index update:
-// RetroInferPolicy::append then regroups, so the step feeds it first.
-// Policies whose state the device Select does not read: never.
-template <SparseAttention P>
-bool host_index_update_due(const P&, const typename P::LayerState&, std::uint32_t) {
-  return false;
-}
-inline bool host_index_update_due(const RetroInferPolicy& p, const RetroInferPolicy::LayerState& state,
-                                  std::uint32_t pending_tokens) {
-  return std::uint64_t{state.generated} + pending_tokens >= p.options().update_tokens;
 }
 
 }  // namespace sparsekv

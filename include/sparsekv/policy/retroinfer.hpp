@@ -41,6 +41,7 @@
 
 #include "sparsekv/core/ids.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
+#include "sparsekv/policy/host_state_feed.hpp"
 
 namespace sparsekv {
 
@@ -153,6 +154,28 @@ class RetroInferPolicy {
   // tokens_per_cluster) times the context's pages.
   HeadCapacity head_capacity(const LayerContext& ctx) const;
 
+  // FeedsHostState (policy/host_state_feed.hpp): the device Select ranks the
+  // centroids on the device; its rows read the sink and steady zone here,
+  // the store takes the clusters then the recent partitions, and the next
+  // index update comes every update_tokens decode tokens.
+  HostStateRow host_state_row(const LayerState& state, std::uint32_t head, std::uint32_t unfed_pages) const {
+    const HeadState& h = state.heads.at(head);
+    return {h.sink.id, h.sink.tokens, static_cast<std::uint32_t>(h.recent.size()) + unfed_pages, state.window};
+  }
+  void host_summary_rows(const LayerState& state, std::uint32_t head, HostSummaryRows& out) const {
+    const HeadState& h = state.heads.at(head);
+    out.centroids = h.centroids;
+    out.centroids.insert(out.centroids.end(), h.recent_centroids.begin(), h.recent_centroids.end());
+    out.value_sums = h.value_sums;
+    out.value_sums.insert(out.value_sums.end(), h.recent_value_sums.begin(), h.recent_value_sums.end());
+    out.tokens.clear();
+    for (const auto& g : h.clusters) out.tokens.push_back(g.tokens);
+    for (const auto& g : h.recent) out.tokens.push_back(g.tokens);
+  }
+  bool host_index_update_due(const LayerState& state, std::uint32_t pending_tokens) const {
+    return std::uint64_t{state.generated} + pending_tokens >= options_.update_tokens;
+  }
+
  private:
   Options options_;
 };
@@ -160,9 +183,9 @@ class RetroInferPolicy {
 // RetroInfer's device Select (policy/device_select.hpp): ranks the centroids
 // kept on the device and hands its estimation zone to the attention kernel.
 // Its clustering stays on the host: its rows also read the host state
-// (host_state_row), which the step keeps -- indexed at prefill, fed the saved
-// decode pages at each index update (host_index_update_due; docs/device-decode.md,
-// "RetroInfer").
+// (FeedsHostState, policy/host_state_feed.hpp), which the step keeps --
+// indexed at prefill, fed the saved decode pages at each index update
+// (docs/device-decode.md, "RetroInfer").
 struct RetroInferDeviceSelect {
   using Policy = RetroInferPolicy;
   std::uint32_t budget_tokens = 0;
