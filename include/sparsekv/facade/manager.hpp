@@ -86,8 +86,8 @@ class Manager {
            kMaxMaskedPageTokens, config_.page_tokens);
     }
     scope_ = StepScope<Policy>{&shape_, &config_, &policy_, nullptr, backend_.get(), &stats_};  // for the sizing
-    request_pages(
-        config_.max_context_tokens);  // a policy that cannot serve this shape or page size refuses here, not later
+    // A policy that cannot serve this shape or page size refuses here, not later.
+    request_pages(config_.max_context_tokens);
     buffer_ = std::make_unique<TieredKVBuffer>(shape, config, backend_->cpu_tier(), backend_->gpu_pages(),
                                                backend_->gpu_tables(), backend_->transfer(),
                                                table_head_capacity(scope_), backend_->attend_site());

@@ -39,7 +39,7 @@ class PromptStaging {
            "prefill_chunk of request {} layer {}: the layer is prefilled; append to a live request with extend()",
            request, layer);
     }
-    RequestRegistry<Policy>::check_fits(request, "a prompt chunk of", ls.staged_tokens, tokens, r.max_tokens);
+    RequestRegistry<Policy>::check_fits(request, "a prompt chunk", ls.staged_tokens, tokens, r.max_tokens);
     const std::size_t n = std::size_t{tokens} * scope.kv_row();
     scope.to_finite_float("prefill_chunk k", request, k, n, keys_, ls.staged_tokens, from);
     scope.to_finite_float("prefill_chunk v", request, v, n, values_, ls.staged_tokens, from);

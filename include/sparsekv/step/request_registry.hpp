@@ -67,7 +67,7 @@ class RequestRegistry {
     if (tokens == 0) fail(ErrorCode::invalid_argument, "prefill of request {}: tokens must be > 0", request);
     LayerStepState<State>& ls = r.layers[layer];
     if (ls.prefilled) fail(ErrorCode::failed_precondition, "request {} layer {} is already prefilled", request, layer);
-    check_fits(request, "a prompt of", 0, tokens, r.max_tokens);
+    check_fits(request, "a prompt", 0, tokens, r.max_tokens);
     return ls;
   }
 
@@ -82,7 +82,7 @@ class RequestRegistry {
     if (!r.layers[layer].prefilled) {
       fail(ErrorCode::failed_precondition, "decode of request {} layer {} before its prefill", batch[b], layer);
     }
-    check_fits(batch[b], "a decode step of", buffer.sequence_length(batch[b], layer), 1, r.max_tokens);
+    check_fits(batch[b], "a decode step", buffer.sequence_length(batch[b], layer), 1, r.max_tokens);
     return r;
   }
 
@@ -91,8 +91,8 @@ class RequestRegistry {
   static void check_fits(RequestId request, std::string_view what, std::uint64_t held, std::uint64_t tokens,
                          std::uint32_t max_tokens) {
     if (held + tokens <= max_tokens) return;
-    fail(ErrorCode::resource_exhausted, "request {}: {} {} tokens on the {} it holds exceeds its max_tokens {}",
-         request, what, tokens, held, max_tokens);
+    fail(ErrorCode::resource_exhausted, "request {}: {} + {} tokens ({}) exceed its max_tokens {}", request, held,
+         tokens, what, max_tokens);
   }
 
  private:
