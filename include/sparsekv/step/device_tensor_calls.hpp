@@ -3,7 +3,7 @@
 // "Device tensors"). A policy with a device Select in every layer runs the
 // whole step on the device (DeviceStep, through the backend's DeviceRuntime,
 // made at the first call); any other takes the host-Select path: the call's
-// tensors are staged in host memory (HostSelectTensors), the host call runs, and
+// tensors are copied into host memory (HostSelectTensors), the host call runs, and
 // `out` goes back up, each call waiting. Every call checks its arguments and
 // the registry's requests before it changes anything.
 #include <cstddef>
@@ -56,11 +56,11 @@ class DeviceTensorCalls {
       return;
     }
     const std::size_t bytes = std::size_t{tokens} * scope_.kv_row() * dtype_size(scope_.shape->dtype);
-    host_prefill(scope_, request, layer, ls, staged_.stage(*scope_.backend, 1, k, bytes, stream),
-                 staged_.stage(*scope_.backend, 2, v, bytes, stream), tokens, keys_, values_);
+    host_prefill(scope_, request, layer, ls, copies_.copy_in(*scope_.backend, 1, k, bytes, stream),
+                 copies_.copy_in(*scope_.backend, 2, v, bytes, stream), tokens, keys_, values_);
   }
 
-  // `host_step(q, k_new, v_new, out)` runs the host-tensor decode on host
+  // `host_decode(q, k_new, v_new, out)` runs the host-tensor decode on host
   // copies: the host-Select path.
   template <class HostDecode>
   void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
@@ -81,12 +81,12 @@ class DeviceTensorCalls {
     }
     const std::size_t elem = dtype_size(scope_.shape->dtype);
     const std::size_t kv_bytes = batch.size() * scope_.kv_row() * elem;
-    const std::byte* host_q = staged_.stage(*scope_.backend, 0, q, batch.size() * scope_.q_row() * elem, stream);
-    const std::byte* host_k = staged_.stage(*scope_.backend, 1, k_new, kv_bytes, stream);
-    const std::byte* host_v = staged_.stage(*scope_.backend, 2, v_new, kv_bytes, stream);
+    const std::byte* host_q = copies_.copy_in(*scope_.backend, 0, q, batch.size() * scope_.q_row() * elem, stream);
+    const std::byte* host_k = copies_.copy_in(*scope_.backend, 1, k_new, kv_bytes, stream);
+    const std::byte* host_v = copies_.copy_in(*scope_.backend, 2, v_new, kv_bytes, stream);
     scope_.backend->check_attend(scope_.layout(), scope_.shape->q_heads, scope_.shape->kv_heads);
-    host_decode(host_q, host_k, host_v, staged_.output(batch.size() * scope_.q_row()));
-    staged_.write_output(*scope_.backend, out, stream);
+    host_decode(host_q, host_k, host_v, copies_.output(batch.size() * scope_.q_row()));
+    copies_.write_output(*scope_.backend, out, stream);
   }
 
   DeviceAttendPlan plan(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
@@ -199,8 +199,8 @@ class DeviceTensorCalls {
   std::unique_ptr<DeviceRuntime> runtime_;
   std::optional<DeviceStep<Policy>> step_;
   std::vector<typename DeviceStep<Policy>::Entry> entries_;
-  std::vector<float> keys_, values_;  // a staged prompt in fp32
-  HostSelectTensors staged_;
+  std::vector<float> keys_, values_;  // a host-Select prompt in fp32
+  HostSelectTensors copies_;
 };
 
 }  // namespace sparsekv

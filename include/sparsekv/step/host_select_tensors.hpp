@@ -15,7 +15,7 @@ namespace sparsekv {
 class HostSelectTensors {
  public:
   // Tensor slot i (q, k, v: 0, 1, 2) as a host copy of `bytes` of device memory.
-  const std::byte* stage(Backend& backend, std::size_t i, const void* device, std::size_t bytes, void* stream) {
+  const std::byte* copy_in(Backend& backend, std::size_t i, const void* device, std::size_t bytes, void* stream) {
     host_[i].resize(bytes);
     backend.copy_to_host(host_[i].data(), device, bytes, stream);
     return host_[i].data();
