@@ -242,7 +242,7 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   fmt::print("  tokens/s        {:.2f}\n", tokens_per_s);
   fmt::print("  step time       median {:.2f} ms, worst {:.2f} ms (step {})\n", 1e3 * median_s, 1e3 * worst_s,
              worst_step);
-  if (manager.buffer().attend_site() == sparsekv::AttendSite::cpu_tier) {
+  if (manager.buffer().tiers().site == sparsekv::AttendSite::cpu_tier) {
     fmt::print("  in place        the selected CPU pages attended where they are: no GPU tier, nothing moved\n");
   } else {
     fmt::print("  hit ratio       {:.2f}%\n  pages moved     {}\n  bytes moved     {:.1f} MiB\n", 100 * st.hit_ratio(),

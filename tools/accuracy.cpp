@@ -155,7 +155,7 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
     for (std::uint32_t i = 0; i < d; ++i) dot += double(qv[i]) * key[i];
     return std::exp(dot * scale - lse);
   };
-  const sparsekv::PageLayout& layout = pipeline.buffer().gpu_pool().layout();
+  const sparsekv::PageLayout& layout = pipeline.buffer().tiers().gpu_pool.layout();
   for (std::uint32_t s = 0; s < h.decode_steps; ++s) {
     for (std::uint32_t l = 0; l < h.layers; ++l) {
       const std::uint32_t token = h.prompt_tokens + s;
@@ -186,7 +186,7 @@ Result evaluate(const QkvTrace& trace, const Reference& ref, const std::string& 
         }
       }
       const sparsekv::Retrieval& got = pipeline.retrieval();
-      const sparsekv::PagePool& gpu = pipeline.buffer().gpu_pool();
+      const sparsekv::PagePool& gpu = pipeline.buffer().tiers().gpu_pool;
       const auto add_page = [&](std::uint32_t kv, sparsekv::PageId page, std::uint32_t tokens) {
         const std::byte* base = gpu.data(page);
         for (std::uint32_t slot = 0; slot < tokens; ++slot) {

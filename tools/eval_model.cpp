@@ -464,15 +464,15 @@ int main(int argc, char** argv) {
           rows[g.first + i].top.push_back(argmax(row));
           if (rows[g.first + i].top.back() == dense_top[s]) ++rows[g.first + i].agree;
           if (rows[g.first + i].strategy) {
-            rows[g.first + i].pages_held.push_back(managers[i]->buffer().held_pages(1));
-            rows[g.first + i].live_slots.push_back(managers[i]->buffer().live_slots(1));
+            rows[g.first + i].pages_held.push_back(managers[i]->buffer().evictor().held_pages(1));
+            rows[g.first + i].live_slots.push_back(managers[i]->buffer().evictor().live_slots(1));
           }
         }
       }
       g.decode_s = since(t_decode);
       for (std::size_t i = 0; i < n; ++i) {
         rows[g.first + i].stats = managers[i]->stats();
-        rows[g.first + i].buffer = managers[i]->buffer().stats();
+        rows[g.first + i].buffer = managers[i]->buffer().tiers().stats;
       }
       if (recorder) recorded_trace = std::move(recorder->trace());
       replay_s += g.replay_s;

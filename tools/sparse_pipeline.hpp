@@ -36,7 +36,7 @@ class SparsePipeline {
     config_.gpu_tier_bytes = heads * (2 * std::size_t{mandatory} + 2) * page;
     config_.host_chunk_bytes = std::min<std::size_t>(config_.cpu_tier_bytes, std::size_t{64} << 20);
     buffer_ = std::make_unique<TieredKVBuffer>(shape, config_, cpu_, gpu_);
-    buffer_->add_request(kRequest, RequestPages{mandatory, 0});
+    buffer_->admission().add_request(kRequest, RequestPages{mandatory, 0});
     for (std::uint32_t l = 0; l < shape.layers; ++l) states_.push_back(policy_.make_state());
     recent_.resize(shape.layers);
   }
@@ -45,13 +45,14 @@ class SparsePipeline {
     return {layer, shape_.layers, shape_.q_heads, shape_.kv_heads, shape_.head_dim, config_.page_tokens, tokens};
   }
   std::uint32_t partition_tokens(std::uint32_t layer) const {
-    return buffer_->sequence_length(kRequest, layer) - buffer_->tail_tokens(kRequest, layer);
+    return buffer_->admission().sequence_length(kRequest, layer) - buffer_->tails().tail_tokens(kRequest, layer);
   }
 
   // Index + Offload of a layer's prompt.
   void prefill(std::uint32_t layer, const KvView& kv) {
     const std::vector<PartitionSpec> specs = policy_.index(context(layer, kv.tokens), kv, states_[layer]);
-    buffer_->offload(kRequest, layer, KvChunk{kv.keys.data(), kv.values.data(), kv.tokens, DType::f32}, specs);
+    buffer_->offloader().offload(kRequest, layer, KvChunk{kv.keys.data(), kv.values.data(), kv.tokens, DType::f32},
+                                 specs);
   }
 
   // One decode token of a layer, k and v [kv_heads][head_dim]. When the tail
@@ -63,8 +64,8 @@ class SparsePipeline {
     auto& recent = recent_[layer];
     recent.k.insert(recent.k.end(), k, k + row);
     recent.v.insert(recent.v.end(), v, v + row);
-    buffer_->append(kRequest, layer, KvChunk{k, v, 1, DType::f32});
-    recent.full = buffer_->tail_tokens(kRequest, layer) == 0;
+    buffer_->tails().append(kRequest, layer, KvChunk{k, v, 1, DType::f32});
+    recent.full = buffer_->tails().tail_tokens(kRequest, layer) == 0;
   }
 
   // Select + Retrieve + Attend for one layer's query; out: [q_heads][head_dim].
@@ -72,10 +73,10 @@ class SparsePipeline {
     const bool full = recent_[layer].full;
     const LayerContext ctx = context(layer, partition_tokens(layer) - (full ? config_.page_tokens : 0));
     policy_.select(ctx, q, states_[layer], selection_);
-    buffer_->retrieve(kRequest, layer, selection_.partitions, retrieval_);
+    buffer_->retriever().retrieve(kRequest, layer, selection_.partitions, retrieval_);
     if (full) retrieval_.tail_tokens.assign(shape_.kv_heads, config_.page_tokens);
     kv_.assign(shape_.kv_heads, HeadKv{});
-    const PagePool& gpu = buffer_->gpu_pool();
+    const PagePool& gpu = buffer_->tiers().gpu_pool;
     for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
       retrieval_.for_each_page(h, config_.page_tokens,
                                [&](PageId page, std::uint32_t tokens) { kv_[h].add(gpu.data(page), tokens); });
@@ -107,14 +108,14 @@ class SparsePipeline {
     Recent& recent = recent_[layer];
     if (!recent.full) return;
     AppendedPage page;
-    page.page =
-        KvView{recent.k,        recent.v,        config_.page_tokens,
-               shape_.kv_heads, shape_.head_dim, buffer_->sequence_length(kRequest, layer) - config_.page_tokens};
+    page.page = KvView{
+        recent.k,        recent.v,        config_.page_tokens,
+        shape_.kv_heads, shape_.head_dim, buffer_->admission().sequence_length(kRequest, layer) - config_.page_tokens};
     for (std::uint32_t h = 0; h < shape_.kv_heads; ++h) {
-      page.partitions.push_back(buffer_->table().partition_count(kRequest, layer, h) - 1);
+      page.partitions.push_back(buffer_->tiers().table.partition_count(kRequest, layer, h) - 1);
     }
     const auto regroup = policy_.append(context(layer, partition_tokens(layer)), page, states_[layer]);
-    if (regroup) buffer_->repartition(kRequest, layer, regroup->first_partitions, regroup->specs);
+    if (regroup) buffer_->regrouper().repartition(kRequest, layer, regroup->first_partitions, regroup->specs);
     recent.k.clear();
     recent.v.clear();
     recent.full = false;

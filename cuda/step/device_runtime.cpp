@@ -49,11 +49,11 @@ class CudaDeviceRuntime final : public DeviceRuntime {
         layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
         rows_(setup.max_batch * setup.shape.kv_heads),
         ring_(setup.max_batch, rows_, setup.shape.layers),
-        replica_copy_(buffer.transfer()),
-        replica_(buffer.table(), device_memory, replica_copy_),
+        replica_copy_(buffer.tiers().transfer),
+        replica_(buffer.tiers().table, device_memory, replica_copy_),
         summaries_(store_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads,
                    setup.shape.head_dim, setup.max_partitions_per_head, first_candidate_partition(setup.select)) {
-    buffer_.transfer().synchronize();  // the replica's directory copy
+    buffer_.tiers().transfer.synchronize();  // the replica's directory copy
     const ModelShape& s = setup.shape;
     const std::size_t max_selected = std::size_t{rows_} * setup.max_selected_per_head;
     const std::size_t max_pages = std::size_t{rows_} * setup.max_pages_per_head;
@@ -95,7 +95,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     error_ = DeviceBytes(sizeof(std::uint64_t));
     check_runtime(cudaMemset(error_.as<void>(), 0xff, sizeof(std::uint64_t)), "cudaMemset");
     // Every CPU-tier chunk the pool may ever reserve, device-readable.
-    const PagePool& cpu = buffer.cpu_pool();
+    const PagePool& cpu = buffer.tiers().cpu_pool;
     const std::size_t max_chunks = (std::size_t{cpu.capacity()} + cpu.pages_per_chunk() - 1) / cpu.pages_per_chunk();
     chunk_bases_ = PinnedBytes(sizeof(std::byte*) * max_chunks);
     if (setup.shape.head_dim == 64 || setup.shape.head_dim == 128) {
@@ -112,12 +112,12 @@ class CudaDeviceRuntime final : public DeviceRuntime {
 
   void upload_tables(RequestId request) override {
     synchronize();
-    replica_.upload(buffer_.table(), request, replica_copy_);
-    buffer_.transfer().synchronize();
+    replica_.upload(buffer_.tiers().table, request, replica_copy_);
+    buffer_.tiers().transfer.synchronize();
   }
   void download_tables(RequestId request) override {
     synchronize();
-    replica_.download(buffer_.table(), request, replica_copy_);
+    replica_.download(buffer_.tiers().table, request, replica_copy_);
   }
 
   std::uint64_t first_non_finite(const void* data, std::uint64_t count, void* stream) override {
@@ -133,7 +133,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
 
   void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements, void* stream) override {
     if (!saver_) saver_ = std::make_unique<FlashD2HSaver>();
-    save_prompt(*saver_, buffer_.cpu_pool(), k, v, placements, kPromptPieceBytes, stream, k_targets_, v_targets_);
+    save_prompt(*saver_, buffer_.tiers().cpu_pool, k, v, placements, kPromptPieceBytes, stream, k_targets_, v_targets_);
   }
 
   void index_prompt(std::uint32_t slot, std::uint32_t layer, const void* keys, std::uint32_t tokens,
@@ -204,8 +204,8 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     p.indptr = indptr_.as<std::int64_t>();
     p.indices = indices_.as<std::int64_t>();
     p.last_page_len = last_page_len_.as<std::int32_t>();
-    p.gpu_tier_base = buffer_.gpu_pool().base();
-    p.page_bytes = buffer_.gpu_pool().page_bytes();
+    p.gpu_tier_base = buffer_.tiers().gpu_pool.base();
+    p.page_bytes = buffer_.tiers().gpu_pool.page_bytes();
     p.rows = plan_rows_;
     if (estimated_) {
       p.extra_max = extra_max_.as<float>();
@@ -262,8 +262,8 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     append.k_new = step.k_new;
     append.v_new = step.v_new;
     append.q_out = q_.as<float>();
-    append.gpu_tier = const_cast<std::byte*>(buffer_.gpu_pool().base());
-    append.page_stride = buffer_.gpu_pool().page_bytes();
+    append.gpu_tier = const_cast<std::byte*>(buffer_.tiers().gpu_pool.base());
+    append.page_stride = buffer_.tiers().gpu_pool.page_bytes();
     append.tail_pages = at<PageId>(args, layout.tail_pages);
     append.tail_slots = at<std::uint32_t>(args, layout.tail_slots);
     append.cpu_pages = at<std::byte* const>(args, layout.cpu_pages);
@@ -351,7 +351,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   // 4. Retrieve: the selection as the LRU batch, the LRU step on the device
   //    tables, the gather of its misses straight from its output.
   void retrieve(std::uint32_t rows, const SelectOutput& selected, std::byte* args, cudaStream_t stream) {
-    const PartitionLookup lookup = replica_.lookup(buffer_.table());
+    const PartitionLookup lookup = replica_.lookup(buffer_.tiers().table);
     const LruBatchInput lru_in{rows, selected.max_selected, selected.selected, selected.selected_count,
                                at<std::size_t>(args, ring_.layout().instances)};
     const LruBatchOutput lru_csr{selection_offsets_.as<std::uint32_t>(), compact_.as<PartitionId>(),
@@ -374,10 +374,11 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     misses.count_stride = sizeof(CacheStepStats) / sizeof(std::uint64_t);
     misses.cpu_pages = copy_cpu_.as<PageId>();
     misses.gpu_pages = copy_gpu_.as<PageId>();
-    const PagePool& cpu = buffer_.cpu_pool();
+    const PagePool& cpu = buffer_.tiers().cpu_pool;
     const ChunkedPages cpu_tier{chunk_bases_.as<const std::byte* const>(), cpu.pages_per_chunk(), cpu.page_bytes()};
-    gather_miss_list(misses, cpu_tier, const_cast<std::byte*>(buffer_.gpu_pool().base()),
-                     buffer_.gpu_pool().page_bytes(), buffer_.gpu_pool().page_bytes(), GatherConfig{}, stream);
+    gather_miss_list(misses, cpu_tier, const_cast<std::byte*>(buffer_.tiers().gpu_pool.base()),
+                     buffer_.tiers().gpu_pool.page_bytes(), buffer_.tiers().gpu_pool.page_bytes(), GatherConfig{},
+                     stream);
     accumulate_step_stats(lru_out.stats, rows, totals_.as<CacheStepStats>(), stream);
     timer_.mark(StageTimer::gather, stream);
   }
@@ -410,8 +411,8 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     const DecodeAttentionShape shape = attention_shape(step.batch);
     DecodeAttentionArgs a;
     a.q = q_.as<float>();
-    a.page_base = buffer_.gpu_pool().base();
-    a.page_stride = buffer_.gpu_pool().page_bytes();
+    a.page_base = buffer_.tiers().gpu_pool.base();
+    a.page_stride = buffer_.tiers().gpu_pool.page_bytes();
     a.row_entries = head_entries_.as<std::int64_t>();
     a.indptr = indptr_.as<std::int64_t>();
     a.indices = indices_.as<std::int64_t>();
@@ -456,7 +457,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   }
 
   void refresh_chunks() {
-    const auto chunks = buffer_.cpu_pool().chunks();
+    const auto chunks = buffer_.tiers().cpu_pool.chunks();
     std::copy(chunks.begin(), chunks.end(), chunk_bases_.as<std::byte*>());
   }
 
@@ -479,8 +480,8 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     a.windows = {at<std::uint32_t>(slot, layout.windows), rows_};
     a.writes = {at<ReplicaWordWrite>(slot, layout.writes), layout.max_writes};
     a.write_count = at<std::uint32_t>(slot, layout.write_count);
-    fill_launch_arguments(step, setup_.shape.kv_heads, summaries_.shape(), buffer_.cpu_pool(), replica_,
-                          buffer_.table(), writes_, a);
+    fill_launch_arguments(step, setup_.shape.kv_heads, summaries_.shape(), buffer_.tiers().cpu_pool, replica_,
+                          buffer_.tiers().table, writes_, a);
   }
 
   DeviceRuntimeSetup setup_;

@@ -173,7 +173,7 @@ struct Hook::State {
     return it->second.request;
   }
   std::uint32_t tokens_held(RequestId id, std::uint32_t layer) const {
-    return manager->prefilled(id, layer) ? manager->buffer().sequence_length(id, layer)
+    return manager->prefilled(id, layer) ? manager->buffer().admission().sequence_length(id, layer)
                                          : manager->staged_tokens(id, layer);
   }
 

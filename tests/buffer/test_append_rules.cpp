@@ -3,7 +3,7 @@
 // kernel's decomposition -- blocks striding over (b, kv head) items, threads
 // over dimensions and 16-byte vectors, the warp / block / atomicMin reduction
 // of the error word -- built from the per-thread steps the kernel calls,
-// against the host path: TieredKVBuffer::append (tail rows, the saved page),
+// against the host path: TailAppender::append (tail rows, the saved page),
 // QuestPolicy / ShadowKVPolicy / RetroInferPolicy::append (the page's
 // summaries and token count) and the facade's finiteness check (the first bad value it names). Planted mutations
 // of the emulation must be caught.
@@ -83,12 +83,12 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
   std::vector<std::uint32_t> slots(tr.batch);
   std::vector<std::vector<float>> tail_keys(tr.batch), tail_values(tr.batch);
   for (std::uint32_t b = 0; b < tr.batch; ++b) {
-    buffer.add_request(b, RequestPages{1, 0});
+    buffer.admission().add_request(b, RequestPages{1, 0});
     slots[b] = rng() % 2 ? tr.page_tokens - 1 : rng() % tr.page_tokens;
     for (std::uint32_t t = 0; t < slots[b]; ++t) {
       const auto k = encode(test::random_values(row, rng), tr.dtype),
                  v = encode(test::random_values(row, rng), tr.dtype);
-      buffer.append(b, 0, KvChunk{k.data(), v.data(), 1, tr.dtype});
+      buffer.tails().append(b, 0, KvChunk{k.data(), v.data(), 1, tr.dtype});
       const auto kf = decode(k.data(), row, tr.dtype), vf = decode(v.data(), row, tr.dtype);
       tail_keys[b].insert(tail_keys[b].end(), kf.begin(), kf.end());
       tail_values[b].insert(tail_values[b].end(), vf.begin(), vf.end());
@@ -121,7 +121,8 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
     cpu_pages[i] = reinterpret_cast<std::byte*>(saved.data()) + std::size_t{i} * page_bytes;
     rows[i] = items - 1 - i;  // any permutation: rows are the caller's
     std::memcpy(tier_bytes + i * page_bytes,
-                buffer.gpu_pool().data(buffer.tail_page(i / tr.kv_heads, 0, i % tr.kv_heads)), page_bytes);
+                buffer.tiers().gpu_pool.data(buffer.tails().tail_page(i / tr.kv_heads, 0, i % tr.kv_heads)),
+                page_bytes);
   }
   const std::vector<AppendVector> before = tier;
   std::vector<float> q_out(qf.size(), -1.0f);
@@ -181,8 +182,9 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
     vb = decode(vbytes.data(), row, tr.dtype);
     const bool fills = slots[b] + 1 == tr.page_tokens;
     std::vector<const std::byte*> tails(tr.kv_heads);
-    for (std::uint32_t h = 0; h < tr.kv_heads; ++h) tails[h] = buffer.gpu_pool().data(buffer.tail_page(b, 0, h));
-    buffer.append(b, 0, KvChunk{kbytes.data(), vbytes.data(), 1, tr.dtype});
+    for (std::uint32_t h = 0; h < tr.kv_heads; ++h)
+      tails[h] = buffer.tiers().gpu_pool.data(buffer.tails().tail_page(b, 0, h));
+    buffer.tails().append(b, 0, KvChunk{kbytes.data(), vbytes.data(), 1, tr.dtype});
     tail_keys[b].insert(tail_keys[b].end(), kb.begin(), kb.end());
     tail_values[b].insert(tail_values[b].end(), vb.begin(), vb.end());
     // The policies' append of the full page, on a state indexed with one page.
@@ -230,8 +232,9 @@ bool run_trial(const Trial& tr, std::mt19937& rng, Mutation mutation) {
         continue;
       }
       std::vector<PageId> cpu_page;
-      buffer.table().cpu_pages(b, 0, h, buffer.table().partition_count(b, 0, h) - 1, cpu_page);
-      expect(std::memcmp(emulated_cpu, buffer.cpu_pool().data(cpu_page.at(0)), page_bytes) == 0, "saved page bytes");
+      buffer.tiers().table.cpu_pages(b, 0, h, buffer.tiers().table.partition_count(b, 0, h) - 1, cpu_page);
+      expect(std::memcmp(emulated_cpu, buffer.tiers().cpu_pool.data(cpu_page.at(0)), page_bytes) == 0,
+             "saved page bytes");
       const auto summary_row = [&](const std::vector<float>& v, std::size_t r, std::size_t n) {
         return std::vector<float>(v.begin() + r * n, v.begin() + (r + 1) * n);
       };

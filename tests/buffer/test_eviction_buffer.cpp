@@ -103,8 +103,9 @@ using Live = std::map<HeadKey, std::set<std::uint32_t>>;  // the reference: live
 // A request that evicts, its `prompt` tokens offloaded with `specs[layer]` (one spec, or one per kv head).
 void add_request(TieredKVBuffer& b, RequestId r, std::uint32_t prompt,
                  const std::vector<std::vector<PartitionSpec>>& specs) {
-  b.add_request(r, RequestPages{kMandatory, 0, true});
-  for (std::uint32_t l = 0; l < kShape.layers; ++l) b.offload(r, l, Rows(r, l, 0, prompt).chunk(), specs[l]);
+  b.admission().add_request(r, RequestPages{kMandatory, 0, true});
+  for (std::uint32_t l = 0; l < kShape.layers; ++l)
+    b.offloader().offload(r, l, Rows(r, l, 0, prompt).chunk(), specs[l]);
 }
 
 // A request that evicts, its `prompt` tokens offloaded in one-page partitions in every layer.
@@ -148,25 +149,25 @@ void check_rows(const TieredKVBuffer& b, const Live& live, EvictionStrategy stra
   std::map<RequestId, std::uint64_t> full_pages;
   for (const auto& [key, positions] : live) {
     const auto [r, l, h] = key;
-    REQUIRE(b.live_tokens(r, l, h) == positions.size());
+    REQUIRE(b.evictor().live_tokens(r, l, h) == positions.size());
     full_pages[r] += (positions.size() + kPageTokens - 1) / kPageTokens;
     for (const std::uint32_t position : positions) {
-      const std::optional<std::uint32_t> flat = b.position_slot(r, l, h, position);
+      const std::optional<std::uint32_t> flat = b.evictor().position_slot(r, l, h, position);
       REQUIRE(flat.has_value());
       const PartitionId p = *flat / kPageTokens;
       const std::uint32_t slot = *flat % kPageTokens;
-      REQUIRE(row_matches(b.cpu_pool().data(b.partitions().pages(r, l, h, p)[0]), slot, r, l, h, position));
-      if (!b.table().meta(r, l, h, p).resident()) continue;
-      for (std::uint32_t g = 0; g < b.table().gpu_slots(r, l, h); ++g) {
-        const GpuPageEntry e = b.table().gpu_entry(r, l, h, g);
-        if (e.partition == p) REQUIRE(row_matches(b.gpu_pool().data(e.gpu_page), slot, r, l, h, position));
+      REQUIRE(row_matches(b.tiers().cpu_pool.data(b.tiers().partitions.pages(r, l, h, p)[0]), slot, r, l, h, position));
+      if (!b.tiers().table.meta(r, l, h, p).resident()) continue;
+      for (std::uint32_t g = 0; g < b.tiers().table.gpu_slots(r, l, h); ++g) {
+        const GpuPageEntry e = b.tiers().table.gpu_entry(r, l, h, g);
+        if (e.partition == p) REQUIRE(row_matches(b.tiers().gpu_pool.data(e.gpu_page), slot, r, l, h, position));
       }
     }
   }
   // sparse_copy keeps every page full but the last: as few pages as the live tokens need.
   for (const auto& [r, pages] : full_pages) {
-    if (strategy == EvictionStrategy::sparse_copy && !partial) REQUIRE(b.held_pages(r) == pages);
-    if (strategy != EvictionStrategy::no_op) REQUIRE(b.held_pages(r) <= b.live_slots(r));
+    if (strategy == EvictionStrategy::sparse_copy && !partial) REQUIRE(b.evictor().held_pages(r) == pages);
+    if (strategy != EvictionStrategy::no_op) REQUIRE(b.evictor().held_pages(r) <= b.evictor().live_slots(r));
   }
 }
 
@@ -192,7 +193,7 @@ std::vector<float> masked_attention(const TieredKVBuffer& b, const Retrieval& ou
     std::vector<float> scores, values;
     std::size_t page_index = out.pages.partition_offsets[out.head_offsets[h]];
     out.for_each_page_masked(h, kPageTokens, [&](PageId page, std::uint32_t tokens, SlotMask mask) {
-      const std::byte* data = b.gpu_pool().data(page);
+      const std::byte* data = b.tiers().gpu_pool.data(page);
       for (std::uint32_t t = 0; t < tokens; ++t) {
         // The retrieval's positions name exactly the live slots.
         REQUIRE(slot_live(mask, t) == (out.slot_positions[page_index * kPageTokens + t] != kNoPosition));
@@ -245,19 +246,20 @@ struct Snapshot {
 };
 
 Snapshot snapshot(const TieredKVBuffer& b, const Live& live) {
-  Snapshot s{b.cpu_pool().used(), b.gpu_pool().used(), b.table().bytes(), {}};
+  Snapshot s{b.tiers().cpu_pool.used(), b.tiers().gpu_pool.used(), b.tiers().table.bytes(), {}};
   std::vector<PartitionId> partitions;
   for (const auto& [key, positions] : live) {
     const auto [r, l, h] = key;
-    s.words.push_back(b.sequence_length(r, l));
-    s.words.push_back(b.live_tokens(r, l, h));
-    b.live_partitions(r, l, h, partitions);
+    s.words.push_back(b.admission().sequence_length(r, l));
+    s.words.push_back(b.evictor().live_tokens(r, l, h));
+    b.evictor().live_partitions(r, l, h, partitions);
     for (const PartitionId p : partitions) {
       s.words.push_back(p);
-      s.words.push_back(b.table().slot_mask(r, l, h, b.table().first_page_index(r, l, h, p)));
-      s.words.push_back(b.table().meta(r, l, h, p).bits);
+      s.words.push_back(b.tiers().table.slot_mask(r, l, h, b.tiers().table.first_page_index(r, l, h, p)));
+      s.words.push_back(b.tiers().table.meta(r, l, h, p).bits);
     }
-    for (const std::uint32_t position : positions) s.words.push_back(b.position_slot(r, l, h, position).value());
+    for (const std::uint32_t position : positions)
+      s.words.push_back(b.evictor().position_slot(r, l, h, position).value());
   }
   return s;
 }
@@ -268,9 +270,9 @@ std::uint64_t pages_killed(const TieredKVBuffer& b, const Live& live, RequestId 
   std::uint64_t killed = 0;
   for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
     std::map<PartitionId, int> left;
-    for (const std::uint32_t p : live.at({r, l, h})) ++left[*b.position_slot(r, l, h, p) / kPageTokens];
+    for (const std::uint32_t p : live.at({r, l, h})) ++left[*b.evictor().position_slot(r, l, h, p) / kPageTokens];
     for (const std::uint32_t p : positions[h]) {
-      if (--left[*b.position_slot(r, l, h, p) / kPageTokens] == 0) ++killed;
+      if (--left[*b.evictor().position_slot(r, l, h, p) / kPageTokens] == 0) ++killed;
     }
   }
   return killed;
@@ -345,12 +347,12 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
     requests.insert(next);
     if (share && mix.sharers && requests.size() < rigs[0]->config.max_requests) {
       const RequestId sharer = next + kSharer * ++sharers;  // the same rows as `next`
-      for (auto& rig : rigs) rig->buffer.add_request(sharer, RequestPages{kMandatory, 0, true});
+      for (auto& rig : rigs) rig->buffer.admission().add_request(sharer, RequestPages{kMandatory, 0, true});
       for (std::uint32_t l = 0; l < kShape.layers; ++l) {
         std::uint32_t fewest = std::numeric_limits<std::uint32_t>::max();
         for (const PartitionSpec& spec : specs[l]) fewest = std::min(fewest, spec.partition_count());
         const auto shared = static_cast<std::uint32_t>(1 + pick(fewest));
-        for (auto& rig : rigs) rig->buffer.share_prefix(sharer, next, l, shared);
+        for (auto& rig : rigs) rig->buffer.evictor().share_prefix(sharer, next, l, shared);
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
           const PartitionSpec& spec = specs[l][specs[l].size() == 1 ? 0 : h];
           auto& positions = live[{sharer, l, h}];
@@ -370,7 +372,7 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
   };
   // A request ends; a partner sharing its pages holds them alone from now on.
   const auto end = [&](RequestId gone) {
-    for (auto& rig : rigs) rig->buffer.finish(gone);
+    for (auto& rig : rigs) rig->buffer.admission().finish(gone);
     std::erase_if(live, [gone](const auto& entry) { return std::get<0>(entry.first) == gone; });
     requests.erase(gone);
     if (!partner.contains(gone)) return;
@@ -389,7 +391,7 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
   for (int op = 0; op < 700; ++op) {
     const RequestId r = *std::next(requests.begin(), static_cast<long>(pick(requests.size())));
     const auto l = static_cast<std::uint32_t>(pick(kShape.layers));
-    const std::uint32_t length = rigs[0]->buffer.sequence_length(r, l);
+    const std::uint32_t length = rigs[0]->buffer.admission().sequence_length(r, l);
     const std::size_t kind = pick(100);
     // Eviction lists: the oldest evictable positions (a streaming window) or random ones; one stays live.
     for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
@@ -414,23 +416,23 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
       for (auto& rig : rigs) {
         TieredKVBuffer& b = rig->buffer;
         const EvictionStrategy strategy = rig->config.eviction_strategy;
-        const EvictionDemand demand = b.append_demand_evicting(r, l, lists);
+        const EvictionDemand demand = b.evictor().append_demand_evicting(r, l, lists);
         const std::uint64_t killed = pages_killed(b, live, r, l, lists);
-        const std::uint32_t before = b.cpu_pool().used();
-        b.evict(r, l, lists);
-        const std::uint32_t freed = before - b.cpu_pool().used();
+        const std::uint32_t before = b.tiers().cpu_pool.used();
+        b.evictor().evict(r, l, lists);
+        const std::uint32_t freed = before - b.tiers().cpu_pool.used();
         REQUIRE(freed == demand.freed_pages);
         if (strategy == EvictionStrategy::no_op) REQUIRE(freed == 0);
         if (strategy == EvictionStrategy::free_block || strategy == EvictionStrategy::slot_reuse) {
           REQUIRE(freed == killed);  // released at the op that kills the last slot, not later
         }
         if (!place) continue;
-        const std::uint32_t middle = b.cpu_pool().used();
-        b.place_token(r, l, Rows(r, l, length, 1).chunk());
-        REQUIRE(b.cpu_pool().used() - middle == demand.placed_pages);
+        const std::uint32_t middle = b.tiers().cpu_pool.used();
+        b.evictor().place_token(r, l, Rows(r, l, length, 1).chunk());
+        REQUIRE(b.tiers().cpu_pool.used() - middle == demand.placed_pages);
         std::vector<PartitionId> partitions;
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
-          b.live_partitions(r, l, h, partitions);
+          b.evictor().live_partitions(r, l, h, partitions);
           REQUIRE(partitions.size() == demand.live_partitions[h]);
         }
       }
@@ -441,7 +443,7 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
       ++done["step"];
     } else if (kind < 65) {  // place only
       if (live.at({r, l, 0}).size() >= kMaxLive || live.at({r, l, 1}).size() >= kMaxLive) continue;
-      for (auto& rig : rigs) rig->buffer.place_token(r, l, Rows(r, l, length, 1).chunk());
+      for (auto& rig : rigs) rig->buffer.evictor().place_token(r, l, Rows(r, l, length, 1).chunk());
       for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) live[{r, l, h}].insert(length);
       ++done["place"];
     } else if (kind < 83) {  // retrieve the live partitions; masked attention == dense over the live list
@@ -452,8 +454,8 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
       for (std::size_t i = 0; i < rigs.size(); ++i) {
         TieredKVBuffer& b = rigs[i]->buffer;
         std::vector<std::vector<PartitionId>> selection(kShape.kv_heads);
-        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) b.live_partitions(r, l, h, selection[h]);
-        b.retrieve(r, l, selection, outs[i]);
+        for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) b.evictor().live_partitions(r, l, h, selection[h]);
+        b.retriever().retrieve(r, l, selection, outs[i]);
         REQUIRE(outs[i].page_masks.size() == outs[i].pages.gpu_pages.size());
         REQUIRE(outs[i].slot_positions.size() == outs[i].pages.gpu_pages.size() * kPageTokens);
         const std::vector<float> got = masked_attention(b, outs[i], r, l, q);
@@ -474,7 +476,7 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
         switch (bad) {
           case 0:  // a position never appended
             wrong[h].push_back(length + static_cast<std::uint32_t>(pick(3)));
-            REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.evictor().evict(r, l, wrong), ErrorCode::invalid_argument);
             break;
           case 1: {  // a position evicted already (or, with none, listed twice)
             std::uint32_t gone = length;
@@ -483,33 +485,34 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
             }
             wrong[h].push_back(gone == length ? *live.at({r, l, h}).begin() : gone);
             if (gone == length) wrong[h].push_back(*live.at({r, l, h}).begin());
-            REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
-            REQUIRE_SPARSEKV_ERROR(b.check_evict(r, l, wrong), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.evictor().evict(r, l, wrong), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.evictor().check_evict(r, l, wrong), ErrorCode::invalid_argument);
             break;
           }
           case 2:  // listed twice
             wrong[h].push_back(*live.at({r, l, h}).rbegin());
             wrong[h].push_back(*live.at({r, l, h}).rbegin());
-            REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
-            REQUIRE_SPARSEKV_ERROR(b.append_demand_evicting(r, l, wrong), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.evictor().evict(r, l, wrong), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.evictor().append_demand_evicting(r, l, wrong), ErrorCode::invalid_argument);
             break;
           case 3:  // one list short
             wrong.pop_back();
-            REQUIRE_SPARSEKV_ERROR(b.evict(r, l, wrong), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.evictor().evict(r, l, wrong), ErrorCode::invalid_argument);
             break;
           case 4: {  // two tokens at once, and the tail path
             const Rows two(r, l, length, 2);
-            REQUIRE_SPARSEKV_ERROR(b.place_token(r, l, two.chunk()), ErrorCode::invalid_argument);
-            REQUIRE_SPARSEKV_ERROR(b.append(r, l, Rows(r, l, length, 1).chunk()), ErrorCode::failed_precondition);
+            REQUIRE_SPARSEKV_ERROR(b.evictor().place_token(r, l, two.chunk()), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(b.tails().append(r, l, Rows(r, l, length, 1).chunk()),
+                                   ErrorCode::failed_precondition);
             break;
           }
           case 5: {  // selecting a freed partition (free_block and slot_reuse leave tombstones)
             std::vector<std::vector<PartitionId>> selection(kShape.kv_heads);
-            for (std::uint32_t k = 0; k < kShape.kv_heads; ++k) b.live_partitions(r, l, k, selection[k]);
-            for (PartitionId p = 0; p < b.table().partition_count(r, l, h); ++p) {
-              if (!b.table().partition_freed(r, l, h, p)) continue;
+            for (std::uint32_t k = 0; k < kShape.kv_heads; ++k) b.evictor().live_partitions(r, l, k, selection[k]);
+            for (PartitionId p = 0; p < b.tiers().table.partition_count(r, l, h); ++p) {
+              if (!b.tiers().table.partition_freed(r, l, h, p)) continue;
               selection[h].push_back(p);
-              REQUIRE_SPARSEKV_ERROR(b.retrieve(r, l, selection, outs[0]), ErrorCode::invalid_argument);
+              REQUIRE_SPARSEKV_ERROR(b.retriever().retrieve(r, l, selection, outs[0]), ErrorCode::invalid_argument);
               break;
             }
             break;
@@ -536,17 +539,17 @@ void random_eviction(std::uint32_t seed, const RandomMix& mix) {
   if (mix.sharers) REQUIRE(done["sharer"] > 8);
   // The strategies differ only in pages: no_op holds the most, sparse_copy the fewest.
   for (const RequestId r : requests) {
-    REQUIRE(rigs[0]->buffer.held_pages(r) >= rigs[1]->buffer.held_pages(r));
-    REQUIRE(rigs[1]->buffer.held_pages(r) >= rigs[2]->buffer.held_pages(r));
-    REQUIRE(rigs[3]->buffer.held_pages(r) >= rigs[2]->buffer.held_pages(r));
+    REQUIRE(rigs[0]->buffer.evictor().held_pages(r) >= rigs[1]->buffer.evictor().held_pages(r));
+    REQUIRE(rigs[1]->buffer.evictor().held_pages(r) >= rigs[2]->buffer.evictor().held_pages(r));
+    REQUIRE(rigs[3]->buffer.evictor().held_pages(r) >= rigs[2]->buffer.evictor().held_pages(r));
   }
-  REQUIRE(rigs[2]->buffer.stats().pages_copied > 0);
-  REQUIRE(rigs[2]->buffer.stats().slots_copied >= rigs[2]->buffer.stats().pages_copied);
-  REQUIRE(rigs[0]->buffer.stats().pages_copied + rigs[1]->buffer.stats().pages_copied +
-              rigs[3]->buffer.stats().pages_copied ==
+  REQUIRE(rigs[2]->buffer.tiers().stats.pages_copied > 0);
+  REQUIRE(rigs[2]->buffer.tiers().stats.slots_copied >= rigs[2]->buffer.tiers().stats.pages_copied);
+  REQUIRE(rigs[0]->buffer.tiers().stats.pages_copied + rigs[1]->buffer.tiers().stats.pages_copied +
+              rigs[3]->buffer.tiers().stats.pages_copied ==
           0);
-  REQUIRE(rigs[1]->buffer.stats().pages_freed > 0);
-  REQUIRE(rigs[0]->buffer.stats().pages_freed == 0);
+  REQUIRE(rigs[1]->buffer.tiers().stats.pages_freed > 0);
+  REQUIRE(rigs[0]->buffer.tiers().stats.pages_freed == 0);
 }
 
 }  // namespace
@@ -581,11 +584,11 @@ TEST_CASE("Eviction: shared prefix pages are copied before they are masked, neve
     TieredKVBuffer& b = rig.buffer;
     const RequestId kB = kSharer + 1;  // shares request 1's prefix
     add_request(b, 1, 10);             // partitions of 4, 4 and 2 tokens
-    b.add_request(kB, RequestPages{kMandatory, 0, true});
+    b.admission().add_request(kB, RequestPages{kMandatory, 0, true});
     // A evicts a token outside the prefix first (partition 2); B shares partitions 0 .. 2, A's open page included.
     const std::vector<std::vector<std::uint32_t>> outside{{9}, {8}};
-    for (std::uint32_t l = 0; l < kShape.layers; ++l) b.evict(1, l, outside);
-    for (std::uint32_t l = 0; l < kShape.layers; ++l) b.share_prefix(kB, 1, l, 3);
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) b.evictor().evict(1, l, outside);
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) b.evictor().share_prefix(kB, 1, l, 3);
     Live live;
     add_live(live, 1, 10);
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
@@ -593,40 +596,43 @@ TEST_CASE("Eviction: shared prefix pages are copied before they are masked, neve
       live[{1, l, 1}].erase(8);
       live[{kB, l, 0}] = live[{1, l, 0}];
       live[{kB, l, 1}] = live[{1, l, 1}];
-      REQUIRE(b.sequence_length(kB, l) == 10);  // one past the newest position it shares (9, in kv head 0)
+      REQUIRE(b.admission().sequence_length(kB, l) == 10);  // one past the newest position it shares (9, in kv head 0)
     }
     check_rows(b, live, strategy, true);
-    REQUIRE_SPARSEKV_ERROR(b.share_prefix(kB, 1, 0, 1), ErrorCode::failed_precondition);  // B's layer is not empty
-    REQUIRE_SPARSEKV_ERROR(b.share_prefix(1, 1, 0, 1), ErrorCode::invalid_argument);
-    b.add_request(3, RequestPages{kMandatory, 0, true});
-    REQUIRE_SPARSEKV_ERROR(b.share_prefix(3, 1, 0, 4), ErrorCode::out_of_range);
+    REQUIRE_SPARSEKV_ERROR(b.evictor().share_prefix(kB, 1, 0, 1),
+                           ErrorCode::failed_precondition);  // B's layer is not empty
+    REQUIRE_SPARSEKV_ERROR(b.evictor().share_prefix(1, 1, 0, 1), ErrorCode::invalid_argument);
+    b.admission().add_request(3, RequestPages{kMandatory, 0, true});
+    REQUIRE_SPARSEKV_ERROR(b.evictor().share_prefix(3, 1, 0, 4), ErrorCode::out_of_range);
 
     // Either request evicting a shared token copies its page first (copy-on-evict): the dry runs count the
     // copy and change nothing.
     const Snapshot before = snapshot(b, live);
-    REQUIRE(b.append_demand_evicting(kB, 0, std::vector<std::vector<std::uint32_t>>{{}, {3}}).copied_pages == 1);
-    REQUIRE(b.append_demand_evicting(1, 1, std::vector<std::vector<std::uint32_t>>{{0}, {4}}).copied_pages == 2);
-    REQUIRE_NOTHROW(b.check_evict(1, 1, std::vector<std::vector<std::uint32_t>>{{0}, {}}));
+    REQUIRE(b.evictor().append_demand_evicting(kB, 0, std::vector<std::vector<std::uint32_t>>{{}, {3}}).copied_pages ==
+            1);
+    REQUIRE(b.evictor().append_demand_evicting(1, 1, std::vector<std::vector<std::uint32_t>>{{0}, {4}}).copied_pages ==
+            2);
+    REQUIRE_NOTHROW(b.evictor().check_evict(1, 1, std::vector<std::vector<std::uint32_t>>{{0}, {}}));
     REQUIRE(snapshot(b, live) == before);
 
     // New tokens of either request go to pages of its own, never into a shared page's free or dead slot.
-    const std::uint32_t shared_pages = b.cpu_pool().used();
+    const std::uint32_t shared_pages = b.tiers().cpu_pool.used();
     for (RequestId r : {RequestId{1}, kB}) {
       for (std::uint32_t l = 0; l < kShape.layers; ++l) {
-        const std::uint32_t position = b.sequence_length(r, l);
-        b.place_token(r, l, Rows(r, l, position, 1).chunk());
+        const std::uint32_t position = b.admission().sequence_length(r, l);
+        b.evictor().place_token(r, l, Rows(r, l, position, 1).chunk());
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
           live[{r, l, h}].insert(position);
-          REQUIRE(*b.position_slot(r, l, h, position) == 3 * kPageTokens);  // slot 0 of a new partition 3
+          REQUIRE(*b.evictor().position_slot(r, l, h, position) == 3 * kPageTokens);  // slot 0 of a new partition 3
         }
       }
     }
-    REQUIRE(b.cpu_pool().used() == shared_pages + 2 * 2 * 2);
+    REQUIRE(b.tiers().cpu_pool.used() == shared_pages + 2 * 2 * 2);
     // B evicts and refills its own page; A's view of the shared pages is untouched.
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
-      b.evict(kB, l, std::vector<std::vector<std::uint32_t>>{{10}, {10}});
-      const std::uint32_t position = b.sequence_length(kB, l);
-      b.place_token(kB, l, Rows(kB, l, position, 1).chunk());
+      b.evictor().evict(kB, l, std::vector<std::vector<std::uint32_t>>{{10}, {10}});
+      const std::uint32_t position = b.admission().sequence_length(kB, l);
+      b.evictor().place_token(kB, l, Rows(kB, l, position, 1).chunk());
       for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
         live[{kB, l, h}].erase(10);
         live[{kB, l, h}].insert(position);
@@ -636,32 +642,32 @@ TEST_CASE("Eviction: shared prefix pages are copied before they are masked, neve
     const std::vector<float> q(kShape.kv_heads * kShape.head_dim, 0.5f);
     Retrieval out;
     std::vector<std::vector<PartitionId>> selection(kShape.kv_heads);
-    for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) b.live_partitions(1, 0, h, selection[h]);
-    b.retrieve(1, 0, selection, out);
+    for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) b.evictor().live_partitions(1, 0, h, selection[h]);
+    b.retriever().retrieve(1, 0, selection, out);
     const std::vector<float> got = masked_attention(b, out, 1, 0, q);
     const std::vector<float> want = dense_attention(live, 1, 0, q);
     for (std::size_t d = 0; d < got.size(); ++d) REQUIRE(std::abs(got[d] - want[d]) <= 1e-6f);
 
     // B evicting a shared token masks a private copy of its page; A's page and view are untouched.
-    const std::uint64_t used = b.cpu_pool().used();
-    b.evict(kB, 1, std::vector<std::vector<std::uint32_t>>{{}, {6}});
+    const std::uint64_t used = b.tiers().cpu_pool.used();
+    b.evictor().evict(kB, 1, std::vector<std::vector<std::uint32_t>>{{}, {6}});
     live[{kB, 1, 1}].erase(6);
-    REQUIRE(b.cpu_pool().used() == used + 1);
-    REQUIRE(b.stats().pages_unshared == 1);
+    REQUIRE(b.tiers().cpu_pool.used() == used + 1);
+    REQUIRE(b.tiers().stats.pages_unshared == 1);
     check_rows(b, live, strategy, true);
 
     // Once A is gone, the pages are B's alone and may be masked.
-    b.finish(1);
-    b.finish(3);
+    b.admission().finish(1);
+    b.admission().finish(3);
     std::erase_if(live, [](const auto& entry) { return std::get<0>(entry.first) == 1; });
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
-      b.evict(kB, l, std::vector<std::vector<std::uint32_t>>{{0, 1, 2, 3}, {4}});
+      b.evictor().evict(kB, l, std::vector<std::vector<std::uint32_t>>{{0, 1, 2, 3}, {4}});
       for (const std::uint32_t p : {0u, 1u, 2u, 3u}) live[{kB, l, 0}].erase(p);
       live[{kB, l, 1}].erase(4);
     }
     check_rows(b, live, strategy, true);
-    b.finish(kB);
-    REQUIRE(b.cpu_pool().used() == 0);
+    b.admission().finish(kB);
+    REQUIRE(b.tiers().cpu_pool.used() == 0);
     REQUIRE_NOTHROW(b.validate());
   }
 }
@@ -671,42 +677,42 @@ TEST_CASE("Eviction: requests that evict have no tail and refuse the tail's call
   TieredKVBuffer& b = rig.buffer;
   const RequestPages evicting{kMandatory, 0, true};
   const std::uint64_t heads = kShape.layers * kShape.kv_heads;
-  const std::uint64_t slots = b.min_slots_per_head(evicting);
-  REQUIRE(b.can_admit(8, evicting).gpu_pages_needed == heads * slots);
-  REQUIRE(b.can_admit(8, RequestPages{kMandatory, 0, false}).gpu_pages_needed == heads * (slots + 1));
-  b.add_request(1, evicting);
-  REQUIRE(b.gpu_pool().used() == heads * slots);
+  const std::uint64_t slots = b.admission().min_slots_per_head(evicting);
+  REQUIRE(b.admission().can_admit(8, evicting).gpu_pages_needed == heads * slots);
+  REQUIRE(b.admission().can_admit(8, RequestPages{kMandatory, 0, false}).gpu_pages_needed == heads * (slots + 1));
+  b.admission().add_request(1, evicting);
+  REQUIRE(b.tiers().gpu_pool.used() == heads * slots);
   // Prompt partitions of more than one page are refused; nothing is mapped.
   const Rows prompt(1, 0, 0, 8);
-  REQUIRE_SPARSEKV_ERROR(b.offload(1, 0, prompt.chunk(), std::vector{PartitionSpec::uniform(8, 8)}),
+  REQUIRE_SPARSEKV_ERROR(b.offloader().offload(1, 0, prompt.chunk(), std::vector{PartitionSpec::uniform(8, 8)}),
                          ErrorCode::invalid_argument);
-  REQUIRE(b.cpu_pool().used() == 0);
-  b.offload(1, 0, prompt.chunk(), std::vector{PartitionSpec::uniform(8, kPageTokens)});
-  REQUIRE_SPARSEKV_ERROR(b.tail_page(1, 0, 0), ErrorCode::failed_precondition);
-  REQUIRE(b.tail_tokens(1, 0) == 0);
-  REQUIRE_SPARSEKV_ERROR(b.save_demand(1, 0), ErrorCode::failed_precondition);
+  REQUIRE(b.tiers().cpu_pool.used() == 0);
+  b.offloader().offload(1, 0, prompt.chunk(), std::vector{PartitionSpec::uniform(8, kPageTokens)});
+  REQUIRE_SPARSEKV_ERROR(b.tails().tail_page(1, 0, 0), ErrorCode::failed_precondition);
+  REQUIRE(b.tails().tail_tokens(1, 0) == 0);
+  REQUIRE_SPARSEKV_ERROR(b.tails().save_demand(1, 0), ErrorCode::failed_precondition);
   const std::vector<PartitionId> firsts{0, 0};
   const std::vector specs{PartitionSpec::uniform(8, 8), PartitionSpec::uniform(8, 8)};
-  REQUIRE_SPARSEKV_ERROR(b.repartition(1, 0, firsts, specs), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(b.regrouper().repartition(1, 0, firsts, specs), ErrorCode::failed_precondition);
   std::vector<PageId> pages(kShape.kv_heads);
-  REQUIRE_SPARSEKV_ERROR(b.append_on_device(1, 0, pages), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(b.tails().append_on_device(1, 0, pages), ErrorCode::failed_precondition);
   REQUIRE_NOTHROW(b.validate());
 
   // A request that does not evict refuses the eviction calls.
-  b.add_request(2, RequestPages{kMandatory, 0, false});
+  b.admission().add_request(2, RequestPages{kMandatory, 0, false});
   const std::vector<std::vector<std::uint32_t>> none(kShape.kv_heads);
-  REQUIRE_SPARSEKV_ERROR(b.evict(2, 0, none), ErrorCode::failed_precondition);
-  REQUIRE_SPARSEKV_ERROR(b.place_token(2, 0, Rows(2, 0, 0, 1).chunk()), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(b.evictor().evict(2, 0, none), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(b.evictor().place_token(2, 0, Rows(2, 0, 0, 1).chunk()), ErrorCode::failed_precondition);
   std::vector<PartitionId> live;
-  REQUIRE_SPARSEKV_ERROR(b.live_partitions(2, 0, 0, live), ErrorCode::failed_precondition);
-  REQUIRE_SPARSEKV_ERROR(b.share_prefix(1, 2, 1, 0), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(b.evictor().live_partitions(2, 0, 0, live), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(b.evictor().share_prefix(1, 2, 1, 0), ErrorCode::failed_precondition);
 
   // A buffer whose page table keeps no masks refuses requests that evict.
   HostMemoryResource memory(false);
   TieredKVBuffer plain(kShape, rig.config, memory, memory);
-  REQUIRE_SPARSEKV_ERROR(plain.add_request(1, evicting), ErrorCode::failed_precondition);
-  REQUIRE_FALSE(plain.can_admit(8, evicting).admit);
-  REQUIRE(plain.gpu_pool().used() == 0);
+  REQUIRE_SPARSEKV_ERROR(plain.admission().add_request(1, evicting), ErrorCode::failed_precondition);
+  REQUIRE_FALSE(plain.admission().can_admit(8, evicting).admit);
+  REQUIRE(plain.tiers().gpu_pool.used() == 0);
 
   // The CPU tier running short: place_token changes nothing.
   Config tight = eviction_config(EvictionStrategy::free_block);
@@ -714,15 +720,15 @@ TEST_CASE("Eviction: requests that evict have no tail and refuse the tail's call
   HostPageTransfer transfer;
   TieredKVBuffer small(kShape, tight, memory, memory, memory, transfer, masked_capacity(tight));
   add_request(small, 1, 8);  // 2 pages in each of 4 heads
-  const std::uint32_t used = small.cpu_pool().used();
-  REQUIRE_SPARSEKV_ERROR(small.place_token(1, 0, Rows(1, 0, 8, 1).chunk()), ErrorCode::resource_exhausted);
-  REQUIRE(small.cpu_pool().used() == used);
-  REQUIRE(small.sequence_length(1, 0) == 8);
-  REQUIRE(small.live_tokens(1, 0, 0) == 8);
+  const std::uint32_t used = small.tiers().cpu_pool.used();
+  REQUIRE_SPARSEKV_ERROR(small.evictor().place_token(1, 0, Rows(1, 0, 8, 1).chunk()), ErrorCode::resource_exhausted);
+  REQUIRE(small.tiers().cpu_pool.used() == used);
+  REQUIRE(small.admission().sequence_length(1, 0) == 8);
+  REQUIRE(small.evictor().live_tokens(1, 0, 0) == 8);
   // Evicting a whole page frees it: the same token fits.
-  small.evict(1, 0, std::vector<std::vector<std::uint32_t>>{{4, 5, 6, 7}, {0, 1, 2, 3}});
-  REQUIRE(small.cpu_pool().used() == used - 2);
-  small.place_token(1, 0, Rows(1, 0, 8, 1).chunk());
+  small.evictor().evict(1, 0, std::vector<std::vector<std::uint32_t>>{{4, 5, 6, 7}, {0, 1, 2, 3}});
+  REQUIRE(small.tiers().cpu_pool.used() == used - 2);
+  small.evictor().place_token(1, 0, Rows(1, 0, 8, 1).chunk());
   REQUIRE_NOTHROW(small.validate());
 }
 
@@ -732,17 +738,17 @@ TEST_CASE("Eviction: slot_reuse refills the fullest page's lowest dead slot", "[
   add_request(b, 1, 14);  // partitions 0 .. 3 of 4, 4, 4 and 2 tokens
   // Head 0: partition 0 loses two slots, partition 1 slot 2, partition 2 slots 1 and 3.
   // Head 1: partitions 1 and 2 lose one slot each (a tie on dead slots).
-  b.evict(1, 0, std::vector<std::vector<std::uint32_t>>{{0, 1, 6, 9, 11}, {10, 5}});
+  b.evictor().evict(1, 0, std::vector<std::vector<std::uint32_t>>{{0, 1, 6, 9, 11}, {10, 5}});
   const auto place = [&](std::uint32_t head) {
-    const std::uint32_t position = b.sequence_length(1, 0);
-    b.place_token(1, 0, Rows(1, 0, position, 1).chunk());
-    return *b.position_slot(1, 0, head, position);
+    const std::uint32_t position = b.admission().sequence_length(1, 0);
+    b.evictor().place_token(1, 0, Rows(1, 0, position, 1).chunk());
+    return *b.evictor().position_slot(1, 0, head, position);
   };
   const std::uint32_t pt = kPageTokens;
-  REQUIRE(place(0) == 1 * pt + 2);                      // fewest dead: partition 1 (one dead slot)
-  REQUIRE(b.position_slot(1, 0, 1, 14) == 1 * pt + 1);  // tie between 1 and 2: the lower id
+  REQUIRE(place(0) == 1 * pt + 2);                                // fewest dead: partition 1 (one dead slot)
+  REQUIRE(b.evictor().position_slot(1, 0, 1, 14) == 1 * pt + 1);  // tie between 1 and 2: the lower id
   REQUIRE(place(0) == 0 * pt + 0);  // then partitions 0 and 2 tie with two dead: 0, its lowest dead slot
-  REQUIRE(b.position_slot(1, 0, 1, 15) == 2 * pt + 2);
+  REQUIRE(b.evictor().position_slot(1, 0, 1, 15) == 2 * pt + 2);
   REQUIRE(place(0) == 0 * pt + 1);  // partition 0 has one dead left: fewer than partition 2's two
   REQUIRE(place(0) == 2 * pt + 1);
   REQUIRE(place(0) == 2 * pt + 3);
@@ -754,9 +760,9 @@ TEST_CASE("Eviction: slot_reuse refills the fullest page's lowest dead slot", "[
   for (const EvictionStrategy strategy : {EvictionStrategy::free_block, EvictionStrategy::no_op}) {
     Rig other(strategy);
     add_request(other.buffer, 1, 14);
-    other.buffer.evict(1, 0, std::vector<std::vector<std::uint32_t>>{{0, 1, 6, 9, 11}, {10, 5}});
-    other.buffer.place_token(1, 0, Rows(1, 0, 14, 1).chunk());
-    REQUIRE(other.buffer.position_slot(1, 0, 0, 14) == 3 * pt + 2);
+    other.buffer.evictor().evict(1, 0, std::vector<std::vector<std::uint32_t>>{{0, 1, 6, 9, 11}, {10, 5}});
+    other.buffer.evictor().place_token(1, 0, Rows(1, 0, 14, 1).chunk());
+    REQUIRE(other.buffer.evictor().position_slot(1, 0, 0, 14) == 3 * pt + 2);
   }
 }
 
@@ -774,61 +780,61 @@ TEST_CASE("Eviction: a step's segment demand is what evict and place_token map, 
       config.host_chunk_bytes = 32 * config.page_bytes(kShape);
       Rig rig(config);
       TieredKVBuffer& b = rig.buffer;
-      b.add_request(1, RequestPages{kMandatory, 0, true});
+      b.admission().add_request(1, RequestPages{kMandatory, 0, true});
       // Layer 1: 33 one-page partitions per head (two segments each), the first 32 then freed.
-      b.offload(1, 1, Rows(1, 1, 0, 132).chunk(), std::vector{PartitionSpec::uniform(132, kPageTokens)});
+      b.offloader().offload(1, 1, Rows(1, 1, 0, 132).chunk(), std::vector{PartitionSpec::uniform(132, kPageTokens)});
       std::vector<std::uint32_t> first(128);
       std::iota(first.begin(), first.end(), 0u);
-      b.evict(1, 1, std::vector{first, first});
+      b.evictor().evict(1, 1, std::vector{first, first});
       // Layer 0: 32 full one-page partitions per head (one segment each); a new page starts a second one.
-      b.offload(1, 0, Rows(1, 0, 0, 128).chunk(), std::vector{PartitionSpec::uniform(128, kPageTokens)});
+      b.offloader().offload(1, 0, Rows(1, 0, 0, 128).chunk(), std::vector{PartitionSpec::uniform(128, kPageTokens)});
       Live live;
       add_live(live, 1, 128);
       for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) live[{1, 1, h}] = {128, 129, 130, 131};
       const std::uint64_t free = enough ? 2 : 1;
-      const SegmentDemand before = free_segments(b.table());
+      const SegmentDemand before = free_segments(b.tiers().table);
       REQUIRE((before.meta == free && before.offsets == free && before.cpu_pages == free && before.masks == free));
 
       // Every page full and nothing evicted: a token placed opens a new partition per head.
       const std::vector<std::vector<std::uint32_t>> none(kShape.kv_heads);
-      const EvictionDemand demand = b.append_demand_evicting(1, 0, none);
+      const EvictionDemand demand = b.evictor().append_demand_evicting(1, 0, none);
       REQUIRE(demand.freed_pages == 0);
       REQUIRE(demand.placed_pages == 2);
       const SegmentDemand& d = demand.segments;
       REQUIRE((d.meta == 2 && d.offsets == 2 && d.cpu_pages == 2 && d.masks == 2 && d.gpu_pages == 0));
       const Rows token(1, 0, 128, 1);
       if (enough) {
-        b.place_token(1, 0, token.chunk());
+        b.evictor().place_token(1, 0, token.chunk());
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) live[{1, 0, h}].insert(128);
-        const SegmentDemand after = free_segments(b.table());
+        const SegmentDemand after = free_segments(b.tiers().table);
         REQUIRE((after.meta == 0 && after.offsets == 0 && after.cpu_pages == 0 && after.masks == 0));
       } else {
         const Snapshot unchanged = snapshot(b, live);
-        REQUIRE_SPARSEKV_ERROR(b.place_token(1, 0, token.chunk()), ErrorCode::resource_exhausted);
+        REQUIRE_SPARSEKV_ERROR(b.evictor().place_token(1, 0, token.chunk()), ErrorCode::resource_exhausted);
         REQUIRE(snapshot(b, live) == unchanged);
       }
       // Whole pages evicted in each head (the open one too) leave tombstones; the next page takes the
       // lowest one's id, with no segment.
       const std::uint32_t next = enough ? 129 : 128;
-      const std::uint32_t partitions = b.table().partition_count(1, 0, 0);
+      const std::uint32_t partitions = b.tiers().table.partition_count(1, 0, 0);
       std::vector<std::vector<std::uint32_t>> page{{0, 1, 2, 3}, {4, 5, 6, 7}};
       if (enough) {
         for (auto& positions : page) positions.push_back(128);
       }
-      const EvictionDemand reuse = b.append_demand_evicting(1, 0, page);
+      const EvictionDemand reuse = b.evictor().append_demand_evicting(1, 0, page);
       REQUIRE(reuse.freed_pages == (enough ? 4 : 2));
       REQUIRE(reuse.placed_pages == 2);
       REQUIRE((reuse.segments.meta == 0 && reuse.segments.offsets == 0 && reuse.segments.cpu_pages == 0 &&
                reuse.segments.masks == 0));
-      b.evict(1, 0, page);
+      b.evictor().evict(1, 0, page);
       for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
         for (const std::uint32_t p : page[h]) live[{1, 0, h}].erase(p);
       }
-      b.place_token(1, 0, Rows(1, 0, next, 1).chunk());
+      b.evictor().place_token(1, 0, Rows(1, 0, next, 1).chunk());
       for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
         live[{1, 0, h}].insert(next);
-        REQUIRE(b.table().partition_count(1, 0, h) == partitions);
-        REQUIRE(b.position_slot(1, 0, h, next) == std::optional<std::uint32_t>(h * kPageTokens));
+        REQUIRE(b.tiers().table.partition_count(1, 0, h) == partitions);
+        REQUIRE(b.evictor().position_slot(1, 0, h, next) == std::optional<std::uint32_t>(h * kPageTokens));
       }
       check_rows(b, live, strategy);
     }

@@ -135,55 +135,56 @@ TEST_CASE("q8_0 storage is refused where it cannot be served", "[q8-storage]") {
 
   HostMemoryResource memory(false);
   TieredKVBuffer buffer(kShape, c, memory, memory);
-  buffer.add_request(1, RequestPages{2, 0});
+  buffer.admission().add_request(1, RequestPages{2, 0});
   std::vector<PageId> saved(kShape.kv_heads);
-  REQUIRE_SPARSEKV_ERROR(buffer.append_on_device(1, 0, saved), ErrorCode::failed_precondition);
+  REQUIRE_SPARSEKV_ERROR(buffer.tails().append_on_device(1, 0, saved), ErrorCode::failed_precondition);
   std::vector<TokenPlacement> placements;
   const std::vector<PartitionSpec> specs(kShape.kv_heads, PartitionSpec::uniform(4, kPageTokens));
-  REQUIRE_SPARSEKV_ERROR(buffer.offload_on_device(1, 0, 4, specs, placements), ErrorCode::failed_precondition);
-  REQUIRE(buffer.sequence_length(1, 0) == 0);
+  REQUIRE_SPARSEKV_ERROR(buffer.offloader().offload_on_device(1, 0, 4, specs, placements),
+                         ErrorCode::failed_precondition);
+  REQUIRE(buffer.admission().sequence_length(1, 0) == 0);
 }
 
 TEST_CASE("the buffer stores q8_0 rows exactly as quantized, and reads them back", "[q8-storage]") {
   HostMemoryResource memory(false);
   const Config c = q8_config();
   TieredKVBuffer buffer(kShape, c, memory, memory);
-  buffer.add_request(1, RequestPages{2, 0});
-  buffer.add_request(2, RequestPages{2, 0});
+  buffer.admission().add_request(1, RequestPages{2, 0});
+  buffer.admission().add_request(2, RequestPages{2, 0});
   std::mt19937 rng(11);
   const std::uint32_t prompt = 10, decoded = 2 * kPageTokens;
   std::vector<float> k = draw(rng, prompt * kRow), v = draw(rng, prompt * kRow);
   const std::vector<PartitionSpec> specs(kShape.kv_heads, PartitionSpec::uniform(prompt, kPageTokens));
-  buffer.offload(1, 0, KvChunk{k.data(), v.data(), prompt, DType::f32}, specs);
+  buffer.offloader().offload(1, 0, KvChunk{k.data(), v.data(), prompt, DType::f32}, specs);
   for (std::uint32_t t = 0; t < decoded; ++t) {
     const std::vector<float> tk = draw(rng, kRow), tv = draw(rng, kRow);
-    buffer.append(1, 0, KvChunk{tk.data(), tv.data(), 1, DType::f32});
+    buffer.tails().append(1, 0, KvChunk{tk.data(), tv.data(), 1, DType::f32});
     k.insert(k.end(), tk.begin(), tk.end());
     v.insert(v.end(), tv.begin(), tv.end());
   }
-  const std::uint32_t n = buffer.saved_tokens(1, 0);
+  const std::uint32_t n = buffer.forks().saved_tokens(1, 0);
   REQUIRE(n == prompt + decoded);  // the prompt and the two decode pages saved
   k.resize(n * kRow);
   v.resize(n * kRow);
   std::vector<std::byte> raw_k(n * kRow / kQ8BlockValues * kQ8BlockBytes), raw_v(raw_k.size());
-  buffer.read_prefix(1, 0, 0, n, raw_k.data(), raw_v.data(), DType::q8_0);
+  buffer.forks().read_prefix(1, 0, 0, n, raw_k.data(), raw_v.data(), DType::q8_0);
   REQUIRE(raw_k == quantized(k));
   REQUIRE(raw_v == quantized(v));
   std::vector<float> wide_k(n * kRow), wide_v(n * kRow);
-  buffer.read_prefix(1, 0, 0, n, wide_k.data(), wide_v.data(), DType::f32);
+  buffer.forks().read_prefix(1, 0, 0, n, wide_k.data(), wide_v.data(), DType::f32);
   REQUIRE(same_bits(wide_k, dequantized(k)));
   REQUIRE(same_bits(wide_v, dequantized(v)));
-  REQUIRE_SPARSEKV_ERROR(buffer.read_prefix(1, 0, 0, n, wide_k.data(), wide_v.data(), DType::bf16),
+  REQUIRE_SPARSEKV_ERROR(buffer.forks().read_prefix(1, 0, 0, n, wide_k.data(), wide_v.data(), DType::bf16),
                          ErrorCode::invalid_argument);
 
   // A fork's rows (shared pages and the copied rest) are the source's stored bytes, not quantized twice.
   const std::uint32_t forked = n - 1;
-  buffer.offload_shared(2, 1, 0, forked,
-                        std::vector<PartitionSpec>(kShape.kv_heads, PartitionSpec::uniform(forked, kPageTokens)));
-  const std::uint32_t readable = buffer.saved_tokens(2, 0);
+  buffer.forks().offload_shared(
+      2, 1, 0, forked, std::vector<PartitionSpec>(kShape.kv_heads, PartitionSpec::uniform(forked, kPageTokens)));
+  const std::uint32_t readable = buffer.forks().saved_tokens(2, 0);
   REQUIRE(readable >= 2 * kPageTokens);
   std::vector<std::byte> fork_k(readable * kRow / kQ8BlockValues * kQ8BlockBytes), fork_v(fork_k.size());
-  buffer.read_prefix(2, 0, 0, readable, fork_k.data(), fork_v.data(), DType::q8_0);
+  buffer.forks().read_prefix(2, 0, 0, readable, fork_k.data(), fork_v.data(), DType::q8_0);
   REQUIRE(std::equal(fork_k.begin(), fork_k.end(), raw_k.begin()));
   REQUIRE(std::equal(fork_v.begin(), fork_v.end(), raw_v.begin()));
   buffer.validate();

@@ -65,10 +65,10 @@ struct Observed {
 };
 
 Observed observe(const TieredKVBuffer& b, const std::map<RequestId, RequestRef>& ref) {
-  Observed o{b.cpu_pool().used(), b.gpu_pool().used(), ref.size(), {}};
+  Observed o{b.tiers().cpu_pool.used(), b.tiers().gpu_pool.used(), ref.size(), {}};
   for (const auto& [id, r] : ref) {
-    o.slots.push_back(b.slots_per_head(id));
-    for (std::uint32_t l = 0; l < kShape.layers; ++l) o.slots.push_back(b.sequence_length(id, l));
+    o.slots.push_back(b.admission().slots_per_head(id));
+    for (std::uint32_t l = 0; l < kShape.layers; ++l) o.slots.push_back(b.admission().sequence_length(id, l));
   }
   return o;
 }
@@ -79,28 +79,29 @@ void check_all_bytes(const TieredKVBuffer& b, const std::map<RequestId, RequestR
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
       for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
         const HeadRef& head = r.heads[l * kShape.kv_heads + h];
-        REQUIRE(b.table().partition_count(id, l, h) == head.partitions.size());
+        REQUIRE(b.tiers().table.partition_count(id, l, h) == head.partitions.size());
         for (PartitionId p = 0; p < head.partitions.size(); ++p) {
-          const auto pages = b.partitions().pages(id, l, h, p);
-          REQUIRE(b.partitions().token_count(id, l, h, p) == head.partitions[p].size());
+          const auto pages = b.tiers().partitions.pages(id, l, h, p);
+          REQUIRE(b.tiers().partitions.token_count(id, l, h, p) == head.partitions[p].size());
           for (std::uint32_t i = 0; i < head.partitions[p].size(); ++i) {
-            REQUIRE(row_matches(b.cpu_pool().data(pages[i / kPageTokens]), i % kPageTokens, id, l, h,
+            REQUIRE(row_matches(b.tiers().cpu_pool.data(pages[i / kPageTokens]), i % kPageTokens, id, l, h,
                                 head.partitions[p][i]));
           }
         }
-        for (std::uint32_t slot = 0; slot < b.table().gpu_slots(id, l, h); ++slot) {
-          const GpuPageEntry e = b.table().gpu_entry(id, l, h, slot);
+        for (std::uint32_t slot = 0; slot < b.tiers().table.gpu_slots(id, l, h); ++slot) {
+          const GpuPageEntry e = b.tiers().table.gpu_entry(id, l, h, slot);
           if (!e.occupied()) continue;
           const auto& tokens = head.partitions[e.partition];
           for (std::uint32_t i = e.page_in_partition * kPageTokens;
                i < std::min<std::size_t>(tokens.size(), (e.page_in_partition + 1) * kPageTokens); ++i) {
-            REQUIRE(row_matches(b.gpu_pool().data(e.gpu_page), i % kPageTokens, id, l, h, tokens[i]));
+            REQUIRE(row_matches(b.tiers().gpu_pool.data(e.gpu_page), i % kPageTokens, id, l, h, tokens[i]));
           }
         }
         // The tail holds the newest tokens not yet saved.
-        const std::uint32_t tail = b.tail_tokens(id, l);
+        const std::uint32_t tail = b.tails().tail_tokens(id, l);
         for (std::uint32_t s = 0; s < tail; ++s) {
-          REQUIRE(row_matches(b.gpu_pool().data(b.tail_page(id, l, h)), s, id, l, h, r.tokens[l] - tail + s));
+          REQUIRE(
+              row_matches(b.tiers().gpu_pool.data(b.tails().tail_page(id, l, h)), s, id, l, h, r.tokens[l] - tail + s));
         }
       }
     }
@@ -132,11 +133,12 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
       };
       if (kind < 4 || ref.empty()) {
         RequestPages budget{static_cast<std::uint32_t>(1 + pick(4)), 0};
-        if (pick(3) == 0) budget.buffer_pages = buffer.min_slots_per_head(budget) + static_cast<std::uint32_t>(pick(6));
-        const AdmissionAdvice advice = buffer.can_admit(0, budget);
+        if (pick(3) == 0)
+          budget.buffer_pages = buffer.admission().min_slots_per_head(budget) + static_cast<std::uint32_t>(pick(6));
+        const AdmissionAdvice advice = buffer.admission().can_admit(0, budget);
         const RequestId id = next_id++;
         try {
-          buffer.add_request(id, budget);
+          buffer.admission().add_request(id, budget);
           REQUIRE(advice.admit);
           ref[id].budget = budget;
           ++done["add"];
@@ -147,7 +149,7 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
         }
       } else if (kind < 7) {
         const RequestId id = any_request();
-        buffer.finish(id);
+        buffer.admission().finish(id);
         ref.erase(id);
         ++done["finish"];
       } else if (kind < 20) {
@@ -182,7 +184,7 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
           }
         }
         try {
-          buffer.offload(id, layer, KvChunk{k.data(), v.data(), tokens, DType::f32}, specs);
+          buffer.offloader().offload(id, layer, KvChunk{k.data(), v.data(), tokens, DType::f32}, specs);
           for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
             const PartitionSpec& spec = specs[shared ? 0 : h];
             for (std::uint32_t p = 0; p < spec.partition_count(); ++p) {
@@ -195,7 +197,7 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
           ++done["offload"];
         } catch (const Error& e) {
           REQUIRE((e.code() == ErrorCode::resource_exhausted || e.code() == ErrorCode::failed_precondition));
-          if (e.code() == ErrorCode::failed_precondition) REQUIRE(buffer.tail_tokens(id, layer) != 0);
+          if (e.code() == ErrorCode::failed_precondition) REQUIRE(buffer.tails().tail_tokens(id, layer) != 0);
           must_be_unchanged = true;
         }
       } else if (kind < 45) {
@@ -209,9 +211,9 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
             k[h * kShape.head_dim + d] = value(id, layer, h, t, d, false);
             v[h * kShape.head_dim + d] = value(id, layer, h, t, d, true);
           }
-        const bool saves = buffer.tail_tokens(id, layer) + 1 == kPageTokens;
+        const bool saves = buffer.tails().tail_tokens(id, layer) + 1 == kPageTokens;
         try {
-          buffer.append(id, layer, KvChunk{k.data(), v.data(), 1, DType::f32});
+          buffer.tails().append(id, layer, KvChunk{k.data(), v.data(), 1, DType::f32});
           r.tokens[layer] += 1;
           if (saves) {
             for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
@@ -248,7 +250,7 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
             }
           }
         }
-        buffer.retrieve(id, layer, selections, out);
+        buffer.retriever().retrieve(id, layer, selections, out);
         REQUIRE(out.head_offsets.size() == kShape.kv_heads + 1);
         std::uint64_t copied = 0;
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
@@ -260,12 +262,12 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
                     (tokens.size() + kPageTokens - 1) / kPageTokens);
             for (std::uint32_t t = 0; t < tokens.size(); ++t) {
               const PageId page = out.pages.gpu_pages[out.pages.partition_offsets[i] + t / kPageTokens];
-              REQUIRE(row_matches(buffer.gpu_pool().data(page), t % kPageTokens, id, layer, h, tokens[t]));
+              REQUIRE(row_matches(buffer.tiers().gpu_pool.data(page), t % kPageTokens, id, layer, h, tokens[t]));
             }
-            REQUIRE(buffer.table().meta(id, layer, h, out.partitions[i]).resident());
+            REQUIRE(buffer.tiers().table.meta(id, layer, h, out.partitions[i]).resident());
           }
           r.last[layer * kShape.kv_heads + h] = selections[h];
-          REQUIRE(out.tail_tokens[h] == buffer.tail_tokens(id, layer));
+          REQUIRE(out.tail_tokens[h] == buffer.tails().tail_tokens(id, layer));
         }
         copied = out.pages.copies.size();
         REQUIRE(copied == out.stats.miss_pages);
@@ -274,17 +276,17 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
         if (out.stats.evicted_pages > 0) ++done["retrieve-evict"];
       } else if (kind < 88) {
         const RequestId id = any_request();
-        const std::uint32_t min = buffer.min_slots_per_head(ref[id].budget);
+        const std::uint32_t min = buffer.admission().min_slots_per_head(ref[id].budget);
         const auto slots = static_cast<std::uint32_t>(min + pick(12));
         try {
-          buffer.resize(id, slots);
+          buffer.admission().resize(id, slots);
           ++done["resize"];
         } catch (const Error& e) {
           REQUIRE(e.code() == ErrorCode::resource_exhausted);
           must_be_unchanged = true;
         }
       } else if (kind < 90) {
-        const std::uint64_t freed = buffer.reclaim(1 + pick(40));
+        const std::uint64_t freed = buffer.admission().reclaim(1 + pick(40));
         if (freed > 0) ++done["reclaim"];
       } else if (kind < 92) {  // regroup the newest partitions of every head (a policy re-indexing)
         const RequestId id = any_request();
@@ -317,7 +319,7 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
           }
         }
         if (specs.size() == kShape.kv_heads) try {
-            buffer.repartition(id, layer, first, specs);
+            buffer.regrouper().repartition(id, layer, first, specs);
             for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
               auto& parts = r.heads[layer * kShape.kv_heads + h].partitions;
               parts.resize(first[h]);
@@ -338,19 +340,19 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
         std::vector<std::vector<PartitionId>> sel(kShape.kv_heads);
         switch (pick(8)) {
           case 0:
-            REQUIRE_SPARSEKV_ERROR(buffer.retrieve(999999, 0, sel, out), ErrorCode::not_found);
+            REQUIRE_SPARSEKV_ERROR(buffer.retriever().retrieve(999999, 0, sel, out), ErrorCode::not_found);
             break;
           case 1:
-            REQUIRE_SPARSEKV_ERROR(buffer.retrieve(id, kShape.layers, sel, out), ErrorCode::out_of_range);
+            REQUIRE_SPARSEKV_ERROR(buffer.retriever().retrieve(id, kShape.layers, sel, out), ErrorCode::out_of_range);
             break;
           case 2:
             sel[1] = {static_cast<PartitionId>(r.heads[1].partitions.size())};
-            REQUIRE_SPARSEKV_ERROR(buffer.retrieve(id, 0, sel, out), ErrorCode::out_of_range);
+            REQUIRE_SPARSEKV_ERROR(buffer.retriever().retrieve(id, 0, sel, out), ErrorCode::out_of_range);
             break;
           case 3:
             if (r.heads[0].partitions.empty()) break;
             sel[0] = {0, 0};
-            REQUIRE_SPARSEKV_ERROR(buffer.retrieve(id, 0, sel, out), ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(buffer.retriever().retrieve(id, 0, sel, out), ErrorCode::invalid_argument);
             break;
           case 4: {  // over the mandatory budget
             std::uint32_t pages = 0;
@@ -359,22 +361,23 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
               pages += static_cast<std::uint32_t>((r.heads[0].partitions[p].size() + kPageTokens - 1) / kPageTokens);
             }
             if (pages > r.budget.mandatory_pages) {
-              REQUIRE_SPARSEKV_ERROR(buffer.retrieve(id, 0, sel, out), ErrorCode::resource_exhausted);
+              REQUIRE_SPARSEKV_ERROR(buffer.retriever().retrieve(id, 0, sel, out), ErrorCode::resource_exhausted);
             }
             break;
           }
           case 5:
-            REQUIRE_SPARSEKV_ERROR(buffer.append(id, 0, KvChunk{row.data(), row.data(), 1, DType::bf16}),
+            REQUIRE_SPARSEKV_ERROR(buffer.tails().append(id, 0, KvChunk{row.data(), row.data(), 1, DType::bf16}),
                                    ErrorCode::invalid_argument);
             break;
           case 6: {
             const std::vector<PartitionSpec> spec{PartitionSpec::uniform(3, 2)};
-            REQUIRE_SPARSEKV_ERROR(buffer.offload(id, 0, KvChunk{row.data(), row.data(), 1, DType::f32}, spec),
-                                   ErrorCode::invalid_argument);
+            REQUIRE_SPARSEKV_ERROR(
+                buffer.offloader().offload(id, 0, KvChunk{row.data(), row.data(), 1, DType::f32}, spec),
+                ErrorCode::invalid_argument);
             break;
           }
           default:
-            REQUIRE_SPARSEKV_ERROR(buffer.resize(id, buffer.min_slots_per_head(r.budget) - 1),
+            REQUIRE_SPARSEKV_ERROR(buffer.admission().resize(id, buffer.admission().min_slots_per_head(r.budget) - 1),
                                    ErrorCode::invalid_argument);
         }
       }
@@ -390,12 +393,12 @@ TEST_CASE("TieredKVBuffer loses nothing under random interleavings", "[buffer][r
       REQUIRE(done[kind] > 10);
     }
     while (!ref.empty()) {
-      buffer.finish(ref.begin()->first);
+      buffer.admission().finish(ref.begin()->first);
       ref.erase(ref.begin());
     }
     buffer.validate();
-    REQUIRE(buffer.cpu_pool().used() == 0);
-    REQUIRE(buffer.gpu_pool().used() == 0);
+    REQUIRE(buffer.tiers().cpu_pool.used() == 0);
+    REQUIRE(buffer.tiers().gpu_pool.used() == 0);
   }
 }
 
@@ -404,32 +407,32 @@ TEST_CASE("append_on_device keeps the host append's bookkeeping, refusing alike"
   TieredKVBuffer host(kShape, small_config(1.0), memory, memory);
   TieredKVBuffer device(kShape, small_config(1.0), memory, memory);
   const RequestPages budget{2, 0};
-  for (TieredKVBuffer* b : {&host, &device}) b->add_request(3, budget);
+  for (TieredKVBuffer* b : {&host, &device}) b->admission().add_request(3, budget);
   const std::size_t row = std::size_t{kShape.kv_heads} * kShape.head_dim;
   std::vector<float> prompt(5 * row, 0.5f);
   const std::vector<PartitionSpec> specs(kShape.kv_heads, PartitionSpec::uniform(5, kPageTokens));
   for (TieredKVBuffer* b : {&host, &device})
-    b->offload(3, 1, KvChunk{prompt.data(), prompt.data(), 5, DType::f32}, specs);
+    b->offloader().offload(3, 1, KvChunk{prompt.data(), prompt.data(), 5, DType::f32}, specs);
   std::vector<float> token(row, 1.0f);
   std::vector<PageId> saved(kShape.kv_heads, kInvalidPage);
   std::uint32_t fills = 0;
   for (std::uint32_t t = 0; t < 3 * kPageTokens + 1; ++t) {
     INFO("token " << t);
-    const std::uint32_t tail = host.tail_tokens(3, 1);
-    host.append(3, 1, KvChunk{token.data(), token.data(), 1, DType::f32});
+    const std::uint32_t tail = host.tails().tail_tokens(3, 1);
+    host.tails().append(3, 1, KvChunk{token.data(), token.data(), 1, DType::f32});
     std::fill(saved.begin(), saved.end(), kInvalidPage);
-    const auto slot = device.append_on_device(3, 1, saved);
+    const auto slot = device.tails().append_on_device(3, 1, saved);
     REQUIRE(slot.tail_slot == tail);
     REQUIRE(slot.fills_tail == (tail + 1 == kPageTokens));
-    REQUIRE(device.sequence_length(3, 1) == host.sequence_length(3, 1));
-    REQUIRE(device.tail_tokens(3, 1) == host.tail_tokens(3, 1));
+    REQUIRE(device.admission().sequence_length(3, 1) == host.admission().sequence_length(3, 1));
+    REQUIRE(device.tails().tail_tokens(3, 1) == host.tails().tail_tokens(3, 1));
     for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
-      const std::uint32_t n = host.table().partition_count(3, 1, h);
-      REQUIRE(device.table().partition_count(3, 1, h) == n);
-      REQUIRE(device.table().meta(3, 1, h, n - 1).bits == host.table().meta(3, 1, h, n - 1).bits);
+      const std::uint32_t n = host.tiers().table.partition_count(3, 1, h);
+      REQUIRE(device.tiers().table.partition_count(3, 1, h) == n);
+      REQUIRE(device.tiers().table.meta(3, 1, h, n - 1).bits == host.tiers().table.meta(3, 1, h, n - 1).bits);
       std::vector<PageId> want, got;
-      host.table().cpu_pages(3, 1, h, n - 1, want);
-      device.table().cpu_pages(3, 1, h, n - 1, got);
+      host.tiers().table.cpu_pages(3, 1, h, n - 1, want);
+      device.tiers().table.cpu_pages(3, 1, h, n - 1, got);
       REQUIRE(got == want);
       // The reserved page is the new partition's: where the device saves the tail.
       if (slot.fills_tail) REQUIRE(saved[h] == got[0]);
@@ -438,12 +441,12 @@ TEST_CASE("append_on_device keeps the host append's bookkeeping, refusing alike"
     fills += slot.fills_tail;
   }
   REQUIRE(fills == 3);
-  REQUIRE(device.stats().pages_saved == host.stats().pages_saved);
+  REQUIRE(device.tiers().stats.pages_saved == host.tiers().stats.pages_saved);
   device.validate();
   std::vector<PageId> one(1);
-  REQUIRE_SPARSEKV_ERROR(device.append_on_device(3, 1, one), ErrorCode::invalid_argument);
-  REQUIRE_SPARSEKV_ERROR(device.append_on_device(4, 1, saved), ErrorCode::not_found);
-  REQUIRE(device.sequence_length(3, 1) == host.sequence_length(3, 1));
+  REQUIRE_SPARSEKV_ERROR(device.tails().append_on_device(3, 1, one), ErrorCode::invalid_argument);
+  REQUIRE_SPARSEKV_ERROR(device.tails().append_on_device(4, 1, saved), ErrorCode::not_found);
+  REQUIRE(device.admission().sequence_length(3, 1) == host.admission().sequence_length(3, 1));
 }
 
 // The device prefill's Offload (Manager::prefill with device tensors) on the
@@ -462,7 +465,7 @@ TEST_CASE("offload_on_device + staged save equals offload", "[buffer][flash-d2h-
     std::vector<TokenPlacement> placements;
     std::vector<RowTarget> targets;
     for (const RequestId id : {RequestId{3}, RequestId{5}}) {
-      for (TieredKVBuffer* b : {&host, &device}) b->add_request(id, RequestPages{2, 0});
+      for (TieredKVBuffer* b : {&host, &device}) b->admission().add_request(id, RequestPages{2, 0});
       for (std::uint32_t l = 0; l < kShape.layers; ++l) {
         const std::uint32_t tokens = 150 + 37 * l + static_cast<std::uint32_t>(id);  // pages span the 64-page chunks
         std::vector<float> k(tokens * row), v(tokens * row);
@@ -475,52 +478,52 @@ TEST_CASE("offload_on_device + staged save equals offload", "[buffer][flash-d2h-
           }
         }
         const std::vector<PartitionSpec> specs{PartitionSpec::uniform(tokens, partition_tokens)};
-        host.offload(id, l, KvChunk{k.data(), v.data(), tokens, DType::f32}, specs);
-        device.offload_on_device(id, l, tokens, specs, placements);
+        host.offloader().offload(id, l, KvChunk{k.data(), v.data(), tokens, DType::f32}, specs);
+        device.offloader().offload_on_device(id, l, tokens, specs, placements);
         REQUIRE(placements.size() == std::size_t{tokens} * kShape.kv_heads);
-        saver.set_destination(cpu_tier_destination(device.cpu_pool()));
+        saver.set_destination(cpu_tier_destination(device.tiers().cpu_pool));
         prompt_row_targets(placements, KvBlock::k, targets);
         saver.save(reinterpret_cast<const std::byte*>(k.data()), k.size() * 4, targets, nullptr);
         prompt_row_targets(placements, KvBlock::v, targets);
         saver.save(reinterpret_cast<const std::byte*>(v.data()), v.size() * 4, targets, nullptr);
         saver.wait();
-        REQUIRE(device.sequence_length(id, l) == host.sequence_length(id, l));
+        REQUIRE(device.admission().sequence_length(id, l) == host.admission().sequence_length(id, l));
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
-          const std::uint32_t n = host.table().partition_count(id, l, h);
-          REQUIRE(device.table().partition_count(id, l, h) == n);
+          const std::uint32_t n = host.tiers().table.partition_count(id, l, h);
+          REQUIRE(device.tiers().table.partition_count(id, l, h) == n);
           for (PartitionId p = 0; p < n; ++p) {
-            REQUIRE(device.table().meta(id, l, h, p).bits == host.table().meta(id, l, h, p).bits);
+            REQUIRE(device.tiers().table.meta(id, l, h, p).bits == host.tiers().table.meta(id, l, h, p).bits);
             std::vector<PageId> want, got;
-            host.table().cpu_pages(id, l, h, p, want);
-            device.table().cpu_pages(id, l, h, p, got);
+            host.tiers().table.cpu_pages(id, l, h, p, want);
+            device.tiers().table.cpu_pages(id, l, h, p, got);
             REQUIRE(got == want);
           }
           for (std::uint32_t t = 0; t < tokens; ++t) {
             const TokenPlacement where = placements[std::size_t{t} * kShape.kv_heads + h];
-            REQUIRE(row_matches(device.cpu_pool().data(where.cpu_page), where.slot, id, l, h, t));
-            REQUIRE(row_matches(host.cpu_pool().data(where.cpu_page), where.slot, id, l, h, t));
+            REQUIRE(row_matches(device.tiers().cpu_pool.data(where.cpu_page), where.slot, id, l, h, t));
+            REQUIRE(row_matches(host.tiers().cpu_pool.data(where.cpu_page), where.slot, id, l, h, t));
           }
         }
       }
     }
-    REQUIRE(device.cpu_pool().used() == host.cpu_pool().used());
-    REQUIRE(device.stats().bytes_offloaded == host.stats().bytes_offloaded);
+    REQUIRE(device.tiers().cpu_pool.used() == host.tiers().cpu_pool.used());
+    REQUIRE(device.tiers().stats.bytes_offloaded == host.tiers().stats.bytes_offloaded);
     device.validate();
     // Refusals change nothing.
-    const std::uint32_t used = device.cpu_pool().used();
+    const std::uint32_t used = device.tiers().cpu_pool.used();
     REQUIRE_SPARSEKV_ERROR(
-        device.offload_on_device(9, 0, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
+        device.offloader().offload_on_device(9, 0, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
         ErrorCode::not_found);
     REQUIRE_SPARSEKV_ERROR(
-        device.offload_on_device(3, 0, 5, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
+        device.offloader().offload_on_device(3, 0, 5, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
         ErrorCode::invalid_argument);
     REQUIRE_SPARSEKV_ERROR(
-        device.offload_on_device(3, 0, 0, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
+        device.offloader().offload_on_device(3, 0, 0, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
         ErrorCode::invalid_argument);
     REQUIRE_SPARSEKV_ERROR(
-        device.offload_on_device(3, 7, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
+        device.offloader().offload_on_device(3, 7, 4, std::vector{PartitionSpec::uniform(4, kPageTokens)}, placements),
         ErrorCode::out_of_range);
-    REQUIRE(device.cpu_pool().used() == used);
+    REQUIRE(device.tiers().cpu_pool.used() == used);
   }
 }
 

@@ -3,7 +3,7 @@
 // C++: host emulations of the kernels' decompositions (count blocks with a
 // strided per-thread sum and a block reduction, two inclusive scans, fill
 // blocks in any order; one block reducing the stats) against the host:
-// BucketedLru::check's page counts, TieredKVBuffer::check_selection and
+// BucketedLru::check's page counts, PageRetriever::check_selection and
 // Retrieval::token_counts, and, chained into the LRU kernel's emulation,
 // BucketedLru::step. This is CI's coverage of the glue kernels in
 // cache_kernels.cu.
@@ -146,7 +146,7 @@ TEST_CASE("lru batch emulation over a TieredKVBuffer: check_selection, page layo
     std::vector<std::uint32_t> budgets;
     for (RequestId id = 1; id <= 3; ++id) {
       const std::uint32_t mandatory = 4 + static_cast<std::uint32_t>(rng() % 40);
-      buffer.add_request(id, {mandatory, 0});
+      buffer.admission().add_request(id, {mandatory, 0});
       requests.push_back(id);
       budgets.push_back(mandatory);
       for (std::uint32_t layer = 0; layer < kShape.layers; ++layer) {
@@ -170,7 +170,7 @@ TEST_CASE("lru batch emulation over a TieredKVBuffer: check_selection, page layo
           }
           specs.push_back(PartitionSpec::variable(tokens, clusters));
         }
-        buffer.offload(id, layer, KvChunk{k.data(), v.data(), tokens, DType::f32}, specs);
+        buffer.offloader().offload(id, layer, KvChunk{k.data(), v.data(), tokens, DType::f32}, specs);
       }
     }
     for (int step = 0; step < 30; ++step) {
@@ -181,17 +181,17 @@ TEST_CASE("lru batch emulation over a TieredKVBuffer: check_selection, page layo
       for (std::size_t b = 0; b < requests.size(); ++b) {
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
           const Head head{requests[b], layer, h};
-          const Candidates c = shuffled_candidates(buffer.table(), head, rng);
-          rows.push_back(pick_selection(buffer.table(), head, c, static_cast<std::uint32_t>(rng() % (budgets[b] + 1)),
-                                        400, rng, 0.5));
-          instances.push_back(buffer.table().instance(requests[b], layer, h));
+          const Candidates c = shuffled_candidates(buffer.tiers().table, head, rng);
+          rows.push_back(pick_selection(buffer.tiers().table, head, c,
+                                        static_cast<std::uint32_t>(rng() % (budgets[b] + 1)), 400, rng, 0.5));
+          instances.push_back(buffer.tiers().table.instance(requests[b], layer, h));
         }
       }
       const auto spare = static_cast<std::uint32_t>(rng() % 3);
       const FixedStride select = fixed_stride(rows, instances, longest_row(rows) + spare, rng);
       INFO("seed " << seed << " step " << step);
       const LruBatchArrays glue =
-          emulate_lru_batch(buffer.table().lookup(), select.input(), cuda::kLruBatchThreads, rng);
+          emulate_lru_batch(buffer.tiers().table.lookup(), select.input(), cuda::kLruBatchThreads, rng);
 
       // The host path: check_selection, then retrieve, request by request.
       std::vector<std::uint32_t> selection_offsets{0}, page_offsets{0}, tokens;
@@ -200,8 +200,8 @@ TEST_CASE("lru batch emulation over a TieredKVBuffer: check_selection, page layo
       for (std::size_t b = 0; b < requests.size(); ++b) {
         const auto first_row = rows.begin() + static_cast<std::ptrdiff_t>(b * kShape.kv_heads);
         const std::vector<std::vector<PartitionId>> per_head(first_row, first_row + kShape.kv_heads);
-        buffer.check_selection(requests[b], layer, per_head);
-        buffer.retrieve(requests[b], layer, per_head, retrieval);
+        buffer.retriever().check_selection(requests[b], layer, per_head);
+        buffer.retriever().retrieve(requests[b], layer, per_head, retrieval);
         for (std::uint32_t h = 0; h < kShape.kv_heads; ++h) {
           const std::uint32_t first = retrieval.head_offsets[h], last = retrieval.head_offsets[h + 1];
           selection_offsets.push_back(selection_offsets.back() + last - first);

@@ -373,8 +373,8 @@ TEST_CASE("Facade: StepStats::pages_saved counts pages, one per kv head, like Bu
                      out.data());
     }
   }
-  REQUIRE(manager.buffer().stats().pages_saved == 8);  // 2 layers x 4 kv heads
-  REQUIRE(manager.stats().pages_saved == manager.buffer().stats().pages_saved);
+  REQUIRE(manager.buffer().tiers().stats.pages_saved == 8);  // 2 layers x 4 kv heads
+  REQUIRE(manager.stats().pages_saved == manager.buffer().tiers().stats.pages_saved);
 }
 
 TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, and changes nothing",
@@ -414,8 +414,8 @@ TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, an
     what = error_text([&] { manager.prefill(7, 0, k.data(), bad_v.data(), 7); });
     CHECK(what.find("token 6") != std::string::npos);
     CHECK(what.find("kv head 0") != std::string::npos);
-    REQUIRE(manager.buffer().sequence_length(7, 0) == 0);
-    REQUIRE(manager.buffer().cpu_pool().used() == 0);
+    REQUIRE(manager.buffer().admission().sequence_length(7, 0) == 0);
+    REQUIRE(manager.buffer().tiers().cpu_pool.used() == 0);
     const std::vector<std::byte> q = encode(normal_values(rng, 2 * 4 * 8));
     std::vector<float> out(2 * 4 * 8, -1.0f), want(out.size());
     for (RuntimeManager* m : {&manager, &twin}) {
@@ -435,7 +435,7 @@ TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, an
     std::memcpy(k_new.data() + row * elem, k.data() + 12 * row * elem, row * elem);
     std::memcpy(v_new.data(), v.data() + 14 * row * elem, row * elem);
     std::memcpy(v_new.data() + row * elem, v.data() + 12 * row * elem, row * elem);
-    const std::uint64_t used = manager.buffer().cpu_pool().used();
+    const std::uint64_t used = manager.buffer().tiers().cpu_pool.used();
     for (const auto& [bad, value, is_k] : {std::tuple{poisoned(k_new, row + 9, inf), inf, true},
                                            std::tuple{poisoned(v_new, row + 1, nan), nan, false}}) {
       const void* kn = is_k ? bad.data() : k_new.data();
@@ -447,10 +447,11 @@ TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, an
       what = error_text([&] { manager.plan(batch, 0, q.data(), kn, vn); });
       CHECK(what.find("request 9") != std::string::npos);
     }
-    REQUIRE(manager.buffer().sequence_length(7, 0) == 14);  // request 7's full tail page was not saved either
-    REQUIRE(manager.buffer().tail_tokens(7, 0) == 7);
-    REQUIRE(manager.buffer().sequence_length(9, 0) == 12);
-    REQUIRE(manager.buffer().cpu_pool().used() == used);
+    REQUIRE(manager.buffer().admission().sequence_length(7, 0) ==
+            14);  // request 7's full tail page was not saved either
+    REQUIRE(manager.buffer().tails().tail_tokens(7, 0) == 7);
+    REQUIRE(manager.buffer().admission().sequence_length(9, 0) == 12);
+    REQUIRE(manager.buffer().tiers().cpu_pool.used() == used);
     REQUIRE(manager.stats().decode_steps == steps);
     REQUIRE(manager.stats().pages_saved == 0);
     REQUIRE(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));

@@ -58,9 +58,9 @@ void decode(RuntimeManager& kv, const Stream& s, std::uint32_t t) {
 // exactly once: the regroups moved bytes, they lost or corrupted none.
 void check_bytes(const RuntimeManager& kv, const Stream& s) {
   const TieredKVBuffer& b = kv.buffer();
-  const PageLayout layout{kv.buffer().config().page_tokens, kShape.head_dim, kShape.dtype};
+  const PageLayout layout{kv.buffer().tiers().config.page_tokens, kShape.head_dim, kShape.dtype};
   const std::size_t row = layout.row_bytes();
-  const std::uint32_t tokens = b.sequence_length(1, 0);
+  const std::uint32_t tokens = b.admission().sequence_length(1, 0);
   std::vector<std::vector<float>> held, expected;
   const auto add = [&](const std::byte* page, std::uint32_t slot) {
     std::vector<float> r(2 * kShape.head_dim);
@@ -69,14 +69,15 @@ void check_bytes(const RuntimeManager& kv, const Stream& s) {
     held.push_back(std::move(r));
   };
   std::vector<PageId> pages;
-  for (PartitionId p = 0; p < b.table().partition_count(1, 0, 0); ++p) {
+  for (PartitionId p = 0; p < b.tiers().table.partition_count(1, 0, 0); ++p) {
     pages.clear();
-    b.table().cpu_pages(1, 0, 0, p, pages);
-    for (std::uint32_t i = 0; i < b.table().meta(1, 0, 0, p).token_count(); ++i) {
-      add(b.cpu_pool().data(pages[i / layout.page_tokens]), i % layout.page_tokens);
+    b.tiers().table.cpu_pages(1, 0, 0, p, pages);
+    for (std::uint32_t i = 0; i < b.tiers().table.meta(1, 0, 0, p).token_count(); ++i) {
+      add(b.tiers().cpu_pool.data(pages[i / layout.page_tokens]), i % layout.page_tokens);
     }
   }
-  for (std::uint32_t i = 0; i < b.tail_tokens(1, 0); ++i) add(b.gpu_pool().data(b.tail_page(1, 0, 0)), i);
+  for (std::uint32_t i = 0; i < b.tails().tail_tokens(1, 0); ++i)
+    add(b.tiers().gpu_pool.data(b.tails().tail_page(1, 0, 0)), i);
   for (std::uint32_t t = 0; t < tokens; ++t) {
     std::vector<float> r(s.k_at(t), s.k_at(t) + kShape.head_dim);
     r.insert(r.end(), s.v_at(t), s.v_at(t) + kShape.head_dim);
@@ -89,12 +90,12 @@ void check_bytes(const RuntimeManager& kv, const Stream& s) {
 
 // A refused decode changed nothing: same sequence, same pages, consistent tables.
 void check_refused(RuntimeManager& kv, const Stream& s, std::uint32_t t) {
-  const std::uint32_t used = kv.buffer().cpu_pool().used();
-  const std::uint32_t partitions = kv.buffer().table().partition_count(1, 0, 0);
+  const std::uint32_t used = kv.buffer().tiers().cpu_pool.used();
+  const std::uint32_t partitions = kv.buffer().tiers().table.partition_count(1, 0, 0);
   REQUIRE_SPARSEKV_ERROR(decode(kv, s, t), ErrorCode::resource_exhausted);
-  REQUIRE(kv.buffer().sequence_length(1, 0) == t);
-  REQUIRE(kv.buffer().cpu_pool().used() == used);
-  REQUIRE(kv.buffer().table().partition_count(1, 0, 0) == partitions);
+  REQUIRE(kv.buffer().admission().sequence_length(1, 0) == t);
+  REQUIRE(kv.buffer().tiers().cpu_pool.used() == used);
+  REQUIRE(kv.buffer().tiers().table.partition_count(1, 0, 0) == partitions);
   kv.buffer().validate();
 }
 
@@ -117,11 +118,11 @@ TEST_CASE("Manager: a RetroInfer re-index near the partition maximum is sized as
   kv.prefill(1, 0, s.k.data(), s.v.data(), kPrompt);
   for (std::uint32_t t = kPrompt; t < kTokens; ++t) {
     INFO("decode of token " << t);
-    const std::uint32_t partitions = kv.buffer().table().partition_count(1, 0, 0);
+    const std::uint32_t partitions = kv.buffer().tiers().table.partition_count(1, 0, 0);
     decode(kv, s, t);
-    if (t == kReindexToken) REQUIRE(kv.buffer().table().partition_count(1, 0, 0) < partitions);  // it re-indexed
+    if (t == kReindexToken) REQUIRE(kv.buffer().tiers().table.partition_count(1, 0, 0) < partitions);  // it re-indexed
   }
-  REQUIRE(kv.buffer().sequence_length(1, 0) == kTokens);
+  REQUIRE(kv.buffer().admission().sequence_length(1, 0) == kTokens);
   kv.buffer().validate();
   check_bytes(kv, s);
 }
@@ -154,12 +155,12 @@ TEST_CASE("Manager: a RetroInfer re-index counts the CPU pages its run frees, ex
   {
     auto kv = manager(4096);
     for (std::uint32_t t = kPrompt; t <= kReindexToken; ++t) decode(*kv, s, t);
-    after = kv->buffer().cpu_pool().used();
+    after = kv->buffer().tiers().cpu_pool.used();
   }
   {
     auto kv = manager(after);
     for (std::uint32_t t = kPrompt; t <= kReindexToken; ++t) decode(*kv, s, t);
-    REQUIRE(kv->buffer().cpu_pool().available() == 0);
+    REQUIRE(kv->buffer().tiers().cpu_pool.available() == 0);
     kv->buffer().validate();
     check_bytes(*kv, s);
   }
@@ -181,7 +182,8 @@ TEST_CASE("Manager: RetroInfer requests fit the page table they are admitted int
     // Admitted up front (the old bound asked for more pages than a head can hold) ...
     REQUIRE(kv.can_admit(prompt, max_context).admit);
     kv.add_request(1, max_context);
-    REQUIRE(kv.request_pages(max_context).mandatory_pages <= kv.buffer().table().geometry().max_cpu_pages_per_head);
+    REQUIRE(kv.request_pages(max_context).mandatory_pages <=
+            kv.buffer().tiers().table.geometry().max_cpu_pages_per_head);
     // ... and never refused for the page table's sake while it runs.
     kv.prefill(1, 0, s.k.data(), s.v.data(), prompt);
     for (std::uint32_t t = prompt; t < max_context; ++t) {

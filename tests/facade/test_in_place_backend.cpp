@@ -51,11 +51,11 @@ void require_same_bytes(const RuntimeManager& in_place, const RuntimeManager& ho
   const TieredKVBuffer& y = host.buffer();
   std::vector<PageId> xp, yp;
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
-    REQUIRE(x.sequence_length(id, l) == y.sequence_length(id, l));
-    REQUIRE(x.tail_tokens(id, l) == y.tail_tokens(id, l));
+    REQUIRE(x.admission().sequence_length(id, l) == y.admission().sequence_length(id, l));
+    REQUIRE(x.tails().tail_tokens(id, l) == y.tails().tail_tokens(id, l));
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
-      REQUIRE(x.table().partition_count(id, l, h) == y.table().partition_count(id, l, h));
-      const PageLayout layout = x.cpu_pool().layout();
+      REQUIRE(x.tiers().table.partition_count(id, l, h) == y.tiers().table.partition_count(id, l, h));
+      const PageLayout layout = x.tiers().cpu_pool.layout();
       // A slot's K and V rows, compared where a token is (a slot past the
       // partition's tokens, or evicted, holds whatever the page held before).
       const auto same_slot = [&](const std::byte* a, const std::byte* b, std::uint32_t t) {
@@ -63,38 +63,38 @@ void require_same_bytes(const RuntimeManager& in_place, const RuntimeManager& ho
         REQUIRE(std::memcmp(a + layout.v_offset(t), b + layout.v_offset(t), layout.row_bytes()) == 0);
       };
       std::uint32_t page_index = 0;  // of the head's pages, for its slot masks
-      for (PartitionId p = 0; p < x.table().partition_count(id, l, h); ++p) {
-        REQUIRE(x.table().partition_freed(id, l, h, p) == y.table().partition_freed(id, l, h, p));
-        REQUIRE(x.table().meta(id, l, h, p).token_count() == y.table().meta(id, l, h, p).token_count());
+      for (PartitionId p = 0; p < x.tiers().table.partition_count(id, l, h); ++p) {
+        REQUIRE(x.tiers().table.partition_freed(id, l, h, p) == y.tiers().table.partition_freed(id, l, h, p));
+        REQUIRE(x.tiers().table.meta(id, l, h, p).token_count() == y.tiers().table.meta(id, l, h, p).token_count());
         xp.clear();
         yp.clear();
-        if (x.table().partition_freed(id, l, h, p)) {
+        if (x.tiers().table.partition_freed(id, l, h, p)) {
           ++page_index;
           continue;
         }
-        x.table().cpu_pages(id, l, h, p, xp);
-        y.table().cpu_pages(id, l, h, p, yp);
+        x.tiers().table.cpu_pages(id, l, h, p, xp);
+        y.tiers().table.cpu_pages(id, l, h, p, yp);
         REQUIRE(xp.size() == yp.size());
-        std::uint32_t left = x.table().meta(id, l, h, p).token_count();
+        std::uint32_t left = x.tiers().table.meta(id, l, h, p).token_count();
         for (std::size_t i = 0; i < xp.size(); ++i, ++page_index) {
           SlotMask live = ~SlotMask{0};
-          if (x.table().has_slot_masks()) {
-            live = x.table().slot_mask(id, l, h, page_index);
-            REQUIRE(live == y.table().slot_mask(id, l, h, page_index));
+          if (x.tiers().table.has_slot_masks()) {
+            live = x.tiers().table.slot_mask(id, l, h, page_index);
+            REQUIRE(live == y.tiers().table.slot_mask(id, l, h, page_index));
             left = layout.page_tokens;
           }
           const std::uint32_t tokens = std::min(left, layout.page_tokens);
           for (std::uint32_t t = 0; t < tokens; ++t) {
-            if (slot_live(live, t)) same_slot(x.cpu_pool().data(xp[i]), y.cpu_pool().data(yp[i]), t);
+            if (slot_live(live, t)) same_slot(x.tiers().cpu_pool.data(xp[i]), y.tiers().cpu_pool.data(yp[i]), t);
           }
           left -= tokens;
         }
       }
-      const std::uint32_t tail = x.tail_tokens(id, l);
+      const std::uint32_t tail = x.tails().tail_tokens(id, l);
       if (tail == 0) continue;
       // The tail's rows: in a CPU page here, in a GPU-tier page there.
-      const std::byte* a = x.cpu_pool().data(x.tail_page(id, l, h));
-      const std::byte* b = y.gpu_pool().data(y.tail_page(id, l, h));
+      const std::byte* a = x.tiers().cpu_pool.data(x.tails().tail_page(id, l, h));
+      const std::byte* b = y.tiers().gpu_pool.data(y.tails().tail_page(id, l, h));
       const std::size_t rows = tail * layout.row_bytes();
       REQUIRE(std::memcmp(a + layout.k_offset(0), b + layout.k_offset(0), rows) == 0);
       REQUIRE(std::memcmp(a + layout.v_offset(0), b + layout.v_offset(0), rows) == 0);
@@ -147,12 +147,12 @@ std::uint64_t run(const Scenario& s, const std::string& policy, std::uint32_t bu
     }
     for (const RequestId id : live) require_same_bytes(in_place, host, id, shape);
     in_place.buffer().validate();
-    REQUIRE(in_place.buffer().gpu_pool().used() == 0);
-    REQUIRE(in_place.buffer().gpu_pool().reserved_bytes() == 0);
+    REQUIRE(in_place.buffer().tiers().gpu_pool.used() == 0);
+    REQUIRE(in_place.buffer().tiers().gpu_pool.reserved_bytes() == 0);
     REQUIRE(in_place.stats().bytes_moved == 0);
     // Requests at their max_tokens finish; now and then a new one arrives.
     for (auto it = live.begin(); it != live.end();) {
-      if (host.buffer().sequence_length(*it, 0) < max_tokens.at(*it)) {
+      if (host.buffer().admission().sequence_length(*it, 0) < max_tokens.at(*it)) {
         ++it;
         continue;
       }
@@ -166,7 +166,7 @@ std::uint64_t run(const Scenario& s, const std::string& policy, std::uint32_t bu
     in_place.finish(id);
     host.finish(id);
   }
-  REQUIRE(in_place.buffer().cpu_pool().used() == 0);  // the tails went back too
+  REQUIRE(in_place.buffer().tiers().cpu_pool.used() == 0);  // the tails went back too
   return decodes;
 }
 
@@ -200,19 +200,19 @@ TEST_CASE("in place: the tails are CPU pages, counted by can_admit and refused w
   CHECK(first.gpu_pages_needed == 0);
   CHECK(first.cpu_pages_needed == 32 + 4);
   m.add_request(1, 128);
-  CHECK(m.buffer().cpu_pool().used() == 4);  // the tails, before any prompt
+  CHECK(m.buffer().tiers().cpu_pool.used() == 4);  // the tails, before any prompt
   std::vector<float> kv(64 * 2 * 16, 0.5f);
   for (std::uint32_t l = 0; l < 2; ++l) m.prefill(1, l, kv.data(), kv.data(), 64);
-  CHECK(m.buffer().cpu_pool().used() == 36);
+  CHECK(m.buffer().tiers().cpu_pool.used() == 36);
   const AdmissionAdvice second = m.can_admit(1, 128);
   CHECK_FALSE(second.admit);
   CHECK(second.reason.find("CPU pages") != std::string::npos);
   REQUIRE_THROWS_AS(m.add_request(2, 128), Error);
-  CHECK(m.buffer().cpu_pool().used() == 36);  // the refusal changed nothing
+  CHECK(m.buffer().tiers().cpu_pool.used() == 36);  // the refusal changed nothing
   m.buffer().validate();
 
   m.finish(1);
-  CHECK(m.buffer().cpu_pool().used() == 0);
+  CHECK(m.buffer().tiers().cpu_pool.used() == 0);
 }
 
 TEST_CASE("in place: a buffer refuses GPU slots and device memory", "[in-place]") {
@@ -227,19 +227,19 @@ TEST_CASE("in place: a buffer refuses GPU slots and device memory", "[in-place]"
   RequestPages with_slots;
   with_slots.mandatory_pages = 2;
   with_slots.buffer_pages = 4;
-  REQUIRE_THROWS_AS(buffer.add_request(1, with_slots), Error);
-  CHECK_FALSE(buffer.has_request(1));
-  buffer.add_request(1, RequestPages{2, 0, false});
-  CHECK(buffer.slots_per_head(1) == 0);
+  REQUIRE_THROWS_AS(buffer.admission().add_request(1, with_slots), Error);
+  CHECK_FALSE(buffer.admission().has_request(1));
+  buffer.admission().add_request(1, RequestPages{2, 0, false});
+  CHECK(buffer.admission().slots_per_head(1) == 0);
   // No GPU pages to grow into: refused, nothing changed.
   try {
-    buffer.resize(1, 4);
+    buffer.admission().resize(1, 4);
     FAIL("resize in place was not refused");
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::failed_precondition);
   }
-  CHECK(buffer.slots_per_head(1) == 0);
-  CHECK(buffer.gpu_pool().used() == 0);
+  CHECK(buffer.admission().slots_per_head(1) == 0);
+  CHECK(buffer.tiers().gpu_pool.used() == 0);
   buffer.validate();
 }
 
@@ -270,7 +270,7 @@ TEST_CASE("in place: the unsaved decode page reads back with the rest, on the GP
     }
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
       const std::uint32_t readable = m.readable_tokens(1, l);
-      CHECK(readable == (in_place ? 13u : m.buffer().saved_tokens(1, l)));
+      CHECK(readable == (in_place ? 13u : m.buffer().forks().saved_tokens(1, l)));
       std::vector<float> rk(readable * row), rv(readable * row);
       m.read_kv(1, l, 0, readable, rk.data(), rv.data());
       CHECK(std::equal(rk.begin(), rk.end(), k.begin()));
@@ -315,7 +315,7 @@ TEST_CASE("in place: a fork takes the unsaved decode page too, and decodes as a 
       for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
       decode(m, 1, 10, 29);
       if (!in_place) {
-        CHECK(m.buffer().saved_tokens(1, 0) == 26);
+        CHECK(m.buffer().forks().saved_tokens(1, 0) == 26);
         CHECK(m.can_fork(1, 26, 64).reason.empty());
         CHECK_FALSE(m.can_fork(1, 27, 64).reason.empty());
         REQUIRE_THROWS_AS(m.fork(2, 1, 27, 64), Error);

@@ -181,8 +181,8 @@ TEST_CASE("Manager: a backend that defers every copy gives the host backend's ou
     REQUIRE(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
     REQUIRE(async.stats().pages_moved == host.stats().pages_moved);
     REQUIRE(deferred.transfer_.synchronizations > 0);
-    REQUIRE(async.buffer().cpu_pool().used() == 0);
-    REQUIRE(async.buffer().gpu_pool().used() == 0);
+    REQUIRE(async.buffer().tiers().cpu_pool.used() == 0);
+    REQUIRE(async.buffer().tiers().gpu_pool.used() == 0);
   }
 }
 
@@ -226,8 +226,8 @@ TEST_CASE("Manager: a moved Manager decodes on as if it had not moved", "[facade
       moved->finish(id);
       still.finish(id);
     }
-    REQUIRE(moved->buffer().cpu_pool().used() == 0);
-    REQUIRE(moved->buffer().gpu_pool().used() == 0);
+    REQUIRE(moved->buffer().tiers().cpu_pool.used() == 0);
+    REQUIRE(moved->buffer().tiers().gpu_pool.used() == 0);
   }
 }
 
@@ -295,10 +295,10 @@ TEST_CASE("Manager: a shape the backend's Attend cannot run is refused before th
   const std::uint16_t* k_new = t.k.data() + 40 * kRow;
   const std::uint16_t* v_new = t.v.data() + 40 * kRow;
   REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), k_new, v_new, out.data()), ErrorCode::invalid_argument);
-  REQUIRE(manager.buffer().sequence_length(1, 0) == 40);
+  REQUIRE(manager.buffer().admission().sequence_length(1, 0) == 40);
   REQUIRE(manager.stats().decode_steps == 0);
   manager.plan(one, 0, q.data(), k_new, v_new);  // the engine's own kernel serves any shape
-  REQUIRE(manager.buffer().sequence_length(1, 0) == 41);
+  REQUIRE(manager.buffer().admission().sequence_length(1, 0) == 41);
 }
 
 TEST_CASE("Manager: a null backend is refused", "[facade][errors]") {
@@ -315,16 +315,16 @@ TEST_CASE("Manager: concurrent requests, every policy, against dense attention",
     REQUIRE(exact.peak_concurrent >= 16);
     REQUIRE(exact.worst_error < 1e-5);
     REQUIRE(full.stats().cache.hit_pages + full.stats().cache.miss_pages == exact.selected_pages);
-    REQUIRE(full.buffer().cpu_pool().used() == 0);  // nothing leaks
-    REQUIRE(full.buffer().gpu_pool().used() == 0);
+    REQUIRE(full.buffer().tiers().cpu_pool.used() == 0);  // nothing leaks
+    REQUIRE(full.buffer().tiers().gpu_pool.used() == 0);
     // A sparse budget: no crash, no leak, consistent stats, approximate outputs.
     RuntimeManager sparse(kShape, facade_config(), make_policy(name, 64));
     const RunResult approx = run(sparse, 8);
     REQUIRE(approx.finished >= 16);
     REQUIRE(sparse.stats().cache.hit_pages + sparse.stats().cache.miss_pages == approx.selected_pages);
     REQUIRE(sparse.stats().pages_moved == sparse.stats().cache.miss_pages);
-    REQUIRE(sparse.buffer().cpu_pool().used() == 0);
-    REQUIRE(sparse.buffer().gpu_pool().used() == 0);
+    REQUIRE(sparse.buffer().tiers().cpu_pool.used() == 0);
+    REQUIRE(sparse.buffer().tiers().gpu_pool.used() == 0);
     sparse.buffer().validate();
     if (name != "dense") REQUIRE(approx.worst_error > 1e-4);  // sparse budgets really are sparse
   }
@@ -351,7 +351,7 @@ TEST_CASE("Manager: AttendPlan runs are FlashInfer-shaped and cover exactly the 
   REQUIRE(plan.indices[0] == r.pages.gpu_pages[0]);
   REQUIRE(plan.indices[3] == r.tail_pages[0]);
   REQUIRE(plan.gpu_tier_base + plan.indices[1] * plan.page_bytes ==
-          manager.buffer().gpu_pool().data(r.pages.gpu_pages[1]));
+          manager.buffer().tiers().gpu_pool.data(r.pages.gpu_pages[1]));
 }
 
 TEST_CASE("Device-backend Attend: the kernel's walk over a plan's runs equals the host backend's Attend", "[facade]") {
@@ -387,7 +387,7 @@ TEST_CASE("Device-backend Attend: the kernel's walk over a plan's runs equals th
     for (std::size_t i = 0; i < q.size(); ++i) qf[i] = bf16_to_float(q[i]);
     AttendCall call;
     call.plan = &plan;
-    call.layout = manager.buffer().gpu_pool().layout();
+    call.layout = manager.buffer().tiers().gpu_pool.layout();
     call.batch = static_cast<std::uint32_t>(batch.size());
     call.q_heads = kShape.q_heads;
     call.kv_heads = kShape.kv_heads;
@@ -455,11 +455,11 @@ TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]
   REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, nullptr, t.v.data(), 4), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(manager.prefill(2, kShape.layers, t.k.data(), t.v.data(), 4), ErrorCode::out_of_range);
   REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, t.k.data(), t.v.data(), 101), ErrorCode::resource_exhausted);
-  const std::uint32_t seq = manager.buffer().sequence_length(1, 1);
+  const std::uint32_t seq = manager.buffer().admission().sequence_length(1, 1);
   // Layer 1 of request 2 is not prefilled: the whole batch is refused, request 1 untouched.
   REQUIRE_SPARSEKV_ERROR(manager.decode(both, 1, q.data(), t.k.data(), t.v.data(), out.data()),
                          ErrorCode::failed_precondition);
-  REQUIRE(manager.buffer().sequence_length(1, 1) == seq);
+  REQUIRE(manager.buffer().admission().sequence_length(1, 1) == seq);
   REQUIRE_SPARSEKV_ERROR(manager.decode(twice, 0, q.data(), t.k.data(), t.v.data(), out.data()),
                          ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(manager.decode(unknown, 0, q.data(), t.k.data(), t.v.data(), out.data()),
@@ -474,9 +474,9 @@ TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]
   REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data()),
                          ErrorCode::invalid_argument);
   q[3] = 0;
-  REQUIRE(manager.buffer().sequence_length(1, 0) == 40);
+  REQUIRE(manager.buffer().admission().sequence_length(1, 0) == 40);
   manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data());
-  REQUIRE(manager.buffer().sequence_length(1, 0) == 41);
+  REQUIRE(manager.buffer().admission().sequence_length(1, 0) == 41);
   // A finished request is gone.
   manager.finish(1);
   REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::not_found);
@@ -522,14 +522,14 @@ TEST_CASE("Manager: a regroup that cannot fit refuses the whole step and the req
     for (int step = 0; step < 300; ++step) {
       for (auto* t : {&q, &kn, &vn})
         for (auto& x : *t) x = normal(rng);
-      const std::uint32_t seq = m.buffer().sequence_length(1, 0);
-      const std::uint32_t used = m.buffer().cpu_pool().used();
+      const std::uint32_t seq = m.buffer().admission().sequence_length(1, 0);
+      const std::uint32_t used = m.buffer().tiers().cpu_pool.used();
       try {
         m.decode(batch, 0, q.data(), kn.data(), vn.data(), out.data());
       } catch (const Error& e) {
         REQUIRE(e.code() == ErrorCode::resource_exhausted);
-        REQUIRE(m.buffer().sequence_length(1, 0) == seq);  // nothing appended
-        REQUIRE(m.buffer().cpu_pool().used() == used);
+        REQUIRE(m.buffer().admission().sequence_length(1, 0) == seq);  // nothing appended
+        REQUIRE(m.buffer().tiers().cpu_pool.used() == used);
         m.buffer().validate();
         refused = true;
         break;
@@ -540,7 +540,7 @@ TEST_CASE("Manager: a regroup that cannot fit refuses the whole step and the req
   REQUIRE(refused);  // the walk did reach a refused regroup
 }
 
-TEST_CASE("TieredKVBuffer::repartition checks everything before it drops a run", "[buffer][errors]") {
+TEST_CASE("Regrouper::repartition checks everything before it drops a run", "[buffer][errors]") {
   constexpr ModelShape shape{1, 1, 1, 16, DType::f32};
   Config c;
   c.page_tokens = 1;
@@ -553,26 +553,27 @@ TEST_CASE("TieredKVBuffer::repartition checks everything before it drops a run",
   c.host_chunk_bytes = 4096 * page;
   HostMemoryResource cpu(false), gpu(false);
   TieredKVBuffer b(shape, c, cpu, gpu);
-  b.add_request(1, RequestPages{4, 0});
+  b.admission().add_request(1, RequestPages{4, 0});
   const std::uint32_t n = 65537;  // one partition of these would span more than 2^16 pages
   std::vector<float> k(std::size_t{n} * 16, 1.0f), v(std::size_t{n} * 16, 2.0f);
   const PartitionSpec spec = PartitionSpec::uniform(n, 1);
-  b.offload(1, 0, KvChunk{k.data(), v.data(), n, DType::f32}, std::span(&spec, 1));
+  b.offloader().offload(1, 0, KvChunk{k.data(), v.data(), n, DType::f32}, std::span(&spec, 1));
   std::vector<std::uint32_t> ids(n);
   std::iota(ids.begin(), ids.end(), 0u);
   const PartitionSpec one = PartitionSpec::variable(n, {0, n}, ids);
   const PartitionId first = 0;
-  REQUIRE_SPARSEKV_ERROR(b.repartition(1, 0, std::span(&first, 1), std::span(&one, 1)), ErrorCode::invalid_argument);
-  REQUIRE(b.table().partition_count(1, 0, 0) == n);
-  REQUIRE(b.cpu_pool().used() == n);
+  REQUIRE_SPARSEKV_ERROR(b.regrouper().repartition(1, 0, std::span(&first, 1), std::span(&one, 1)),
+                         ErrorCode::invalid_argument);
+  REQUIRE(b.tiers().table.partition_count(1, 0, 0) == n);
+  REQUIRE(b.tiers().cpu_pool.used() == n);
   b.validate();
   // A regroup needing more pages than are free is fine when the run frees them.
   const PartitionSpec halves = PartitionSpec::uniform(n, n / 2 + 1);  // 2 partitions, the same n pages
-  REQUIRE(b.cpu_pool().available() < n);
-  b.repartition(1, 0, std::span(&first, 1), std::span(&halves, 1));
-  REQUIRE(b.table().partition_count(1, 0, 0) == 2);
+  REQUIRE(b.tiers().cpu_pool.available() < n);
+  b.regrouper().repartition(1, 0, std::span(&first, 1), std::span(&halves, 1));
+  REQUIRE(b.tiers().table.partition_count(1, 0, 0) == 2);
   b.validate();
   // Budgets too large to hold are refused, not wrapped around.
-  REQUIRE(b.min_slots_per_head(RequestPages{0x80000000u, 0}) == 0xffffffffu);
-  REQUIRE_SPARSEKV_ERROR(b.add_request(2, RequestPages{0x80000000u, 0}), ErrorCode::resource_exhausted);
+  REQUIRE(b.admission().min_slots_per_head(RequestPages{0x80000000u, 0}) == 0xffffffffu);
+  REQUIRE_SPARSEKV_ERROR(b.admission().add_request(2, RequestPages{0x80000000u, 0}), ErrorCode::resource_exhausted);
 }

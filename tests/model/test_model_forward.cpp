@@ -224,7 +224,8 @@ TEST_CASE("make_manager sizes tiers from the policy's needs", "[model]") {
       INFO("policy " << name << " budget " << budget);
       const auto manager = make_manager(c, sparsekv::make_policy(name, budget), kMaxTokens);
       manager->add_request(1, kMaxTokens);
-      const std::size_t gpu = manager->buffer().gpu_pool().capacity(), cpu = manager->buffer().cpu_pool().capacity();
+      const std::size_t gpu = manager->buffer().tiers().gpu_pool.capacity(),
+                        cpu = manager->buffer().tiers().cpu_pool.capacity();
       CHECK(cpu >= heads * context_pages);
       if (name == "quest" || name == "dense") {
         CHECK(gpu <= heads * (context_pages + 2));

@@ -162,8 +162,8 @@ inline LockstepResult lockstep(RuntimeManager& reference, RuntimeManager& tested
   REQUIRE(result.worst_error <= tolerance);
   REQUIRE(tested.stats().cache.hit_pages == reference.stats().cache.hit_pages);
   REQUIRE(tested.stats().pages_moved == reference.stats().pages_moved);
-  REQUIRE(tested.buffer().gpu_pool().used() == 0);
-  REQUIRE(tested.buffer().cpu_pool().used() == 0);
+  REQUIRE(tested.buffer().tiers().gpu_pool.used() == 0);
+  REQUIRE(tested.buffer().tiers().cpu_pool.used() == 0);
   return result;
 }
 

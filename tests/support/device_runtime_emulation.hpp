@@ -134,8 +134,8 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
         emulation_(emulation),
         rng_(emulation.seed),
         layout_{setup.page_tokens, setup.shape.head_dim, setup.shape.dtype},
-        replica_copy_(buffer.transfer()),
-        replica_(buffer.table(), table_memory_, replica_copy_),
+        replica_copy_(buffer.tiers().transfer),
+        replica_(buffer.tiers().table, table_memory_, replica_copy_),
         shape_{store_summary_kind(setup.select),
                setup.shape.layers,
                setup.max_requests,
@@ -144,7 +144,7 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
                setup.max_partitions_per_head,
                first_candidate_partition(setup.select)} {
     cuda::check_summary_shape("DeviceSummaries", shape_);
-    buffer_.transfer().synchronize();
+    buffer_.tiers().transfer.synchronize();
     const ModelShape& s = setup.shape;
     const std::size_t candidates = shape_.candidates();
     // The tokens kind keeps token counts alone (no summary arrays).
@@ -180,10 +180,10 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
   }
 
   void upload_tables(RequestId request) override {
-    replica_.upload(buffer_.table(), request, replica_copy_);
-    buffer_.transfer().synchronize();
+    replica_.upload(buffer_.tiers().table, request, replica_copy_);
+    buffer_.tiers().transfer.synchronize();
   }
-  void download_tables(RequestId request) override { replica_.download(buffer_.table(), request, replica_copy_); }
+  void download_tables(RequestId request) override { replica_.download(buffer_.tiers().table, request, replica_copy_); }
 
   // first_non_finite's kernel: the smallest index element_is_finite refuses.
   std::uint64_t first_non_finite(const void* data, std::uint64_t count, void* /*stream*/) override {
@@ -198,8 +198,8 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     FlashD2HSaver saver;
     std::vector<RowTarget> k_targets, v_targets;
     // Small pieces, so a prompt crosses several of them as a long one does on the device.
-    save_prompt(saver, buffer_.cpu_pool(), k, v, placements, 3 * buffer_.cpu_pool().layout().row_bytes(), stream,
-                k_targets, v_targets);
+    save_prompt(saver, buffer_.tiers().cpu_pool, k, v, placements, 3 * buffer_.tiers().cpu_pool.layout().row_bytes(),
+                stream, k_targets, v_targets);
   }
 
   // Stage timing needs device events: the emulation times nothing.
@@ -268,7 +268,7 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     std::vector<ReplicaWordWrite> writes(max_writes);
     std::uint32_t write_count = 0;
     fill_launch_arguments(
-        step, s.kv_heads, shape_, buffer_.cpu_pool(), replica_, buffer_.table(), writes_,
+        step, s.kv_heads, shape_, buffer_.tiers().cpu_pool, replica_, buffer_.tiers().table, writes_,
         LaunchArguments{tail_slots, tail_pages, tail_tokens, first, count, summary_rows, instances, cpu_pages,
                         sink_partitions, sink_tokens, recent, windows, writes, &write_count});
     if (emulation_.summary_row_of_newest) {
@@ -315,8 +315,8 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     append.k_new = step.k_new;
     append.v_new = step.v_new;
     append.q_out = q_.data();
-    append.gpu_tier = const_cast<std::byte*>(buffer_.gpu_pool().base());
-    append.page_stride = buffer_.gpu_pool().page_bytes();
+    append.gpu_tier = const_cast<std::byte*>(buffer_.tiers().gpu_pool.base());
+    append.page_stride = buffer_.tiers().gpu_pool.page_bytes();
     append.tail_pages = tail_pages.data();
     append.tail_slots = tail_slots.data();
     append.cpu_pages = cpu_pages.data();
@@ -419,7 +419,7 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     }
 
     // 4. Retrieve: the LRU batch, the LRU step on the replica, the gather of its misses.
-    const PartitionLookup lookup = replica_.lookup(buffer_.table());
+    const PartitionLookup lookup = replica_.lookup(buffer_.tiers().table);
     const cuda::LruBatchInput lru_in{rows, max_selected, selected.data(), selected_count.data(), instances.data()};
     const LruBatchArrays glue = emulate_lru_batch(lookup, lru_in, 1 + static_cast<std::uint32_t>(rng_() % 128), rng_);
     LaunchOutput lru;
@@ -433,10 +433,10 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     misses.count_stride = sizeof(CacheStepStats) / sizeof(std::uint64_t);
     misses.cpu_pages = lru.copy_cpu_pages.data();
     misses.gpu_pages = lru.copy_gpu_pages.data();
-    const PagePool& cpu = buffer_.cpu_pool();
+    const PagePool& cpu = buffer_.tiers().cpu_pool;
     const ChunkedPages cpu_tier{cpu.chunks().data(), cpu.pages_per_chunk(), cpu.page_bytes()};
-    const std::size_t page_bytes = buffer_.gpu_pool().page_bytes();
-    auto* gpu_base = const_cast<std::byte*>(buffer_.gpu_pool().base());
+    const std::size_t page_bytes = buffer_.tiers().gpu_pool.page_bytes();
+    auto* gpu_base = const_cast<std::byte*>(buffer_.tiers().gpu_pool.base());
     for (const Copy& c : emulate_gather(misses, 1 + static_cast<std::uint32_t>(rng_() % 200))) {
       std::memcpy(gpu_base + std::size_t{c.gpu} * page_bytes, cpu_tier.address(c.cpu), page_bytes);
     }
@@ -493,8 +493,8 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     p.indptr = plan_.indptr.data();
     p.indices = plan_.indices.data();
     p.last_page_len = plan_.last_page_len.data();
-    p.gpu_tier_base = buffer_.gpu_pool().base();
-    p.page_bytes = buffer_.gpu_pool().page_bytes();
+    p.gpu_tier_base = buffer_.tiers().gpu_pool.base();
+    p.page_bytes = buffer_.tiers().gpu_pool.page_bytes();
     p.rows = plan_rows_;
     if (estimated_) {
       p.extra_max = extra_max_.data();

@@ -103,10 +103,10 @@ template <class M>
 std::vector<std::uint32_t> live_positions(const M& m, RequestId request, std::uint32_t layer, std::uint32_t head) {
   std::vector<std::uint32_t> live;
   const TieredKVBuffer& buffer = m.buffer();
-  for (std::uint32_t p = 0; p < buffer.sequence_length(request, layer); ++p) {
-    if (buffer.position_slot(request, layer, head, p)) live.push_back(p);
+  for (std::uint32_t p = 0; p < buffer.admission().sequence_length(request, layer); ++p) {
+    if (buffer.evictor().position_slot(request, layer, head, p)) live.push_back(p);
   }
-  REQUIRE(live.size() == buffer.live_tokens(request, layer, head));
+  REQUIRE(live.size() == buffer.evictor().live_tokens(request, layer, head));
   return live;
 }
 

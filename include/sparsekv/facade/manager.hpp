@@ -122,7 +122,7 @@ class Manager {
     if (std::optional<Refusal> r = max_tokens_refusal(scope_, max_tokens))
       return AdmissionAdvice{.reason = std::move(r->message)};
     AdmissionAdvice advice =
-        buffer_->can_admit(prompt_tokens, request_pages(max_tokens), prompt_pages(scope_, prompt_tokens));
+        buffer_->admission().can_admit(prompt_tokens, request_pages(max_tokens), prompt_pages(scope_, prompt_tokens));
     if (advice.admit && prompt_tokens > max_tokens) {
       advice.admit = false;
       advice.reason = fmt::format("a {}-token prompt exceeds max_tokens {}", prompt_tokens, max_tokens);
@@ -130,26 +130,25 @@ class Manager {
     return advice;
   }
 
-  // Advice for fork(request, source, tokens, max_tokens), as can_admit is for
-  // add_request + prefill: admit is true exactly when the fork would succeed
-  // now, the pages it shares with `source` counted once (the source's). For
-  // a policy with ForksIndex the fork's layout is worked out as the fork
-  // would (its Index on a copy, from the few rows past what it reuses); for
-  // any other (RetroInfer) the prompt's pages are the policy's bound, as in
-  // can_admit: the advice then errs on refusing.
+  // Advice for fork(request, source, tokens, max_tokens), as can_admit is for add_request + prefill: admit is true
+  // exactly when the fork would succeed now, the pages it shares with `source` counted once (the source's). For a
+  // policy with ForksIndex the fork's layout is worked out as the fork would (its Index on a copy, from the few rows
+  // past what it reuses); for any other (RetroInfer) the prompt's pages are the policy's bound, as in can_admit: the
+  // advice then errs on refusing.
   AdmissionAdvice can_fork(RequestId source, std::uint32_t tokens, std::uint32_t max_tokens) const {
     if (std::optional<Refusal> r = fork_refusal(source, tokens, max_tokens))
       return AdmissionAdvice{.reason = std::move(r->message)};
     const RequestPages b = request_pages(max_tokens);
-    if (!forks_index(policy_)) return buffer_->can_admit(tokens, b, prompt_pages(scope_, tokens));
-    return buffer_->can_admit_pages(tokens, b, ForkRunner<Policy>{}.new_pages(scope_, registry_, source, tokens));
+    const BufferAdmission& admission = buffer_->admission();
+    if (!forks_index(policy_)) return admission.can_admit(tokens, b, prompt_pages(scope_, tokens));
+    return admission.can_admit_pages(tokens, b, ForkRunner<Policy>{}.new_pages(scope_, registry_, source, tokens));
   }
 
   void add_request(RequestId request, std::uint32_t max_tokens) {
     if (std::optional<Refusal> r = max_tokens_refusal(scope_, max_tokens))
       fail(r->code, "request {}: {}", request, r->message);
     const RequestPages b = request_pages(max_tokens);
-    device_.admit(request, [&] { buffer_->add_request(request, b); });
+    device_.admit(request, [&] { buffer_->admission().add_request(request, b); });
     registry_.add(request, max_tokens, b.mandatory_pages, policy_);
   }
 
@@ -218,7 +217,7 @@ class Manager {
   // which prefill(..., rows) takes back exactly): what an engine saves
   // beside its own state, or checks against its own cache. Readable are a
   // staged prompt's tokens and, once the layer is prefilled, the CPU tier's
-  // tokens in order (TieredKVBuffer::readable_tokens: not a policy's
+  // tokens in order (PrefixForks::readable_tokens: not a policy's
   // regrouped or evicted tokens, nor the unsaved decode page on a GPU tier;
   // in place that page is read too). Throws, writing nothing: not_found
   // (unknown request), out_of_range (`end` past what is readable, or first > end).
@@ -231,7 +230,7 @@ class Manager {
            layer, first, end, readable);
     }
     if (ls.prefilled) {
-      buffer_->read_prefix(request, layer, first, end, k, v, as.value_or(shape_.dtype));
+      buffer_->forks().read_prefix(request, layer, first, end, k, v, as.value_or(shape_.dtype));
     } else {
       PromptStaging<Policy>::read(scope_, ls, first, end, k, v, as.value_or(shape_.dtype));
     }
@@ -254,7 +253,7 @@ class Manager {
   // The layer's first tokens read_kv can read.
   std::uint32_t readable_tokens(RequestId request, std::uint32_t layer) const {
     const LayerStepState<State>& ls = layer_state(request, layer);
-    return ls.prefilled ? buffer_->readable_tokens(request, layer) : ls.staged_tokens;
+    return ls.prefilled ? buffer_->forks().readable_tokens(request, layer) : ls.staged_tokens;
   }
 
   // Appends `tokens` tokens to the live request in `layer` (step/extend_runner.hpp):
@@ -327,7 +326,7 @@ class Manager {
   // two requests then decode independently, each exactly as if prefilled
   // unshared; either may finish first. `tokens` may reach only what the
   // source holds in order in the CPU tier in every layer
-  // (TieredKVBuffer::readable_tokens: in place its unsaved decode page too;
+  // (PrefixForks::readable_tokens: in place its unsaved decode page too;
   // not that page on a GPU tier, nor tokens a policy regrouped or evicted).
   // Host tensors only; throws (changing nothing) what add_request and prefill
   // throw, and out_of_range past the readable tokens.
@@ -387,13 +386,13 @@ class Manager {
   void finish(RequestId request) {
     registry_.at(request);
     if (DeviceRuntime* runtime = device_.made_runtime()) runtime->download_tables(request);  // waits for its steps
-    buffer_->finish(request);
+    buffer_->admission().finish(request);
     registry_.erase(request);
   }
 
   std::uint64_t working_set(RequestId request) const {
     registry_.at(request);
-    return buffer_->working_set_pages(request);
+    return buffer_->admission().working_set_pages(request);
   }
   bool has_request(RequestId request) const { return registry_.contains(request); }
   // What the last host-tensor decode()/plan() retrieved for batch entry b
@@ -420,7 +419,7 @@ class Manager {
   const Policy& policy() const noexcept { return policy_; }
   const Backend& backend() const noexcept { return *backend_; }
   // Bytes of host memory the CPU tier has reserved (pinned when a GPU is present).
-  std::size_t cpu_tier_reserved_bytes() const noexcept { return buffer_->cpu_pool().reserved_bytes(); }
+  std::size_t cpu_tier_reserved_bytes() const noexcept { return buffer_->tiers().cpu_pool.reserved_bytes(); }
 
  private:
   enum class Api : std::uint8_t { unset, host, device };

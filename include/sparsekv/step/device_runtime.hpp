@@ -119,7 +119,7 @@ class DeviceRuntime {
   // layer-segmented prefill): one contiguous copy per tensor into pinned
   // staging after the work enqueued on `stream`, host workers scattering the
   // rows into their pages. Row t * kv_heads + h of K and of V goes to
-  // placements[t * kv_heads + h] (TieredKVBuffer::offload_on_device). Returns
+  // placements[t * kv_heads + h] (PromptOffloader::offload_on_device). Returns
   // with every row written: the caller may free or reuse k and v at once,
   // and no device copy of the prompt is kept.
   virtual void offload_prompt(const void* k, const void* v, std::span<const TokenPlacement> placements,

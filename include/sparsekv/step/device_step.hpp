@@ -126,7 +126,7 @@ class DeviceStep {
     }
     const PartitionSpec spec = PartitionSpec::uniform(tokens, scope_.config->page_tokens);
     const auto t0 = Clock::now();
-    scope_.buffer->offload_on_device(e.request, layer, tokens, std::span(&spec, 1), placements_);
+    scope_.buffer->offloader().offload_on_device(e.request, layer, tokens, std::span(&spec, 1), placements_);
     runtime_.offload_prompt(k, v, placements_, stream);
     const auto t1 = Clock::now();
     runtime_.index_prompt(e.slot, layer, k, tokens, stream);
@@ -188,7 +188,7 @@ void DeviceStep<Policy>::prepare(std::span<const Entry> batch, std::uint32_t lay
   for (std::size_t b = 0; b < batch.size(); ++b) {
     const Entry& e = batch[b];
     PlannedEntry<State>& next = step_plan_.entry(b);
-    next.saves = buffer.tail_tokens(e.request, layer) + 1 == page_tokens;
+    next.saves = buffer.tails().tail_tokens(e.request, layer) + 1 == page_tokens;
     if (!next.saves) continue;
     const LayerStepState<State>& ls = *e.state;
     SaveDemand demand;
@@ -202,10 +202,11 @@ void DeviceStep<Policy>::prepare(std::span<const Entry> batch, std::uint32_t lay
       }
       if (!std::exchange(synced, true)) runtime_.synchronize();  // the unfed pages' saves and the tail
       feed_pages(batch, b, layer, k_new, v_new, stream);
-      demand = next.regroup ? buffer.save_demand(e.request, layer, next.regroup->first_partitions, next.regroup->specs)
-                            : buffer.save_demand(e.request, layer);
+      demand = next.regroup
+                   ? buffer.tails().save_demand(e.request, layer, next.regroup->first_partitions, next.regroup->specs)
+                   : buffer.tails().save_demand(e.request, layer);
     } else {
-      demand = buffer.save_demand(e.request, layer);
+      demand = buffer.tails().save_demand(e.request, layer);
     }
     step_plan_.add_save(e.request, demand, next.regroup.has_value());
   }
@@ -238,13 +239,14 @@ void DeviceStep<Policy>::decode(std::span<const Entry> batch, std::uint32_t laye
     request_slots_[b] = e.slot;
     for (std::uint32_t h = 0; h < kv_heads; ++h) {
       const std::size_t r = b * kv_heads + h;
-      candidates_[r] = buffer.table().partition_count(e.request, layer, h);  // Select sees the state before the save
-      instances_[r] = buffer.table().instance(e.request, layer, h);
-      tail_pages_[r] = buffer.tail_page(e.request, layer, h);
+      candidates_[r] =
+          buffer.tiers().table.partition_count(e.request, layer, h);  // Select sees the state before the save
+      instances_[r] = buffer.tiers().table.instance(e.request, layer, h);
+      tail_pages_[r] = buffer.tails().tail_page(e.request, layer, h);
       if (host_state) host_state_rows_[r] = host_state_row(*scope_.policy, e.state->policy, h, e.state->unfed_pages);
     }
-    const auto slot =
-        buffer.append_on_device(e.request, layer, std::span<PageId>(save_pages_).subspan(b * kv_heads, kv_heads));
+    const auto slot = buffer.tails().append_on_device(e.request, layer,
+                                                      std::span<PageId>(save_pages_).subspan(b * kv_heads, kv_heads));
     tail_slots_[b] = slot.tail_slot;
     // A filled page is saved but still whole in the tail page: this step's tail.
     std::fill_n(tail_tokens_.begin() + b * kv_heads, kv_heads, slot.tail_slot + 1);
@@ -281,7 +283,7 @@ void DeviceStep<Policy>::decode(std::span<const Entry> batch, std::uint32_t laye
     ls.unfed_pages = 0;
     if (next.regroup) {
       runtime_.download_tables(batch[b].request);  // waits for the step
-      buffer.repartition(batch[b].request, layer, next.regroup->first_partitions, next.regroup->specs);
+      buffer.regrouper().repartition(batch[b].request, layer, next.regroup->first_partitions, next.regroup->specs);
       runtime_.upload_tables(batch[b].request);
       upload_summary_rows(batch[b], layer, stream);
     }
@@ -324,23 +326,23 @@ void DeviceStep<Policy>::feed_pages(std::span<const Entry> batch, std::size_t b,
       }
     }
   };
-  const std::uint32_t saved = buffer.sequence_length(id, layer) - buffer.tail_tokens(id, layer);
+  const std::uint32_t saved = buffer.admission().sequence_length(id, layer) - buffer.tails().tail_tokens(id, layer);
   AppendedPage appended;
   appended.partitions.resize(shape.kv_heads);
   for (std::uint32_t u = 0; u <= ls.unfed_pages; ++u) {
     const bool last = u == ls.unfed_pages;
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
-      const PartitionId p = buffer.table().partition_count(id, layer, h) - ls.unfed_pages + u;
+      const PartitionId p = buffer.tiers().table.partition_count(id, layer, h) - ls.unfed_pages + u;
       appended.partitions[h] = p;
       bytes.resize(layout.page_bytes());
       if (!last) {
         cpu_pages_.clear();
-        buffer.table().cpu_pages(id, layer, h, p, cpu_pages_);  // a decode page: one-page partition
-        std::memcpy(bytes.data(), buffer.cpu_pool().data(cpu_pages_.at(0)), layout.page_bytes());
+        buffer.tiers().table.cpu_pages(id, layer, h, p, cpu_pages_);  // a decode page: one-page partition
+        std::memcpy(bytes.data(), buffer.tiers().cpu_pool.data(cpu_pages_.at(0)), layout.page_bytes());
         unpack(h, page);
       } else {
-        const std::byte* tail =
-            buffer.gpu_pool().base() + std::size_t{buffer.tail_page(id, layer, h)} * buffer.gpu_pool().page_bytes();
+        const std::byte* tail = buffer.tiers().gpu_pool.base() + std::size_t{buffer.tails().tail_page(id, layer, h)} *
+                                                                     buffer.tiers().gpu_pool.page_bytes();
         scope_.backend->copy_to_host(bytes.data(), tail, layout.page_bytes(), stream);
         unpack(h, page - 1);
       }
@@ -369,7 +371,7 @@ void DeviceStep<Policy>::feed_pages(std::span<const Entry> batch, std::size_t b,
   }
   if (next.regroup) {
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
-      check_regroup(policy_name(policy), buffer.table(), id, layer, h, shape.kv_heads, page, *next.regroup,
+      check_regroup(policy_name(policy), buffer.tiers().table, id, layer, h, shape.kv_heads, page, *next.regroup,
                     appended.partitions[h]);
     }
   }

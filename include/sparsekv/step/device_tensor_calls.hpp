@@ -145,7 +145,7 @@ class DeviceTensorCalls {
     stats.cache = runtime_->cache_stats();
     // Every miss the device gathered is one page moved CPU -> GPU, as Retrieve counts them.
     stats.pages_moved = stats.cache.miss_pages;
-    stats.bytes_moved = stats.cache.miss_pages * scope_.buffer->cpu_pool().page_bytes();
+    stats.bytes_moved = stats.cache.miss_pages * scope_.buffer->tiers().cpu_pool.page_bytes();
     runtime_->check_values(nullptr);
   }
 
@@ -176,7 +176,7 @@ class DeviceTensorCalls {
   }
   std::uint32_t table_slot(RequestId request) const {
     const std::size_t per_request = std::size_t{scope_.shape->layers} * scope_.shape->kv_heads;
-    return static_cast<std::uint32_t>(scope_.buffer->table().instance(request, 0, 0) / per_request);
+    return static_cast<std::uint32_t>(scope_.buffer->tiers().table.instance(request, 0, 0) / per_request);
   }
   std::span<const typename DeviceStep<Policy>::Entry> entries(std::span<const RequestId> batch, std::uint32_t layer,
                                                               const void* q, const void* k_new, const void* v_new) {

@@ -59,7 +59,7 @@ class EvictingStep {
     TieredKVBuffer& buffer = *scope_.buffer;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const Entry& e = batch[b];
-      const EvictionDemand demand = buffer.append_demand_evicting(e.request, layer, pending(*e.state));
+      const EvictionDemand demand = buffer.evictor().append_demand_evicting(e.request, layer, pending(*e.state));
       plan.add_placement(e.request, demand);
       for (std::uint32_t h = 0; h < scope_.shape->kv_heads; ++h) {
         if (demand.live_partitions[h] > e.mandatory_pages) {
@@ -70,7 +70,7 @@ class EvictingStep {
       }
       PlannedEntry<State>& next = plan.entry(b);
       next.state = e.state->policy;
-      const std::uint32_t position = buffer.sequence_length(e.request, layer);
+      const std::uint32_t position = buffer.admission().sequence_length(e.request, layer);
       token_placed(*scope_.policy, scope_.context(layer, position + 1), position, next.state);
     }
     plan.check(buffer, CommitOrder::entry_by_entry);
@@ -87,19 +87,20 @@ class EvictingStep {
       const Entry& e = batch[b];
       LayerStepState<State>& ls = *e.state;
       const auto a0 = Clock::now();
-      if (ls.eviction) buffer.evict(e.request, layer, ls.eviction->positions);
+      if (ls.eviction) buffer.evictor().evict(e.request, layer, ls.eviction->positions);
       ls.eviction.reset();
-      buffer.place_token(e.request, layer,
-                         KvChunk{static_cast<const std::byte*>(k_new) + b * row_bytes,
-                                 static_cast<const std::byte*>(v_new) + b * row_bytes, 1, scope_.shape->dtype});
+      buffer.evictor().place_token(
+          e.request, layer,
+          KvChunk{static_cast<const std::byte*>(k_new) + b * row_bytes,
+                  static_cast<const std::byte*>(v_new) + b * row_bytes, 1, scope_.shape->dtype});
       ls.policy = std::move(plan.entry(b).state);
       auto& selection = selections[b].partitions;
       selection.resize(scope_.shape->kv_heads);
       for (std::uint32_t h = 0; h < scope_.shape->kv_heads; ++h) {
-        buffer.live_partitions(e.request, layer, h, selection[h]);
+        buffer.evictor().live_partitions(e.request, layer, h, selection[h]);
       }
       const auto r0 = Clock::now();
-      buffer.retrieve(e.request, layer, selection, retrievals[b]);
+      buffer.retriever().retrieve(e.request, layer, selection, retrievals[b]);
       const auto r1 = Clock::now();
       stats.append_s += seconds(r0 - a0);
       stats.retrieve_s += seconds(r1 - r0);
@@ -119,12 +120,12 @@ class EvictingStep {
       const Entry& e = batch[b];
       LayerStepState<State>& ls = *e.state;
       const Retrieval& r = retrievals[b];
-      const std::uint32_t position = buffer.sequence_length(e.request, layer) - 1;
+      const std::uint32_t position = buffer.admission().sequence_length(e.request, layer) - 1;
       const LayerContext ctx = scope_.context(layer, position + 1);
       EvictionContext ec;
       ec.newest = position;
       for (std::uint32_t h = 0; h < scope_.shape->kv_heads; ++h) {
-        ec.live_tokens.push_back(buffer.live_tokens(e.request, layer, h));
+        ec.live_tokens.push_back(buffer.evictor().live_tokens(e.request, layer, h));
       }
       if (!slot_weights.empty()) {
         weights_.reset(scope_.shape->kv_heads);

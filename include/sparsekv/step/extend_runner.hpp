@@ -32,7 +32,7 @@ class ExtendRunner {
     const std::uint32_t staged = r.layers[layer].staged_tokens;
     const RequestId batch[] = {request};
     if (staged == 0) registry.batch_entry(batch, 0, layer, *scope.buffer);
-    const std::uint32_t length = staged != 0 ? staged : scope.buffer->sequence_length(request, layer);
+    const std::uint32_t length = staged != 0 ? staged : scope.buffer->admission().sequence_length(request, layer);
     RequestRegistry<Policy>::check_fits(request, "an extend", length, tokens, r.max_tokens);
     const std::size_t kvd = scope.kv_row();
     if (!scope.to_float(q, tokens * scope.q_row(), scratch_)) {

@@ -4,7 +4,7 @@
 // prefixes"). In every layer the policy indexes those tokens as a prefill
 // would, reusing the source's summaries of the pages the two share where it
 // can (ForksIndex), and the buffer maps the shared full pages by reference
-// (TieredKVBuffer::offload_shared). Its advice (can_fork) and the fork share
+// (PrefixForks::offload_shared). Its advice (can_fork) and the fork share
 // the refusal and the layout, so that they agree.
 #include <cstddef>
 #include <cstdint>
@@ -44,7 +44,7 @@ class ForkRunner {
       if (!registry.at(source).layers[l].prefilled) {
         return Refusal{ErrorCode::failed_precondition, fmt::format("request {} layer {} is not prefilled", source, l)};
       }
-      if (const std::uint32_t readable = scope.buffer->readable_tokens(source, l); tokens > readable) {
+      if (const std::uint32_t readable = scope.buffer->forks().readable_tokens(source, l); tokens > readable) {
         return Refusal{
             ErrorCode::out_of_range,
             fmt::format("request {} layer {} holds its first {} tokens in order in the CPU tier (the rest "
@@ -67,7 +67,7 @@ class ForkRunner {
       scope.to_float(v_.data(), n, values_);
       State indexed = make_layer_state(*scope.policy);
       const KvView view{keys_, values_, tokens - reused, scope.shape->kv_heads, scope.shape->head_dim, reused};
-      pages += scope.buffer->fork_pages(
+      pages += scope.buffer->forks().fork_pages(
           source, l, tokens,
           fork_index(*scope.policy, scope.context(l, tokens), registry.at(source).layers[l].policy, view, indexed));
     }
@@ -95,7 +95,7 @@ class ForkRunner {
         reused_tokens(*scope.policy, scope.context(layer, tokens), registry.at(source).layers[layer].policy);
     k_.resize(std::size_t{tokens - reused} * scope.kv_row() * dtype_size(scope.shape->dtype));
     v_.resize(k_.size());
-    scope.buffer->read_prefix(source, layer, reused, tokens, k_.data(), v_.data(), scope.shape->dtype);
+    scope.buffer->forks().read_prefix(source, layer, reused, tokens, k_.data(), v_.data(), scope.shape->dtype);
     return reused;
   }
 

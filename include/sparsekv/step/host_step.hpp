@@ -182,7 +182,7 @@ void HostStep<Policy>::begin(std::span<const Entry> batch, std::uint32_t layer, 
   const bool k_finite = scope_.to_float(k_new, batch.size() * scope_.kv_row(), keys_);
   const bool v_finite = scope_.to_float(v_new, batch.size() * scope_.kv_row(), values_);
   for (std::size_t b = 0; !(k_finite && v_finite) && b < batch.size(); ++b) {  // finds the first, and throws
-    const std::uint32_t position = buffer.sequence_length(batch[b].request, layer);
+    const std::uint32_t position = buffer.admission().sequence_length(batch[b].request, layer);
     scope_.check_finite("decode k_new", batch[b].request, new_k(b), position);
     scope_.check_finite("decode v_new", batch[b].request, new_v(b), position);
   }
@@ -217,8 +217,8 @@ void HostStep<Policy>::begin(std::span<const Entry> batch, std::uint32_t layer, 
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const RequestId id = batch[b].request;
       selections_[b].reset(kv_heads);
-      positions_[b] = buffer.sequence_length(id, layer);
-      contexts_[b] = scope_.context(layer, positions_[b] - buffer.tail_tokens(id, layer));
+      positions_[b] = buffer.admission().sequence_length(id, layer);
+      contexts_[b] = scope_.context(layer, positions_[b] - buffer.tails().tail_tokens(id, layer));
     }
     if (custom) extra_.assign(batch.size() * scope_.shape->q_heads, AttentionPartial(scope_.shape->head_dim));
     select_units_ = by_head_ ? batch.size() * kv_heads : batch.size();
@@ -246,7 +246,7 @@ void HostStep<Policy>::prepare_saves() {
     const RequestId id = entries_[b].request;
     const LayerStepState<State>& ls = *entries_[b].state;
     PlannedEntry<State>& next = step_plan_.entry(b);
-    next.saves = buffer.tail_tokens(id, layer_) + 1 == page_tokens;
+    next.saves = buffer.tails().tail_tokens(id, layer_) + 1 == page_tokens;
     if (!next.saves) continue;
     next.page_k = ls.recent_k;
     next.page_v = ls.recent_v;
@@ -254,26 +254,26 @@ void HostStep<Policy>::prepare_saves() {
     next.page_v.insert(next.page_v.end(), new_v(b).begin(), new_v(b).end());
     next.partitions.resize(shape.kv_heads);
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
-      next.partitions[h] = buffer.table().partition_count(id, layer_, h);
+      next.partitions[h] = buffer.tiers().table.partition_count(id, layer_, h);
     }
     if (!may_regroup(policy)) {
       // Nothing to size but the save: the policy sees the page at commit.
       next.appends_at_commit = true;
-      step_plan_.add_save(id, buffer.save_demand(id, layer_), false);
+      step_plan_.add_save(id, buffer.tails().save_demand(id, layer_), false);
       continue;
     }
-    const std::uint32_t tokens = buffer.sequence_length(id, layer_) + 1;
+    const std::uint32_t tokens = buffer.admission().sequence_length(id, layer_) + 1;
     next.state = ls.policy;  // the policy commits to the page only if the step does
     next.regroup = policy.append(scope_.context(layer_, tokens), appended_page(next, tokens), next.state);
     SaveDemand demand;
     if (next.regroup) {
       for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
-        check_regroup(policy_name(policy), buffer.table(), id, layer_, h, shape.kv_heads, page_tokens, *next.regroup,
-                      next.partitions[h]);
+        check_regroup(policy_name(policy), buffer.tiers().table, id, layer_, h, shape.kv_heads, page_tokens,
+                      *next.regroup, next.partitions[h]);
       }
-      demand = buffer.save_demand(id, layer_, next.regroup->first_partitions, next.regroup->specs);
+      demand = buffer.tails().save_demand(id, layer_, next.regroup->first_partitions, next.regroup->specs);
     } else {
-      demand = buffer.save_demand(id, layer_);
+      demand = buffer.tails().save_demand(id, layer_);
     }
     step_plan_.add_save(id, demand, next.regroup.has_value());
   }
@@ -335,7 +335,7 @@ void HostStep<Policy>::commit() {
   TieredKVBuffer& buffer = *scope_.buffer;
   if (!evicts_) {
     for (std::size_t b = 0; b < entries_.size(); ++b) {
-      buffer.check_selection(entries_[b].request, layer_, selections_[b].partitions);
+      buffer.retriever().check_selection(entries_[b].request, layer_, selections_[b].partitions);
     }
   }
   // Nothing below refuses: the planning and Select time count only for a step that commits.
@@ -354,7 +354,7 @@ void HostStep<Policy>::commit() {
     stats.pages_selected += retrievals_[b].pages.gpu_pages.size();
     for (const std::uint32_t n : retrievals_[b].token_counts) stats.tokens_selected += n;
     stats.pages_moved += retrievals_[b].pages.copies.size();
-    stats.bytes_moved += retrievals_[b].pages.copies.size() * buffer.cpu_pool().page_bytes();
+    stats.bytes_moved += retrievals_[b].pages.copies.size() * buffer.tiers().cpu_pool.page_bytes();
     ++stats.decode_steps;
   }
   const auto t1 = Clock::now();
@@ -394,20 +394,20 @@ void HostStep<Policy>::commit_selections() {
     LayerStepState<State>& ls = *entries_[b].state;
     PlannedEntry<State>& next = step_plan_.entry(b);
     const auto a0 = Clock::now();
-    buffer.append(id, layer_,
-                  KvChunk{static_cast<const std::byte*>(k_new_) + b * row_bytes,
-                          static_cast<const std::byte*>(v_new_) + b * row_bytes, 1, shape.dtype});
+    buffer.tails().append(id, layer_,
+                          KvChunk{static_cast<const std::byte*>(k_new_) + b * row_bytes,
+                                  static_cast<const std::byte*>(v_new_) + b * row_bytes, 1, shape.dtype});
     const auto r0 = Clock::now();
-    buffer.retrieve(id, layer_, selections_[b].partitions, retrievals_[b]);
+    buffer.retriever().retrieve(id, layer_, selections_[b].partitions, retrievals_[b]);
     const auto r1 = Clock::now();
     if (next.saves) {
       // The filled page is saved but still whole in the GPU tail page: it is
       // this step's tail, attended on top of the selection (which predates
       // it), at no GPU slot or copy. The next append starts the tail afresh.
       retrievals_[b].tail_tokens.assign(shape.kv_heads, scope_.config->page_tokens);
-      if (next.regroup) buffer.repartition(id, layer_, next.regroup->first_partitions, next.regroup->specs);
+      if (next.regroup) buffer.regrouper().repartition(id, layer_, next.regroup->first_partitions, next.regroup->specs);
       if (next.appends_at_commit) {
-        const std::uint32_t tokens = buffer.sequence_length(id, layer_);
+        const std::uint32_t tokens = buffer.admission().sequence_length(id, layer_);
         scope_.policy->append(scope_.context(layer_, tokens), appended_page(next, tokens), ls.policy);
       } else {
         ls.policy = std::move(next.state);
@@ -431,8 +431,8 @@ void HostStep<Policy>::build_plan() {
   const TieredKVBuffer& buffer = *scope_.buffer;
   const std::uint32_t page_tokens = scope_.config->page_tokens;
   plan_.clear();
-  plan_.gpu_tier_base = buffer.gpu_pool().base();
-  plan_.page_bytes = buffer.gpu_pool().page_bytes();
+  plan_.gpu_tier_base = buffer.tiers().gpu_pool.base();
+  plan_.page_bytes = buffer.tiers().gpu_pool.page_bytes();
   for (std::size_t b = 0; b < entries_.size(); ++b) {
     const Retrieval& r = retrievals_[b];
     for (std::uint32_t h = 0; h < scope_.shape->kv_heads; ++h) {
@@ -444,12 +444,12 @@ void HostStep<Policy>::build_plan() {
       }
     }
   }
-  if (buffer.attend_site() == AttendSite::cpu_tier) {
+  if (buffer.tiers().site == AttendSite::cpu_tier) {
     plan_.gpu_tier_base = nullptr;
-    plan_.page_bytes = buffer.cpu_pool().page_bytes();
+    plan_.page_bytes = buffer.tiers().cpu_pool.page_bytes();
     plan_.page_data.reserve(plan_.indices.size());
     for (const std::int64_t page : plan_.indices) {
-      plan_.page_data.push_back(buffer.cpu_pool().data(static_cast<PageId>(page)));
+      plan_.page_data.push_back(buffer.tiers().cpu_pool.data(static_cast<PageId>(page)));
     }
   }
   plan_.extra = std::move(extra_);

@@ -37,7 +37,7 @@ struct ForkSource {
 // is placed. With `fork`, the prompt is the first tokens of fork->request:
 // keys / values hold only those past fork->reused_tokens, the policy's
 // fork_index takes the rest from fork->state, and the pages are shared where
-// they coincide (TieredKVBuffer::offload_shared). Throws what Index or
+// they coincide (PrefixForks::offload_shared). Throws what Index or
 // Offload throw, changing nothing.
 template <class Policy>
 void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::uint32_t layer,
@@ -67,9 +67,9 @@ void index_and_offload(const StepScope<Policy>& scope, RequestId request, std::u
   }
   const auto t1 = Clock::now();
   if (fork) {
-    scope.buffer->offload_shared(request, fork->request, layer, tokens, specs);
+    scope.buffer->forks().offload_shared(request, fork->request, layer, tokens, specs);
   } else {
-    scope.buffer->offload(request, layer, KvChunk{k, v, tokens, rows.value_or(shape.dtype)}, specs);
+    scope.buffer->offloader().offload(request, layer, KvChunk{k, v, tokens, rows.value_or(shape.dtype)}, specs);
   }
   ls.policy = std::move(indexed);
   ls.eviction = std::move(cut);

@@ -3,7 +3,7 @@
 // §3.2.2 FlashD2H; §3.4 layer-segmented prefill: a layer's prompt K/V leaves
 // HBM once, straight into its CPU pages, so no GPU copy of the layer is kept).
 // Host-only geometry shared by the CUDA device runtime and the CI test that
-// checks it against TieredKVBuffer::offload: where each source row of a
+// checks it against PromptOffloader::offload: where each source row of a
 // prompt tensor goes, and the CPU tier as the saver addresses it.
 #include <algorithm>
 #include <cstdint>

@@ -82,7 +82,7 @@ class RequestRegistry {
     if (!r.layers[layer].prefilled) {
       fail(ErrorCode::failed_precondition, "decode of request {} layer {} before its prefill", batch[b], layer);
     }
-    check_fits(batch[b], "a decode step", buffer.sequence_length(batch[b], layer), 1, r.max_tokens);
+    check_fits(batch[b], "a decode step", buffer.admission().sequence_length(batch[b], layer), 1, r.max_tokens);
     return r;
   }
 

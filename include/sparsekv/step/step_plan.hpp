@@ -105,7 +105,7 @@ class StepPlan {
   }
   // Throws resource_exhausted when the step as recorded would not fit.
   void check(const TieredKVBuffer& buffer, CommitOrder order) const {
-    replay_.check(buffer.cpu_pool().available(), order, buffer.table());
+    replay_.check(buffer.tiers().cpu_pool.available(), order, buffer.tiers().table);
   }
 
  private:
