@@ -12,6 +12,8 @@ namespace sparsekv {
 RegroupDemand Regrouper::regroup_demand(RequestId request, std::uint32_t layer,
                                         std::span<const PartitionId> first_partitions,
                                         std::span<const PartitionSpec> specs, bool pending_page) const {
+  requests_.at(request);
+  check_index("layer", layer, tiers_.shape.layers);
   if (first_partitions.size() != tiers_.shape.kv_heads || specs.size() != tiers_.shape.kv_heads) {
     fail(ErrorCode::invalid_argument,
          "repartition needs one first partition and one spec per kv head ({}), got {} / {}", tiers_.shape.kv_heads,
