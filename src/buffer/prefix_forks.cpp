@@ -1,8 +1,5 @@
-// TieredKVBuffer's forks: a request started from the first tokens of another
-// (an engine's prefix cache, llama.cpp's seq_cp). The fork's policy reads
-// the rows it indexes back from the source's CPU pages; the full pages that
-// its partitions would write identically are shared by reference count
-// instead (PagedAttention+FlexAttention, Alg. 1), never written again.
+// PrefixForks (prefix_forks.hpp), and the prefix order the parts keep for it
+// (prefix_order.hpp).
 #include "sparsekv/buffer/prefix_forks.hpp"
 
 #include <algorithm>

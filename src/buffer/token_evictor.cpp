@@ -1,8 +1,5 @@
-// TokenEvictor (SpvLLM §1 strategies, §2 slot reuse):
-// evict / place_token / their dry run, the live-partition selection and
-// prefix sharing for requests whose budget evicts. docs/buffer.md explains
-// the rules; this file keeps them in one place so that the dry run
-// (append_demand_evicting) and the calls it predicts agree.
+// TokenEvictor (token_evictor.hpp; the rules in docs/buffer.md, "Token
+// eviction"), and the eviction books the offload reaches (eviction_books.hpp).
 #include "sparsekv/buffer/token_evictor.hpp"
 
 #include <algorithm>

@@ -34,8 +34,12 @@ struct BufferRequest {
   std::vector<std::uint32_t> tokens;       // per layer: every part that adds or regroups tokens
   std::vector<std::uint32_t> tail_tokens;  // per layer: TailAppender
   std::vector<PageId> tail_pages;          // per (layer, kv head): BufferAdmission takes them, TailAppender fills them
-  std::vector<WorkingSetWindow> windows;   // per (layer, kv head): PageRetriever
-  std::vector<EvictionHead> eviction;      // per (layer, kv head), empty unless pages.evicts: TokenEvictor
+  // Per (layer, kv head): PageRetriever records each step's selection; a
+  // regroup or a compaction forgets the partition ids it replaces.
+  std::vector<WorkingSetWindow> windows;
+  // Per (layer, kv head), empty unless pages.evicts: TokenEvictor, and
+  // PromptOffloader for a prompt's positions (eviction_books.hpp).
+  std::vector<EvictionHead> eviction;
   // Per layer: its first tokens that lie in page order from partition 0
   // (positions p * page_tokens .. in partition p), in every kv head. The
   // prefix order below is PrefixForks' to read; the parts that lay tokens out

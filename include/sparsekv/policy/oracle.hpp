@@ -16,12 +16,13 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/block_summary_policy.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
 namespace sparsekv {
 
-class OraclePolicy {
+class OraclePolicy : public BlockSummaryPolicy<OraclePolicy> {
  public:
   struct Options {
     std::uint32_t budget_tokens = 2048;  // per kv head per step
@@ -44,48 +45,6 @@ class OraclePolicy {
 
   const Options& options() const noexcept { return options_; }
 
-  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
-    check_layer_context(kName, ctx);
-    check_kv_view(kName, ctx, kv, false);
-    return {index_uniform_partitions(
-        ctx, kv, ctx.page_tokens, state, [&](LayerState& s, std::uint32_t reserved) { prepare_keys(ctx, s, reserved); },
-        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
-          add_keys(s, h, kv, first, count);
-        })};
-  }
-
-  // A fork reuses the source's keys of its whole leading pages.
-  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState& source) const {
-    return reusable_uniform_tokens(ctx, source, ctx.page_tokens);
-  }
-  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState& source, const KvView& kv,
-                                        LayerState& state) const {
-    check_layer_context(kName, ctx);
-    check_kv_view(kName, ctx, kv, false);
-    return {fork_uniform_partitions(
-        ctx, source, kv, ctx.page_tokens, state,
-        [&](LayerState& s, std::uint32_t reserved) { prepare_keys(ctx, s, reserved); },
-        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
-          const std::size_t values = std::size_t{partitions} * ctx.page_tokens * ctx.head_dim;
-          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h)
-            to.keys[h].assign(from.keys[h].begin(), from.keys[h].begin() + values);
-        },
-        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
-          add_keys(s, h, kv, first, count);
-        })};
-  }
-
-  std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
-    check_layer_context(kName, ctx);
-    check_appended_page(kName, ctx, page, false);
-    check_state(ctx, state);
-    append_page_partition(ctx, page, state, add_keys);
-    return std::nullopt;
-  }
-
-  void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
-    select_each_head(*this, ctx, q, state, out);
-  }
   void select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t h,
                    std::vector<PartitionId>& chosen) const {
     check_state(ctx, state);
@@ -134,18 +93,24 @@ class OraclePolicy {
   }
 
  private:
+  friend class BlockSummaryPolicy<OraclePolicy>;
+
+  // One partition per KV page.
+  static std::uint32_t partition_tokens(const LayerContext& ctx) noexcept { return ctx.page_tokens; }
+  static void check_context(const LayerContext& ctx) { check_layer_context(kName, ctx); }
   // A state's key arrays, one per kv head, reserved for `partitions` pages.
-  static void prepare_keys(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
+  static void prepare(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
     s.keys.resize(ctx.kv_heads);
     for (auto& keys : s.keys) keys.reserve(std::size_t{partitions} * ctx.page_tokens * ctx.head_dim);
   }
-  static void check_state(const LayerContext& ctx, const LayerState& state) {
-    if (state.tokens.empty() || state.ids.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
-      fail(ErrorCode::invalid_argument, "oracle: layer state was not indexed for {} kv heads x {} dims", ctx.kv_heads,
-           ctx.head_dim);
-    }
+  static void copy_summaries(const LayerContext& ctx, const LayerState& from, LayerState& to,
+                             std::uint32_t partitions) {
+    const std::size_t values = std::size_t{partitions} * ctx.page_tokens * ctx.head_dim;
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h)
+      to.keys[h].assign(from.keys[h].begin(), from.keys[h].begin() + values);
   }
-  static void add_keys(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first, std::uint32_t count) {
+  static void summarize(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first,
+                        std::uint32_t count) {
     for (std::uint32_t t = first; t < first + count; ++t) {
       const float* k = kv.key(t, h);
       state.keys[h].insert(state.keys[h].end(), k, k + kv.head_dim);

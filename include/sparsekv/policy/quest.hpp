@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/block_summary_policy.hpp"
 #include "sparsekv/policy/box_rows.hpp"
 #include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
@@ -63,7 +64,7 @@
 
 namespace sparsekv {
 
-class QuestPolicy {
+class QuestPolicy : public BlockSummaryPolicy<QuestPolicy> {
  public:
   struct Options {
     std::uint32_t budget_tokens = 2048;           // per kv head per step, newest partition included
@@ -105,48 +106,6 @@ class QuestPolicy {
     return static_cast<std::uint32_t>(static_cast<double>(options_.budget_tokens) * options_.recent_fraction);
   }
 
-  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
-    check_kv(ctx, kv);
-    return {index_uniform_partitions(
-        ctx, kv, partition_tokens(ctx), state,
-        [&](LayerState& s, std::uint32_t reserved) { prepare_bounds(ctx, s, reserved); },
-        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
-          add_bounds(s, h, kv, first, count);
-        })};
-  }
-
-  // A fork reuses the source's bounds of its whole leading Quest pages.
-  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState& source) const {
-    return reusable_uniform_tokens(ctx, source, partition_tokens(ctx));
-  }
-  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState& source, const KvView& kv,
-                                        LayerState& state) const {
-    check_kv(ctx, kv);
-    return {fork_uniform_partitions(
-        ctx, source, kv, partition_tokens(ctx), state,
-        [&](LayerState& s, std::uint32_t reserved) { prepare_bounds(ctx, s, reserved); },
-        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
-          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-            to.min[h].assign_prefix(from.min[h], partitions);
-            to.max[h].assign_prefix(from.max[h], partitions);
-          }
-        },
-        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
-          add_bounds(s, h, kv, first, count);
-        })};
-  }
-
-  std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
-    check_context(ctx);
-    check_appended_page(kName, ctx, page, false);
-    check_state(ctx, state);
-    append_page_partition(ctx, page, state, add_bounds);
-    return std::nullopt;
-  }
-
-  void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
-    select_each_head(*this, ctx, q, state, out);
-  }
   void select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t h,
                    std::vector<PartitionId>& chosen) const {
     check_state(ctx, state);
@@ -205,13 +164,22 @@ class QuestPolicy {
   }
 
  private:
+  friend class BlockSummaryPolicy<QuestPolicy>;
+
   // A state's boxes, one per kv head in the K/V dtype, reserved for `partitions`.
-  static void prepare_bounds(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
+  static void prepare(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
     s.min.assign(ctx.kv_heads, BoxRows(ctx.kv_dtype, ctx.head_dim));
     s.max.assign(ctx.kv_heads, BoxRows(ctx.kv_dtype, ctx.head_dim));
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
       s.min[h].reserve(partitions);
       s.max[h].reserve(partitions);
+    }
+  }
+  static void copy_summaries(const LayerContext& ctx, const LayerState& from, LayerState& to,
+                             std::uint32_t partitions) {
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      to.min[h].assign_prefix(from.min[h], partitions);
+      to.max[h].assign_prefix(from.max[h], partitions);
     }
   }
   void check_context(const LayerContext& ctx) const {
@@ -221,19 +189,8 @@ class QuestPolicy {
            options_.page_tokens_per_partition, ctx.page_tokens);
     }
   }
-  void check_kv(const LayerContext& ctx, const KvView& kv) const {
-    check_context(ctx);
-    check_kv_view(kName, ctx, kv, false);
-  }
-  void check_state(const LayerContext& ctx, const LayerState& state) const {
-    check_context(ctx);
-    if (state.tokens.empty() || state.ids.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
-      fail(ErrorCode::invalid_argument, "quest: layer state was not indexed for {} kv heads x {} dims", ctx.kv_heads,
-           ctx.head_dim);
-    }
-  }
-  static void add_bounds(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first,
-                         std::uint32_t count) {
+  static void summarize(LayerState& state, std::uint32_t h, const KvView& kv, std::uint32_t first,
+                        std::uint32_t count) {
     const std::uint32_t dim = kv.head_dim;
     std::vector<float> box(2 * std::size_t{dim});
     bound(box.data(), box.data() + dim, kv, h, first, count);

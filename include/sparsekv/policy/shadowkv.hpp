@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/block_summary_policy.hpp"
 #include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/select_scoring.hpp"
@@ -42,7 +43,7 @@
 
 namespace sparsekv {
 
-class ShadowKVPolicy {
+class ShadowKVPolicy : public BlockSummaryPolicy<ShadowKVPolicy> {
  public:
   struct Options {
     std::uint32_t budget_tokens = 2048;  // recent window + outliers + top-k, per kv head per step
@@ -72,48 +73,6 @@ class ShadowKVPolicy {
   // Outlier pages per step: round(outlier_pages * budget_tokens / 2048).
   std::uint32_t outlier_count() const noexcept { return outliers_; }
 
-  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
-    check_kv(ctx, kv);
-    return {index_uniform_partitions(
-        ctx, kv, ctx.page_tokens, state,
-        [&](LayerState& s, std::uint32_t reserved) { prepare_summaries(ctx, s, reserved); },
-        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
-          summarize(s, h, kv, first, count);
-        })};
-  }
-
-  // A fork reuses the source's landmarks and outlier scores of its whole leading pages.
-  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState& source) const {
-    return reusable_uniform_tokens(ctx, source, ctx.page_tokens);
-  }
-  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState& source, const KvView& kv,
-                                        LayerState& state) const {
-    check_kv(ctx, kv);
-    return {fork_uniform_partitions(
-        ctx, source, kv, ctx.page_tokens, state,
-        [&](LayerState& s, std::uint32_t reserved) { prepare_summaries(ctx, s, reserved); },
-        [&](const LayerState& from, LayerState& to, std::uint32_t partitions) {
-          for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
-            to.landmarks[h].assign(from.landmarks[h].begin(),
-                                   from.landmarks[h].begin() + std::size_t{partitions} * ctx.head_dim);
-            to.outlier_score[h].assign(from.outlier_score[h].begin(), from.outlier_score[h].begin() + partitions);
-          }
-        },
-        [&](LayerState& s, std::uint32_t h, std::uint32_t first, std::uint32_t count) {
-          summarize(s, h, kv, first, count);
-        })};
-  }
-
-  std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
-    check_appended_page(kName, ctx, page, false);
-    check_state(ctx, state);
-    append_page_partition(ctx, page, state, summarize);
-    return std::nullopt;
-  }
-
-  void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
-    select_each_head(*this, ctx, q, state, out);
-  }
   void select_head(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, std::uint32_t h,
                    std::vector<PartitionId>& chosen) const {
     check_state(ctx, state);
@@ -176,8 +135,13 @@ class ShadowKVPolicy {
   }
 
  private:
+  friend class BlockSummaryPolicy<ShadowKVPolicy>;
+
+  // One partition per KV page.
+  static std::uint32_t partition_tokens(const LayerContext& ctx) noexcept { return ctx.page_tokens; }
+  static void check_context(const LayerContext& ctx) { check_layer_context(kName, ctx); }
   // A state's landmark and outlier arrays, one per kv head, reserved for `partitions`.
-  static void prepare_summaries(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
+  static void prepare(const LayerContext& ctx, LayerState& s, std::uint32_t partitions) {
     s.landmarks.resize(ctx.kv_heads);
     s.outlier_score.resize(ctx.kv_heads);
     for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
@@ -185,12 +149,12 @@ class ShadowKVPolicy {
       s.outlier_score[h].reserve(partitions);
     }
   }
-  static void check_kv(const LayerContext& ctx, const KvView& kv) { check_kv_view(kName, ctx, kv, false); }
-  static void check_state(const LayerContext& ctx, const LayerState& state) {
-    check_layer_context(kName, ctx);
-    if (state.tokens.empty() || state.ids.size() != ctx.kv_heads || state.head_dim != ctx.head_dim) {
-      fail(ErrorCode::invalid_argument, "shadowkv: layer state was not indexed for {} kv heads x {} dims", ctx.kv_heads,
-           ctx.head_dim);
+  static void copy_summaries(const LayerContext& ctx, const LayerState& from, LayerState& to,
+                             std::uint32_t partitions) {
+    for (std::uint32_t h = 0; h < ctx.kv_heads; ++h) {
+      to.landmarks[h].assign(from.landmarks[h].begin(),
+                             from.landmarks[h].begin() + std::size_t{partitions} * ctx.head_dim);
+      to.outlier_score[h].assign(from.outlier_score[h].begin(), from.outlier_score[h].begin() + partitions);
     }
   }
   // Appends the landmark and outlier score of tokens [first, first + count) of

@@ -11,24 +11,18 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/page_position_policy.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
 namespace sparsekv {
 
-class StreamingWindowPolicy {
+class StreamingWindowPolicy : public PagePositionPolicy<StreamingWindowPolicy> {
  public:
   struct Options {
     std::uint32_t budget_tokens = 2048;  // sinks + window, per kv head
     std::uint32_t sink_tokens = 4;       // StreamingLLM's 4 attention sinks
   };
-  struct LayerState {
-    std::vector<std::uint32_t> partitions;  // per kv head
-    std::uint32_t prompt_tokens = 0;        // the prompt's last page may be short; every decode page is full
-  };
   static constexpr std::string_view kName = "streaming";
-  static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kRegroups = false;          // append() never asks for a Repartition
-  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   StreamingWindowPolicy();
   explicit StreamingWindowPolicy(const Options& options) : options_(options) {
@@ -37,28 +31,6 @@ class StreamingWindowPolicy {
 
   const Options& options() const noexcept { return options_; }
 
-  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
-    const PartitionSpec spec = PartitionSpec::uniform(kv.tokens, ctx.page_tokens);
-    state.partitions.assign(ctx.kv_heads, spec.partition_count());
-    state.prompt_tokens = kv.tokens;
-    return {spec};
-  }
-  // Index reads no K/V: a fork takes every token from its source.
-  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState&) const { return ctx.tokens; }
-  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState&, const KvView&,
-                                        LayerState& state) const {
-    const PartitionSpec spec = PartitionSpec::uniform(ctx.tokens, ctx.page_tokens);
-    state.partitions.assign(ctx.kv_heads, spec.partition_count());
-    state.prompt_tokens = ctx.tokens;
-    return {spec};
-  }
-  std::optional<Repartition> append(const LayerContext&, const AppendedPage&, LayerState& state) const {
-    for (auto& count : state.partitions) ++count;
-    return std::nullopt;
-  }
-  void select(const LayerContext& ctx, const DecodeQuery& q, const LayerState& state, Selection& out) const {
-    select_each_head(*this, ctx, q, state, out);
-  }
   void select_head(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, std::uint32_t h,
                    std::vector<PartitionId>& ids) const {
     check_head(kName, ctx, h);
@@ -87,13 +59,6 @@ class StreamingWindowPolicy {
   }
 
  private:
-  static PartitionSpec pages(const LayerContext& ctx, std::uint32_t tokens, LayerState& state) {
-    const PartitionSpec spec = PartitionSpec::uniform(tokens, ctx.page_tokens);
-    state.partitions.assign(ctx.kv_heads, spec.partition_count());
-    state.prompt_tokens = tokens;
-    return spec;
-  }
-
   Options options_;
 };
 
