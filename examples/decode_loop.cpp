@@ -231,7 +231,7 @@ bool run_policy(const Run& r, const std::string& policy_name) {
         "{}}}\n",
         backend, api, policy_name, r.context, r.batch, r.budget, config.page_tokens, r.steps, pool.threads(),
         tokens_per_s, st.hit_ratio(), pages_moved, bytes_moved, st.append_s, st.select_s, st.retrieve_s, st.attend_s,
-        median_s, worst_s, prefill_s, manager.cpu_tier_reserved_bytes());
+        median_s, worst_s, prefill_s, manager.tier_usage().cpu_reserved_bytes);
     return true;
   }
   fmt::print(
@@ -242,7 +242,7 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   fmt::print("  tokens/s        {:.2f}\n", tokens_per_s);
   fmt::print("  step time       median {:.2f} ms, worst {:.2f} ms (step {})\n", 1e3 * median_s, 1e3 * worst_s,
              worst_step);
-  if (manager.buffer().tiers().site == sparsekv::AttendSite::cpu_tier) {
+  if (manager.tier_usage().site == sparsekv::AttendSite::cpu_tier) {
     fmt::print("  in place        the selected CPU pages attended where they are: no GPU tier, nothing moved\n");
   } else {
     fmt::print("  hit ratio       {:.2f}%\n  pages moved     {}\n  bytes moved     {:.1f} MiB\n", 100 * st.hit_ratio(),
@@ -261,7 +261,7 @@ bool run_policy(const Run& r, const std::string& policy_name) {
   }
   fmt::print(
       "  prefill {:.2f} s with the synthetic K/V (index {:.2f} s, offload {:.2f} s); CPU tier reserved {:.1f} MiB\n",
-      prefill_s, st.index_s, st.offload_s, manager.cpu_tier_reserved_bytes() / double(1 << 20));
+      prefill_s, st.index_s, st.offload_s, manager.tier_usage().cpu_reserved_bytes / double(1 << 20));
   return true;
 }
 

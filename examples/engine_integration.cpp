@@ -272,8 +272,9 @@ int run(int argc, char** argv) {
   const std::uint64_t moved = device ? st.cache.miss_pages : st.pages_moved;
   std::printf("done: %llu decode steps, hit ratio %.1f%%, %llu pages moved, GPU pages in use %u\n",
               static_cast<unsigned long long>(st.decode_steps), 100 * st.hit_ratio(),
-              static_cast<unsigned long long>(moved), kv.buffer().tiers().gpu_pool.used());
-  const bool leak = kv.buffer().tiers().gpu_pool.used() != 0 || kv.buffer().tiers().cpu_pool.used() != 0;
+              static_cast<unsigned long long>(moved), kv.tier_usage().gpu_pages_used);
+  const sparsekv::TierUsage usage = kv.tier_usage();
+  const bool leak = usage.gpu_pages_used != 0 || usage.cpu_pages_used != 0;
   if (leak) std::fprintf(stderr, "engine_integration: pages leaked\n");
   return ok && !leak ? 0 : 1;
 }

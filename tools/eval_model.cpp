@@ -53,6 +53,7 @@
 #include "model/llama.hpp"
 #include "model/model_files.hpp"
 #include "sparsekv/cache/selection_trace.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/policy/qkv_trace.hpp"
 #include "sparsekv/sparsekv.hpp"
 
@@ -464,15 +465,15 @@ int main(int argc, char** argv) {
           rows[g.first + i].top.push_back(argmax(row));
           if (rows[g.first + i].top.back() == dense_top[s]) ++rows[g.first + i].agree;
           if (rows[g.first + i].strategy) {
-            rows[g.first + i].pages_held.push_back(managers[i]->buffer().evictor().held_pages(1));
-            rows[g.first + i].live_slots.push_back(managers[i]->buffer().evictor().live_slots(1));
+            rows[g.first + i].pages_held.push_back(sparsekv::inspect_buffer(*managers[i]).evictor().held_pages(1));
+            rows[g.first + i].live_slots.push_back(sparsekv::inspect_buffer(*managers[i]).evictor().live_slots(1));
           }
         }
       }
       g.decode_s = since(t_decode);
       for (std::size_t i = 0; i < n; ++i) {
         rows[g.first + i].stats = managers[i]->stats();
-        rows[g.first + i].buffer = managers[i]->buffer().tiers().stats;
+        rows[g.first + i].buffer = managers[i]->tier_usage().stats;
       }
       if (recorder) recorded_trace = std::move(recorder->trace());
       replay_s += g.replay_s;

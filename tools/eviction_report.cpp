@@ -31,6 +31,7 @@
 #include <fmt/format.h>
 
 #include "command_line.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/sparsekv.hpp"
 
 namespace {
@@ -196,15 +197,16 @@ int main(int argc, char** argv) {
             }
           }
           for (Run& run : runs) {
-            run.held.push_back(run.manager->buffer().evictor().held_pages(id));
-            run.live.push_back(run.manager->buffer().evictor().live_slots(id));
+            run.held.push_back(sparsekv::inspect_buffer(*run.manager).evictor().held_pages(id));
+            run.live.push_back(sparsekv::inspect_buffer(*run.manager).evictor().live_slots(id));
           }
         }
         // Unsparsified paged cache of the same live tokens: only each head's last page is partial.
         std::uint64_t unsparsified = 0;
         for (std::uint32_t l = 0; l < shape.layers; ++l) {
           for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
-            unsparsified += (runs.front().manager->buffer().evictor().live_tokens(id, l, h) + pt - 1) / pt;
+            unsparsified +=
+                (sparsekv::inspect_buffer(*runs.front().manager).evictor().live_tokens(id, l, h) + pt - 1) / pt;
           }
         }
         for (const Run& run : runs) {
@@ -215,7 +217,7 @@ int main(int argc, char** argv) {
             frag.push_back(1 - u.back());
             held_sum += double(run.held[s]);
           }
-          const sparsekv::BufferStats& st = run.manager->buffer().tiers().stats;
+          const sparsekv::BufferStats st = run.manager->tier_usage().stats;
           const double held_mean = held_sum / double(run.held.size());
           const std::uint64_t held_max = *std::max_element(run.held.begin(), run.held.end());
           const double step_us = 1e6 * run.decode_s / (double(steps) * shape.layers);

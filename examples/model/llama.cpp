@@ -612,7 +612,7 @@ std::uint32_t DenseCache::tokens(std::uint32_t layer) const {
 }
 
 SparseSession::SparseSession(RuntimeManager& manager, RequestId id)
-    : manager_(manager), id_(id), executor_(engine_executor()), dtype_(manager.buffer().tiers().shape.dtype) {}
+    : manager_(manager), id_(id), executor_(engine_executor()), dtype_(manager.shape().dtype) {}
 
 const void* SparseSession::stored(const float* values, std::size_t n, std::vector<std::byte>& scratch) const {
   if (dtype_ == DType::f32) return values;
@@ -623,13 +623,13 @@ const void* SparseSession::stored(const float* values, std::size_t n, std::vecto
 }
 
 void SparseSession::prefill(std::uint32_t layer, const float* k, const float* v, std::uint32_t tokens) {
-  const ModelShape& shape = manager_.buffer().tiers().shape;
+  const ModelShape& shape = manager_.shape();
   const std::size_t n = std::size_t{tokens} * shape.kv_heads * shape.head_dim;
   manager_.prefill(id_, layer, stored(k, n, k_), stored(v, n, v_), tokens);
 }
 
 void SparseSession::decode(std::uint32_t layer, const float* q, const float* k, const float* v, float* out) {
-  const ModelShape& shape = manager_.buffer().tiers().shape;
+  const ModelShape& shape = manager_.shape();
   const std::size_t nq = std::size_t{shape.q_heads} * shape.head_dim,
                     nkv = std::size_t{shape.kv_heads} * shape.head_dim;
   manager_.decode(std::span<const RequestId>(&id_, 1), layer, stored(q, nq, q_), stored(k, nkv, k_), stored(v, nkv, v_),

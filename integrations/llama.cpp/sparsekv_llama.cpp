@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -69,7 +70,7 @@ struct Hook::State {
   ErrorSlot refusal;  // a memory call's or a load's: reported, stops nothing
   SpinBarrier barrier;
   std::atomic<bool> stepping{false};  // this op's decode rows go through a library step
-  HostStep<AnyPolicy>* step = nullptr;
+  std::optional<DecodePhases<AnyPolicy>> step;
   PromptAttention prompts;  // this op's prompt rows
   std::vector<PromptChunk> chunks;
   std::uint64_t decode_count = 0, prompt_count = 0, extend_count = 0;
@@ -172,10 +173,7 @@ struct Hook::State {
     }
     return it->second.request;
   }
-  std::uint32_t tokens_held(RequestId id, std::uint32_t layer) const {
-    return manager->prefilled(id, layer) ? manager->buffer().admission().sequence_length(id, layer)
-                                         : manager->staged_tokens(id, layer);
-  }
+  std::uint32_t tokens_held(RequestId id, std::uint32_t layer) const { return manager->held_tokens(id, layer); }
 
   // n rows of `width` floats from `from` into `to` in the model dtype.
   void narrow(const float* from, std::size_t n, std::vector<std::byte>& to) const {
@@ -501,7 +499,7 @@ struct Hook::State {
     narrow_rows(c.k, kvd, k);
     narrow_rows(c.v, kvd, v);
     out.resize(batch.size() * qd);
-    step = &m.begin_decode(batch, layer, q.data(), k.data(), v.data(), out.data());
+    step = m.begin_decode(batch, layer, q.data(), k.data(), v.data(), out.data());
     stepping.store(true, std::memory_order_relaxed);
   }
   void finish(const llama_attn_hook_call& c) {

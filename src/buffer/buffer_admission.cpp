@@ -102,7 +102,8 @@ AdmissionAdvice BufferAdmission::can_admit_pages(std::uint32_t prompt_tokens, co
   return a;
 }
 
-void BufferAdmission::add_request(RequestId request, const RequestPages& pages) {
+void BufferAdmission::add_request(RequestId request, const RequestPages& pages,
+                                  std::unique_ptr<RequestAttachment> attachment) {
   if (requests_.contains(request)) fail(ErrorCode::already_exists, "request {} is already registered", request);
   if (const std::optional<Refusal> r = refusal(pages)) fail(r->code, "request {}: {}", request, r->message);
   const std::uint32_t slots = std::max(pages.buffer_pages, min_slots_per_head(pages));
@@ -111,6 +112,7 @@ void BufferAdmission::add_request(RequestId request, const RequestPages& pages) 
   tiers_.table.add_request(request);
   BufferRequest s;
   s.pages = pages;
+  s.attachment = std::move(attachment);
   s.tokens.assign(tiers_.shape.layers, 0);
   s.tail_tokens.assign(tiers_.shape.layers, 0);
   s.ordered_tokens.assign(tiers_.shape.layers, 0);
@@ -250,6 +252,12 @@ void BufferAdmission::finish(RequestId request) {
   tiers_.partitions.unmap(request);
   tiers_.table.remove_request(request);
   requests_.erase(request);
+}
+
+std::vector<RequestId> BufferAdmission::request_ids() const {
+  std::vector<RequestId> ids;
+  for (const auto& entry : requests_) ids.push_back(entry.first);
+  return ids;
 }
 
 std::uint64_t BufferAdmission::working_set_pages(RequestId request) const {

@@ -1,5 +1,6 @@
 // Buffer elasticity and admission advice (Spin §5.3, SparseServe §3.3).
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -50,6 +51,46 @@ TEST_CASE("The minimum buffer is mandatory x (1 + min_buffer_ratio)", "[buffer]"
   REQUIRE(b.admission().slots_per_head(1) == 24);
   b.admission().resize(1, 40);
   REQUIRE(b.tiers().gpu_pool.used() == 41);
+  b.validate();
+}
+
+namespace {
+// Counts itself, so a test sees when the buffer destroys an attachment.
+struct CountedAttachment : RequestAttachment {
+  explicit CountedAttachment(int& live) : live(live) { ++live; }
+  ~CountedAttachment() override { --live; }
+  int& live;
+};
+}  // namespace
+
+TEST_CASE("A request's attachment comes and goes with the request, and a refused add takes none", "[buffer]") {
+  HostMemoryResource memory(false);
+  TieredKVBuffer b(kShape, config(60), memory, memory);
+  int live = 0;
+  auto first = std::make_unique<CountedAttachment>(live);
+  const RequestAttachment* given = first.get();
+  b.admission().add_request(1, {2, 0}, std::move(first));
+  b.admission().add_request(2, {2, 0});
+  REQUIRE(live == 1);
+  REQUIRE(b.admission().attachment(1) == given);
+  REQUIRE(b.admission().attachment(2) == nullptr);
+  REQUIRE(b.admission().request_ids() == std::vector<RequestId>{1, 2});
+  REQUIRE_SPARSEKV_ERROR(b.admission().attachment(3), ErrorCode::not_found);
+
+  // Refused (already registered; then short of GPU pages): the new attachment
+  // is destroyed, the held one kept, and the books are as they were.
+  REQUIRE_SPARSEKV_ERROR(b.admission().add_request(1, {2, 0}, std::make_unique<CountedAttachment>(live)),
+                         ErrorCode::already_exists);
+  REQUIRE_SPARSEKV_ERROR(b.admission().add_request(3, {20, 0}, std::make_unique<CountedAttachment>(live)),
+                         ErrorCode::resource_exhausted);
+  REQUIRE(live == 1);
+  REQUIRE(b.admission().attachment(1) == given);
+  REQUIRE(b.admission().request_ids() == std::vector<RequestId>{1, 2});
+
+  b.admission().finish(1);
+  REQUIRE(live == 0);
+  REQUIRE_FALSE(b.admission().has_request(1));
+  REQUIRE(b.admission().request_ids() == std::vector<RequestId>{2});
   b.validate();
 }
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "test_support.hpp"
 
@@ -99,8 +100,8 @@ TEST_CASE("engine calls: a prompt in chunks decodes as one prefill, bit for bit"
       }
       for (std::uint32_t s = 0; s < 12; ++s) step_both(whole, chunked, rng);
       REQUIRE(chunked.prefilled(1, 1));
-      whole.buffer().validate();
-      chunked.buffer().validate();
+      inspect_buffer(whole).validate();
+      inspect_buffer(chunked).validate();
     }
   }
 }
@@ -133,9 +134,9 @@ TEST_CASE("engine calls: extend() leaves a request as that many decode steps wou
           if (!kept.empty()) REQUIRE(std::memcmp(kept.data() + t * kQRow, out.data(), kQRow * sizeof(float)) == 0);
         }
       }
-      REQUIRE(extended.buffer().admission().sequence_length(1, 0) == prompt + 3 + n);
+      REQUIRE(inspect_buffer(extended).admission().sequence_length(1, 0) == prompt + 3 + n);
       for (std::uint32_t s = 0; s < 10; ++s) step_both(stepped, extended, rng);
-      extended.buffer().validate();
+      inspect_buffer(extended).validate();
     }
   }
 }
@@ -266,10 +267,10 @@ TEST_CASE("engine calls: chunks and continuations refused where they cannot be s
   m.add_request(2, 40);
   twin.add_request(2, 40);
   REQUIRE_SPARSEKV_ERROR(m.extend(2, 0, q.data(), k.data(), v.data(), 1), ErrorCode::failed_precondition);
-  REQUIRE(m.buffer().admission().sequence_length(1, 0) == 20);
+  REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == 20);
   // Nothing changed: the two decode alike.
   for (std::uint32_t s = 0; s < 6; ++s) step_both(m, twin, rng);
-  m.buffer().validate();
+  inspect_buffer(m).validate();
 }
 
 TEST_CASE("engine calls: Config::attention_scale attends by s * q.k", "[facade][engine-calls][scale]") {
@@ -362,7 +363,7 @@ TEST_CASE("engine calls: read_kv gives back the prompt staged and the CPU tier's
     // Prefilled: what is readable is the CPU tier's, and it is the prompt.
     m.end_prompt(1);
     const std::uint32_t readable = m.readable_tokens(1, 0);
-    REQUIRE(readable == m.buffer().forks().saved_tokens(1, 0));
+    REQUIRE(readable == inspect_buffer(m).forks().saved_tokens(1, 0));
     REQUIRE(readable <= prompt);
     if (policy == "quest" || policy == "dense") REQUIRE(readable == prompt);
     m.read_kv(1, 0, 0, readable, rk.data(), rv.data());

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "eviction_stream.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/memory/page_layout.hpp"
 #include "sparsekv/policy/h2o.hpp"
 #include "sparsekv/policy/streaming_eviction.hpp"
@@ -194,7 +195,7 @@ void run_against_reference(M& m, const EvictionStream& s, Rule rule) {
     }
   }
   CHECK(evicted > 0);
-  m.buffer().validate();
+  inspect_buffer(m).validate();
 }
 
 // The attention an engine's kernel computes from a host-tensor plan: every
@@ -300,9 +301,9 @@ TEST_CASE("facade eviction: the four strategies give the same outputs; no_op hol
       std::vector<std::uint64_t> held;
       for (const RuntimeManager& m : managers) {
         std::uint64_t pages = 0;
-        for (const RequestId id : s.batch()) pages += m.buffer().evictor().held_pages(id);
+        for (const RequestId id : s.batch()) pages += inspect_buffer(m).evictor().held_pages(id);
         held.push_back(pages);
-        m.buffer().validate();
+        inspect_buffer(m).validate();
       }
       INFO("held pages no_op / free_block / sparse_copy / slot_reuse: " << held[0] << " / " << held[1] << " / "
                                                                         << held[2] << " / " << held[3]);
@@ -310,8 +311,8 @@ TEST_CASE("facade eviction: the four strategies give the same outputs; no_op hol
       CHECK(held[1] >= held[3]);
       // Permanent eviction leaves no_op with every page ever opened, slot_reuse with about the budget.
       CHECK(held[0] > held[3]);
-      CHECK(managers[2].buffer().tiers().stats.pages_copied > 0);
-      CHECK(managers[0].buffer().tiers().stats.pages_freed == 0);
+      CHECK(inspect_buffer(managers[2]).tiers().stats.pages_copied > 0);
+      CHECK(inspect_buffer(managers[0]).tiers().stats.pages_freed == 0);
     }
   }
 }
@@ -326,12 +327,13 @@ TEST_CASE("facade eviction: plan() is refused for h2o, changing nothing", "[faca
     for (std::uint32_t t = 0; t < 60; ++t) {
       for (std::uint32_t l = 0; l < s.shape.layers; ++l) {
         if (t % 20 == 10) {
-          const std::uint64_t held = m.buffer().evictor().held_pages(1) + m.buffer().evictor().held_pages(2);
-          const std::uint32_t length = m.buffer().admission().sequence_length(1, l);
+          const std::uint64_t held =
+              inspect_buffer(m).evictor().held_pages(1) + inspect_buffer(m).evictor().held_pages(2);
+          const std::uint32_t length = inspect_buffer(m).admission().sequence_length(1, l);
           REQUIRE_SPARSEKV_ERROR(m.plan(batch, l, s.q[t][l].data(), s.k[t][l].data(), s.v[t][l].data()),
                                  ErrorCode::invalid_argument);
-          REQUIRE(m.buffer().evictor().held_pages(1) + m.buffer().evictor().held_pages(2) == held);
-          REQUIRE(m.buffer().admission().sequence_length(1, l) == length);
+          REQUIRE(inspect_buffer(m).evictor().held_pages(1) + inspect_buffer(m).evictor().held_pages(2) == held);
+          REQUIRE(inspect_buffer(m).admission().sequence_length(1, l) == length);
         }
         CAPTURE(t, l);
         s.decode(m, t, l, out);
@@ -399,7 +401,7 @@ TEST_CASE("facade eviction: bad input is refused", "[facade][eviction]") {
     REQUIRE_SPARSEKV_ERROR(Manager<H2OPolicy>(s.shape, c, H2OPolicy(o)), ErrorCode::invalid_argument);
     // The limit is the masks': a policy that keeps every token takes such pages.
     RuntimeManager dense(s.shape, c, make_policy("dense", kBudget));
-    CHECK(dense.buffer().tiers().config.page_tokens == 128);
+    CHECK(inspect_buffer(dense).tiers().config.page_tokens == 128);
   }
   SECTION("budgets below the protected window") {
     REQUIRE_SPARSEKV_ERROR(make_policy("streaming_evict", 4), ErrorCode::invalid_argument);
@@ -464,7 +466,7 @@ TEST_CASE("facade eviction: a step the CPU tier cannot hold is refused; it runs 
   // refused (after layer 0 of the same step has committed): there is room
   // for request 1's 2 pages, not for request 2's.
   const std::uint64_t heads = std::uint64_t{a.shape.layers} * a.shape.kv_heads;  // per request
-  const std::uint64_t pool = make().buffer().tiers().cpu_pool.available();
+  const std::uint64_t pool = inspect_buffer(make()).tiers().cpu_pool.available();
   const std::uint64_t taken = 2 * heads + 2 * heads + 2 * a.shape.kv_heads + a.shape.kv_heads;
   REQUIRE(pool > taken);
   REQUIRE((pool - taken) % heads == 0);
@@ -482,23 +484,25 @@ TEST_CASE("facade eviction: a step the CPU tier cannot hold is refused; it runs 
     for (std::uint32_t t = 0; t < a.steps; ++t) {
       for (std::uint32_t l = 0; l < a.shape.layers; ++l) {
         if (!refused) {
-          const std::uint64_t available = m.buffer().tiers().cpu_pool.available();
-          const std::uint64_t held = m.buffer().evictor().held_pages(1) + m.buffer().evictor().held_pages(2);
+          const std::uint64_t available = inspect_buffer(m).tiers().cpu_pool.available();
+          const std::uint64_t held =
+              inspect_buffer(m).evictor().held_pages(1) + inspect_buffer(m).evictor().held_pages(2);
           const std::vector<std::vector<std::uint32_t>> live = live_sets(m, a);
           const std::uint32_t length =
-              m.buffer().admission().sequence_length(1, l) + m.buffer().admission().sequence_length(2, l);
+              inspect_buffer(m).admission().sequence_length(1, l) + inspect_buffer(m).admission().sequence_length(2, l);
           try {
             a.decode(m, t, l, out);
           } catch (const Error& e) {
             INFO(e.what());
             REQUIRE(e.code() == ErrorCode::resource_exhausted);
             refused = {t, l};
-            REQUIRE(m.buffer().tiers().cpu_pool.available() == available);
-            REQUIRE(m.buffer().evictor().held_pages(1) + m.buffer().evictor().held_pages(2) == held);
+            REQUIRE(inspect_buffer(m).tiers().cpu_pool.available() == available);
+            REQUIRE(inspect_buffer(m).evictor().held_pages(1) + inspect_buffer(m).evictor().held_pages(2) == held);
             REQUIRE(live_sets(m, a) == live);
-            REQUIRE(m.buffer().admission().sequence_length(1, l) + m.buffer().admission().sequence_length(2, l) ==
+            REQUIRE(inspect_buffer(m).admission().sequence_length(1, l) +
+                        inspect_buffer(m).admission().sequence_length(2, l) ==
                     length);
-            m.buffer().validate();
+            inspect_buffer(m).validate();
             m.finish(3);
           }
           if (!refused) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "test_support.hpp"
 
@@ -90,7 +91,7 @@ class Run {
         }
       }
     }
-    m.buffer().validate();
+    inspect_buffer(m).validate();
     check_admission_exact(m);
     m.finish(1);
     return {};

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/memory/page_layout.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/sparsekv.hpp"
@@ -83,7 +84,7 @@ class Checker {
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
       std::vector<std::uint32_t> attended;
       m.retrieval(b).for_each_page(h, s_.config.page_tokens, [&](PageId page, std::uint32_t n) {
-        const std::byte* data = m.buffer().tiers().gpu_pool.data(page);
+        const std::byte* data = inspect_buffer(m).tiers().gpu_pool.data(page);
         for (std::uint32_t slot = 0; slot < n; ++slot) {
           const auto it =
               ref.token_of[h].find(std::string(reinterpret_cast<const char*>(data + layout.k_offset(slot)), row));
@@ -210,8 +211,8 @@ RunCounts run(RuntimeManager& m, const Scenario& s, std::uint32_t seed) {
       }
     }
   }
-  REQUIRE(m.buffer().tiers().gpu_pool.used() == 0);
-  REQUIRE(m.buffer().tiers().cpu_pool.used() == 0);
+  REQUIRE(inspect_buffer(m).tiers().gpu_pool.used() == 0);
+  REQUIRE(inspect_buffer(m).tiers().cpu_pool.used() == 0);
   return counts;
 }
 
@@ -319,6 +320,6 @@ TEST_CASE("Facade, randomized: RetroInfer through re-index boundaries near max_c
     const auto q = checker.random_rows(rng, 1, s.shape.q_heads);
     REQUIRE_SPARSEKV_ERROR(m.decode(batch, 0, q.data(), k.data(), v.data(), out.data()), ErrorCode::resource_exhausted);
     m.finish(7);
-    REQUIRE(m.buffer().tiers().cpu_pool.used() == 0);
+    REQUIRE(inspect_buffer(m).tiers().cpu_pool.used() == 0);
   }
 }

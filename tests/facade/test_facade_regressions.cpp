@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/sparsekv.hpp"
@@ -153,7 +154,7 @@ TEST_CASE("Facade: the token being decoded always takes part in attention, whate
         }
       }
     }
-    manager.buffer().validate();
+    inspect_buffer(manager).validate();
   }
 }
 
@@ -373,8 +374,8 @@ TEST_CASE("Facade: StepStats::pages_saved counts pages, one per kv head, like Bu
                      out.data());
     }
   }
-  REQUIRE(manager.buffer().tiers().stats.pages_saved == 8);  // 2 layers x 4 kv heads
-  REQUIRE(manager.stats().pages_saved == manager.buffer().tiers().stats.pages_saved);
+  REQUIRE(inspect_buffer(manager).tiers().stats.pages_saved == 8);  // 2 layers x 4 kv heads
+  REQUIRE(manager.stats().pages_saved == inspect_buffer(manager).tiers().stats.pages_saved);
 }
 
 TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, and changes nothing",
@@ -414,8 +415,8 @@ TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, an
     what = error_text([&] { manager.prefill(7, 0, k.data(), bad_v.data(), 7); });
     CHECK(what.find("token 6") != std::string::npos);
     CHECK(what.find("kv head 0") != std::string::npos);
-    REQUIRE(manager.buffer().admission().sequence_length(7, 0) == 0);
-    REQUIRE(manager.buffer().tiers().cpu_pool.used() == 0);
+    REQUIRE(inspect_buffer(manager).admission().sequence_length(7, 0) == 0);
+    REQUIRE(inspect_buffer(manager).tiers().cpu_pool.used() == 0);
     const std::vector<std::byte> q = encode(normal_values(rng, 2 * 4 * 8));
     std::vector<float> out(2 * 4 * 8, -1.0f), want(out.size());
     for (RuntimeManager* m : {&manager, &twin}) {
@@ -435,7 +436,7 @@ TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, an
     std::memcpy(k_new.data() + row * elem, k.data() + 12 * row * elem, row * elem);
     std::memcpy(v_new.data(), v.data() + 14 * row * elem, row * elem);
     std::memcpy(v_new.data() + row * elem, v.data() + 12 * row * elem, row * elem);
-    const std::uint64_t used = manager.buffer().tiers().cpu_pool.used();
+    const std::uint64_t used = inspect_buffer(manager).tiers().cpu_pool.used();
     for (const auto& [bad, value, is_k] : {std::tuple{poisoned(k_new, row + 9, inf), inf, true},
                                            std::tuple{poisoned(v_new, row + 1, nan), nan, false}}) {
       const void* kn = is_k ? bad.data() : k_new.data();
@@ -447,15 +448,15 @@ TEST_CASE("Facade: non-finite K/V is refused, naming request, token and head, an
       what = error_text([&] { manager.plan(batch, 0, q.data(), kn, vn); });
       CHECK(what.find("request 9") != std::string::npos);
     }
-    REQUIRE(manager.buffer().admission().sequence_length(7, 0) ==
+    REQUIRE(inspect_buffer(manager).admission().sequence_length(7, 0) ==
             14);  // request 7's full tail page was not saved either
-    REQUIRE(manager.buffer().tails().tail_tokens(7, 0) == 7);
-    REQUIRE(manager.buffer().admission().sequence_length(9, 0) == 12);
-    REQUIRE(manager.buffer().tiers().cpu_pool.used() == used);
+    REQUIRE(inspect_buffer(manager).tails().tail_tokens(7, 0) == 7);
+    REQUIRE(inspect_buffer(manager).admission().sequence_length(9, 0) == 12);
+    REQUIRE(inspect_buffer(manager).tiers().cpu_pool.used() == used);
     REQUIRE(manager.stats().decode_steps == steps);
     REQUIRE(manager.stats().pages_saved == 0);
     REQUIRE(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));
-    manager.buffer().validate();
+    inspect_buffer(manager).validate();
 
     // The refused calls left nothing behind: the same good step gives the twin's output bit for bit.
     manager.decode(batch, 0, q.data(), k_new.data(), v_new.data(), out.data());

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "test_support.hpp"
@@ -57,8 +58,8 @@ void decode(RuntimeManager& kv, const Stream& s, std::uint32_t t) {
 // Every token's K and V rows are in the CPU tier (partitions) or the tail,
 // exactly once: the regroups moved bytes, they lost or corrupted none.
 void check_bytes(const RuntimeManager& kv, const Stream& s) {
-  const TieredKVBuffer& b = kv.buffer();
-  const PageLayout layout{kv.buffer().tiers().config.page_tokens, kShape.head_dim, kShape.dtype};
+  const TieredKVBuffer& b = inspect_buffer(kv);
+  const PageLayout layout{inspect_buffer(kv).tiers().config.page_tokens, kShape.head_dim, kShape.dtype};
   const std::size_t row = layout.row_bytes();
   const std::uint32_t tokens = b.admission().sequence_length(1, 0);
   std::vector<std::vector<float>> held, expected;
@@ -90,13 +91,13 @@ void check_bytes(const RuntimeManager& kv, const Stream& s) {
 
 // A refused decode changed nothing: same sequence, same pages, consistent tables.
 void check_refused(RuntimeManager& kv, const Stream& s, std::uint32_t t) {
-  const std::uint32_t used = kv.buffer().tiers().cpu_pool.used();
-  const std::uint32_t partitions = kv.buffer().tiers().table.partition_count(1, 0, 0);
+  const std::uint32_t used = inspect_buffer(kv).tiers().cpu_pool.used();
+  const std::uint32_t partitions = inspect_buffer(kv).tiers().table.partition_count(1, 0, 0);
   REQUIRE_SPARSEKV_ERROR(decode(kv, s, t), ErrorCode::resource_exhausted);
-  REQUIRE(kv.buffer().admission().sequence_length(1, 0) == t);
-  REQUIRE(kv.buffer().tiers().cpu_pool.used() == used);
-  REQUIRE(kv.buffer().tiers().table.partition_count(1, 0, 0) == partitions);
-  kv.buffer().validate();
+  REQUIRE(inspect_buffer(kv).admission().sequence_length(1, 0) == t);
+  REQUIRE(inspect_buffer(kv).tiers().cpu_pool.used() == used);
+  REQUIRE(inspect_buffer(kv).tiers().table.partition_count(1, 0, 0) == partitions);
+  inspect_buffer(kv).validate();
 }
 
 constexpr std::uint32_t kPrompt = 60;
@@ -118,12 +119,13 @@ TEST_CASE("Manager: a RetroInfer re-index near the partition maximum is sized as
   kv.prefill(1, 0, s.k.data(), s.v.data(), kPrompt);
   for (std::uint32_t t = kPrompt; t < kTokens; ++t) {
     INFO("decode of token " << t);
-    const std::uint32_t partitions = kv.buffer().tiers().table.partition_count(1, 0, 0);
+    const std::uint32_t partitions = inspect_buffer(kv).tiers().table.partition_count(1, 0, 0);
     decode(kv, s, t);
-    if (t == kReindexToken) REQUIRE(kv.buffer().tiers().table.partition_count(1, 0, 0) < partitions);  // it re-indexed
+    if (t == kReindexToken)
+      REQUIRE(inspect_buffer(kv).tiers().table.partition_count(1, 0, 0) < partitions);  // it re-indexed
   }
-  REQUIRE(kv.buffer().admission().sequence_length(1, 0) == kTokens);
-  kv.buffer().validate();
+  REQUIRE(inspect_buffer(kv).admission().sequence_length(1, 0) == kTokens);
+  inspect_buffer(kv).validate();
   check_bytes(kv, s);
 }
 
@@ -145,7 +147,7 @@ TEST_CASE("Manager: a RetroInfer re-index counts the CPU pages its run frees, ex
       INFO("decode of token " << t);
       decode(*kv, s, t);
     }
-    kv->buffer().validate();
+    inspect_buffer(*kv).validate();
     check_bytes(*kv, s);
   }
   // Exactly: a tier holding precisely the pages the re-index leaves in use
@@ -155,13 +157,13 @@ TEST_CASE("Manager: a RetroInfer re-index counts the CPU pages its run frees, ex
   {
     auto kv = manager(4096);
     for (std::uint32_t t = kPrompt; t <= kReindexToken; ++t) decode(*kv, s, t);
-    after = kv->buffer().tiers().cpu_pool.used();
+    after = inspect_buffer(*kv).tiers().cpu_pool.used();
   }
   {
     auto kv = manager(after);
     for (std::uint32_t t = kPrompt; t <= kReindexToken; ++t) decode(*kv, s, t);
-    REQUIRE(kv->buffer().tiers().cpu_pool.available() == 0);
-    kv->buffer().validate();
+    REQUIRE(inspect_buffer(*kv).tiers().cpu_pool.available() == 0);
+    inspect_buffer(*kv).validate();
     check_bytes(*kv, s);
   }
   {
@@ -183,14 +185,14 @@ TEST_CASE("Manager: RetroInfer requests fit the page table they are admitted int
     REQUIRE(kv.can_admit(prompt, max_context).admit);
     kv.add_request(1, max_context);
     REQUIRE(kv.request_pages(max_context).mandatory_pages <=
-            kv.buffer().tiers().table.geometry().max_cpu_pages_per_head);
+            inspect_buffer(kv).tiers().table.geometry().max_cpu_pages_per_head);
     // ... and never refused for the page table's sake while it runs.
     kv.prefill(1, 0, s.k.data(), s.v.data(), prompt);
     for (std::uint32_t t = prompt; t < max_context; ++t) {
       INFO("decode of token " << t);
       decode(kv, s, t);
     }
-    kv.buffer().validate();
+    inspect_buffer(kv).validate();
     check_bytes(kv, s);
   };
   SECTION("a budget covering the context, 8-token pages") { run(8, 1100, 100000, 60); }
@@ -221,7 +223,7 @@ TEST_CASE("Manager: RetroInfer never outgrows the page table, whatever its page 
           INFO("decode of token " << t);
           decode(kv, s, t);
         }
-        kv.buffer().validate();
+        inspect_buffer(kv).validate();
         check_bytes(kv, s);
       }
     }

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "step_scenarios.hpp"
 
@@ -47,8 +48,8 @@ void require_same_selection(const Retrieval& in_place, const Retrieval& host) {
 // the same K/V must be kept whatever page ids hold it.
 void require_same_bytes(const RuntimeManager& in_place, const RuntimeManager& host, RequestId id,
                         const ModelShape& shape) {
-  const TieredKVBuffer& x = in_place.buffer();
-  const TieredKVBuffer& y = host.buffer();
+  const TieredKVBuffer& x = inspect_buffer(in_place);
+  const TieredKVBuffer& y = inspect_buffer(host);
   std::vector<PageId> xp, yp;
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
     REQUIRE(x.admission().sequence_length(id, l) == y.admission().sequence_length(id, l));
@@ -146,13 +147,13 @@ std::uint64_t run(const Scenario& s, const std::string& policy, std::uint32_t bu
       ++decodes;
     }
     for (const RequestId id : live) require_same_bytes(in_place, host, id, shape);
-    in_place.buffer().validate();
-    REQUIRE(in_place.buffer().tiers().gpu_pool.used() == 0);
-    REQUIRE(in_place.buffer().tiers().gpu_pool.reserved_bytes() == 0);
+    inspect_buffer(in_place).validate();
+    REQUIRE(inspect_buffer(in_place).tiers().gpu_pool.used() == 0);
+    REQUIRE(inspect_buffer(in_place).tiers().gpu_pool.reserved_bytes() == 0);
     REQUIRE(in_place.stats().bytes_moved == 0);
     // Requests at their max_tokens finish; now and then a new one arrives.
     for (auto it = live.begin(); it != live.end();) {
-      if (host.buffer().admission().sequence_length(*it, 0) < max_tokens.at(*it)) {
+      if (inspect_buffer(host).admission().sequence_length(*it, 0) < max_tokens.at(*it)) {
         ++it;
         continue;
       }
@@ -166,7 +167,7 @@ std::uint64_t run(const Scenario& s, const std::string& policy, std::uint32_t bu
     in_place.finish(id);
     host.finish(id);
   }
-  REQUIRE(in_place.buffer().tiers().cpu_pool.used() == 0);  // the tails went back too
+  REQUIRE(inspect_buffer(in_place).tiers().cpu_pool.used() == 0);  // the tails went back too
   return decodes;
 }
 
@@ -200,19 +201,19 @@ TEST_CASE("in place: the tails are CPU pages, counted by can_admit and refused w
   CHECK(first.gpu_pages_needed == 0);
   CHECK(first.cpu_pages_needed == 32 + 4);
   m.add_request(1, 128);
-  CHECK(m.buffer().tiers().cpu_pool.used() == 4);  // the tails, before any prompt
+  CHECK(inspect_buffer(m).tiers().cpu_pool.used() == 4);  // the tails, before any prompt
   std::vector<float> kv(64 * 2 * 16, 0.5f);
   for (std::uint32_t l = 0; l < 2; ++l) m.prefill(1, l, kv.data(), kv.data(), 64);
-  CHECK(m.buffer().tiers().cpu_pool.used() == 36);
+  CHECK(inspect_buffer(m).tiers().cpu_pool.used() == 36);
   const AdmissionAdvice second = m.can_admit(1, 128);
   CHECK_FALSE(second.admit);
   CHECK(second.reason.find("CPU pages") != std::string::npos);
   REQUIRE_THROWS_AS(m.add_request(2, 128), Error);
-  CHECK(m.buffer().tiers().cpu_pool.used() == 36);  // the refusal changed nothing
-  m.buffer().validate();
+  CHECK(inspect_buffer(m).tiers().cpu_pool.used() == 36);  // the refusal changed nothing
+  inspect_buffer(m).validate();
 
   m.finish(1);
-  CHECK(m.buffer().tiers().cpu_pool.used() == 0);
+  CHECK(inspect_buffer(m).tiers().cpu_pool.used() == 0);
 }
 
 TEST_CASE("in place: a buffer refuses GPU slots and device memory", "[in-place]") {
@@ -270,7 +271,7 @@ TEST_CASE("in place: the unsaved decode page reads back with the rest, on the GP
     }
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
       const std::uint32_t readable = m.readable_tokens(1, l);
-      CHECK(readable == (in_place ? 13u : m.buffer().forks().saved_tokens(1, l)));
+      CHECK(readable == (in_place ? 13u : inspect_buffer(m).forks().saved_tokens(1, l)));
       std::vector<float> rk(readable * row), rv(readable * row);
       m.read_kv(1, l, 0, readable, rk.data(), rv.data());
       CHECK(std::equal(rk.begin(), rk.end(), k.begin()));
@@ -278,7 +279,7 @@ TEST_CASE("in place: the unsaved decode page reads back with the rest, on the GP
       std::vector<float> past(14 * row);
       REQUIRE_THROWS_AS(m.read_kv(1, l, 0, readable + 1, past.data(), past.data()), Error);
     }
-    m.buffer().validate();
+    inspect_buffer(m).validate();
   }
 }
 
@@ -315,12 +316,12 @@ TEST_CASE("in place: a fork takes the unsaved decode page too, and decodes as a 
       for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
       decode(m, 1, 10, 29);
       if (!in_place) {
-        CHECK(m.buffer().forks().saved_tokens(1, 0) == 26);
+        CHECK(inspect_buffer(m).forks().saved_tokens(1, 0) == 26);
         CHECK(m.can_fork(1, 26, 64).reason.empty());
         CHECK_FALSE(m.can_fork(1, 27, 64).reason.empty());
         REQUIRE_THROWS_AS(m.fork(2, 1, 27, 64), Error);
         CHECK_FALSE(m.has_request(2));
-        m.buffer().validate();
+        inspect_buffer(m).validate();
         continue;
       }
       for (const std::uint32_t keep : {5u, 8u, 9u, 11u, 16u, 20u, 26u, 27u, 29u}) {
@@ -344,7 +345,7 @@ TEST_CASE("in place: a fork takes the unsaved decode page too, and decodes as a 
       // The source decodes on, unchanged by its forks.
       decode(m, 1, 29, 33);
       CHECK(m.readable_tokens(1, 0) == 33);
-      m.buffer().validate();
+      inspect_buffer(m).validate();
     }
   }
 }

@@ -15,6 +15,7 @@
 
 #include "attention_test_data.hpp"
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/policy/retroinfer.hpp"
 #include "deferred_backend.hpp"
 #include "sparsekv/sparsekv.hpp"
@@ -181,8 +182,8 @@ TEST_CASE("Manager: a backend that defers every copy gives the host backend's ou
     REQUIRE(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
     REQUIRE(async.stats().pages_moved == host.stats().pages_moved);
     REQUIRE(deferred.transfer_.synchronizations > 0);
-    REQUIRE(async.buffer().tiers().cpu_pool.used() == 0);
-    REQUIRE(async.buffer().tiers().gpu_pool.used() == 0);
+    REQUIRE(inspect_buffer(async).tiers().cpu_pool.used() == 0);
+    REQUIRE(inspect_buffer(async).tiers().gpu_pool.used() == 0);
   }
 }
 
@@ -226,8 +227,8 @@ TEST_CASE("Manager: a moved Manager decodes on as if it had not moved", "[facade
       moved->finish(id);
       still.finish(id);
     }
-    REQUIRE(moved->buffer().tiers().cpu_pool.used() == 0);
-    REQUIRE(moved->buffer().tiers().gpu_pool.used() == 0);
+    REQUIRE(inspect_buffer(*moved).tiers().cpu_pool.used() == 0);
+    REQUIRE(inspect_buffer(*moved).tiers().gpu_pool.used() == 0);
   }
 }
 
@@ -295,10 +296,10 @@ TEST_CASE("Manager: a shape the backend's Attend cannot run is refused before th
   const std::uint16_t* k_new = t.k.data() + 40 * kRow;
   const std::uint16_t* v_new = t.v.data() + 40 * kRow;
   REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), k_new, v_new, out.data()), ErrorCode::invalid_argument);
-  REQUIRE(manager.buffer().admission().sequence_length(1, 0) == 40);
+  REQUIRE(inspect_buffer(manager).admission().sequence_length(1, 0) == 40);
   REQUIRE(manager.stats().decode_steps == 0);
   manager.plan(one, 0, q.data(), k_new, v_new);  // the engine's own kernel serves any shape
-  REQUIRE(manager.buffer().admission().sequence_length(1, 0) == 41);
+  REQUIRE(inspect_buffer(manager).admission().sequence_length(1, 0) == 41);
 }
 
 TEST_CASE("Manager: a null backend is refused", "[facade][errors]") {
@@ -315,17 +316,17 @@ TEST_CASE("Manager: concurrent requests, every policy, against dense attention",
     REQUIRE(exact.peak_concurrent >= 16);
     REQUIRE(exact.worst_error < 1e-5);
     REQUIRE(full.stats().cache.hit_pages + full.stats().cache.miss_pages == exact.selected_pages);
-    REQUIRE(full.buffer().tiers().cpu_pool.used() == 0);  // nothing leaks
-    REQUIRE(full.buffer().tiers().gpu_pool.used() == 0);
+    REQUIRE(inspect_buffer(full).tiers().cpu_pool.used() == 0);  // nothing leaks
+    REQUIRE(inspect_buffer(full).tiers().gpu_pool.used() == 0);
     // A sparse budget: no crash, no leak, consistent stats, approximate outputs.
     RuntimeManager sparse(kShape, facade_config(), make_policy(name, 64));
     const RunResult approx = run(sparse, 8);
     REQUIRE(approx.finished >= 16);
     REQUIRE(sparse.stats().cache.hit_pages + sparse.stats().cache.miss_pages == approx.selected_pages);
     REQUIRE(sparse.stats().pages_moved == sparse.stats().cache.miss_pages);
-    REQUIRE(sparse.buffer().tiers().cpu_pool.used() == 0);
-    REQUIRE(sparse.buffer().tiers().gpu_pool.used() == 0);
-    sparse.buffer().validate();
+    REQUIRE(inspect_buffer(sparse).tiers().cpu_pool.used() == 0);
+    REQUIRE(inspect_buffer(sparse).tiers().gpu_pool.used() == 0);
+    inspect_buffer(sparse).validate();
     if (name != "dense") REQUIRE(approx.worst_error > 1e-4);  // sparse budgets really are sparse
   }
 }
@@ -351,7 +352,7 @@ TEST_CASE("Manager: AttendPlan runs are FlashInfer-shaped and cover exactly the 
   REQUIRE(plan.indices[0] == r.pages.gpu_pages[0]);
   REQUIRE(plan.indices[3] == r.tail_pages[0]);
   REQUIRE(plan.gpu_tier_base + plan.indices[1] * plan.page_bytes ==
-          manager.buffer().tiers().gpu_pool.data(r.pages.gpu_pages[1]));
+          inspect_buffer(manager).tiers().gpu_pool.data(r.pages.gpu_pages[1]));
 }
 
 TEST_CASE("Device-backend Attend: the kernel's walk over a plan's runs equals the host backend's Attend", "[facade]") {
@@ -387,7 +388,7 @@ TEST_CASE("Device-backend Attend: the kernel's walk over a plan's runs equals th
     for (std::size_t i = 0; i < q.size(); ++i) qf[i] = bf16_to_float(q[i]);
     AttendCall call;
     call.plan = &plan;
-    call.layout = manager.buffer().tiers().gpu_pool.layout();
+    call.layout = inspect_buffer(manager).tiers().gpu_pool.layout();
     call.batch = static_cast<std::uint32_t>(batch.size());
     call.q_heads = kShape.q_heads;
     call.kv_heads = kShape.kv_heads;
@@ -435,6 +436,32 @@ TEST_CASE("Device-backend Attend: the kernel's walk over a plan's runs equals th
   REQUIRE(extra_terms);   // RetroInfer's estimation zone
 }
 
+TEST_CASE("Manager: a request is booked once, in the buffer, and leaves with its pages", "[facade]") {
+  Manager<DensePolicy> manager(kShape, facade_config(), DensePolicy{});
+  std::mt19937 rng(5);
+  Tokens t;
+  t.add(rng, 20);
+  const BufferAdmission& admission = inspect_buffer(manager).admission();
+  manager.add_request(1, 100);
+  manager.add_request(2, 100);
+  REQUIRE(admission.request_ids() == std::vector<RequestId>{1, 2});
+  REQUIRE(admission.attachment(1) != nullptr);  // the step layer's books ride in the buffer's entry
+  REQUIRE_SPARSEKV_ERROR(manager.add_request(2, 100), ErrorCode::already_exists);
+  REQUIRE_SPARSEKV_ERROR(manager.add_request(3, facade_config().max_context_tokens + 1), ErrorCode::invalid_argument);
+  REQUIRE(admission.request_ids() == std::vector<RequestId>{1, 2});
+  manager.prefill(2, 0, t.k.data(), t.v.data(), 20);
+  REQUIRE(manager.held_tokens(2, 0) == 20);
+  const std::uint32_t used = manager.tier_usage().cpu_pages_used;
+  REQUIRE(used > 0);
+  manager.finish(2);
+  REQUIRE_FALSE(manager.has_request(2));
+  REQUIRE(admission.request_ids() == std::vector<RequestId>{1});
+  REQUIRE(manager.tier_usage().cpu_pages_used == 0);
+  REQUIRE_SPARSEKV_ERROR(manager.held_tokens(2, 0), ErrorCode::not_found);
+  REQUIRE_SPARSEKV_ERROR(manager.finish(2), ErrorCode::not_found);
+  inspect_buffer(manager).validate();
+}
+
 TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]") {
   Manager<DensePolicy> manager(kShape, facade_config(), DensePolicy{});
   std::mt19937 rng(4);
@@ -455,11 +482,11 @@ TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]
   REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, nullptr, t.v.data(), 4), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(manager.prefill(2, kShape.layers, t.k.data(), t.v.data(), 4), ErrorCode::out_of_range);
   REQUIRE_SPARSEKV_ERROR(manager.prefill(2, 1, t.k.data(), t.v.data(), 101), ErrorCode::resource_exhausted);
-  const std::uint32_t seq = manager.buffer().admission().sequence_length(1, 1);
+  const std::uint32_t seq = inspect_buffer(manager).admission().sequence_length(1, 1);
   // Layer 1 of request 2 is not prefilled: the whole batch is refused, request 1 untouched.
   REQUIRE_SPARSEKV_ERROR(manager.decode(both, 1, q.data(), t.k.data(), t.v.data(), out.data()),
                          ErrorCode::failed_precondition);
-  REQUIRE(manager.buffer().admission().sequence_length(1, 1) == seq);
+  REQUIRE(inspect_buffer(manager).admission().sequence_length(1, 1) == seq);
   REQUIRE_SPARSEKV_ERROR(manager.decode(twice, 0, q.data(), t.k.data(), t.v.data(), out.data()),
                          ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(manager.decode(unknown, 0, q.data(), t.k.data(), t.v.data(), out.data()),
@@ -474,9 +501,9 @@ TEST_CASE("Manager: bad input is refused and changes nothing", "[facade][errors]
   REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data()),
                          ErrorCode::invalid_argument);
   q[3] = 0;
-  REQUIRE(manager.buffer().admission().sequence_length(1, 0) == 40);
+  REQUIRE(inspect_buffer(manager).admission().sequence_length(1, 0) == 40);
   manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data());
-  REQUIRE(manager.buffer().admission().sequence_length(1, 0) == 41);
+  REQUIRE(inspect_buffer(manager).admission().sequence_length(1, 0) == 41);
   // A finished request is gone.
   manager.finish(1);
   REQUIRE_SPARSEKV_ERROR(manager.decode(one, 0, q.data(), t.k.data(), t.v.data(), out.data()), ErrorCode::not_found);
@@ -522,19 +549,19 @@ TEST_CASE("Manager: a regroup that cannot fit refuses the whole step and the req
     for (int step = 0; step < 300; ++step) {
       for (auto* t : {&q, &kn, &vn})
         for (auto& x : *t) x = normal(rng);
-      const std::uint32_t seq = m.buffer().admission().sequence_length(1, 0);
-      const std::uint32_t used = m.buffer().tiers().cpu_pool.used();
+      const std::uint32_t seq = inspect_buffer(m).admission().sequence_length(1, 0);
+      const std::uint32_t used = inspect_buffer(m).tiers().cpu_pool.used();
       try {
         m.decode(batch, 0, q.data(), kn.data(), vn.data(), out.data());
       } catch (const Error& e) {
         REQUIRE(e.code() == ErrorCode::resource_exhausted);
-        REQUIRE(m.buffer().admission().sequence_length(1, 0) == seq);  // nothing appended
-        REQUIRE(m.buffer().tiers().cpu_pool.used() == used);
-        m.buffer().validate();
+        REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == seq);  // nothing appended
+        REQUIRE(inspect_buffer(m).tiers().cpu_pool.used() == used);
+        inspect_buffer(m).validate();
         refused = true;
         break;
       }
-      m.buffer().validate();
+      inspect_buffer(m).validate();
     }
   }
   REQUIRE(refused);  // the walk did reach a refused regroup

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "test_support.hpp"
 
@@ -69,9 +70,9 @@ class Twins {
 
   // Forks `source` at `tokens` in one manager, prefills the same rows in the other.
   void fork(RequestId id, RequestId source, std::uint32_t tokens) {
-    const std::uint64_t shared_before = forked_.buffer().tiers().stats.pages_shared;
-    const std::uint64_t forked_used = forked_.buffer().tiers().cpu_pool.used(),
-                        plain_used = plain_.buffer().tiers().cpu_pool.used();
+    const std::uint64_t shared_before = inspect_buffer(forked_).tiers().stats.pages_shared;
+    const std::uint64_t forked_used = inspect_buffer(forked_).tiers().cpu_pool.used(),
+                        plain_used = inspect_buffer(plain_).tiers().cpu_pool.used();
     REQUIRE(forked_.can_fork(source, tokens, kMaxTokens).admit);
     forked_.fork(id, source, tokens, kMaxTokens);
     History h;
@@ -84,7 +85,7 @@ class Twins {
     if (tokens % kPageTokens != 0) h.page_order = tokens;
     const std::uint32_t in_order = std::min(tokens, history_[source].page_order);
     history_[id] = std::move(h);
-    const std::uint64_t shared = forked_.buffer().tiers().stats.pages_shared - shared_before;
+    const std::uint64_t shared = inspect_buffer(forked_).tiers().stats.pages_shared - shared_before;
     const std::string policy(policy_name(forked_.policy()));
     const std::uint64_t full = std::uint64_t{in_order / kPageTokens} * kShape.layers * kShape.kv_heads;
     if (!shares_pages(policy)) {
@@ -95,13 +96,13 @@ class Twins {
       REQUIRE(shared == full);  // every full page in page order, in every (layer, kv head)
     }
     // The shared pages are stored once: the fork took exactly that many fewer pages than its twin's prefill.
-    REQUIRE((plain_.buffer().tiers().cpu_pool.used() - plain_used) -
-                (forked_.buffer().tiers().cpu_pool.used() - forked_used) ==
+    REQUIRE((inspect_buffer(plain_).tiers().cpu_pool.used() - plain_used) -
+                (inspect_buffer(forked_).tiers().cpu_pool.used() - forked_used) ==
             shared);
     if (shared > 0) {
       std::vector<PageId> page;
-      forked_.buffer().tiers().table.cpu_pages(id, 0, 0, 0, page);
-      REQUIRE(forked_.buffer().tiers().cpu_pool.ref_count(page[0]) >= 2);  // more when the source is a fork too
+      inspect_buffer(forked_).tiers().table.cpu_pages(id, 0, 0, 0, page);
+      REQUIRE(inspect_buffer(forked_).tiers().cpu_pool.ref_count(page[0]) >= 2);  // more when the source is a fork too
     }
     check_bytes(id);
   }
@@ -139,9 +140,9 @@ class Twins {
   // The rows the forked manager holds in order in its CPU tier are the request's own.
   void check_bytes(RequestId id) {
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
-      const std::uint32_t n = forked_.buffer().forks().saved_tokens(id, l);
+      const std::uint32_t n = inspect_buffer(forked_).forks().saved_tokens(id, l);
       std::vector<float> k(n * kRow), v(n * kRow);
-      forked_.buffer().forks().read_prefix(id, l, 0, n, k.data(), v.data(), kShape.dtype);
+      inspect_buffer(forked_).forks().read_prefix(id, l, 0, n, k.data(), v.data(), kShape.dtype);
       REQUIRE(std::equal(k.begin(), k.end(), history_[id].k[l].begin()));
       REQUIRE(std::equal(v.begin(), v.end(), history_[id].v[l].begin()));
     }
@@ -149,7 +150,8 @@ class Twins {
 
   std::uint32_t forkable(RequestId id) const {
     std::uint32_t n = kMaxTokens;
-    for (std::uint32_t l = 0; l < kShape.layers; ++l) n = std::min(n, forked_.buffer().forks().saved_tokens(id, l));
+    for (std::uint32_t l = 0; l < kShape.layers; ++l)
+      n = std::min(n, inspect_buffer(forked_).forks().saved_tokens(id, l));
     return n;
   }
   std::uint32_t tokens(RequestId id) const { return history_.at(id).tokens(); }
@@ -214,9 +216,9 @@ TEST_CASE("shared prefix: a fork decodes as the same request prefilled unshared,
         t.step();
       }
       CHECK(forks > 0);
-      t.forked().buffer().validate();
-      t.plain().buffer().validate();
-      if (shares_pages(policy)) CHECK(t.forked().buffer().tiers().stats.pages_shared > 0);
+      inspect_buffer(t.forked()).validate();
+      inspect_buffer(t.plain()).validate();
+      if (shares_pages(policy)) CHECK(inspect_buffer(t.forked()).tiers().stats.pages_shared > 0);
     }
   }
 }
@@ -228,21 +230,21 @@ TEST_CASE("shared prefix: a fork past what the source holds in order, or of itse
   m.add_request(1, kMaxTokens);
   for (std::uint32_t l = 0; l < kShape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
   // 10 tokens: the prompt's pages hold 4, 4 and 2; the first decode tokens go to the tail.
-  REQUIRE(m.buffer().forks().saved_tokens(1, 0) == 10);
+  REQUIRE(inspect_buffer(m).forks().saved_tokens(1, 0) == 10);
   const RequestId one[] = {1};
   std::vector<float> out(q.size());
   for (std::uint32_t l = 0; l < kShape.layers; ++l) m.decode(one, l, q.data(), k.data(), v.data(), out.data());
-  const std::uint64_t used = m.buffer().tiers().cpu_pool.used();
+  const std::uint64_t used = inspect_buffer(m).tiers().cpu_pool.used();
   REQUIRE_SPARSEKV_ERROR(m.fork(2, 1, 11, kMaxTokens), ErrorCode::out_of_range);
   REQUIRE_SPARSEKV_ERROR(m.fork(1, 1, 4, kMaxTokens), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(m.fork(2, 1, 0, kMaxTokens), ErrorCode::invalid_argument);
   REQUIRE_SPARSEKV_ERROR(m.fork(2, 7, 4, kMaxTokens), ErrorCode::not_found);
   REQUIRE_SPARSEKV_ERROR(m.fork(2, 1, 8, 4), ErrorCode::resource_exhausted);  // past its own max_tokens
   REQUIRE_FALSE(m.has_request(2));
-  REQUIRE(m.buffer().tiers().cpu_pool.used() == used);
+  REQUIRE(inspect_buffer(m).tiers().cpu_pool.used() == used);
   m.fork(2, 1, 10, kMaxTokens);
   REQUIRE(m.has_request(2));
-  m.buffer().validate();
+  inspect_buffer(m).validate();
 }
 
 TEST_CASE("shared prefix: a fork off a page boundary stays in order through its saved decode pages",
@@ -259,7 +261,7 @@ TEST_CASE("shared prefix: a fork off a page boundary stays in order through its 
   m.add_request(1, kMaxTokens);
   for (std::uint32_t l = 0; l < kShape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 10);
   m.fork(2, 1, 6, kMaxTokens);
-  REQUIRE(m.buffer().forks().saved_tokens(2, 0) == 6);
+  REQUIRE(inspect_buffer(m).forks().saved_tokens(2, 0) == 6);
   const RequestId two[] = {2};
   std::vector<float> out(q.size());
   for (std::uint32_t step = 0; step < 8; ++step) {
@@ -269,14 +271,14 @@ TEST_CASE("shared prefix: a fork off a page boundary stays in order through its 
   }
   for (std::uint32_t l = 0; l < kShape.layers; ++l) {
     CAPTURE(l);
-    REQUIRE(m.buffer().forks().saved_tokens(2, l) == 14);  // 6, then two saved pages of 4
+    REQUIRE(inspect_buffer(m).forks().saved_tokens(2, l) == 14);  // 6, then two saved pages of 4
     std::vector<float> rk(14 * kRow), rv(14 * kRow);
     m.read_kv(2, l, 0, 14, rk.data(), rv.data(), DType::f32);
     REQUIRE(std::equal(rk.begin(), rk.begin() + 6 * kRow, k.begin()));
     REQUIRE(std::equal(rk.begin() + 6 * kRow, rk.end(), k.begin()));
     REQUIRE(std::equal(rv.begin() + 6 * kRow, rv.end(), v.begin()));
   }
-  m.buffer().validate();
+  inspect_buffer(m).validate();
 }
 
 TEST_CASE("shared prefix: a Manager on a static policy forks too, reusing its summaries", "[facade][shared-prefix]") {
@@ -299,7 +301,7 @@ TEST_CASE("shared prefix: a Manager on a static policy forks too, reusing its su
   plain.add_request(2, kMaxTokens);
   for (std::uint32_t l = 0; l < kShape.layers; ++l) plain.prefill(2, l, k.data(), v.data(), 27);
   // 6 full pages reused and shared per (layer, kv head); the 3-token page written.
-  REQUIRE(forked.buffer().tiers().stats.pages_shared == 6u * kShape.layers * kShape.kv_heads);
+  REQUIRE(inspect_buffer(forked).tiers().stats.pages_shared == 6u * kShape.layers * kShape.kv_heads);
   const RequestId batch[] = {2, 1};
   for (std::uint32_t step = 0; step < 12; ++step) {
     for (std::uint32_t l = 0; l < kShape.layers; ++l) {
@@ -320,16 +322,16 @@ TEST_CASE("shared prefix: an evicting request copies a shared page before it mas
     Twins t(policy, 3);
     t.add(1, 40);
     t.fork(2, 1, 40);  // 10 full pages per (layer, kv head), shared
-    const std::uint64_t shared = t.forked().buffer().tiers().stats.pages_shared;
+    const std::uint64_t shared = inspect_buffer(t.forked()).tiers().stats.pages_shared;
     REQUIRE(shared == 10u * kShape.layers * kShape.kv_heads);
     for (std::uint32_t step = 0; step < 30; ++step) t.step();  // both evict down to the budget of 24
     // Each request masks its own copies; the pages neither has evicted from stay shared.
-    const std::uint64_t unshared = t.forked().buffer().tiers().stats.pages_unshared;
+    const std::uint64_t unshared = inspect_buffer(t.forked()).tiers().stats.pages_unshared;
     CHECK(unshared > 0);
     CHECK(unshared <= 2 * shared);
     t.check_bytes(1);
     t.check_bytes(2);
-    t.forked().buffer().validate();
+    inspect_buffer(t.forked()).validate();
     t.finish(1);
     t.check_bytes(2);
     for (std::uint32_t step = 0; step < 10; ++step) t.step();
@@ -351,7 +353,7 @@ TEST_CASE("shared prefix: can_fork counts the shared pages once and agrees with 
     for (float& x : v) x = normal(rng);
     m.add_request(1, kMaxTokens);
     for (std::uint32_t l = 0; l < kShape.layers; ++l) m.prefill(1, l, k.data(), v.data(), 40);
-    REQUIRE(m.buffer().tiers().cpu_pool.used() == 40);
+    REQUIRE(inspect_buffer(m).tiers().cpu_pool.used() == 40);
     // Unshared, 38 tokens need 10 pages in each of the 4 (layer, kv head); forked, only the 2-token page.
     REQUIRE_FALSE(m.can_admit(38, kMaxTokens).admit);
     for (const RequestId id : {2u, 3u}) {
@@ -361,13 +363,13 @@ TEST_CASE("shared prefix: can_fork counts the shared pages once and agrees with 
       REQUIRE(advice.cpu_pages_needed == 4);
       m.fork(id, 1, 38, kMaxTokens);
     }
-    REQUIRE(m.buffer().tiers().cpu_pool.used() == 48);
+    REQUIRE(inspect_buffer(m).tiers().cpu_pool.used() == 48);
     const AdmissionAdvice full = m.can_fork(1, 38, kMaxTokens);
     REQUIRE_FALSE(full.admit);
     REQUIRE(full.cpu_pages_needed == 4);
     REQUIRE_SPARSEKV_ERROR(m.fork(4, 1, 38, kMaxTokens), ErrorCode::resource_exhausted);
     REQUIRE_FALSE(m.has_request(4));
-    REQUIRE(m.buffer().tiers().cpu_pool.used() == 48);
+    REQUIRE(inspect_buffer(m).tiers().cpu_pool.used() == 48);
     // A fork of whole pages writes none.
     REQUIRE(m.can_fork(1, 36, kMaxTokens).admit);
     REQUIRE(m.can_fork(1, 36, kMaxTokens).cpu_pages_needed == 0);
@@ -377,6 +379,6 @@ TEST_CASE("shared prefix: can_fork counts the shared pages once and agrees with 
     REQUIRE_FALSE(m.can_fork(1, 41, kMaxTokens).admit);
     REQUIRE_FALSE(m.can_fork(1, 0, kMaxTokens).admit);
     REQUIRE_FALSE(m.can_fork(1, 8, 4).admit);
-    m.buffer().validate();
+    inspect_buffer(m).validate();
   }
 }

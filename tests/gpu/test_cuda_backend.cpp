@@ -20,6 +20,7 @@
 #include "eviction_stream.hpp"
 #include "gpu_support.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "sparsekv/transfer/page_gather_cuda.hpp"
 
@@ -34,7 +35,7 @@ TEST_CASE("CudaBackend: the facade on device memory matches the host backend", "
     RuntimeManager host(s.shape, config, make_policy(name, s.budget_tokens));
     RuntimeManager cuda(s.shape, config, make_policy(name, s.budget_tokens), std::make_unique<cuda::CudaBackend>());
     REQUIRE(cuda.backend().name() == "cuda");
-    REQUIRE(cuda.buffer().tiers().gpu_pool.memory_kind() == MemoryKind::device);
+    REQUIRE(inspect_buffer(cuda).tiers().gpu_pool.memory_kind() == MemoryKind::device);
     const test::LockstepResult r = test::lockstep(host, cuda, s, 11, 2e-3);
     CHECK(r.refused > 0);
   }
@@ -85,7 +86,7 @@ TEST_CASE("CudaBackend: h2o through the facade evicts as on the host backend", "
     const Config config = s.config(strategy);
     RuntimeManager host(s.shape, config, make_policy("h2o", 48));
     RuntimeManager cuda(s.shape, config, make_policy("h2o", 48), std::make_unique<cuda::CudaBackend>());
-    REQUIRE(cuda.buffer().tiers().gpu_pool.memory_kind() == MemoryKind::device);
+    REQUIRE(inspect_buffer(cuda).tiers().gpu_pool.memory_kind() == MemoryKind::device);
     s.add_and_prefill(host);
     s.add_and_prefill(cuda);
     std::vector<float> want, got;
@@ -100,13 +101,13 @@ TEST_CASE("CudaBackend: h2o through the facade evicts as on the host backend", "
           for (std::uint32_t h = 0; h < s.shape.kv_heads; ++h) {
             const std::vector<std::uint32_t> live = test::live_positions(host, id, l, h);
             REQUIRE(test::live_positions(cuda, id, l, h) == live);
-            evicted += host.buffer().admission().sequence_length(id, l) - live.size();
+            evicted += inspect_buffer(host).admission().sequence_length(id, l) - live.size();
           }
         }
       }
     }
     CHECK(evicted > 0);
-    cuda.buffer().validate();
+    inspect_buffer(cuda).validate();
   }
 }
 

@@ -23,6 +23,7 @@
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
 #include "sparsekv/facade/manager.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 
 using namespace sparsekv;
 using namespace sparsekv::gpu_test;
@@ -279,9 +280,9 @@ TEST_CASE("device-tensor decode: a capture takes one step a layer, the next is r
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
       m.decode(batch, l, q.data, k_new.data, v_new.data, out.data, stream.stream);
     }
-    length_before = m.buffer().admission().sequence_length(1, 0);
+    length_before = inspect_buffer(m).admission().sequence_length(1, 0);
     refused = code_of([&] { m.decode(batch, 0, q.data, k_new.data, v_new.data, out.data, stream.stream); });
-    length_after = m.buffer().admission().sequence_length(1, 0);
+    length_after = inspect_buffer(m).admission().sequence_length(1, 0);
   });
   REQUIRE(refused == ErrorCode::failed_precondition);
   REQUIRE(length_after == length_before);
@@ -293,7 +294,7 @@ TEST_CASE("device-tensor decode: a capture takes one step a layer, the next is r
   cudaGraphDestroy(captured);
   m.decode(batch, 0, q.data, k_new.data, v_new.data, out.data, stream.stream);  // eager: refills the blocks
   m.synchronize();
-  REQUIRE(m.buffer().admission().sequence_length(1, 0) == length_before + 1);
+  REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == length_before + 1);
 }
 
 TEST_CASE("device-tensor API: bad input is refused before anything is enqueued", "[gpu][device-decode]") {
@@ -314,8 +315,8 @@ TEST_CASE("device-tensor API: bad input is refused before anything is enqueued",
   nan_v[(37 * shape.kv_heads + 1) * shape.head_dim + 5] = 0x7fc0;  // token 37, kv head 1, dim 5: a bf16 NaN
   DeviceArray<std::uint16_t> bad_v(nan_v);
   REQUIRE(code_of([&] { m.prefill(1, 0, k.data, bad_v.data, 64, stream.stream); }) == ErrorCode::invalid_argument);
-  REQUIRE(m.buffer().admission().sequence_length(1, 0) == 0);
-  REQUIRE(m.buffer().tiers().cpu_pool.used() == 0);
+  REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == 0);
+  REQUIRE(inspect_buffer(m).tiers().cpu_pool.used() == 0);
   for (std::uint32_t l = 0; l < shape.layers; ++l) m.prefill(1, l, k.data, k.data, 64, stream.stream);
   REQUIRE(code_of([&] { m.prefill(1, 0, k.data, k.data, 64, stream.stream); }) == ErrorCode::failed_precondition);
   DeviceArray<std::uint16_t> q(random_bf16(shape.q_heads * shape.head_dim, rng));
@@ -327,10 +328,10 @@ TEST_CASE("device-tensor API: bad input is refused before anything is enqueued",
   REQUIRE(code_of([&] { m.decode(one, 0, host_k.data(), k.data, k.data, out.data, stream.stream); }) ==
           ErrorCode::invalid_argument);
   REQUIRE(code_of([&] { m.decode(one, 0, q.data, k.data, k.data, out.data); }) == ErrorCode::failed_precondition);
-  REQUIRE(m.buffer().admission().sequence_length(1, 0) == 64);  // nothing changed
+  REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == 64);  // nothing changed
   m.decode(one, 0, q.data, k.data, k.data, out.data, stream.stream);
   m.synchronize();
-  REQUIRE(m.buffer().admission().sequence_length(1, 0) == 65);
+  REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == 65);
 }
 
 TEST_CASE("device-tensor decode: opt-in stage timing splits the steps' stream time", "[gpu][device-decode]") {

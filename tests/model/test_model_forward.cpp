@@ -33,6 +33,7 @@
 #include "model/gguf.hpp"
 #include "model/llama.hpp"
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 
 namespace {
 
@@ -224,8 +225,8 @@ TEST_CASE("make_manager sizes tiers from the policy's needs", "[model]") {
       INFO("policy " << name << " budget " << budget);
       const auto manager = make_manager(c, sparsekv::make_policy(name, budget), kMaxTokens);
       manager->add_request(1, kMaxTokens);
-      const std::size_t gpu = manager->buffer().tiers().gpu_pool.capacity(),
-                        cpu = manager->buffer().tiers().cpu_pool.capacity();
+      const std::size_t gpu = inspect_buffer(*manager).tiers().gpu_pool.capacity(),
+                        cpu = inspect_buffer(*manager).tiers().cpu_pool.capacity();
       CHECK(cpu >= heads * context_pages);
       if (name == "quest" || name == "dense") {
         CHECK(gpu <= heads * (context_pages + 2));

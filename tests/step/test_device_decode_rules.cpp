@@ -25,6 +25,7 @@
 #include "device_runtime_emulation.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/manager.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;
@@ -111,14 +112,15 @@ std::string step_difference(const Manager<Policy>& host, const EmulatedDeviceRun
 template <class Policy>
 std::string table_difference(const Manager<Policy>& host, const Manager<Policy>& device,
                              const EmulatedDeviceRuntime& runtime, RequestId id, const ModelShape& shape) {
-  const PartitionLookup want = host.buffer().tiers().table.lookup();
-  const PartitionLookup got = runtime.replica().lookup(device.buffer().tiers().table);
-  const TwoLevelView<GpuPageEntry> want_slots = host.buffer().tiers().table.gpu_page_view();
+  const PartitionLookup want = inspect_buffer(host).tiers().table.lookup();
+  const PartitionLookup got = runtime.replica().lookup(inspect_buffer(device).tiers().table);
+  const TwoLevelView<GpuPageEntry> want_slots = inspect_buffer(host).tiers().table.gpu_page_view();
   const TwoLevelView<GpuPageEntry> got_slots = runtime.replica().gpu_page_view();
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
-      const std::size_t inst = host.buffer().tiers().table.instance(id, l, h);
-      if (device.buffer().tiers().table.instance(id, l, h) != inst) return "the requests' table instances differ";
+      const std::size_t inst = inspect_buffer(host).tiers().table.instance(id, l, h);
+      if (inspect_buffer(device).tiers().table.instance(id, l, h) != inst)
+        return "the requests' table instances differ";
       if (want.meta.length(inst) != got.meta.length(inst)) return "meta-partition table lengths differ";
       for (std::uint32_t p = 0; p < want.meta.length(inst); ++p) {
         if (want.meta.find(inst, p)->bits != got.meta.find(inst, p)->bits) {
@@ -148,12 +150,12 @@ std::string table_difference(const Manager<Policy>& host, const Manager<Policy>&
 template <class Policy>
 std::string cpu_page_difference(const Manager<Policy>& host, const Manager<Policy>& device, RequestId id,
                                 const ModelShape& shape) {
-  const PartitionLookup want = host.buffer().tiers().table.lookup();
-  const PartitionLookup got = device.buffer().tiers().table.lookup();
-  const PageLayout& layout = host.buffer().tiers().cpu_pool.layout();
+  const PartitionLookup want = inspect_buffer(host).tiers().table.lookup();
+  const PartitionLookup got = inspect_buffer(device).tiers().table.lookup();
+  const PageLayout& layout = inspect_buffer(host).tiers().cpu_pool.layout();
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
     for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
-      const std::size_t inst = host.buffer().tiers().table.instance(id, l, h);
+      const std::size_t inst = inspect_buffer(host).tiers().table.instance(id, l, h);
       for (std::uint32_t p = 0; p < want.meta.length(inst); ++p) {
         std::uint32_t left = want.meta.find(inst, p)->token_count();
         for (std::uint32_t k = 0; k < want.page_count(inst, p); ++k) {
@@ -161,8 +163,8 @@ std::string cpu_page_difference(const Manager<Policy>& host, const Manager<Polic
           const PageId b = *got.cpu_pages.find(inst, *got.offsets.find(inst, p) + k);
           const std::uint32_t rows = std::min(left, layout.page_tokens);
           left -= rows;
-          const std::byte* x = host.buffer().tiers().cpu_pool.data(a);
-          const std::byte* y = device.buffer().tiers().cpu_pool.data(b);
+          const std::byte* x = inspect_buffer(host).tiers().cpu_pool.data(a);
+          const std::byte* y = inspect_buffer(device).tiers().cpu_pool.data(b);
           const std::size_t n = rows * layout.row_bytes();
           if (std::memcmp(x + layout.k_offset(0), y + layout.k_offset(0), n) != 0 ||
               std::memcmp(x + layout.v_offset(0), y + layout.v_offset(0), n) != 0) {
@@ -260,7 +262,7 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const R
       const auto v = random_bf16(batch.size() * kv_row, rng);
       const EmulatedArray<std::uint16_t> dq(memory, q), dk(memory, k), dv(memory, v);
       for (RequestId id : batch)
-        report.fills += host.buffer().tails().tail_tokens(id, l) + 1 == config.page_tokens ? 1 : 0;
+        report.fills += inspect_buffer(host).tails().tail_tokens(id, l) + 1 == config.page_tokens ? 1 : 0;
       bool refused_host = false, refused_device = false;
       std::optional<ErrorCode> host_code, device_code;
       std::vector<float> want(batch.size() * q_row);
@@ -343,7 +345,7 @@ LockstepReport device_lockstep(const Policy& policy, std::uint32_t seed, const R
     report.difference = "the device's hit / miss totals differ from the host's";
   }
   if (device.stats().pages_saved != host.stats().pages_saved) report.difference = "pages saved differ";
-  if (device.buffer().tiers().gpu_pool.used() != 0 || device.buffer().tiers().cpu_pool.used() != 0) {
+  if (inspect_buffer(device).tiers().gpu_pool.used() != 0 || inspect_buffer(device).tiers().cpu_pool.used() != 0) {
     report.difference = "pages left in the pools after every finish";
   }
   return report;
@@ -469,12 +471,12 @@ struct Snapshot {
 template <class Policy>
 Snapshot snapshot(Manager<Policy>& m, const EmulatedBackend& backend, const std::vector<RequestId>& ids) {
   Snapshot s;
-  const ModelShape& shape = m.buffer().tiers().shape;
-  const HierarchicalPageTable& table = m.buffer().tiers().table;
+  const ModelShape& shape = inspect_buffer(m).tiers().shape;
+  const HierarchicalPageTable& table = inspect_buffer(m).tiers().table;
   for (RequestId id : ids) {
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
-      s.lengths.push_back(m.buffer().admission().sequence_length(id, l));
-      s.tails.push_back(m.buffer().tails().tail_tokens(id, l));
+      s.lengths.push_back(inspect_buffer(m).admission().sequence_length(id, l));
+      s.tails.push_back(inspect_buffer(m).tails().tail_tokens(id, l));
       for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
         s.partitions.push_back(table.partition_count(id, l, h));
         const std::size_t inst = table.instance(id, l, h);
@@ -493,8 +495,8 @@ Snapshot snapshot(Manager<Policy>& m, const EmulatedBackend& backend, const std:
       }
     }
   }
-  s.cpu_used = m.buffer().tiers().cpu_pool.used();
-  s.gpu_used = m.buffer().tiers().gpu_pool.used();
+  s.cpu_used = inspect_buffer(m).tiers().cpu_pool.used();
+  s.gpu_used = inspect_buffer(m).tiers().gpu_pool.used();
   if (EmulatedDeviceRuntime* d = backend.runtime()) {
     s.calls = d->calls();
     s.hit_pages = d->cache_stats().hit_pages;
@@ -618,9 +620,10 @@ TEST_CASE("device-tensor API: bad input is refused before anything changes or is
   std::vector<std::uint16_t> bad_new = host_new;
   bad_new[3] = float_to_bf16(std::numeric_limits<float>::quiet_NaN());
   const EmulatedArray<std::uint16_t> bad(memory, bad_new);
-  const std::uint32_t tail = m.buffer().tails().tail_tokens(1, 0);
+  const std::uint32_t tail = inspect_buffer(m).tails().tail_tokens(1, 0);
   m.decode(one, 0, q.data, bad.data, vn.data, out.data, kStream);
-  REQUIRE(m.buffer().tails().tail_tokens(1, 0) == tail + 1);  // the host's bookkeeping ran: the error is the device's
+  REQUIRE(inspect_buffer(m).tails().tail_tokens(1, 0) ==
+          tail + 1);  // the host's bookkeeping ran: the error is the device's
   before = snapshot(m, backend, ids);
   REQUIRE(refusal([&] { m.decode(one, 0, q.data, kn.data, vn.data, out.data, kStream); }) ==
           ErrorCode::invalid_argument);
@@ -642,9 +645,9 @@ TEST_CASE("device-tensor API: a backend without device memory is refused, changi
     Manager<decltype(policy)> plain(shape, config, policy);
     plain.add_request(1, 100);
     REQUIRE(refusal([&] { plain.prefill(1, 0, k.data, k.data, 40, kStream); }) == ErrorCode::unavailable);
-    REQUIRE(plain.buffer().admission().sequence_length(1, 0) == 0);
+    REQUIRE(inspect_buffer(plain).admission().sequence_length(1, 0) == 0);
     plain.prefill(1, 0, host_k.data(), host_k.data(), 40);
-    REQUIRE(plain.buffer().admission().sequence_length(1, 0) == 40);
+    REQUIRE(inspect_buffer(plain).admission().sequence_length(1, 0) == 40);
   };
   QuestPolicy::Options o;
   o.page_tokens_per_partition = 16;
@@ -693,12 +696,12 @@ TEST_CASE("device-tensor API: a policy with only a host Select takes the slower 
         REQUIRE(out.download() == want);
         if (step == 0 && l == 0) {
           // plan() needs a device Select; a host pointer is refused; neither changes anything.
-          const std::uint32_t length = device.buffer().admission().sequence_length(1, 0);
+          const std::uint32_t length = inspect_buffer(device).admission().sequence_length(1, 0);
           REQUIRE(refusal([&] { device.plan(batch, 0, dq.data, dk.data, dv.data, kStream); }) ==
                   ErrorCode::invalid_argument);
           REQUIRE(refusal([&] { device.decode(batch, 0, q.data(), dk.data, dv.data, out.data, kStream); }) ==
                   ErrorCode::invalid_argument);
-          REQUIRE(device.buffer().admission().sequence_length(1, 0) == length);
+          REQUIRE(inspect_buffer(device).admission().sequence_length(1, 0) == length);
         }
       }
     }

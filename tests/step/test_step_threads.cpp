@@ -26,6 +26,7 @@
 #include "bucketed_lru_test_data.hpp"
 #include "step_scenarios.hpp"
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/sparsekv.hpp"
 #include "test_support.hpp"
 #include "thread_pool.hpp"
@@ -56,7 +57,7 @@ void decode(RuntimeManager& m, Drive drive, std::span<const RequestId> batch, st
       m.decode(batch, layer, q, k, v, out, four.executor());
       return;
     case Drive::phases_shuffled: {
-      HostStep<AnyPolicy>& step = m.begin_decode(batch, layer, q, k, v, out);
+      DecodePhases<AnyPolicy> step = m.begin_decode(batch, layer, q, k, v, out);
       const auto shuffled = [&](auto&& slice) {
         const std::size_t nth = 1 + rng() % 8;
         std::vector<std::size_t> order(nth);
@@ -71,7 +72,7 @@ void decode(RuntimeManager& m, Drive drive, std::span<const RequestId> batch, st
       return;
     }
     case Drive::engine_threads_4: {
-      HostStep<AnyPolicy>& step = m.begin_decode(batch, layer, q, k, v, out);
+      DecodePhases<AnyPolicy> step = m.begin_decode(batch, layer, q, k, v, out);
       four.parallel_for(4, [&](std::size_t ith) { step.select(ith, 4); });
       step.commit();
       four.parallel_for(4, [&](std::size_t ith) { step.attend(ith, 4); });
@@ -105,12 +106,13 @@ void require_same_retrieval(const Retrieval& a, const Retrieval& b) {
 // Every table entry of every live request: GPU page slots, meta entries, CPU pages, slot masks.
 void require_same_tables(const RuntimeManager& a, const RuntimeManager& b, std::span<const RequestId> live,
                          const ModelShape& shape) {
-  const HierarchicalPageTable& x = a.buffer().tiers().table;
-  const HierarchicalPageTable& y = b.buffer().tiers().table;
+  const HierarchicalPageTable& x = inspect_buffer(a).tiers().table;
+  const HierarchicalPageTable& y = inspect_buffer(b).tiers().table;
   std::vector<PageId> xp, yp;
   for (const RequestId id : live) {
     for (std::uint32_t l = 0; l < shape.layers; ++l) {
-      REQUIRE(a.buffer().admission().sequence_length(id, l) == b.buffer().admission().sequence_length(id, l));
+      REQUIRE(inspect_buffer(a).admission().sequence_length(id, l) ==
+              inspect_buffer(b).admission().sequence_length(id, l));
       for (std::uint32_t h = 0; h < shape.kv_heads; ++h) {
         REQUIRE(x.partition_count(id, l, h) == y.partition_count(id, l, h));
         test::require_same_head(x, y, test::Head{id, l, h});
@@ -185,7 +187,7 @@ std::uint64_t run(const Scenario& s, const std::string& policy, std::uint32_t bu
     for (std::size_t d = 1; d < managers.size(); ++d) require_same_tables(*managers[d], *managers[0], live, shape);
     // Requests at their max_tokens finish on every manager.
     for (auto it = live.begin(); it != live.end();) {
-      if (managers[0]->buffer().admission().sequence_length(*it, 0) < max_tokens.at(*it)) {
+      if (inspect_buffer(*managers[0]).admission().sequence_length(*it, 0) < max_tokens.at(*it)) {
         ++it;
         continue;
       }
@@ -227,19 +229,19 @@ TEST_CASE("host step: a phase with a slice that never ran is refused", "[threads
   std::vector<float> out(batch.size() * q_row, -1.0f);
 
   // Select: 4 units (2 requests x 2 kv heads), ith 1 of 2 never runs.
-  HostStep<AnyPolicy>& step = m.begin_decode(batch, 0, q.data(), k.data(), v.data(), out.data());
+  DecodePhases<AnyPolicy> step = m.begin_decode(batch, 0, q.data(), k.data(), v.data(), out.data());
   REQUIRE(step.select_units() == 4);
   step.select(0, 2);
   REQUIRE_SPARSEKV_ERROR(step.commit(), ErrorCode::failed_precondition);
-  REQUIRE(m.buffer().admission().sequence_length(1, 0) == 600);  // nothing changed
-  REQUIRE(step.attend_units() == 0);                             // the step is over
+  REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == 600);  // nothing changed
+  REQUIRE(step.attend_units() == 0);                                    // the step is over
 
   // Attend: 601 tokens a row are 3 chunks (32 pages of 8 tokens each), 12 in
   // all (2 requests x 2 kv heads); ith 2 of 3 never runs.
-  HostStep<AnyPolicy>& again = m.begin_decode(batch, 0, q.data(), k.data(), v.data(), out.data());
+  DecodePhases<AnyPolicy> again = m.begin_decode(batch, 0, q.data(), k.data(), v.data(), out.data());
   for (std::size_t ith = 0; ith < 3; ++ith) again.select(ith, 3);
   again.commit();
-  REQUIRE(m.buffer().admission().sequence_length(1, 0) == 601);
+  REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == 601);
   REQUIRE(again.attend_units() == 12);
   again.attend(0, 3);
   again.attend(1, 3);
@@ -248,7 +250,7 @@ TEST_CASE("host step: a phase with a slice that never ran is refused", "[threads
 
   // The next step runs whole.
   m.decode(batch, 0, q.data(), k.data(), v.data(), out.data());
-  REQUIRE(m.buffer().admission().sequence_length(1, 0) == 602);
+  REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == 602);
   REQUIRE(std::none_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));
 }
 
@@ -311,7 +313,7 @@ TEST_CASE("host step: a policy that never regroups sees each saved page once, at
   REQUIRE(m.retrieval(0).partitions.size() == 3);  // Dense selects every partition it was shown
   // The next fill needs another CPU page: refused, and the policy is not shown the page.
   REQUIRE_SPARSEKV_ERROR(decode(), ErrorCode::resource_exhausted);
-  REQUIRE(m.buffer().admission().sequence_length(1, 0) == 15);
+  REQUIRE(inspect_buffer(m).admission().sequence_length(1, 0) == 15);
   REQUIRE(m.stats().pages_saved == 1);
   m.finish(2);  // frees two CPU pages
   decode();     // the same fill, now committed: Select saw the state before it

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "sparsekv/core/numeric.hpp"
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/sparsekv.hpp"
 
 namespace sparsekv::test {
@@ -162,8 +163,8 @@ inline LockstepResult lockstep(RuntimeManager& reference, RuntimeManager& tested
   REQUIRE(result.worst_error <= tolerance);
   REQUIRE(tested.stats().cache.hit_pages == reference.stats().cache.hit_pages);
   REQUIRE(tested.stats().pages_moved == reference.stats().pages_moved);
-  REQUIRE(tested.buffer().tiers().gpu_pool.used() == 0);
-  REQUIRE(tested.buffer().tiers().cpu_pool.used() == 0);
+  REQUIRE(inspect_buffer(tested).tiers().gpu_pool.used() == 0);
+  REQUIRE(inspect_buffer(tested).tiers().cpu_pool.used() == 0);
   return result;
 }
 

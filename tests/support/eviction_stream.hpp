@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "sparsekv/facade/manager_inspection.hpp"
 #include "sparsekv/sparsekv.hpp"
 
 namespace sparsekv::test {
@@ -102,7 +103,7 @@ struct EvictionStream {
 template <class M>
 std::vector<std::uint32_t> live_positions(const M& m, RequestId request, std::uint32_t layer, std::uint32_t head) {
   std::vector<std::uint32_t> live;
-  const TieredKVBuffer& buffer = m.buffer();
+  const TieredKVBuffer& buffer = inspect_buffer(m);
   for (std::uint32_t p = 0; p < buffer.admission().sequence_length(request, layer); ++p) {
     if (buffer.evictor().position_slot(request, layer, head, p)) live.push_back(p);
   }

@@ -13,8 +13,10 @@
 //    its tails are CPU pages.
 // Every call that throws changes nothing.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "sparsekv/buffer/buffer_request.hpp"
 #include "sparsekv/buffer/buffer_tiers.hpp"
@@ -40,8 +42,10 @@ class BufferAdmission {
   BufferAdmission(BufferTiers& tiers, BufferRequests& requests) : tiers_(tiers), requests_(requests) {}
 
   // Registers a request and gives it its GPU pages, reclaiming buffering
-  // pages from other requests when the GPU tier is short.
-  void add_request(RequestId request, const RequestPages& pages);
+  // pages from other requests when the GPU tier is short. `attachment`: what
+  // the layer above keeps for the request, held until finish().
+  void add_request(RequestId request, const RequestPages& pages,
+                   std::unique_ptr<RequestAttachment> attachment = nullptr);
   // Releases every page of the request and forgets it.
   void finish(RequestId request);
   void resize(RequestId request, std::uint32_t slots_per_head);
@@ -62,6 +66,12 @@ class BufferAdmission {
   std::uint64_t working_set_pages(RequestId request) const;
 
   bool has_request(RequestId request) const noexcept { return requests_.contains(request); }
+  // The request's attachment, null if it was added without one; throws
+  // not_found for a request the buffer does not hold.
+  RequestAttachment* attachment(RequestId request) { return requests_.at(request).attachment.get(); }
+  const RequestAttachment* attachment(RequestId request) const { return requests_.at(request).attachment.get(); }
+  // The requests held, by id.
+  std::vector<RequestId> request_ids() const;
   std::uint32_t sequence_length(RequestId request, std::uint32_t layer) const;
   std::uint32_t slots_per_head(RequestId request) const;
   std::uint32_t min_slots_per_head(const RequestPages& pages) const;

@@ -4,6 +4,7 @@
 // Each field has one part that writes it (named below); the others read.
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "sparsekv/buffer/eviction_head.hpp"
@@ -28,12 +29,23 @@ struct RequestPages {
 // Tail pages per (layer, kv head): none for a request that evicts.
 constexpr std::uint32_t tail_pages_per_head(const RequestPages& pages) noexcept { return pages.evicts ? 0 : 1; }
 
+// What the layer above keeps per request (the step layer's books: max_tokens,
+// the policy's state per layer), held in the request's BufferRequest so that a
+// request is booked in one place: added with its pages, forgotten with them.
+struct RequestAttachment {
+  RequestAttachment() = default;
+  RequestAttachment(const RequestAttachment&) = delete;
+  RequestAttachment& operator=(const RequestAttachment&) = delete;
+  virtual ~RequestAttachment() = default;
+};
+
 struct BufferRequest {
   RequestPages pages;
-  std::uint32_t slots = 0;                 // GPU slots per (layer, kv head): BufferAdmission
-  std::vector<std::uint32_t> tokens;       // per layer: every part that adds or regroups tokens
-  std::vector<std::uint32_t> tail_tokens;  // per layer: TailAppender
-  std::vector<PageId> tail_pages;          // per (layer, kv head): BufferAdmission takes them, TailAppender fills them
+  std::unique_ptr<RequestAttachment> attachment;  // BufferAdmission: given at add_request, null if none
+  std::uint32_t slots = 0;                        // GPU slots per (layer, kv head): BufferAdmission
+  std::vector<std::uint32_t> tokens;              // per layer: every part that adds or regroups tokens
+  std::vector<std::uint32_t> tail_tokens;         // per layer: TailAppender
+  std::vector<PageId> tail_pages;  // per (layer, kv head): BufferAdmission takes them, TailAppender fills them
   // Per (layer, kv head): PageRetriever records each step's selection; a
   // regroup or a compaction forgets the partition ids it replaces.
   std::vector<WorkingSetWindow> windows;

@@ -54,8 +54,10 @@
 #include "sparsekv/attention/prompt_attention.hpp"
 #include "sparsekv/buffer/tiered_kv_buffer.hpp"
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/facade/decode_phases.hpp"
 #include "sparsekv/facade/device_stream.hpp"
 #include "sparsekv/facade/host_backend.hpp"
+#include "sparsekv/facade/tier_usage.hpp"
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/step/device_tensor_calls.hpp"
 #include "sparsekv/step/extend_runner.hpp"
@@ -148,12 +150,10 @@ class Manager {
     if (std::optional<Refusal> r = max_tokens_refusal(scope_, max_tokens))
       fail(r->code, "request {}: {}", request, r->message);
     const RequestPages b = request_pages(max_tokens);
-    device_.admit(request, [&] { buffer_->admission().add_request(request, b); });
-    registry_.add(request, max_tokens, b.mandatory_pages, policy_);
+    device_.admit([&] { registry_.add(request, max_tokens, b, policy_); });
   }
 
   // ---- Host tensors ---------------------------------------------------------
-
   // `rows`: the dtype of k / v, the model's unless said; the storage dtype
   // (Config::kv_storage) takes rows read back by read_kv in it, stored as
   // they are.
@@ -162,9 +162,8 @@ class Manager {
     use_api(Api::host);
     registry_.at(request);
     check_index("layer", layer, shape_.layers);
-    if (k == nullptr || v == nullptr || tokens == 0) {
+    if (k == nullptr || v == nullptr || tokens == 0)
       fail(ErrorCode::invalid_argument, "prefill of request {}: K/V must be non-null with tokens > 0", request);
-    }
     scope_.check_rows_dtype("prefill", rows);
     if (const std::uint32_t staged = registry_.at(request).layers[layer].staged_tokens; staged != 0) {
       fail(ErrorCode::failed_precondition,
@@ -189,9 +188,8 @@ class Manager {
     use_api(Api::host);
     RequestSteps<State>& r = registry_.at(request);
     check_index("layer", layer, shape_.layers);
-    if (k == nullptr || v == nullptr || tokens == 0) {
+    if (k == nullptr || v == nullptr || tokens == 0)
       fail(ErrorCode::invalid_argument, "prefill_chunk of request {}: K/V must be non-null with tokens > 0", request);
-    }
     scope_.check_rows_dtype("prefill_chunk", rows);
     staging_.stage(scope_, request, layer, r, k, v, tokens, rows.value_or(shape_.dtype));
   }
@@ -201,9 +199,8 @@ class Manager {
   // their decode would have done.
   void end_prompt(RequestId request) {
     RequestSteps<State>& r = registry_.at(request);
-    for (std::uint32_t l = 0; l < shape_.layers; ++l) {
+    for (std::uint32_t l = 0; l < shape_.layers; ++l)
       if (r.layers[l].staged_tokens != 0) prefill_staged(request, l);
-    }
   }
   // Tokens of `layer`'s prompt staged by prefill_chunk and not yet prefilled;
   // and whether the layer is prefilled (decode and extend need it).
@@ -282,26 +279,26 @@ class Manager {
   // the output is bit-identical either way.
   void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
               const void* v_new, float* out) {
-    begin_decode(batch, layer, q, k_new, v_new, out).run(nullptr);
+    begin_decode(batch, layer, q, k_new, v_new, out);
+    host_step_->run(nullptr);
   }
   void decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q, const void* k_new,
               const void* v_new, float* out, const StepExecutor& executor) {
-    begin_decode(batch, layer, q, k_new, v_new, out).run(&executor);
+    begin_decode(batch, layer, q, k_new, v_new, out);
+    host_step_->run(&executor);
   }
 
   // decode()'s first phase, for an engine that runs the rest on its own
-  // threads with (ith, nth) (step/host_step.hpp; docs/integration.md,
-  // "Threads"): step.select(ith, nth) on every thread, then step.commit() on
-  // one, step.attend(ith, nth) on every thread, step.finish() on one, with a
-  // barrier between. Checks everything and plans the step; changes nothing
-  // until commit(). The step is the Manager's, valid until the next call.
-  HostStep<Policy>& begin_decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q,
-                                 const void* k_new, const void* v_new, float* out) {
+  // threads with (ith, nth) (facade/decode_phases.hpp; docs/integration.md,
+  // "Threads"). Checks everything and plans the step; changes nothing until
+  // its commit(). The phases are the Manager's step, valid until the next call.
+  DecodePhases<Policy> begin_decode(std::span<const RequestId> batch, std::uint32_t layer, const void* q,
+                                    const void* k_new, const void* v_new, float* out) {
     use_api(Api::host);
     if (out == nullptr) fail(ErrorCode::invalid_argument, "decode: out must not be null");
     backend_->check_attend(scope_.layout(), shape_.q_heads, shape_.kv_heads);
     begin_host_step(batch, layer, q, k_new, v_new, out);
-    return *host_step_;
+    return DecodePhases<Policy>(*host_step_);
   }
 
   // Retrieve without Attend: the engine runs its own paged kernel over the plan.
@@ -382,11 +379,9 @@ class Manager {
   }
 
   // ---- Either kind ----------------------------------------------------------
-
   void finish(RequestId request) {
     registry_.at(request);
     if (DeviceRuntime* runtime = device_.made_runtime()) runtime->download_tables(request);  // waits for its steps
-    buffer_->admission().finish(request);
     registry_.erase(request);
   }
 
@@ -415,13 +410,18 @@ class Manager {
   // the device runtime: the first call precedes the first add_request.
   void time_device_stages(bool on) { device_runtime().time_stages(on); }
   DeviceStageTimes device_stage_times() { return device_runtime().stage_times(); }
-  const TieredKVBuffer& buffer() const noexcept { return *buffer_; }
+  // Tokens `layer` of the request holds: its staged prompt, or once prefilled its sequence length.
+  std::uint32_t held_tokens(RequestId request, std::uint32_t layer) const {
+    const LayerStepState<State>& ls = layer_state(request, layer);
+    return ls.prefilled ? buffer_->admission().sequence_length(request, layer) : ls.staged_tokens;
+  }
+  TierUsage tier_usage() const { return sparsekv::tier_usage(*buffer_); }
+  const ModelShape& shape() const noexcept { return shape_; }
   const Policy& policy() const noexcept { return policy_; }
   const Backend& backend() const noexcept { return *backend_; }
-  // Bytes of host memory the CPU tier has reserved (pinned when a GPU is present).
-  std::size_t cpu_tier_reserved_bytes() const noexcept { return buffer_->tiers().cpu_pool.reserved_bytes(); }
 
  private:
+  friend struct ManagerInspection;  // the library's tests and tools read the tiers (manager_inspection.hpp)
   enum class Api : std::uint8_t { unset, host, device };
 
   // Why fork(·, source, tokens, max_tokens) would be refused; can_fork and fork share it.
@@ -457,10 +457,9 @@ class Manager {
   // The host/device latch: the first prefill picks the tensor kind.
   void use_api(Api api) {
     if (api_ == Api::unset) api_ = api;
-    if (api_ != api) {
+    if (api_ != api)
       fail(ErrorCode::failed_precondition, "this Manager serves {} tensors (its first prefill chose); got {} tensors",
            api_ == Api::host ? "host" : "device", api == Api::host ? "host" : "device");
-    }
   }
   void refuse_if_host_latched() {
     if (api_ == Api::host) use_api(Api::device);  // throws
@@ -472,6 +471,7 @@ class Manager {
   // The steps and runners work on this Manager's members.
   void bind_steps() {
     scope_ = StepScope<Policy>{&shape_, &config_, &policy_, buffer_.get(), backend_.get(), &stats_};
+    registry_.bind(*buffer_, shape_.layers);
     host_step_.emplace(scope_);
     device_.bind(scope_, registry_);
   }
@@ -481,7 +481,7 @@ class Manager {
   Policy policy_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<TieredKVBuffer> buffer_;
-  RequestRegistry<Policy> registry_{shape_.layers};
+  RequestRegistry<Policy> registry_;
   StepStats stats_;
   StepScope<Policy> scope_;
   Api api_ = Api::unset;

@@ -121,19 +121,18 @@ class DeviceTensorCalls {
   // The runtime if a call made it, else null.
   DeviceRuntime* made_runtime() const noexcept { return runtime_.get(); }
 
-  // `add()` adds `request` to the buffer, which may reclaim buffering pages
+  // `add()` adds a request to the buffer, which may reclaim buffering pages
   // of other requests, whose current GPU page tables the device holds: they
   // come back first, and go up again with the new request's.
   template <class Add>
-  void admit(RequestId request, Add&& add) {
+  void admit(Add&& add) {
     if (!runtime_) {
       add();
       return;
     }
     registry_->for_each_id([&](RequestId id) { runtime_->download_tables(id); });
     add();
-    registry_->for_each_id([&](RequestId id) { runtime_->upload_tables(id); });
-    runtime_->upload_tables(request);
+    registry_->for_each_id([&](RequestId id) { runtime_->upload_tables(id); });  // the new request's too
   }
 
   // Waits for every step enqueued so far and brings the device's hit / miss

@@ -3,10 +3,14 @@
 // max_tokens, the mandatory pages its policy needs, and per layer its
 // LayerStepState (the policy's state, the staged prompt, the recent tokens)
 // -- and the checks each call makes against them before anything changes.
-// The Manager holds one; every runner of a call finds its requests here.
+// The books ride in the buffer's own entry of the request (a
+// RequestAttachment, buffer/buffer_request.hpp), so a request is booked in one
+// place: add() is the buffer's add_request, erase() its finish, and the two
+// cannot disagree. The Manager holds one; every runner of a call finds its
+// requests here.
 #include <algorithm>
 #include <cstdint>
-#include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -19,7 +23,7 @@
 namespace sparsekv {
 
 template <class State>
-struct RequestSteps {
+struct RequestSteps : RequestAttachment {
   std::uint32_t max_tokens = 0;
   std::uint32_t mandatory_pages = 0;  // per (layer, kv head): the policy's for max_tokens
   std::vector<LayerStepState<State>> layers;
@@ -32,32 +36,48 @@ class RequestRegistry {
  public:
   using Request = RequestSteps<State>;
 
-  explicit RequestRegistry(std::uint32_t layers) : layers_(layers) {}
+  // The books live in `buffer`'s requests; the buffer must outlive the
+  // registry, which serves no call before bind().
+  void bind(TieredKVBuffer& buffer, std::uint32_t layers) {
+    admission_ = &buffer.admission();
+    layers_ = layers;
+  }
 
-  bool contains(RequestId request) const { return requests_.contains(request); }
+  bool contains(RequestId request) const {
+    return admission_->has_request(request) && admission_->attachment(request) != nullptr;
+  }
   // Throws not_found for an unknown or finished request.
   Request& at(RequestId request) {
-    const auto it = requests_.find(request);
-    if (it == requests_.end()) fail(ErrorCode::not_found, "unknown or finished request {}", request);
-    return it->second;
+    RequestAttachment* books = admission_->has_request(request) ? admission_->attachment(request) : nullptr;
+    if (books == nullptr) fail(ErrorCode::not_found, "unknown or finished request {}", request);
+    return static_cast<Request&>(*books);  // every attachment in this buffer is add()'s
   }
   const Request& at(RequestId request) const { return const_cast<RequestRegistry*>(this)->at(request); }
   template <class F>
   void for_each_id(F&& f) const {
-    for (const auto& entry : requests_) f(entry.first);
+    for (RequestId id : admission_->request_ids()) {
+      if (admission_->attachment(id) != nullptr) f(id);
+    }
   }
 
-  void add(RequestId request, std::uint32_t max_tokens, std::uint32_t mandatory_pages, const Policy& policy) {
-    Request& r = requests_[request];
-    r.max_tokens = max_tokens;
-    r.mandatory_pages = mandatory_pages;
-    r.layers.resize(layers_);
-    for (auto& layer : r.layers) {
+  // The buffer's add_request(request, pages), with the request's books;
+  // throws what it throws, changing nothing.
+  void add(RequestId request, std::uint32_t max_tokens, const RequestPages& pages, const Policy& policy) {
+    auto r = std::make_unique<Request>();
+    r->max_tokens = max_tokens;
+    r->mandatory_pages = pages.mandatory_pages;
+    r->layers.resize(layers_);
+    for (auto& layer : r->layers) {
       layer.policy = make_layer_state(policy);
       layer.max_tokens = max_tokens;
     }
+    admission_->add_request(request, pages, std::move(r));
   }
-  void erase(RequestId request) { requests_.erase(request); }
+  // The buffer's finish(request): its pages and its books go together.
+  void erase(RequestId request) {
+    at(request);
+    admission_->finish(request);
+  }
 
   // A prefill's request and layer, checked: known, the layer in range and not
   // yet prefilled, the prompt non-empty and within max_tokens.
@@ -96,8 +116,8 @@ class RequestRegistry {
   }
 
  private:
-  std::uint32_t layers_;
-  std::map<RequestId, Request> requests_;
+  BufferAdmission* admission_ = nullptr;
+  std::uint32_t layers_ = 0;
 };
 
 }  // namespace sparsekv
