@@ -10,9 +10,9 @@
 #include <chrono>
 #include <map>
 
+#include "research/selection_trace.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/cache/exact_lru.hpp"
-#include "sparsekv/cache/selection_trace.hpp"
 
 namespace {
 

@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <random>
 
+#include "research/qkv_trace.hpp"
 #include "sparse_pipeline.hpp"
-#include "sparsekv/policy/qkv_trace.hpp"
 
 using namespace sparsekv;
 

@@ -32,9 +32,10 @@
 
 #include "backend_choice.hpp"
 #include "command_line.hpp"
-#include "thread_pool.hpp"
+#include "research/research_policies.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/sparsekv.hpp"
+#include "thread_pool.hpp"
 #if SPARSEKV_EXAMPLE_CUDA
 #include "engine_device.hpp"
 #endif
@@ -268,6 +269,7 @@ bool run_policy(const Run& r, const std::string& policy_name) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparsekv::register_research_policies();  // --policy oracle, for comparison
   try {
     const sparsekv::tools::CommandLine args(
         argc, argv,

@@ -20,10 +20,12 @@
 #include <fmt/format.h>
 
 #include "command_line.hpp"
+#include "research/qkv_trace.hpp"
+#include "research/research_policies.hpp"
 #include "sparse_pipeline.hpp"
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/any_policy.hpp"
-#include "sparsekv/policy/qkv_trace.hpp"
+#include "sparsekv/policy/policy_registry.hpp"
 
 namespace {
 
@@ -262,6 +264,7 @@ sparsekv::SyntheticQkvOptions synthetic_options(const sparsekv::tools::CommandLi
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparsekv::register_research_policies();
   try {
     const std::set<std::string> knobs = {
         "--seed",        "--layers",      "--q-heads",        "--kv-heads",       "--head-dim",       "--prompt",

@@ -19,10 +19,10 @@
 #include <fmt/format.h>
 
 #include "command_line.hpp"
+#include "research/selection_trace.hpp"
 #include "sparsekv/cache/belady.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/cache/exact_lru.hpp"
-#include "sparsekv/cache/selection_trace.hpp"
 #include "sparsekv/core/error.hpp"
 
 namespace {

@@ -52,9 +52,10 @@
 #include "model/gguf.hpp"
 #include "model/llama.hpp"
 #include "model/model_files.hpp"
-#include "sparsekv/cache/selection_trace.hpp"
+#include "research/qkv_trace.hpp"
+#include "research/research_policies.hpp"
+#include "research/selection_trace.hpp"
 #include "sparsekv/facade/manager_inspection.hpp"
-#include "sparsekv/policy/qkv_trace.hpp"
 #include "sparsekv/sparsekv.hpp"
 
 namespace {
@@ -244,6 +245,7 @@ double max_rss_mb() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparsekv::register_research_policies();
   try {
     const auto args = sparsekv::tools::parse_command_line<sparsekv::model::UserError>(
         argc, argv,

@@ -29,6 +29,7 @@
 #include "model/llama.hpp"
 #include "model/model_files.hpp"
 #include "passkey_prompt.hpp"
+#include "research/research_policies.hpp"
 #include "sparsekv/sparsekv.hpp"
 
 namespace {
@@ -129,6 +130,7 @@ std::string json_escape(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparsekv::register_research_policies();
   try {
     const auto args = sparsekv::tools::parse_command_line<UserError>(
         argc, argv,

@@ -11,5 +11,6 @@
 #include "sparsekv/facade/manager.hpp"
 #include "sparsekv/facade/serving_config.hpp"
 #include "sparsekv/policy/any_policy.hpp"
+#include "sparsekv/policy/policy_registry.hpp"
 #include "sparsekv/policy/dense.hpp"
 #include "sparsekv/policy/streaming_window.hpp"

@@ -14,6 +14,7 @@
 #include "ggml-cpu.h"
 #include "llama-ext.h"
 #include "fmt/format.h"
+#include "research/research_policies.hpp"
 #include "sparsekv/sparsekv.hpp"
 
 namespace sparsekv::llama_cpp {
@@ -819,6 +820,7 @@ DType storage_of(const llama_context_params& params, DType rows) {
 // A hook whose State the context owns (llama_attn_hook::free). Throws
 // sparsekv::Error for options the library refuses.
 llama_attn_hook make_hook(const llama_context_params& params, const HookOptions& options) {
+  register_research_policies();  // --sparse-attn oracle, for evaluation
   if (!options.custom_policy) {
     make_policy(options.policy, options.budget_tokens);  // throws on an unknown policy before anything is made
   }

@@ -49,6 +49,7 @@
 #include "sparsekv/core/dtype.hpp"
 #include "sparsekv/core/error_slot.hpp"
 #include "sparsekv/policy/any_policy.hpp"
+#include "sparsekv/policy/policy_registry.hpp"
 #include "sparsekv/step/step_stats.hpp"
 
 namespace sparsekv::llama_cpp {

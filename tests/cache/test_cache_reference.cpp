@@ -7,10 +7,10 @@
 #include <random>
 #include <vector>
 
+#include "research/selection_trace.hpp"
 #include "sparsekv/cache/belady.hpp"
 #include "sparsekv/cache/bucketed_lru.hpp"
 #include "sparsekv/cache/exact_lru.hpp"
-#include "sparsekv/cache/selection_trace.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;

@@ -3,7 +3,7 @@
 #include <sstream>
 #include <string>
 
-#include "sparsekv/cache/selection_trace.hpp"
+#include "research/selection_trace.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;

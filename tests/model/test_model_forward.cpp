@@ -34,6 +34,7 @@
 #include "model/llama.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/manager_inspection.hpp"
+#include "sparsekv/policy/policy_registry.hpp"
 
 namespace {
 

@@ -12,6 +12,7 @@
 
 #include "sparsekv/policy/any_policy.hpp"
 #include "sparsekv/policy/h2o.hpp"
+#include "sparsekv/policy/policy_registry.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/shadowkv.hpp"
 #include "sparsekv/policy/streaming_eviction.hpp"

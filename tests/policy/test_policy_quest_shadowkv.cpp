@@ -8,8 +8,8 @@
 #include <random>
 #include <vector>
 
+#include "research/oracle.hpp"
 #include "sparsekv/policy/dense.hpp"
-#include "sparsekv/policy/oracle.hpp"
 #include "sparsekv/policy/quest.hpp"
 #include "sparsekv/policy/shadowkv.hpp"
 #include "test_support.hpp"

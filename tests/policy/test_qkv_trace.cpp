@@ -8,9 +8,9 @@
 #include <random>
 #include <string>
 
+#include "research/qkv_trace.hpp"
 #include "sparse_pipeline.hpp"
 #include "sparsekv/policy/dense.hpp"
-#include "sparsekv/policy/qkv_trace.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;

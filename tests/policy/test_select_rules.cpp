@@ -39,20 +39,20 @@
 #include <variant>
 #include <vector>
 
+#include "research/oracle.hpp"
 #include "select_emulation.hpp"
-#include "sparsekv/attention/page_fold.hpp"
-#include "sparsekv/policy/box_rows.hpp"
-#include "sparsekv/policy/select_scoring.hpp"
 #include "select_test_data.hpp"
-#include "test_support.hpp"
+#include "sparsekv/attention/page_fold.hpp"
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/policy/any_policy.hpp"
+#include "sparsekv/policy/box_rows.hpp"
 #include "sparsekv/policy/device_select.hpp"
-#include "sparsekv/policy/oracle.hpp"
-#include "sparsekv/policy/summary_store_cuda.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
 #include "sparsekv/policy/select_rules.hpp"
+#include "sparsekv/policy/select_scoring.hpp"
+#include "sparsekv/policy/summary_store_cuda.hpp"
+#include "test_support.hpp"
 
 using namespace sparsekv;
 using namespace sparsekv::test;

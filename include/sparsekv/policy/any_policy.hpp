@@ -1,7 +1,7 @@
 #pragma once
 // AnyPolicy: a SparseAttention policy chosen at run time (the facade's edge;
-// inside, everything is templated on the policy type). make_policy() builds
-// the built-in ones by name with their papers' defaults and a token budget.
+// inside, everything is templated on the policy type). make_policy()
+// (policy_registry.hpp) builds one by name.
 #include <any>
 #include <memory>
 #include <optional>
@@ -211,25 +211,6 @@ class AnyPolicy {
 
   std::shared_ptr<const Concept> impl_;
 };
-
-// Built-in policies by name: dense, streaming, quest, shadowkv, retroinfer,
-// retroinfer_no_estimation (RetroInfer without its estimation zone) and
-// oracle (the best selection of the budget's size, for evaluation), and the
-// token-evicting h2o and streaming_evict, whose budget is the live tokens per
-// kv head (H2O's recent window is half of it). Every other knob keeps its
-// paper default. Throws invalid_argument for an unknown name, a budget of 0
-// (dense ignores the budget) or a budget below an eviction policy's
-// protected window.
-AnyPolicy make_policy(std::string_view name, std::uint32_t budget_tokens);
-// The selection policies make_policy accepts (the tools' default lists).
-std::vector<std::string> policy_names();
-// The token-evicting policies make_policy accepts, kept apart from
-// policy_names() so the tools' default lists stay selection-only.
-std::vector<std::string> eviction_policy_names();
-
-}  // namespace sparsekv
-
-namespace sparsekv {
 
 // The step's calls (sparse_attention.hpp, token_eviction.hpp, device_select.hpp)
 // on a policy chosen at run time: one virtual call each.

@@ -2,7 +2,7 @@
 // Random numbers for the synthetic trace generators. The standard library's
 // distributions are implementation-defined; these transforms of mt19937_64
 // (itself fully specified) are not, so one seed gives the same trace with any
-// standard library. Internal: not installed.
+// standard library.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

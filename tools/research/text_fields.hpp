@@ -1,6 +1,6 @@
 #pragma once
-// Whitespace tokenising shared by the text trace readers in src/ (selection
-// traces, Q/K/V trace manifests). Internal: not installed.
+// Whitespace tokenising shared by the text trace readers (selection
+// traces, Q/K/V trace manifests).
 #include <algorithm>
 #include <string_view>
 #include <vector>

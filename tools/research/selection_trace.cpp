@@ -1,4 +1,4 @@
-#include "sparsekv/cache/selection_trace.hpp"
+#include "research/selection_trace.hpp"
 
 #include <algorithm>
 #include <charconv>
@@ -10,10 +10,10 @@
 
 #include <fmt/format.h>
 
+#include "research/portable_random.hpp"
+#include "research/text_fields.hpp"
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/metadata/page_table_entries.hpp"
-#include "core/portable_random.hpp"
-#include "core/text_fields.hpp"
 
 namespace sparsekv {
 

@@ -1,4 +1,4 @@
-#include "sparsekv/policy/qkv_trace.hpp"
+#include "research/qkv_trace.hpp"
 
 #include <algorithm>
 #include <bit>
@@ -12,9 +12,9 @@
 
 #include <fmt/format.h>
 
+#include "research/portable_random.hpp"
+#include "research/text_fields.hpp"
 #include "sparsekv/core/error.hpp"
-#include "core/portable_random.hpp"
-#include "core/text_fields.hpp"
 
 namespace sparsekv {
 
