@@ -4,7 +4,8 @@
 // once the cache holds its budget, each decode step greedily evicts the live
 // token with the lowest cumulative score among those older than the recent
 // window, one token per step by default. A EvictsTokens policy
-// (token_eviction.hpp); docs/policies/h2o.md.
+// (token_eviction.hpp) on the LiveTokenPolicy skeleton (live_token_policy.hpp),
+// keeping the scores beside the live positions; docs/policies/h2o.md.
 //
 // Choices:
 //  - Per (request, layer) and kv head, as the paper: scores and evictions are
@@ -31,12 +32,13 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/live_token_policy.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 #include "sparsekv/policy/token_eviction.hpp"
 
 namespace sparsekv {
 
-class H2OPolicy {
+class H2OPolicy : public LiveTokenPolicy<H2OPolicy> {
  public:
   struct Options {
     std::uint32_t budget_tokens = 2048;          // live tokens per kv head once a step's token is placed
@@ -49,9 +51,7 @@ class H2OPolicy {
     std::vector<std::vector<double>> scores;  // [kv head], parallel to live.positions
   };
   static constexpr std::string_view kName = "h2o";
-  static constexpr RopeStage kRope = RopeStage::post_rope;
   static constexpr bool kNeedsTokenWeights = true;
-  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   H2OPolicy();
   explicit H2OPolicy(const Options& options)
@@ -70,40 +70,6 @@ class H2OPolicy {
 
   const Options& options() const noexcept { return options_; }
   std::uint32_t recent_tokens() const noexcept { return recent_; }
-
-  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
-    LayerState next;
-    const PartitionSpec spec = next.live.index(kName, ctx, kv);
-    next.scores.assign(ctx.kv_heads, std::vector<double>(kv.tokens, 0.0));
-    state = std::move(next);
-    return {spec};
-  }
-  // Index reads no K/V: a fork takes every token from its source (scores start at 0 as in a prefill).
-  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState&) const { return ctx.tokens; }
-  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState&, const KvView&,
-                                        LayerState& state) const {
-    LayerState next;
-    const PartitionSpec spec = next.live.index_fork(ctx);
-    next.scores.assign(ctx.kv_heads, std::vector<double>(ctx.tokens, 0.0));
-    state = std::move(next);
-    return {spec};
-  }
-  std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
-    check_state(ctx, state);
-    state.live.append(kName, ctx, page);
-    return std::nullopt;
-  }
-  void select(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, Selection& out) const {
-    state.live.select(kName, ctx, out);
-  }
-  std::uint32_t mandatory_pages(const LayerContext& ctx) const { return LiveTokens::mandatory_pages(kName, ctx); }
-
-  void placed(const LayerContext& ctx, std::uint32_t position, LayerState& state) const {
-    check_state(ctx, state);
-    state.live.check_placed(kName, ctx, position);
-    state.live.place(position);
-    for (auto& s : state.scores) s.push_back(0.0);
-  }
 
   // Adds each token's weight to its cumulative score. Every position must be
   // live in its kv head and listed once; weights finite and >= 0.
@@ -171,6 +137,14 @@ class H2OPolicy {
   }
 
  private:
+  friend class LiveTokenPolicy<H2OPolicy>;
+  // Every live token starts at score 0: a prompt's and a fork's (prefill carries no query) and a placed one.
+  static void start(const LayerContext& ctx, std::uint32_t tokens, LayerState& state) {
+    state.scores.assign(ctx.kv_heads, std::vector<double>(tokens, 0.0));
+  }
+  static void on_placed(LayerState& state) {
+    for (auto& s : state.scores) s.push_back(0.0);
+  }
   static void check_state(const LayerContext& ctx, const LayerState& state) {
     check_layer_context(kName, ctx);
     bool ok = state.scores.size() == ctx.kv_heads && state.live.positions.size() == ctx.kv_heads;

@@ -2,8 +2,9 @@
 // StreamingLLM eviction (Xiao et al. 2023; SpvLLM §4.2 and its ref. [8]): the
 // cache keeps the first `sink_tokens` tokens (attention sinks) and a rolling
 // window of the newest tokens; each decode step evicts the token that leaves
-// the window. A EvictsTokens policy (token_eviction.hpp) that needs no
-// attention weights; docs/policies/streaming_evict.md. The static-selection
+// the window. A EvictsTokens policy (token_eviction.hpp) on the
+// LiveTokenPolicy skeleton (live_token_policy.hpp) that needs no attention
+// weights; docs/policies/streaming_evict.md. The static-selection
 // form over a full cache is StreamingWindowPolicy (streaming_window.hpp).
 //
 // Choices:
@@ -15,17 +16,17 @@
 //  - The shared prefix (EvictionContext::protected_prefix) is never
 //    evicted; the oldest tokens after it go first.
 #include <cstdint>
-#include <optional>
 #include <utility>
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/live_token_policy.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 #include "sparsekv/policy/token_eviction.hpp"
 
 namespace sparsekv {
 
-class StreamingEvictionPolicy {
+class StreamingEvictionPolicy : public LiveTokenPolicy<StreamingEvictionPolicy> {
  public:
   struct Options {
     std::uint32_t budget_tokens = 2048;  // sinks + window, per kv head, once a step's token is placed
@@ -35,9 +36,7 @@ class StreamingEvictionPolicy {
     LiveTokens live;
   };
   static constexpr std::string_view kName = "streaming_evict";
-  static constexpr RopeStage kRope = RopeStage::post_rope;
   static constexpr bool kNeedsTokenWeights = false;
-  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   StreamingEvictionPolicy();
   explicit StreamingEvictionPolicy(const Options& options) : options_(options) {
@@ -52,34 +51,6 @@ class StreamingEvictionPolicy {
 
   const Options& options() const noexcept { return options_; }
 
-  std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, LayerState& state) const {
-    LayerState next;
-    const PartitionSpec spec = next.live.index(kName, ctx, kv);
-    state = std::move(next);
-    return {spec};
-  }
-  // Index reads no K/V: a fork takes every token from its source.
-  std::uint32_t reused_tokens(const LayerContext& ctx, const LayerState&) const { return ctx.tokens; }
-  std::vector<PartitionSpec> fork_index(const LayerContext& ctx, const LayerState&, const KvView&,
-                                        LayerState& state) const {
-    LayerState next;
-    const PartitionSpec spec = next.live.index_fork(ctx);
-    state = std::move(next);
-    return {spec};
-  }
-  std::optional<Repartition> append(const LayerContext& ctx, const AppendedPage& page, LayerState& state) const {
-    state.live.append(kName, ctx, page);
-    return std::nullopt;
-  }
-  void select(const LayerContext& ctx, const DecodeQuery&, const LayerState& state, Selection& out) const {
-    state.live.select(kName, ctx, out);
-  }
-  std::uint32_t mandatory_pages(const LayerContext& ctx) const { return LiveTokens::mandatory_pages(kName, ctx); }
-
-  void placed(const LayerContext& ctx, std::uint32_t position, LayerState& state) const {
-    state.live.check_placed(kName, ctx, position);
-    state.live.place(position);
-  }
   // Scores play no part: the weights are not read.
   void observe(const LayerContext&, const TokenWeights&, LayerState&) const {}
 
