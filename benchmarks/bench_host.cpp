@@ -846,7 +846,7 @@ void BM_SharedPrefix(benchmark::State& state, const std::string& policy) {
       }
     }
     const double s = seconds_since(t0) / (kRequests - 1);
-    return std::pair{s, double(m.tier_usage().cpu_pages_used * m.tier_usage().page_bytes)};
+    return std::pair{s, double(m.tier_usage().cpu.used * m.tier_usage().page_bytes)};
   };
   double shared_s = 0, unshared_s = 0, shared_bytes = 0, unshared_bytes = 0;
   for (auto _ : state) {

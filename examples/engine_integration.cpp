@@ -272,9 +272,9 @@ int run(int argc, char** argv) {
   const std::uint64_t moved = device ? st.cache.miss_pages : st.pages_moved;
   std::printf("done: %llu decode steps, hit ratio %.1f%%, %llu pages moved, GPU pages in use %u\n",
               static_cast<unsigned long long>(st.decode_steps), 100 * st.hit_ratio(),
-              static_cast<unsigned long long>(moved), kv.tier_usage().gpu_pages_used);
+              static_cast<unsigned long long>(moved), kv.tier_usage().gpu.used);
   const sparsekv::TierUsage usage = kv.tier_usage();
-  const bool leak = usage.gpu_pages_used != 0 || usage.cpu_pages_used != 0;
+  const bool leak = usage.gpu.used != 0 || usage.cpu.used != 0;
   if (leak) std::fprintf(stderr, "engine_integration: pages leaked\n");
   return ok && !leak ? 0 : 1;
 }

@@ -48,6 +48,6 @@ int main() {
   }
   kv.finish(42);
   std::printf("consumer: attention error %.2e, hit ratio %.2f, pages in use %u\n", error, kv.stats().hit_ratio(),
-              kv.tier_usage().cpu_pages_used);
-  return error < 1e-5 && kv.tier_usage().cpu_pages_used == 0 ? 0 : 1;
+              kv.tier_usage().cpu.used);
+  return error < 1e-5 && kv.tier_usage().cpu.used == 0 ? 0 : 1;
 }

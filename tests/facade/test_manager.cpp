@@ -451,12 +451,12 @@ TEST_CASE("Manager: a request is booked once, in the buffer, and leaves with its
   REQUIRE(admission.request_ids() == std::vector<RequestId>{1, 2});
   manager.prefill(2, 0, t.k.data(), t.v.data(), 20);
   REQUIRE(manager.held_tokens(2, 0) == 20);
-  const std::uint32_t used = manager.tier_usage().cpu_pages_used;
+  const std::uint32_t used = manager.tier_usage().cpu.used;
   REQUIRE(used > 0);
   manager.finish(2);
   REQUIRE_FALSE(manager.has_request(2));
   REQUIRE(admission.request_ids() == std::vector<RequestId>{1});
-  REQUIRE(manager.tier_usage().cpu_pages_used == 0);
+  REQUIRE(manager.tier_usage().cpu.used == 0);
   REQUIRE_SPARSEKV_ERROR(manager.held_tokens(2, 0), ErrorCode::not_found);
   REQUIRE_SPARSEKV_ERROR(manager.finish(2), ErrorCode::not_found);
   inspect_buffer(manager).validate();
