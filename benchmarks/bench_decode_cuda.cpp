@@ -63,6 +63,8 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/facade/cuda_backend.hpp"
 #include "sparsekv/facade/manager.hpp"
+#include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/shadowkv.hpp"
 
 namespace {
 

@@ -47,7 +47,7 @@ inline std::string device_select_refusal(const AnyPolicy& policy, const ModelSha
   for (std::uint32_t l = 0; l < shape.layers; ++l) {
     const LayerContext ctx{
         l, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim, config.page_tokens, config.max_context_tokens};
-    if (!selects_on_device(device_select(policy, ctx))) {
+    if (!device_select(policy, ctx).on_device()) {
       return fmt::format(
           "policy {} has no device Select at {}-token pages (layer {}; policy/device_select.hpp: "
           "Quest with one-page partitions, ShadowKV, StreamingWindow, Dense, RetroInfer; not the oracle)",

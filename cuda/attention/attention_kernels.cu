@@ -22,11 +22,7 @@
 namespace sparsekv::cuda {
 namespace {
 
-using detail::check_launch;
-using detail::current_device;
-using detail::multiprocessor_count;
-using detail::resident_blocks_per_sm;
-using detail::throw_invalid;
+using namespace detail;  // core/launch_support.cuh
 
 constexpr std::uint32_t kWarp = 32;
 constexpr std::uint32_t kThreads = kSplitThreads;

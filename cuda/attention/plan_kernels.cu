@@ -14,9 +14,7 @@
 namespace sparsekv::cuda {
 namespace {
 
-using detail::check_launch;
-using detail::throw_cuda;
-using detail::throw_invalid;
+using namespace detail;  // core/launch_support.cuh
 
 constexpr std::uint32_t kCountThreads = 256;
 constexpr std::size_t kAlign = 256;

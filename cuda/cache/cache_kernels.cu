@@ -21,8 +21,7 @@
 namespace sparsekv::cuda {
 namespace {
 
-using detail::check_launch;
-using detail::throw_invalid;
+using namespace detail;  // core/launch_support.cuh
 constexpr const char* kFunction = "bucketed_lru_step";
 
 constexpr std::uint32_t kThreads = 256;
@@ -327,7 +326,7 @@ void bucketed_lru_step(const TwoLevelView<GpuPageEntry>& gpu_pages, const Partit
 
 namespace {
 
-using detail::throw_cuda;
+using namespace detail;  // core/launch_support.cuh
 
 constexpr std::size_t kAlign = 256;
 

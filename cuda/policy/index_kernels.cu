@@ -18,9 +18,7 @@
 namespace sparsekv::cuda {
 namespace {
 
-using detail::check_launch;
-using detail::throw_cuda;
-using detail::throw_invalid;
+using namespace detail;  // core/launch_support.cuh
 
 constexpr std::uint32_t kWarp = 32;
 constexpr std::uint32_t kSummaryThreads = 128;

@@ -32,8 +32,7 @@
 namespace sparsekv::cuda {
 namespace {
 
-using detail::check_launch;
-using detail::throw_invalid;
+using namespace detail;  // core/launch_support.cuh
 
 constexpr std::uint32_t kThreads = 256;
 constexpr std::uint32_t kItems = kSelectTile / kThreads;

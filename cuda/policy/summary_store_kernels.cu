@@ -19,9 +19,7 @@
 namespace sparsekv::cuda {
 namespace {
 
-using detail::check_launch;
-using detail::throw_cuda;
-using detail::throw_invalid;
+using namespace detail;  // core/launch_support.cuh
 
 constexpr std::uint32_t kThreads = 256;
 constexpr std::uint64_t kMaxBlocks = 4096;  // blocks stride: a capped grid covers every item
@@ -149,29 +147,28 @@ const DeviceSummaries::Layer& DeviceSummaries::layer_at(const char* function, st
   return layers_[layer];
 }
 
+float* DeviceSummaries::summary_array(const char* function, std::uint32_t layer, AppendSummary kind,
+                                      float* Layer::*which) const {
+  const Layer& l = layer_at(function, layer);
+  return shape_.kind == kind ? l.*which : nullptr;
+}
 float* DeviceSummaries::min(std::uint32_t layer) const {
-  const Layer& l = layer_at("DeviceSummaries::min", layer);
-  return shape_.kind == AppendSummary::quest ? l.first : nullptr;
+  return summary_array("DeviceSummaries::min", layer, AppendSummary::quest, &Layer::first);
 }
 float* DeviceSummaries::max(std::uint32_t layer) const {
-  const Layer& l = layer_at("DeviceSummaries::max", layer);
-  return shape_.kind == AppendSummary::quest ? l.second : nullptr;
+  return summary_array("DeviceSummaries::max", layer, AppendSummary::quest, &Layer::second);
 }
 float* DeviceSummaries::landmarks(std::uint32_t layer) const {
-  const Layer& l = layer_at("DeviceSummaries::landmarks", layer);
-  return shape_.kind == AppendSummary::shadowkv ? l.first : nullptr;
+  return summary_array("DeviceSummaries::landmarks", layer, AppendSummary::shadowkv, &Layer::first);
 }
 float* DeviceSummaries::outlier_scores(std::uint32_t layer) const {
-  const Layer& l = layer_at("DeviceSummaries::outlier_scores", layer);
-  return shape_.kind == AppendSummary::shadowkv ? l.second : nullptr;
+  return summary_array("DeviceSummaries::outlier_scores", layer, AppendSummary::shadowkv, &Layer::second);
 }
 float* DeviceSummaries::centroids(std::uint32_t layer) const {
-  const Layer& l = layer_at("DeviceSummaries::centroids", layer);
-  return shape_.kind == AppendSummary::retroinfer ? l.first : nullptr;
+  return summary_array("DeviceSummaries::centroids", layer, AppendSummary::retroinfer, &Layer::first);
 }
 float* DeviceSummaries::value_sums(std::uint32_t layer) const {
-  const Layer& l = layer_at("DeviceSummaries::value_sums", layer);
-  return shape_.kind == AppendSummary::retroinfer ? l.second : nullptr;
+  return summary_array("DeviceSummaries::value_sums", layer, AppendSummary::retroinfer, &Layer::second);
 }
 std::uint32_t* DeviceSummaries::tokens(std::uint32_t layer) const {
   return layer_at("DeviceSummaries::tokens", layer).tokens;

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <variant>
 #include <vector>
 
 #include "argument_ring.hpp"
@@ -26,6 +25,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "sparsekv/metadata/replica_writes_cuda.hpp"
+#include "sparsekv/policy/device_select_launch.hpp"
 #include "sparsekv/policy/index_cuda.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
 #include "sparsekv/policy/summary_store_cuda.hpp"
@@ -41,6 +41,18 @@ namespace {
 // (two slots) and let the copy of one piece overlap the scatter of the last.
 constexpr std::size_t kPromptPieceBytes = std::size_t{32} << 20;
 
+// The registered launch of a layer's device Select (policy/device_select_launch.hpp);
+// invalid_argument, before anything is enqueued, for a spec that has none.
+DeviceSelectLauncher launcher_of(const DeviceSelect& select) {
+  register_builtin_device_select_launchers();
+  const DeviceSelectLauncher launcher = find_device_select_launcher(select);
+  if (launcher == nullptr) {
+    fail(ErrorCode::invalid_argument, "DeviceRuntime: no launcher is registered for the device Select {}",
+         select.type().name());
+  }
+  return launcher;
+}
+
 class CudaDeviceRuntime final : public DeviceRuntime {
  public:
   CudaDeviceRuntime(const DeviceRuntimeSetup& setup, TieredKVBuffer& buffer, DeviceMemoryResource& device_memory)
@@ -52,18 +64,18 @@ class CudaDeviceRuntime final : public DeviceRuntime {
         replica_copy_(buffer.tiers().transfer),
         replica_(buffer.tiers().table, device_memory, replica_copy_),
         summaries_(store_summary_kind(setup.select), setup.shape.layers, setup.max_requests, setup.shape.kv_heads,
-                   setup.shape.head_dim, setup.max_partitions_per_head, first_candidate_partition(setup.select)) {
+                   setup.shape.head_dim, setup.max_partitions_per_head, setup.select.first_partition()) {
     buffer_.tiers().transfer.synchronize();  // the replica's directory copy
     const ModelShape& s = setup.shape;
     const std::size_t max_selected = std::size_t{rows_} * setup.max_selected_per_head;
     const std::size_t max_pages = std::size_t{rows_} * setup.max_pages_per_head;
-    const bool retroinfer = std::holds_alternative<RetroInferDeviceSelect>(setup.select);
+    launcher_of(setup.select);
     q_ = DeviceBytes(sizeof(float) * setup.max_batch * s.q_heads * s.head_dim);
     selected_ = DeviceBytes(sizeof(PartitionId) * max_selected);
     selected_count_ = DeviceBytes(sizeof(std::uint32_t) * rows_);
     select_rows_ = rows_template(rows_);
     select_workspace_ = DeviceBytes(select_workspace_bytes(select_rows_));
-    if (retroinfer) {
+    if (setup.select.estimates()) {
       const std::size_t terms = std::size_t{setup.max_batch} * s.q_heads;
       extra_max_ = DeviceBytes(sizeof(float) * terms);
       extra_sum_ = DeviceBytes(sizeof(float) * terms);
@@ -165,6 +177,11 @@ class CudaDeviceRuntime final : public DeviceRuntime {
       fail(ErrorCode::invalid_argument, "decode: layer {}'s Select reads other summaries than the runtime keeps",
            step.layer);
     }
+    if (step.select.estimates() && !setup_.select.estimates()) {
+      fail(ErrorCode::invalid_argument, "decode: layer {}'s Select estimates, the runtime's has no room for it",
+           step.layer);
+    }
+    const DeviceSelectLauncher launcher = launcher_of(step.select);
     const auto stream = static_cast<cudaStream_t>(step.stream);
     const std::uint32_t rows = step.batch * setup_.shape.kv_heads;
     // 0. The step's arguments, written into a ring slot no launch still reads.
@@ -183,7 +200,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
                          layout.max_writes, stream);
     append(step, args, stream);
     timer_.mark(StageTimer::append, stream);
-    const SelectOutput selected = select(step, rows, args, stream);
+    const SelectOutput selected = select(step, launcher, rows, args, stream);
     timer_.mark(StageTimer::select, stream);
     retrieve(rows, selected, args, stream);
     plan(rows, args, stream);
@@ -273,79 +290,35 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   }
 
   // 3. Select over the summaries, on the state before this step's save:
-  //    the layer's device Select, dispatched here once.
-  SelectOutput select(const DeviceStepInput& step, std::uint32_t rows, std::byte* args, cudaStream_t stream) {
+  //    the launch registered for the layer's device Select.
+  SelectOutput select(const DeviceStepInput& step, DeviceSelectLauncher launcher, std::uint32_t rows, std::byte* args,
+                      cudaStream_t stream) {
     const ArgsLayout& layout = ring_.layout();
-    SelectRows select = select_rows_;
-    select.rows = rows;
-    select.first = at<std::uint32_t>(args, layout.first);
-    select.count = at<std::uint32_t>(args, layout.count);
-    select.tokens = summaries_.tokens(step.layer);
-    select.partitions = summaries_.partitions();
-    select.q = q_.as<float>();
-    const SelectOutput selected{setup_.max_selected_per_head, selected_.as<PartitionId>(),
-                                selected_count_.as<std::uint32_t>()};
-    void* workspace = select_workspace_.as<void>();
-    const std::size_t workspace_bytes = select_workspace_.bytes();
-    const std::uint32_t layer = step.layer;
-    estimated_ = false;
-    struct Dispatch {
-      CudaDeviceRuntime& self;
-      const SelectRows& rows;
-      const SelectOutput& out;
-      std::byte* args;
-      void* workspace;
-      std::size_t workspace_bytes;
-      std::uint32_t layer;
-      cudaStream_t stream;
-      void operator()(std::monostate) const {}  // refused before anything was enqueued (store_summary_kind)
-      void operator()(const QuestDeviceSelect& q) const {
-        const QuestSelect quest{self.summaries_.min(layer),
-                                self.summaries_.max(layer),
-                                q.budget_tokens,
-                                q.dense_layer,
-                                q.sink_tokens,
-                                q.window_tokens,
-                                q.spread};
-        quest_select(rows, quest, out, workspace, workspace_bytes, stream);
-      }
-      void operator()(const ShadowKVDeviceSelect& k) const {
-        const ShadowKVSelect shadow{self.summaries_.landmarks(layer), self.summaries_.outlier_scores(layer),
-                                    k.budget_tokens, k.recent_tokens, k.outlier_pages};
-        shadowkv_select(rows, shadow, out, workspace, workspace_bytes, stream);
-      }
-      void operator()(const StreamingDeviceSelect& w) const {
-        const StreamingSelect streaming{w.budget_tokens, w.sink_pages, self.setup_.page_tokens};
-        streaming_select(rows, streaming, out, stream);
-      }
-      void operator()(const DenseDeviceSelect&) const { dense_select(rows, out, stream); }
-      void operator()(const RetroInferDeviceSelect& r) const {
-        const ArgsLayout& layout = self.ring_.layout();
-        RetroInferSelect retro;
-        retro.centroids = self.summaries_.centroids(layer);
-        retro.sink_partitions = at<PartitionId>(args, layout.sink_partitions);
-        retro.sink_tokens = at<std::uint32_t>(args, layout.sink_tokens);
-        retro.recent = at<std::uint32_t>(args, layout.recent);
-        retro.windows = at<std::uint32_t>(args, layout.windows);
-        retro.budget_tokens = r.budget_tokens;
-        retro.retrieval_fraction = r.retrieval_fraction;
-        retroinfer_select(rows, retro, out, workspace, workspace_bytes, stream);
-        // The estimation zone's terms, for the attention (or the engine's kernel) to merge.
-        self.estimated_ = r.estimation;
-        if (!r.estimation) return;
-        RetroInferEstimate estimate;
-        estimate.value_sums = self.summaries_.value_sums(layer);
-        estimate.selected = out.selected;
-        estimate.selected_count = out.selected_count;
-        estimate.max_selected = out.max_selected;
-        estimate.estimation_fraction = r.estimation_fraction;
-        const EstimateOutput terms{self.extra_max_.as<float>(), self.extra_sum_.as<float>(),
-                                   self.extra_acc_.as<float>()};
-        retroinfer_estimate(rows, retro, estimate, terms, workspace, workspace_bytes, stream);
-      }
-    };
-    std::visit(Dispatch{*this, select, selected, args, workspace, workspace_bytes, layer, stream}, step.select);
-    return selected;
+    DeviceSelectCall call;
+    call.rows = select_rows_;
+    call.rows.rows = rows;
+    call.rows.first = at<std::uint32_t>(args, layout.first);
+    call.rows.count = at<std::uint32_t>(args, layout.count);
+    call.rows.tokens = summaries_.tokens(step.layer);
+    call.rows.partitions = summaries_.partitions();
+    call.rows.q = q_.as<float>();
+    call.out =
+        SelectOutput{setup_.max_selected_per_head, selected_.as<PartitionId>(), selected_count_.as<std::uint32_t>()};
+    call.summaries = &summaries_;
+    call.layer = step.layer;
+    call.page_tokens = setup_.page_tokens;
+    call.sink_partitions = at<PartitionId>(args, layout.sink_partitions);
+    call.sink_tokens = at<std::uint32_t>(args, layout.sink_tokens);
+    call.recent = at<std::uint32_t>(args, layout.recent);
+    call.windows = at<std::uint32_t>(args, layout.windows);
+    if (setup_.select.estimates()) {
+      call.estimate = EstimateOutput{extra_max_.as<float>(), extra_sum_.as<float>(), extra_acc_.as<float>()};
+    }
+    call.workspace = select_workspace_.as<void>();
+    call.workspace_bytes = select_workspace_.bytes();
+    call.stream = stream;
+    estimated_ = launcher(step.select, call);
+    return call.out;
   }
 
   // 4. Retrieve: the selection as the LRU batch, the LRU step on the device

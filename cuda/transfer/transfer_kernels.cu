@@ -13,11 +13,7 @@
 namespace sparsekv::cuda {
 namespace {
 
-using detail::check_launch;
-using detail::current_device;
-using detail::multiprocessor_count;
-using detail::resident_blocks_per_sm;
-using detail::throw_invalid;
+using namespace detail;  // core/launch_support.cuh
 
 constexpr std::uint32_t kWarp = 32;
 // Independent 16-byte loads per thread issued before the first store: PCIe

@@ -24,6 +24,11 @@
 #include "sparsekv/facade/cuda_backend.hpp"
 #include "sparsekv/facade/manager.hpp"
 #include "sparsekv/facade/manager_inspection.hpp"
+#include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/retroinfer.hpp"
+#include "sparsekv/policy/shadowkv.hpp"
+#include "sparsekv/policy/streaming_window.hpp"
 
 using namespace sparsekv;
 using namespace sparsekv::gpu_test;

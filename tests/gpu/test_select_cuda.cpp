@@ -26,6 +26,11 @@
 #include "sparsekv/attention/sparse_decode_attention_cuda.hpp"
 #include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
+#include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/retroinfer.hpp"
+#include "sparsekv/policy/shadowkv.hpp"
+#include "sparsekv/policy/streaming_window.hpp"
 
 using namespace sparsekv;
 using namespace sparsekv::gpu_test;
@@ -394,7 +399,7 @@ TEST_CASE("streaming_select and dense_select equal StreamingWindowPolicy / Dense
         options.budget_tokens = budget;
         options.sink_tokens = sinks;
         const StreamingWindowPolicy policy(options);
-        const auto spec = std::get<StreamingDeviceSelect>(device_select(policy, ctx));
+        const auto spec = device_select(policy, ctx).get<StreamingDeviceSelect>();
         const cuda::StreamingSelect streaming{spec.budget_tokens, spec.sink_pages, page_tokens};
         const auto want = host_select(policy, ctx, streaming_batch);
         const auto got = dev.run(cuda::streaming_select_capacity(dev.rows, streaming),

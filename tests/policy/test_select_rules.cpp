@@ -52,6 +52,11 @@
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/select_scoring.hpp"
 #include "sparsekv/policy/summary_store_cuda.hpp"
+#include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/retroinfer.hpp"
+#include "sparsekv/policy/shadowkv.hpp"
+#include "sparsekv/policy/streaming_window.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;
@@ -352,7 +357,7 @@ PositionalSweep positional_sweep(const Emulation& e, std::uint32_t seed) {
     const HostRows rows = positional_rows(shape, ctx, streaming_batch, rng);
     const DensePolicy dense;
     const auto want_dense = host_select(dense, ctx, dense_batch);
-    REQUIRE(std::holds_alternative<DenseDeviceSelect>(device_select(dense, ctx)));
+    REQUIRE(device_select(dense, ctx).holds<DenseDeviceSelect>());
     for (std::uint32_t r = 0; r < rows.rows(); ++r)
       out.sweep.compare(emulate_positional(e, rows, r, nullptr), want_dense[r]);
     for (const std::uint32_t budget : {1u, 2u, 3u, 5u, 8u, 17u, 64u, 100u, 1000u, 100000u}) {
@@ -362,8 +367,8 @@ PositionalSweep positional_sweep(const Emulation& e, std::uint32_t seed) {
         options.sink_tokens = sinks;
         const StreamingWindowPolicy policy(options);
         const DeviceSelect select = device_select(policy, ctx);
-        REQUIRE(std::holds_alternative<StreamingDeviceSelect>(select));
-        const auto& spec = std::get<StreamingDeviceSelect>(select);
+        REQUIRE(select.holds<StreamingDeviceSelect>());
+        const auto& spec = select.get<StreamingDeviceSelect>();
         const cuda::StreamingSelect streaming{spec.budget_tokens, spec.sink_pages, ctx.page_tokens};
         const auto want = host_select(policy, ctx, streaming_batch);
         for (std::uint32_t r = 0; r < rows.rows(); ++r) {
@@ -737,32 +742,32 @@ TEST_CASE("the positional zones keep the sinks' and the window's budget rules", 
   options.sink_tokens = 9;
   const LayerContext ctx = layer_context(2, 8, 4, 1);
   const DeviceSelect streaming = device_select(StreamingWindowPolicy(options), ctx);
-  REQUIRE(std::holds_alternative<StreamingDeviceSelect>(streaming));
-  const auto& spec = std::get<StreamingDeviceSelect>(streaming);
+  REQUIRE(streaming.holds<StreamingDeviceSelect>());
+  const auto& spec = streaming.get<StreamingDeviceSelect>();
   CHECK(spec.budget_tokens == 96);
   CHECK(spec.sink_pages == 3);
-  CHECK(summary_kind(streaming) == cuda::AppendSummary::tokens);  // one page per partition, token counts only
-  CHECK(std::holds_alternative<StreamingDeviceSelect>(device_select(AnyPolicy(StreamingWindowPolicy(options)), ctx)));
-  CHECK(std::holds_alternative<DenseDeviceSelect>(device_select(AnyPolicy(DensePolicy()), ctx)));
-  CHECK_FALSE(selects_on_device(device_select(AnyPolicy(OraclePolicy()), ctx)));
+  CHECK(streaming.summary() == cuda::AppendSummary::tokens);  // one page per partition, token counts only
+  CHECK(device_select(AnyPolicy(StreamingWindowPolicy(options)), ctx).holds<StreamingDeviceSelect>());
+  CHECK(device_select(AnyPolicy(DensePolicy()), ctx).holds<DenseDeviceSelect>());
+  CHECK_FALSE(device_select(AnyPolicy(OraclePolicy()), ctx).on_device());
   // RetroInfer: its sink is no candidate, its rows read the host state, and
   // an index update is due once the fed tokens reach update_tokens.
   RetroInferPolicy::Options retro;
   retro.update_tokens = 48;
   const DeviceSelect retro_select = device_select(AnyPolicy(RetroInferPolicy(retro)), ctx);
-  REQUIRE(std::holds_alternative<RetroInferDeviceSelect>(retro_select));
-  const auto& r = std::get<RetroInferDeviceSelect>(retro_select);
+  REQUIRE(retro_select.holds<RetroInferDeviceSelect>());
+  const auto& r = retro_select.get<RetroInferDeviceSelect>();
   CHECK(r.first_partition == 1);
-  CHECK(first_candidate_partition(retro_select) == 1);
-  CHECK(reads_host_state(retro_select));
-  CHECK_FALSE(reads_host_state(streaming));
+  CHECK(retro_select.first_partition() == 1);
+  CHECK(retro_select.reads_host_state());
+  CHECK_FALSE(streaming.reads_host_state());
   CHECK(r.estimation);
   CHECK(r.retrieval_fraction == retro.retrieval_fraction);
   // No budget (the default): the fraction counts candidates, not tokens, so a row may select all of them.
   CHECK(r.budget_tokens == 0);
-  CHECK(select_capacity(retro_select, 50, ctx.page_tokens) == 51);
+  CHECK(retro_select.capacity(50, ctx.page_tokens) == 51);
   retro.budget_tokens = 10;
-  CHECK(select_capacity(device_select(RetroInferPolicy(retro), ctx), 50, ctx.page_tokens) == 10);
+  CHECK(device_select(RetroInferPolicy(retro), ctx).capacity(50, ctx.page_tokens) == 10);
   RetroInferPolicy::LayerState state;
   state.generated = 16;
   CHECK_FALSE(host_index_update_due(RetroInferPolicy(retro), state, 16));

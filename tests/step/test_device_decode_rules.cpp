@@ -26,6 +26,11 @@
 #include "sparsekv/core/numeric.hpp"
 #include "sparsekv/facade/manager.hpp"
 #include "sparsekv/facade/manager_inspection.hpp"
+#include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/retroinfer.hpp"
+#include "sparsekv/policy/shadowkv.hpp"
+#include "sparsekv/policy/streaming_window.hpp"
 #include "test_support.hpp"
 
 using namespace sparsekv;

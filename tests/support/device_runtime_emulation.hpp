@@ -33,7 +33,7 @@
 #include <memory>
 #include <random>
 #include <string_view>
-#include <variant>
+#include <typeindex>
 #include <vector>
 
 #include "append_test_data.hpp"
@@ -52,6 +52,11 @@
 #include "sparsekv/buffer/transfer_replica_copy.hpp"
 #include "sparsekv/metadata/gpu_tables_replica.hpp"
 #include "sparsekv/metadata/replica_writes_cuda.hpp"
+#include "sparsekv/policy/dense.hpp"
+#include "sparsekv/policy/quest.hpp"
+#include "sparsekv/policy/retroinfer.hpp"
+#include "sparsekv/policy/shadowkv.hpp"
+#include "sparsekv/policy/streaming_window.hpp"
 #include "sparsekv/policy/summary_store_cuda.hpp"
 #include "sparsekv/policy/summary_rules.hpp"
 
@@ -124,6 +129,76 @@ struct PromptKeyRows {
   const std::byte* operator()(std::uint32_t t) const { return keys + first + std::size_t{t} * token_bytes; }
 };
 
+// The built-in device Selects' kernels, emulated, found by the spec's type as
+// the CUDA runtime finds their launchers (cuda/policy/device_select_launchers.cpp).
+struct EmulatedSelectCall {
+  const Emulation& emulation;
+  const HostRows& store;  // the layer's summaries and, per row, the host state
+  std::uint32_t page_tokens;
+  const std::uint32_t* windows;  // per row: RetroInfer's steady window
+};
+struct EmulatedSelect {
+  std::vector<PartitionId> (*select_row)(const DeviceSelect&, const EmulatedSelectCall&, std::uint32_t row);
+  // An estimating Select's terms for one row after its selection (null: none).
+  bool (*estimates)(const DeviceSelect&) = nullptr;
+  std::vector<AttentionPartial> (*estimate)(const DeviceSelect&, const EmulatedSelectCall&, std::uint32_t row,
+                                            const std::vector<PartitionId>& selection) = nullptr;
+};
+
+inline cuda::RetroInferSelect emulated_retroinfer(const DeviceSelect& spec, const EmulatedSelectCall& c) {
+  const auto& r = spec.get<RetroInferDeviceSelect>();
+  cuda::RetroInferSelect retro;
+  retro.sink_partitions = c.store.sink_partitions.data();
+  retro.sink_tokens = c.store.sink_tokens.data();
+  retro.recent = c.store.recent.data();
+  retro.windows = c.windows;
+  retro.budget_tokens = r.budget_tokens;
+  retro.retrieval_fraction = r.retrieval_fraction;
+  return retro;
+}
+
+inline const EmulatedSelect& emulated_select(const DeviceSelect& spec) {
+  static const std::map<std::type_index, EmulatedSelect> table{
+      {typeid(QuestDeviceSelect), {[](const DeviceSelect& spec, const EmulatedSelectCall& c, std::uint32_t row) {
+         const auto& q = spec.get<QuestDeviceSelect>();
+         return emulate_quest(c.emulation, c.store, row,
+                              cuda::QuestSelect{nullptr, nullptr, q.budget_tokens, q.dense_layer, q.sink_tokens,
+                                                q.window_tokens, q.spread});
+       }}},
+      {typeid(ShadowKVDeviceSelect), {[](const DeviceSelect& spec, const EmulatedSelectCall& c, std::uint32_t row) {
+         const auto& k = spec.get<ShadowKVDeviceSelect>();
+         return emulate_shadowkv(
+             c.emulation, c.store, row,
+             cuda::ShadowKVSelect{nullptr, nullptr, k.budget_tokens, k.recent_tokens, k.outlier_pages});
+       }}},
+      {typeid(StreamingDeviceSelect), {[](const DeviceSelect& spec, const EmulatedSelectCall& c, std::uint32_t row) {
+         const auto& w = spec.get<StreamingDeviceSelect>();
+         const cuda::StreamingSelect streaming{w.budget_tokens, w.sink_pages, c.page_tokens};
+         return emulate_positional(c.emulation, c.store, row, &streaming);
+       }}},
+      {typeid(DenseDeviceSelect), {[](const DeviceSelect&, const EmulatedSelectCall& c, std::uint32_t row) {
+         return emulate_positional(c.emulation, c.store, row, nullptr);
+       }}},
+      {typeid(RetroInferDeviceSelect),
+       {[](const DeviceSelect& spec, const EmulatedSelectCall& c, std::uint32_t row) {
+          return emulate_retroinfer(c.emulation, c.store, row, emulated_retroinfer(spec, c));
+        },
+        [](const DeviceSelect& spec) { return spec.get<RetroInferDeviceSelect>().estimation; },
+        [](const DeviceSelect& spec, const EmulatedSelectCall& c, std::uint32_t row,
+           const std::vector<PartitionId>& selection) {
+          cuda::RetroInferEstimate estimate;
+          estimate.estimation_fraction = spec.get<RetroInferDeviceSelect>().estimation_fraction;
+          return emulate_estimate(c.emulation, c.store, row, emulated_retroinfer(spec, c), estimate, selection);
+        }}},
+  };
+  const auto it = table.find(std::type_index(spec.type()));
+  if (it == table.end()) {
+    fail(ErrorCode::invalid_argument, "DeviceRuntime: no launcher is registered for the device Select {}",
+         spec.type().name());
+  }
+  return it->second;
+}
+
 class EmulatedDeviceRuntime final : public DeviceRuntime {
  public:
   EmulatedDeviceRuntime(const DeviceRuntimeSetup& setup, TieredKVBuffer& buffer, EmulatedDeviceMemory& memory,
@@ -142,7 +217,7 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
                setup.shape.kv_heads,
                setup.shape.head_dim,
                setup.max_partitions_per_head,
-               first_candidate_partition(setup.select)} {
+               setup.select.first_partition()} {
     cuda::check_summary_shape("DeviceSummaries", shape_);
     buffer_.tiers().transfer.synchronize();
     const ModelShape& s = setup.shape;
@@ -171,7 +246,7 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
       stores_.push_back(std::move(store));
     }
     q_.assign(std::size_t{setup.max_batch} * s.q_heads * s.head_dim, 0.0f);
-    if (std::holds_alternative<RetroInferDeviceSelect>(setup.select)) {
+    if (setup.select.estimates()) {
       extra_max_.assign(std::size_t{setup.max_batch} * s.q_heads, 0.0f);
       extra_sum_.assign(extra_max_.size(), 0.0f);
       extra_acc_.assign(extra_max_.size() * s.head_dim, 0.0f);
@@ -278,25 +353,8 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     const DeviceSelect& spec = step.select;
     const std::uint32_t max_selected = setup_.max_selected_per_head;
     // The select entry points' host check (select_kernels.cu: capacity()).
-    const std::uint32_t whole = store.max_row;
-    const std::uint32_t page_tokens = setup_.page_tokens;
-    struct Needed {
-      std::uint32_t whole, page_tokens;
-      std::uint32_t operator()(std::monostate) const { return 0; }
-      std::uint32_t operator()(const QuestDeviceSelect& q) const {
-        return q.dense_layer ? whole : std::min(q.budget_tokens, whole);
-      }
-      std::uint32_t operator()(const ShadowKVDeviceSelect& k) const { return std::min(k.budget_tokens, whole); }
-      std::uint32_t operator()(const StreamingDeviceSelect& w) const {
-        return static_cast<std::uint32_t>(
-            std::min<std::uint64_t>(whole, (std::uint64_t{w.budget_tokens} + page_tokens - 1) / page_tokens));
-      }
-      std::uint32_t operator()(const DenseDeviceSelect&) const { return whole; }
-      std::uint32_t operator()(const RetroInferDeviceSelect& r) const {
-        return cuda::select_capacity(whole, r.budget_tokens, r.budget_tokens == 0, 1);
-      }
-    };
-    const std::uint32_t needed = std::visit(Needed{whole, page_tokens}, spec);
+    const std::uint32_t needed = spec.capacity(store.max_row, setup_.page_tokens);
+    const EmulatedSelect& emulated = emulated_select(spec);
     if (max_selected < needed) {
       fail(ErrorCode::invalid_argument, "select: max_selected {} below the {} a selection may hold", max_selected,
            needed);
@@ -348,17 +406,8 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     store.sink_partitions = sink_partitions;
     store.sink_tokens = sink_tokens;
     store.recent = recent;
-    const auto* retro_spec = std::get_if<RetroInferDeviceSelect>(&spec);
-    cuda::RetroInferSelect retro;
-    retro.sink_partitions = sink_partitions.data();
-    retro.sink_tokens = sink_tokens.data();
-    retro.recent = recent.data();
-    retro.windows = windows.data();
-    if (retro_spec != nullptr) {
-      retro.budget_tokens = retro_spec->budget_tokens;
-      retro.retrieval_fraction = retro_spec->retrieval_fraction;
-    }
-    estimated_ = retro_spec != nullptr && retro_spec->estimation;
+    const EmulatedSelectCall call{emulation_.select, store, setup_.page_tokens, windows.data()};
+    estimated_ = emulated.estimate != nullptr && emulated.estimates(spec);
     std::vector<AttentionPartial> extra;
     if (estimated_) extra.assign(std::size_t{step.batch} * s.q_heads, AttentionPartial(s.head_dim));
     store.q.assign(q_.begin(), q_.begin() + std::ptrdiff_t{step.batch} * s.q_heads * s.head_dim);
@@ -366,48 +415,19 @@ class EmulatedDeviceRuntime final : public DeviceRuntime {
     std::vector<std::uint32_t> selected_count(rows);
     selections_.assign(rows, {});
     for (std::uint32_t r = 0; r < rows; ++r) {
-      // The kernel of the layer's device Select, dispatched once as the runtime does.
-      struct Select {
-        const RuntimeEmulation& emulation;
-        HostRows& store;
-        std::uint32_t row, page_tokens;
-        const cuda::RetroInferSelect& retro;
-        std::vector<PartitionId> operator()(std::monostate) const { return {}; }  // refused above
-        std::vector<PartitionId> operator()(const QuestDeviceSelect& q) const {
-          return emulate_quest(emulation.select, store, row,
-                               cuda::QuestSelect{nullptr, nullptr, q.budget_tokens, q.dense_layer, q.sink_tokens,
-                                                 q.window_tokens, q.spread});
-        }
-        std::vector<PartitionId> operator()(const ShadowKVDeviceSelect& k) const {
-          return emulate_shadowkv(
-              emulation.select, store, row,
-              cuda::ShadowKVSelect{nullptr, nullptr, k.budget_tokens, k.recent_tokens, k.outlier_pages});
-        }
-        std::vector<PartitionId> operator()(const StreamingDeviceSelect& w) const {
-          const cuda::StreamingSelect streaming{w.budget_tokens, w.sink_pages, page_tokens};
-          return emulate_positional(emulation.select, store, row, &streaming);
-        }
-        std::vector<PartitionId> operator()(const DenseDeviceSelect&) const {
-          return emulate_positional(emulation.select, store, row, nullptr);
-        }
-        std::vector<PartitionId> operator()(const RetroInferDeviceSelect&) const {
-          return emulate_retroinfer(emulation.select, store, row, retro);
-        }
-      };
-      std::vector<PartitionId> chosen = std::visit(Select{emulation_, store, r, page_tokens, retro}, spec);
+      // The kernel of the layer's device Select, found once as the runtime finds its launcher.
+      std::vector<PartitionId> chosen = emulated.select_row(spec, call, r);
       // A kernel writes at most max_selected (its capacity check above guarantees the room).
       if (chosen.size() > max_selected) chosen.resize(max_selected);
       std::copy(chosen.begin(), chosen.end(), selected.begin() + std::ptrdiff_t{r} * max_selected);
       selected_count[r] = static_cast<std::uint32_t>(chosen.size());
       selections_[r] = std::move(chosen);
     }
-    // The estimation zone's terms (retroinfer_estimate), each row after its selection.
+    // The estimation zone's terms, each row after its selection.
     if (estimated_) {
-      cuda::RetroInferEstimate estimate;
-      estimate.estimation_fraction = retro_spec->estimation_fraction;
       const std::uint32_t group = s.q_heads / s.kv_heads;
       for (std::uint32_t r = 0; r < rows; ++r) {
-        const auto terms = emulate_estimate(emulation_.select, store, r, retro, estimate, selections_[r]);
+        const auto terms = emulated.estimate(spec, call, r, selections_[r]);
         for (std::uint32_t j = 0; j < group; ++j) {
           const std::size_t t = std::size_t{r} * group + j;
           extra[t] = terms[j];

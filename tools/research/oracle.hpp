@@ -34,9 +34,6 @@ class OraclePolicy : public BlockSummaryPolicy<OraclePolicy> {
     std::vector<std::vector<float>> keys;       // [kv head][token * head_dim + d], in partition order
   };
   static constexpr std::string_view kName = "oracle";
-  static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kRegroups = false;          // append() never asks for a Repartition
-  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   OraclePolicy() : OraclePolicy(Options{}) {}
   explicit OraclePolicy(const Options& options) : options_(options) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "sparsekv/policy/device_select.hpp"
+#include "sparsekv/policy/host_state_feed.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 #include "sparsekv/policy/token_eviction.hpp"
 

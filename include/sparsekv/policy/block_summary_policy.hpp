@@ -155,6 +155,10 @@ PartitionSpec fork_uniform_partitions(const LayerContext& ctx, const State& sour
 template <class Derived>
 class BlockSummaryPolicy {
  public:
+  static constexpr RopeStage kRope = RopeStage::post_rope;  // summaries of the keys attention reads
+  static constexpr bool kRegroups = false;                  // append() never asks for a Repartition
+  static constexpr bool kIndexReadsValues = false;          // index() reads K alone
+
   template <class State>
   std::vector<PartitionSpec> index(const LayerContext& ctx, const KvView& kv, State& state) const {
     const Derived& p = derived();

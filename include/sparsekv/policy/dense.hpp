@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/page_position_policy.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
@@ -39,6 +40,11 @@ class DensePolicy : public PagePositionPolicy<DensePolicy> {
 // Dense's device Select (policy/device_select.hpp): every candidate.
 struct DenseDeviceSelect {
   using Policy = DensePolicy;
+  static constexpr cuda::AppendSummary summary = cuda::AppendSummary::tokens;
+
+  std::uint32_t capacity(std::uint32_t max_partitions, std::uint32_t) const {
+    return cuda::select_capacity(max_partitions, 0, true, 0);
+  }
 };
 inline DenseDeviceSelect device_select_spec(const DensePolicy&, const LayerContext&) { return {}; }
 

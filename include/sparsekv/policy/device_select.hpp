@@ -1,40 +1,147 @@
 #pragma once
-// Which policies select on the device, and with what (the device decode step,
-// docs/device-decode.md). Each policy that has a device Select declares its
-// own spec beside it (QuestDeviceSelect in quest.hpp, ShadowKVDeviceSelect,
-// StreamingDeviceSelect, DenseDeviceSelect, RetroInferDeviceSelect) and a
-// device_select_spec(policy, ctx) that makes it; DeviceSelect is the one of
-// them a layer uses, and the device step dispatches on it once, at its entry
-// (step/device_runtime.hpp). Quest (Tang et al. 2024, min / max bound) and
-// ShadowKV (Sun et al. 2024; Spin §4.2, landmarks + outliers) run the kernels
-// of policy/select_cuda.hpp over summaries kept on the device, equal to their
-// host select() bit for bit. StreamingWindow (StreamingLLM) and Dense select
-// from the candidates' positions and token counts alone (no summaries: the
-// store keeps only token counts). RetroInfer (Chen et al. 2025, §4.2) ranks
-// centroids kept on the device; its clustering stays on the host, whose state
-// its rows read (policy/host_state_feed.hpp). Every other policy has none
-// (std::monostate) and is served by the host-tensor API.
+// A policy's device Select (the device decode step, docs/device-decode.md),
+// open to registration. A policy with one declares beside it a spec, a plain
+// trivially copyable struct that names the policy it serves and states its
+// rules, and a device_select_spec(policy, ctx) that makes it:
+//
+//   struct MyDeviceSelect {
+//     using Policy = MyPolicy;
+//     static constexpr cuda::AppendSummary summary = cuda::AppendSummary::quest;  // what the store keeps
+//     std::uint32_t capacity(std::uint32_t max_partitions, std::uint32_t page_tokens) const;
+//     ...  // the Select's parameters
+//   };
+//
+// and optionally `static constexpr bool reads_host_state = true` (its rows
+// read the host policy state, which the step then keeps in step),
+// `static constexpr bool estimates = true` (it may hand an estimation zone's
+// terms to the attention) and a `first_partition` member (the partition id
+// of a row's first candidate). DeviceSelect holds any spec by value, without
+// allocating; the CUDA runtime finds its launch by the spec's type
+// (policy/device_select_launch.hpp). Built in: Quest (Tang et al. 2024,
+// min / max bound) and ShadowKV (Sun et al. 2024; Spin §4.2, landmarks +
+// outliers) over summaries kept on the device, equal to their host select()
+// bit for bit; StreamingWindow (StreamingLLM) and Dense from the candidates'
+// positions and token counts alone; RetroInfer (Chen et al. 2025, §4.2)
+// ranking centroids kept on the device, its clustering on the host
+// (policy/host_state_feed.hpp). Every other policy has none and is served by
+// the host-tensor API.
+#include <concepts>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <new>
 #include <optional>
 #include <type_traits>
-#include <utility>
-#include <variant>
-#include <vector>
+#include <typeinfo>
 
-#include "sparsekv/policy/dense.hpp"
-#include "sparsekv/policy/host_state_feed.hpp"
-#include "sparsekv/policy/quest.hpp"
-#include "sparsekv/policy/retroinfer.hpp"
+#include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/select_cuda.hpp"
-#include "sparsekv/policy/shadowkv.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
-#include "sparsekv/policy/streaming_window.hpp"
 #include "sparsekv/policy/summary_store_cuda.hpp"
 
 namespace sparsekv {
 
-using DeviceSelect = std::variant<std::monostate, QuestDeviceSelect, ShadowKVDeviceSelect, StreamingDeviceSelect,
-                                  DenseDeviceSelect, RetroInferDeviceSelect>;
+inline constexpr std::size_t kMaxDeviceSelectSpecBytes = 64;
+
+template <class S>
+concept DeviceSelectSpec = std::is_trivially_copyable_v<S> && sizeof(S) <= kMaxDeviceSelectSpecBytes &&
+                           alignof(S) <= alignof(std::max_align_t) && requires(const S& s, std::uint32_t n) {
+  typename S::Policy;
+  { S::summary } -> std::convertible_to<cuda::AppendSummary>;
+  { s.capacity(n, n) } -> std::convertible_to<std::uint32_t>;
+};
+
+// One layer's device Select: a spec of any registered type, or none.
+class DeviceSelect {
+ public:
+  DeviceSelect() = default;  // none: the policy selects on the host
+  template <DeviceSelectSpec S>
+  DeviceSelect(const S& spec) : rules_(&rules_of<S>()) {  // NOLINT: a spec converts
+    std::memcpy(bytes_, &spec, sizeof(S));
+  }
+
+  bool on_device() const noexcept { return rules_ != nullptr; }
+  // The spec's type; typeid(void) for none.
+  const std::type_info& type() const noexcept { return rules_ != nullptr ? *rules_->type : typeid(void); }
+  template <class S>
+  bool holds() const noexcept {
+    return rules_ != nullptr && *rules_->type == typeid(S);
+  }
+  template <class S>
+  const S* get_if() const noexcept {
+    return holds<S>() ? std::launder(reinterpret_cast<const S*>(bytes_)) : nullptr;
+  }
+  // The spec; invalid_argument when it is of another type.
+  template <class S>
+  const S& get() const {
+    const S* spec = get_if<S>();
+    if (spec == nullptr) fail(ErrorCode::invalid_argument, "DeviceSelect: holds another spec type");
+    return *spec;
+  }
+
+  // The spec's rules (AppendSummary::none, false and 0 for none):
+  // - summary: the summaries the device store keeps for it (the positional
+  //   kinds only token counts);
+  // - reads_host_state: a row reads the host policy state (RetroInfer's sink
+  //   and steady zone, host_state_row), which the step then keeps in step;
+  // - estimates: it may hand an estimation zone's terms to the attention;
+  // - first_partition: the partition id of a row's first candidate
+  //   (RetroInfer's sink is none);
+  // - capacity: the partitions one Select may return per row of at most
+  //   `max_partitions` candidates, the bound the Select kernels hold their
+  //   output array to (cuda::select_capacity; they cannot assume page-sized
+  //   partitions, so Quest and ShadowKV need up to budget_tokens slots, not
+  //   budget / page tokens). The step sizes its selection arrays by the
+  //   largest over layers.
+  cuda::AppendSummary summary() const noexcept {
+    return rules_ != nullptr ? rules_->summary : cuda::AppendSummary::none;
+  }
+  bool reads_host_state() const noexcept { return rules_ != nullptr && rules_->reads_host_state; }
+  bool estimates() const noexcept { return rules_ != nullptr && rules_->estimates; }
+  std::uint32_t first_partition() const noexcept { return rules_ != nullptr ? rules_->first_partition(bytes_) : 0; }
+  std::uint32_t capacity(std::uint32_t max_partitions, std::uint32_t page_tokens) const {
+    return rules_ != nullptr ? rules_->capacity(bytes_, max_partitions, page_tokens) : 0;
+  }
+
+ private:
+  struct Rules {
+    const std::type_info* type;
+    cuda::AppendSummary summary;
+    bool reads_host_state;
+    bool estimates;
+    std::uint32_t (*capacity)(const std::byte*, std::uint32_t, std::uint32_t);
+    std::uint32_t (*first_partition)(const std::byte*);
+  };
+  template <class S>
+  static const S& spec_at(const std::byte* bytes) {
+    return *std::launder(reinterpret_cast<const S*>(bytes));
+  }
+  template <class S>
+  static const Rules& rules_of() {
+    static const Rules rules{
+        &typeid(S),
+        S::summary,
+        [] {
+          if constexpr (requires { S::reads_host_state; }) return bool{S::reads_host_state};
+          return false;
+        }(),
+        [] {
+          if constexpr (requires { S::estimates; }) return bool{S::estimates};
+          return false;
+        }(),
+        [](const std::byte* b, std::uint32_t max_partitions, std::uint32_t page_tokens) -> std::uint32_t {
+          return spec_at<S>(b).capacity(max_partitions, page_tokens);
+        },
+        [](const std::byte* b) -> std::uint32_t {
+          if constexpr (requires(const S& s) { s.first_partition; }) return spec_at<S>(b).first_partition;
+          return 0;
+        }};
+    return rules;
+  }
+
+  const Rules* rules_ = nullptr;
+  alignas(std::max_align_t) std::byte bytes_[kMaxDeviceSelectSpecBytes]{};
+};
 
 namespace detail {
 template <class Spec>
@@ -47,18 +154,20 @@ struct UnwrapSpec<std::optional<Spec>> {
 };
 }  // namespace detail
 
-// The device Select of policy `p` in the layer of `ctx`, or std::monostate. A
-// spec serves exactly the policy type it names (Spec::Policy): a policy
-// derived from a built-in one may select differently, so it has none.
+// The device Select of policy `p` in the layer of `ctx`, or none. A spec
+// serves exactly the policy type it names (Spec::Policy): a policy derived
+// from a built-in one may select differently, so it has none.
 template <class P>
 DeviceSelect device_select(const P& p, const LayerContext& ctx) {
   if constexpr (requires { device_select_spec(p, ctx); }) {
     using Made = decltype(device_select_spec(p, ctx));
-    if constexpr (!std::is_same_v<typename detail::UnwrapSpec<Made>::type::Policy, P>) {
+    using Spec = typename detail::UnwrapSpec<Made>::type;
+    static_assert(DeviceSelectSpec<Spec>, "a device Select spec states its rules (policy/device_select.hpp)");
+    if constexpr (!std::is_same_v<typename Spec::Policy, P>) {
       return {};
     } else {
       Made spec = device_select_spec(p, ctx);
-      if constexpr (std::is_same_v<Made, typename detail::UnwrapSpec<Made>::type>) {
+      if constexpr (std::is_same_v<Made, Spec>) {
         return DeviceSelect{spec};
       } else {
         if (!spec) return {};
@@ -68,59 +177,6 @@ DeviceSelect device_select(const P& p, const LayerContext& ctx) {
   } else {
     return {};
   }
-}
-
-inline bool selects_on_device(const DeviceSelect& s) { return !std::holds_alternative<std::monostate>(s); }
-
-// Whether a row of the Select reads the host policy state (RetroInfer's sink
-// and steady zone, host_state_row), which the step then keeps in step.
-inline bool reads_host_state(const DeviceSelect& s) { return std::holds_alternative<RetroInferDeviceSelect>(s); }
-
-// The partition id of a row's first candidate (RetroInfer's sink is none).
-inline std::uint32_t first_candidate_partition(const DeviceSelect& s) {
-  const auto* retro = std::get_if<RetroInferDeviceSelect>(&s);
-  return retro != nullptr ? retro->first_partition : 0;
-}
-
-// The summaries a Select reads on the device (the positional kinds only token
-// counts); AppendSummary::none for a policy without a device Select.
-inline cuda::AppendSummary summary_kind(const DeviceSelect& s) {
-  using Summary = cuda::AppendSummary;
-  constexpr Summary kinds[] = {Summary::none,   Summary::quest,  Summary::shadowkv,
-                               Summary::tokens, Summary::tokens, Summary::retroinfer};
-  static_assert(std::size(kinds) == std::variant_size_v<DeviceSelect>);
-  return kinds[s.index()];
-}
-
-// The partitions one device Select of `s` may return per row of at most
-// `max_partitions` candidates: the bound the Select kernels hold their output
-// array to (cuda::select_capacity; they cannot assume page-sized partitions,
-// so Quest and ShadowKV need up to budget_tokens slots, not budget / page
-// tokens). The step sizes its selection arrays by the largest over layers.
-inline std::uint32_t select_capacity(const DeviceSelect& s, std::uint32_t max_partitions, std::uint32_t page_tokens) {
-  struct Capacity {
-    std::uint32_t max_partitions, page_tokens;
-    std::uint32_t operator()(std::monostate) const { return 0; }
-    std::uint32_t operator()(const QuestDeviceSelect& q) const {
-      return cuda::select_capacity(max_partitions, q.budget_tokens, q.dense_layer, 0);
-    }
-    std::uint32_t operator()(const ShadowKVDeviceSelect& k) const {
-      return cuda::select_capacity(max_partitions, k.budget_tokens, false, 0);
-    }
-    std::uint32_t operator()(const StreamingDeviceSelect& w) const {
-      const std::uint64_t pages = (std::uint64_t{w.budget_tokens} + page_tokens - 1) / page_tokens;
-      return cuda::select_capacity(max_partitions,
-                                   static_cast<std::uint32_t>(std::min<std::uint64_t>(pages, 0xffffffffu)), false, 0);
-    }
-    std::uint32_t operator()(const DenseDeviceSelect&) const {
-      return cuda::select_capacity(max_partitions, 0, true, 0);
-    }
-    std::uint32_t operator()(const RetroInferDeviceSelect& r) const {
-      // The sink besides the candidates; no budget (0): the whole row.
-      return cuda::select_capacity(max_partitions, r.budget_tokens, r.budget_tokens == 0, 1);
-    }
-  };
-  return std::visit(Capacity{max_partitions, page_tokens}, s);
 }
 
 }  // namespace sparsekv

@@ -56,6 +56,7 @@
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/block_summary_policy.hpp"
 #include "sparsekv/policy/box_rows.hpp"
+#include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/select_scoring.hpp"
@@ -81,9 +82,6 @@ class QuestPolicy : public BlockSummaryPolicy<QuestPolicy> {
     std::vector<BoxRows> min, max;              // [kv head], a row per partition
   };
   static constexpr std::string_view kName = "quest";
-  static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kRegroups = false;          // append() never asks for a Repartition
-  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   QuestPolicy() : QuestPolicy(Options{}) {}  // not `= {}`: GCC rejects nested defaults there
   explicit QuestPolicy(const Options& options) : options_(options) {
@@ -218,11 +216,16 @@ class QuestPolicy : public BlockSummaryPolicy<QuestPolicy> {
 // coarser page_tokens_per_partition keeps it on the host-tensor API.
 struct QuestDeviceSelect {
   using Policy = QuestPolicy;
+  static constexpr cuda::AppendSummary summary = cuda::AppendSummary::quest;
   std::uint32_t budget_tokens = 0;
   bool dense_layer = false;         // a layer below dense_layers selects everything
   std::uint32_t sink_tokens = 0;    // the steady zone's sink ...
   std::uint32_t window_tokens = 0;  // ... and recent window (QuestPolicy::window_tokens())
   float spread = 1.0f;              // the score's spread (Options::spread)
+
+  std::uint32_t capacity(std::uint32_t max_partitions, std::uint32_t) const {
+    return cuda::select_capacity(max_partitions, budget_tokens, dense_layer, 0);
+  }
 };
 inline std::optional<QuestDeviceSelect> device_select_spec(const QuestPolicy& p, const LayerContext& ctx) {
   if (p.partition_tokens(ctx) != ctx.page_tokens) return std::nullopt;

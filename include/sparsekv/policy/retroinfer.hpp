@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "sparsekv/core/ids.hpp"
+#include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 #include "sparsekv/policy/host_state_feed.hpp"
 
@@ -188,6 +189,9 @@ class RetroInferPolicy {
 // (docs/device-decode.md, "RetroInfer").
 struct RetroInferDeviceSelect {
   using Policy = RetroInferPolicy;
+  static constexpr cuda::AppendSummary summary = cuda::AppendSummary::retroinfer;
+  static constexpr bool reads_host_state = true;
+  static constexpr bool estimates = true;
   std::uint32_t budget_tokens = 0;
   // The zones' fractions (retrieval_fraction applies with budget_tokens 0, no
   // budget), and whether the estimation zone is attended.
@@ -197,6 +201,11 @@ struct RetroInferDeviceSelect {
   // The partition id of a head's first candidate: its sink is partition 0 and
   // no candidate (it joins a selection by the steady zone).
   std::uint32_t first_partition = 0;
+
+  // The sink besides the candidates; no budget (0): the whole row.
+  std::uint32_t capacity(std::uint32_t max_partitions, std::uint32_t) const {
+    return cuda::select_capacity(max_partitions, budget_tokens, budget_tokens == 0, 1);
+  }
 };
 inline RetroInferDeviceSelect device_select_spec(const RetroInferPolicy& p, const LayerContext&) {
   const RetroInferPolicy::Options& o = p.options();

@@ -192,7 +192,7 @@ std::size_t select_workspace_bytes(const SelectRows& rows);
 // RetroInfer's sink) when the row fits the budget, the layer is dense or
 // RetroInfer has no budget (0: its fraction counts candidates, not tokens).
 // select_capacity is that rule, inline so the facade sizes its arrays by it
-// (select_capacity in policy/device_select.hpp) without the CUDA library.
+// (each spec's capacity, policy/device_select.hpp) without the CUDA library.
 inline std::uint32_t select_capacity(std::uint32_t max_row_candidates, std::uint32_t budget_candidates, bool whole_row,
                                      std::uint32_t extra) {
   const std::uint64_t whole = std::uint64_t{max_row_candidates} + extra;

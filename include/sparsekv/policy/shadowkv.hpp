@@ -35,6 +35,7 @@
 
 #include "sparsekv/core/error.hpp"
 #include "sparsekv/policy/block_summary_policy.hpp"
+#include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/summary_rules.hpp"
 #include "sparsekv/policy/select_rules.hpp"
 #include "sparsekv/policy/select_scoring.hpp"
@@ -58,9 +59,6 @@ class ShadowKVPolicy : public BlockSummaryPolicy<ShadowKVPolicy> {
     std::vector<std::vector<float>> outlier_score;  // [kv head][partition]: min over keys of cos(key, landmark)
   };
   static constexpr std::string_view kName = "shadowkv";
-  static constexpr RopeStage kRope = RopeStage::post_rope;
-  static constexpr bool kRegroups = false;          // append() never asks for a Repartition
-  static constexpr bool kIndexReadsValues = false;  // index() reads K alone
 
   ShadowKVPolicy() : ShadowKVPolicy(Options{}) {}  // not `= {}`: GCC rejects nested defaults there
   explicit ShadowKVPolicy(const Options& options) : options_(options) {
@@ -191,9 +189,14 @@ class ShadowKVPolicy : public BlockSummaryPolicy<ShadowKVPolicy> {
 // over the landmarks and outlier scores kept on the device.
 struct ShadowKVDeviceSelect {
   using Policy = ShadowKVPolicy;
+  static constexpr cuda::AppendSummary summary = cuda::AppendSummary::shadowkv;
   std::uint32_t budget_tokens = 0;
   std::uint32_t recent_tokens = 0;
   std::uint32_t outlier_pages = 0;  // outlier_count()
+
+  std::uint32_t capacity(std::uint32_t max_partitions, std::uint32_t) const {
+    return cuda::select_capacity(max_partitions, budget_tokens, false, 0);
+  }
 };
 inline ShadowKVDeviceSelect device_select_spec(const ShadowKVPolicy& p, const LayerContext&) {
   return {p.options().budget_tokens, p.options().recent_tokens, p.outlier_count()};

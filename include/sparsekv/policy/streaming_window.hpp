@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "sparsekv/core/error.hpp"
+#include "sparsekv/policy/device_select.hpp"
 #include "sparsekv/policy/page_position_policy.hpp"
 #include "sparsekv/policy/sparse_attention.hpp"
 
@@ -67,8 +68,15 @@ class StreamingWindowPolicy : public PagePositionPolicy<StreamingWindowPolicy> {
 // budget counts tokens.
 struct StreamingDeviceSelect {
   using Policy = StreamingWindowPolicy;
+  static constexpr cuda::AppendSummary summary = cuda::AppendSummary::tokens;  // one page a partition
   std::uint32_t budget_tokens = 0;
   std::uint32_t sink_pages = 0;  // the pages its sink tokens span
+
+  std::uint32_t capacity(std::uint32_t max_partitions, std::uint32_t page_tokens) const {
+    const std::uint64_t pages = (std::uint64_t{budget_tokens} + page_tokens - 1) / page_tokens;
+    return cuda::select_capacity(max_partitions,
+                                 static_cast<std::uint32_t>(std::min<std::uint64_t>(pages, 0xffffffffu)), false, 0);
+  }
 };
 inline StreamingDeviceSelect device_select_spec(const StreamingWindowPolicy& p, const LayerContext& ctx) {
   // select_head's sink_pages: ceil(sink_tokens / page_tokens) in 64 bits.

@@ -262,6 +262,8 @@ class DeviceSummaries {
     std::uint32_t* tokens = nullptr;
   };
   const Layer& layer_at(const char* function, std::uint32_t layer) const;
+  // Layer `layer`'s array `which` when the store keeps `kind`, else null.
+  float* summary_array(const char* function, std::uint32_t layer, AppendSummary kind, float* Layer::*which) const;
   void release() noexcept;
 
   SummaryShape shape_;

@@ -25,6 +25,7 @@
 #include "sparsekv/core/model_shape.hpp"
 #include "sparsekv/partition/partition_map.hpp"
 #include "sparsekv/policy/device_select.hpp"
+#include "sparsekv/policy/host_state_feed.hpp"
 
 namespace sparsekv {
 

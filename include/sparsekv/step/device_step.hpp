@@ -35,7 +35,7 @@ namespace sparsekv {
 template <class Policy>
 bool selects_on_device_in_every_layer(const StepScope<Policy>& scope) {
   for (std::uint32_t l = 0; l < scope.shape->layers; ++l) {
-    if (!selects_on_device(device_select(*scope.policy, scope.context(l, scope.config->max_context_tokens)))) {
+    if (!device_select(*scope.policy, scope.context(l, scope.config->max_context_tokens)).on_device()) {
       return false;
     }
   }
@@ -63,14 +63,14 @@ DeviceRuntimeSetup device_runtime_setup(const StepScope<Policy>& scope, std::uin
   setup.scale = scope.scale();
   for (std::uint32_t l = 0; l < scope.shape->layers; ++l) {
     const DeviceSelect select = device_select(*scope.policy, scope.context(l, config.max_context_tokens));
-    if (!selects_on_device(select)) {
+    if (!select.on_device()) {
       fail(ErrorCode::invalid_argument,
            "policy {} has no device Select in layer {} (policy/device_select.hpp); use the host-tensor API",
            policy_name(*scope.policy), l);
     }
     setup.select = select;
     setup.max_selected_per_head =
-        std::max(setup.max_selected_per_head, select_capacity(select, max_partitions_per_head, config.page_tokens));
+        std::max(setup.max_selected_per_head, select.capacity(max_partitions_per_head, config.page_tokens));
   }
   return setup;
 }
@@ -111,7 +111,7 @@ class DeviceStep {
              e.request, bad / row, bad % row / head_dim, bad % head_dim);
       }
     }
-    if (reads_host_state(device_select(*scope_.policy, scope_.context(layer, tokens)))) {
+    if (device_select(*scope_.policy, scope_.context(layer, tokens)).reads_host_state()) {
       const std::size_t bytes = tokens * row * dtype_size(scope_.shape->dtype);
       prompt_k_.resize(bytes);
       prompt_v_.resize(bytes);
@@ -192,7 +192,7 @@ void DeviceStep<Policy>::prepare(std::span<const Entry> batch, std::uint32_t lay
     if (!next.saves) continue;
     const LayerStepState<State>& ls = *e.state;
     SaveDemand demand;
-    if (reads_host_state(select) &&
+    if (select.reads_host_state() &&
         host_index_update_due(*scope_.policy, ls.policy, (ls.unfed_pages + 1) * page_tokens)) {
       if (runtime_.capturing(stream)) {
         fail(ErrorCode::failed_precondition,
@@ -223,7 +223,7 @@ void DeviceStep<Policy>::decode(std::span<const Entry> batch, std::uint32_t laye
 
   TieredKVBuffer& buffer = *scope_.buffer;
   const std::uint32_t kv_heads = scope_.shape->kv_heads;
-  const bool host_state = reads_host_state(select);
+  const bool host_state = select.reads_host_state();
   const auto t0 = Clock::now();
   const std::size_t rows = batch.size() * kv_heads;
   request_slots_.resize(batch.size());

@@ -19,11 +19,11 @@
 
 namespace sparsekv {
 
-// The summaries the device store keeps for `select` (summary_kind); throws
-// invalid_argument for a policy with no device Select.
+// The summaries the device store keeps for `select` (DeviceSelect::summary);
+// throws invalid_argument for a policy with no device Select.
 inline cuda::AppendSummary store_summary_kind(const DeviceSelect& select) {
-  if (!selects_on_device(select)) fail(ErrorCode::invalid_argument, "DeviceRuntime: the policy has no device Select");
-  return summary_kind(select);
+  if (!select.on_device()) fail(ErrorCode::invalid_argument, "DeviceRuntime: the policy has no device Select");
+  return select.summary();
 }
 
 // Replica writes one step may carry: a filling row appends one meta entry --
