@@ -69,7 +69,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
     const ModelShape& s = setup.shape;
     const std::size_t max_selected = std::size_t{rows_} * setup.max_selected_per_head;
     const std::size_t max_pages = std::size_t{rows_} * setup.max_pages_per_head;
-    launcher_of(setup.select);
+    launcher_ = launcher_of(setup.select);
     q_ = DeviceBytes(sizeof(float) * setup.max_batch * s.q_heads * s.head_dim);
     selected_ = DeviceBytes(sizeof(PartitionId) * max_selected);
     selected_count_ = DeviceBytes(sizeof(std::uint32_t) * rows_);
@@ -181,7 +181,9 @@ class CudaDeviceRuntime final : public DeviceRuntime {
       fail(ErrorCode::invalid_argument, "decode: layer {}'s Select estimates, the runtime's has no room for it",
            step.layer);
     }
-    const DeviceSelectLauncher launcher = launcher_of(step.select);
+    // Every layer's spec is the setup's type for the built-ins: no table lookup on the step's path.
+    const DeviceSelectLauncher launcher =
+        step.select.type() == setup_.select.type() ? launcher_ : launcher_of(step.select);
     const auto stream = static_cast<cudaStream_t>(step.stream);
     const std::uint32_t rows = step.batch * setup_.shape.kv_heads;
     // 0. The step's arguments, written into a ring slot no launch still reads.
@@ -475,6 +477,7 @@ class CudaDeviceRuntime final : public DeviceRuntime {
   // RetroInfer's estimation terms (DecodeAttentionExtra), and whether the last step wrote them.
   DeviceBytes extra_max_, extra_sum_, extra_acc_;
   bool estimated_ = false;
+  DeviceSelectLauncher launcher_ = nullptr;  // setup.select's
   SelectRows select_rows_;
   DeviceBytes selection_offsets_, page_offsets_, compact_, partition_tokens_, lru_batch_workspace_;
   DeviceBytes partition_offsets_, gpu_pages_, copy_cpu_, copy_gpu_, stats_, totals_, lru_scratch_;
